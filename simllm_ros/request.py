@@ -1,0 +1,58 @@
+"""Request and result records shared by the core engine and the ROS layer.
+
+They mirror srv/Query.srv field for field so the ROS layer is a plain copy, and
+the core can be tested and benchmarked without ROS.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class CacheResult(enum.IntEnum):
+    """Which reuse tier answered; values are the Query.srv constants."""
+
+    MISS = 0
+    EXACT_PREFIX = 1
+    SEMANTIC = 2
+    ANSWER = 3
+
+
+@dataclasses.dataclass
+class QueryRequest:
+    prompt: str
+    context: str = ""
+    cache_scope: str = ""
+    max_new_tokens: int = 0
+    allow_approximate: bool = True
+    request_id: str = ""
+
+    @property
+    def scope(self) -> str:
+        """Empty scope means 'default' (the interface contract)."""
+        return self.cache_scope or "default"
+
+
+@dataclasses.dataclass
+class QueryResult:
+    success: bool
+    error: str = ""
+    answer: str = ""
+    cache_result: CacheResult = CacheResult.MISS
+    similarity: float = 0.0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    request_id: str = ""
+
+    @classmethod
+    def failure(cls, error: str, request_id: str = "") -> "QueryResult":
+        return cls(success=False, error=error, request_id=request_id)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["cache_result"] = CacheResult(self.cache_result).name
+        return d

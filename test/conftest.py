@@ -1,0 +1,5 @@
+"""Shared pytest setup: make the repository root importable as `simllm_ros`."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

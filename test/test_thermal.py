@@ -1,0 +1,223 @@
+"""ThermalMonitor against a fake sysfs tree written in tmp_path."""
+import math
+import os
+
+import pytest
+
+from simllm_ros.thermal import ThermalLevel, ThermalMonitor, parse_zone_filter, scan_zones
+
+
+def write_zone(root, index, zone_type, temp=None):
+    d = root / f"thermal_zone{index}"
+    d.mkdir(exist_ok=True)
+    (d / "type").write_text(zone_type + "\n")
+    if temp is not None:
+        (d / "temp").write_text(f"{temp}\n")
+    return d
+
+
+def set_temp(root, index, milli):
+    (root / f"thermal_zone{index}" / "temp").write_text(f"{milli}\n")
+
+
+@pytest.fixture
+def jetson(tmp_path):
+    write_zone(tmp_path, 0, "cpu-thermal", 45500)
+    write_zone(tmp_path, 1, "gpu-thermal", 47000)
+    write_zone(tmp_path, 2, "tj-thermal", 48250)
+    # not zones: must be ignored
+    (tmp_path / "cooling_device0").mkdir()
+    (tmp_path / "cooling_device0" / "type").write_text("fan\n")
+    return tmp_path
+
+
+def zone_map(reading):
+    return {z.name: z for z in reading.zones}
+
+
+def test_reads_all_zones_in_degrees(jetson):
+    r = ThermalMonitor(str(jetson)).read()
+    zones = zone_map(r)
+    assert list(zones) == ["cpu-thermal", "gpu-thermal", "tj-thermal"]
+    assert zones["cpu-thermal"].temp_c == pytest.approx(45.5)
+    assert zones["gpu-thermal"] == ("gpu-thermal", 47.0, True)
+    assert r.hottest_name == "tj-thermal" and r.hottest_c == pytest.approx(48.25)
+    assert r.available and r.level == ThermalLevel.OK and r.level_name == "ok"
+
+
+def test_zones_sorted_by_numeric_index(tmp_path):
+    write_zone(tmp_path, 10, "ten", 10000)
+    write_zone(tmp_path, 2, "two", 2000)
+    assert [z.name for z in scan_zones(str(tmp_path))] == ["two", "ten"]
+
+
+def test_missing_temp_file_is_offline_not_zero(jetson):
+    os.remove(jetson / "thermal_zone1" / "temp")
+    zones = zone_map(ThermalMonitor(str(jetson)).read())
+    gpu = zones["gpu-thermal"]
+    assert gpu.online is False and math.isnan(gpu.temp_c)
+    assert zones["cpu-thermal"].online
+
+
+@pytest.mark.parametrize("content", ["", "garbage", "45.5C", "0x1f", "\x00\x01", "12 34"])
+def test_garbage_temp_is_offline(jetson, content):
+    (jetson / "thermal_zone0" / "temp").write_text(content)
+    cpu = zone_map(ThermalMonitor(str(jetson)).read())["cpu-thermal"]
+    assert cpu == ("cpu-thermal", cpu.temp_c, False) and math.isnan(cpu.temp_c)
+
+
+def test_non_ascii_temp_is_offline(jetson):
+    (jetson / "thermal_zone0" / "temp").write_bytes(b"\xff\xfe45000")
+    assert not zone_map(ThermalMonitor(str(jetson)).read())["cpu-thermal"].online
+
+
+def test_jetson_powered_down_placeholder_is_offline(jetson):
+    set_temp(jetson, 2, -256000)  # what Orin reports for a zone whose cluster is off
+    r = ThermalMonitor(str(jetson)).read()
+    assert not zone_map(r)["tj-thermal"].online
+    assert r.hottest_name == "gpu-thermal"
+
+
+def test_negative_but_plausible_temperature_is_online(tmp_path):
+    write_zone(tmp_path, 0, "outdoor", -12500)
+    r = ThermalMonitor(str(tmp_path)).read()
+    assert r.zones == [("outdoor", -12.5, True)]
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can read mode-000 files")
+def test_permission_denied_is_offline(jetson):
+    p = jetson / "thermal_zone0" / "temp"
+    p.chmod(0)
+    try:
+        assert not zone_map(ThermalMonitor(str(jetson)).read())["cpu-thermal"].online
+    finally:
+        p.chmod(0o644)
+
+
+def test_temp_is_a_directory_is_offline(jetson):
+    os.remove(jetson / "thermal_zone0" / "temp")
+    (jetson / "thermal_zone0" / "temp").mkdir()
+    assert not zone_map(ThermalMonitor(str(jetson)).read())["cpu-thermal"].online
+
+
+def test_missing_type_uses_directory_name(tmp_path):
+    d = tmp_path / "thermal_zone3"
+    d.mkdir()
+    (d / "temp").write_text("30000")
+    assert scan_zones(str(tmp_path)) == [("thermal_zone3", 30.0, True)]
+
+
+def test_duplicate_types_are_disambiguated(tmp_path):
+    write_zone(tmp_path, 0, "acpitz", 30000)
+    write_zone(tmp_path, 1, "acpitz", 31000)
+    names = [z.name for z in scan_zones(str(tmp_path))]
+    assert names == ["acpitz/thermal_zone0", "acpitz/thermal_zone1"]
+
+
+def test_filter_keeps_only_named_zones(jetson):
+    set_temp(jetson, 2, 99000)  # tj is hottest, but filtered out
+    r = ThermalMonitor(str(jetson), zone_filter="cpu-thermal, gpu-thermal").read()
+    assert [z.name for z in r.zones] == ["cpu-thermal", "gpu-thermal"]
+    assert r.hottest_name == "gpu-thermal" and r.level == ThermalLevel.OK
+
+
+def test_filter_as_list_and_missing_name_reported_offline(jetson):
+    r = ThermalMonitor(str(jetson), zone_filter=["gpu-thermal", "cv0-thermal"]).read()
+    zones = zone_map(r)
+    assert list(zones) == ["gpu-thermal", "cv0-thermal"]
+    assert zones["gpu-thermal"].online and not zones["cv0-thermal"].online
+    assert math.isnan(zones["cv0-thermal"].temp_c)
+
+
+def test_parse_zone_filter():
+    assert parse_zone_filter("") == ()
+    assert parse_zone_filter(None) == ()
+    assert parse_zone_filter(" cpu-thermal ,,gpu-thermal,cpu-thermal") == ("cpu-thermal", "gpu-thermal")
+
+
+def test_escalation_hysteresis_and_recovery(jetson):
+    mon = ThermalMonitor(str(jetson), warn_c=75, critical_c=90, hysteresis_c=5)
+    steps = [  # (tj milli-degC, expected level)
+        (74999, ThermalLevel.OK),
+        (75000, ThermalLevel.WARN),      # reaching the threshold escalates at once
+        (71000, ThermalLevel.WARN),      # below 75 but not below 70: stays
+        (90000, ThermalLevel.CRITICAL),
+        (86000, ThermalLevel.CRITICAL),  # not below 85
+        (84900, ThermalLevel.WARN),      # below 90-5: down one level only
+        (70000, ThermalLevel.WARN),      # 70 is not below 70
+        (69900, ThermalLevel.OK),        # recovered
+        (74000, ThermalLevel.OK),        # going up again needs the threshold itself
+    ]
+    for milli, expected in steps:
+        set_temp(jetson, 2, milli)
+        r = mon.read()
+        assert r.level == expected, (milli, r.level)
+        assert r.hottest_name == "tj-thermal"
+
+
+def test_jump_from_critical_straight_to_ok(jetson):
+    mon = ThermalMonitor(str(jetson), warn_c=75, critical_c=90, hysteresis_c=5)
+    set_temp(jetson, 2, 95000)
+    assert mon.read().level == ThermalLevel.CRITICAL
+    set_temp(jetson, 2, 50000)
+    r = mon.read()
+    assert r.level == ThermalLevel.OK and r.level_changed
+    assert not mon.read().level_changed
+
+
+def test_escalation_ignores_offline_hot_zone(jetson):
+    mon = ThermalMonitor(str(jetson), warn_c=75, critical_c=90)
+    (jetson / "thermal_zone2" / "temp").write_text("not a number")
+    r = mon.read()
+    assert r.level == ThermalLevel.OK and r.hottest_name == "gpu-thermal"
+
+
+def test_set_thresholds_live(jetson):
+    mon = ThermalMonitor(str(jetson), warn_c=75, critical_c=90, hysteresis_c=5)
+    set_temp(jetson, 2, 60000)
+    assert mon.read().level == ThermalLevel.OK
+    mon.set_thresholds(warn_c=55, critical_c=59)
+    assert mon.read().level == ThermalLevel.CRITICAL
+    mon.set_thresholds(critical_c=70, hysteresis_c=2)  # 60 < 70-2 -> WARN
+    assert mon.read().level == ThermalLevel.WARN
+    with pytest.raises(ValueError):
+        mon.set_thresholds(warn_c=80)  # would be above critical 70
+    with pytest.raises(ValueError):
+        mon.set_thresholds(hysteresis_c=-1)
+    assert (mon.warn_c, mon.critical_c, mon.hysteresis_c) == (55.0, 70.0, 2.0)  # unchanged by refusals
+
+
+def test_bad_thresholds_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError):
+        ThermalMonitor(str(tmp_path), warn_c=90, critical_c=90)
+    with pytest.raises(ValueError):
+        ThermalMonitor(str(tmp_path), warn_c=float("nan"))
+
+
+def test_empty_root_is_ok_but_unavailable(tmp_path):
+    r = ThermalMonitor(str(tmp_path)).read()
+    assert r.zones == [] and not r.available
+    assert r.level == ThermalLevel.OK and r.hottest_name == "" and math.isnan(r.hottest_c)
+
+
+def test_nonexistent_root_is_ok_but_unavailable(tmp_path):
+    r = ThermalMonitor(str(tmp_path / "nope")).read()
+    assert r.zones == [] and not r.available and r.level == ThermalLevel.OK
+
+
+def test_all_zones_going_offline_resets_level(jetson):
+    mon = ThermalMonitor(str(jetson), warn_c=75, critical_c=90)
+    set_temp(jetson, 2, 95000)
+    assert mon.read().level == ThermalLevel.CRITICAL
+    for i in range(3):
+        os.remove(jetson / f"thermal_zone{i}" / "temp")
+    r = mon.read()
+    assert not r.available and r.level == ThermalLevel.OK
+    assert all(not z.online for z in r.zones) and len(r.zones) == 3
+
+
+def test_real_sysfs_never_raises():
+    r = ThermalMonitor("/sys/class/thermal").read()
+    for z in r.zones:
+        assert z.online == (not math.isnan(z.temp_c))
+    assert r.available == any(z.online for z in r.zones)
