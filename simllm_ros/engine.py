@@ -1,27 +1,341 @@
 """The request pipeline: request -> fingerprint -> match -> plan reuse -> run model -> update pool -> respond.
 
-Two phases so that the ROS node can overlap them in different callback groups:
-`prepare()` (validate, fingerprint, match; cheap, thread-safe) and `execute()`
-(plan reuse, run the model, update the pool; one at a time).
+Two phases so the ROS node can overlap them in different callback groups:
+`prepare()` (validate, fingerprint; thread-safe, no model) and `execute()`
+(plan reuse, run the model, update the pool; one request at a time). A
+request's own fault never raises: it comes back as success=False with an error.
 """
 from __future__ import annotations
 
-# API contract (implementation follows in this module):
-#
-# class Engine:
-#     def __init__(self, settings: Settings, log: logging.Logger | None = None)
-#     def load(self, progress: Callable[[str], None] | None = None) -> None
-#         Loads tokenizer, model, embedder; restores the persisted pool; runs warm-up.
-#         Raises EngineLoadError(message) on any failure and leaves nothing loaded.
-#     def prepare(self, req: QueryRequest) -> Prepared | QueryResult
-#         Validates and fingerprints; returns a QueryResult (success=False) for bad input.
-#     def prepare_batch(self, reqs: list[QueryRequest]) -> list[Prepared | QueryResult]
-#     def execute(self, prepared: Prepared) -> QueryResult
-#         Never raises for a request's own fault: returns success=False with an error.
-#     def handle(self, req: QueryRequest) -> QueryResult    # prepare + execute
-#     def apply_settings(self, changes: dict) -> None        # live parameters; raises SettingError
-#     def stats(self) -> dict                                # see CacheStats.msg fields
-#     def cache_map(self) -> list[dict]                      # {x, y, z, bytes, hits, scope}
-#     def save(self) -> str | None                           # persist pool; returns path
-#     def unload(self) -> None                               # release model memory
-#     thermal_level: set by the node from the thermal monitor ('ok', 'warn', 'critical')
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from . import persistence, reuse_planner, semantic_reuse
+from .cache_stats import CacheStatsRecorder
+from .fingerprint import Fingerprinter, context_digest
+from .kv_pool import KVPool
+from .model_backend import ModelBackend, ModelLoadError
+from .request import CacheResult, QueryRequest, QueryResult
+from .semantic_log import SemanticLog
+from .settings import SettingError, Settings, parse_size
+from .validation import normalize_text, validate_request
+
+RELOAD_PARAMS = {"model", "embedder", "device", "dtype", "model_cache_dir", "cache_size", "kv_bits",
+                 "block_tokens", "enable_quant_calibration", "persist_path", "warmup_queries", "semantic_log_path"}
+
+
+class EngineLoadError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class Prepared:
+    req: QueryRequest
+    fingerprint: np.ndarray
+    question: str
+    t_arrival: float  # perf_counter when the request reached the engine: TTFT counts from here
+
+
+def device_memory_bytes(device: str) -> int:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def read_requests_jsonl(path: str) -> list[QueryRequest]:
+    """Requests from JSON Lines ({prompt, context?, scope?, max_new_tokens?}); used for warm-up and replay."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                d = json.loads(line)
+                out.append(QueryRequest(prompt=str(d["prompt"]), context=str(d.get("context", "")),
+                                        cache_scope=str(d.get("scope", d.get("cache_scope", ""))),
+                                        max_new_tokens=int(d.get("max_new_tokens", 0)),
+                                        allow_approximate=bool(d.get("allow_approximate", True)),
+                                        request_id=str(d.get("request_id", f"{os.path.basename(path)}:{n}"))))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a request ({e})") from None
+    return out
+
+
+class Engine:
+    def __init__(self, settings: Settings, log: logging.Logger | None = None):
+        self.settings = settings
+        self.log = log or logging.getLogger("simllm_ros.engine")
+        self.backend: ModelBackend | None = None
+        self.fingerprinter: Fingerprinter | None = None
+        self.pool: KVPool | None = None
+        self.semantic_log: SemanticLog | None = None
+        self.recorder = CacheStatsRecorder(window=100)
+        self.thermal_level = 0
+        self._exec_lock = threading.Lock()
+        self._last_refresh = 0.0
+        self.load_report: dict = {}
+
+    # ---- lifecycle -------------------------------------------------------------
+    @property
+    def loaded(self) -> bool:
+        return self.backend is not None
+
+    def load(self, progress: Callable[[str], None] | None = None) -> None:
+        progress = progress or (lambda m: self.log.info(m))
+        s = self.settings
+        try:
+            t0 = time.monotonic()
+            progress(f"loading model {s.model} ({s.dtype}, {s.device})")
+            self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress)
+            progress(f"loading embedder {s.embedder}")
+            self.fingerprinter = Fingerprinter(s.embedder, self.backend.device)
+            budget = parse_size(s.cache_size, device_memory_bytes(self.backend.device))
+            self.pool = KVPool(self.backend.kv_shape, block_tokens=s.block_tokens, budget_bytes=budget,
+                               kv_bits=s.kv_bits, model_dtype=self.backend.dtype,
+                               fingerprint_dim=self.fingerprinter.dim, device=self.backend.device)
+            self._apply_pool_knobs()
+            if s.semantic_log_path:
+                self.semantic_log = SemanticLog(s.semantic_log_path)
+            self.load_report = {"load_s": 0.0, "restored": 0, "snapshot": "", "warmup": 0}
+            if s.persist_path:
+                try:
+                    n = persistence.load(self.pool, s.persist_path, self._identity())
+                    self.load_report.update(restored=n, snapshot="loaded")
+                    progress(f"restored {n} cached tasks from {s.persist_path}")
+                except persistence.SnapshotSkipped as e:
+                    self.load_report["snapshot"] = str(e)
+                    self.log.warning(f"pool snapshot skipped: {e}")
+            if s.warmup_queries:
+                self.load_report["warmup"] = self._warm_up(s.warmup_queries, progress)
+            self.load_report["load_s"] = time.monotonic() - t0
+            if not self.backend.semantic_supported:
+                self.log.warning(f"model type '{self.backend.model_type}' is not supported by SEMANTIC reuse: "
+                                 "only exact-prefix and answer reuse will be used")
+        except (ModelLoadError, SettingError, OSError, ValueError, RuntimeError, ImportError) as e:
+            self.unload()
+            raise EngineLoadError(str(e)) from e
+
+    def _identity(self) -> dict:
+        return persistence.identity(self.pool, self.backend.identity, self.settings.embedder)
+
+    def _warm_up(self, path: str, progress) -> int:
+        reqs = read_requests_jsonl(path)
+        progress(f"warm-up: {len(reqs)} requests from {path}")
+        calibrate = self.settings.enable_quant_calibration and self.pool.store.quantized
+        if calibrate:
+            self._calibrate([self.backend.prompt_ids(self.settings.system_prompt, r.context, r.prompt) for r in reqs])
+        done = 0
+        for r in reqs:
+            if self.thermal_level >= 1:
+                progress("warm-up stopped early: running hot")
+                break
+            res = self.handle(r)
+            if not res.success:
+                self.log.warning(f"warm-up request {r.request_id} failed: {res.error}")
+            done += res.success
+        return done
+
+    @torch.inference_mode()
+    def _calibrate(self, prompts: list[list[int]]) -> None:
+        """Fix per-channel key ranges from the warm-up prompts (enable_quant_calibration)."""
+        lo = hi = None
+        for ids in prompts:
+            _, cache = self.backend.prefill(ids)
+            k, _ = self.backend.cache_tensors(cache)
+            kl, kh = k.float().amin(dim=2, keepdim=True), k.float().amax(dim=2, keepdim=True)
+            lo = kl if lo is None else torch.minimum(lo, kl)
+            hi = kh if hi is None else torch.maximum(hi, kh)
+        if lo is not None:
+            self.pool.store.key_calibration = (lo, hi)
+
+    def save(self) -> str | None:
+        if self.pool is None or not self.settings.persist_path:
+            return None
+        with self._exec_lock:
+            return persistence.save(self.pool, self.settings.persist_path, self._identity())
+
+    def unload(self) -> None:
+        with self._exec_lock:
+            if self.backend is not None:
+                self.backend.release()
+            self.backend = None
+            self.fingerprinter = None
+            self.pool = None
+            if self.semantic_log is not None:
+                self.semantic_log.close()
+                self.semantic_log = None
+
+    # ---- settings / thermal ------------------------------------------------
+    def apply_settings(self, changes: dict) -> None:
+        """Live changes only; raises SettingError with a reason for anything else."""
+        reload = sorted(set(changes) & RELOAD_PARAMS)
+        if reload and self.loaded:
+            raise SettingError(f"{', '.join(reload)} need a reload: deactivate and clean up first")
+        self.settings = self.settings.replace(**changes)
+        if self.pool is not None:
+            self._apply_pool_knobs()
+
+    def _apply_pool_knobs(self) -> None:
+        self.pool.lfu_weight = self.settings.lfu_weight
+        self.pool.diversity_weight = self.settings.diversity_weight
+        self.pool.half_life_s = self.settings.recency_half_life_s
+
+    def set_thermal_level(self, level: int) -> None:
+        self.thermal_level = int(level)
+
+    def record_rejected_busy(self) -> None:
+        self.recorder.record_rejected_busy()
+
+    # ---- the pipeline ------------------------------------------------------------
+    def prepare(self, req: QueryRequest) -> Prepared | QueryResult:
+        return self.prepare_batch([req])[0]
+
+    def prepare_batch(self, reqs: list[QueryRequest]) -> list[Prepared | QueryResult]:
+        t0 = time.perf_counter()
+        s = self.settings
+        out: list[Prepared | QueryResult | None] = [None] * len(reqs)
+        todo = []
+        for i, r in enumerate(reqs):
+            err = validate_request(r, max_scope_length=s.max_scope_length, max_new_tokens_limit=s.max_new_tokens_limit)
+            if err is None and not self.loaded:
+                err = "engine is not loaded"
+            if err is not None:
+                self.recorder.record_error()
+                out[i] = QueryResult.failure(err, r.request_id)
+            else:
+                todo.append(i)
+        if todo:
+            fps = self.fingerprinter.embed([reqs[i].prompt for i in todo])
+            for j, i in enumerate(todo):
+                out[i] = Prepared(reqs[i], fps[j], normalize_text(reqs[i].prompt), t0)
+        return out
+
+    def handle(self, req: QueryRequest) -> QueryResult:
+        p = self.prepare(req)
+        return p if isinstance(p, QueryResult) else self.execute(p)
+
+    def execute(self, p: Prepared) -> QueryResult:
+        with self._exec_lock:
+            if not self.loaded:
+                self.recorder.record_error()
+                return QueryResult.failure("engine is not loaded", p.req.request_id)
+            try:
+                result = self._execute(p)
+            except Exception as e:  # a fault inside generation fails this request only
+                self.log.exception(f"request {p.req.request_id!r} failed inside the engine")
+                result = QueryResult.failure(f"internal error: {type(e).__name__}: {e}", p.req.request_id)
+            if result.success:
+                self.recorder.record(result)
+            else:
+                self.recorder.record_error()
+            return result
+
+    def _execute(self, p: Prepared) -> QueryResult:
+        s, req, backend, pool = self.settings, p.req, self.backend, self.pool
+        tokens = backend.prompt_ids(s.system_prompt, req.context, req.prompt)
+        if len(tokens) > s.max_prompt_tokens:
+            return QueryResult.failure(f"prompt and context are {len(tokens)} tokens; max_prompt_tokens is "
+                                       f"{s.max_prompt_tokens} (nothing is truncated)", req.request_id)
+        max_new = req.max_new_tokens or s.max_new_tokens
+        if self.thermal_level >= 1:  # running hot: shorter answers
+            max_new = max(1, min(max_new, s.max_new_tokens // 2))
+        now = time.time()
+        if s.refresh_period_s > 0 and now - self._last_refresh > 1.0:
+            pool.drop_older_than(s.refresh_period_s, now)
+            self._last_refresh = now
+        digest = context_digest(req.context)
+        plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=p.fingerprint,
+                                  question=p.question, context_digest=digest,
+                                  allow_approximate=req.allow_approximate, settings=s,
+                                  semantic_supported=backend.semantic_supported, now=now)
+        res = QueryResult(success=True, cache_result=plan.tier, similarity=plan.similarity,
+                          prompt_tokens=len(tokens), request_id=req.request_id)
+        if plan.tier == CacheResult.ANSWER:
+            pool.touch([plan.source_key], now)
+            res.answer = plan.answer
+            res.reused_tokens = len(tokens)
+            res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
+            self._log_decision(req, digest, plan, res)
+            return res
+        if plan.tier == CacheResult.SEMANTIC:
+            sp = semantic_reuse.run(backend, pool, plan, tokens, recompute_ratio=s.recompute_ratio,
+                                    gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers)
+            logits, cache = sp.logits, sp.cache
+            res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
+        elif plan.tier == CacheResult.EXACT_PREFIX:
+            n = plan.prefix.n_tokens
+            cache = backend.cache_from_tensors(plan.prefix.k, plan.prefix.v)
+            logits, cache = backend.prefill(tokens[n:], cache)
+            res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
+        else:
+            logits, cache = backend.prefill(tokens)
+            res.recomputed_tokens = len(tokens)
+        gen = backend.decode(logits, cache, max_new, s.temperature, s.seed, t_start=p.t_arrival)
+        res.answer = gen.text
+        res.generated_tokens = len(gen.tokens)
+        res.ttft_ms = gen.ttft_s * 1000
+        # Pool update: exact KV only (a repaired SEMANTIC cache is approximate and would poison exact reuse).
+        if plan.source_key is not None:
+            pool.touch([plan.source_key], now)
+        if plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX):
+            k, v = backend.cache_tensors(cache)
+            key = pool.insert(scope=req.scope, tokens=tokens, k=k[:, :, :len(tokens)], v=v[:, :, :len(tokens)],
+                              fingerprint=p.fingerprint, question=p.question, context_digest=digest,
+                              answer=res.answer, now=now)
+            if key is None:
+                self.log.warning(f"request {req.request_id!r}: {len(tokens)} tokens do not fit in the KV pool budget")
+        res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
+        self._log_decision(req, digest, plan, res)
+        return res
+
+    def _log_decision(self, req, digest, plan, res) -> None:
+        if self.semantic_log is None:
+            return
+        src = self.pool.entries.get(plan.source_key) if plan.source_key is not None else None
+        self.semantic_log.write({
+            "request_id": req.request_id, "scope": req.scope, "question": req.prompt[:200],
+            "context_digest": digest, "tier": CacheResult(plan.tier).name, "similarity": round(plan.similarity, 4),
+            "source_key": plan.source_key, "source_question": (src.question[:200] if src else plan.source_question),
+            "reason": plan.reason, "prompt_tokens": res.prompt_tokens, "reused_tokens": res.reused_tokens,
+            "recomputed_tokens": res.recomputed_tokens, "ttft_ms": round(res.ttft_ms, 2)})
+
+    # ---- telemetry -------------------------------------------------------------
+    def stats(self, queue_depth: int = 0) -> dict:
+        pool = self.pool
+        if pool is None:
+            return self.recorder.snapshot(0, 0, 0, 0, 0, 0, queue_depth)
+        with pool.lock:
+            return self.recorder.snapshot(pool.bytes_used, pool.budget_bytes, len(pool), pool.blocks.num_used,
+                                          pool.evictions_total, pool.bytes_saved_quantization, queue_depth)
+
+    def cache_map(self) -> list[dict]:
+        """Entries placed by a 3-D PCA of their fingerprints (for rviz), with size and use."""
+        pool = self.pool
+        if pool is None:
+            return []
+        with pool.lock:
+            keys = list(pool.entries)
+            if not keys:
+                return []
+            fps = pool.matcher.fingerprints(keys).astype(np.float64)
+            per_block = pool.store.bytes_per_block
+            info = [(pool.entries[k].scope, len(pool.entries[k].block_ids) * per_block + pool.entries[k].meta_bytes,
+                     pool.entries[k].hits) for k in keys]
+        centred = fps - fps.mean(axis=0)
+        if len(keys) >= 2:
+            _, _, vt = np.linalg.svd(centred, full_matrices=False)
+            xyz = centred @ vt[:3].T
+        else:
+            xyz = np.zeros((1, 3))
+        xyz = np.pad(xyz, ((0, 0), (0, max(0, 3 - xyz.shape[1]))))
+        return [{"x": float(p[0]), "y": float(p[1]), "z": float(p[2]), "bytes": b, "hits": h, "scope": sc}
+                for p, (sc, b, h) in zip(xyz, info)]

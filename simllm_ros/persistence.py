@@ -1,0 +1,126 @@
+"""Saves and restores the KV pool across restarts: safetensors for tensors, JSON for the rest, no pickles.
+
+One file holds both (the JSON manifest sits in the safetensors header
+metadata), so a snapshot is replaced by a single atomic rename: write a temp
+file in the same folder, fsync it, rename it over the old one, fsync the
+folder. A kill -9 at any moment leaves either the old or the new snapshot.
+A missing, truncated, corrupt or foreign (other model, other format) file is
+reported and skipped, never fatal; safetensors parses only a JSON header and
+raw arrays, so a hostile file cannot run code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .kv_pool import KVPool
+
+FORMAT = "simllm_ros.kv_pool"
+FORMAT_VERSION = 1
+FILENAME = "kv_pool.safetensors"
+
+
+def snapshot_path(folder: str) -> str:
+    return os.path.join(folder, FILENAME)
+
+
+def identity(pool: KVPool, model_identity: dict, embedder: str) -> dict:
+    return {"format": FORMAT, "version": FORMAT_VERSION, "model": model_identity, "embedder": embedder,
+            "kv_bits": pool.store.kv_bits, "block_tokens": pool.block_tokens,
+            "store_dtype": str(pool.store.dtype)}
+
+
+def save(pool: KVPool, folder: str, ident: dict) -> str:
+    with pool.lock:
+        entries = sorted(pool.entries.values(), key=lambda e: e.key)
+        used = sorted({b for e in entries for b in e.block_ids})
+        row = {b: i for i, b in enumerate(used)}
+        tensors = pool.store.tensors_for(used) if used else {}
+        keys = [e.key for e in entries]
+        tensors["fingerprints"] = torch.from_numpy(pool.matcher.fingerprints(keys)) if keys else torch.zeros(0)
+        if pool.store.key_calibration is not None:
+            tensors["calib_lo"], tensors["calib_hi"] = (t.cpu() for t in pool.store.key_calibration)
+        manifest = {"identity": ident, "entries": [
+            {"scope": e.scope, "tokens": e.tokens, "rows": [row[b] for b in e.block_ids], "question": e.question,
+             "context_digest": e.context_digest, "answer": e.answer, "created": e.created,
+             "last_used": e.last_used, "hits": e.hits} for e in entries]}
+    tensors = {k: t.contiguous() for k, t in tensors.items()}
+    os.makedirs(folder, exist_ok=True)
+    target = snapshot_path(folder)
+    fd, tmp = tempfile.mkstemp(prefix=".kv_pool.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"manifest": json.dumps(manifest)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+class SnapshotSkipped(Exception):
+    """The snapshot was not loaded; the message says why (for the log)."""
+
+
+def load(pool: KVPool, folder: str, ident: dict) -> int:
+    """Restore entries into an empty pool; returns how many were restored. Raises SnapshotSkipped."""
+    path = snapshot_path(folder)
+    if not os.path.exists(path):
+        raise SnapshotSkipped(f"no snapshot at {path}")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+        manifest = json.loads(meta["manifest"])
+        tensors = load_file(path)
+    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
+        raise SnapshotSkipped(f"unreadable snapshot {path}: {type(e).__name__}: {e}") from None
+    got = manifest.get("identity", {}) if isinstance(manifest, dict) else {}
+    if got != ident:
+        diff = sorted(k for k in set(got) | set(ident) if got.get(k) != ident.get(k))
+        raise SnapshotSkipped(f"snapshot {path} is from another setup (differs in: {', '.join(diff) or 'format'})")
+    try:
+        entries = manifest["entries"]
+        fps = tensors["fingerprints"].numpy() if entries else np.zeros((0, 0), np.float32)
+        if "calib_lo" in tensors:
+            pool.store.key_calibration = (tensors["calib_lo"], tensors["calib_hi"])
+        raw = {k: t for k, t in tensors.items() if k in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")}
+        T = pool.block_tokens
+        # Most valuable first, so a snapshot larger than today's budget keeps what matters.
+        order = sorted(range(len(entries)), key=lambda i: (-entries[i]["hits"], -entries[i]["last_used"]))
+        restored = 0
+        for i in order:
+            e = entries[i]
+            rows = [int(r) for r in e["rows"]]
+            tokens = [int(t) for t in e["tokens"]]
+            if len(rows) != -(-len(tokens) // T) or (rows and max(rows) >= raw["k"].shape[0]):
+                raise ValueError("block table does not match tokens")
+
+            def write(bid, start, end, rows=rows):
+                pool.store.load_raw(bid, raw, rows[start // T])
+
+            key = pool.insert(scope=str(e["scope"]), tokens=tokens, k=None, v=None, fingerprint=fps[i],
+                              question=str(e["question"]), context_digest=str(e["context_digest"]),
+                              answer=str(e["answer"]), now=float(e["last_used"]), created=float(e["created"]),
+                              hits=int(e["hits"]), write=write)
+            restored += key is not None
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:
+        pool.clear()
+        raise SnapshotSkipped(f"snapshot {path} is inconsistent ({type(e).__name__}: {e}); starting empty") from None
+    pool.check_consistency()
+    return restored

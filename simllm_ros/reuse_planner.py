@@ -1,0 +1,125 @@
+"""Decides how much of a request can come from the pool, and how: ANSWER, SEMANTIC, EXACT_PREFIX or MISS.
+
+The planner only reads the pool and returns a plan with the reason for it;
+running the plan is the engine's job. Choice, best first:
+- ANSWER: a stored answer, only under a stricter threshold, the same context
+  digest, a fresh entry and the answer guard (negations, numbers, entities).
+- SEMANTIC: the best-aligned similar entry's KV for all matching token runs,
+  when that leaves clearly less to compute than the exact prefix does.
+- EXACT_PREFIX: the longest cached token prefix (lossless at kv_bits >= the model's).
+- MISS.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from . import answer_guard
+from .kv_pool import Entry, KVPool, PrefixHit
+from .request import CacheResult
+
+MIN_RUN_TOKENS = 4  # shorter aligned runs are coincidences (a shared 'the'), their KV saw another context
+SEMANTIC_GAIN = 0.8  # SEMANTIC must leave at most this share of what EXACT_PREFIX would compute
+
+
+@dataclasses.dataclass
+class ReusePlan:
+    tier: CacheResult
+    reason: str
+    similarity: float = 0.0
+    source_key: int | None = None
+    prefix: PrefixHit | None = None
+    # SEMANTIC: aligned (new position, source position) pairs, and how many leading ones are an exact prefix
+    pairs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    exact_lead: int = 0
+    answer: str = ""
+    source_question: str = ""
+
+    @property
+    def reused_estimate(self) -> int:
+        if self.tier == CacheResult.EXACT_PREFIX and self.prefix:
+            return self.prefix.n_tokens
+        return len(self.pairs)
+
+
+def align(source: list[int], target: list[int], limit: int) -> list[tuple[int, int]]:
+    """(target position, source position) of tokens in matching runs of at least MIN_RUN_TOKENS,
+    never including target positions >= limit."""
+    sm = difflib.SequenceMatcher(None, source, target, autojunk=False)
+    pairs = []
+    for a, b, size in sm.get_matching_blocks():
+        if size < MIN_RUN_TOKENS:
+            continue
+        for i in range(size):
+            if b + i < limit:
+                pairs.append((b + i, a + i))
+    return pairs
+
+
+def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: str, context_digest: str,
+         allow_approximate: bool, settings, semantic_supported: bool, now: float) -> ReusePlan:
+    s = settings
+    lossless_kv = pool.store.kv_bits >= 16
+    limit = len(tokens) - 1  # the last prompt token is always computed: its logits start the answer
+    candidates = pool.matcher.best(fingerprint, scope, now, k=4, recency_weight=s.recency_weight,
+                                   half_life_s=s.recency_half_life_s)
+    best_cos = candidates[0][1] if candidates else 0.0
+
+    # --- tier 3: ANSWER
+    if s.enable_answer_cache and allow_approximate:
+        for key, cos, _ in candidates:
+            if cos < s.answer_threshold:
+                break
+            e: Entry = pool.entries[key]
+            if not e.answer or e.context_digest != context_digest or now - e.created > s.answer_max_age_s:
+                continue
+            ok, why = answer_guard.answers_compatible(question, e.question)
+            if ok:
+                return ReusePlan(CacheResult.ANSWER, f"answer of a task with cosine {cos:.3f}, same context",
+                                 cos, key, answer=e.answer, source_question=e.question)
+
+    # --- tier 1 candidate: EXACT_PREFIX
+    prefix = None
+    if allow_approximate or lossless_kv:
+        prefix = pool.longest_prefix(scope, tokens, limit)
+    n_exact = prefix.n_tokens if prefix else 0
+
+    # --- tier 2: SEMANTIC
+    why_not = ""
+    if not allow_approximate:
+        why_not = "caller forbids approximate reuse"
+    elif not s.enable_semantic_reuse:
+        why_not = "semantic reuse disabled"
+    elif not semantic_supported:
+        why_not = "architecture not supported by semantic reuse"
+    elif len(tokens) < s.min_semantic_tokens:
+        why_not = f"prompt shorter than {s.min_semantic_tokens} tokens"
+    elif not candidates or best_cos < s.cache_threshold:
+        why_not = f"best cosine {best_cos:.3f} below threshold {s.cache_threshold}"
+    else:
+        best = None
+        for key, cos, _ in candidates:
+            if cos < s.cache_threshold:
+                break
+            e = pool.entries[key]
+            pairs = align(e.tokens, tokens, limit)
+            if best is None or len(pairs) > len(best[2]):
+                best = (key, cos, pairs, e)
+        key, cos, pairs, e = best
+        lead = 0
+        while lead < len(pairs) and pairs[lead] == (lead, lead):
+            lead += 1
+        approx = len(pairs) - lead
+        est_compute = len(tokens) - len(pairs) + int(s.recompute_ratio * approx)
+        if approx > 0 and est_compute <= SEMANTIC_GAIN * (len(tokens) - n_exact):
+            return ReusePlan(CacheResult.SEMANTIC,
+                             f"cosine {cos:.3f}: {len(pairs)} aligned tokens vs {n_exact} exact-prefix",
+                             cos, key, prefix=None, pairs=pairs, exact_lead=lead, source_question=e.question)
+        why_not = f"alignment gains too little ({len(pairs)} aligned vs {n_exact} exact-prefix tokens)"
+
+    if prefix is not None:
+        src = prefix.entry_keys[0] if prefix.entry_keys else None
+        return ReusePlan(CacheResult.EXACT_PREFIX, f"{n_exact}-token exact prefix; no semantic: {why_not}",
+                         best_cos, src, prefix=prefix)
+    reason = "no cached prefix" if (allow_approximate or lossless_kv) else "8-bit KV is lossy and caller forbids approximate reuse"
+    return ReusePlan(CacheResult.MISS, f"{reason}; no semantic: {why_not}", best_cos)

@@ -1,0 +1,147 @@
+"""Node parameters, all built from settings.SPECS (the one table of names, defaults, ranges and `live`).
+
+- `declare_all(node)`: declares every SPECS entry with a ParameterDescriptor (description,
+  numeric range, choices, whether it changes live). Values come from the params file
+  (`--ros-args --params-file config/edge.yaml`), `-p name:=value` or `parameter_overrides`.
+- `ParameterGate`: the on-set-parameters callback. It validates with settings.check_value and
+  settings.cross_check, refuses a parameter that needs a reload while a model is loaded, and
+  applies live ones through a callable supplied by the node (engine.apply_settings and friends).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Callable
+
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
+from rclpy.parameter import Parameter
+
+from simllm_ros.settings import SPEC_BY_NAME, SPECS, ParamSpec, SettingError, Settings, check_value, cross_check
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def descriptor_for(spec: ParamSpec) -> ParameterDescriptor:
+    constraints = []
+    if spec.choices is not None:
+        constraints.append("one of: " + ", ".join(str(c) for c in spec.choices))
+    constraints.append("changes live" if spec.live else "needs reconfigure (refused while active)")
+    d = ParameterDescriptor(
+        name=spec.name,
+        description=spec.description,
+        additional_constraints="; ".join(constraints),
+        read_only=False,
+        dynamic_typing=False,
+    )
+    if spec.min is not None or spec.max is not None:
+        if spec.type is float:
+            lo = -sys.float_info.max if spec.min is None else float(spec.min)
+            hi = sys.float_info.max if spec.max is None else float(spec.max)
+            d.floating_point_range = [FloatingPointRange(from_value=lo, to_value=hi, step=0.0)]
+        elif spec.type is int:
+            lo = _INT64_MIN if spec.min is None else int(math.ceil(spec.min))
+            hi = _INT64_MAX if spec.max is None else int(math.floor(spec.max))
+            d.integer_range = [IntegerRange(from_value=lo, to_value=hi, step=0)]
+    return d
+
+
+def _coerce_override(spec: ParamSpec, p: Parameter) -> Parameter:
+    """Forgive the usual YAML slips: `cache_threshold: 1` (int for a double), `cache_size: 1000000` (int for a string)."""
+    v = p.value
+    if spec.type is float and isinstance(v, int) and not isinstance(v, bool):
+        return Parameter(spec.name, Parameter.Type.DOUBLE, float(v))
+    if spec.type is str and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return Parameter(spec.name, Parameter.Type.STRING, str(v))
+    return p
+
+
+def declare_all(node) -> None:
+    """Declare every SPECS entry; raises SettingError naming the parameter when a given value is invalid."""
+    overrides = getattr(node, "_parameter_overrides", None)  # rclpy keeps file/CLI overrides here
+    given: dict[str, Any] = {}
+    if isinstance(overrides, dict):
+        for spec in SPECS:
+            if spec.name in overrides:
+                overrides[spec.name] = _coerce_override(spec, overrides[spec.name])
+                given[spec.name] = overrides[spec.name].value
+    values = {s.name: s.default for s in SPECS}
+    for name, v in given.items():
+        try:
+            values[name] = check_value(name, v)
+        except SettingError as e:
+            raise SettingError(f"invalid parameter value (params file or override): {e}") from None
+    try:
+        cross_check(values)
+    except SettingError as e:
+        raise SettingError(f"invalid parameter values (params file or overrides): {e}") from None
+    for spec in SPECS:
+        node.declare_parameter(spec.name, spec.default, descriptor_for(spec))
+
+
+def current_values(node) -> dict:
+    return {s.name: node.get_parameter(s.name).value for s in SPECS}
+
+
+def settings_from_node(node) -> Settings:
+    """Settings from the node's current parameter values; raises SettingError."""
+    return Settings.from_overrides(**current_values(node))
+
+
+class ParameterGate:
+    """Callback for node.add_on_set_parameters_callback.
+
+    is_loaded(): True while a model is loaded (inactive or active); reload-only parameters
+    are refused then. state_label(): 'inactive', 'active', ... for messages.
+    apply_live(changes): applies live changes to the running engine; raises SettingError.
+    """
+
+    def __init__(self, node, is_loaded: Callable[[], bool], state_label: Callable[[], str],
+                 apply_live: Callable[[dict], None]):
+        self._node = node
+        self._is_loaded = is_loaded
+        self._state_label = state_label
+        self._apply_live = apply_live
+
+    def __call__(self, params: list[Parameter]) -> SetParametersResult:
+        try:
+            reason = self._check_and_apply(params)
+        except Exception as e:  # never let a parameter service call take the node down
+            reason = f"internal error while applying parameters: {type(e).__name__}: {e}"
+        if reason:
+            self._node.get_logger().warning(f"parameter change refused: {reason}")
+            return SetParametersResult(successful=False, reason=reason)
+        return SetParametersResult(successful=True)
+
+    def _check_and_apply(self, params: list[Parameter]) -> str:
+        current = current_values(self._node)
+        changes: dict[str, Any] = {}
+        for p in params:
+            spec = SPEC_BY_NAME.get(p.name)
+            if spec is None:
+                continue  # use_sim_time and other rclpy parameters
+            try:
+                value = check_value(p.name, p.value)
+            except SettingError as e:
+                return str(e)
+            if value == current[p.name]:
+                continue
+            if not spec.live and self._is_loaded():
+                return (f"'{p.name}' needs a reconfigure: deactivate and cleanup first "
+                        f"(node is {self._state_label()})")
+            changes[p.name] = value
+        if not changes:
+            return ""
+        try:
+            cross_check({**current, **changes})
+        except SettingError as e:
+            return str(e)
+        live = {k: v for k, v in changes.items() if SPEC_BY_NAME[k].live}
+        if live and self._is_loaded():
+            try:
+                self._apply_live(live)
+            except SettingError as e:
+                return str(e)
+        if changes:
+            self._node.get_logger().info(
+                "parameters set: " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
+        return ""

@@ -1,0 +1,79 @@
+"""Runs a SEMANTIC plan: reuse aligned KV of a similar prompt, then repair it (CacheBlend / EPIC style).
+
+1. Take the source entry's KV of every aligned token and rotate its keys by
+   how far the token moved (keys are stored after RoPE).
+2. One cheap pass through the first `strict_layers` layers gives fresh KV for
+   every token there (layered reuse: strict in the early layers) and shows
+   which reused tokens deviate most from their cached values (CacheBlend's
+   selection); the top recompute_ratio of them are recomputed in full.
+3. Every new or changed token, the first gap_recompute_tokens after each gap
+   and the selected tokens are run through the model at their true positions,
+   attending (through an explicit mask) to reused tokens before them.
+The result is a position-ordered cache ready for decoding.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .kv_pool import KVPool
+from .model_backend import ModelBackend
+from .reuse_planner import ReusePlan
+
+
+@dataclasses.dataclass
+class SemanticPrefill:
+    logits: torch.Tensor
+    cache: object
+    reused: int
+    recomputed: int
+
+
+def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int], *, recompute_ratio: float,
+        gap_recompute_tokens: int, strict_layers: int) -> SemanticPrefill:
+    n = len(tokens)
+    src_k, src_v = pool.entry_kv(plan.source_key)
+    new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long)
+    src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long)
+    k = backend.rotate_keys(src_k[:, :, src_pos], new_pos - src_pos)
+    v = src_v[:, :, src_pos].clone()
+
+    # Layered reuse + selection: fresh KV of the first layers for all tokens.
+    strict = min(strict_layers, k.shape[0])
+    fk, fv = backend.early_layer_kv(tokens, strict)
+    fk, fv = fk.to(k.dtype), fv.to(v.dtype)
+    dev = (fv[strict - 1][:, new_pos].float() - v[strict - 1].float()).norm(dim=(0, 2))  # [reused]
+    k[:strict] = fk[:, :, new_pos]
+    v[:strict] = fv[:, :, new_pos]
+
+    keep = torch.ones(len(plan.pairs), dtype=torch.bool)
+    # Tokens right after each gap saw a different left context most recently: recompute them.
+    prev = -1
+    for i, (p, _) in enumerate(plan.pairs):
+        if p != prev + 1 and i >= plan.exact_lead:
+            for j in range(i, min(i + gap_recompute_tokens, len(plan.pairs))):
+                keep[j] = False
+        prev = p
+    # The most deviating of the approximate (non-exact-lead) reused tokens.
+    approx_idx = torch.arange(plan.exact_lead, len(plan.pairs))
+    n_sel = int(round(recompute_ratio * len(approx_idx)))
+    if n_sel > 0:
+        order = torch.argsort(dev[approx_idx], descending=True)[:n_sel]
+        keep[approx_idx[order]] = False
+
+    if not keep.any():  # nothing survives the repair: a plain prefill is the same work
+        logits, cache = backend.prefill(tokens)
+        return SemanticPrefill(logits, cache, reused=0, recomputed=n)
+    kept_pos = new_pos[keep]
+    kept_set = set(kept_pos.tolist())
+    recompute = [p for p in range(n) if p not in kept_set]
+    cache = backend.cache_from_tensors(k[:, :, keep], v[:, :, keep])
+    q_pos = torch.tensor(recompute, dtype=torch.long)
+    kv_pos = torch.cat([kept_pos, q_pos])
+    mask = (kv_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, kv]
+    logits, cache = backend.prefill([tokens[p] for p in recompute], cache, positions=recompute, mask=mask)
+    K, V = backend.cache_tensors(cache)
+    order = torch.argsort(kv_pos)
+    cache = backend.cache_from_tensors(K[:, :, order], V[:, :, order])
+    return SemanticPrefill(logits, cache, reused=int(keep.sum()), recomputed=len(recompute))
