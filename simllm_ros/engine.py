@@ -261,10 +261,12 @@ class Engine:
             pool.drop_older_than(s.refresh_period_s, now)
             self._last_refresh = now
         digest = context_digest(req.context)
+        # A sliding-window layer keeps only its window: past it, the cache no longer holds every token's KV.
+        poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
         plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=p.fingerprint,
                                   question=p.question, context_digest=digest,
                                   allow_approximate=req.allow_approximate, settings=s,
-                                  semantic_supported=backend.semantic_supported, now=now)
+                                  semantic_supported=backend.semantic_supported, now=now, use_kv=poolable)
         res = QueryResult(success=True, cache_result=plan.tier, similarity=plan.similarity,
                           prompt_tokens=len(tokens), request_id=req.request_id)
         if plan.tier == CacheResult.ANSWER:
@@ -294,7 +296,7 @@ class Engine:
         # Pool update: exact KV only (a repaired SEMANTIC cache is approximate and would poison exact reuse).
         if plan.source_key is not None:
             pool.touch([plan.source_key], now)
-        if plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX):
+        if poolable and plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX):
             k, v = backend.cache_tensors(cache)
             key = pool.insert(scope=req.scope, tokens=tokens, k=k[:, :, :len(tokens)], v=v[:, :, :len(tokens)],
                               fingerprint=p.fingerprint, question=p.question, context_digest=digest,

@@ -6,6 +6,7 @@ reuse planner, and an answer is reused only under an identical context digest.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -36,11 +37,23 @@ class Fingerprinter:
                        else self.model.get_sentence_embedding_dimension())
         self.name = ref
         self._lock = threading.Lock()  # the embedder is called from the matching thread and warm-up
+        # On CUDA, fingerprints run on their own stream so they overlap generation on the default stream.
+        self._stream = None
+        if str(device).startswith("cuda"):
+            import torch
+
+            self._stream = torch.cuda.Stream()
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """[n, dim] float32 unit vectors; several waiting requests are embedded in one batch."""
         cleaned = [normalize_text(t) for t in texts]
-        with self._lock:
+        if self._stream is not None:
+            import torch
+
+            stream_ctx = torch.cuda.stream(self._stream)
+        else:
+            stream_ctx = contextlib.nullcontext()
+        with self._lock, stream_ctx:
             v = self.model.encode(cleaned, batch_size=32, convert_to_numpy=True,
                                   normalize_embeddings=True, show_progress_bar=False)
         return v.astype(np.float32)

@@ -141,6 +141,7 @@ class ModelBackend:
         self.kv_shape = KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
         self.has_sliding_layers = bool(getattr(cfg, "sliding_window", None)) and any(
             t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
+        self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
         self.semantic_supported = self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers
         self.stop_ids = self._stop_ids()
         self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),

@@ -57,7 +57,7 @@ def align(source: list[int], target: list[int], limit: int) -> list[tuple[int, i
 
 
 def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: str, context_digest: str,
-         allow_approximate: bool, settings, semantic_supported: bool, now: float) -> ReusePlan:
+         allow_approximate: bool, settings, semantic_supported: bool, now: float, use_kv: bool = True) -> ReusePlan:
     s = settings
     lossless_kv = pool.store.kv_bits >= 16
     limit = len(tokens) - 1  # the last prompt token is always computed: its logits start the answer
@@ -80,13 +80,15 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
 
     # --- tier 1 candidate: EXACT_PREFIX
     prefix = None
-    if allow_approximate or lossless_kv:
+    if use_kv and (allow_approximate or lossless_kv):
         prefix = pool.longest_prefix(scope, tokens, limit)
     n_exact = prefix.n_tokens if prefix else 0
 
     # --- tier 2: SEMANTIC
     why_not = ""
-    if not allow_approximate:
+    if not use_kv:
+        why_not = "prompt + answer exceed the sliding window"
+    elif not allow_approximate:
         why_not = "caller forbids approximate reuse"
     elif not s.enable_semantic_reuse:
         why_not = "semantic reuse disabled"
