@@ -121,9 +121,10 @@ class Engine:
             if not self.backend.semantic_supported:
                 self.log.warning(f"model type '{self.backend.model_type}' is not supported by SEMANTIC reuse: "
                                  "only exact-prefix and answer reuse will be used")
-        except (ModelLoadError, SettingError, OSError, ValueError, RuntimeError, ImportError) as e:
+        except Exception as e:  # configure must fail cleanly, whatever broke, and leave nothing half-loaded
             self.unload()
-            raise EngineLoadError(str(e)) from e
+            msg = str(e) if isinstance(e, (ModelLoadError, SettingError, EngineLoadError)) else f"{type(e).__name__}: {e}"
+            raise EngineLoadError(msg) from e
 
     def _prime(self) -> None:
         """One throwaway pass through both models: torch's first call is slow, and no user should pay for it."""

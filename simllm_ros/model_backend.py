@@ -212,7 +212,7 @@ class ModelBackend:
         kwargs = {"position_ids": pos, "cache_position": torch.arange(past, past + n, device=self.device)}
         if mask is not None:
             kwargs["attention_mask"] = mask.to(self.device)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[0, -1].float(), cache
 
     @torch.inference_mode()
@@ -230,7 +230,7 @@ class ModelBackend:
         base.layers = all_layers[:n_layers]
         try:
             cache = self.new_cache()
-            base(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True)
+            base(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True)
         finally:
             base.layers = all_layers
         k = torch.stack([cache.layers[i].keys[0] for i in range(n_layers)])
@@ -275,7 +275,7 @@ class ModelBackend:
             tokens.append(tok)
             if i == max_new_tokens - 1 or (should_stop and should_stop()):
                 break
-            out = self.model(input_ids=torch.tensor([[tok]], device=self.device), past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=torch.tensor([[tok]], device=self.device), cache=cache, use_cache=True)
             logits = out.logits[0, -1]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
         return Generation(tokens, text, ttft, first_logits)
