@@ -25,11 +25,10 @@ from .kv_pool import KVPool
 from .model_backend import ModelBackend, ModelLoadError
 from .request import CacheResult, QueryRequest, QueryResult
 from .semantic_log import SemanticLog
-from .settings import SettingError, Settings, parse_size
+from .settings import SPECS, SettingError, Settings, parse_size
 from .validation import normalize_text, validate_request
 
-RELOAD_PARAMS = {"model", "embedder", "device", "dtype", "model_cache_dir", "cache_size", "kv_bits",
-                 "block_tokens", "enable_quant_calibration", "persist_path", "warmup_queries", "semantic_log_path"}
+RELOAD_PARAMS = {s.name for s in SPECS if not s.live}
 
 
 class EngineLoadError(RuntimeError):

@@ -1,5 +1,270 @@
-"""Shared pytest setup: make the repository root importable as `simllm_ros`."""
-import os
-import sys
+"""Shared pytest setup: make the repository root importable as `simllm_ros`; ROS test isolation and helpers.
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROS isolation is set here, at import, before any test module can call rclpy.init: a ROS_DOMAIN_ID
+derived from the pid and discovery limited to this host, so parallel test runs never see each other.
+"""
+import os
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def _domain_in_use(domain: int) -> bool:
+    """True if a DDS participant on this host already holds the domain's Fast DDS discovery ports."""
+    base = 7400 + 250 * domain
+    for port in [base] + [base + 10 + 2 * i for i in range(4)]:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+        finally:
+            s.close()
+    return False
+
+
+def pick_domain(seed: int, exclude=()) -> int:
+    """A ROS_DOMAIN_ID in 1..200 derived from seed (e.g. the pid), skipping domains in use on this host."""
+    for k in range(200):
+        d = 1 + (seed + k) % 200
+        if d not in exclude and not _domain_in_use(d):
+            return d
+    return 1 + seed % 200
+
+
+os.environ["ROS_DOMAIN_ID"] = str(pick_domain(os.getpid()))
+os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+EDGE_YAML = os.path.join(REPO, "config", "edge.yaml")
+
+
+# --------------------------------------------------------------------------- fake sysfs
+class FakeThermal:
+    """A /sys/class/thermal look-alike: zones with `type` and `temp` (milli-degrees) files."""
+
+    def __init__(self, root):
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+
+    def add(self, index: int, zone_type: str, celsius: float | None = None, raw: str | None = None):
+        d = os.path.join(self.root, f"thermal_zone{index}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "type"), "w") as f:
+            f.write(zone_type + "\n")
+        if celsius is not None or raw is not None:
+            self.set(index, celsius, raw)
+
+    def set(self, index: int, celsius: float | None = None, raw: str | None = None):
+        text = raw if raw is not None else str(int(round(celsius * 1000)))
+        path = os.path.join(self.root, f"thermal_zone{index}", "temp")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)  # atomic: the node never reads a half-written file
+
+
+@pytest.fixture
+def fake_thermal(tmp_path):
+    return FakeThermal(str(tmp_path / "thermal"))
+
+
+# --------------------------------------------------------------------------- rclpy harness
+def wait_until(predicate, timeout: float, interval: float = 0.02):
+    """Poll predicate() until truthy; return its value or None after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = predicate()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(interval)
+
+
+def wait_future(future, timeout: float):
+    """Block the test thread on an rclpy future completed by the executor thread."""
+    done = threading.Event()
+    future.add_done_callback(lambda _f: done.set())
+    if not done.wait(timeout):
+        raise TimeoutError(f"no answer within {timeout} s")
+    return future.result()
+
+
+class RosHarness:
+    """The node under test and a client node, both spun by one MultiThreadedExecutor in a thread.
+
+    Everything the tests do goes through DDS: lifecycle services, the Query service, topics,
+    parameter services.
+    """
+
+    TRANSITIONS = {"configure": 1, "cleanup": 2, "activate": 3, "deactivate": 4,
+                   "unconfigured_shutdown": 5, "inactive_shutdown": 6, "active_shutdown": 7}
+
+    def __init__(self, node_name: str, params_files: list[str], overrides: dict | None = None):
+        import rclpy
+        from rclpy.context import Context
+        from rclpy.parameter import Parameter
+
+        from simllm_ros.ros.node import SimLLMNode, make_executor
+
+        self.name = node_name
+        self.context = Context()
+        rclpy.init(context=self.context)
+        cli_args = ["--ros-args"]
+        for p in params_files:
+            cli_args += ["--params-file", p]
+        overrides = [Parameter(k, value=v) for k, v in (overrides or {}).items()]
+        self.node = SimLLMNode(node_name, context=self.context, cli_args=cli_args, parameter_overrides=overrides)
+        self.client = rclpy.create_node(f"test_client_{os.getpid()}", context=self.context)
+        self.executor = make_executor(self.node, context=self.context)
+        self.executor.add_node(self.node)
+        self.executor.add_node(self.client)
+        self._thread = threading.Thread(target=self._spin, name="test-executor", daemon=True)
+        self._thread.start()
+        self._lock = threading.Lock()
+        self.received: dict[str, list] = {}
+        self._make_clients()
+
+    def _spin(self):
+        from rclpy.executors import ExternalShutdownException
+        try:
+            self.executor.spin()
+        except ExternalShutdownException:
+            pass
+
+    def _make_clients(self):
+        from diagnostic_msgs.msg import DiagnosticArray
+        from lifecycle_msgs.srv import ChangeState, GetState
+        from rcl_interfaces.srv import DescribeParameters, GetParameters, SetParameters
+        from visualization_msgs.msg import MarkerArray
+
+        from simllm_ros.msg import CacheStats, QueryRequest, QueryResponse, ThermalStatus
+        from simllm_ros.srv import Query
+
+        c, n = self.client, f"/{self.name}"
+        self.change_state_cli = c.create_client(ChangeState, f"{n}/change_state")
+        self.get_state_cli = c.create_client(GetState, f"{n}/get_state")
+        self.set_params_cli = c.create_client(SetParameters, f"{n}/set_parameters")
+        self.get_params_cli = c.create_client(GetParameters, f"{n}/get_parameters")
+        self.describe_cli = c.create_client(DescribeParameters, f"{n}/describe_parameters")
+        self.query_cli = c.create_client(Query, f"{n}/query")
+        self.request_pub = c.create_publisher(QueryRequest, f"{n}/requests", 100)
+        for topic, typ in ((f"{n}/responses", QueryResponse), (f"{n}/cache_stats", CacheStats),
+                           (f"{n}/thermal", ThermalStatus), ("/diagnostics", DiagnosticArray),
+                           (f"{n}/cache_map", MarkerArray)):
+            self.received[topic] = []
+            c.create_subscription(typ, topic, lambda m, t=topic: self._store(t, m), 100)
+        for cli in (self.change_state_cli, self.get_state_cli, self.set_params_cli, self.get_params_cli):
+            assert cli.wait_for_service(timeout_sec=10), f"{cli.srv_name} not available"
+
+    def _store(self, topic, msg):
+        with self._lock:
+            self.received[topic].append(msg)
+
+    def messages(self, topic: str) -> list:
+        with self._lock:
+            return list(self.received[topic])
+
+    def clear(self, topic: str) -> None:
+        with self._lock:
+            self.received[topic].clear()
+
+    def wait_message(self, topic: str, predicate=lambda m: True, timeout: float = 10.0, after: int = 0):
+        """First message on topic (from index `after`) satisfying predicate, or None."""
+        def find():
+            for m in self.messages(topic)[after:]:
+                if predicate(m):
+                    return m
+            return None
+        return wait_until(find, timeout)
+
+    # lifecycle
+    def change_state(self, transition: str, timeout: float = 120.0) -> bool:
+        from lifecycle_msgs.srv import ChangeState
+        req = ChangeState.Request()
+        req.transition.id = self.TRANSITIONS[transition]
+        return wait_future(self.change_state_cli.call_async(req), timeout).success
+
+    def state(self) -> str:
+        from lifecycle_msgs.srv import GetState
+        return wait_future(self.get_state_cli.call_async(GetState.Request()), 10).current_state.label
+
+    def ensure_active(self):
+        st = self.state()
+        if st == "unconfigured":
+            assert self.change_state("configure"), "configure failed"
+            st = self.state()
+        if st == "inactive":
+            assert self.change_state("activate"), "activate failed"
+        assert self.state() == "active"
+        assert self.query_cli.wait_for_service(timeout_sec=10)
+
+    # parameters
+    def set_params(self, **values):
+        """Set atomically-per-parameter; returns the list of SetParametersResult."""
+        from rcl_interfaces.srv import SetParameters
+        from rclpy.parameter import Parameter
+        req = SetParameters.Request(parameters=[Parameter(k, value=v).to_parameter_msg() for k, v in values.items()])
+        return wait_future(self.set_params_cli.call_async(req), 10).results
+
+    def get_param(self, name: str):
+        from rcl_interfaces.srv import GetParameters
+        from rclpy.parameter import parameter_value_to_python
+        res = wait_future(self.get_params_cli.call_async(GetParameters.Request(names=[name])), 10)
+        return parameter_value_to_python(res.values[0])
+
+    def describe(self, name: str):
+        from rcl_interfaces.srv import DescribeParameters
+        return wait_future(self.describe_cli.call_async(DescribeParameters.Request(names=[name])), 10).descriptors[0]
+
+    # requests
+    def query_async(self, prompt: str, context: str = "", scope: str = "", max_new_tokens: int = 12,
+                    allow_approximate: bool = True):
+        from simllm_ros.srv import Query
+        return self.query_cli.call_async(Query.Request(prompt=prompt, context=context, cache_scope=scope,
+                                                       max_new_tokens=max_new_tokens,
+                                                       allow_approximate=allow_approximate))
+
+    def query(self, prompt: str, timeout: float = 120.0, **kw):
+        return wait_future(self.query_async(prompt, **kw), timeout)
+
+    def publish_request(self, request_id: str, prompt: str, max_new_tokens: int = 12, **kw):
+        from simllm_ros.msg import QueryRequest
+        self.request_pub.publish(QueryRequest(request_id=request_id, prompt=prompt,
+                                              max_new_tokens=max_new_tokens, allow_approximate=True, **kw))
+
+    def close(self):
+        import rclpy
+        try:
+            if self.state() not in ("finalized",):
+                self.node.trigger_shutdown()
+        except Exception:
+            pass
+        self.executor.shutdown(timeout_sec=10)
+        self._thread.join(timeout=30)
+        self.client.destroy_node()
+        self.node.destroy_node()
+        rclpy.shutdown(context=self.context)
+
+
+@pytest.fixture(scope="module")
+def ros_harness_factory():
+    """Call with (node_name, params_files, overrides); every harness made is closed at module end."""
+    made = []
+
+    def make(node_name, params_files, overrides=None):
+        h = RosHarness(node_name, params_files, overrides)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()

@@ -2,9 +2,10 @@
 
 Transitions (one callback each, as in ros2/demos lifecycle_py):
   configure  : parameters -> Settings -> Engine.load() (model, embedder, pool restore, warm-up);
-               creates the Query service, the request subscription and the publishers.
+               creates the publishers.
                Any failure logs one clear line, releases everything and returns FAILURE.
-  activate   : starts the telemetry timer, enables the lifecycle publishers, admits requests.
+  activate   : starts the telemetry timer, enables the lifecycle publishers, admits requests;
+               the first activate creates the Query service and the request subscription.
   deactivate : refuses new requests, waits for the in-flight ones, keeps the pool.
   cleanup    : saves the pool, unloads the model, destroys the entities.
   shutdown   : the same from any state.
@@ -30,7 +31,6 @@ import threading
 import time
 from typing import Callable
 
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import Point
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
@@ -51,7 +51,6 @@ from simllm_ros.thermal import ThermalLevel, ThermalMonitor, ThermalReading
 NODE_NAME = "simllm_node"
 DIAGNOSTIC_NAME = "simllm_ros: LLM service"
 CACHE_MAP_FRAME = "simllm_cache"
-TTFT_SOFT_TARGET_MS = 2000.0  # p95 TTFT above this turns the diagnostic WARN
 DIAG_WINDOW_S = 30.0  # errors / busy rejections counted over this window
 DRAIN_TIMEOUT_S = 300.0  # deactivate/cleanup wait at most this long for in-flight requests
 MAX_MARKERS = 2000
@@ -133,7 +132,7 @@ class SimLLMNode(LifecycleNode):
         super().__init__(node_name, **kwargs)
         declare_all(self)  # raises SettingError for a bad value in the params file / overrides
         self.add_on_set_parameters_callback(ParameterGate(
-            self, is_loaded=lambda: self._engine is not None, state_label=self.state_label,
+            self, is_loaded=self._model_loaded, state_label=self.state_label,
             apply_live=self._apply_live))
 
         self.progress: Callable[[str], None] | None = None  # extra sink for load progress (the CLI prints)
@@ -179,6 +178,10 @@ class SimLLMNode(LifecycleNode):
             return str(self._state_machine.current_state[1])
         except Exception:
             return "unknown"
+
+    def _model_loaded(self) -> bool:
+        """True from the start of configure until cleanup/shutdown is over: reload parameters are frozen."""
+        return self._engine is not None or self.state_label() not in ("unconfigured", "finalized")
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         log = self.get_logger()
@@ -231,6 +234,7 @@ class SimLLMNode(LifecycleNode):
                                             callback_group=self._telemetry_group)
             with self._cv:
                 self._active = True
+            self._create_request_entities()
             self.get_logger().info("active: serving ~/query and ~/requests")
             return TransitionCallbackReturn.SUCCESS
         except Exception as e:
@@ -320,11 +324,8 @@ class SimLLMNode(LifecycleNode):
 
     # ------------------------------------------------------------------ entities
     def _create_entities(self) -> None:
+        """Publishers, at configure. The request entities come at the first activate."""
         reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
-        self._srv = self.create_service(Query, "~/query", self._on_query_service,
-                                        callback_group=self._matching_group)
-        self._sub = self.create_subscription(QueryRequestMsg, "~/requests", self._on_request_msg, reliable,
-                                             callback_group=self._matching_group)
         # A plain publisher: refusals ("node is not active") must reach topic clients while inactive too.
         self._pub_responses = self.create_publisher(QueryResponse, "~/responses", reliable)
         self._pub_stats = self.create_lifecycle_publisher(CacheStats, "~/cache_stats", 10)
@@ -332,6 +333,18 @@ class SimLLMNode(LifecycleNode):
         self._pub_diag = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
         self._pub_map = self.create_lifecycle_publisher(
             MarkerArray, "~/cache_map", QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL))
+
+    def _create_request_entities(self) -> None:
+        """Query service and request subscription, at the first activate: a client that waits for the
+        service (or a subscription match) is then never answered "not active" by a node that is merely
+        configuring. They stay through deactivate, answering refusals, until cleanup."""
+        if self._srv is None:
+            self._srv = self.create_service(Query, "~/query", self._on_query_service,
+                                            callback_group=self._matching_group)
+        if self._sub is None:
+            self._sub = self.create_subscription(
+                QueryRequestMsg, "~/requests", self._on_request_msg,
+                QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE), callback_group=self._matching_group)
 
     def _destroy_entities(self) -> None:
         for attr in ("_srv", "_sub", "_pub_responses", "_pub_stats", "_pub_thermal", "_pub_diag", "_pub_map"):
@@ -363,8 +376,8 @@ class SimLLMNode(LifecycleNode):
     # ---------------------------------------------------------- live parameters
     def _apply_live(self, changes: dict) -> None:
         engine = self._engine
-        if engine is None:
-            return
+        if engine is None:  # configure (or cleanup) in progress: the engine would miss the change
+            raise SettingError(f"node is {self.state_label()}; retry once the transition is over")
         engine.apply_settings(changes)  # raises SettingError
         thermal = {k: changes[k] for k in ("thermal_warn_c", "thermal_critical_c", "thermal_hysteresis_c")
                    if k in changes}
@@ -657,7 +670,7 @@ class SimLLMNode(LifecycleNode):
             if rate >= 0.5 and d_err >= 3:
                 raise_to(_ERROR)
                 reasons.append(f"{d_err} of {d_req} requests failed in the last {DIAG_WINDOW_S:.0f} s")
-            elif rate > 0.1:
+            elif rate > 0.1 and d_err >= 2:  # one bad request is noise
                 raise_to(_WARN)
                 reasons.append(f"{d_err} of {d_req} requests failed in the last {DIAG_WINDOW_S:.0f} s")
         if d_busy > 0:
@@ -665,9 +678,10 @@ class SimLLMNode(LifecycleNode):
             reasons.append(f"{d_busy} requests refused as busy in the last {DIAG_WINDOW_S:.0f} s "
                            f"(queue_limit {self._queue_limit})")
         p95 = max(float(stats.get("ttft_hit_p95_ms", 0.0)), float(stats.get("ttft_miss_p95_ms", 0.0)))
-        if p95 > TTFT_SOFT_TARGET_MS:
+        target = float(self.get_parameter("ttft_warn_ms").value)
+        if p95 > target:
             raise_to(_WARN)
-            reasons.append(f"p95 time to first token {p95:.0f} ms above {TTFT_SOFT_TARGET_MS:.0f} ms")
+            reasons.append(f"p95 time to first token {p95:.0f} ms above ttft_warn_ms {target:.0f} ms")
         return level, "; ".join(reasons) if reasons else "ok"
 
     def _publish_diagnostics(self, stats: dict | None, reading: ThermalReading | None, stamp) -> None:
@@ -741,4 +755,4 @@ def make_executor(node: SimLLMNode | None = None, context=None) -> MultiThreaded
     return MultiThreadedExecutor(num_threads=max(8, min(limit + 6, 64)), context=context)
 
 
-__all__ = ["SimLLMNode", "make_executor", "NODE_NAME", "DIAGNOSTIC_NAME", "CACHE_MAP_FRAME", "rclpy"]
+__all__ = ["SimLLMNode", "make_executor", "NODE_NAME", "DIAGNOSTIC_NAME", "CACHE_MAP_FRAME"]

