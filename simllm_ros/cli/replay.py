@@ -29,14 +29,17 @@ def parse_args(argv=None):
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each answer")
     ap.add_argument("--json-out", default="", help="also write every response as JSON Lines here")
-    ap.add_argument("node_args", nargs=argparse.REMAINDER, help="after '--': extra arguments for simllm-edge")
-    return ap.parse_args(argv)
+    ap.epilog = "Arguments after '--' go to simllm-edge (e.g. -- --param persist_path=var/pool)."
+    argv = list(sys.argv[1:] if argv is None else argv)
+    node_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.node_args = node_args
+    return args
 
 
 def start_node(args) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "simllm_ros.cli.edge"]
-    extra = [a for a in args.node_args if a != "--"]
-    cmd += extra + ["--ros-args", "--params-file", args.params_file]
+    cmd += args.node_args + ["--ros-args", "--params-file", args.params_file]
     print(f"[replay] starting node: {' '.join(cmd)}", flush=True)
     return subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
 
