@@ -151,6 +151,7 @@ class SimLLMNode(LifecycleNode):
         self._queue_limit = 8
         self._waiting = 0  # admitted, not yet picked up by the generation worker
         self._inflight = 0  # admitted, not yet answered
+        self._service_calls = 0  # Query service callbacks still running (their reply is sent after they return)
         self._gen_queue: collections.deque[_Job] = collections.deque()
         self._gen_stop = False
         self._gen_thread: threading.Thread | None = None
@@ -304,12 +305,26 @@ class SimLLMNode(LifecycleNode):
                 engine.unload()
             except Exception as e:
                 self.get_logger().error(f"{why}: unloading the engine failed: {type(e).__name__}: {e}")
+        self._wait_for_service_replies(why)
         self._destroy_entities()
         self._settings = None
         self._monitor = None
         with self._cv:
             self._thermal_level = ThermalLevel.OK
             self._thermal_reason = ""
+
+    def _wait_for_service_replies(self, why: str) -> None:
+        """rclpy sends a service reply after the callback returns: destroying the service before that
+        would lose the reply (InvalidHandle in the executor). Wait for running callbacks, then a grace."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        with self._cv:
+            waited = self._service_calls > 0
+            while self._service_calls and time.monotonic() < deadline:
+                self._cv.wait(timeout=0.2)
+            if self._service_calls:
+                self.get_logger().warning(f"{why}: {self._service_calls} service call(s) still running")
+        if waited:
+            time.sleep(0.2)
 
     def _drain(self, why: str) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -506,6 +521,16 @@ class SimLLMNode(LifecycleNode):
             self._finish(job, result)
 
     def _on_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:
+        with self._cv:
+            self._service_calls += 1
+        try:
+            return self._answer_query_service(request, response)
+        finally:
+            with self._cv:
+                self._service_calls -= 1
+                self._cv.notify_all()
+
+    def _answer_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:
         try:
             req = QueryRequest(prompt=request.prompt, context=request.context, cache_scope=request.cache_scope,
                                max_new_tokens=int(request.max_new_tokens),
