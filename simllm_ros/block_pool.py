@@ -80,7 +80,8 @@ class BlockPool:
     def acquire_chain(self, scope: str, tokens: Sequence[int], write) -> tuple[list[int], int]:
         """Block table for `tokens`: existing full blocks are shared, the rest allocated and filled by
         write(block_id, start, end). Returns (block ids, number of newly written blocks).
-        Raises MemoryError (after releasing what it took) if there are not enough free blocks."""
+        Raises MemoryError if there are not enough free blocks, and re-raises what write raises; either
+        way after releasing what it took."""
         T = self.block_tokens
         h = root_hash(scope)
         ids: list[int] = []
@@ -95,7 +96,11 @@ class BlockPool:
                     if not self._free:
                         raise MemoryError("no free KV block")
                     bid = self._free.pop()
-                    write(bid, start, start + len(chunk))
+                    try:
+                        write(bid, start, start + len(chunk))
+                    except BaseException:
+                        self._free.append(bid)  # not registered yet: give it back before releasing the rest
+                        raise
                     self.blocks[bid] = BlockInfo(bid, h, chunk, full, hb)
                     self._children.setdefault(h, set()).add(bid)
                     if full:
@@ -105,7 +110,7 @@ class BlockPool:
                 ids.append(bid)
                 if full:
                     h = hb
-        except MemoryError:
+        except BaseException:  # MemoryError, or a failing write (e.g. a bad snapshot row): leave the books as they were
             self.release(ids)
             raise
         return ids, new

@@ -131,19 +131,22 @@ class KVPool:
                 self._meta_bytes += e.meta_bytes
                 self.matcher.add(existing, fingerprint, scope, now)
                 self._enforce_budget(protect=existing)
+                if self.bytes_used > self.budget_bytes:  # alone it no longer fits (e.g. a much longer answer)
+                    self.remove(existing)
                 return existing if existing in self.entries else None
             entry = Entry(self._next_key, scope, list(tokens), [], question, context_digest, answer,
                           created if created is not None else now, now, hits)
             T = self.block_tokens
             n_blocks = -(-len(tokens) // T)
-            if n_blocks * self.store.bytes_per_block + entry.meta_bytes > self.budget_bytes or n_blocks > self.store.num_blocks:
+            meta = entry.meta_bytes + 4 * n_blocks  # its block table is not filled in yet
+            if n_blocks * self.store.bytes_per_block + meta > self.budget_bytes or n_blocks > self.store.num_blocks:
                 return None
             if write is None:
                 def write(bid, start, end):
                     self.store.write(bid, k[:, :, start:end], v[:, :, start:end])
             # Make room: evict until the whole entry would fit even if it shared no block.
             while (self.blocks.num_free < n_blocks or
-                   self.bytes_used + n_blocks * self.store.bytes_per_block + entry.meta_bytes > self.budget_bytes):
+                   self.bytes_used + n_blocks * self.store.bytes_per_block + meta > self.budget_bytes):
                 if not self._evict_one():
                     return None
             ids, _ = self.blocks.acquire_chain(scope, tokens, write)

@@ -10,6 +10,7 @@ raw arrays, so a hostile file cannot run code.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -24,6 +25,7 @@ from .kv_pool import KVPool
 FORMAT = "simllm_ros.kv_pool"
 FORMAT_VERSION = 1
 FILENAME = "kv_pool.safetensors"
+PARTIAL_DIR = ".partial"  # in-progress writes (ours and safetensors' own temp file); cleared at load
 
 
 def snapshot_path(folder: str) -> str:
@@ -51,15 +53,22 @@ def save(pool: KVPool, folder: str, ident: dict) -> str:
              "context_digest": e.context_digest, "answer": e.answer, "created": e.created,
              "last_used": e.last_used, "hits": e.hits} for e in entries]}
     tensors = {k: t.contiguous() for k, t in tensors.items()}
+    manifest_json = json.dumps(manifest)
     os.makedirs(folder, exist_ok=True)
     target = snapshot_path(folder)
-    fd, tmp = tempfile.mkstemp(prefix=".kv_pool.", suffix=".tmp", dir=folder)
+    partial = os.path.join(folder, PARTIAL_DIR)
+    os.makedirs(partial, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="kv_pool.", suffix=".tmp", dir=partial)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={"manifest": json.dumps(manifest)})
+        save_file(tensors, tmp, metadata={"manifest": manifest_json, "sha256": checksum(manifest_json, tensors)})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        try:
+            os.rmdir(partial)  # empty after a clean save; a leftover only marks a save that was killed
+        except OSError:
+            pass
         dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -72,6 +81,31 @@ def save(pool: KVPool, folder: str, ident: dict) -> str:
     return target
 
 
+def checksum(manifest_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the manifest and every tensor's name, dtype, shape and bytes: safetensors itself
+    checks only the header's structure, so flipped bits in the data would otherwise load as wrong KV."""
+    h = hashlib.sha256(manifest_json.encode("utf-8"))
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def remove_partial_writes(folder: str) -> int:
+    """Delete what a save killed midway left behind (only inside our own .partial folder)."""
+    partial = os.path.join(folder, PARTIAL_DIR)
+    removed = 0
+    if os.path.isdir(partial):
+        for name in os.listdir(partial):
+            try:
+                os.unlink(os.path.join(partial, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 class SnapshotSkipped(Exception):
     """The snapshot was not loaded; the message says why (for the log)."""
 
@@ -79,6 +113,7 @@ class SnapshotSkipped(Exception):
 def load(pool: KVPool, folder: str, ident: dict) -> int:
     """Restore entries into an empty pool; returns how many were restored. Raises SnapshotSkipped."""
     path = snapshot_path(folder)
+    remove_partial_writes(folder)
     if not os.path.exists(path):
         raise SnapshotSkipped(f"no snapshot at {path}")
     try:
@@ -90,6 +125,8 @@ def load(pool: KVPool, folder: str, ident: dict) -> int:
         tensors = load_file(path)
     except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
         raise SnapshotSkipped(f"unreadable snapshot {path}: {type(e).__name__}: {e}") from None
+    if meta.get("sha256") != checksum(meta["manifest"], tensors):
+        raise SnapshotSkipped(f"unreadable snapshot {path}: checksum mismatch (corrupted or not written by this node)")
     got = manifest.get("identity", {}) if isinstance(manifest, dict) else {}
     if got != ident:
         diff = sorted(k for k in set(got) | set(ident) if got.get(k) != ident.get(k))
@@ -108,7 +145,7 @@ def load(pool: KVPool, folder: str, ident: dict) -> int:
             e = entries[i]
             rows = [int(r) for r in e["rows"]]
             tokens = [int(t) for t in e["tokens"]]
-            if len(rows) != -(-len(tokens) // T) or (rows and max(rows) >= raw["k"].shape[0]):
+            if len(rows) != -(-len(tokens) // T) or (rows and (max(rows) >= raw["k"].shape[0] or min(rows) < 0)):
                 raise ValueError("block table does not match tokens")
 
             def write(bid, start, end, rows=rows):

@@ -41,11 +41,14 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
 
     # Layered reuse + selection: fresh KV of the first layers for all tokens.
     strict = min(strict_layers, k.shape[0])
-    fk, fv = backend.early_layer_kv(tokens, strict)
+    # Layer-0 KV depends on the token alone (a reused token's layer-0 values equal fresh ones), so the
+    # deviation is measured at layer 1 or deeper: two fresh layers at least, even for strict_layers=1.
+    n_fresh = min(max(strict, 2), k.shape[0])
+    fk, fv = backend.early_layer_kv(tokens, n_fresh)
     fk, fv = fk.to(k.dtype), fv.to(v.dtype)
-    dev = (fv[strict - 1][:, new_pos].float() - v[strict - 1].float()).norm(dim=(0, 2))  # [reused]
-    k[:strict] = fk[:, :, new_pos]
-    v[:strict] = fv[:, :, new_pos]
+    dev = (fv[n_fresh - 1][:, new_pos].float() - v[n_fresh - 1].float()).norm(dim=(0, 2))  # [reused]
+    k[:strict] = fk[:strict][:, :, new_pos]
+    v[:strict] = fv[:strict][:, :, new_pos]
 
     keep = torch.ones(len(plan.pairs), dtype=torch.bool)
     # Tokens right after each gap saw a different left context most recently: recompute them.

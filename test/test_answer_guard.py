@@ -13,7 +13,9 @@ from hypothesis import given, settings, strategies as st
 
 from simllm_ros.answer_guard import answers_compatible
 
-CLINC = "/work/shared/data/clinc150/train.jsonl"
+from simllm_ros.workloads import find_clinc
+
+CLINC = find_clinc()
 
 
 def refused(a, b):

@@ -1,0 +1,327 @@
+"""The KV pool with real tensors (random KV of the pool's shape: the pool is under test, not the model).
+
+KV here is a deterministic function of the token prefix (as a causal model's would be), so entries
+that share a prefix share identical KV, and every read can be checked against what was written.
+"""
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings as hsettings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from simllm_ros import kv_quant
+from simllm_ros.block_store import BlockStore, KVShape
+from simllm_ros.kv_pool import KVPool
+from simllm_ros.matcher import Matcher
+from simllm_ros.settings import SettingError, parse_size
+
+SHAPE = KVShape(layers=2, kv_heads=2, head_dim=8)
+T = 4  # tokens per block
+DIM = 8  # fingerprint dimension
+
+
+def kv_for(tokens, shape=SHAPE):
+    """[L, H, n, D] keys and values; position i depends on tokens[:i+1] only."""
+    L, H, D = shape.layers, shape.kv_heads, shape.head_dim
+    k = torch.empty(L, H, len(tokens), D)
+    v = torch.empty(L, H, len(tokens), D)
+    for i in range(len(tokens)):
+        seed = int.from_bytes(hashlib.blake2b(repr(tuple(tokens[:i + 1])).encode(), digest_size=4).digest(), "little")
+        g = torch.Generator().manual_seed(seed)
+        k[:, :, i] = torch.randn(L, H, D, generator=g) * 3
+        v[:, :, i] = torch.randn(L, H, D, generator=g)
+    return k, v
+
+
+def unit(seed, dim=DIM):
+    x = np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
+    return x / np.linalg.norm(x)
+
+
+def make_pool(blocks=12, kv_bits=32, extra_bytes=1500, shape=SHAPE, block_tokens=T):
+    per = BlockStore.bytes_per_block_for(shape, block_tokens, kv_bits, torch.float32)
+    return KVPool(shape, block_tokens=block_tokens, budget_bytes=blocks * per + extra_bytes, kv_bits=kv_bits,
+                  model_dtype=torch.float32, fingerprint_dim=DIM)
+
+
+def put(pool, tokens, scope="a", fp=None, answer="", now=None, question="q"):
+    k, v = kv_for(tokens, pool.store.shape)
+    return pool.insert(scope=scope, tokens=tokens, k=k, v=v, fingerprint=unit(0) if fp is None else fp,
+                       question=question, context_digest="d", answer=answer, now=now)
+
+
+# --------------------------------------------------------------------------- property: random op sequences
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21, 22], [30, 31], []]
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.pool = make_pool(blocks=12)
+        self.clock = 1000.0
+
+    @rule(scope=st.sampled_from(["a", "b", "c"]), prefix=st.sampled_from(PREFIXES),
+          tail=st.lists(st.integers(0, 6), max_size=14), fp_seed=st.integers(0, 5),
+          answer=st.text(max_size=300), dt=st.floats(0, 50))
+    def insert(self, scope, prefix, tail, fp_seed, answer, dt):
+        tokens = prefix + tail
+        if not tokens:
+            return
+        self.clock += dt
+        key = put(self.pool, tokens, scope, unit(fp_seed), answer=answer, now=self.clock)
+        if key is not None:
+            e = self.pool.entries[key]
+            assert e.tokens == tokens and e.scope == scope and e.answer == answer
+
+    @precondition(lambda self: len(self.pool.entries) > 0)
+    @rule(data=st.data())
+    def remove(self, data):
+        key = data.draw(st.sampled_from(sorted(self.pool.entries)))
+        self.pool.remove(key)
+        assert key not in self.pool.entries
+
+    @rule(age=st.floats(0, 200))
+    def drop_older(self, age):
+        self.pool.drop_older_than(age, now=self.clock)
+        assert all(self.clock - e.created <= age for e in self.pool.entries.values())
+
+    @invariant()
+    def within_budget_and_consistent(self):
+        assert self.pool.bytes_used <= self.pool.budget_bytes
+        self.pool.check_consistency()
+
+    @invariant()
+    def every_entry_reads_back(self):
+        for e in self.pool.entries.values():
+            assert self.pool.find(e.scope, e.tokens) is e
+            hit = self.pool.longest_prefix(e.scope, e.tokens, len(e.tokens))
+            assert hit is not None and hit.n_tokens == len(e.tokens)
+            k, v = kv_for(e.tokens)
+            assert torch.equal(hit.k, k) and torch.equal(hit.v, v)
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = hsettings(max_examples=150, stateful_step_count=30, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("kv_bits", [8, 16])
+def test_random_ops_budget_lossy_storage(kv_bits):
+    """The same books hold with 8- and 16-bit storage (no exact read-back there)."""
+    rng = np.random.default_rng(kv_bits)
+    pool = make_pool(blocks=10, kv_bits=kv_bits)
+    for step in range(300):
+        op = rng.random()
+        if op < 0.65:
+            prefix = PREFIXES[rng.integers(len(PREFIXES))]
+            tokens = prefix + list(rng.integers(0, 6, rng.integers(0, 15)))
+            if tokens:
+                put(pool, [int(t) for t in tokens], scope="abc"[rng.integers(3)], fp=unit(int(rng.integers(6))),
+                    now=1000.0 + step)
+        elif op < 0.9 and pool.entries:
+            pool.remove(int(rng.choice(sorted(pool.entries))))
+        else:
+            pool.drop_older_than(float(rng.uniform(0, 100)), now=1000.0 + step)
+        assert pool.bytes_used <= pool.budget_bytes
+        pool.check_consistency()
+
+
+# --------------------------------------------------------------------------- prefix sharing and lookup
+def test_prefix_sharing_uses_fewer_blocks():
+    shared = list(range(100, 100 + 3 * T))  # exactly 3 full blocks
+    a, b = shared + [1, 2, 3, 4, 5], shared + [7, 8, 9]
+    together = make_pool(blocks=20)
+    put(together, a)
+    put(together, b)
+    sep_a, sep_b = make_pool(blocks=20), make_pool(blocks=20)
+    put(sep_a, a)
+    put(sep_b, b)
+    separate = sep_a.blocks.num_used + sep_b.blocks.num_used
+    assert together.blocks.num_used == separate - 3
+    assert together.bytes_used < sep_a.bytes_used + sep_b.bytes_used
+    ea, eb = together.entries.values()
+    assert ea.block_ids[:3] == eb.block_ids[:3] and ea.block_ids[3:] != eb.block_ids[3:]
+    together.check_consistency()
+    # Removing one keeps the shared blocks for the other.
+    together.remove(ea.key)
+    hit = together.longest_prefix("a", b, len(b))
+    assert hit.n_tokens == len(b) and torch.equal(hit.k, kv_for(b)[0])
+    together.check_consistency()
+
+
+@pytest.mark.parametrize("query, expect", [
+    # cached: [1..10] -> blocks [1-4][5-8][9,10]
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 10),  # the whole entry incl. its partial last block
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 99], 9),  # one token into the partial block
+    ([1, 2, 3, 4, 5, 6, 99, 98], 6),  # partial match inside a full block
+    ([1, 2, 3, 4, 5, 6, 7, 8], 8),  # exactly two full blocks
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 10),
+    ([99, 1, 2, 3], 0),
+    ([1, 2, 9, 9, 9, 9], 2),
+])
+def test_longest_prefix_token_count(query, expect):
+    pool = make_pool(blocks=10)
+    put(pool, list(range(1, 11)))
+    hit = pool.longest_prefix("a", query, len(query))
+    n = hit.n_tokens if hit else 0
+    assert n == expect
+    if n:
+        k, v = kv_for(query[:n])
+        assert torch.equal(hit.k, k) and torch.equal(hit.v, v)
+    # the limit is honoured: never more than `limit` tokens even if more match
+    if expect >= 3:
+        assert pool.longest_prefix("a", query, 3).n_tokens == 3
+
+
+def test_longest_prefix_prefers_longest_sibling():
+    pool = make_pool(blocks=10)
+    put(pool, [1, 2, 3, 4, 5, 6])
+    put(pool, [1, 2, 3, 4, 5, 6, 7])
+    hit = pool.longest_prefix("a", [1, 2, 3, 4, 5, 6, 7, 8], 8)
+    assert hit.n_tokens == 7
+
+
+# --------------------------------------------------------------------------- scope isolation
+def test_scope_isolation_in_pool_and_matcher():
+    pool = make_pool(blocks=20)
+    tokens = list(range(1, 14))
+    fp = unit(3)
+    put(pool, tokens, scope="A", fp=fp)
+    assert pool.longest_prefix("B", tokens, len(tokens)) is None
+    assert pool.find("B", tokens) is None
+    assert pool.matcher.best(fp, "B", now=0.0, k=4) == []  # no entries in B: nothing, not even a score
+    assert [k for k, _, _ in pool.matcher.best(fp, "A", now=0.0, k=4)] == list(pool.entries)
+    # B gets its own copy of the same tokens: separate blocks, never shared across scopes
+    put(pool, tokens, scope="B", fp=fp)
+    a, b = (pool.find(s, tokens) for s in ("A", "B"))
+    assert not set(a.block_ids) & set(b.block_ids)
+    hits = pool.matcher.best(fp, "B", now=0.0, k=4)
+    assert [k for k, _, _ in hits] == [b.key]
+    # scope that had entries, now empty again
+    pool.remove(b.key)
+    assert pool.matcher.best(fp, "B", now=0.0, k=4) == []
+    assert pool.longest_prefix("B", tokens, len(tokens)) is None
+    pool.check_consistency()
+
+
+def test_matcher_best_masks_other_scopes_with_many_entries():
+    m = Matcher(DIM, capacity=2)  # grows past its first capacity
+    for key in range(1, 40):
+        m.add(key, unit(key), "A" if key % 3 else "B", now=0.0)
+    q = unit(7)
+    for scope in ("A", "B"):
+        got = m.best(q, scope, now=0.0, k=50)
+        want = {key for key in range(1, 40) if ("A" if key % 3 else "B") == scope}
+        assert {k for k, _, _ in got} == want
+    assert m.best(q, "C", now=0.0, k=5) == []
+
+
+# --------------------------------------------------------------------------- eviction
+def test_eviction_prefers_a_redundant_entry():
+    fp_dup = unit(11)
+    near = fp_dup + 0.01 * unit(12)
+    near /= np.linalg.norm(near)
+    other = unit(13)
+    assert float(fp_dup @ near) > 0.99 and abs(float(fp_dup @ other)) < 0.9
+    evicted = []
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):  # insertion order must not decide
+        pool = make_pool(blocks=6, extra_bytes=1000)  # room for exactly 3 entries of 2 blocks
+        assert pool.store.num_blocks == 6
+        pool.diversity_weight = 0.3
+        seqs = {0: list(range(10, 18)), 1: list(range(20, 28)), 2: list(range(30, 38))}  # 2 blocks each
+        fps = {0: fp_dup, 1: near, 2: other}
+        keys = {}
+        for i in order:
+            keys[i] = put(pool, seqs[i], fp=fps[i], now=1000.0)
+        assert pool.blocks.num_free == 0
+        put(pool, list(range(40, 48)), fp=unit(14), now=1000.0)  # needs 2 blocks: one entry must go
+        gone = [i for i in keys if keys[i] not in pool.entries]
+        assert len(gone) == 1
+        evicted.append(gone[0])
+        pool.check_consistency()
+    assert all(g in (0, 1) for g in evicted), f"evicted {evicted}: the unique entry went first"
+
+
+def test_failing_block_write_loses_no_block():
+    """A write that raises halfway (as a bad snapshot row does on restore) leaves the books as they were."""
+    pool = make_pool(blocks=12)
+    put(pool, list(range(1, 9)))
+    before = (pool.blocks.num_free, pool.bytes_used, len(pool))
+    calls = []
+
+    def bad_write(bid, start, end):
+        calls.append(bid)
+        if len(calls) == 2:
+            raise RuntimeError("shape mismatch")
+        pool.store.write(bid, *(t[:, :, start:end] for t in kv_for(list(range(1, 5)) + [7] * 8)))
+
+    with pytest.raises(RuntimeError):
+        pool.insert(scope="a", tokens=list(range(1, 5)) + [7] * 8, k=None, v=None, fingerprint=unit(1),
+                    question="q", context_digest="d", answer="", write=bad_write)
+    assert (pool.blocks.num_free, pool.bytes_used, len(pool)) == before
+    pool.check_consistency()
+    pool.clear()
+    assert pool.blocks.num_free == pool.store.num_blocks
+    pool.check_consistency()
+
+
+def test_insert_too_large_returns_none():
+    pool = make_pool(blocks=3)
+    assert put(pool, list(range((pool.store.num_blocks + 1) * T))) is None
+    assert len(pool) == 0 and pool.bytes_used == 0
+    pool.check_consistency()
+
+
+def test_reinsert_with_longer_answer_stays_within_budget():
+    """Re-inserting a task with a larger answer must not push the pool over its budget."""
+    pool = make_pool(blocks=4, extra_bytes=400)
+    tokens = list(range(1, 9))
+    key = put(pool, tokens, answer="short")
+    assert key is not None
+    put(pool, tokens, answer="x" * 5000)
+    assert pool.bytes_used <= pool.budget_bytes
+    pool.check_consistency()
+
+
+# --------------------------------------------------------------------------- 8-bit storage
+def test_8bit_round_trip_error():
+    shape = KVShape(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M
+    pool = make_pool(blocks=8, kv_bits=8, shape=shape, block_tokens=16)
+    g = torch.Generator().manual_seed(0)
+    n = 40  # 2 full blocks + a partial one
+    k = torch.randn(30, 3, n, 64, generator=g)
+    k[..., 5] *= 20  # an outlier channel, as real keys have
+    v = torch.randn(30, 3, n, 64, generator=g) * 0.5
+    key = pool.insert(scope="a", tokens=list(range(n)), k=k, v=v, fingerprint=unit(0), question="q",
+                      context_digest="d", answer="")
+    k2, v2 = pool.entry_kv(key)
+    ek, ev = kv_quant.error_report(k, k2), kv_quant.error_report(v, v2)
+    # the outlier channel's range must not swamp the others (keys quantised per channel)
+    ek_small = kv_quant.error_report(k[..., :5], k2[..., :5])
+    print(f"\n8-bit round trip: keys {ek}, keys without outlier channel {ek_small}, values {ev}; "
+          f"saved {pool.bytes_saved_quantization} B vs 16-bit")
+    assert ek["relative"] < 0.01 and ev["relative"] < 0.01
+    assert ek_small["max_abs"] < 0.05
+    assert pool.bytes_saved_quantization > 0
+    assert pool.store.bytes_per_block < pool.store.bytes_per_block_16bit * 0.6
+
+
+# --------------------------------------------------------------------------- settings.parse_size
+@pytest.mark.parametrize("text, device, expect", [
+    ("5GB", None, 5 * 10**9), ("512MB", None, 512 * 10**6), ("512MiB", None, 512 * 2**20),
+    ("30%", 10**10, 3 * 10**9), ("100%", 1000, 1000), (" 1.5 GB ", None, 1_500_000_000), ("4096", None, 4096),
+    (123456, None, 123456),
+])
+def test_parse_size_good(text, device, expect):
+    assert parse_size(text, device) == expect
+
+
+@pytest.mark.parametrize("text, device", [
+    ("", 1), ("GB", 1), ("5 XB", 1), ("-5GB", 1), ("0", 1), ("0%", 100), ("101%", 100), ("abc%", 100),
+    ("30%", None), ("5GB5", 1), ("1e9", 1), (0, 1), (-3, 1), ("5 G B", 1), ("nan%", 100),
+])
+def test_parse_size_bad(text, device):
+    with pytest.raises(SettingError):
+        parse_size(text, device)

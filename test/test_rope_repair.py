@@ -1,0 +1,62 @@
+"""RoPE repair is exact for layer 0: a moved token's re-rotated key equals a fresh computation at its new place.
+
+A layer-0 key depends only on the token and its position (no attention before it), so a token moved by d
+positions must have key R(d)·k_old exactly; without the rotation the stored key is wrong.
+"""
+import pytest
+import torch
+
+from core_fixtures import BULLETIN, BULLETIN_REVISED, shared_backend
+
+MOVED = "Is Elm Street open between 3rd Avenue and Mill Road this afternoon?"
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return shared_backend()
+
+
+def _layer0_keys(backend, ids):
+    k, _ = backend.early_layer_kv(ids, 1)
+    return k  # [1, H, n, D]
+
+
+@pytest.mark.parametrize("d", [1, 7, 64, 250, -1, -5, -48, -250])
+def test_layer0_key_rotation_matches_fresh(backend, d):
+    tok = backend.tokenizer
+    moved = tok(MOVED, add_special_tokens=False)["input_ids"]
+    filler = tok(BULLETIN + BULLETIN_REVISED, add_special_tokens=False)["input_ids"]
+    base = 255  # the moved tokens start here in the "old" sequence
+    assert len(filler) >= base + max(0, d), "bulletin too short for this shift"
+    old_ids = filler[:base] + moved
+    new_ids = filler[:base + d] + moved  # same tokens, d positions later (earlier for d < 0)
+    k_old = _layer0_keys(backend, old_ids)[:, :, base:]
+    k_new = _layer0_keys(backend, new_ids)[:, :, base + d:]
+    assert k_old.dtype == torch.float32 and k_old.shape == k_new.shape
+
+    delta = torch.full((len(moved),), d, dtype=torch.long)
+    rotated = backend.rotate_keys(k_old, delta)
+    err = float((rotated - k_new).abs().max())
+    stale = float((k_old - k_new).abs().max())
+    print(f"\nrope d={d:+4d}: max|rotated - fresh| = {err:.2e}, max|unrotated - fresh| = {stale:.2e}")
+    assert err < 1e-4
+    assert stale > 1e-2, "without rotation the key must differ (else this test could not fail)"
+    # Values carry no position: they are equal without any repair.
+    _, v_old = backend.early_layer_kv(old_ids, 1)
+    _, v_new = backend.early_layer_kv(new_ids, 1)
+    assert float((v_old[:, :, base:] - v_new[:, :, base + d:]).abs().max()) < 1e-5
+
+
+def test_rotation_per_token_deltas(backend):
+    """Different tokens moved by different amounts in one call (what the SEMANTIC tier does)."""
+    tok = backend.tokenizer
+    filler = tok(BULLETIN, add_special_tokens=False)["input_ids"]
+    ids = filler[:120]
+    k = _layer0_keys(backend, ids)
+    # Reference: the same tokens placed at positions 40 later, computed fresh.
+    k_shift = _layer0_keys(backend, filler[120:160] + ids)[:, :, 40:]
+    deltas = torch.full((len(ids),), 40, dtype=torch.long)
+    deltas[::2] = 0  # every other token is not moved: its key must stay as it was
+    rotated = backend.rotate_keys(k, deltas)
+    assert float((rotated[:, :, 1::2] - k_shift[:, :, 1::2]).abs().max()) < 1e-4
+    assert torch.equal(rotated[:, :, ::2], k[:, :, ::2]) or float((rotated[:, :, ::2] - k[:, :, ::2]).abs().max()) < 1e-6
