@@ -70,7 +70,8 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> 
     target = os.path.join(cache_dir or default_cache_dir(), slug)
     stamp = os.path.join(target, "simllm_conversion.json")
     src = os.path.join(gguf_dir, gguf_name)
-    want = {"source": src, "size": os.path.getsize(src), "version": CONVERSION_VERSION}
+    want = {"gguf": gguf_name, "size": os.path.getsize(src), "head_sha256": _head_digest(src),
+            "version": CONVERSION_VERSION}  # content, not path: every venv shares one converted copy
     try:
         with open(stamp) as f:
             if json.load(f) == want:
@@ -87,19 +88,28 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> 
     model.hf_quantizer = None  # the weights are dequantised now; saving them is plain safetensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = target + ".tmp"
+    tmp = f"{target}.tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, "simllm_conversion.json"), "w") as f:
         json.dump(want, f)
-    if os.path.isdir(target):
-        import shutil
+    import shutil
 
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    old = f"{target}.old-{os.getpid()}"
+    if os.path.isdir(target):
+        os.rename(target, old)  # a process loading the old copy keeps its open files
+    os.rename(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
     progress(f"converted in {time.monotonic() - t0:.1f} s")
     return target
+
+
+def _head_digest(path: str, n: int = 1 << 20) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(n)).hexdigest()
 
 
 @dataclasses.dataclass
