@@ -68,7 +68,7 @@ class BlockPool:
         best_bid, best_n = None, 0
         rest = tokens[pos:pos + T]
         for bid in self._children.get(h, ()):
-            n = _common_prefix(self.blocks[bid].tokens, rest)
+            n = common_prefix(self.blocks[bid].tokens, rest)
             if n > best_n:
                 best_bid, best_n = bid, n
         if best_bid is not None:
@@ -144,7 +144,7 @@ class BlockPool:
                 assert self._by_hash.get(info.hash) == bid, f"full block {bid} missing from the hash index"
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:

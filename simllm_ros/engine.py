@@ -21,7 +21,7 @@ import torch
 from . import persistence, reuse_planner, semantic_reuse
 from .cache_stats import CacheStatsRecorder
 from .fingerprint import Fingerprinter, context_digest
-from .kv_pool import KVPool
+from .kv_pool import KVPool, PendingInsert
 from .model_backend import ModelBackend, ModelLoadError
 from .request import CacheResult, QueryRequest, QueryResult
 from .semantic_log import SemanticLog
@@ -296,6 +296,10 @@ class Engine:
         # Pool update: exact KV only (a repaired SEMANTIC cache is approximate and would poison exact reuse).
         if plan.source_key is not None:
             pool.touch([plan.source_key], now)
+        if poolable and plan.tier == CacheResult.SEMANTIC:
+            # The repaired cache is approximate; the exact one is computed when the node is idle
+            # (idle_work), so the next request on this new context is an EXACT_PREFIX hit.
+            pool.pending_inserts.append(PendingInsert(req.scope, tokens, p.fingerprint, p.question, digest, res.answer))
         if poolable and plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX):
             k, v = backend.cache_tensors(cache)
             key = pool.insert(scope=req.scope, tokens=tokens, k=k[:, :, :len(tokens)], v=v[:, :, :len(tokens)],
@@ -306,6 +310,35 @@ class Engine:
         res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
         self._log_decision(req, digest, plan, res)
         return res
+
+    def has_idle_work(self) -> bool:
+        return self.pool is not None and bool(self.pool.pending_inserts) and self.thermal_level == 0
+
+    def idle_work(self) -> bool:
+        """Compute and pool the exact KV of one prompt that SEMANTIC reuse served; returns whether it did.
+        Skipped while running hot. Called by the node's generation thread when no request waits."""
+        with self._exec_lock:
+            if not self.has_idle_work():
+                return False
+            pool, backend = self.pool, self.backend
+            job = pool.pending_inserts.popleft()
+            if pool.find(job.scope, job.tokens) is not None:
+                return False
+            try:
+                # Built on the longest pooled prefix, exactly as an EXACT_PREFIX request's KV is.
+                prefix = pool.longest_prefix(job.scope, job.tokens, len(job.tokens) - 1)
+                if prefix is not None:
+                    cache = backend.cache_from_tensors(prefix.k, prefix.v)
+                    _, cache = backend.prefill(job.tokens[prefix.n_tokens:], cache)
+                else:
+                    _, cache = backend.prefill(job.tokens)
+                k, v = backend.cache_tensors(cache)
+                pool.insert(scope=job.scope, tokens=job.tokens, k=k, v=v, fingerprint=job.fingerprint,
+                            question=job.question, context_digest=job.context_digest, answer=job.answer)
+            except Exception:
+                self.log.exception("idle-time exact prefill failed")
+                return False
+            return True
 
     def _log_decision(self, req, digest, plan, res) -> None:
         if self.semantic_log is None:

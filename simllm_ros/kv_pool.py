@@ -8,6 +8,7 @@ metadata (token ids, fingerprint, question and answer text).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -41,6 +42,18 @@ class Entry:
 
 
 @dataclasses.dataclass
+class PendingInsert:
+    """A prompt served approximately (SEMANTIC): its exact KV is computed later, when the node is idle."""
+
+    scope: str
+    tokens: list[int]
+    fingerprint: np.ndarray
+    question: str
+    context_digest: str
+    answer: str
+
+
+@dataclasses.dataclass
 class PrefixHit:
     k: torch.Tensor  # [L, H, n, D]
     v: torch.Tensor
@@ -66,6 +79,8 @@ class KVPool:
         self._meta_bytes = 0
         self._next_key = 1
         self.evictions_total = 0
+        # Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time (bounded: newest kept).
+        self.pending_inserts: collections.deque[PendingInsert] = collections.deque(maxlen=8)
         self.lock = threading.RLock()
         # eviction policy knobs (live)
         self.lfu_weight = 0.7
@@ -205,6 +220,7 @@ class KVPool:
 
     def clear(self) -> None:
         with self.lock:
+            self.pending_inserts.clear()
             for k in list(self.entries):
                 self.remove(k)
 

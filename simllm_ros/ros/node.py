@@ -504,11 +504,21 @@ class SimLLMNode(LifecycleNode):
         while True:
             with self._cv:
                 while not self._gen_queue and not self._gen_stop:
-                    self._cv.wait()
-                if not self._gen_queue:
+                    engine = self._engine
+                    if engine is not None and self._active and engine.has_idle_work():
+                        break  # nothing waits: use the time for deferred exact prefills
+                    self._cv.wait(timeout=1.0)
+                if self._gen_stop and not self._gen_queue:
                     return
-                job = self._gen_queue.popleft()
-                self._waiting -= 1
+                job = self._gen_queue.popleft() if self._gen_queue else None
+                if job is not None:
+                    self._waiting -= 1
+            if job is None:
+                try:
+                    engine.idle_work()
+                except Exception as e:
+                    self.get_logger().error(f"idle work failed: {type(e).__name__}: {e}")
+                continue
             try:
                 engine = self._engine
                 if engine is None:
