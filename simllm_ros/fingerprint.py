@@ -36,7 +36,11 @@ class Fingerprinter:
         self.dim = int(self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension")
                        else self.model.get_sentence_embedding_dimension())
         self.name = ref
-        self._lock = threading.Lock()  # the embedder is called from the matching thread and warm-up
+        self._lock = threading.Lock()  # one embedding batch at a time
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Waiter] = []
+        self.batches = 0  # how many forward passes, and how many texts they carried
+        self.batched_texts = 0
         # On CUDA, fingerprints run on their own stream so they overlap generation on the default stream.
         self._stream = None
         if str(device).startswith("cuda"):
@@ -45,18 +49,55 @@ class Fingerprinter:
             self._stream = torch.cuda.Stream()
 
     def embed(self, texts: list[str]) -> np.ndarray:
-        """[n, dim] float32 unit vectors; several waiting requests are embedded in one batch."""
-        cleaned = [normalize_text(t) for t in texts]
-        if self._stream is not None:
-            import torch
+        """[n, dim] float32 unit vectors.
 
-            stream_ctx = torch.cuda.stream(self._stream)
-        else:
-            stream_ctx = contextlib.nullcontext()
-        with self._lock, stream_ctx:
-            v = self.model.encode(cleaned, batch_size=32, convert_to_numpy=True,
-                                  normalize_embeddings=True, show_progress_bar=False)
-        return v.astype(np.float32)
+        Callers that arrive while a batch is being embedded queue their texts; the next caller to take
+        the embedder embeds everything queued in one batch and hands each caller its rows, so several
+        waiting requests cost one forward pass instead of one each."""
+        waiter = _Waiter([normalize_text(t) for t in texts])
+        with self._queue_lock:
+            self._queue.append(waiter)
+        with self._lock:
+            if not waiter.done.is_set():
+                with self._queue_lock:
+                    batch, self._queue = self._queue, []
+                flat = [t for w in batch for t in w.texts]
+                try:
+                    with self._stream_context():
+                        v = self.model.encode(flat, batch_size=32, convert_to_numpy=True,
+                                              normalize_embeddings=True, show_progress_bar=False)
+                    v = v.astype(np.float32)
+                except BaseException as e:  # every waiter of this batch gets the error, none hangs
+                    for w in batch:
+                        w.error = e
+                        w.done.set()
+                    raise
+                self.batches += 1
+                self.batched_texts += len(flat)
+                row = 0
+                for w in batch:
+                    w.result = v[row:row + len(w.texts)]
+                    row += len(w.texts)
+                    w.done.set()
+        waiter.done.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.result
+
+    def _stream_context(self):
+        if self._stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(self._stream)
+
+
+class _Waiter:
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+        self.done = threading.Event()
+        self.result: np.ndarray | None = None
+        self.error: BaseException | None = None
 
 
 def context_digest(context: str) -> str:

@@ -325,3 +325,33 @@ def test_parse_size_good(text, device, expect):
 def test_parse_size_bad(text, device):
     with pytest.raises(SettingError):
         parse_size(text, device)
+
+
+def test_concurrent_fingerprints_share_batches():
+    """Requests fingerprinted at the same time are embedded together, and each gets its own rows."""
+    import threading
+
+    from simllm_ros.fingerprint import Fingerprinter
+
+    fp = Fingerprinter()
+    texts = [f"how long will it take to drive to the park in west county number {i}" for i in range(24)]
+    alone = fp.embed(texts)
+    before = (fp.batches, fp.batched_texts)
+    out = [None] * len(texts)
+    start = threading.Barrier(len(texts))
+
+    def one(i):
+        start.wait()
+        out[i] = fp.embed([texts[i]])[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    passes = fp.batches - before[0]
+    assert fp.batched_texts - before[1] == len(texts)
+    assert passes < len(texts), "no two concurrent requests shared a batch"
+    for i in range(len(texts)):
+        assert np.allclose(out[i], alone[i], atol=1e-5), f"request {i} got another request's fingerprint"
+    print(f"\n{len(texts)} concurrent fingerprints took {passes} embedding passes")
