@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import threading
@@ -95,31 +94,15 @@ def census() -> tuple[int, collections.Counter]:
     return len(objs), collections.Counter(type(o).__name__ for o in objs)
 
 
-def _domain_free(domain: int) -> bool:
-    base = 7400 + 250 * domain
-    for port in [base] + [base + 10 + 2 * i for i in range(4)]:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-        finally:
-            s.close()
-    return True
-
-
 def isolate_ros() -> None:
     """Unless the caller chose, a ROS domain nobody on this host uses, discovery limited to this host."""
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if "ROS_DOMAIN_ID" not in os.environ:
-        seed = os.getpid() + 101
-        for k in range(200):
-            d = 1 + (seed + k) % 200
-            if _domain_free(d):
-                os.environ["ROS_DOMAIN_ID"] = str(d)
-                break
+        from simllm_ros.ros.domain import pick_domain
+
+        os.environ["ROS_DOMAIN_ID"] = str(pick_domain(os.getpid() + 101))
 
 
 def parse_range(s: str) -> tuple[int, int]:

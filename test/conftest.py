@@ -4,7 +4,6 @@ ROS isolation is set here, at import, before any test module can call rclpy.init
 derived from the pid and discovery limited to this host, so parallel test runs never see each other.
 """
 import os
-import socket
 import sys
 import threading
 import time
@@ -15,28 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def _domain_in_use(domain: int) -> bool:
-    """True if a DDS participant on this host already holds the domain's Fast DDS discovery ports."""
-    base = 7400 + 250 * domain
-    for port in [base] + [base + 10 + 2 * i for i in range(4)]:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return True
-        finally:
-            s.close()
-    return False
-
-
-def pick_domain(seed: int, exclude=()) -> int:
-    """A ROS_DOMAIN_ID in 1..200 derived from seed (e.g. the pid), skipping domains in use on this host."""
-    for k in range(200):
-        d = 1 + (seed + k) % 200
-        if d not in exclude and not _domain_in_use(d):
-            return d
-    return 1 + seed % 200
-
+from simllm_ros.ros.domain import pick_domain  # noqa: E402  (no ROS import: runs before rclpy.init)
 
 os.environ["ROS_DOMAIN_ID"] = str(pick_domain(os.getpid()))
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
