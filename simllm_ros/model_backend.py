@@ -251,15 +251,14 @@ class ModelBackend:
         """Move post-RoPE keys [L, H, n, D] by `delta` positions each ([n] ints): R(p+d) = R(d) R(p)."""
         rot = self.model.model.rotary_emb
         inv_freq = rot.inv_freq.to(torch.float32).to(k.device)
-        scaling = float(getattr(rot, "attention_scaling", 1.0))
         freqs = delta.to(torch.float32)[:, None] * inv_freq[None, :]  # [n, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         kf = k.float()
         half = kf.shape[-1] // 2
         rotated_half = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
-        # attention_scaling multiplies cos/sin once at encoding; a relative rotation must not apply it again.
-        del scaling
+        # No attention_scaling here: it multiplied cos/sin once at encoding, and a relative rotation
+        # of an already-encoded key must not apply it a second time.
         return (kf * cos + rotated_half * sin).to(k.dtype)
 
     # ---- decoding ------------------------------------------------------------

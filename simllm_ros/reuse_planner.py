@@ -35,12 +35,6 @@ class ReusePlan:
     answer: str = ""
     source_question: str = ""
 
-    @property
-    def reused_estimate(self) -> int:
-        if self.tier == CacheResult.EXACT_PREFIX and self.prefix:
-            return self.prefix.n_tokens
-        return len(self.pairs)
-
 
 def align(source: list[int], target: list[int], limit: int) -> list[tuple[int, int]]:
     """(target position, source position) of tokens in matching runs of at least MIN_RUN_TOKENS,
