@@ -85,6 +85,11 @@ def test_overload_every_request_answered_once(h):
     try:
         for c in clients:
             assert c.wait_for_service(timeout_sec=10)
+            # wait_for_service proves only the request path is matched; a reply sent before the node's
+            # reply writer has discovered this client's reader is dropped by DDS. One answered call per
+            # client settles discovery, so the waves below measure the node, not discovery.
+            first = wait_future(c.call_async(Query.Request(prompt="Say hi.", max_new_tokens=1)), 120)
+            assert first.success, first.error
         assert wait_until(lambda: all(p.get_subscription_count() >= 1 for p in pubs), 10)
         n_stats0 = len(h.messages(f"{N}/cache_stats"))
 
