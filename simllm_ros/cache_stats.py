@@ -28,6 +28,8 @@ STATS_FIELDS = (
     "window_size", "requests_total", "misses_total",
     "ttft_hit_mean_ms", "ttft_hit_p95_ms", "ttft_miss_mean_ms", "ttft_miss_p95_ms",
     "evictions_total", "bytes_saved_quantization", "queue_depth", "rejected_busy_total", "errors_total",
+    "draft_acceptance_recent", "draft_tokens_proposed_total", "draft_tokens_accepted_total",
+    "decode_passes_saved_total", "approximate_total",
 )
 
 
@@ -50,6 +52,10 @@ class CacheStatsRecorder:
         self.window = window
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[CacheResult, float]] = collections.deque(maxlen=window)
+        self._recent_drafts: collections.deque[tuple[int, int]] = collections.deque(maxlen=window)
+        self._drafts = [0, 0]  # proposed, accepted
+        self._passes_saved = 0
+        self._approximate = 0
         self._tier_totals = {t: 0 for t in CacheResult}
         self._rejected_busy = 0
         self._errors = 0
@@ -62,6 +68,12 @@ class CacheStatsRecorder:
             tier = CacheResult(result.cache_result)
             self._tier_totals[tier] += 1
             self._recent.append((tier, float(result.ttft_ms)))
+            proposed, accepted = int(result.draft_tokens_proposed), int(result.draft_tokens_accepted)
+            self._recent_drafts.append((proposed, accepted))
+            self._drafts[0] += proposed
+            self._drafts[1] += accepted
+            self._passes_saved += int(result.decode_passes_saved)
+            self._approximate += not result.exact
 
     def record_rejected_busy(self) -> None:
         with self._lock:
@@ -78,6 +90,9 @@ class CacheStatsRecorder:
             recent = list(self._recent)
             totals = dict(self._tier_totals)
             rejected, errors = self._rejected_busy, self._errors
+            recent_prop = sum(p for p, _ in self._recent_drafts)
+            recent_acc = sum(a for _, a in self._recent_drafts)
+            drafts, saved, approx = list(self._drafts), self._passes_saved, self._approximate
         n_recent = len(recent)
         recent_counts = collections.Counter(t for t, _ in recent)
         n_total = sum(totals.values())
@@ -113,6 +128,11 @@ class CacheStatsRecorder:
             "queue_depth": int(queue_depth),
             "rejected_busy_total": rejected,
             "errors_total": errors,
+            "draft_acceptance_recent": _rate(recent_acc, recent_prop),
+            "draft_tokens_proposed_total": drafts[0],
+            "draft_tokens_accepted_total": drafts[1],
+            "decode_passes_saved_total": saved,
+            "approximate_total": approx,
         }
         assert tuple(snap) == STATS_FIELDS
         return snap

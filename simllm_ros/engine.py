@@ -7,6 +7,7 @@ request's own fault never raises: it comes back as success=False with an error.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -20,6 +21,7 @@ import torch
 
 from . import persistence, reuse_planner, semantic_reuse
 from .cache_stats import CacheStatsRecorder
+from .draft_proposer import DraftProposer
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PendingInsert
 from .model_backend import ModelBackend, ModelLoadError
@@ -82,6 +84,10 @@ class Engine:
         self._exec_lock = threading.Lock()
         self._last_refresh = 0.0
         self.load_report: dict = {}
+        self.kv_bits = 0
+        # Recent answers per scope (token ids), a draft source for verified decoding.
+        self._recent_answers: dict[str, collections.deque[list[int]]] = {}
+        self._answer_tokens: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
 
     # ---- lifecycle -------------------------------------------------------------
     @property
@@ -94,12 +100,15 @@ class Engine:
         try:
             t0 = time.monotonic()
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
-            self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress)
+            self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits)
+            progress(f"model in {self.backend.dtype_name}, weights at {s.weight_bits} bits; batch-invariant "
+                     f"execution {'verified: exact-prefix reuse and drafts are lossless' if self.backend.exact_chunking else 'NOT verified on this machine: reuse and drafts are approximate'}")
             progress(f"loading embedder {s.embedder}")
             self.fingerprinter = Fingerprinter(s.embedder, self.backend.device)
             budget = parse_size(s.cache_size, device_memory_bytes(self.backend.device))
+            self.kv_bits = s.kv_bits or (32 if self.backend.dtype == torch.float32 else 16)
             self.pool = KVPool(self.backend.kv_shape, block_tokens=s.block_tokens, budget_bytes=budget,
-                               kv_bits=s.kv_bits, model_dtype=self.backend.dtype,
+                               kv_bits=self.kv_bits, model_dtype=self.backend.dtype,
                                fingerprint_dim=self.fingerprinter.dim, device=self.backend.device)
             self._apply_pool_knobs()
             self._prime()
@@ -263,19 +272,22 @@ class Engine:
         digest = context_digest(req.context)
         # A sliding-window layer keeps only its window: past it, the cache no longer holds every token's KV.
         poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
+        lossless = self.lossless_reuse
         plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=p.fingerprint,
                                   question=p.question, context_digest=digest,
                                   allow_approximate=req.allow_approximate, settings=s,
-                                  semantic_supported=backend.semantic_supported, now=now, use_kv=poolable)
+                                  semantic_supported=backend.semantic_supported, now=now, use_kv=poolable,
+                                  lossless_kv=lossless)
         res = QueryResult(success=True, cache_result=plan.tier, similarity=plan.similarity,
                           prompt_tokens=len(tokens), request_id=req.request_id)
-        if plan.tier == CacheResult.ANSWER:
+        if plan.tier == CacheResult.ANSWER:  # unverified stored answer (opt-in): approximate
             pool.touch([plan.source_key], now)
             res.answer = plan.answer
             res.reused_tokens = len(tokens)
             res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
             self._log_decision(req, digest, plan, res)
             return res
+        reserve = max_new + s.max_draft_tokens + 2  # room in the KV buffer for the answer and a draft
         if plan.tier == CacheResult.SEMANTIC:
             sp = semantic_reuse.run(backend, pool, plan, tokens, recompute_ratio=s.recompute_ratio,
                                     gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers)
@@ -283,16 +295,25 @@ class Engine:
             res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
         elif plan.tier == CacheResult.EXACT_PREFIX:
             n = plan.prefix.n_tokens
-            cache = backend.cache_from_tensors(plan.prefix.k, plan.prefix.v)
+            cache = backend.cache_from_tensors(plan.prefix.k, plan.prefix.v, reserve=len(tokens) - n + reserve)
             logits, cache = backend.prefill(tokens[n:], cache)
             res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
         else:
-            logits, cache = backend.prefill(tokens)
+            logits, cache = backend.prefill(tokens, reserve=reserve)
             res.recomputed_tokens = len(tokens)
-        gen = backend.decode(logits, cache, max_new, s.temperature, s.seed, t_start=p.t_arrival)
+        # Drafts are checked by the model; they keep the answer exact only on a batch-invariant backend.
+        use_drafts = s.enable_drafts and (backend.exact_chunking or req.allow_approximate)
+        drafts = self._draft_source(req, tokens, p.fingerprint, now) if use_drafts else None
+        gen = backend.decode(logits, cache, max_new, s.temperature, s.seed, t_start=p.t_arrival, drafts=drafts)
         res.answer = gen.text
         res.generated_tokens = len(gen.tokens)
         res.ttft_ms = gen.ttft_s * 1000
+        res.draft_tokens_proposed, res.draft_tokens_accepted = gen.draft_proposed, gen.draft_accepted
+        res.decode_passes = gen.forward_passes
+        res.decode_passes_saved = max(0, gen.plain_passes - gen.forward_passes)
+        res.exact = (plan.tier == CacheResult.MISS or (plan.tier == CacheResult.EXACT_PREFIX and lossless)) and \
+            (drafts is None or backend.exact_chunking)
+        self._remember_answer(req.scope, gen.tokens)
         # Pool update: exact KV only (a repaired SEMANTIC cache is approximate and would poison exact reuse).
         if plan.source_key is not None:
             pool.touch([plan.source_key], now)
@@ -310,6 +331,45 @@ class Engine:
         res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
         self._log_decision(req, digest, plan, res)
         return res
+
+    @property
+    def lossless_reuse(self) -> bool:
+        """Stored KV reused gives bitwise what a full prefill gives: stored at the model's own precision,
+        on a backend whose results do not depend on how a sequence is cut into passes."""
+        b = self.backend
+        return b is not None and b.exact_chunking and self.pool.store.dtype == b.dtype
+
+    def _draft_source(self, req: QueryRequest, tokens: list[int], fingerprint, now: float) -> DraftProposer:
+        """Drafts for this request: answers of the same prompt and of similar tasks in its scope (most
+        similar first), the scope's recent answers, and the prompt itself."""
+        s, pool = self.settings, self.pool
+        answers = []
+        same = pool.find(req.scope, tokens)
+        if same is not None and same.answer:
+            answers.append(same.answer)
+        for key, cos, _ in pool.matcher.best(fingerprint, req.scope, now, k=4, recency_weight=0.0,
+                                             half_life_s=s.recency_half_life_s):
+            e = pool.entries.get(key)
+            if cos >= s.draft_min_similarity and e is not None and e.answer and e.answer not in answers:
+                answers.append(e.answer)
+        return DraftProposer(answers=[self._answer_ids(a) for a in answers],
+                             history=list(self._recent_answers.get(req.scope, ())),
+                             prompt=tokens, max_tokens=s.max_draft_tokens)
+
+    def _answer_ids(self, text: str) -> list[int]:
+        ids = self._answer_tokens.get(text)
+        if ids is None:
+            ids = self.backend.tokenize_answer(text)
+            self._answer_tokens[text] = ids
+            if len(self._answer_tokens) > 512:
+                self._answer_tokens.popitem(last=False)
+        return ids
+
+    def _remember_answer(self, scope: str, tokens: list[int]) -> None:
+        if tokens:
+            self._recent_answers.setdefault(scope, collections.deque(maxlen=16)).append(list(tokens))
+            if len(self._recent_answers) > 256:  # scopes are caller-chosen: keep the table bounded
+                self._recent_answers.pop(next(iter(self._recent_answers)))
 
     def has_idle_work(self) -> bool:
         return self.pool is not None and bool(self.pool.pending_inserts) and self.thermal_level == 0

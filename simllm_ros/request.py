@@ -47,6 +47,13 @@ class QueryResult:
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     request_id: str = ""
+    # True when the answer is guaranteed to be what the model answers with an empty pool (bitwise):
+    # MISS, lossless EXACT_PREFIX reuse and verified drafts on a batch-invariant backend.
+    exact: bool = False
+    draft_tokens_proposed: int = 0  # draft tokens checked by the model (verified decoding)
+    draft_tokens_accepted: int = 0  # of those, tokens the model agreed with and kept
+    decode_passes: int = 0  # forward passes after the prefill
+    decode_passes_saved: int = 0  # against plain decoding of the same tokens (statistics only, not in the message)
 
     @classmethod
     def failure(cls, error: str, request_id: str = "") -> "QueryResult":

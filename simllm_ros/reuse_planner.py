@@ -51,9 +51,13 @@ def align(source: list[int], target: list[int], limit: int) -> list[tuple[int, i
 
 
 def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: str, context_digest: str,
-         allow_approximate: bool, settings, semantic_supported: bool, now: float, use_kv: bool = True) -> ReusePlan:
+         allow_approximate: bool, settings, semantic_supported: bool, now: float, use_kv: bool = True,
+         lossless_kv: bool | None = None) -> ReusePlan:
+    """lossless_kv: whether reusing stored KV gives bitwise the KV a full prefill would (the engine knows:
+    stored at the model's precision, on a batch-invariant backend)."""
     s = settings
-    lossless_kv = pool.store.kv_bits >= 16
+    if lossless_kv is None:
+        lossless_kv = pool.store.kv_bits >= 16
     limit = len(tokens) - 1  # the last prompt token is always computed: its logits start the answer
     candidates = pool.matcher.best(fingerprint, scope, now, k=4, recency_weight=s.recency_weight,
                                    half_life_s=s.recency_half_life_s)
@@ -117,5 +121,5 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
         src = prefix.entry_keys[0] if prefix.entry_keys else None
         return ReusePlan(CacheResult.EXACT_PREFIX, f"{n_exact}-token exact prefix; no semantic: {why_not}",
                          best_cos, src, prefix=prefix)
-    reason = "no cached prefix" if (allow_approximate or lossless_kv) else "8-bit KV is lossy and caller forbids approximate reuse"
+    reason = "no cached prefix" if (allow_approximate or lossless_kv) else "stored KV reuse is not lossless here and caller forbids approximate reuse"
     return ReusePlan(CacheResult.MISS, f"{reason}; no semantic: {why_not}", best_cos)

@@ -74,7 +74,7 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     cache = backend.cache_from_tensors(k[:, :, keep], v[:, :, keep])
     q_pos = torch.tensor(recompute, dtype=torch.long)
     kv_pos = torch.cat([kept_pos, q_pos])
-    mask = (kv_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, kv]
+    mask = kv_pos[None, :] <= q_pos[:, None]  # [q, kv]: each recomputed token sees what precedes it
     logits, cache = backend.prefill([tokens[p] for p in recompute], cache, positions=recompute, mask=mask)
     K, V = backend.cache_tensors(cache)
     order = torch.argsort(kv_pos)

@@ -77,7 +77,7 @@ def shared_engine(**overrides) -> Engine:
 def fresh(engine: Engine, **live) -> Engine:
     """Empty pool and default live settings (plus `live`): a test starts from a known state."""
     base = engine.settings.values
-    defaults = Settings.from_overrides(**{k: base[k] for k in ("model", "embedder", "device", "dtype",
+    defaults = Settings.from_overrides(**{k: base[k] for k in ("model", "embedder", "device", "dtype", "weight_bits",
                                                               "model_cache_dir", "cache_size", "kv_bits",
                                                               "block_tokens", "persist_path")})
     engine.settings = defaults.replace(**live)

@@ -17,6 +17,8 @@ EXPECTED_KEYS = [
     "hit_rate_semantic_total", "hit_rate_answer_total", "hit_rate_any_total", "window_size", "requests_total",
     "misses_total", "ttft_hit_mean_ms", "ttft_hit_p95_ms", "ttft_miss_mean_ms", "ttft_miss_p95_ms",
     "evictions_total", "bytes_saved_quantization", "queue_depth", "rejected_busy_total", "errors_total",
+    "draft_acceptance_recent", "draft_tokens_proposed_total", "draft_tokens_accepted_total",
+    "decode_passes_saved_total", "approximate_total",
 ]
 
 
@@ -134,3 +136,17 @@ def test_thread_safety():
     assert s["misses_total"] == n_threads * per_thread // 4
     assert s["hit_rate_any_total"] == pytest.approx(0.75)
     assert s["window_size"] == 50
+
+
+def test_draft_and_exactness_figures():
+    rec = CacheStatsRecorder(window=2)
+    for proposed, accepted, saved, exact in ((10, 10, 9, True), (8, 2, 1, False), (4, 0, 0, True)):
+        r = ok(CacheResult.EXACT_PREFIX, 50.0)
+        r.draft_tokens_proposed, r.draft_tokens_accepted, r.decode_passes_saved, r.exact = \
+            proposed, accepted, saved, exact
+        rec.record(r)
+    rec.record(QueryResult.failure("bad input"))  # failures count nowhere here
+    s = rec.snapshot(**POOL)
+    assert s["draft_tokens_proposed_total"] == 22 and s["draft_tokens_accepted_total"] == 12
+    assert s["draft_acceptance_recent"] == pytest.approx(2 / 12)  # window of 2: the last two results
+    assert s["decode_passes_saved_total"] == 10 and s["approximate_total"] == 1

@@ -81,7 +81,7 @@ def test_parameters_from_yaml_with_descriptors(h):
     d = h.describe("cache_threshold")
     assert d.floating_point_range[0].from_value == 0.0 and d.floating_point_range[0].to_value == 1.0
     assert "changes live" in d.additional_constraints and d.description
-    assert "one of: 8, 16, 32" in h.describe("kv_bits").additional_constraints
+    assert "one of: 0, 8, 16, 32" in h.describe("kv_bits").additional_constraints
     d = h.describe("block_tokens")
     assert (d.integer_range[0].from_value, d.integer_range[0].to_value) == (4, 256)
     assert "needs reconfigure" in h.describe("model").additional_constraints
@@ -129,9 +129,11 @@ def test_repeated_query_reuses_cache(h):
     assert again.cache_result in (CacheResult.EXACT_PREFIX, CacheResult.ANSWER)
     assert again.reused_tokens > 0
     assert again.similarity == pytest.approx(1.0, abs=1e-3)
-    # kv_bits=8 stores lossy KV: a caller that forbids approximate reuse gets a full prefill
+    # The default keeps KV at the model's precision on a batch-invariant backend: reuse is lossless, so a
+    # caller that forbids approximate reuse still gets it, and the same answer, reported exact.
     strict = h.query("Where is the sink?", context=ctx, max_new_tokens=12, allow_approximate=False)
-    assert strict.success and strict.cache_result == CacheResult.MISS and strict.reused_tokens == 0
+    assert strict.success and strict.reused_tokens > 0 and strict.cache_result == CacheResult.EXACT_PREFIX, strict
+    assert strict.exact and strict.answer == first.answer and first.exact
 
 
 def test_topic_request_response(h):

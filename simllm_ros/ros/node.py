@@ -118,6 +118,10 @@ def _fill_result(msg, result: QueryResult):
     msg.generated_tokens = _u32(result.generated_tokens)
     msg.ttft_ms = float(result.ttft_ms)
     msg.total_ms = float(result.total_ms)
+    msg.exact = bool(result.exact)
+    msg.draft_tokens_proposed = _u32(result.draft_tokens_proposed)
+    msg.draft_tokens_accepted = _u32(result.draft_tokens_accepted)
+    msg.decode_passes = _u32(result.decode_passes)
     return msg
 
 

@@ -1,0 +1,274 @@
+"""The whole answer on a cache hit: simllm_ros against llama.cpp on the same GGUF, side by side.
+
+Workload: a ~560-token prompt (system prompt + a local bulletin + a question), real CLINC150
+questions, 32-token answers, greedy. For each question, in this order, interleaved across systems:
+  hit    - a new question on a context the system has already seen (the context is cached)
+  repeat - the same question again (for simllm_ros: its stored answer becomes a verified draft)
+Systems: simllm_ros at its defaults (bf16, lossless KV, verified drafts), the same without drafts,
+with int8 weights (weight_bits=8), and in float32; llama.cpp (llama-cpp-python, same GGUF file,
+its prompt cache), if installed. Every simllm_ros configuration is also run with an empty pool and
+no drafts, and its cached answers are compared with those (identical-answer share).
+
+Also measured: the exact-hit overhead over the model's own limit (prefilling only the uncached
+tokens into a KV buffer that already holds the prefix) at 250 / 500 / 1000-token contexts, and the
+matcher at 10k / 100k / 1M fingerprints.
+
+Run: .venv/bin/python benchmark/verified_decoding.py [--threads 1] [--questions 8] [--smoke]
+Writes benchmark/results/verified_decoding.md (and prints it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from simllm_ros.engine import Engine  # noqa: E402
+from simllm_ros.matcher import Matcher  # noqa: E402
+from simllm_ros.request import QueryRequest  # noqa: E402
+from simllm_ros.settings import Settings  # noqa: E402
+from simllm_ros.workloads import find_clinc  # noqa: E402
+
+BULLETIN = """Riverside district bulletin, Tuesday 14 May.
+Roads: Elm Street is closed between 3rd Avenue and Mill Road from 09:00 to 17:00 for water main repairs; use Oak Avenue instead. The Harbour Bridge has one lane open until 06:30 tomorrow. Traffic on Route 9 northbound is heavy, with delays of about 25 minutes near exit 14. Cyclists should use the river path, which is lit until midnight.
+Weather: cloudy this morning with a high of 18 C, light rain expected after 15:00, wind from the west at 20 km/h. Tomorrow: sunny, 22 C, pollen count high.
+Fuel: the Shell station on Mill Road sells regular at 1.62 per litre and diesel at 1.71; the station on Oak Avenue is closed for refurbishment until Friday. Electric chargers at the library car park are free until 10:00.
+Transit: bus line 12 runs every 15 minutes until 20:00, then every 40 minutes. Tram line 3 is replaced by buses between Central and Harbour this week. Taxis wait at the station's east exit.
+Services: the pharmacy on Oak Avenue opens at 08:30 and closes at 19:00. The post office at 22 King Street is open 09:00-12:30 today only. The town hall's citizen desk is open 10:00-16:00; bring an ID card. The recycling centre on Quay Road takes electronics on Tuesdays and Thursdays.
+Events: a farmers' market fills Market Square from 07:00 to 13:00; parking there is suspended. The city orchestra plays in Riverside Park at 19:30, free entry; the park's south gate closes at 22:00. The museum of transport has free entry for children under 12.
+Parking: the multi-storey on Bank Street has 140 free spaces, 2.50 per hour. Street parking on Mill Road is limited to two hours. The hospital car park is for patients and visitors only.
+Safety: the footbridge at Pier 4 is closed after storm damage. Report fallen trees on 0800 555 0100.
+"""
+INTENTS = ("weather", "traffic", "directions", "gas", "distance", "uber", "restaurant_suggestion", "how_busy",
+           "timer", "current_location", "calendar", "travel_suggestion")
+
+
+def questions(n: int) -> list[str]:
+    import json
+
+    by = {}
+    with open(find_clinc(), encoding="utf-8") as f:
+        for line in f:
+            d = json.loads(line)
+            if d["intent"] in INTENTS and d["intent"] not in by:
+                by[d["intent"]] = d["text"]
+    return [by[i] for i in INTENTS if i in by][:n]
+
+
+class SimSystem:
+    def __init__(self, name: str, **overrides):
+        self.name = name
+        self.engine = Engine(Settings.from_overrides(cache_size="512MB", **overrides))
+        self.engine.load(progress=lambda m: None)
+        self.ref: dict[str, str] = {}
+
+    def reference(self, q: str, max_new: int) -> str:
+        """The answer from an empty pool without drafts: what the cache must not change."""
+        e = self.engine
+        saved = e.settings
+        e.settings = saved.replace(enable_drafts=False)
+        e.pool.clear()
+        r = e.handle(QueryRequest(prompt=q, context=BULLETIN, cache_scope="b", max_new_tokens=max_new,
+                                  allow_approximate=True))
+        e.settings = saved
+        e.pool.clear()
+        self.ref[q] = r.answer
+        return r.answer
+
+    def ask(self, q: str, max_new: int) -> dict:
+        r = self.engine.handle(QueryRequest(prompt=q, context=BULLETIN, cache_scope="b", max_new_tokens=max_new,
+                                            allow_approximate=True))
+        assert r.success, r.error
+        return {"ttft": r.ttft_ms, "total": r.total_ms, "n": r.generated_tokens, "answer": r.answer,
+                "tier": r.cache_result.name, "passes": r.decode_passes, "exact": r.exact,
+                "accepted": r.draft_tokens_accepted, "proposed": r.draft_tokens_proposed, "prompt": r.prompt_tokens}
+
+
+class LlamaCpp:
+    name = "llama.cpp + prompt cache"
+
+    def __init__(self, backend, system_prompt: str, threads: int):
+        from llama_cpp import Llama, LlamaRAMCache
+
+        from simllm_ros.cli.bench import gguf_path
+
+        self.backend, self.system_prompt = backend, system_prompt
+        self.llm = Llama(model_path=gguf_path(), n_ctx=2048, n_batch=512, n_threads=threads,
+                         n_threads_batch=threads, seed=0, verbose=False)
+        self.llm.set_cache(LlamaRAMCache(capacity_bytes=512 << 20))
+        self.ref: dict[str, str] = {}
+
+    def _run(self, q: str, max_new: int) -> dict:
+        ids = self.backend.prompt_ids(self.system_prompt, BULLETIN, q)
+        t0 = time.perf_counter()
+        first, parts, n = None, [], 0
+        for chunk in self.llm.create_completion(prompt=ids, max_tokens=max_new, temperature=0.0, top_k=1, top_p=1.0,
+                                                min_p=0.0, repeat_penalty=1.0, stream=True):
+            if first is None:
+                first = time.perf_counter()
+            parts.append(chunk["choices"][0]["text"])
+            n += 1
+        t1 = time.perf_counter()
+        return {"ttft": ((first or t1) - t0) * 1000, "total": (t1 - t0) * 1000, "n": n,
+                "answer": "".join(parts).strip(), "tier": "-", "passes": n, "exact": True, "accepted": 0,
+                "proposed": 0, "prompt": len(ids)}
+
+    def reference(self, q: str, max_new: int) -> str:
+        self.llm.reset()
+        self.ref[q] = self._run(q, max_new)["answer"]
+        return self.ref[q]
+
+    def ask(self, q: str, max_new: int) -> dict:
+        return self._run(q, max_new)
+
+
+def ms_per_token(rows) -> float:
+    vals = [(r["total"] - r["ttft"]) / (r["n"] - 1) for r in rows if r["n"] > 1]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def med(rows, key) -> float:
+    return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+
+def hit_overhead(engine: Engine, sizes=(250, 500, 1000), reps: int = 5) -> list[tuple[int, float, float]]:
+    """Exact-hit TTFT minus the model's own limit (prefilling only the new tokens on a KV buffer that
+    already holds the cached prefix), per context size."""
+    b, out = engine.backend, []
+    words = (BULLETIN * 4).split()
+    for size in sizes:
+        ctx = " ".join(words[:int(size * 0.7)])
+        engine.pool.clear()
+        engine.settings = engine.settings.replace(max_prompt_tokens=4096, enable_drafts=False)
+        q = "is it going to rain today"
+        engine.handle(QueryRequest(prompt="hello there", context=ctx, cache_scope="o", max_new_tokens=1))
+        hits, limits = [], []
+        for _ in range(reps):
+            r = engine.handle(QueryRequest(prompt=q, context=ctx, cache_scope="o", max_new_tokens=1))
+            engine.pool.clear()
+            engine.handle(QueryRequest(prompt="hello there", context=ctx, cache_scope="o", max_new_tokens=1))
+            hits.append(r.ttft_ms)
+            ids = b.prompt_ids(engine.settings.system_prompt, ctx, q)
+            n = r.reused_tokens
+            logits, cache = b.prefill(ids[:n], reserve=len(ids))
+            t0 = time.perf_counter()
+            logits, _ = b.prefill(ids[n:], cache)
+            int(torch.argmax(logits))
+            limits.append((time.perf_counter() - t0) * 1000)
+        out.append((len(b.prompt_ids(engine.settings.system_prompt, ctx, q)), statistics.median(hits),
+                    statistics.median(limits)))
+    engine.settings = engine.settings.replace(max_prompt_tokens=1024, enable_drafts=True)
+    engine.pool.clear()
+    return out
+
+
+def matcher_times(sizes=(10_000, 100_000, 1_000_000), dim: int = 384) -> list[tuple[int, float]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for n in sizes:
+        m = Matcher(dim)
+        fps = rng.standard_normal((n, dim)).astype(np.float32)
+        fps /= np.linalg.norm(fps, axis=1, keepdims=True)
+        for i in range(n):
+            m.add(i, fps[i], "s", 0.0)
+        q = fps[n // 2]
+        m.best(q, "s", 1.0, k=4)
+        ts = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            top = m.best(q, "s", 1.0, k=4, recency_weight=0.05)
+            ts.append((time.perf_counter() - t0) * 1000)
+        assert top[0][0] == n // 2
+        out.append((n, statistics.median(ts)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--questions", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true", help="two questions, 8 tokens, defaults only, no peers")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "verified_decoding.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    nq, max_new = (2, 8) if args.smoke else (args.questions, args.max_new_tokens)
+    qs = questions(nq)
+    t_start = time.monotonic()
+    systems = [SimSystem("simllm_ros defaults (bf16, drafts)")]
+    if not args.smoke:
+        systems += [SimSystem("simllm_ros, drafts off", enable_drafts=False),
+                    SimSystem("simllm_ros, int8 weights", weight_bits=8),
+                    SimSystem("simllm_ros, float32", dtype="float32")]
+        try:
+            systems.append(LlamaCpp(systems[0].engine.backend, systems[0].engine.settings.system_prompt,
+                                    args.threads))
+        except ImportError:
+            print("llama-cpp-python is not installed: llama.cpp column skipped (pip install -r requirements-bench.txt)")
+    for s in systems:
+        for q in qs:
+            s.reference(q, max_new)
+    rows = {s.name: {"hit": [], "repeat": []} for s in systems}
+    warm = "what is happening in town today"
+    for s in systems:
+        s.ask(warm, max_new)  # the context is now cached (simllm pool / llama.cpp prompt cache and live KV)
+    for q in qs:
+        for kind in ("hit", "repeat"):
+            for s in systems:
+                r = s.ask(q, max_new)
+                r["same"] = r["answer"] == s.ref[q]
+                rows[s.name][kind].append(r)
+    lines = [f"# Verified decoding: whole answers on cache hits ({time.strftime('%Y-%m-%d')})", "",
+             f"{len(qs)} CLINC150 questions on a {rows[systems[0].name]['hit'][0]['prompt']}-token prompt, "
+             f"up to {max_new} new tokens, greedy, {args.threads} thread(s), interleaved request by request; "
+             f"medians. Machine: {os.cpu_count()} cores, shared, so compare within a row set, not across runs.", "",
+             "| system | hit TTFT | hit total | repeat total | decode ms/token (hit) | tokens per pass (hit / repeat) "
+             "| identical to its own no-cache answer |", "|---|---|---|---|---|---|---|"]
+    for s in systems:
+        h, rp = rows[s.name]["hit"], rows[s.name]["repeat"]
+        tpp = lambda rr: sum(r["n"] for r in rr) / max(1, sum(max(r["passes"], 1) for r in rr))  # noqa: E731
+        same = sum(r["same"] for r in h + rp)
+        lines.append(f"| {s.name} | {med(h, 'ttft'):.0f} ms | {med(h, 'total'):.0f} ms | {med(rp, 'total'):.0f} ms "
+                     f"| {ms_per_token(h):.1f} | {tpp(h):.2f} / {tpp(rp):.2f} | {same}/{len(h + rp)} |")
+    if any(isinstance(s, LlamaCpp) for s in systems):
+        base = rows[systems[-1].name]
+        lines += ["", "Ratios to llama.cpp (lower is better):", ""]
+        for s in systems[:-1]:
+            h, rp = rows[s.name]["hit"], rows[s.name]["repeat"]
+            lines.append(f"- {s.name}: hit total {med(h, 'total') / med(base['hit'], 'total'):.2f}x, repeat total "
+                         f"{med(rp, 'total') / med(base['repeat'], 'total'):.2f}x, decode ms/token "
+                         f"{ms_per_token(h) / ms_per_token(base['hit']):.2f}x")
+    e = systems[0].engine
+    d = rows[systems[0].name]
+    acc = sum(r["accepted"] for r in d["hit"] + d["repeat"])
+    prop = sum(r["proposed"] for r in d["hit"] + d["repeat"])
+    lines += ["", f"Defaults: {acc}/{prop} draft tokens accepted; every answer reported exact: "
+              f"{all(r['exact'] for r in d['hit'] + d['repeat'])}; backend batch-invariant: {e.backend.exact_chunking}."]
+    if not args.smoke:
+        lines += ["", "Exact-hit overhead over the model's limit (defaults, drafts off, 1 new token):", "",
+                  "| prompt tokens | hit TTFT | limit (prefill of the new tokens only) | overhead |", "|---|---|---|---|"]
+        for n, hit, limit in hit_overhead(e):
+            lines.append(f"| {n} | {hit:.1f} ms | {limit:.1f} ms | {hit - limit:.1f} ms |")
+        lines += ["", "Matcher (best 4 of N fingerprints, 384-d, one scope):", ""]
+        lines += [f"- {n:,}: {ms:.2f} ms" for n, ms in matcher_times()]
+    lines += ["", f"Wall time {time.monotonic() - t_start:.0f} s."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.smoke:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""A lean forward pass for Llama-family models over a preallocated KV buffer.
+
+Two reasons it exists:
+1. Exactness. Reusing a cached prefix, or verifying draft tokens in one pass, feeds
+   the model the same tokens in different chunks. For the answer to be the model's
+   own, every token's result must not depend on how many tokens ran with it (batch
+   invariance). Measured on this project's CPUs (oneDNN, avx512_bf16): bf16 matrix
+   products are row-invariant for any M >= 2 rows, but a single row takes a GEMV
+   path that rounds differently in ~8% of rows; float32 (MKL) changes with M from
+   16 rows on; torch's fused CPU attention changes with the key length. So this
+   runner (a) never runs one row alone: a single token is padded with a throwaway
+   second row, (b) computes attention as two plain products with a float32 softmax
+   in between, whose rows do not depend on M or on masked keys. `ModelBackend`
+   checks the property bitwise at load time (`invariance_probe`) and reports
+   reuse as approximate where a platform fails it.
+2. Speed. On a CPU the Hugging Face forward spends a large share of a decode step
+   outside the matrix products (cache concatenation, mask building, dispatch through
+   many modules). This runner reads the HF model's own weights (q/k/v and gate/up
+   fused into one product each; the HF modules keep views, nothing is duplicated),
+   writes KV in place into a preallocated `KVBuffer`, and builds a mask only when
+   several tokens run at once.
+
+Only for full-attention RoPE models whose HF module layout is Llama's
+(`ModelBackend.fast_path` decides); other models use the HF forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class KVBuffer:
+    """One request's KV: [layers, kv_heads, capacity, head_dim] keys and values, filled up to `length`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device) -> "KVBuffer":
+        shape = (layers, kv_heads, capacity, head_dim)
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def ensure_capacity(self, n: int) -> None:
+        """Grow (copying what is held) when n tokens would not fit."""
+        if n <= self.capacity:
+            return
+        cap = max(n, 2 * self.capacity)
+        L, H, _, D = self.k.shape
+        k = torch.empty((L, H, cap, D), dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty_like(k)
+        k[:, :, :self.length].copy_(self.k[:, :, :self.length])
+        v[:, :, :self.length].copy_(self.v[:, :, :self.length])
+        self.k, self.v = k, v
+
+    def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put a cached prefix [L, H, n, D] at the start of the buffer."""
+        n = k.shape[2]
+        self.k[:, :, :n].copy_(k)
+        self.v[:, :, :n].copy_(v)
+        self.length = n
+
+    def view(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.length if n is None else n
+        return self.k[:, :, :n], self.v[:, :, :n]
+
+    def truncate(self, n: int) -> None:
+        """Forget everything after token n (rejected draft tokens): their slots are simply overwritten later."""
+        self.length = min(self.length, n)
+
+
+class _Proj:
+    """One projection: a dense weight, or int8 weights with one scale per output channel (weight_bits=8).
+
+    The int8 path uses ATen's weight-only kernel (`_weight_int8pack_mm`, bf16/fp16 activations): on
+    this CPU it reads a decode step's weights in about half the time of the dense bf16 product.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int):
+        self.bias = bias
+        self.n = weight.shape[0]
+        if weight_bits == 8:
+            w = weight.float()
+            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+            self.w8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self.scale = scale.to(weight.dtype)
+            self.weight = None
+        else:
+            self.weight = weight
+            self.w8 = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w8 is None:
+            return F.linear(x, self.weight, self.bias)
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.w8, self.scale)
+        y = y.reshape(*shape[:-1], self.n)
+        return y if self.bias is None else y + self.bias
+
+
+class LlamaRunner:
+    def __init__(self, model, weight_bits: int = 16):
+        base = model.model
+        cfg = model.config
+        self.model = model
+        self.weight_bits = weight_bits
+        self.embed = base.embed_tokens
+        self.norm = base.norm
+        self.rotary = base.rotary_emb
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.group = self.n_heads // self.n_kv
+        self.scale = self.head_dim ** -0.5
+        lm = model.lm_head
+        self.lm_head = _Proj(lm.weight.data, lm.bias.data if lm.bias is not None else None, weight_bits)
+        self.layers = []
+        for layer in base.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits)
+            gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits)
+            o = _Proj(att.o_proj.weight.data, _bias(att.o_proj), weight_bits)
+            down = _Proj(mlp.down_proj.weight.data, _bias(mlp.down_proj), weight_bits)
+            self.layers.append((layer.input_layernorm, qkv, o, layer.post_attention_layernorm, gate_up, down,
+                                mlp.act_fn))
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.inter = base.layers[0].mlp.gate_proj.out_features
+
+    @staticmethod
+    def _fuse(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One weight for several projections of the same input; the HF modules keep views into it."""
+        w = torch.cat([lin.weight.data for lin in linears], dim=0).contiguous()
+        biases = [lin.bias for lin in linears]
+        b = torch.cat([x.data for x in biases], dim=0).contiguous() if all(x is not None for x in biases) else None
+        off = 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            lin.weight.data = w[off:off + n]
+            if b is not None:
+                lin.bias.data = b[off:off + n]
+            off += n
+        return w, b
+
+    @staticmethod
+    def supports(model) -> bool:
+        base = getattr(model, "model", None)
+        layers = getattr(base, "layers", None)
+        if layers is None or not len(layers) or getattr(base, "rotary_emb", None) is None:
+            return False
+        layer = layers[0]
+        att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        need_att = all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        need_mlp = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        # Extra per-head norms (Qwen3, OLMo) or biases on o_proj would need their own code.
+        extra = any(hasattr(att, n) for n in ("q_norm", "k_norm"))
+        return need_att and need_mlp and not extra
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, start: int,
+                mask: torch.Tensor | None = None, logits: str = "last", n_layers: int | None = None,
+                _single: bool = False):
+        """Run tokens `ids` [M] at `positions` [M], writing their KV at buffer slots start..start+M-1.
+
+        Attention covers slots 0..start+M-1: causal by slot when mask is None (slot order = position
+        order), else `mask` [M, start+M] (True = may attend). Returns logits of the last token
+        ("last"), of every token ("all"), or None ("none"); `n_layers` stops early (the
+        deviation probe of semantic repair needs only the first layers' KV).
+        """
+        M = ids.shape[0]
+        if M == 1:  # one row alone would take the GEMV path, which rounds differently (see module doc)
+            pad = None if mask is None else torch.cat([mask, mask[:, -1:] & False], dim=1)
+            pad = None if pad is None else torch.cat([pad, pad[-1:]], dim=0)
+            before = kv.length
+            out = self.forward(torch.cat([ids, ids]), torch.cat([positions, positions + 1]), kv, start, pad,
+                               logits, n_layers, _single=True)
+            kv.length = max(before, start + 1)
+            return None if out is None else out[:1]
+        end = start + M
+        if end > kv.capacity:
+            raise ValueError(f"KV buffer holds {kv.capacity} tokens, {end} needed")
+        h = self.embed(ids)[None]  # [1, M, E]
+        cos, sin = self.rotary(h, positions[None])  # [1, M, D]
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, M, D]
+        G, D, Hkv = self.group, self.head_dim, self.n_kv
+        if mask is None and M > 1:
+            slots = torch.arange(end, device=ids.device)
+            mask = slots[None, :] <= (start + torch.arange(M, device=ids.device))[:, None]
+        if mask is not None:
+            # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so the mask repeats G times.
+            mask = mask.repeat(G, 1)
+        layers = self.layers if n_layers is None else self.layers[:n_layers]
+        for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers):
+            x = ln1(h)
+            qkv = qkv_proj(x)[0]  # [M, q + 2kv]
+            q = qkv[:, :self.q_size].view(M, Hkv * G, D).transpose(0, 1)  # [Hq, M, D]
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(M, Hkv, D).transpose(0, 1)
+            v = qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D).transpose(0, 1)
+            q = q * cos[0] + _rotate_half(q) * sin[0]
+            k = k * cos[0] + _rotate_half(k) * sin[0]
+            kv.k[li, :, start:end] = k
+            kv.v[li, :, start:end] = v
+            # [Hq, M, D] -> [Hkv, G*M, D]: query head h uses KV head h // G (HF's repeat_kv order).
+            qg = q.reshape(Hkv, G * M, D)
+            o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], mask)
+            o = o.reshape(Hkv * G, M, D).transpose(0, 1).reshape(1, M, Hkv * G * D)
+            h = h + o_proj(o)
+            x = ln2(h)
+            gu = gate_up(x)
+            h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+        kv.length = max(kv.length, end)
+        if logits == "none" or n_layers is not None:
+            return None
+        # The padded single row keeps both rows through lm_head too (one row alone is the GEMV path).
+        h = self.norm(h[0] if logits == "all" or _single else h[0, -1:])
+        return self.lm_head(h).float()  # [M or 1, vocab]
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+        """q [Hkv, G*M, D], k/v [Hkv, T, D] -> [Hkv, G*M, D]. Scores and the weighted sum are plain
+        products (row-invariant); the softmax runs in float32 and a masked key adds an exact zero."""
+        s = torch.matmul(q * self.scale, k.transpose(-1, -2)).float()
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1).to(v.dtype)
+        return torch.matmul(p, v)
+
+
+def _bias(linear) -> torch.Tensor | None:
+    return linear.bias.data if linear.bias is not None else None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

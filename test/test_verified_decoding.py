@@ -1,0 +1,232 @@
+"""Verified decoding and lossless reuse: the cache never changes an answer.
+
+Real model (SmolLM2 in bfloat16, the default), real drafts, real pool. The claims:
+- the backend is batch-invariant here: a token's logits and KV are bitwise the same however the
+  sequence is cut into passes (this is what makes reuse and draft checking exact);
+- decoding with drafts gives token for token what plain decoding gives, whatever the drafts are
+  (right, wrong, partly right, longer than the answer), greedy and sampled;
+- through the engine, every answer equals the answer the same request gets from an empty pool,
+  with drafts from stored answers, and one-word "trap" questions never receive the other question's
+  answer on the verified path.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from simllm_ros.decoding import DraftSource, Sampler
+from simllm_ros.draft_proposer import DraftProposer
+from simllm_ros.request import CacheResult, QueryRequest
+
+from core_fixtures import BULLETIN, BULLETIN_REVISED, clinc_by_intent, fresh, shared_engine
+
+NATIVE_BF16 = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+pytestmark = pytest.mark.skipif(not NATIVE_BF16, reason="this CPU has no native bfloat16: reuse is not "
+                                "bitwise exact here and the engine reports it as approximate")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return shared_engine(dtype="bfloat16", kv_bits=0)
+
+
+class FixedDrafts(DraftSource):
+    """Proposes continuations of one fixed token sequence while the answer follows it, else `fallback`."""
+
+    def __init__(self, seq: list[int], fallback: list[int] = ()):
+        self.seq, self.fallback = list(seq), list(fallback)
+
+    def propose(self, generated, limit):
+        n = len(generated)
+        if self.seq[:n] == generated and len(self.seq) > n:
+            return self.seq[n:n + limit]
+        return self.fallback[:limit]
+
+
+def _prompt(engine, question: str, context: str = BULLETIN) -> list[int]:
+    return engine.backend.prompt_ids(engine.settings.system_prompt, context, question)
+
+
+def _decode(engine, ids, max_new, drafts=None, temperature=0.0, seed=0):
+    b = engine.backend
+    logits, cache = b.prefill(ids, reserve=max_new + 40)
+    return b.decode(logits, cache, max_new, temperature, seed, drafts=drafts)
+
+
+def test_backend_is_batch_invariant_on_a_real_prompt(engine):
+    b = engine.backend
+    assert b.exact_chunking, "the load-time invariance probe failed on this machine"
+    ids = _prompt(engine, "Which road is closed today, and until when?")
+    whole = b.new_cache(len(ids) + 4)
+    ref = b.run(ids, whole, logits="all")
+    rng = random.Random(3)
+    for _ in range(3):
+        cuts = sorted(rng.sample(range(1, len(ids)), 5)) + [len(ids) - 1]  # the last pass: one token alone
+        cache, outs, s = b.new_cache(len(ids) + 4), [], 0
+        for c in sorted(set(cuts)) + [len(ids)]:
+            outs.append(b.run(ids[s:c], cache, logits="all"))
+            s = c
+        assert torch.equal(torch.cat(outs), ref), f"logits depend on the cut {cuts}"
+        k1, v1 = b.cache_tensors(cache)
+        k0, v0 = b.cache_tensors(whole)
+        assert torch.equal(k1, k0) and torch.equal(v1, v0), f"KV depends on the cut {cuts}"
+
+
+QUESTIONS = ["is it going to rain today", "which bus line runs late tonight", "where can i get diesel",
+             "is the pharmacy open now", "how bad is traffic on route 9", "can i mail a letter today"]
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.9, 11)])
+def test_verified_equals_plain_whatever_the_drafts(engine, temperature, seed):
+    vocab = len(engine.backend.tokenizer)
+    rng = random.Random(5)
+    passes_plain = passes_right = 0
+    for q in QUESTIONS:
+        ids = _prompt(engine, q)
+        plain = _decode(engine, ids, 20, temperature=temperature, seed=seed)
+        assert plain.tokens, q
+        t = plain.tokens
+        wrong = [rng.randrange(100, vocab) for _ in range(40)]
+        j = len(t) // 2
+        variants = {
+            "right": FixedDrafts(t),
+            "all wrong": FixedDrafts([], wrong),
+            "partly right": FixedDrafts(t[:j] + [(t[j] + 1) % vocab] + t[j + 1:], wrong),
+            "longer than the answer": FixedDrafts(t + wrong),
+            "prompt lookup": DraftProposer(prompt=ids, max_tokens=8),
+        }
+        for name, drafts in variants.items():
+            got = _decode(engine, ids, 20, drafts=drafts, temperature=temperature, seed=seed)
+            assert got.tokens == t, f"{q!r}, drafts {name}: {got.text!r} != plain {plain.text!r}"
+            if name == "right":
+                passes_right += got.forward_passes
+                assert got.draft_accepted == got.draft_proposed
+        passes_plain += plain.forward_passes
+    print(f"\n[verified decoding T={temperature}] {len(QUESTIONS)} prompts x 5 draft kinds identical to plain; "
+          f"decode passes with right drafts {passes_right} vs plain {passes_plain}")
+    assert passes_right * 3 <= passes_plain
+
+
+def test_sampler_draws_from_the_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(6) * 1.5
+    temperature = 0.7
+    probs = torch.softmax(logits / temperature, dim=-1)
+    n = 6000
+    counts = torch.zeros(6)
+    for seed in range(n):
+        counts[Sampler(temperature, seed).pick(logits, step=seed % 7)] += 1
+    expected = probs * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    # 5 degrees of freedom: chi2 above 20.5 happens with probability 0.001 for a correct sampler.
+    assert chi2 < 20.5, (counts.tolist(), expected.tolist(), chi2)
+    # ...and one (seed, step) always gives the same token, whatever else ran before.
+    assert Sampler(temperature, 3).pick(logits, 4) == Sampler(temperature, 3).pick(logits, 4)
+
+
+def _references(engine, requests, max_new):
+    """Each request's answer from an empty pool without drafts: the model's own answer."""
+    fresh(engine, enable_drafts=False, enable_semantic_reuse=False)
+    out = []
+    for r in requests:
+        engine.pool.clear()
+        res = engine.handle(r)
+        assert res.success and res.cache_result == CacheResult.MISS and res.exact, res
+        out.append(res.answer)
+    return out
+
+
+def test_engine_answers_equal_the_empty_pool_answers(engine):
+    qs = clinc_by_intent(3)
+    questions = ([q for q in qs["weather"][:2]] + [qs["gas"][0], qs["traffic"][0]] + [qs["weather"][0]] * 2)
+    reqs = [QueryRequest(prompt=q, context=ctx, cache_scope="robot", max_new_tokens=16, allow_approximate=False,
+                         request_id=str(i))
+            for i, (q, ctx) in enumerate([(q, BULLETIN) for q in questions] + [(questions[0], BULLETIN_REVISED)])]
+    refs = _references(engine, reqs, 16)
+    fresh(engine)
+    tiers, accepted = [], 0
+    for r, ref in zip(reqs, refs):
+        res = engine.handle(r)
+        assert res.success and res.exact, res
+        assert res.answer == ref, f"{r.prompt!r}: cached {res.answer!r} != empty-pool {ref!r} ({res.cache_result.name})"
+        tiers.append(res.cache_result.name)
+        accepted += res.draft_tokens_accepted
+    repeat = engine.handle(reqs[0])
+    assert repeat.answer == refs[0] and repeat.generated_tokens > 1
+    assert repeat.decode_passes <= 2, f"a repeated question should be checked in one or two passes: {repeat}"
+    print(f"\n[lossless engine] {len(reqs)} requests identical to empty-pool answers; tiers {tiers}; "
+          f"{accepted} draft tokens accepted; repeat: {repeat.generated_tokens} tokens in {repeat.decode_passes} passes")
+    assert "EXACT_PREFIX" in tiers
+
+
+# One-word edits that change what the right answer is. The stored answer of the first question is a
+# tempting draft for the second; verified decoding must still give the model's own answer.
+TRAPS = [
+    ("is the pharmacy on oak avenue open", "is the pharmacy on oak avenue unopened"),
+    ("is elm street open to traffic", "is elm street not open to traffic"),
+    ("how long is the drive from mill road to king street", "how long is the drive from king street to mill road"),
+    ("is regular fuel under 1.60 per litre", "is regular fuel over 1.60 per litre"),
+    ("will it rain within the hour", "will it rain after the hour"),
+    ("is the post office open full-time today", "is the post office open part-time today"),
+    ("does bus 12 run every 15 minutes", "does bus 12 run every 40 minutes"),
+    ("is diesel cheaper than regular", "is diesel more expensive than regular"),
+    ("is the harbour bridge fully open", "is the harbour bridge partially open"),
+    ("is the station on oak avenue a legal place to stop", "is the station on oak avenue an illegal place to stop"),
+]
+
+
+def test_trap_pairs_get_their_own_answer(engine):
+    pairs = TRAPS
+    seconds = [QueryRequest(prompt=b, context=BULLETIN, cache_scope="traps", max_new_tokens=16,
+                            allow_approximate=False) for _, b in pairs]
+    refs = _references(engine, seconds, 16)
+    fresh(engine)
+    served_other = unverified_hits = 0
+    for (a, b), req, ref in zip(pairs, seconds, refs):
+        engine.pool.clear()
+        first = engine.handle(QueryRequest(prompt=a, context=BULLETIN, cache_scope="traps", max_new_tokens=16))
+        res = engine.handle(req)
+        assert res.success and res.exact and res.answer == ref, (b, res.answer, ref)
+        served_other += res.answer == first.answer and first.answer != ref
+    # The unverified answer tier (opt-in) on the same pairs, at its defaults: measured, not asserted.
+    for (a, b), ref in zip(pairs, refs):
+        fresh(engine, enable_answer_cache=True)
+        first = engine.handle(QueryRequest(prompt=a, context=BULLETIN, cache_scope="traps", max_new_tokens=16))
+        res = engine.handle(QueryRequest(prompt=b, context=BULLETIN, cache_scope="traps", max_new_tokens=16,
+                                         allow_approximate=True))
+        if res.cache_result == CacheResult.ANSWER:
+            assert not res.exact
+            unverified_hits += res.answer != ref
+    fresh(engine)
+    print(f"\n[answer drafts on {len(pairs)} trap pairs] verified: 0 wrong answers served "
+          f"({served_other} would have matched the other question's answer); unverified answer tier: "
+          f"{unverified_hits} wrong answers served")
+
+
+def test_damaged_and_foreign_draft_sources_are_harmless(engine):
+    fresh(engine)
+    q = "is it going to rain today"
+    req = QueryRequest(prompt=q, context=BULLETIN, cache_scope="mine", max_new_tokens=16, allow_approximate=False)
+    (ref,) = _references(engine, [req], 16)
+    fresh(engine)
+    secret = "The vault code is 4471 and the guard leaves at noon."
+    fp = engine.fingerprinter.embed([q])[0]
+    kv = torch.zeros(30, 3, 4, 64)
+    first = _prompt(engine, q)[0]
+    lead = 7 if first != 7 else 8  # these fake entries' (zero) KV must share no prefix with real prompts
+    # Another scope's entry for the very same question, with a secret as its answer...
+    engine.pool.insert(scope="theirs", tokens=[lead, 2, 3, 4], k=kv, v=kv, fingerprint=fp, question=q,
+                       context_digest="x", answer=secret)
+    # ...and damaged answers in our own scope: empty, blank, control bytes, huge, invisible-only.
+    for i, junk in enumerate(["", "   ", "\x00\x01\x02" * 50, "lorem " * 2000, "\u202e\ufeff" * 30]):
+        engine.pool.insert(scope="mine", tokens=[lead, 2, 3, 5 + i], k=kv, v=kv, fingerprint=fp, question=q,
+                           context_digest="x", answer=junk)
+    engine.pool.check_consistency()
+    res = engine.handle(req)
+    assert res.success and res.answer == ref, res
+    drafts = engine._draft_source(req, _prompt(engine, q), engine.fingerprinter.embed([q])[0], 0.0)
+    secret_ids = engine.backend.tokenize_answer(secret)
+    assert all(a != secret_ids for a in drafts.answers), "another scope's answer was offered as a draft"
+    fresh(engine)
