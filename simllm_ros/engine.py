@@ -28,6 +28,7 @@ from .model_backend import ModelBackend, ModelLoadError
 from .request import CacheResult, QueryRequest, QueryResult
 from .semantic_log import SemanticLog
 from .settings import SPECS, SettingError, Settings, parse_size
+from .thermal import ThermalLevel
 from .validation import normalize_text, validate_request
 
 RELOAD_PARAMS = {s.name for s in SPECS if not s.live}
@@ -80,7 +81,7 @@ class Engine:
         self.pool: KVPool | None = None
         self.semantic_log: SemanticLog | None = None
         self.recorder = CacheStatsRecorder(window=100)
-        self.thermal_level = 0
+        self.thermal_level = ThermalLevel.OK
         self._exec_lock = threading.Lock()
         self._last_refresh = 0.0
         self.load_report: dict = {}
@@ -152,7 +153,7 @@ class Engine:
             self._calibrate([self.backend.prompt_ids(self.settings.system_prompt, r.context, r.prompt) for r in reqs])
         done = 0
         for r in reqs:
-            if self.thermal_level >= 1:
+            if self.thermal_level >= ThermalLevel.WARN:
                 progress("warm-up stopped early: running hot")
                 break
             res = self.handle(r)
@@ -206,8 +207,8 @@ class Engine:
         self.pool.diversity_weight = self.settings.diversity_weight
         self.pool.half_life_s = self.settings.recency_half_life_s
 
-    def set_thermal_level(self, level: int) -> None:
-        self.thermal_level = int(level)
+    def set_thermal_level(self, level: ThermalLevel) -> None:
+        self.thermal_level = ThermalLevel(level)
 
     def record_rejected_busy(self) -> None:
         self.recorder.record_rejected_busy()
@@ -263,7 +264,7 @@ class Engine:
             return QueryResult.failure(f"prompt and context are {len(tokens)} tokens; max_prompt_tokens is "
                                        f"{s.max_prompt_tokens} (nothing is truncated)", req.request_id)
         max_new = req.max_new_tokens or s.max_new_tokens
-        if self.thermal_level >= 1:  # running hot: shorter answers
+        if self.thermal_level >= ThermalLevel.WARN:  # running hot: shorter answers
             max_new = max(1, min(max_new, s.max_new_tokens // 2))
         now = time.time()
         if s.refresh_period_s > 0 and now - self._last_refresh > 1.0:
@@ -372,7 +373,7 @@ class Engine:
                 self._recent_answers.pop(next(iter(self._recent_answers)))
 
     def has_idle_work(self) -> bool:
-        return self.pool is not None and bool(self.pool.pending_inserts) and self.thermal_level == 0
+        return self.pool is not None and bool(self.pool.pending_inserts) and self.thermal_level == ThermalLevel.OK
 
     def idle_work(self) -> bool:
         """Compute and pool the exact KV of one prompt that SEMANTIC reuse served; returns whether it did.
@@ -420,25 +421,7 @@ class Engine:
             return self.recorder.snapshot(pool.bytes_used, pool.budget_bytes, len(pool), pool.blocks.num_used,
                                           pool.evictions_total, pool.bytes_saved_quantization, queue_depth)
 
-    def cache_map(self) -> list[dict]:
-        """Entries placed by a 3-D PCA of their fingerprints (for rviz), with size and use."""
+    def entries(self) -> list:
+        """Summaries of the cached tasks (kv_pool.EntryInfo), for telemetry; empty when not loaded."""
         pool = self.pool
-        if pool is None:
-            return []
-        with pool.lock:
-            keys = list(pool.entries)
-            if not keys:
-                return []
-            fps = pool.matcher.fingerprints(keys).astype(np.float64)
-            per_block = pool.store.bytes_per_block
-            info = [(pool.entries[k].scope, len(pool.entries[k].block_ids) * per_block + pool.entries[k].meta_bytes,
-                     pool.entries[k].hits) for k in keys]
-        centred = fps - fps.mean(axis=0)
-        if len(keys) >= 2:
-            _, _, vt = np.linalg.svd(centred, full_matrices=False)
-            xyz = centred @ vt[:3].T
-        else:
-            xyz = np.zeros((1, 3))
-        xyz = np.pad(xyz, ((0, 0), (0, max(0, 3 - xyz.shape[1]))))
-        return [{"x": float(p[0]), "y": float(p[1]), "z": float(p[2]), "bytes": b, "hits": h, "scope": sc}
-                for p, (sc, b, h) in zip(xyz, info)]
+        return pool.describe_entries() if pool is not None else []

@@ -53,6 +53,21 @@ class PendingInsert:
     answer: str
 
 
+@dataclasses.dataclass(frozen=True)
+class EntryInfo:
+    """A read-only summary of one cached task (for telemetry, the benchmark and tests)."""
+
+    key: int
+    scope: str
+    n_tokens: int
+    n_blocks: int
+    bytes: int  # its own blocks (shared ones counted in full) plus its metadata
+    hits: int
+    created: float
+    last_used: float
+    fingerprint: np.ndarray
+
+
 @dataclasses.dataclass
 class PrefixHit:
     k: torch.Tensor  # [L, H, n, D]
@@ -114,6 +129,16 @@ class KVPool:
         with self.lock:
             e = self.entries[key]
             return self.store.read(e.block_ids, len(e.tokens), self.store.model_dtype)
+
+    def describe_entries(self) -> list[EntryInfo]:
+        """Every entry's summary, in insertion order."""
+        with self.lock:
+            keys = list(self.entries)
+            fps = self.matcher.fingerprints(keys) if keys else []
+            per_block = self.store.bytes_per_block
+            return [EntryInfo(k, e.scope, len(e.tokens), len(e.block_ids), len(e.block_ids) * per_block + e.meta_bytes,
+                              e.hits, e.created, e.last_used, fp)
+                    for k, e, fp in ((k, self.entries[k], fp) for k, fp in zip(keys, fps))]
 
     def find(self, scope: str, tokens: list[int]) -> Entry | None:
         with self.lock:

@@ -197,3 +197,10 @@ class ThermalMonitor:
             level = self._level
         return ThermalReading(zones=zones, hottest_name=name, hottest_c=temp, level=level,
                               available=bool(online), level_changed=level != previous)
+
+    def explain(self, reading: ThermalReading) -> str:
+        """Why the reading's level is not OK, in words for logs, refusals and diagnostics ("" when OK)."""
+        if reading.level == ThermalLevel.OK:
+            return ""
+        limit = self.critical_c if reading.level == ThermalLevel.CRITICAL else self.warn_c
+        return f"hottest zone {reading.hottest_name} at {reading.hottest_c:.1f} C (threshold {limit:.1f} C)"

@@ -91,7 +91,7 @@ def _check_outcomes(results, what):
 
 
 def _wait_admitted(h, n=1, timeout=60):
-    return wait_until(lambda: h.node._inflight >= n, timeout, interval=0.005)
+    return wait_until(lambda: h.node._server.inflight >= n, timeout, interval=0.005)
 
 
 def test_deactivate_with_requests_in_flight(h):
@@ -115,7 +115,7 @@ def test_deactivate_with_requests_in_flight(h):
     _check_outcomes(results, f"deactivate ({t_deact:.1f} s)")
     late_res = results[len(futs):len(futs) + len(late)]
     assert all(r.success or r.error.startswith("node is not active") for r in late_res)
-    assert h.node._inflight == 0
+    assert h.node._server.inflight == 0
     h.node._engine.pool.check_consistency()
     assert h.change_state("activate")
     r = h.query("Are you back?", max_new_tokens=4, timeout=TIMEOUT)
@@ -176,7 +176,7 @@ def test_exception_inside_generation_fails_that_request_only(h):
     try:
         # queued together, in this order (one scope each: a MISS, a full prefill)
         futs = [h.query_async(p, scope=f"fault-b{i}", max_new_tokens=4) for i, p in enumerate(before)]
-        assert wait_until(lambda: h.node._inflight >= 1, 30, interval=0.005)
+        assert wait_until(lambda: h.node._server.inflight >= 1, 30, interval=0.005)
         fut_bad = h.query_async(faulty, scope="fault-x", max_new_tokens=4)
         rid = f"fault-topic-{uuid.uuid4().hex[:6]}"
         h.publish_request(rid, faulty, max_new_tokens=4, cache_scope="fault-y")  # the same fault, on the topic

@@ -1,30 +1,24 @@
-"""The lifecycle node `simllm_node`: hosts the Engine and exposes it over ROS 2.
+"""The lifecycle node `simllm_node`: adapts the Engine and its RequestServer to ROS 2.
 
 Transitions (one callback each, as in ros2/demos lifecycle_py):
   configure  : parameters -> Settings -> Engine.load() (model, embedder, pool restore, warm-up);
-               creates the publishers.
+               starts the request server's worker; creates the publishers.
                Any failure logs one clear line, releases everything and returns FAILURE.
-  activate   : starts the telemetry timer, enables the lifecycle publishers, admits requests;
+  activate   : starts the telemetry timer, enables the lifecycle publishers, opens admission;
                the first activate creates the Query service and the request subscription.
   deactivate : refuses new requests, waits for the in-flight ones, keeps the pool.
   cleanup    : saves the pool, unloads the model, destroys the entities.
   shutdown   : the same from any state.
 
-Request path (service `~/query` and topic `~/requests` -> `~/responses`):
-  admission  : bounded queue (queue_limit, live); a full queue answers "busy: ..." at once,
-               an inactive node "node is not active (state: ...)", a critical thermal level
-               "overheated: ...". Every request is answered exactly once.
-  matching   : Engine.prepare (validation + fingerprint) runs in the calling callback, which
-               belongs to the reentrant "matching" callback group, so several requests are
-               fingerprinted while another one generates.
-  generation : one dedicated worker thread drains the queue through Engine.execute (the model
-               runs one request at a time). It needs no executor thread, so service callbacks
-               that block on their answer can never starve it.
-The executor must be a MultiThreadedExecutor; `make_executor()` sizes one.
+Requests (service `~/query`, topic `~/requests` -> `~/responses`) go to request_server.RequestServer,
+which admits, queues and answers each exactly once; its prepare step (validation + fingerprint) runs
+in the calling callback, which belongs to the reentrant "matching" group, so several requests are
+fingerprinted while another one generates on the server's own worker thread. Health (/diagnostics)
+is health.assess; the cache map is cache_map.spheres. The executor must be a MultiThreadedExecutor;
+`make_executor()` sizes one.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import threading
@@ -40,9 +34,11 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import ColorRGBA
 from visualization_msgs.msg import Marker, MarkerArray
 
+from simllm_ros import cache_map, health
 from simllm_ros.engine import Engine, EngineLoadError
 from simllm_ros.msg import CacheStats, QueryRequest as QueryRequestMsg, QueryResponse, ThermalStatus
 from simllm_ros.request import CacheResult, QueryRequest, QueryResult
+from simllm_ros.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
 from simllm_ros.ros.params import ParameterGate, declare_all, settings_from_node
 from simllm_ros.settings import SettingError
 from simllm_ros.srv import Query
@@ -51,11 +47,7 @@ from simllm_ros.thermal import ThermalLevel, ThermalMonitor, ThermalReading
 NODE_NAME = "simllm_node"
 DIAGNOSTIC_NAME = "simllm_ros: LLM service"
 CACHE_MAP_FRAME = "simllm_cache"
-DIAG_WINDOW_S = 30.0  # errors / busy rejections counted over this window
-DRAIN_TIMEOUT_S = 300.0  # deactivate/cleanup wait at most this long for in-flight requests
-MAX_MARKERS = 2000
 
-_OK, _WARN, _ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 _U32, _U64 = 2**32 - 1, 2**64 - 1
 
 
@@ -81,20 +73,6 @@ class _RosLogHandler(logging.Handler):
                 self._ros.debug(msg)
         except Exception:  # logging must never raise into the engine
             pass
-
-
-class _Job:
-    """One admitted request; finished exactly once."""
-
-    __slots__ = ("req", "prepared", "result", "done", "on_done", "_finished")
-
-    def __init__(self, req: QueryRequest, on_done: Callable[[QueryResult], None] | None):
-        self.req = req
-        self.prepared = None
-        self.result: QueryResult | None = None
-        self.done = threading.Event()
-        self.on_done = on_done
-        self._finished = False
 
 
 def _u32(v) -> int:
@@ -125,12 +103,6 @@ def _fill_result(msg, result: QueryResult):
     return msg
 
 
-def _heat_colour(t: float) -> ColorRGBA:
-    """0 -> cold blue, 1 -> hot red."""
-    t = min(max(t, 0.0), 1.0)
-    return ColorRGBA(r=t, g=0.25 * (1.0 - abs(2.0 * t - 1.0)), b=1.0 - t, a=0.85)
-
-
 class SimLLMNode(LifecycleNode):
     def __init__(self, node_name: str = NODE_NAME, **kwargs):
         super().__init__(node_name, **kwargs)
@@ -146,25 +118,13 @@ class SimLLMNode(LifecycleNode):
         self._py_log.addHandler(self._log_handler)
 
         self._engine: Engine | None = None
-        self._settings = None
+        self._server: RequestServer | None = None
         self._monitor: ThermalMonitor | None = None
-
-        # admission / generation state, all guarded by _cv
-        self._cv = threading.Condition()
-        self._active = False
-        self._queue_limit = 8
-        self._waiting = 0  # admitted, not yet picked up by the generation worker
-        self._inflight = 0  # admitted, not yet answered
-        self._service_calls = 0  # Query service callbacks still running (their reply is sent after they return)
-        self._gen_queue: collections.deque[_Job] = collections.deque()
-        self._gen_stop = False
-        self._gen_thread: threading.Thread | None = None
-
-        # thermal state shared with admission
-        self._thermal_level = ThermalLevel.OK
-        self._thermal_reason = ""
-        self._last_reading: ThermalReading | None = None
-        self._diag_history: collections.deque = collections.deque()  # (t, requests, errors, busy)
+        self._thermal = health.ThermalState()
+        self._health_window = health.RateWindow()
+        # Query service callbacks still running: rclpy sends their reply after they return.
+        self._calls = threading.Condition()
+        self._service_calls = 0
 
         self._matching_group = ReentrantCallbackGroup()
         self._telemetry_group = MutuallyExclusiveCallbackGroup()
@@ -203,27 +163,28 @@ class SimLLMNode(LifecycleNode):
             engine = Engine(settings, log=self._py_log)
             t0 = time.monotonic()
             engine.load(progress=self._progress)
-            self._settings = settings
             self._monitor = monitor
-            self._queue_limit = int(settings.queue_limit)
+            self._server = RequestServer(
+                prepare=engine.prepare, execute=lambda job: engine.execute(job.prepared), state=self.state_label,
+                queue_limit=settings.queue_limit, has_idle_work=engine.has_idle_work, idle_work=engine.idle_work,
+                on_busy=engine.record_rejected_busy, log=self._py_log)
             self._create_entities()
-            self._start_generation()
+            self._server.start()
             self._engine = engine
-            rep = getattr(engine, "load_report", {}) or {}
+            rep = engine.load_report
             log.info(f"configured in {time.monotonic() - t0:.1f} s: restored {rep.get('restored', 0)} cached "
                      f"entries, {rep.get('warmup', 0)} warm-up requests")
         except Exception as e:
             kind = "" if isinstance(e, EngineLoadError) else f"{type(e).__name__}: "
             log.error(f"configure failed: {kind}{e}")
             self._engine = None
-            self._stop_generation()
+            self._stop_server()
             self._destroy_entities()
             if engine is not None:
                 try:
                     engine.unload()
                 except Exception as e2:
                     log.warning(f"unload after failed configure: {e2}")
-            self._settings = None
             self._monitor = None
             return TransitionCallbackReturn.FAILURE
         return super().on_configure(state)
@@ -233,12 +194,11 @@ class SimLLMNode(LifecycleNode):
             ret = super().on_activate(state)  # enables the lifecycle publishers
             if ret != TransitionCallbackReturn.SUCCESS:
                 return ret
-            self._diag_history.clear()
+            self._health_window.clear()
             self._read_thermal()  # shed load from the start if already critical
-            self._timer = self.create_timer(float(self._settings.telemetry_period_s), self._on_telemetry,
+            self._timer = self.create_timer(float(self._engine.settings.telemetry_period_s), self._on_telemetry,
                                             callback_group=self._telemetry_group)
-            with self._cv:
-                self._active = True
+            self._server.open()
             self._create_request_entities()
             self.get_logger().info("active: serving ~/query and ~/requests")
             return TransitionCallbackReturn.SUCCESS
@@ -247,9 +207,9 @@ class SimLLMNode(LifecycleNode):
             return TransitionCallbackReturn.FAILURE
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        with self._cv:
-            self._active = False
-        self._drain("deactivate")
+        if self._server is not None:
+            self._server.close()
+            self._server.drain("deactivate")
         self._destroy_timer()
         self.get_logger().info("inactive: requests are refused, the pool is kept")
         return super().on_deactivate(state)
@@ -290,12 +250,12 @@ class SimLLMNode(LifecycleNode):
 
     def _teardown(self, why: str, save: bool = True) -> None:
         """Refuse, drain, save, unload, destroy: safe from any state and idempotent."""
-        with self._cv:
-            self._active = False
+        if self._server is not None:
+            self._server.close()
         self._destroy_timer()
-        if self._engine is not None or self._gen_thread is not None:
-            self._drain(why)
-        self._stop_generation()
+        if self._server is not None:
+            self._server.drain(why)
+        self._stop_server()
         engine, self._engine = self._engine, None
         if engine is not None:
             if save:
@@ -311,35 +271,26 @@ class SimLLMNode(LifecycleNode):
                 self.get_logger().error(f"{why}: unloading the engine failed: {type(e).__name__}: {e}")
         self._wait_for_service_replies(why)
         self._destroy_entities()
-        self._settings = None
         self._monitor = None
-        with self._cv:
-            self._thermal_level = ThermalLevel.OK
-            self._thermal_reason = ""
+        self._thermal = health.ThermalState()
+
+    def _stop_server(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
 
     def _wait_for_service_replies(self, why: str) -> None:
         """rclpy sends a service reply after the callback returns: destroying the service before that
         would lose the reply (InvalidHandle in the executor). Wait for running callbacks, then a grace."""
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        with self._cv:
+        with self._calls:
             waited = self._service_calls > 0
             while self._service_calls and time.monotonic() < deadline:
-                self._cv.wait(timeout=0.2)
+                self._calls.wait(timeout=0.2)
             if self._service_calls:
                 self.get_logger().warning(f"{why}: {self._service_calls} service call(s) still running")
         if waited:
             time.sleep(0.2)
-
-    def _drain(self, why: str) -> None:
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        with self._cv:
-            if self._inflight:
-                self.get_logger().info(f"{why}: waiting for {self._inflight} in-flight request(s)")
-            while self._inflight and time.monotonic() < deadline:
-                self._cv.wait(timeout=0.5)
-            if self._inflight:
-                self.get_logger().warning(f"{why}: {self._inflight} request(s) still in flight after "
-                                          f"{DRAIN_TIMEOUT_S:.0f} s")
 
     # ------------------------------------------------------------------ entities
     def _create_entities(self) -> None:
@@ -407,159 +358,29 @@ class SimLLMNode(LifecycleNode):
                                              hysteresis_c=thermal.get("thermal_hysteresis_c"))
             except ValueError as e:
                 raise SettingError(str(e)) from None
-        if self._settings is not None:
-            self._settings = self._settings.replace(**changes)
-        if "queue_limit" in changes:
-            with self._cv:
-                self._queue_limit = int(changes["queue_limit"])
-                self._cv.notify_all()
+        if "queue_limit" in changes and self._server is not None:
+            self._server.set_queue_limit(changes["queue_limit"])
 
     # ------------------------------------------------------------ request path
-    def _admit(self, req: QueryRequest, on_done) -> _Job | QueryResult:
-        engine = self._engine
-        with self._cv:
-            if not self._active or engine is None:
-                return QueryResult.failure(f"node is not active (state: {self.state_label()})", req.request_id)
-            if self._thermal_level >= ThermalLevel.CRITICAL:
-                return QueryResult.failure(f"overheated: {self._thermal_reason}; shedding load, retry when cooler",
-                                           req.request_id)
-            if self._waiting >= self._queue_limit:
-                waiting, limit = self._waiting, self._queue_limit
-                busy = True
-            else:
-                busy = False
-                self._waiting += 1
-                self._inflight += 1
-        if busy:
-            try:
-                engine.record_rejected_busy()
-            except Exception:
-                pass
-            return QueryResult.failure(f"busy: {waiting} requests already waiting (queue_limit {limit}); retry later",
-                                       req.request_id)
-        return _Job(req, on_done)
-
-    def _submit(self, req: QueryRequest, on_done=None) -> _Job | QueryResult:
-        """Admit, fingerprint (in the caller's thread: the matching group) and queue for generation."""
-        job = self._admit(req, on_done)
-        if isinstance(job, QueryResult):
-            return job
-        try:
-            prepared = self._engine.prepare(req) if self._engine is not None else \
-                QueryResult.failure("node is not active (state: unconfigured)", req.request_id)
-        except Exception as e:
-            self.get_logger().error(f"request {req.request_id!r}: prepare failed: {type(e).__name__}: {e}")
-            prepared = QueryResult.failure(f"internal error: {type(e).__name__}: {e}", req.request_id)
-        if isinstance(prepared, QueryResult):
-            with self._cv:
-                self._waiting -= 1
-            self._finish(job, prepared)
-            return job
-        job.prepared = prepared
-        with self._cv:
-            if self._gen_thread is None or self._gen_stop:
-                self._waiting -= 1
-                orphan = True
-            else:
-                self._gen_queue.append(job)
-                self._cv.notify_all()
-                orphan = False
-        if orphan:
-            self._finish(job, QueryResult.failure(f"node is not active (state: {self.state_label()})",
-                                                  req.request_id))
-        return job
-
-    def _finish(self, job: _Job, result: QueryResult) -> None:
-        with self._cv:
-            if job._finished:
-                return
-            job._finished = True
-            self._inflight -= 1
-            self._cv.notify_all()
-        result.request_id = job.req.request_id
-        job.result = result
-        job.done.set()
-        if job.on_done is not None:
-            try:
-                job.on_done(result)
-            except Exception as e:
-                self.get_logger().error(f"request {job.req.request_id!r}: answering failed: {e}")
-
-    def _start_generation(self) -> None:
-        with self._cv:
-            self._gen_stop = False
-            self._gen_queue.clear()
-        self._gen_thread = threading.Thread(target=self._generation_loop, name="simllm-generation", daemon=True)
-        self._gen_thread.start()
-
-    def _stop_generation(self) -> None:
-        thread = self._gen_thread
-        if thread is None:
-            return
-        with self._cv:
-            self._gen_stop = True
-            self._cv.notify_all()
-        thread.join(timeout=DRAIN_TIMEOUT_S)
-        if thread.is_alive():
-            self.get_logger().error("generation worker did not stop")
-        self._gen_thread = None
-
-    def _generation_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._gen_queue and not self._gen_stop:
-                    engine = self._engine
-                    if engine is not None and self._active and engine.has_idle_work():
-                        break  # nothing waits: use the time for deferred exact prefills
-                    self._cv.wait(timeout=1.0)
-                if self._gen_stop and not self._gen_queue:
-                    return
-                job = self._gen_queue.popleft() if self._gen_queue else None
-                if job is not None:
-                    self._waiting -= 1
-            if job is None:
-                try:
-                    engine.idle_work()
-                except Exception as e:
-                    self.get_logger().error(f"idle work failed: {type(e).__name__}: {e}")
-                continue
-            try:
-                engine = self._engine
-                if engine is None:
-                    result = QueryResult.failure("node is not active (state: unconfigured)")
-                else:
-                    result = engine.execute(job.prepared)
-            except Exception as e:
-                self.get_logger().error(f"request {job.req.request_id!r}: generation failed: {type(e).__name__}: {e}")
-                result = QueryResult.failure(f"internal error: {type(e).__name__}: {e}")
-            self._finish(job, result)
-
     def _on_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:
-        with self._cv:
+        with self._calls:
             self._service_calls += 1
-        try:
-            return self._answer_query_service(request, response)
-        finally:
-            with self._cv:
-                self._service_calls -= 1
-                self._cv.notify_all()
-
-    def _answer_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:
         try:
             req = QueryRequest(prompt=request.prompt, context=request.context, cache_scope=request.cache_scope,
                                max_new_tokens=int(request.max_new_tokens),
                                allow_approximate=bool(request.allow_approximate))
-            job = self._submit(req)
-            if isinstance(job, QueryResult):
-                result = job
+            server = self._server
+            if server is None:
+                result = QueryResult.failure(not_active_error(self.state_label()))
             else:
-                while not job.done.wait(timeout=1.0):
-                    if self._gen_thread is None and not job.done.is_set():
-                        self._finish(job, QueryResult.failure("node stopped before answering"))
-                result = job.result
+                result = server.wait(server.submit(req))
         except Exception as e:
             self.get_logger().error(f"query service: {type(e).__name__}: {e}")
-            result = QueryResult.failure(f"internal error: {type(e).__name__}: {e}")
+            result = QueryResult.failure(internal_error(e))
+        finally:
+            with self._calls:
+                self._service_calls -= 1
+                self._calls.notify_all()
         return _fill_result(response, result)
 
     def _on_request_msg(self, msg: QueryRequestMsg) -> None:
@@ -567,13 +388,14 @@ class SimLLMNode(LifecycleNode):
             req = QueryRequest(prompt=msg.prompt, context=msg.context, cache_scope=msg.cache_scope,
                                max_new_tokens=int(msg.max_new_tokens), allow_approximate=bool(msg.allow_approximate),
                                request_id=msg.request_id)
-            job = self._submit(req, on_done=self._publish_response)
-            if isinstance(job, QueryResult):
-                self._publish_response(job)
+            server = self._server
+            if server is None:
+                self._publish_response(QueryResult.failure(not_active_error(self.state_label()), req.request_id))
+            else:
+                server.submit(req, self._publish_response)
         except Exception as e:
             self.get_logger().error(f"request topic: {type(e).__name__}: {e}")
-            self._publish_response(QueryResult.failure(f"internal error: {type(e).__name__}: {e}",
-                                                       getattr(msg, "request_id", "")))
+            self._publish_response(QueryResult.failure(internal_error(e), getattr(msg, "request_id", "")))
 
     def _publish_response(self, result: QueryResult) -> None:
         pub = self._pub_responses
@@ -586,24 +408,18 @@ class SimLLMNode(LifecycleNode):
 
     # ---------------------------------------------------------------- telemetry
     def _read_thermal(self) -> ThermalReading | None:
-        monitor, engine = self._monitor, self._engine
+        monitor, engine, server = self._monitor, self._engine, self._server
         if monitor is None:
             return None
         reading = monitor.read()
-        if reading.level == ThermalLevel.OK:
-            reason = ""
-        else:
-            limit = monitor.critical_c if reading.level == ThermalLevel.CRITICAL else monitor.warn_c
-            reason = (f"hottest zone {reading.hottest_name} at {reading.hottest_c:.1f} C "
-                      f"(threshold {limit:.1f} C)")
-        with self._cv:
-            previous = self._thermal_level
-            self._thermal_level = reading.level
-            self._thermal_reason = reason
-            self._last_reading = reading
+        reason = monitor.explain(reading)
+        previous = self._thermal.level
+        self._thermal = health.ThermalState(reading.level, reason)
+        if server is not None:
+            server.set_overheated(reason if reading.level >= ThermalLevel.CRITICAL else None)
         if reading.level != previous or reading.level_changed:
             if engine is not None:
-                engine.set_thermal_level(int(reading.level))
+                engine.set_thermal_level(reading.level)
             msg = f"thermal level {previous.name} -> {reading.level.name}" + (f": {reason}" if reason else "")
             if reading.level > previous:
                 self.get_logger().warning(msg)
@@ -612,7 +428,7 @@ class SimLLMNode(LifecycleNode):
         return reading
 
     def _on_telemetry(self) -> None:
-        engine = self._engine
+        engine, server = self._engine, self._server
         if engine is None:
             return
         now = self.get_clock().now().to_msg()
@@ -624,18 +440,16 @@ class SimLLMNode(LifecycleNode):
         except Exception as e:
             self.get_logger().error(f"telemetry (thermal): {type(e).__name__}: {e}")
         try:
-            with self._cv:
-                depth = self._waiting
-            stats = engine.stats(queue_depth=depth)
+            stats = engine.stats(queue_depth=server.queue_depth if server is not None else 0)
             self._publish_stats(stats, now)
         except Exception as e:
             self.get_logger().error(f"telemetry (cache_stats): {type(e).__name__}: {e}")
         try:
-            self._publish_diagnostics(stats, reading, now)
+            self._publish_diagnostics(engine, stats, reading, now)
         except Exception as e:
             self.get_logger().error(f"telemetry (diagnostics): {type(e).__name__}: {e}")
         try:
-            self._publish_cache_map(engine.cache_map(), now)
+            self._publish_cache_map(cache_map.spheres(engine.entries()), now)
         except Exception as e:
             self.get_logger().error(f"telemetry (cache_map): {type(e).__name__}: {e}")
 
@@ -672,87 +486,23 @@ class SimLLMNode(LifecycleNode):
             setattr(m, field, v)
         self._pub_stats.publish(m)
 
-    def _diagnose(self, stats: dict | None, reading: ThermalReading | None) -> tuple[bytes, str]:
-        level, reasons = _OK, []
-
-        def raise_to(lvl):
-            nonlocal level
-            if lvl[0] > level[0]:
-                level = lvl
-
-        with self._cv:
-            tl, treason = self._thermal_level, self._thermal_reason
-        if tl == ThermalLevel.CRITICAL:
-            raise_to(_ERROR)
-            reasons.append(f"overheated, shedding load: {treason}")
-        elif tl == ThermalLevel.WARN:
-            raise_to(_WARN)
-            reasons.append(f"running hot, shorter answers: {treason}")
-        if stats is None:
-            raise_to(_ERROR)
-            reasons.append("cache statistics unavailable")
-            return level, "; ".join(reasons)
-        if float(stats.get("budget_use", 0.0)) > 0.98:
-            raise_to(_WARN)
-            reasons.append(f"KV pool nearly full ({100 * float(stats['budget_use']):.0f}% of budget)")
-        t = time.monotonic()
-        hist = self._diag_history
-        hist.append((t, int(stats.get("requests_total", 0)), int(stats.get("errors_total", 0)),
-                     int(stats.get("rejected_busy_total", 0))))
-        while len(hist) > 1 and hist[0][0] < t - DIAG_WINDOW_S:
-            hist.popleft()
-        _, r0, e0, b0 = hist[0]
-        _, r1, e1, b1 = hist[-1]
-        d_req, d_err, d_busy = r1 - r0, e1 - e0, b1 - b0
-        if d_err > 0 and d_req > 0:
-            rate = d_err / d_req
-            if rate >= 0.5 and d_err >= 3:
-                raise_to(_ERROR)
-                reasons.append(f"{d_err} of {d_req} requests failed in the last {DIAG_WINDOW_S:.0f} s")
-            elif rate > 0.1 and d_err >= 2:  # one bad request is noise
-                raise_to(_WARN)
-                reasons.append(f"{d_err} of {d_req} requests failed in the last {DIAG_WINDOW_S:.0f} s")
-        if d_busy > 0:
-            raise_to(_WARN)
-            reasons.append(f"{d_busy} requests refused as busy in the last {DIAG_WINDOW_S:.0f} s "
-                           f"(queue_limit {self._queue_limit})")
-        p95 = max(float(stats.get("ttft_hit_p95_ms", 0.0)), float(stats.get("ttft_miss_p95_ms", 0.0)))
-        target = float(self.get_parameter("ttft_warn_ms").value)
-        if p95 > target:
-            raise_to(_WARN)
-            reasons.append(f"p95 time to first token {p95:.0f} ms above ttft_warn_ms {target:.0f} ms")
-        return level, "; ".join(reasons) if reasons else "ok"
-
-    def _publish_diagnostics(self, stats: dict | None, reading: ThermalReading | None, stamp) -> None:
+    def _publish_diagnostics(self, engine: Engine, stats: dict | None, reading: ThermalReading | None,
+                             stamp) -> None:
         if self._pub_diag is None:
             return
-        level, message = self._diagnose(stats, reading)
-        st = DiagnosticStatus(level=level, name=DIAGNOSTIC_NAME, message=message,
-                              hardware_id=str(self._settings.model if self._settings else ""))
-        kv = [("state", self.state_label())]
-        if stats is not None:
-            kv += [(k, stats.get(k, 0)) for k in (
-                "entries", "bytes_used", "bytes_budget", "budget_use", "hit_rate_exact_recent",
-                "hit_rate_semantic_recent", "hit_rate_answer_recent", "hit_rate_any_recent", "hit_rate_any_total",
-                "requests_total", "errors_total", "rejected_busy_total", "queue_depth", "evictions_total",
-                "ttft_hit_mean_ms", "ttft_hit_p95_ms", "ttft_miss_mean_ms", "ttft_miss_p95_ms")]
-        with self._cv:
-            kv.append(("queue_limit", self._queue_limit))
-            tl = self._thermal_level
-        kv.append(("thermal_level", tl.name))
-        if reading is not None:
-            kv.append(("hottest_zone", reading.hottest_name))
-            kv.append(("hottest_c", "nan" if math.isnan(reading.hottest_c) else f"{reading.hottest_c:.1f}"))
-
-        def fmt(v):
-            return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-        st.values = [KeyValue(key=k, value=fmt(v)) for k, v in kv]
+        server = self._server
+        recent = self._health_window.update(time.monotonic(), stats) if stats is not None else None
+        h = health.assess(stats, self._thermal, recent, ttft_warn_ms=engine.settings.ttft_warn_ms,
+                          queue_limit=server.queue_limit if server is not None else engine.settings.queue_limit,
+                          state=self.state_label(), reading=reading)
+        st = DiagnosticStatus(level=bytes([int(h.level)]), name=DIAGNOSTIC_NAME, message=h.message,
+                              hardware_id=str(engine.settings.model))
+        st.values = [KeyValue(key=k, value=v) for k, v in h.values]
         arr = DiagnosticArray(status=[st])
         arr.header.stamp = stamp
         self._pub_diag.publish(arr)
 
-    def _publish_cache_map(self, entries: list[dict], stamp) -> None:
+    def _publish_cache_map(self, spheres: list[cache_map.Sphere], stamp) -> None:
         if self._pub_map is None:
             return
         arr = MarkerArray()
@@ -760,21 +510,15 @@ class SimLLMNode(LifecycleNode):
         clear.header.frame_id = CACHE_MAP_FRAME
         clear.header.stamp = stamp
         arr.markers.append(clear)
-        entries = entries[:MAX_MARKERS]
-        if entries:
-            max_b = max(float(e.get("bytes", 0)) for e in entries) or 1.0
-            max_h = max(int(e.get("hits", 0)) for e in entries)
-            for i, e in enumerate(entries):
-                m = Marker(type=Marker.SPHERE, action=Marker.ADD, id=i, ns=str(e.get("scope", "") or "default"))
-                m.header.frame_id = CACHE_MAP_FRAME
-                m.header.stamp = stamp
-                m.pose.position = Point(x=float(e["x"]), y=float(e["y"]), z=float(e["z"]))
-                m.pose.orientation.w = 1.0
-                d = 0.03 + 0.2 * math.sqrt(max(float(e.get("bytes", 0)), 0.0) / max_b)
-                m.scale.x = m.scale.y = m.scale.z = d
-                h = int(e.get("hits", 0))
-                m.color = _heat_colour(math.log1p(h) / math.log1p(max_h) if max_h > 0 else 0.0)
-                arr.markers.append(m)
+        for i, s in enumerate(spheres):
+            m = Marker(type=Marker.SPHERE, action=Marker.ADD, id=i, ns=s.namespace)
+            m.header.frame_id = CACHE_MAP_FRAME
+            m.header.stamp = stamp
+            m.pose.position = Point(x=s.x, y=s.y, z=s.z)
+            m.pose.orientation.w = 1.0
+            m.scale.x = m.scale.y = m.scale.z = s.diameter
+            m.color = ColorRGBA(r=s.rgba[0], g=s.rgba[1], b=s.rgba[2], a=s.rgba[3])
+            arr.markers.append(m)
         self._pub_map.publish(arr)
 
 

@@ -1,0 +1,60 @@
+"""The pool drawn for rviz: one sphere per cached task at a 3-D PCA of the fingerprints.
+
+Why it exists: an operator can see topics (clusters), their size and their use at a glance; it is
+visualisation, so it lives outside the engine, and it is plain numbers so the node only copies them
+into visualization_msgs/Marker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+MAX_SPHERES = 2000
+MIN_DIAMETER = 0.03  # a sphere of an entry with no bytes is still visible
+MAX_EXTRA_DIAMETER = 0.2  # the largest entry's sphere is MIN + this (area grows with bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sphere:
+    namespace: str  # the cache scope
+    x: float
+    y: float
+    z: float
+    diameter: float
+    rgba: tuple[float, float, float, float]
+
+
+def pca_3d(fingerprints: np.ndarray) -> np.ndarray:
+    """[n, d] -> [n, 3] coordinates on the first three principal axes (zeros where n < 2 or d < 3)."""
+    fps = np.asarray(fingerprints, dtype=np.float64)
+    centred = fps - fps.mean(axis=0)
+    if len(fps) >= 2:
+        _, _, vt = np.linalg.svd(centred, full_matrices=False)
+        xyz = centred @ vt[:3].T
+    else:
+        xyz = np.zeros((len(fps), 3))
+    return np.pad(xyz, ((0, 0), (0, max(0, 3 - xyz.shape[1]))))
+
+
+def heat_colour(t: float) -> tuple[float, float, float, float]:
+    """0 -> cold blue, 1 -> hot red."""
+    t = min(max(t, 0.0), 1.0)
+    return (t, 0.25 * (1.0 - abs(2.0 * t - 1.0)), 1.0 - t, 0.85)
+
+
+def spheres(entries) -> list[Sphere]:
+    """Entries (with scope, bytes, hits, fingerprint) -> spheres sized by bytes and coloured by hits."""
+    entries = list(entries)[:MAX_SPHERES]
+    if not entries:
+        return []
+    xyz = pca_3d(np.stack([e.fingerprint for e in entries]))
+    max_b = max(float(e.bytes) for e in entries) or 1.0
+    max_h = max(int(e.hits) for e in entries)
+    out = []
+    for p, e in zip(xyz, entries):
+        d = MIN_DIAMETER + MAX_EXTRA_DIAMETER * math.sqrt(max(float(e.bytes), 0.0) / max_b)
+        heat = math.log1p(e.hits) / math.log1p(max_h) if max_h > 0 else 0.0
+        out.append(Sphere(str(e.scope or "default"), float(p[0]), float(p[1]), float(p[2]), d, heat_colour(heat)))
+    return out

@@ -1,0 +1,137 @@
+"""The service's health, from its statistics and thermal state: OK, WARN or ERROR with the reasons.
+
+Why it exists: an operator watching /diagnostics needs one level and a sentence that says what to
+do; deciding it is policy, not ROS, so it is a pure function here and the node only publishes it.
+Error and busy counts are judged over a recent window (RateWindow), never since start, so a node
+recovers its OK once a burst is over.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import math
+
+from .thermal import ThermalLevel, ThermalReading
+
+WINDOW_S = 30.0  # errors and busy refusals are counted over this window
+ERROR_SHARE_FOR_ERROR = 0.5  # this share of recent requests failing ...
+MIN_ERRORS_FOR_ERROR = 3  # ... and at least this many of them: ERROR
+ERROR_SHARE_FOR_WARN = 0.1  # more than this share failing ...
+MIN_ERRORS_FOR_WARN = 2  # ... and at least this many (one bad request is noise): WARN
+BUDGET_SHARE_FOR_WARN = 0.98  # KV pool bytes above this share of the budget: WARN
+
+# CacheStats fields shown as key-values, in this order.
+REPORTED_STATS = (
+    "entries", "bytes_used", "bytes_budget", "budget_use", "hit_rate_exact_recent",
+    "hit_rate_semantic_recent", "hit_rate_answer_recent", "hit_rate_any_recent", "hit_rate_any_total",
+    "requests_total", "errors_total", "rejected_busy_total", "queue_depth", "evictions_total",
+    "ttft_hit_mean_ms", "ttft_hit_p95_ms", "ttft_miss_mean_ms", "ttft_miss_p95_ms")
+
+
+class HealthLevel(enum.IntEnum):
+    """The same numbers as diagnostic_msgs/DiagnosticStatus OK, WARN, ERROR."""
+
+    OK = 0
+    WARN = 1
+    ERROR = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ThermalState:
+    """The thermal level the service acts on, and why (empty when OK)."""
+
+    level: ThermalLevel = ThermalLevel.OK
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecentCounts:
+    """Requests answered, failed and refused as busy within the window."""
+
+    requests: int
+    errors: int
+    busy: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    level: HealthLevel
+    message: str
+    values: tuple[tuple[str, str], ...]
+
+
+class RateWindow:
+    """Running totals sampled over time; `update` returns what changed within the last window_s."""
+
+    def __init__(self, window_s: float = WINDOW_S):
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, int, int, int]] = collections.deque()
+
+    def clear(self) -> None:
+        self._samples.clear()
+
+    def update(self, now: float, stats: dict) -> RecentCounts:
+        self._samples.append((now, int(stats.get("requests_total", 0)), int(stats.get("errors_total", 0)),
+                              int(stats.get("rejected_busy_total", 0))))
+        while len(self._samples) > 1 and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+        _, r0, e0, b0 = self._samples[0]
+        _, r1, e1, b1 = self._samples[-1]
+        return RecentCounts(r1 - r0, e1 - e0, b1 - b0)
+
+
+def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | None, *, ttft_warn_ms: float,
+           queue_limit: int, window_s: float = WINDOW_S, state: str = "",
+           reading: ThermalReading | None = None) -> Health:
+    """Level and message from the statistics (None: unavailable), thermal state and recent counts."""
+    level, reasons = _judge(stats, thermal, recent, ttft_warn_ms, queue_limit, window_s)
+    return Health(level, "; ".join(reasons) if reasons else "ok",
+                  _values(stats, thermal, queue_limit, state, reading))
+
+
+def _judge(stats, thermal, recent, ttft_warn_ms, queue_limit, window_s) -> tuple[HealthLevel, list[str]]:
+    level, reasons = HealthLevel.OK, []
+
+    def add(lvl: HealthLevel, reason: str) -> None:
+        nonlocal level
+        level = max(level, lvl)
+        reasons.append(reason)
+
+    if thermal.level == ThermalLevel.CRITICAL:
+        add(HealthLevel.ERROR, f"overheated, shedding load: {thermal.reason}")
+    elif thermal.level == ThermalLevel.WARN:
+        add(HealthLevel.WARN, f"running hot, shorter answers: {thermal.reason}")
+    if stats is None:
+        add(HealthLevel.ERROR, "cache statistics unavailable")
+        return level, reasons
+    budget_use = float(stats.get("budget_use", 0.0))
+    if budget_use > BUDGET_SHARE_FOR_WARN:
+        add(HealthLevel.WARN, f"KV pool nearly full ({100 * budget_use:.0f}% of budget)")
+    if recent is not None:
+        if recent.errors > 0 and recent.requests > 0:
+            share = recent.errors / recent.requests
+            failed = f"{recent.errors} of {recent.requests} requests failed in the last {window_s:.0f} s"
+            if share >= ERROR_SHARE_FOR_ERROR and recent.errors >= MIN_ERRORS_FOR_ERROR:
+                add(HealthLevel.ERROR, failed)
+            elif share > ERROR_SHARE_FOR_WARN and recent.errors >= MIN_ERRORS_FOR_WARN:
+                add(HealthLevel.WARN, failed)
+        if recent.busy > 0:
+            add(HealthLevel.WARN, f"{recent.busy} requests refused as busy in the last {window_s:.0f} s "
+                                  f"(queue_limit {queue_limit})")
+    p95 = max(float(stats.get("ttft_hit_p95_ms", 0.0)), float(stats.get("ttft_miss_p95_ms", 0.0)))
+    if p95 > ttft_warn_ms:
+        add(HealthLevel.WARN, f"p95 time to first token {p95:.0f} ms above ttft_warn_ms {ttft_warn_ms:.0f} ms")
+    return level, reasons
+
+
+def _values(stats, thermal, queue_limit, state, reading) -> tuple[tuple[str, str], ...]:
+    kv: list[tuple[str, object]] = [("state", state)]
+    if stats is not None:
+        kv += [(k, stats.get(k, 0)) for k in REPORTED_STATS]
+    kv.append(("queue_limit", queue_limit))
+    kv.append(("thermal_level", thermal.level.name))
+    if reading is not None:
+        kv.append(("hottest_zone", reading.hottest_name))
+        kv.append(("hottest_c", "nan" if math.isnan(reading.hottest_c) else f"{reading.hottest_c:.1f}"))
+    return tuple((k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in kv)

@@ -1,0 +1,288 @@
+"""Admission and the generation worker: every request is answered exactly once, without ROS.
+
+Why it exists: the node's transport (service, topic, later an action) only adapts messages; what
+happens to a request between arrival and answer lives here so it can be tested without DDS.
+
+  submit()  : refuse at once ("node is not active (state: ...)", "overheated: ...", "busy: ...")
+              or admit into a bounded queue (queue_limit counts admitted requests not yet picked up
+              by the worker). prepare() (validation + fingerprint) runs in the caller's thread, so
+              several callers fingerprint while the worker generates.
+  worker    : one thread runs the jobs in arrival order through execute(job); when no job waits
+              and the server is open it runs idle work (deferred exact prefills). A continuous
+              batching step would replace `_run(job)` with a step over several in-flight jobs.
+  close()   : refuse new requests; drain() waits for the admitted ones; stop() lets the worker
+              finish what is queued, then ends it. A job the worker can no longer reach is
+              finished with an error, never left waiting.
+
+A job may carry per-job callbacks for a streaming transport: on_text(partial_text, n_tokens) and
+should_stop() (cancellation); execute() decides how to use them.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .request import QueryRequest, QueryResult
+
+DRAIN_TIMEOUT_S = 300.0  # drain and stop wait at most this long for in-flight requests
+IDLE_POLL_S = 1.0  # the worker re-checks for idle work at least this often
+
+
+def not_active_error(state: str) -> str:
+    return f"node is not active (state: {state})"
+
+
+def overheated_error(reason: str) -> str:
+    return f"overheated: {reason}; shedding load, retry when cooler"
+
+
+def busy_error(waiting: int, limit: int) -> str:
+    return f"busy: {waiting} requests already waiting (queue_limit {limit}); retry later"
+
+
+def internal_error(e: BaseException) -> str:
+    return f"internal error: {type(e).__name__}: {e}"
+
+
+STOPPED_ERROR = "node stopped before answering"
+
+
+class Job:
+    """One admitted request; finished exactly once (result set, `done` set, on_done called)."""
+
+    __slots__ = ("request", "prepared", "on_done", "on_text", "should_stop", "result", "done", "_finished")
+
+    def __init__(self, request: QueryRequest, on_done: Callable[[QueryResult], None] | None = None,
+                 on_text: Callable[[str, int], None] | None = None, should_stop: Callable[[], bool] | None = None):
+        self.request = request
+        self.prepared: Any = None
+        self.on_done = on_done
+        self.on_text = on_text
+        self.should_stop = should_stop
+        self.result: QueryResult | None = None
+        self.done = threading.Event()
+        self._finished = False
+
+
+class RequestServer:
+    """Bounded admission queue plus one worker thread over caller-supplied functions.
+
+    prepare(request) -> prepared | QueryResult (a refusal); execute(job) -> QueryResult (may raise:
+    the job then fails with "internal error: ..."); has_idle_work() / idle_work() for deferred work;
+    on_busy() counts a busy refusal; state() names the owner's state for "not active" refusals.
+    """
+
+    def __init__(self, *, prepare: Callable[[QueryRequest], Any], execute: Callable[[Job], QueryResult],
+                 state: Callable[[], str], queue_limit: int = 8, has_idle_work: Callable[[], bool] | None = None,
+                 idle_work: Callable[[], Any] | None = None, on_busy: Callable[[], None] | None = None,
+                 log: logging.Logger | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S):
+        self._prepare, self._execute, self._state = prepare, execute, state
+        self._has_idle_work, self._idle_work, self._on_busy = has_idle_work, idle_work, on_busy
+        self.log = log or logging.getLogger("simllm_ros.request_server")
+        self.drain_timeout_s = drain_timeout_s
+        self._cv = threading.Condition()
+        self._open = False  # admitting requests
+        self._queue_limit = int(queue_limit)
+        self._overheated: str | None = None  # why, while the thermal level is critical
+        self._waiting = 0  # admitted, not yet picked up by the worker
+        self._inflight = 0  # admitted, not yet finished
+        self._queue: collections.deque[Job] = collections.deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- state ------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        with self._cv:
+            return self._waiting
+
+    @property
+    def inflight(self) -> int:
+        with self._cv:
+            return self._inflight
+
+    @property
+    def queue_limit(self) -> int:
+        with self._cv:
+            return self._queue_limit
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def set_queue_limit(self, limit: int) -> None:
+        with self._cv:
+            self._queue_limit = int(limit)
+            self._cv.notify_all()
+
+    def set_overheated(self, reason: str | None) -> None:
+        """A reason: refuse every new request with "overheated: <reason> ..."; None: admit again."""
+        with self._cv:
+            self._overheated = reason
+
+    def open(self) -> None:
+        with self._cv:
+            self._open = True
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._open = False
+
+    # ---- worker lifetime -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        with self._cv:
+            self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="simllm-generation", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close, let the worker finish the queue, end it; whatever it could not reach fails."""
+        self.close()
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        thread.join(timeout=self.drain_timeout_s)
+        if thread.is_alive():
+            self.log.error("generation worker did not stop")
+        self._thread = None
+        with self._cv:
+            orphans = list(self._queue)
+            self._queue.clear()
+            self._waiting -= len(orphans)
+        for job in orphans:
+            self._finish(job, QueryResult.failure(STOPPED_ERROR))
+
+    def drain(self, why: str) -> int:
+        """Wait until every admitted request is finished (at most drain_timeout_s); returns how many are left."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        with self._cv:
+            if self._inflight:
+                self.log.info(f"{why}: waiting for {self._inflight} in-flight request(s)")
+            while self._inflight and time.monotonic() < deadline:
+                self._cv.wait(timeout=0.5)
+            if self._inflight:
+                self.log.warning(f"{why}: {self._inflight} request(s) still in flight after "
+                                 f"{self.drain_timeout_s:.0f} s")
+            return self._inflight
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, request: QueryRequest, on_done: Callable[[QueryResult], None] | None = None, *,
+               on_text: Callable[[str, int], None] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Job:
+        """Admit (or refuse), prepare in this thread, queue for the worker. The returned job may already be
+        finished (a refusal or a bad request); on_done is called once either way."""
+        job = Job(request, on_done, on_text, should_stop)
+        refusal = self._admit()
+        if refusal is not None:
+            self._finish(job, QueryResult.failure(refusal), counted=False)
+            return job
+        try:
+            prepared = self._prepare(request)
+        except Exception as e:
+            self.log.error(f"request {request.request_id!r}: prepare failed: {type(e).__name__}: {e}")
+            prepared = QueryResult.failure(internal_error(e))
+        if isinstance(prepared, QueryResult):
+            with self._cv:
+                self._waiting -= 1
+            self._finish(job, prepared)
+            return job
+        job.prepared = prepared
+        with self._cv:
+            orphan = self._thread is None or self._stopping
+            if orphan:
+                self._waiting -= 1
+            else:
+                self._queue.append(job)
+                self._cv.notify_all()
+        if orphan:
+            self._finish(job, QueryResult.failure(not_active_error(self._state())))
+        return job
+
+    def wait(self, job: Job, poll_s: float = 1.0) -> QueryResult:
+        """Block until the job is finished; if the worker is gone meanwhile, finish it with an error."""
+        while not job.done.wait(timeout=poll_s):
+            if self._thread is None:
+                self._finish(job, QueryResult.failure(STOPPED_ERROR))
+        return job.result
+
+    def _admit(self) -> str | None:
+        """A refusal message, or None after counting the request as admitted."""
+        with self._cv:
+            if not self._open:
+                return not_active_error(self._state())
+            if self._overheated is not None:
+                return overheated_error(self._overheated)
+            if self._waiting >= self._queue_limit:
+                waiting, limit = self._waiting, self._queue_limit
+            else:
+                self._waiting += 1
+                self._inflight += 1
+                return None
+        if self._on_busy is not None:
+            try:
+                self._on_busy()
+            except Exception:
+                pass
+        return busy_error(waiting, limit)
+
+    def _finish(self, job: Job, result: QueryResult, counted: bool = True) -> None:
+        with self._cv:
+            if job._finished:
+                return
+            job._finished = True
+            if counted:
+                self._inflight -= 1
+            self._cv.notify_all()
+        result.request_id = job.request.request_id
+        job.result = result
+        job.done.set()
+        if job.on_done is not None:
+            try:
+                job.on_done(result)
+            except Exception as e:
+                self.log.error(f"request {job.request.request_id!r}: answering failed: {e}")
+
+    # ---- the worker ------------------------------------------------------------------------------
+    def _next(self) -> Job | None:
+        """The next job, None for a round of idle work; raises StopIteration when stopped and empty."""
+        with self._cv:
+            while not self._queue and not self._stopping:
+                if self._open and self._has_idle_work is not None and self._has_idle_work():
+                    return None
+                self._cv.wait(timeout=IDLE_POLL_S)
+            if not self._queue:
+                raise StopIteration
+            self._waiting -= 1
+            return self._queue.popleft()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                job = self._next()
+            except StopIteration:
+                return
+            if job is None:
+                try:
+                    self._idle_work()
+                except Exception as e:
+                    self.log.error(f"idle work failed: {type(e).__name__}: {e}")
+                continue
+            self._run(job)
+
+    def _run(self, job: Job) -> None:
+        try:
+            result = self._execute(job)
+        except Exception as e:
+            self.log.error(f"request {job.request.request_id!r}: generation failed: {type(e).__name__}: {e}")
+            result = QueryResult.failure(internal_error(e))
+        self._finish(job, result)

@@ -1,0 +1,103 @@
+"""health.assess and RateWindow: the /diagnostics policy, without ROS."""
+import math
+
+import pytest
+
+from simllm_ros import health
+from simllm_ros.health import HealthLevel, RateWindow, RecentCounts, ThermalState, assess
+from simllm_ros.thermal import ThermalLevel, ThermalReading, ZoneReading
+
+OK_STATS = {"budget_use": 0.5, "requests_total": 10, "errors_total": 0, "rejected_busy_total": 0,
+            "ttft_hit_p95_ms": 100.0, "ttft_miss_p95_ms": 300.0, "entries": 3}
+QUIET = RecentCounts(requests=10, errors=0, busy=0)
+
+
+def judge(stats=OK_STATS, thermal=ThermalState(), recent=QUIET, ttft_warn_ms=2000.0, **kw):
+    return assess(stats, thermal, recent, ttft_warn_ms=ttft_warn_ms, queue_limit=4, **kw)
+
+
+def test_quiet_service_is_ok_with_its_values():
+    reading = ThermalReading([ZoneReading("cpu", 45.0, True)], "cpu", 45.0, ThermalLevel.OK, True, False)
+    h = judge(state="active", reading=reading)
+    assert h.level == HealthLevel.OK and h.message == "ok"
+    values = dict(h.values)
+    assert values["state"] == "active" and values["entries"] == "3" and values["budget_use"] == "0.5"
+    assert values["queue_limit"] == "4" and values["thermal_level"] == "OK" and values["hottest_c"] == "45.0"
+    assert values["requests_total"] == "10" and values["ttft_hit_p95_ms"] == "100"
+
+
+def test_thermal_state_sets_the_level():
+    h = judge(thermal=ThermalState(ThermalLevel.CRITICAL, "cpu at 95.0 C"))
+    assert h.level == HealthLevel.ERROR and h.message == "overheated, shedding load: cpu at 95.0 C"
+    h = judge(thermal=ThermalState(ThermalLevel.WARN, "cpu at 80.0 C"))
+    assert h.level == HealthLevel.WARN and h.message == "running hot, shorter answers: cpu at 80.0 C"
+    assert dict(h.values)["thermal_level"] == "WARN"
+
+
+def test_missing_statistics_is_an_error():
+    h = judge(stats=None, recent=None, thermal=ThermalState(ThermalLevel.WARN, "warm"))
+    assert h.level == HealthLevel.ERROR
+    assert h.message == "running hot, shorter answers: warm; cache statistics unavailable"
+    assert "entries" not in dict(h.values)
+
+
+@pytest.mark.parametrize("use, level", [(health.BUDGET_SHARE_FOR_WARN, HealthLevel.OK), (0.99, HealthLevel.WARN)])
+def test_nearly_full_pool_warns(use, level):
+    h = judge(stats=dict(OK_STATS, budget_use=use))
+    assert h.level == level
+    assert ("KV pool nearly full (99% of budget)" in h.message) == (level == HealthLevel.WARN)
+
+
+@pytest.mark.parametrize("requests, errors, level", [
+    (6, 3, HealthLevel.ERROR),   # half failed, 3 of them
+    (4, 2, HealthLevel.WARN),    # half failed but only 2: not yet an error
+    (6, 2, HealthLevel.WARN),
+    (2, 1, HealthLevel.OK),      # one bad request is noise
+    (20, 2, HealthLevel.OK),     # 10% is not above 10%
+    (0, 0, HealthLevel.OK),
+])
+def test_recent_failures(requests, errors, level):
+    h = judge(recent=RecentCounts(requests, errors, 0))
+    assert h.level == level, h.message
+    if level != HealthLevel.OK:
+        assert h.message == f"{errors} of {requests} requests failed in the last 30 s"
+
+
+def test_busy_refusals_warn_and_name_the_limit():
+    h = judge(recent=RecentCounts(10, 0, 5))
+    assert h.level == HealthLevel.WARN
+    assert h.message == "5 requests refused as busy in the last 30 s (queue_limit 4)"
+
+
+def test_latency_threshold_comes_from_the_caller():
+    assert judge(ttft_warn_ms=300.0).level == HealthLevel.OK  # 300 is not above 300
+    h = judge(ttft_warn_ms=250.0)
+    assert h.level == HealthLevel.WARN
+    assert h.message == "p95 time to first token 300 ms above ttft_warn_ms 250 ms"
+
+
+def test_reasons_add_up_and_the_worst_level_wins():
+    h = judge(stats=dict(OK_STATS, budget_use=0.99), recent=RecentCounts(4, 3, 1),
+              thermal=ThermalState(ThermalLevel.WARN, "warm"), ttft_warn_ms=10.0)
+    assert h.level == HealthLevel.ERROR
+    assert h.message.split("; ") == [
+        "running hot, shorter answers: warm", "KV pool nearly full (99% of budget)",
+        "3 of 4 requests failed in the last 30 s", "1 requests refused as busy in the last 30 s (queue_limit 4)",
+        "p95 time to first token 300 ms above ttft_warn_ms 10 ms"]
+
+
+def test_rate_window_forgets_what_is_older_than_the_window():
+    w = RateWindow(window_s=30.0)
+    s = {"requests_total": 0, "errors_total": 0, "rejected_busy_total": 0}
+    assert w.update(0.0, s) == RecentCounts(0, 0, 0)
+    assert w.update(10.0, dict(s, requests_total=10, errors_total=4, rejected_busy_total=2)) == RecentCounts(10, 4, 2)
+    assert w.update(20.0, dict(s, requests_total=12, errors_total=4, rejected_busy_total=2)) == RecentCounts(12, 4, 2)
+    # at t=45 the t=0 and t=10 samples are older than 30 s: only what happened since t=20 counts
+    assert w.update(45.0, dict(s, requests_total=13, errors_total=4, rejected_busy_total=2)) == RecentCounts(1, 0, 0)
+    w.clear()
+    assert w.update(50.0, dict(s, requests_total=99)) == RecentCounts(0, 0, 0)
+
+
+def test_nan_temperature_is_reported_as_nan():
+    reading = ThermalReading([ZoneReading("cpu", math.nan, False)], "", math.nan, ThermalLevel.OK, False, False)
+    assert dict(judge(reading=reading).values)["hottest_c"] == "nan"

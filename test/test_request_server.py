@@ -1,0 +1,262 @@
+"""RequestServer without ROS: admission, refusals, the worker, idle work, drain/stop, exactly-once answers.
+
+The executor here is a small real function (it answers with the prompt reversed), gated by an event
+where a test needs requests to pile up; the server is the thing under test.
+"""
+import threading
+import time
+
+import pytest
+
+from simllm_ros.request import QueryRequest, QueryResult
+from simllm_ros.request_server import STOPPED_ERROR, RequestServer
+
+WAIT_S = 10.0
+
+
+class Backend:
+    """prepare/execute/idle functions with counters; `gate` holds the worker inside execute until set."""
+
+    def __init__(self, gated: bool = False):
+        self.gate = threading.Event()
+        if not gated:
+            self.gate.set()
+        self.executed: list[str] = []
+        self.running = threading.Event()
+        self.busy_count = 0
+        self.idle_left = 0
+        self.idle_runs = 0
+
+    def prepare(self, req: QueryRequest):
+        if not req.prompt:
+            return QueryResult.failure("empty prompt")
+        if req.prompt == "explode in prepare":
+            raise ValueError("bad fingerprint")
+        return req.prompt.upper()
+
+    def execute(self, job) -> QueryResult:
+        self.running.set()
+        assert self.gate.wait(WAIT_S)
+        if job.request.prompt == "explode":
+            raise RuntimeError("injected")
+        self.executed.append(job.request.request_id)
+        return QueryResult(success=True, answer=job.prepared[::-1])
+
+    def on_busy(self):
+        self.busy_count += 1
+
+    def has_idle_work(self) -> bool:
+        return self.idle_left > 0
+
+    def idle_work(self):
+        self.idle_left -= 1
+        self.idle_runs += 1
+
+
+def make(backend: Backend, queue_limit: int = 4, **kw) -> RequestServer:
+    server = RequestServer(prepare=backend.prepare, execute=backend.execute, state=lambda: "inactive",
+                           queue_limit=queue_limit, has_idle_work=backend.has_idle_work, idle_work=backend.idle_work,
+                           on_busy=backend.on_busy, **kw)
+    server.start()
+    return server
+
+
+@pytest.fixture
+def served():
+    made = []
+
+    def factory(backend, **kw):
+        s = make(backend, **kw)
+        made.append((s, backend))
+        return s
+    yield factory
+    for s, b in made:
+        b.gate.set()
+        s.stop()
+
+
+def req(i, prompt=None):
+    return QueryRequest(prompt=prompt if prompt is not None else f"question {i}", request_id=f"r{i}")
+
+
+def test_answers_in_order_with_request_ids(served):
+    b = Backend()
+    s = served(b, queue_limit=5)
+    s.open()
+    jobs = [s.submit(req(i)) for i in range(5)]
+    results = [s.wait(j) for j in jobs]
+    assert [r.answer for r in results] == [f"QUESTION {i}"[::-1] for i in range(5)]
+    assert [r.request_id for r in results] == [f"r{i}" for i in range(5)]
+    assert b.executed == [f"r{i}" for i in range(5)]
+    assert s.inflight == 0 and s.queue_depth == 0
+
+
+def test_closed_server_refuses_with_the_owner_state(served):
+    b = Backend()
+    s = served(b)
+    r = s.wait(s.submit(req(1)))
+    assert not r.success and r.error == "node is not active (state: inactive)" and r.request_id == "r1"
+    assert b.executed == [] and s.inflight == 0
+
+
+def test_full_queue_refuses_busy_and_counts_it(served):
+    b = Backend(gated=True)
+    s = served(b, queue_limit=2)
+    s.open()
+    first = s.submit(req(0))
+    assert b.running.wait(WAIT_S)  # the worker holds job 0; the queue is empty again
+    queued = [s.submit(req(i)) for i in (1, 2)]
+    refused = s.submit(req(3))
+    assert refused.done.is_set()
+    assert refused.result.error == "busy: 2 requests already waiting (queue_limit 2); retry later"
+    assert b.busy_count == 1 and s.queue_depth == 2 and s.inflight == 3
+    s.set_queue_limit(3)  # live change: one more fits
+    more = s.submit(req(4))
+    assert not more.done.is_set()
+    b.gate.set()
+    assert all(s.wait(j).success for j in [first, *queued, more])
+    assert b.executed == ["r0", "r1", "r2", "r4"]
+
+
+def test_overheated_refuses_until_cleared(served):
+    b = Backend()
+    s = served(b)
+    s.open()
+    s.set_overheated("hottest zone cpu at 95.0 C (threshold 90.0 C)")
+    r = s.wait(s.submit(req(1)))
+    assert r.error == ("overheated: hottest zone cpu at 95.0 C (threshold 90.0 C); shedding load, "
+                       "retry when cooler")
+    s.set_overheated(None)
+    assert s.wait(s.submit(req(2))).success
+
+
+def test_prepare_refusal_and_fault_fail_that_request_only(served):
+    b = Backend()
+    s = served(b)
+    s.open()
+    empty = s.submit(req(1, ""))
+    boom = s.submit(req(2, "explode in prepare"))
+    fine = s.submit(req(3))
+    assert s.wait(empty).error == "empty prompt"
+    assert s.wait(boom).error == "internal error: ValueError: bad fingerprint"
+    assert s.wait(fine).success
+    assert b.executed == ["r3"] and s.inflight == 0 and s.queue_depth == 0
+
+
+def test_fault_inside_execute_fails_that_request_only(served):
+    b = Backend(gated=True)
+    s = served(b)
+    s.open()
+    jobs = [s.submit(req(0)), s.submit(req(1, "explode")), s.submit(req(2))]
+    b.gate.set()
+    res = [s.wait(j) for j in jobs]
+    assert res[0].success and res[2].success
+    assert res[1].error == "internal error: RuntimeError: injected" and res[1].request_id == "r1"
+
+
+def test_concurrent_submitters_each_answered_exactly_once(served):
+    b = Backend()
+    s = served(b, queue_limit=3)
+    s.open()
+    calls: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def on_done(result):
+        with lock:
+            calls[result.request_id] = calls.get(result.request_id, 0) + 1
+
+    def client(c):
+        for i in range(25):
+            s.submit(req(f"{c}-{i}"), on_done)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert s.drain("test") == 0
+    assert len(calls) == 100 and set(calls.values()) == {1}
+    assert len(b.executed) + b.busy_count == 100
+    assert len(b.executed) > 0 and s.inflight == 0
+
+
+def test_idle_work_only_while_open_and_nothing_waits(served):
+    b = Backend()
+    b.idle_left = 3
+    s = served(b)
+    time.sleep(0.3)
+    assert b.idle_runs == 0  # closed: no idle work
+    s.open()
+    deadline = time.monotonic() + WAIT_S
+    while b.idle_left and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b.idle_runs == 3
+    assert s.wait(s.submit(req(1))).success
+
+
+def test_drain_waits_for_admitted_requests_then_close_refuses(served):
+    b = Backend(gated=True)
+    s = served(b)
+    s.open()
+    jobs = [s.submit(req(i)) for i in range(3)]
+    s.close()
+    late = s.submit(req(9))
+    assert late.result.error.startswith("node is not active")
+    threading.Timer(0.2, b.gate.set).start()
+    assert s.drain("test") == 0
+    assert all(j.result.success for j in jobs)
+
+
+def test_stop_finishes_the_queue_then_refuses(served):
+    b = Backend(gated=True)
+    s = served(b)
+    s.open()
+    jobs = [s.submit(req(i)) for i in range(3)]
+    threading.Timer(0.2, b.gate.set).start()
+    s.stop()
+    assert all(j.result.success for j in jobs)
+    r = s.wait(s.submit(req(5)))
+    assert r.error.startswith("node is not active") and not s.running
+
+
+def test_a_stuck_worker_leaves_no_request_waiting(served):
+    b = Backend(gated=True)
+    s = served(b, drain_timeout_s=0.3)
+    s.open()
+    stuck = s.submit(req(0))
+    assert b.running.wait(WAIT_S)
+    queued = s.submit(req(1))
+    s.stop()  # the worker cannot finish: stop gives up after drain_timeout_s
+    assert queued.result.error == STOPPED_ERROR
+    assert s.wait(stuck, poll_s=0.05).error == STOPPED_ERROR
+    b.gate.set()  # the worker wakes up later: its answer must not count twice
+    time.sleep(0.2)
+    assert stuck.result.error == STOPPED_ERROR and s.inflight == 0
+
+
+def test_per_job_callbacks_reach_the_executor(served):
+    """The hooks a streaming transport needs: partial text out, cancellation in."""
+    seen = []
+
+    def execute(job):
+        text = ""
+        for n, word in enumerate(job.prepared.split(), 1):
+            if job.should_stop():
+                return QueryResult(success=True, answer=text.strip(), generated_tokens=n - 1)
+            text += word + " "
+            job.on_text(text.strip(), n)
+        return QueryResult(success=True, answer=text.strip(), generated_tokens=n)
+
+    s = RequestServer(prepare=lambda r: r.prompt, execute=execute, state=lambda: "inactive")
+    s.start()
+    s.open()
+    try:
+        full = s.wait(s.submit(req(1, "one two three"), on_text=lambda t, n: seen.append((t, n)),
+                               should_stop=lambda: False))
+        streamed = []
+        cut = s.wait(s.submit(req(2, "one two three"), on_text=lambda t, n: streamed.append(n),
+                              should_stop=lambda: len(streamed) >= 1))
+    finally:
+        s.stop()
+    assert full.answer == "one two three" and seen == [("one", 1), ("one two", 2), ("one two three", 3)]
+    assert cut.generated_tokens == 1 and cut.answer == "one" and streamed == [1]
