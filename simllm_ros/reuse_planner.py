@@ -26,6 +26,8 @@ SEMANTIC_GAIN = 0.8  # SEMANTIC must leave at most this share of what EXACT_PREF
 class ReusePlan:
     tier: CacheResult
     reason: str
+    # Cosine of the prompt to the reused task (ANSWER, SEMANTIC) or to the most similar task of the
+    # scope (EXACT_PREFIX, MISS), in 0..1; 0.0 when the scope has no task. Query.srv says the same.
     similarity: float = 0.0
     source_key: int | None = None
     prefix: PrefixHit | None = None
@@ -34,6 +36,11 @@ class ReusePlan:
     exact_lead: int = 0
     answer: str = ""
     source_question: str = ""
+
+
+def reported_similarity(cos: float) -> float:
+    """Query.srv's `similarity`: the cosine clipped to 0..1 (float error can leave it just outside)."""
+    return min(max(float(cos), 0.0), 1.0)
 
 
 def align(source: list[int], target: list[int], limit: int) -> list[tuple[int, int]]:
@@ -74,7 +81,7 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
             ok, why = answer_guard.answers_compatible(question, e.question)
             if ok:
                 return ReusePlan(CacheResult.ANSWER, f"answer of a task with cosine {cos:.3f}, same context",
-                                 cos, key, answer=e.answer, source_question=e.question)
+                                 reported_similarity(cos), key, answer=e.answer, source_question=e.question)
 
     # --- tier 1 candidate: EXACT_PREFIX
     prefix = None
@@ -114,12 +121,12 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
         if approx > 0 and est_compute <= SEMANTIC_GAIN * (len(tokens) - n_exact):
             return ReusePlan(CacheResult.SEMANTIC,
                              f"cosine {cos:.3f}: {len(pairs)} aligned tokens vs {n_exact} exact-prefix",
-                             cos, key, prefix=None, pairs=pairs, exact_lead=lead, source_question=e.question)
+                             reported_similarity(cos), key, prefix=None, pairs=pairs, exact_lead=lead, source_question=e.question)
         why_not = f"alignment gains too little ({len(pairs)} aligned vs {n_exact} exact-prefix tokens)"
 
     if prefix is not None:
         src = prefix.entry_keys[0] if prefix.entry_keys else None
         return ReusePlan(CacheResult.EXACT_PREFIX, f"{n_exact}-token exact prefix; no semantic: {why_not}",
-                         best_cos, src, prefix=prefix)
+                         reported_similarity(best_cos), src, prefix=prefix)
     reason = "no cached prefix" if (allow_approximate or lossless_kv) else "stored KV reuse is not lossless here and caller forbids approximate reuse"
-    return ReusePlan(CacheResult.MISS, f"{reason}; no semantic: {why_not}", best_cos)
+    return ReusePlan(CacheResult.MISS, f"{reason}; no semantic: {why_not}", reported_similarity(best_cos))
