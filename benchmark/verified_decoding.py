@@ -76,11 +76,11 @@ class SimSystem:
         e = self.engine
         saved = e.settings
         e.settings = saved.replace(enable_drafts=False)
-        e.pool.clear()
+        e.clear_pool()
         r = e.handle(QueryRequest(prompt=q, context=BULLETIN, cache_scope="b", max_new_tokens=max_new,
                                   allow_approximate=True))
         e.settings = saved
-        e.pool.clear()
+        e.clear_pool()
         self.ref[q] = r.answer
         return r.answer
 
@@ -147,14 +147,14 @@ def hit_overhead(engine: Engine, sizes=(250, 500, 1000), reps: int = 5) -> list[
     words = (BULLETIN * 4).split()
     for size in sizes:
         ctx = " ".join(words[:int(size * 0.7)])
-        engine.pool.clear()
+        engine.clear_pool()
         engine.settings = engine.settings.replace(max_prompt_tokens=4096, enable_drafts=False)
         q = "is it going to rain today"
         engine.handle(QueryRequest(prompt="hello there", context=ctx, cache_scope="o", max_new_tokens=1))
         hits, limits = [], []
         for _ in range(reps):
             r = engine.handle(QueryRequest(prompt=q, context=ctx, cache_scope="o", max_new_tokens=1))
-            engine.pool.clear()
+            engine.clear_pool()
             engine.handle(QueryRequest(prompt="hello there", context=ctx, cache_scope="o", max_new_tokens=1))
             hits.append(r.ttft_ms)
             ids = b.prompt_ids(engine.settings.system_prompt, ctx, q)
@@ -167,7 +167,7 @@ def hit_overhead(engine: Engine, sizes=(250, 500, 1000), reps: int = 5) -> list[
         out.append((len(b.prompt_ids(engine.settings.system_prompt, ctx, q)), statistics.median(hits),
                     statistics.median(limits)))
     engine.settings = engine.settings.replace(max_prompt_tokens=1024, enable_drafts=True)
-    engine.pool.clear()
+    engine.clear_pool()
     return out
 
 

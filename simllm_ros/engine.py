@@ -23,7 +23,7 @@ from . import persistence, reuse_planner, semantic_reuse
 from .cache_stats import CacheStatsRecorder
 from .draft_proposer import DraftProposer
 from .fingerprint import Fingerprinter, context_digest
-from .kv_pool import KVPool, PendingInsert
+from .kv_pool import KVPool
 from .model_backend import ModelBackend, ModelLoadError
 from .request import CacheResult, QueryRequest, QueryResult
 from .semantic_log import SemanticLog
@@ -44,6 +44,21 @@ class Prepared:
     fingerprint: np.ndarray
     question: str
     t_arrival: float  # perf_counter when the request reached the engine: TTFT counts from here
+
+
+@dataclasses.dataclass
+class PendingInsert:
+    """A prompt served approximately (SEMANTIC): its exact KV is computed later, when the engine is idle."""
+
+    scope: str
+    tokens: list[int]
+    fingerprint: np.ndarray
+    question: str
+    context_digest: str
+    answer: str
+
+
+PENDING_INSERTS_MAX = 8  # deferred exact prefills kept (newest win): idle time is finite
 
 
 def device_memory_bytes(device: str) -> int:
@@ -89,6 +104,8 @@ class Engine:
         # Recent answers per scope (token ids), a draft source for verified decoding.
         self._recent_answers: dict[str, collections.deque[list[int]]] = {}
         self._answer_tokens: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        # Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time.
+        self.pending_inserts: collections.deque[PendingInsert] = collections.deque(maxlen=PENDING_INSERTS_MAX)
 
     # ---- lifecycle -------------------------------------------------------------
     @property
@@ -148,7 +165,7 @@ class Engine:
     def _warm_up(self, path: str, progress) -> int:
         reqs = read_requests_jsonl(path)
         progress(f"warm-up: {len(reqs)} requests from {path}")
-        calibrate = self.settings.enable_quant_calibration and self.pool.store.quantized
+        calibrate = self.settings.enable_quant_calibration and self.pool.quantized
         if calibrate:
             self._calibrate([self.backend.prompt_ids(self.settings.system_prompt, r.context, r.prompt) for r in reqs])
         done = 0
@@ -173,7 +190,7 @@ class Engine:
             lo = kl if lo is None else torch.minimum(lo, kl)
             hi = kh if hi is None else torch.maximum(hi, kh)
         if lo is not None:
-            self.pool.store.key_calibration = (lo, hi)
+            self.pool.set_key_calibration(lo, hi)
 
     def save(self) -> str | None:
         if self.pool is None or not self.settings.persist_path:
@@ -188,6 +205,7 @@ class Engine:
             self.backend = None
             self.fingerprinter = None
             self.pool = None
+            self.pending_inserts.clear()
             if self.semantic_log is not None:
                 self.semantic_log.close()
                 self.semantic_log = None
@@ -203,9 +221,16 @@ class Engine:
             self._apply_pool_knobs()
 
     def _apply_pool_knobs(self) -> None:
-        self.pool.lfu_weight = self.settings.lfu_weight
-        self.pool.diversity_weight = self.settings.diversity_weight
-        self.pool.half_life_s = self.settings.recency_half_life_s
+        s = self.settings
+        self.pool.set_eviction_policy(lfu_weight=s.lfu_weight, diversity_weight=s.diversity_weight,
+                                      half_life_s=s.recency_half_life_s)
+
+    def clear_pool(self) -> None:
+        """Forget every cached task and every deferred exact prefill."""
+        with self._exec_lock:
+            self.pending_inserts.clear()
+            if self.pool is not None:
+                self.pool.clear()
 
     def set_thermal_level(self, level: ThermalLevel) -> None:
         self.thermal_level = ThermalLevel(level)
@@ -321,7 +346,7 @@ class Engine:
         if poolable and plan.tier == CacheResult.SEMANTIC:
             # The repaired cache is approximate; the exact one is computed when the node is idle
             # (idle_work), so the next request on this new context is an EXACT_PREFIX hit.
-            pool.pending_inserts.append(PendingInsert(req.scope, tokens, p.fingerprint, p.question, digest, res.answer))
+            self.pending_inserts.append(PendingInsert(req.scope, tokens, p.fingerprint, p.question, digest, res.answer))
         if poolable and plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX):
             k, v = backend.cache_tensors(cache)
             key = pool.insert(scope=req.scope, tokens=tokens, k=k[:, :, :len(tokens)], v=v[:, :, :len(tokens)],
@@ -338,7 +363,7 @@ class Engine:
         """Stored KV reused gives bitwise what a full prefill gives: stored at the model's own precision,
         on a backend whose results do not depend on how a sequence is cut into passes."""
         b = self.backend
-        return b is not None and b.exact_chunking and self.pool.store.dtype == b.dtype
+        return b is not None and b.exact_chunking and self.pool.store_dtype == b.dtype
 
     def _draft_source(self, req: QueryRequest, tokens: list[int], fingerprint, now: float) -> DraftProposer:
         """Drafts for this request: answers of the same prompt and of similar tasks in its scope (most
@@ -348,11 +373,10 @@ class Engine:
         same = pool.find(req.scope, tokens)
         if same is not None and same.answer:
             answers.append(same.answer)
-        for key, cos, _ in pool.matcher.best(fingerprint, req.scope, now, k=4, recency_weight=0.0,
-                                             half_life_s=s.recency_half_life_s):
-            e = pool.entries.get(key)
-            if cos >= s.draft_min_similarity and e is not None and e.answer and e.answer not in answers:
-                answers.append(e.answer)
+        for m in pool.best_matches(fingerprint, req.scope, now, k=4, recency_weight=0.0,
+                                   half_life_s=s.recency_half_life_s):
+            if m.cosine >= s.draft_min_similarity and m.entry.answer and m.entry.answer not in answers:
+                answers.append(m.entry.answer)
         return DraftProposer(answers=[self._answer_ids(a) for a in answers],
                              history=list(self._recent_answers.get(req.scope, ())),
                              prompt=tokens, max_tokens=s.max_draft_tokens)
@@ -373,7 +397,7 @@ class Engine:
                 self._recent_answers.pop(next(iter(self._recent_answers)))
 
     def has_idle_work(self) -> bool:
-        return self.pool is not None and bool(self.pool.pending_inserts) and self.thermal_level == ThermalLevel.OK
+        return self.pool is not None and bool(self.pending_inserts) and self.thermal_level == ThermalLevel.OK
 
     def idle_work(self) -> bool:
         """Compute and pool the exact KV of one prompt that SEMANTIC reuse served; returns whether it did.
@@ -382,7 +406,7 @@ class Engine:
             if not self.has_idle_work():
                 return False
             pool, backend = self.pool, self.backend
-            job = pool.pending_inserts.popleft()
+            job = self.pending_inserts.popleft()
             if pool.find(job.scope, job.tokens) is not None:
                 return False
             try:
@@ -404,11 +428,10 @@ class Engine:
     def _log_decision(self, req, digest, plan, res) -> None:
         if self.semantic_log is None:
             return
-        src = self.pool.entries.get(plan.source_key) if plan.source_key is not None else None
         self.semantic_log.write({
             "request_id": req.request_id, "scope": req.scope, "question": req.prompt[:200],
             "context_digest": digest, "tier": CacheResult(plan.tier).name, "similarity": round(plan.similarity, 4),
-            "source_key": plan.source_key, "source_question": (src.question[:200] if src else plan.source_question),
+            "source_key": plan.source_key, "source_question": plan.source_question[:200],
             "reason": plan.reason, "prompt_tokens": res.prompt_tokens, "reused_tokens": res.reused_tokens,
             "recomputed_tokens": res.recomputed_tokens, "ttft_ms": round(res.ttft_ms, 2)})
 
@@ -417,9 +440,9 @@ class Engine:
         pool = self.pool
         if pool is None:
             return self.recorder.snapshot(0, 0, 0, 0, 0, 0, queue_depth)
-        with pool.lock:
-            return self.recorder.snapshot(pool.bytes_used, pool.budget_bytes, len(pool), pool.blocks.num_used,
-                                          pool.evictions_total, pool.bytes_saved_quantization, queue_depth)
+        st = pool.stats()
+        return self.recorder.snapshot(st.bytes_used, st.budget_bytes, st.entries, st.blocks_used, st.evictions_total,
+                                      st.bytes_saved_quantization, queue_depth)
 
     def entries(self) -> list:
         """Summaries of the cached tasks (kv_pool.EntryInfo), for telemetry; empty when not loaded."""

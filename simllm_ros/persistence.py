@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .kv_pool import KVPool
+from .kv_pool import KVPool, PoolSnapshot
 
 FORMAT = "simllm_ros.kv_pool"
 FORMAT_VERSION = 1
@@ -34,24 +34,17 @@ def snapshot_path(folder: str) -> str:
 
 def identity(pool: KVPool, model_identity: dict, embedder: str) -> dict:
     return {"format": FORMAT, "version": FORMAT_VERSION, "model": model_identity, "embedder": embedder,
-            "kv_bits": pool.store.kv_bits, "block_tokens": pool.block_tokens,
-            "store_dtype": str(pool.store.dtype)}
+            "kv_bits": pool.kv_bits, "block_tokens": pool.block_tokens,
+            "store_dtype": str(pool.store_dtype)}
 
 
 def save(pool: KVPool, folder: str, ident: dict) -> str:
-    with pool.lock:
-        entries = sorted(pool.entries.values(), key=lambda e: e.key)
-        used = sorted({b for e in entries for b in e.block_ids})
-        row = {b: i for i, b in enumerate(used)}
-        tensors = pool.store.tensors_for(used) if used else {}
-        keys = [e.key for e in entries]
-        tensors["fingerprints"] = torch.from_numpy(pool.matcher.fingerprints(keys)) if keys else torch.zeros(0)
-        if pool.store.key_calibration is not None:
-            tensors["calib_lo"], tensors["calib_hi"] = (t.cpu() for t in pool.store.key_calibration)
-        manifest = {"identity": ident, "entries": [
-            {"scope": e.scope, "tokens": e.tokens, "rows": [row[b] for b in e.block_ids], "question": e.question,
-             "context_digest": e.context_digest, "answer": e.answer, "created": e.created,
-             "last_used": e.last_used, "hits": e.hits} for e in entries]}
+    snap = pool.snapshot()
+    tensors = dict(snap.blocks)
+    tensors["fingerprints"] = torch.from_numpy(snap.fingerprints) if snap.entries else torch.zeros(0)
+    if snap.key_calibration is not None:
+        tensors["calib_lo"], tensors["calib_hi"] = snap.key_calibration
+    manifest = {"identity": ident, "entries": snap.entries}
     tensors = {k: t.contiguous() for k, t in tensors.items()}
     manifest_json = json.dumps(manifest)
     os.makedirs(folder, exist_ok=True)
@@ -134,28 +127,8 @@ def load(pool: KVPool, folder: str, ident: dict) -> int:
     try:
         entries = manifest["entries"]
         fps = tensors["fingerprints"].numpy() if entries else np.zeros((0, 0), np.float32)
-        if "calib_lo" in tensors:
-            pool.store.key_calibration = (tensors["calib_lo"], tensors["calib_hi"])
-        raw = {k: t for k, t in tensors.items() if k in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")}
-        T = pool.block_tokens
-        # Most valuable first, so a snapshot larger than today's budget keeps what matters.
-        order = sorted(range(len(entries)), key=lambda i: (-entries[i]["hits"], -entries[i]["last_used"]))
-        restored = 0
-        for i in order:
-            e = entries[i]
-            rows = [int(r) for r in e["rows"]]
-            tokens = [int(t) for t in e["tokens"]]
-            if len(rows) != -(-len(tokens) // T) or (rows and (max(rows) >= raw["k"].shape[0] or min(rows) < 0)):
-                raise ValueError("block table does not match tokens")
-
-            def write(bid, start, end, rows=rows):
-                pool.store.load_raw(bid, raw, rows[start // T])
-
-            key = pool.insert(scope=str(e["scope"]), tokens=tokens, k=None, v=None, fingerprint=fps[i],
-                              question=str(e["question"]), context_digest=str(e["context_digest"]),
-                              answer=str(e["answer"]), now=float(e["last_used"]), created=float(e["created"]),
-                              hits=int(e["hits"]), write=write)
-            restored += key is not None
+        calib = (tensors["calib_lo"], tensors["calib_hi"]) if "calib_lo" in tensors else None
+        restored = pool.restore(PoolSnapshot(entries, tensors, fps, calib))
     except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:
         pool.clear()
         raise SnapshotSkipped(f"snapshot {path} is inconsistent ({type(e).__name__}: {e}); starting empty") from None

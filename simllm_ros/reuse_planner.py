@@ -15,7 +15,7 @@ import dataclasses
 import difflib
 
 from . import answer_guard
-from .kv_pool import Entry, KVPool, PrefixHit
+from .kv_pool import KVPool, PrefixHit
 from .request import CacheResult
 
 MIN_RUN_TOKENS = 4  # shorter aligned runs are coincidences (a shared 'the'), their KV saw another context
@@ -64,18 +64,18 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
     stored at the model's precision, on a batch-invariant backend)."""
     s = settings
     if lossless_kv is None:
-        lossless_kv = pool.store.kv_bits >= 16
+        lossless_kv = pool.kv_bits >= 16
     limit = len(tokens) - 1  # the last prompt token is always computed: its logits start the answer
-    candidates = pool.matcher.best(fingerprint, scope, now, k=4, recency_weight=s.recency_weight,
+    candidates = pool.best_matches(fingerprint, scope, now, k=4, recency_weight=s.recency_weight,
                                    half_life_s=s.recency_half_life_s)
-    best_cos = candidates[0][1] if candidates else 0.0
+    best_cos = candidates[0].cosine if candidates else 0.0
 
     # --- tier 3: ANSWER
     if s.enable_answer_cache and allow_approximate:
-        for key, cos, _ in candidates:
+        for m in candidates:
+            key, cos, e = m.key, m.cosine, m.entry
             if cos < s.answer_threshold:
                 break
-            e: Entry = pool.entries[key]
             if not e.answer or e.context_digest != context_digest or now - e.created > s.answer_max_age_s:
                 continue
             ok, why = answer_guard.answers_compatible(question, e.question)
@@ -105,10 +105,10 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
         why_not = f"best cosine {best_cos:.3f} below threshold {s.cache_threshold}"
     else:
         best = None
-        for key, cos, _ in candidates:
+        for m in candidates:
+            key, cos, e = m.key, m.cosine, m.entry
             if cos < s.cache_threshold:
                 break
-            e = pool.entries[key]
             pairs = align(e.tokens, tokens, limit)
             if best is None or len(pairs) > len(best[2]):
                 best = (key, cos, pairs, e)
@@ -121,12 +121,13 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
         if approx > 0 and est_compute <= SEMANTIC_GAIN * (len(tokens) - n_exact):
             return ReusePlan(CacheResult.SEMANTIC,
                              f"cosine {cos:.3f}: {len(pairs)} aligned tokens vs {n_exact} exact-prefix",
-                             reported_similarity(cos), key, prefix=None, pairs=pairs, exact_lead=lead, source_question=e.question)
+                             reported_similarity(cos), key, prefix=None, pairs=pairs, exact_lead=lead,
+                             source_question=e.question)
         why_not = f"alignment gains too little ({len(pairs)} aligned vs {n_exact} exact-prefix tokens)"
 
     if prefix is not None:
-        src = prefix.entry_keys[0] if prefix.entry_keys else None
         return ReusePlan(CacheResult.EXACT_PREFIX, f"{n_exact}-token exact prefix; no semantic: {why_not}",
-                         reported_similarity(best_cos), src, prefix=prefix)
+                         reported_similarity(best_cos), prefix.source_key, prefix=prefix,
+                         source_question=prefix.source_question)
     reason = "no cached prefix" if (allow_approximate or lossless_kv) else "stored KV reuse is not lossless here and caller forbids approximate reuse"
     return ReusePlan(CacheResult.MISS, f"{reason}; no semantic: {why_not}", reported_similarity(best_cos))

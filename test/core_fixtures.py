@@ -82,7 +82,7 @@ def fresh(engine: Engine, **live) -> Engine:
                                                               "block_tokens", "persist_path")})
     engine.settings = defaults.replace(**live)
     engine._apply_pool_knobs()
-    engine.pool.clear()
+    engine.clear_pool()
     engine.pool.check_consistency()
     return engine
 

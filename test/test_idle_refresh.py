@@ -13,7 +13,7 @@ def test_semantic_hit_is_pooled_exactly_at_idle_time():
     assert first.success and first.cache_result == CacheResult.MISS
     semantic = e.handle(QueryRequest(prompt="what will the weather be like today", context=BULLETIN_REVISED, **q))
     assert semantic.success and semantic.cache_result == CacheResult.SEMANTIC
-    assert e.has_idle_work() and len(e.pool.pending_inserts) == 1
+    assert e.has_idle_work() and len(e.pending_inserts) == 1
     n_before = len(e.pool)
     assert e.idle_work() is True
     assert not e.has_idle_work() and len(e.pool) == n_before + 1

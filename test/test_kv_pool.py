@@ -3,6 +3,7 @@
 KV here is a deterministic function of the token prefix (as a causal model's would be), so entries
 that share a prefix share identical KV, and every read can be checked against what was written.
 """
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -47,7 +48,7 @@ def make_pool(blocks=12, kv_bits=32, extra_bytes=1500, shape=SHAPE, block_tokens
 
 
 def put(pool, tokens, scope="a", fp=None, answer="", now=None, question="q"):
-    k, v = kv_for(tokens, pool.store.shape)
+    k, v = kv_for(tokens, pool.shape)
     return pool.insert(scope=scope, tokens=tokens, k=k, v=v, fingerprint=unit(0) if fp is None else fp,
                        question=question, context_digest="d", answer=answer, now=now)
 
@@ -72,20 +73,23 @@ class PoolMachine(RuleBasedStateMachine):
         self.clock += dt
         key = put(self.pool, tokens, scope, unit(fp_seed), answer=answer, now=self.clock)
         if key is not None:
-            e = self.pool.entries[key]
-            assert e.tokens == tokens and e.scope == scope and e.answer == answer
+            e = self.pool.find(scope, tokens)
+            assert e.key == key and list(e.tokens) == tokens and e.scope == scope and e.answer == answer
 
-    @precondition(lambda self: len(self.pool.entries) > 0)
+    def keys(self):
+        return sorted(e.key for e in self.pool.describe_entries())
+
+    @precondition(lambda self: len(self.pool) > 0)
     @rule(data=st.data())
     def remove(self, data):
-        key = data.draw(st.sampled_from(sorted(self.pool.entries)))
+        key = data.draw(st.sampled_from(self.keys()))
         self.pool.remove(key)
-        assert key not in self.pool.entries
+        assert key not in self.keys()
 
     @rule(age=st.floats(0, 200))
     def drop_older(self, age):
         self.pool.drop_older_than(age, now=self.clock)
-        assert all(self.clock - e.created <= age for e in self.pool.entries.values())
+        assert all(self.clock - e.created <= age for e in self.pool.describe_entries())
 
     @invariant()
     def within_budget_and_consistent(self):
@@ -94,8 +98,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_entry_reads_back(self):
-        for e in self.pool.entries.values():
-            assert self.pool.find(e.scope, e.tokens) is e
+        for e in self.pool.describe_entries():
+            assert self.pool.find(e.scope, e.tokens) == e
             hit = self.pool.longest_prefix(e.scope, e.tokens, len(e.tokens))
             assert hit is not None and hit.n_tokens == len(e.tokens)
             k, v = kv_for(e.tokens)
@@ -120,8 +124,8 @@ def test_random_ops_budget_lossy_storage(kv_bits):
             if tokens:
                 put(pool, [int(t) for t in tokens], scope="abc"[rng.integers(3)], fp=unit(int(rng.integers(6))),
                     now=1000.0 + step)
-        elif op < 0.9 and pool.entries:
-            pool.remove(int(rng.choice(sorted(pool.entries))))
+        elif op < 0.9 and len(pool):
+            pool.remove(int(rng.choice(sorted(e.key for e in pool.describe_entries()))))
         else:
             pool.drop_older_than(float(rng.uniform(0, 100)), now=1000.0 + step)
         assert pool.bytes_used <= pool.budget_bytes
@@ -138,11 +142,11 @@ def test_prefix_sharing_uses_fewer_blocks():
     sep_a, sep_b = make_pool(blocks=20), make_pool(blocks=20)
     put(sep_a, a)
     put(sep_b, b)
-    separate = sep_a.blocks.num_used + sep_b.blocks.num_used
-    assert together.blocks.num_used == separate - 3
+    separate = sep_a.stats().blocks_used + sep_b.stats().blocks_used
+    assert together.stats().blocks_used == separate - 3
     assert together.bytes_used < sep_a.bytes_used + sep_b.bytes_used
-    ea, eb = together.entries.values()
-    assert ea.block_ids[:3] == eb.block_ids[:3] and ea.block_ids[3:] != eb.block_ids[3:]
+    ea, eb = together.describe_entries()
+    assert ea.n_blocks + eb.n_blocks == together.stats().blocks_used + 3  # the 3 prefix blocks counted by both
     together.check_consistency()
     # Removing one keeps the shared blocks for the other.
     together.remove(ea.key)
@@ -191,17 +195,18 @@ def test_scope_isolation_in_pool_and_matcher():
     put(pool, tokens, scope="A", fp=fp)
     assert pool.longest_prefix("B", tokens, len(tokens)) is None
     assert pool.find("B", tokens) is None
-    assert pool.matcher.best(fp, "B", now=0.0, k=4) == []  # no entries in B: nothing, not even a score
-    assert [k for k, _, _ in pool.matcher.best(fp, "A", now=0.0, k=4)] == list(pool.entries)
+    assert pool.best_matches(fp, "B", 0.0, k=4, recency_weight=0.0, half_life_s=600.0) == []  # not even a score
+    assert [m.key for m in pool.best_matches(fp, "A", 0.0, k=4, recency_weight=0.0, half_life_s=600.0)] == \
+        [e.key for e in pool.describe_entries()]
     # B gets its own copy of the same tokens: separate blocks, never shared across scopes
     put(pool, tokens, scope="B", fp=fp)
     a, b = (pool.find(s, tokens) for s in ("A", "B"))
-    assert not set(a.block_ids) & set(b.block_ids)
-    hits = pool.matcher.best(fp, "B", now=0.0, k=4)
-    assert [k for k, _, _ in hits] == [b.key]
+    assert pool.stats().blocks_used == a.n_blocks + b.n_blocks  # no block shared across scopes
+    hits = pool.best_matches(fp, "B", 0.0, k=4, recency_weight=0.0, half_life_s=600.0)
+    assert [m.key for m in hits] == [b.key] and hits[0].cosine == pytest.approx(1.0)
     # scope that had entries, now empty again
     pool.remove(b.key)
-    assert pool.matcher.best(fp, "B", now=0.0, k=4) == []
+    assert pool.best_matches(fp, "B", 0.0, k=4, recency_weight=0.0, half_life_s=600.0) == []
     assert pool.longest_prefix("B", tokens, len(tokens)) is None
     pool.check_consistency()
 
@@ -218,6 +223,62 @@ def test_matcher_best_masks_other_scopes_with_many_entries():
     assert m.best(q, "C", now=0.0, k=5) == []
 
 
+def brute_redundancy(fps: dict, scopes: dict, keys: list) -> np.ndarray:
+    """The definition, all pairs: highest cosine to another of `keys` in the same scope, clipped at 0."""
+    out = []
+    for k in keys:
+        sims = [float(fps[k] @ fps[o]) for o in keys if o != k and scopes[o] == scopes[k]]
+        out.append(max(0.0, max(sims)) if sims else 0.0)
+    return np.array(out)
+
+
+def test_matcher_redundancy_is_kept_incrementally():
+    """Adds, fingerprint/scope changes and removes, against the all-pairs definition after every step."""
+    rng = np.random.default_rng(5)
+    m = Matcher(DIM, capacity=2)  # grows on the way
+    fps, scopes = {}, {}
+    base = [unit(s) for s in range(4)]  # clusters, so near-duplicates and ties of neighbours occur
+    for step in range(300):
+        op = rng.random()
+        if op < 0.55 or not fps:
+            key = int(rng.integers(0, 60))  # an existing key is re-added with a new fingerprint and scope
+            v = base[int(rng.integers(0, 4))] + rng.choice([0.0, 0.05, 0.5]) * rng.standard_normal(DIM)
+            fps[key] = (v / np.linalg.norm(v)).astype(np.float32)
+            scopes[key] = "abc"[int(rng.integers(0, 3))]
+            m.add(key, fps[key], scopes[key], now=float(step))
+        else:
+            key = int(rng.choice(sorted(fps)))
+            m.remove(key)
+            del fps[key], scopes[key]
+        keys = sorted(fps)
+        assert np.allclose(m.redundancy(keys), brute_redundancy(fps, scopes, keys), atol=1e-6), step
+        if len(keys) > 2:  # a caller may leave entries out (eviction protects one): neighbours among the rest
+            subset = [k for k in keys if k != keys[step % len(keys)]]
+            assert np.allclose(m.redundancy(subset), brute_redundancy(fps, scopes, subset), atol=1e-6), step
+    assert len(m) == len(fps)
+
+
+def test_snapshot_restore_round_trip_without_files():
+    pool = make_pool(blocks=20)
+    keys = [put(pool, list(range(1, 14)), answer="a", fp=unit(1), now=10.0),
+            put(pool, list(range(1, 9)) + [50, 51], scope="b", fp=unit(2), now=20.0)]
+    pool.touch([keys[1]], now=30.0)
+    snap = pool.snapshot()
+    again = pool.empty_like()
+    assert again.restore(snap) == 2
+    again.check_consistency()
+    for e in pool.describe_entries():
+        f = again.find(e.scope, e.tokens)
+        assert (f.answer, f.hits, f.created, f.last_used, f.n_blocks) == (e.answer, e.hits, e.created, e.last_used,
+                                                                          e.n_blocks)
+        assert np.array_equal(f.fingerprint, e.fingerprint)
+        assert all(torch.equal(a, b) for a, b in zip(again.entry_kv(f.key), pool.entry_kv(e.key)))
+    assert again.stats().blocks_used == pool.stats().blocks_used
+    bad = dataclasses.replace(snap, entries=[dict(snap.entries[0], rows=[0])])  # block table too short
+    with pytest.raises(ValueError):
+        pool.empty_like().restore(bad)
+
+
 # --------------------------------------------------------------------------- eviction
 def test_eviction_prefers_a_redundant_entry():
     fp_dup = unit(11)
@@ -228,16 +289,17 @@ def test_eviction_prefers_a_redundant_entry():
     evicted = []
     for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):  # insertion order must not decide
         pool = make_pool(blocks=6, extra_bytes=1000)  # room for exactly 3 entries of 2 blocks
-        assert pool.store.num_blocks == 6
-        pool.diversity_weight = 0.3
+        assert pool.stats().num_blocks == 6
+        pool.set_eviction_policy(lfu_weight=0.7, diversity_weight=0.3, half_life_s=600.0)
         seqs = {0: list(range(10, 18)), 1: list(range(20, 28)), 2: list(range(30, 38))}  # 2 blocks each
         fps = {0: fp_dup, 1: near, 2: other}
         keys = {}
         for i in order:
             keys[i] = put(pool, seqs[i], fp=fps[i], now=1000.0)
-        assert pool.blocks.num_free == 0
+        assert pool.stats().blocks_free == 0
         put(pool, list(range(40, 48)), fp=unit(14), now=1000.0)  # needs 2 blocks: one entry must go
-        gone = [i for i in keys if keys[i] not in pool.entries]
+        kept = {e.key for e in pool.describe_entries()}
+        gone = [i for i in keys if keys[i] not in kept]
         assert len(gone) == 1
         evicted.append(gone[0])
         pool.check_consistency()
@@ -245,31 +307,31 @@ def test_eviction_prefers_a_redundant_entry():
 
 
 def test_failing_block_write_loses_no_block():
-    """A write that raises halfway (as a bad snapshot row does on restore) leaves the books as they were."""
+    """A write that raises halfway (as a bad snapshot row does on restore) leaves the books as they were.
+    White-box: restore's private insert path with a write that fails on the second block."""
     pool = make_pool(blocks=12)
     put(pool, list(range(1, 9)))
-    before = (pool.blocks.num_free, pool.bytes_used, len(pool))
+    before = (pool.stats().blocks_free, pool.bytes_used, len(pool))
     calls = []
 
     def bad_write(bid, start, end):
         calls.append(bid)
         if len(calls) == 2:
             raise RuntimeError("shape mismatch")
-        pool.store.write(bid, *(t[:, :, start:end] for t in kv_for(list(range(1, 5)) + [7] * 8)))
+        pool._store.write(bid, *(t[:, :, start:end] for t in kv_for(list(range(1, 5)) + [7] * 8)))
 
     with pytest.raises(RuntimeError):
-        pool.insert(scope="a", tokens=list(range(1, 5)) + [7] * 8, k=None, v=None, fingerprint=unit(1),
-                    question="q", context_digest="d", answer="", write=bad_write)
-    assert (pool.blocks.num_free, pool.bytes_used, len(pool)) == before
+        pool._insert("a", list(range(1, 5)) + [7] * 8, unit(1), "q", "d", "", None, None, 0, bad_write)
+    assert (pool.stats().blocks_free, pool.bytes_used, len(pool)) == before
     pool.check_consistency()
     pool.clear()
-    assert pool.blocks.num_free == pool.store.num_blocks
+    assert pool.stats().blocks_used == 0
     pool.check_consistency()
 
 
 def test_insert_too_large_returns_none():
     pool = make_pool(blocks=3)
-    assert put(pool, list(range((pool.store.num_blocks + 1) * T))) is None
+    assert put(pool, list(range((pool.stats().num_blocks + 1) * T))) is None
     assert len(pool) == 0 and pool.bytes_used == 0
     pool.check_consistency()
 
@@ -305,7 +367,7 @@ def test_8bit_round_trip_error():
     assert ek["relative"] < 0.01 and ev["relative"] < 0.01
     assert ek_small["max_abs"] < 0.05
     assert pool.bytes_saved_quantization > 0
-    assert pool.store.bytes_per_block < pool.store.bytes_per_block_16bit * 0.6
+    assert pool.stats().bytes_per_block < pool.stats().bytes_per_block_16bit * 0.6
 
 
 # --------------------------------------------------------------------------- settings.parse_size

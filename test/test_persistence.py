@@ -39,12 +39,11 @@ def load_engine(folder, **overrides):
 
 def entry_records(pool):
     out = {}
-    for e in pool.entries.values():
+    for e in pool.describe_entries():
         k, v = pool.entry_kv(e.key)
-        fp = pool.matcher.fingerprints([e.key])[0]
         out[(e.scope, tuple(e.tokens))] = dict(question=e.question, answer=e.answer, digest=e.context_digest,
                                                 hits=e.hits, created=e.created, last_used=e.last_used,
-                                                k=k.clone(), v=v.clone(), fp=fp.copy())
+                                                k=k.clone(), v=v.clone(), fp=e.fingerprint.copy())
     return out
 
 
@@ -230,7 +229,7 @@ def test_bad_snapshot_rejected_by_load(saved, tmp_path, damage, reason_words):
     reason = str(exc.value)
     print(f"\n{damage.__name__}: {reason[reason.index('kv_pool.safetensors') + 19:][:150]}")
     assert any(w in reason for w in reason_words), reason
-    assert len(pool) == 0 and pool.bytes_used == 0 and pool.blocks.num_free == pool.store.num_blocks
+    assert len(pool) == 0 and pool.bytes_used == 0 and pool.stats().blocks_used == 0
     pool.check_consistency()
 
 
@@ -250,9 +249,7 @@ def test_bad_snapshot_engine_starts_empty(saved, tmp_path, damage, reason_words)
         assert r.success and r.cache_result == CacheResult.MISS
         e.save()
         ident, pool = e._identity(), e.pool
-        again = KVPool(e.backend.kv_shape, block_tokens=pool.block_tokens, budget_bytes=pool.budget_bytes,
-                       kv_bits=pool.store.kv_bits, model_dtype=pool.store.model_dtype,
-                       fingerprint_dim=e.fingerprinter.dim)
+        again = pool.empty_like()
     finally:
         e.unload()
     assert persistence.load(again, str(tmp_path), ident) == 1
@@ -341,9 +338,9 @@ def _check_snapshot(folder):
                   model_dtype=torch.float32, fingerprint_dim=8)
     n = persistence.load(pool, str(folder), {"format": "test", "model": "kill9"})
     assert n == 10
-    gens = {e.answer for e in pool.entries.values()}
+    gens = {e.answer for e in pool.describe_entries()}
     assert len(gens) == 1, f"snapshot mixes generations {gens}"
-    for e in pool.entries.values():
+    for e in pool.describe_entries():
         k, v = pool.entry_kv(e.key)
         i = e.tokens[0]
         assert float(k.min()) == float(k.max()) == i and float(v.min()) == -i

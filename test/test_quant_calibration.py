@@ -21,7 +21,7 @@ def test_calibration_is_fitted_on_warmup_and_error_is_reported(tmp_path):
                                        enable_quant_calibration=True, warmup_queries=str(warm)))
     e.load()
     try:
-        lo, hi = e.pool.store.key_calibration
+        lo, hi = e.pool.key_calibration
         shape = e.backend.kv_shape
         assert lo.shape == hi.shape == (shape.layers, shape.kv_heads, 1, shape.head_dim)
         assert torch.all(hi >= lo)

@@ -194,7 +194,7 @@ def test_exception_inside_generation_fails_that_request_only(h):
     for r in res_before + res_after:
         assert r.success and r.answer.strip(), r.error
     engine.pool.check_consistency()
-    assert not any(e.scope in ("fault-x", "fault-y") for e in engine.pool.entries.values()), \
+    assert not any(e.scope in ("fault-x", "fault-y") for e in engine.pool.describe_entries()), \
         "a failed request left an entry in the pool"
     assert engine.recorder.snapshot(0, 0, 0, 0, 0, 0, 0)["errors_total"] == errors0 + 2
     r = h.query(faulty, scope="fault-x", max_new_tokens=4, timeout=TIMEOUT)  # the same prompt, model restored

@@ -120,7 +120,7 @@ def test_nul_is_cut_by_the_ros_string_type(h):
     assert cut.prompt_tokens == plain.prompt_tokens
     scoped = h.query(GOOD, scope="nul-c\x00 bad part", max_new_tokens=2, timeout=TIMEOUT)  # arrives as "nul-c"
     assert scoped.success, scoped.error
-    assert any(e.scope == "nul-c" for e in h.node._engine.pool.entries.values()) or scoped.cache_result == 0
+    assert any(e.scope == "nul-c" for e in h.node._engine.pool.describe_entries()) or scoped.cache_result == 0
     from simllm_ros.request import QueryRequest
     from simllm_ros.validation import validate_request
     err = validate_request(QueryRequest(prompt="hello\x00world"), max_scope_length=64, max_new_tokens_limit=32)
@@ -167,7 +167,7 @@ def test_scope_isolation_no_cross_scope_leak(h):
             assert ra.success, ra.error
         assert ra.cache_result != CacheResult.MISS and ra.reused_tokens > 0, "scope A did not reuse its own cache"
         pool = h.node._engine.pool
-        assert any(e.scope == a_scope for e in pool.entries.values())
+        assert any(e.scope == a_scope for e in pool.describe_entries())
         print(f"\nscope A: {CacheResult(ra.cache_result).name}, reused {ra.reused_tokens}, answer {ra.answer!r}")
         probes_done = []
         for probe in PROBES:

@@ -37,8 +37,8 @@ def test_same_request_in_other_scope_is_a_plain_miss(engine):
     # B now has its own entry; a paraphrase in B is matched against B's entry only.
     b2 = ask(engine, "Tell me the code of the service door.", "B", SECRET_CONTEXT, n=2)
     assert b2.cache_result != CacheResult.MISS or b2.similarity > 0  # B's own entry is visible to B
-    keys_a = {e.key for e in engine.pool.entries.values() if e.scope == "A"}
-    assert keys_a and all(e.scope == "A" for e in engine.pool.entries.values() if e.key in keys_a)
+    keys_a = {e.key for e in engine.pool.describe_entries() if e.scope == "A"}
+    assert keys_a and all(e.scope == "A" for e in engine.pool.describe_entries() if e.key in keys_a)
 
 
 def test_answer_tier_never_crosses_scopes(engine):
@@ -70,9 +70,9 @@ def test_other_scope_cannot_extract_previous_context(engine):
         if r.cache_result != CacheResult.MISS or r.reused_tokens or r.similarity:
             leaks.append((prompt, r))
         assert SECRET not in r.answer and "4471" not in r.answer
-        for e in [e for e in engine.pool.entries.values() if e.scope == "B"]:
+        for e in [e for e in engine.pool.describe_entries() if e.scope == "B"]:
             engine.pool.remove(e.key)  # every B request starts with only A's entry in the pool
-        assert [e.scope for e in engine.pool.entries.values()] == ["A"]
+        assert [e.scope for e in engine.pool.describe_entries()] == ["A"]
     assert not leaks, leaks
     # Control: the model does read the secret when it is in the prompt (else the check above proves nothing).
     assert SECRET in a.answer or "4471" in a.answer, a.answer

@@ -79,7 +79,7 @@ def workload(engine, pairs):
         if new.cache_result == CacheResult.SEMANTIC and sum("cached" in r for r in rows) < N_POLICY_PAIRS:
             e = engine.pool.find(f"pair{i}", engine.backend.prompt_ids(engine.settings.system_prompt, BULLETIN, q1))
             k, v = engine.pool.entry_kv(e.key)
-            row["cached"] = (list(e.tokens), k, v, engine.pool.matcher.fingerprints([e.key])[0], e.question)
+            row["cached"] = (list(e.tokens), k, v, e.fingerprint, e.question)
         rows.append(row)
     return rows
 

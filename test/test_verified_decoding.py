@@ -131,7 +131,7 @@ def _references(engine, requests, max_new):
     fresh(engine, enable_drafts=False, enable_semantic_reuse=False)
     out = []
     for r in requests:
-        engine.pool.clear()
+        engine.clear_pool()
         res = engine.handle(r)
         assert res.success and res.cache_result == CacheResult.MISS and res.exact, res
         out.append(res.answer)
@@ -185,7 +185,7 @@ def test_trap_pairs_get_their_own_answer(engine):
     fresh(engine)
     served_other = unverified_hits = 0
     for (a, b), req, ref in zip(pairs, seconds, refs):
-        engine.pool.clear()
+        engine.clear_pool()
         first = engine.handle(QueryRequest(prompt=a, context=BULLETIN, cache_scope="traps", max_new_tokens=16))
         res = engine.handle(req)
         assert res.success and res.exact and res.answer == ref, (b, res.answer, ref)

@@ -238,14 +238,9 @@ class PlainGenerate:
 
 def new_pool(engine, timers: dict):
     """A KV pool like the engine's own (same geometry and budget), with its insert and matcher timed."""
-    from ..kv_pool import KVPool
-
-    ref = engine.pool
-    pool = KVPool(engine.backend.kv_shape, block_tokens=ref.block_tokens, budget_bytes=ref.budget_bytes,
-                  kv_bits=ref.store.kv_bits, model_dtype=ref.store.model_dtype, fingerprint_dim=ref.matcher.dim,
-                  device=ref.store.device)
+    pool = engine.pool.empty_like()
     _timed(pool, "insert", "insert", timers)
-    _timed(pool.matcher, "best", "match", timers)
+    _timed(pool, "best_matches", "match", timers)
     return pool
 
 
@@ -262,7 +257,8 @@ class EngineSystem:
         self.trace: list[dict] = []  # pool size after each request
 
     def begin(self, workload: str) -> None:
-        self.pool.clear()
+        self.engine.pool = self.pool
+        self.engine.clear_pool()
         self.trace = []
         self.workload = workload
 
@@ -292,23 +288,26 @@ class EngineSystem:
         # (after SEMANTIC hits). Not counted in any request's latency, as on the node.
         while e.idle_work():
             pass
-        self.trace.append({"entries": len(pool), "blocks": pool.blocks.num_used, "bytes": pool.bytes_used,
-                           "meta": pool._meta_bytes})
+        st = pool.stats()
+        self.trace.append({"entries": st.entries, "blocks": st.blocks_used, "bytes": st.bytes_used,
+                           "meta": st.meta_bytes})
         return Rec(i, tier, tier != "MISS", res.ttft_ms, res.total_ms, res.prompt_tokens, res.reused_tokens,
                    res.answer, first_logits=self.timers.get("first_logits"), timing=timing)
 
     def memory(self) -> dict:
+        from ..block_store import BlockStore
+
         pool = self.pool
-        st = pool.store
-        n = len(pool)
-        own_blocks = [len(e.block_ids) for e in pool.entries.values()]
-        per8 = st.bytes_per_block_for(st.shape, st.block_tokens, 8, st.model_dtype)
-        per16 = st.bytes_per_block_for(st.shape, st.block_tokens, 16, st.model_dtype)
+        st = pool.stats()
+        n = st.entries
+        own_blocks = [e.n_blocks for e in pool.describe_entries()]
+        per8 = BlockStore.bytes_per_block_for(pool.shape, st.block_tokens, 8, pool.model_dtype)
+        per16 = BlockStore.bytes_per_block_for(pool.shape, st.block_tokens, 16, pool.model_dtype)
         return {
-            "entries": n, "blocks_used": pool.blocks.num_used, "block_tokens": st.block_tokens, "kv_bits": st.kv_bits,
-            "bytes_used": pool.bytes_used, "budget_bytes": pool.budget_bytes,
-            "bytes_saved_quantization": pool.bytes_saved_quantization,
-            "bytes_used_if_16bit": pool.blocks.num_used * per16 + pool._meta_bytes,
+            "entries": n, "blocks_used": st.blocks_used, "block_tokens": st.block_tokens, "kv_bits": st.kv_bits,
+            "bytes_used": st.bytes_used, "budget_bytes": st.budget_bytes,
+            "bytes_saved_quantization": st.bytes_saved_quantization,
+            "bytes_used_if_16bit": st.blocks_used * per16 + st.meta_bytes,
             "kv_bytes_per_token_8bit": per8 / st.block_tokens, "kv_bytes_per_token_16bit": per16 / st.block_tokens,
             "kv_bytes_per_entry_8bit": mean([b * per8 for b in own_blocks]) if n else None,
             "kv_bytes_per_entry_16bit": mean([b * per16 for b in own_blocks]) if n else None,
