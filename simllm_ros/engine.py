@@ -23,7 +23,7 @@ from . import persistence, reuse_planner, semantic_reuse
 from .cache_stats import CacheStatsRecorder
 from .draft_proposer import DraftProposer
 from .fingerprint import Fingerprinter, context_digest
-from .kv_pool import KVPool
+from .kv_pool import KVPool, PrefixHit
 from .model_backend import ModelBackend, ModelLoadError
 from .request import CacheResult, QueryRequest, QueryResult
 from .semantic_log import SemanticLog
@@ -56,6 +56,19 @@ class PendingInsert:
     question: str
     context_digest: str
     answer: str
+
+
+@dataclasses.dataclass
+class Observation:
+    """One executed request as an observer sees it (the benchmark): the plan, where the engine's own time
+    went (ms), and the first-token logits (None for ANSWER)."""
+
+    request_id: str
+    plan: reuse_planner.ReusePlan
+    plan_ms: float  # the whole reuse plan, match included
+    match_ms: float  # matcher lookup inside the plan
+    insert_ms: float  # pool update after generation
+    first_logits: torch.Tensor | None
 
 
 PENDING_INSERTS_MAX = 8  # deferred exact prefills kept (newest win): idle time is finite
@@ -106,6 +119,8 @@ class Engine:
         self._answer_tokens: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         # Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time.
         self.pending_inserts: collections.deque[PendingInsert] = collections.deque(maxlen=PENDING_INSERTS_MAX)
+        # Called with an Observation after every executed request (the benchmark's hook); None: nobody.
+        self.observer: Callable[[Observation], None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------
     @property
@@ -211,14 +226,18 @@ class Engine:
                 self.semantic_log = None
 
     # ---- settings / thermal ------------------------------------------------
-    def apply_settings(self, changes: dict) -> None:
-        """Live changes only; raises SettingError with a reason for anything else."""
-        reload = sorted(set(changes) & RELOAD_PARAMS)
+    def update_settings(self, settings: Settings) -> None:
+        """Take new settings (valid by construction); while loaded only live parameters may differ."""
+        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS)
         if reload and self.loaded:
             raise SettingError(f"{', '.join(reload)} need a reload: deactivate and clean up first")
-        self.settings = self.settings.replace(**changes)
+        self.settings = settings
         if self.pool is not None:
             self._apply_pool_knobs()
+
+    def apply_settings(self, changes: dict) -> None:
+        """update_settings with some values changed; raises SettingError with a reason."""
+        self.update_settings(self.settings.replace(**changes))
 
     def _apply_pool_knobs(self) -> None:
         s = self.settings
@@ -288,22 +307,20 @@ class Engine:
         if len(tokens) > s.max_prompt_tokens:
             return QueryResult.failure(f"prompt and context are {len(tokens)} tokens; max_prompt_tokens is "
                                        f"{s.max_prompt_tokens} (nothing is truncated)", req.request_id)
-        max_new = req.max_new_tokens or s.max_new_tokens
-        if self.thermal_level >= ThermalLevel.WARN:  # running hot: shorter answers
-            max_new = max(1, min(max_new, s.max_new_tokens // 2))
+        max_new = self._answer_length(req)
         now = time.time()
-        if s.refresh_period_s > 0 and now - self._last_refresh > 1.0:
-            pool.drop_older_than(s.refresh_period_s, now)
-            self._last_refresh = now
+        self._refresh(now)
         digest = context_digest(req.context)
         # A sliding-window layer keeps only its window: past it, the cache no longer holds every token's KV.
         poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
         lossless = self.lossless_reuse
+        t_plan = time.perf_counter()
         plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=p.fingerprint,
                                   question=p.question, context_digest=digest,
                                   allow_approximate=req.allow_approximate, settings=s,
                                   semantic_supported=backend.semantic_supported, now=now, use_kv=poolable,
                                   lossless_kv=lossless)
+        plan_ms = (time.perf_counter() - t_plan) * 1000
         res = QueryResult(success=True, cache_result=plan.tier, similarity=plan.similarity,
                           prompt_tokens=len(tokens), request_id=req.request_id)
         if plan.tier == CacheResult.ANSWER:  # unverified stored answer (opt-in): approximate
@@ -312,21 +329,10 @@ class Engine:
             res.reused_tokens = len(tokens)
             res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
             self._log_decision(req, digest, plan, res)
+            self._observe(req, plan, plan_ms, 0.0, None)
             return res
         reserve = max_new + s.max_draft_tokens + 2  # room in the KV buffer for the answer and a draft
-        if plan.tier == CacheResult.SEMANTIC:
-            sp = semantic_reuse.run(backend, pool, plan, tokens, recompute_ratio=s.recompute_ratio,
-                                    gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers)
-            logits, cache = sp.logits, sp.cache
-            res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
-        elif plan.tier == CacheResult.EXACT_PREFIX:
-            n = plan.prefix.n_tokens
-            cache = backend.cache_from_tensors(plan.prefix.k, plan.prefix.v, reserve=len(tokens) - n + reserve)
-            logits, cache = backend.prefill(tokens[n:], cache)
-            res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
-        else:
-            logits, cache = backend.prefill(tokens, reserve=reserve)
-            res.recomputed_tokens = len(tokens)
+        logits, cache = self._prefill(plan, tokens, res, reserve)
         # Drafts are checked by the model; they keep the answer exact only on a batch-invariant backend.
         use_drafts = s.enable_drafts and (backend.exact_chunking or req.allow_approximate)
         drafts = self._draft_source(req, tokens, p.fingerprint, now) if use_drafts else None
@@ -340,23 +346,75 @@ class Engine:
         res.exact = (plan.tier == CacheResult.MISS or (plan.tier == CacheResult.EXACT_PREFIX and lossless)) and \
             (drafts is None or backend.exact_chunking)
         self._remember_answer(req.scope, gen.tokens)
-        # Pool update: exact KV only (a repaired SEMANTIC cache is approximate and would poison exact reuse).
-        if plan.source_key is not None:
-            pool.touch([plan.source_key], now)
-        if poolable and plan.tier == CacheResult.SEMANTIC:
-            # The repaired cache is approximate; the exact one is computed when the node is idle
-            # (idle_work), so the next request on this new context is an EXACT_PREFIX hit.
-            self.pending_inserts.append(PendingInsert(req.scope, tokens, p.fingerprint, p.question, digest, res.answer))
-        if poolable and plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX):
-            k, v = backend.cache_tensors(cache)
-            key = pool.insert(scope=req.scope, tokens=tokens, k=k[:, :, :len(tokens)], v=v[:, :, :len(tokens)],
-                              fingerprint=p.fingerprint, question=p.question, context_digest=digest,
-                              answer=res.answer, now=now)
-            if key is None:
-                self.log.warning(f"request {req.request_id!r}: {len(tokens)} tokens do not fit in the KV pool budget")
+        t_insert = time.perf_counter()
+        self._update_pool(p, plan, tokens, cache, digest, res.answer, now, poolable)
+        insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
         self._log_decision(req, digest, plan, res)
+        self._observe(req, plan, plan_ms, insert_ms, gen.first_logits)
         return res
+
+    def _answer_length(self, req: QueryRequest) -> int:
+        """Tokens to generate: the request's, or the default; at most half the default while running hot."""
+        s = self.settings
+        max_new = req.max_new_tokens or s.max_new_tokens
+        if self.thermal_level >= ThermalLevel.WARN:
+            max_new = max(1, min(max_new, s.max_new_tokens // 2))
+        return max_new
+
+    def _refresh(self, now: float) -> None:
+        """Drop entries older than refresh_period_s (their KV or answer may be stale), at most once a second."""
+        period = self.settings.refresh_period_s
+        if period > 0 and now - self._last_refresh > 1.0:
+            self.pool.drop_older_than(period, now)
+            self._last_refresh = now
+
+    def _prefill(self, plan: reuse_planner.ReusePlan, tokens: list[int], res: QueryResult, reserve: int):
+        """Logits of the last prompt token and the prompt's cache (with room for `reserve` more tokens), built
+        as the plan says; counts the reused and recomputed tokens in res."""
+        if plan.tier == CacheResult.SEMANTIC:
+            s = self.settings
+            sp = semantic_reuse.run(self.backend, self.pool, plan, tokens, recompute_ratio=s.recompute_ratio,
+                                    gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers)
+            res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
+            return sp.logits, sp.cache
+        n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX else 0
+        res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
+        return self._prefill_exact(tokens, plan.prefix if n else None, reserve)
+
+    def _prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0):
+        """Exact prefill, on top of a pooled prefix's KV when there is one (requests and idle work alike)."""
+        if prefix is None:
+            return self.backend.prefill(tokens, reserve=reserve)
+        cache = self.backend.cache_from_tensors(prefix.k, prefix.v, reserve=len(tokens) - prefix.n_tokens + reserve)
+        return self.backend.prefill(tokens[prefix.n_tokens:], cache)
+
+    def _pool_exact(self, scope: str, tokens: list[int], cache, fingerprint, question: str, digest: str,
+                    answer: str, now: float | None = None) -> int | None:
+        k, v = self.backend.cache_tensors(cache)
+        return self.pool.insert(scope=scope, tokens=tokens, k=k[:, :, :len(tokens)], v=v[:, :, :len(tokens)],
+                                fingerprint=fingerprint, question=question, context_digest=digest, answer=answer,
+                                now=now)
+
+    def _update_pool(self, p: Prepared, plan, tokens, cache, digest: str, answer: str, now: float,
+                     poolable: bool) -> None:
+        """Exact KV only: a repaired SEMANTIC cache is approximate and would poison exact reuse, so its exact
+        KV is computed at idle time (idle_work) and the next request on that context is an EXACT_PREFIX hit."""
+        req = p.req
+        if plan.source_key is not None:
+            self.pool.touch([plan.source_key], now)
+        if not poolable:
+            return
+        if plan.tier == CacheResult.SEMANTIC:
+            self.pending_inserts.append(PendingInsert(req.scope, tokens, p.fingerprint, p.question, digest, answer))
+        elif plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX):
+            key = self._pool_exact(req.scope, tokens, cache, p.fingerprint, p.question, digest, answer, now)
+            if key is None:
+                self.log.warning(f"request {req.request_id!r}: {len(tokens)} tokens do not fit in the KV pool budget")
+
+    def _observe(self, req: QueryRequest, plan, plan_ms: float, insert_ms: float, first_logits) -> None:
+        if self.observer is not None:
+            self.observer(Observation(req.request_id, plan, plan_ms, plan.match_ms, insert_ms, first_logits))
 
     @property
     def lossless_reuse(self) -> bool:
@@ -401,25 +459,19 @@ class Engine:
 
     def idle_work(self) -> bool:
         """Compute and pool the exact KV of one prompt that SEMANTIC reuse served; returns whether it did.
-        Skipped while running hot. Called by the node's generation thread when no request waits."""
+        Skipped while running hot. Called by the request server's worker when no request waits."""
         with self._exec_lock:
             if not self.has_idle_work():
                 return False
-            pool, backend = self.pool, self.backend
             job = self.pending_inserts.popleft()
-            if pool.find(job.scope, job.tokens) is not None:
+            if self.pool.find(job.scope, job.tokens) is not None:
                 return False
             try:
                 # Built on the longest pooled prefix, exactly as an EXACT_PREFIX request's KV is.
-                prefix = pool.longest_prefix(job.scope, job.tokens, len(job.tokens) - 1)
-                if prefix is not None:
-                    cache = backend.cache_from_tensors(prefix.k, prefix.v)
-                    _, cache = backend.prefill(job.tokens[prefix.n_tokens:], cache)
-                else:
-                    _, cache = backend.prefill(job.tokens)
-                k, v = backend.cache_tensors(cache)
-                pool.insert(scope=job.scope, tokens=job.tokens, k=k, v=v, fingerprint=job.fingerprint,
-                            question=job.question, context_digest=job.context_digest, answer=job.answer)
+                prefix = self.pool.longest_prefix(job.scope, job.tokens, len(job.tokens) - 1)
+                _, cache = self._prefill_exact(job.tokens, prefix)
+                self._pool_exact(job.scope, job.tokens, cache, job.fingerprint, job.question, job.context_digest,
+                                 job.answer)
             except Exception:
                 self.log.exception("idle-time exact prefill failed")
                 return False

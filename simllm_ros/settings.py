@@ -1,8 +1,10 @@
 """One table of every node parameter: type, default, range, meaning, and whether it may change live.
 
 The lifecycle node builds its ParameterDescriptors from this table, the console
-command builds its shortcut flags from it, and the core engine reads a plain
-`Settings` object, so the three can never disagree about a name or a range.
+command builds its shortcut flags from it, and `Settings` (one typed, frozen field
+per row) is built from it, so the three can never disagree about a name or a range.
+A Settings object is valid by construction: it is validated once, when it is made
+(from_overrides, replace), and the engine that holds it is its one owner.
 """
 from __future__ import annotations
 
@@ -116,32 +118,48 @@ def check_value(name: str, value: Any) -> Any:
     return value
 
 
-@dataclasses.dataclass
-class Settings:
-    """Plain values the core reads; built from SPECS defaults plus overrides."""
+class _SettingsMethods:
+    """Behaviour of Settings; its fields come from SPECS (one per parameter, typed, with its default)."""
 
-    values: dict
+    def __post_init__(self) -> None:
+        # The one validation: every field coerced and checked, then the checks across fields.
+        values = {}
+        for spec in SPECS:
+            values[spec.name] = check_value(spec.name, getattr(self, spec.name))
+            object.__setattr__(self, spec.name, values[spec.name])
+        cross_check(values)
 
     @classmethod
     def from_overrides(cls, **overrides) -> "Settings":
-        values = {s.name: s.default for s in SPECS}
-        for k, v in overrides.items():
-            values[k] = check_value(k, v)
-        cross_check(values)
-        return cls(values)
-
-    def __getattr__(self, name):
-        try:
-            return self.__dict__["values"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+        """SPECS defaults plus overrides; raises SettingError with a reason."""
+        _known(overrides)
+        return cls(**overrides)
 
     def replace(self, **changes) -> "Settings":
-        values = dict(self.values)
-        for k, v in changes.items():
-            values[k] = check_value(k, v)
-        cross_check(values)
-        return Settings(values)
+        """A new, validated Settings with some values changed; raises SettingError."""
+        _known(changes)
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return {spec.name: getattr(self, spec.name) for spec in SPECS}
+
+    def changed_from(self, other: "Settings") -> set[str]:
+        """Names whose value differs between the two."""
+        return {spec.name for spec in SPECS if getattr(self, spec.name) != getattr(other, spec.name)}
+
+
+def _known(values: dict) -> None:
+    unknown = sorted(set(values) - set(SPEC_BY_NAME))
+    if unknown:
+        raise SettingError(f"unknown parameter '{unknown[0]}'")
+
+
+Settings = dataclasses.make_dataclass(
+    "Settings", [(spec.name, spec.type, dataclasses.field(default=spec.default)) for spec in SPECS],
+    bases=(_SettingsMethods,), frozen=True)
+Settings.__module__ = __name__
+Settings.__doc__ = ("Every parameter's value, typed and frozen; valid by construction (SPECS ranges and "
+                    "cross_check). Build with from_overrides(), change with replace().")
 
 
 def cross_check(values: dict) -> None:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from simllm_ros.engine import Engine
+from simllm_ros.engine import RELOAD_PARAMS, Engine
 from simllm_ros.settings import Settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,12 +76,9 @@ def shared_engine(**overrides) -> Engine:
 
 def fresh(engine: Engine, **live) -> Engine:
     """Empty pool and default live settings (plus `live`): a test starts from a known state."""
-    base = engine.settings.values
-    defaults = Settings.from_overrides(**{k: base[k] for k in ("model", "embedder", "device", "dtype", "weight_bits",
-                                                              "model_cache_dir", "cache_size", "kv_bits",
-                                                              "block_tokens", "persist_path")})
-    engine.settings = defaults.replace(**live)
-    engine._apply_pool_knobs()
+    base = engine.settings.as_dict()
+    defaults = Settings.from_overrides(**{k: base[k] for k in RELOAD_PARAMS})
+    engine.update_settings(defaults.replace(**live))
     engine.clear_pool()
     engine.pool.check_consistency()
     return engine

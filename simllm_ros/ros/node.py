@@ -40,7 +40,7 @@ from simllm_ros.msg import CacheStats, QueryRequest as QueryRequestMsg, QueryRes
 from simllm_ros.request import CacheResult, QueryRequest, QueryResult
 from simllm_ros.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
 from simllm_ros.ros.params import ParameterGate, declare_all, settings_from_node
-from simllm_ros.settings import SettingError
+from simllm_ros.settings import SettingError, Settings
 from simllm_ros.srv import Query
 from simllm_ros.thermal import ThermalLevel, ThermalMonitor, ThermalReading
 
@@ -344,22 +344,21 @@ class SimLLMNode(LifecycleNode):
                 pass
 
     # ---------------------------------------------------------- live parameters
-    def _apply_live(self, changes: dict) -> None:
+    def _apply_live(self, settings: Settings, names: set[str]) -> None:
+        """Live parameter change, already validated (ParameterGate): the engine owns the settings, the
+        thermal monitor and the request server take their part."""
         engine = self._engine
         if engine is None:  # configure (or cleanup) in progress: the engine would miss the change
             raise SettingError(f"node is {self.state_label()}; retry once the transition is over")
-        engine.apply_settings(changes)  # raises SettingError
-        thermal = {k: changes[k] for k in ("thermal_warn_c", "thermal_critical_c", "thermal_hysteresis_c")
-                   if k in changes}
-        if thermal and self._monitor is not None:
+        if names & {"thermal_warn_c", "thermal_critical_c", "thermal_hysteresis_c"} and self._monitor is not None:
             try:
-                self._monitor.set_thresholds(warn_c=thermal.get("thermal_warn_c"),
-                                             critical_c=thermal.get("thermal_critical_c"),
-                                             hysteresis_c=thermal.get("thermal_hysteresis_c"))
+                self._monitor.set_thresholds(warn_c=settings.thermal_warn_c, critical_c=settings.thermal_critical_c,
+                                             hysteresis_c=settings.thermal_hysteresis_c)
             except ValueError as e:
                 raise SettingError(str(e)) from None
-        if "queue_limit" in changes and self._server is not None:
-            self._server.set_queue_limit(changes["queue_limit"])
+        engine.update_settings(settings)  # raises SettingError
+        if self._server is not None:
+            self._server.set_queue_limit(settings.queue_limit)
 
     # ------------------------------------------------------------ request path
     def _on_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:

@@ -3,9 +3,10 @@
 - `declare_all(node)`: declares every SPECS entry with a ParameterDescriptor (description,
   numeric range, choices, whether it changes live). Values come from the params file
   (`--ros-args --params-file config/edge.yaml`), `-p name:=value` or `parameter_overrides`.
-- `ParameterGate`: the on-set-parameters callback. It validates with settings.check_value and
-  settings.cross_check, refuses a parameter that needs a reload while a model is loaded, and
-  applies live ones through a callable supplied by the node (engine.apply_settings and friends).
+- `ParameterGate`: the on-set-parameters callback. It validates a change once, by building the
+  new Settings (every value and the checks across values), refuses a parameter that needs a reload
+  while a model is loaded, and hands the new Settings to a callable supplied by the node, which
+  gives it to its one owner, the engine.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any, Callable
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
 from rclpy.parameter import Parameter
 
-from simllm_ros.settings import SPEC_BY_NAME, SPECS, ParamSpec, SettingError, Settings, check_value, cross_check
+from simllm_ros.settings import SPEC_BY_NAME, SPECS, ParamSpec, SettingError, Settings
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -64,14 +65,8 @@ def declare_all(node) -> None:
             if spec.name in overrides:
                 overrides[spec.name] = _coerce_override(spec, overrides[spec.name])
                 given[spec.name] = overrides[spec.name].value
-    values = {s.name: s.default for s in SPECS}
-    for name, v in given.items():
-        try:
-            values[name] = check_value(name, v)
-        except SettingError as e:
-            raise SettingError(f"invalid parameter value (params file or override): {e}") from None
     try:
-        cross_check(values)
+        Settings.from_overrides(**given)
     except SettingError as e:
         raise SettingError(f"invalid parameter values (params file or overrides): {e}") from None
     for spec in SPECS:
@@ -92,11 +87,12 @@ class ParameterGate:
 
     is_loaded(): True while a model is loaded (inactive or active); reload-only parameters
     are refused then. state_label(): 'inactive', 'active', ... for messages.
-    apply_live(changes): applies live changes to the running engine; raises SettingError.
+    apply_live(settings, names): gives the new, already validated Settings (which differ from the
+    current ones in the live parameters `names`) to the running engine; raises SettingError.
     """
 
     def __init__(self, node, is_loaded: Callable[[], bool], state_label: Callable[[], str],
-                 apply_live: Callable[[dict], None]):
+                 apply_live: Callable[[Settings, set[str]], None]):
         self._node = node
         self._is_loaded = is_loaded
         self._state_label = state_label
@@ -114,34 +110,24 @@ class ParameterGate:
 
     def _check_and_apply(self, params: list[Parameter]) -> str:
         current = current_values(self._node)
-        changes: dict[str, Any] = {}
-        for p in params:
-            spec = SPEC_BY_NAME.get(p.name)
-            if spec is None:
-                continue  # use_sim_time and other rclpy parameters
-            try:
-                value = check_value(p.name, p.value)
-            except SettingError as e:
-                return str(e)
-            if value == current[p.name]:
-                continue
-            if not spec.live and self._is_loaded():
-                return (f"'{p.name}' needs a reconfigure: deactivate and cleanup first "
-                        f"(node is {self._state_label()})")
-            changes[p.name] = value
-        if not changes:
+        asked = {p.name: p.value for p in params if p.name in SPEC_BY_NAME}  # skip use_sim_time and the like
+        if not asked:
             return ""
         try:
-            cross_check({**current, **changes})
+            candidate = Settings.from_overrides(**{**current, **asked})  # the one validation
         except SettingError as e:
             return str(e)
-        live = {k: v for k, v in changes.items() if SPEC_BY_NAME[k].live}
-        if live and self._is_loaded():
+        changes = {name: getattr(candidate, name) for name in asked if getattr(candidate, name) != current[name]}
+        if not changes:
+            return ""
+        if self._is_loaded():
+            reload = [name for name in changes if not SPEC_BY_NAME[name].live]
+            if reload:
+                return (f"'{reload[0]}' needs a reconfigure: deactivate and cleanup first "
+                        f"(node is {self._state_label()})")
             try:
-                self._apply_live(live)
+                self._apply_live(candidate, set(changes))
             except SettingError as e:
                 return str(e)
-        if changes:
-            self._node.get_logger().info(
-                "parameters set: " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
+        self._node.get_logger().info("parameters set: " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
         return ""
