@@ -117,6 +117,7 @@ class Engine:
         # Recent answers per scope (token ids), a draft source for verified decoding.
         self._recent_answers: dict[str, collections.deque[list[int]]] = {}
         self._answer_tokens: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._owns_models = True  # False for a fork(): the backend belongs to another engine
         # Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time.
         self.pending_inserts: collections.deque[PendingInsert] = collections.deque(maxlen=PENDING_INSERTS_MAX)
         # Called with an Observation after every executed request (the benchmark's hook); None: nobody.
@@ -167,6 +168,21 @@ class Engine:
             msg = str(e) if isinstance(e, (ModelLoadError, SettingError, EngineLoadError)) else f"{type(e).__name__}: {e}"
             raise EngineLoadError(msg) from e
 
+    def fork(self, settings: Settings | None = None) -> "Engine":
+        """A second engine on this one's loaded model and embedder, with its own empty pool, statistics and
+        (live) settings: for side-by-side runs in one process, one request at a time. Unloading a fork
+        leaves the shared models loaded."""
+        settings = settings or self.settings
+        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS)
+        if reload:
+            raise SettingError(f"a fork shares the loaded model: {', '.join(reload)} cannot differ")
+        other = Engine(settings, log=self.log)
+        other.backend, other.fingerprinter, other.kv_bits = self.backend, self.fingerprinter, self.kv_bits
+        other.pool = self.pool.empty_like()
+        other._apply_pool_knobs()
+        other._owns_models = False
+        return other
+
     def _prime(self) -> None:
         """One throwaway pass through both models: torch's first call is slow, and no user should pay for it."""
         ids = self.backend.prompt_ids(self.settings.system_prompt, "", "hello")
@@ -215,7 +231,7 @@ class Engine:
 
     def unload(self) -> None:
         with self._exec_lock:
-            if self.backend is not None:
+            if self.backend is not None and self._owns_models:
                 self.backend.release()
             self.backend = None
             self.fingerprinter = None
