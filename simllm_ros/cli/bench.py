@@ -1,15 +1,7 @@
 """simllm-bench: simllm_ros against the alternatives, side by side, in one run on one machine.
 
-Systems (same model, same prompt token ids, greedy decoding, same workloads):
-  no-cache         plain transformers `generate` on the full prompt every time: the quality reference
-  exact-prefix     simllm_ros Engine, tier 1 only (semantic and answer reuse off)
-  simllm           simllm_ros Engine, tiers 1+2 at the default threshold
-  simllm+answer    simllm_ros Engine, tiers 1+2+3 (answer cache on)
-  gptcache         GPTCache answer cache (sqlite + faiss, the same MiniLM embedder) in front of plain generate
-  kvboost          kvboost chunk KV reuse (CacheBlend recompute) on a second copy of the same HF model
-  llama-cpp        llama-cpp-python on the very same GGUF file, context reset before every request
-  llama-cpp+cache  the same with its prompt cache (LlamaRAMCache) and in-context prefix reuse
-
+Systems (same model, same prompt token ids, greedy decoding, same workloads): no-cache, exact-prefix,
+simllm, simllm+answer, gptcache, kvboost, llama-cpp, llama-cpp+cache (see simllm_ros/bench/systems.py).
 Peers are optional imports: one that is not installed is reported as such, one that fails is
 reported with its error. Also measured: the SEMANTIC threshold sweep on edge-bulletin, matcher
 time against pool size, KV bytes per entry at 8 and 16 bits, and the engine's overhead on misses.
