@@ -47,11 +47,11 @@ def cache(pool, tokens=CACHED, cos=0.9, scope="s", question="is elm street open 
 
 
 def plan(pool, tokens=REVISED, *, scope="s", question="is elm street open today", digest="ctx-1",
-         allow_approximate=True, semantic_supported=True, use_kv=True, **settings):
+         allow_approximate=True, semantic_supported=True, use_kv=True, lossless_kv=None, **settings):
     s = Settings.from_overrides(**settings)
     return reuse_planner.plan(pool, tokens=tokens, scope=scope, fingerprint=Q, question=question,
                               context_digest=digest, allow_approximate=allow_approximate, settings=s,
-                              semantic_supported=semantic_supported, now=NOW, use_kv=use_kv)
+                              semantic_supported=semantic_supported, now=NOW, use_kv=use_kv, lossless_kv=lossless_kv)
 
 
 # ------------------------------------------------------------------------------------------ MISS
@@ -85,6 +85,17 @@ def test_lossy_kv_and_no_approximation_is_a_miss():
     assert p.tier == CacheResult.MISS and p.similarity == pytest.approx(1.0)
     assert p.reason == ("stored KV reuse is not lossless here and caller forbids approximate reuse; "
                         "no semantic: caller forbids approximate reuse")
+
+
+@pytest.mark.parametrize("kv_bits, lossless_kv, tier", [
+    (32, False, CacheResult.MISS),          # the engine says stored KV is not bitwise (not batch-invariant)
+    (8, True, CacheResult.EXACT_PREFIX),    # the engine's word wins over the pool's precision
+    (32, None, CacheResult.EXACT_PREFIX),   # not told: 16 bits and more count as lossless
+])
+def test_the_engine_decides_whether_stored_kv_is_lossless(kv_bits, lossless_kv, tier):
+    pool = make_pool(kv_bits=kv_bits)
+    cache(pool, tokens=REVISED, cos=1.0)
+    assert plan(pool, allow_approximate=False, lossless_kv=lossless_kv).tier == tier
 
 
 def test_past_the_sliding_window_nothing_is_reused():
