@@ -218,9 +218,11 @@ class LlamaRunner:
         kv.length = max(kv.length, end)
         if logits == "none" or n_layers is not None:
             return None
-        # The padded single row keeps both rows through lm_head too (one row alone is the GEMV path).
-        h = self.norm(h[0] if logits == "all" or _single else h[0, -1:])
-        return self.lm_head(h).float()  # [M or 1, vocab]
+        # Never one row alone through lm_head either: "last" keeps the last two rows (one-row products
+        # round differently, see the module doc), a padded single token keeps both.
+        h = self.norm(h[0] if logits == "all" or _single else h[0, -2:])
+        out = self.lm_head(h).float()
+        return out if logits == "all" or _single else out[-1:]  # [M or 1, vocab]
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
         """q [Hkv, G*M, D], k/v [Hkv, T, D] -> [Hkv, G*M, D]. Scores and the weighted sum are plain

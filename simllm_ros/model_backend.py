@@ -314,6 +314,12 @@ class ModelBackend:
             if not torch.equal(torch.cat(outs), ref) or not torch.equal(cache.k[:, :, :48], whole.k[:, :, :48]) \
                     or not torch.equal(cache.v[:, :, :48], whole.v[:, :, :48]):
                 return False
+        # A prefill's last-token logits (what the first answer token is picked from) take the same path.
+        for n in (47, 30, 1):  # the last n tokens in one pass, after the others in another
+            cache = self.new_cache(52)
+            self.run(ids[:48 - n], cache, logits="none")
+            if not torch.equal(self.run(ids[48 - n:], cache, logits="last"), ref[-1]):
+                return False
         return True
 
     def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,11 @@ def test_backend_is_batch_invariant_on_a_real_prompt(engine):
         k1, v1 = b.cache_tensors(cache)
         k0, v0 = b.cache_tensors(whole)
         assert torch.equal(k1, k0) and torch.equal(v1, v0), f"KV depends on the cut {cuts}"
+    # The first answer token is picked from a prefill's last-token logits: same bits after any cached prefix.
+    for n in (1, 2, 17, len(ids) - 1):
+        cache = b.new_cache(len(ids) + 4)
+        b.run(ids[:n], cache, logits="none")
+        assert torch.equal(b.run(ids[n:], cache, logits="last"), ref[-1]), f"last logits after a {n}-token prefix"
 
 
 QUESTIONS = ["is it going to rain today", "which bus line runs late tonight", "where can i get diesel",
