@@ -1,144 +1,184 @@
-"""Finds the cached tasks most similar to a request: one matrix product over all fingerprints.
+"""Finds the cached tasks most similar to a request, within its scope.
 
 Score = cosine - recency_weight * (1 - 2^(-age / half_life)): an entry used
 just now keeps its full cosine, an old one loses at most recency_weight, so
 among near-equal matches the fresher task wins without recency ever beating a
-clearly better match. Scope is a hard mask: rows of other scopes score -inf,
-so nothing (not even a similarity value) comes from another scope.
+clearly better match. Scope is a hard wall: each scope keeps its own compact
+matrix, so a lookup reads only the rows of the request's scope and nothing
+(not even a similarity value) comes from another scope.
 
-For eviction it also keeps each entry's redundancy (highest cosine to another entry of its scope)
-up to date as entries come and go: an add costs one pass over the matrix (O(n*d)), a remove one pass
-per entry whose nearest neighbour it was, so an eviction never needs the all-pairs product.
+Speed, measured (benchmark/verified_decoding.py): one float32 product per
+lookup while a scope is small; above PREFILTER_ROWS rows an int8 copy of the
+fingerprints (one scale per row, ATen's weight-only int8 kernel, a quarter of
+the bytes) picks the candidates and only those are scored exactly in float32:
+at least PREFILTER_KEEP, and every row whose approximate cosine is within the
+recency weight plus the int8 error bound of the best one, so the ranking is the
+exact one.
+
+For eviction it also keeps each entry's redundancy (highest cosine to another
+entry of its scope) up to date as entries come and go: an add costs one pass
+over its scope, a remove one pass per entry whose nearest neighbour it was, so
+an eviction never needs the all-pairs product.
 """
 from __future__ import annotations
 
 import threading
 
 import numpy as np
+import torch
+
+PREFILTER_ROWS = 8192  # scopes with more rows use the int8 prefilter
+PREFILTER_KEEP = 256  # candidates rescored exactly after the prefilter (at least 4 * k)
+PREFILTER_MARGIN = 0.03  # bound on the int8 + bf16 error of a cosine of unit vectors (384-d: ~0.02)
+
+
+class _ScopeRows:
+    """One scope's fingerprints, rows 0..n-1 used (a removal moves the last row into the hole)."""
+
+    def __init__(self, dim: int, capacity: int):
+        self.fp = np.zeros((capacity, dim), dtype=np.float32)
+        self.keys = np.full(capacity, -1, dtype=np.int64)
+        self.last_used = np.zeros(capacity, dtype=np.float64)
+        self.nn_sim = np.full(capacity, -1.0, dtype=np.float32)  # cosine to the nearest other row
+        self.nn_idx = np.full(capacity, -1, dtype=np.int64)  # that row, -1 when alone
+        self.n = 0
+        self._q8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 copy for the prefilter, rebuilt lazily
+
+    def grow(self) -> None:
+        cap = self.fp.shape[0] * 2
+        for name, fill in (("fp", 0.0), ("keys", -1), ("last_used", 0.0), ("nn_sim", -1.0), ("nn_idx", -1)):
+            old = getattr(self, name)
+            new = np.full((cap,) + old.shape[1:], fill, dtype=old.dtype)
+            new[:self.n] = old[:self.n]
+            setattr(self, name, new)
+
+    def int8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._q8 is None or self._q8[0].shape[0] != self.n:
+            fp = torch.from_numpy(self.fp[:self.n])
+            scale = (fp.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+            self._q8 = (torch.round(fp / scale[:, None]).to(torch.int8).contiguous(), scale.to(torch.bfloat16))
+        return self._q8
+
+    def changed(self) -> None:
+        self._q8 = None
 
 
 class Matcher:
     def __init__(self, dim: int, capacity: int = 256):
         self.dim = dim
-        self._fp = np.zeros((capacity, dim), dtype=np.float32)
-        self._scope = np.full(capacity, -1, dtype=np.int64)  # -1: empty row
-        self._last_used = np.zeros(capacity, dtype=np.float64)
-        self._nn_sim = np.full(capacity, -1.0, dtype=np.float32)  # cosine to the nearest same-scope row
-        self._nn_row = np.full(capacity, -1, dtype=np.int64)  # that row, -1 when it has no neighbour
-        self._row_of: dict[int, int] = {}
-        self._key_of_row: dict[int, int] = {}
-        self._free_rows: list[int] = list(range(capacity - 1, -1, -1))
-        self._scope_ids: dict[str, int] = {}
+        self._capacity = max(1, capacity)
+        self._scopes: dict[str, _ScopeRows] = {}
+        self._where: dict[int, tuple[str, int]] = {}  # key -> (scope, row)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._row_of)
-
-    def _scope_id(self, scope: str) -> int:
-        sid = self._scope_ids.get(scope)
-        if sid is None:
-            sid = self._scope_ids[scope] = len(self._scope_ids)
-        return sid
+        return len(self._where)
 
     def add(self, key: int, fingerprint: np.ndarray, scope: str, now: float) -> None:
-        """Add a key, or replace its fingerprint and scope (it keeps its row)."""
+        """Add a key, or replace its fingerprint and scope."""
         with self._lock:
-            if key in self._row_of:
-                row = self._row_of[key]
-                self._unlink(row)
-            else:
-                if not self._free_rows:
-                    self._grow()
-                row = self._free_rows.pop()
-                self._row_of[key] = row
-                self._key_of_row[row] = key
-            self._fp[row] = fingerprint
-            self._scope[row] = self._scope_id(scope)
-            self._last_used[row] = now
-            self._link(row)
+            if key in self._where:
+                self._remove(key)
+            s = self._scopes.get(scope)
+            if s is None:
+                s = self._scopes[scope] = _ScopeRows(self.dim, self._capacity)
+            if s.n == s.fp.shape[0]:
+                s.grow()
+            row = s.n
+            s.n += 1
+            s.fp[row] = fingerprint
+            s.keys[row] = key
+            s.last_used[row] = now
+            s.changed()
+            self._where[key] = (scope, row)
+            self._link(s, row)
 
     def touch(self, key: int, now: float) -> None:
         with self._lock:
-            row = self._row_of.get(key)
-            if row is not None:
-                self._last_used[row] = now
+            where = self._where.get(key)
+            if where is not None:
+                self._scopes[where[0]].last_used[where[1]] = now
 
     def remove(self, key: int) -> None:
         with self._lock:
-            row = self._row_of.pop(key, None)
-            if row is None:
-                return
-            del self._key_of_row[row]
-            self._unlink(row)
-            self._free_rows.append(row)
+            if key in self._where:
+                self._remove(key)
 
-    # ---- nearest neighbours (redundancy), kept incrementally; callers hold the lock --------------
-    def _neighbours(self, row: int, among: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Cosines of row to every row, and the mask of rows that count as its neighbours."""
-        sims = self._fp @ self._fp[row]
-        mask = self._scope == self._scope[row]
-        if among is not None:
-            mask &= among
+    def _remove(self, key: int) -> None:
+        scope, row = self._where.pop(key)
+        s = self._scopes[scope]
+        last = s.n - 1
+        orphans = np.nonzero(s.nn_idx[:s.n] == row)[0]
+        if row != last:  # the last row fills the hole
+            for name in ("fp", "keys", "last_used", "nn_sim", "nn_idx"):
+                getattr(s, name)[row] = getattr(s, name)[last]
+            self._where[int(s.keys[row])] = (scope, row)
+            s.nn_idx[:last][s.nn_idx[:last] == last] = row
+            orphans = np.where(orphans == last, row, orphans)  # the moved row may be an orphan too
+        s.keys[last], s.nn_idx[last], s.nn_sim[last] = -1, -1, -1.0
+        s.n = last
+        s.changed()
+        for other in orphans:  # rows whose nearest neighbour left look again
+            if other < s.n:
+                s.nn_idx[other], s.nn_sim[other] = self._nearest(s, int(other))
+        if s.n == 0:
+            del self._scopes[scope]
+
+    # ---- nearest neighbours (redundancy); callers hold the lock --------------------------------------
+    @staticmethod
+    def _nearest(s: _ScopeRows, row: int, among: np.ndarray | None = None) -> tuple[int, float]:
+        sims = s.fp[:s.n] @ s.fp[row]
+        mask = np.ones(s.n, dtype=bool) if among is None else among.copy()
         mask[row] = False
-        return sims, mask
-
-    def _nearest(self, row: int, among: np.ndarray | None = None) -> tuple[int, float]:
-        sims, mask = self._neighbours(row, among)
         if not mask.any():
             return -1, -1.0
         masked = np.where(mask, sims, -np.inf)
         best = int(np.argmax(masked))
         return best, float(masked[best])
 
-    def _link(self, row: int) -> None:
-        """A row joined (its scope and fingerprint are set): find its neighbour, be others' neighbour."""
-        sims, mask = self._neighbours(row)
-        if mask.any():
-            masked = np.where(mask, sims, -np.inf)
-            best = int(np.argmax(masked))
-            self._nn_row[row], self._nn_sim[row] = best, masked[best]
-            closer = mask & (sims > self._nn_sim)
-            self._nn_row[closer] = row
-            self._nn_sim[closer] = sims[closer]
-        else:
-            self._nn_row[row], self._nn_sim[row] = -1, -1.0
+    @staticmethod
+    def _link(s: _ScopeRows, row: int) -> None:
+        """A row joined: find its neighbour, and become the neighbour of rows it is closer to."""
+        if s.n == 1:
+            s.nn_idx[row], s.nn_sim[row] = -1, -1.0
+            return
+        sims = s.fp[:s.n] @ s.fp[row]
+        sims[row] = -np.inf
+        best = int(np.argmax(sims))
+        s.nn_idx[row], s.nn_sim[row] = best, sims[best]
+        closer = sims > s.nn_sim[:s.n]
+        closer[row] = False
+        s.nn_idx[:s.n][closer] = row
+        s.nn_sim[:s.n][closer] = sims[closer]
 
-    def _unlink(self, row: int) -> None:
-        """A row leaves (or changes): rows whose nearest neighbour it was look again."""
-        self._scope[row] = -1
-        self._nn_row[row], self._nn_sim[row] = -1, -1.0
-        for other in np.nonzero(self._nn_row == row)[0]:
-            nn, sim = self._nearest(int(other))
-            self._nn_row[other], self._nn_sim[other] = nn, sim
-
-    def _grow(self) -> None:
-        old = self._fp.shape[0]
-        new = old * 2
-        self._fp = np.concatenate([self._fp, np.zeros((old, self.dim), np.float32)])
-        self._scope = np.concatenate([self._scope, np.full(old, -1, np.int64)])
-        self._last_used = np.concatenate([self._last_used, np.zeros(old)])
-        self._nn_sim = np.concatenate([self._nn_sim, np.full(old, -1.0, np.float32)])
-        self._nn_row = np.concatenate([self._nn_row, np.full(old, -1, np.int64)])
-        self._free_rows.extend(range(new - 1, old - 1, -1))
-
+    # ---- lookups -------------------------------------------------------------------------------------
     def best(self, fingerprint: np.ndarray, scope: str, now: float, *, k: int = 1,
              recency_weight: float = 0.0, half_life_s: float = 600.0) -> list[tuple[int, float, float]]:
         """Top-k (key, cosine, score) in `scope`, best score first; empty if the scope has no entries."""
         with self._lock:
-            sid = self._scope_ids.get(scope)
-            if sid is None or not self._row_of:
+            s = self._scopes.get(scope)
+            if s is None or s.n == 0 or k <= 0:
                 return []
-            cos = self._fp @ fingerprint.astype(np.float32)
-            age = np.maximum(now - self._last_used, 0.0)
-            score = cos - recency_weight * (1.0 - np.exp2(-age / half_life_s))
-            score = np.where(self._scope == sid, score, -np.inf)
-            k = min(k, len(self._row_of))
-            if k <= 0:
-                return []
-            top = np.argpartition(-score, k - 1)[:k] if k < len(score) else np.arange(len(score))
-            top = top[np.argsort(-score[top])]
-            return [(self._key_of_row[int(r)], float(cos[r]), float(score[r]))
-                    for r in top if np.isfinite(score[r])]
+            q = np.asarray(fingerprint, dtype=np.float32)
+            if s.n > PREFILTER_ROWS:
+                w8, scale = s.int8()
+                approx = torch.ops.aten._weight_int8pack_mm(torch.from_numpy(q)[None].to(torch.bfloat16), w8, scale)
+                approx = approx[0].float()
+                # Exactly ranked later: every row the recency term or the int8 rounding could lift to the top.
+                floor = float(approx.max()) - recency_weight - PREFILTER_MARGIN
+                keep = max(min(s.n, max(PREFILTER_KEEP, 4 * k)), int((approx >= floor).sum()))
+                rows = torch.topk(approx, min(keep, s.n)).indices.numpy()
+            else:
+                rows = np.arange(s.n)
+            cos = s.fp[rows] @ q if len(rows) < s.n else s.fp[:s.n] @ q
+            score = cos
+            if recency_weight > 0:
+                age = np.maximum(now - s.last_used[rows], 0.0)
+                score = cos - recency_weight * (1.0 - np.exp2(-age / half_life_s))
+            k = min(k, len(rows))
+            top = np.argpartition(-score, k - 1)[:k] if k < len(rows) else np.arange(len(rows))
+            top = top[np.argsort(-score[top], kind="stable")]
+            return [(int(s.keys[rows[i]]), float(cos[i]), float(score[i])) for i in top]
 
     def redundancy(self, keys: list[int]) -> np.ndarray:
         """For each key, the highest cosine to any other of `keys` in its scope (1.0 = a duplicate), >= 0.
@@ -146,18 +186,28 @@ class Matcher:
         Read from the kept neighbours; only a key whose neighbour is not among `keys` (an entry the
         caller leaves out, such as one protected from eviction) is looked up again."""
         with self._lock:
-            rows = np.array([self._row_of[k] for k in keys], dtype=np.int64)
-            if len(rows) == 0:
-                return np.zeros(0)
-            out = self._nn_sim[rows].astype(np.float64)
-            if len(rows) < len(self._row_of):
-                among = np.zeros(len(self._scope), dtype=bool)
-                among[rows] = True
-                nn = self._nn_row[rows]
-                for i in np.nonzero((nn >= 0) & ~among[np.maximum(nn, 0)])[0]:
-                    out[i] = self._nearest(int(rows[i]), among)[1]
+            out = np.zeros(len(keys))
+            chosen: dict[str, np.ndarray] = {}
+            for key in keys:
+                scope, row = self._where[key]
+                mask = chosen.get(scope)
+                if mask is None:
+                    mask = chosen[scope] = np.zeros(self._scopes[scope].n, dtype=bool)
+                mask[row] = True
+            for i, key in enumerate(keys):
+                scope, row = self._where[key]
+                s, among = self._scopes[scope], chosen[scope]
+                nn = s.nn_idx[row]
+                if nn >= 0 and not among[nn]:
+                    out[i] = self._nearest(s, row, among)[1]
+                else:
+                    out[i] = s.nn_sim[row]
             return out.clip(min=0.0)
 
     def fingerprints(self, keys: list[int]) -> np.ndarray:
         with self._lock:
-            return self._fp[[self._row_of[k] for k in keys]].copy()
+            out = np.zeros((len(keys), self.dim), dtype=np.float32)
+            for i, key in enumerate(keys):
+                scope, row = self._where[key]
+                out[i] = self._scopes[scope].fp[row]
+            return out

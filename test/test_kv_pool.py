@@ -417,3 +417,31 @@ def test_concurrent_fingerprints_share_batches():
     for i in range(len(texts)):
         assert np.allclose(out[i], alone[i], atol=1e-5), f"request {i} got another request's fingerprint"
     print(f"\n{len(texts)} concurrent fingerprints took {passes} embedding passes")
+
+
+def test_matcher_large_scope_prefilter_finds_the_exact_best():
+    """Above PREFILTER_ROWS a scope is searched through an int8 copy first: the answers must still be the
+    exact float32 ranking (real-looking data: clustered unit vectors, queries near stored ones)."""
+    from simllm_ros import matcher as matcher_mod
+
+    rng = np.random.default_rng(11)
+    n = matcher_mod.PREFILTER_ROWS + 3000
+    centres = rng.standard_normal((40, DIM))
+    fps = centres[rng.integers(0, 40, n)] + 0.35 * rng.standard_normal((n, DIM))
+    fps = (fps / np.linalg.norm(fps, axis=1, keepdims=True)).astype(np.float32)
+    m = Matcher(DIM)
+    for key in range(n):
+        m.add(key, fps[key], "big", now=float(key % 97))
+    m.add(n, fps[0], "other", now=0.0)  # another scope with a perfect match: never returned
+    for i in range(25):
+        q = fps[int(rng.integers(0, n))] + 0.2 * rng.standard_normal(DIM)
+        q = (q / np.linalg.norm(q)).astype(np.float32)
+        score = fps @ q - 0.05 * (1.0 - np.exp2(-np.maximum(100.0 - np.arange(n) % 97, 0) / 600.0))
+        want = list(np.argsort(-score, kind="stable")[:4])
+        got = m.best(q, "big", now=100.0, k=4, recency_weight=0.05, half_life_s=600.0)
+        assert [k for k, _, _ in got] == want, i
+    for key in range(0, n, 3):  # removals move rows around; lookups stay exact
+        m.remove(key)
+    rest = np.array([k for k in range(n) if k % 3])
+    q = fps[rest[5]]
+    assert m.best(q, "big", now=0.0, k=1)[0][0] == rest[5]
