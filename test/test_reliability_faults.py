@@ -141,18 +141,25 @@ def test_cleanup_right_after_deactivate_with_requests_in_flight(h):
 
 
 class _FaultyModel:
-    """Wraps the real model: raises when called on exactly `n_tokens` input tokens (one prompt's prefill)."""
+    """Wraps the real model, or the backend's Llama runner where it has one (that is what runs the forward
+    passes then): raises when run on exactly `n_tokens` input tokens (one prompt's prefill)."""
 
     def __init__(self, inner, n_tokens):
         self._inner, self._n = inner, n_tokens
         self.raised = 0
 
-    def __call__(self, *args, **kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
+    def _check(self, ids):
         if ids is not None and ids.shape[-1] == self._n:
             self.raised += 1
             raise RuntimeError(f"injected fault on a {self._n}-token prefill")
+
+    def __call__(self, *args, **kwargs):
+        self._check(kwargs.get("input_ids", args[0] if args else None))
         return self._inner(*args, **kwargs)
+
+    def forward(self, ids, *args, **kwargs):
+        self._check(ids)
+        return self._inner.forward(ids, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -170,9 +177,10 @@ def test_exception_inside_generation_fails_that_request_only(h):
     for p in before + after:
         assert len(backend.prompt_ids(sysp, "", p)) != n_fault
     errors0 = engine.recorder.snapshot(0, 0, 0, 0, 0, 0, 0)["errors_total"]
-    wrapper = _FaultyModel(backend.model, n_fault)
+    part = "runner" if getattr(backend, "runner", None) is not None else "model"
+    wrapper = _FaultyModel(getattr(backend, part), n_fault)
     n_resp0 = len(h.messages(f"{N}/responses"))
-    backend.model = wrapper
+    setattr(backend, part, wrapper)
     try:
         # queued together, in this order (one scope each: a MISS, a full prefill)
         futs = [h.query_async(p, scope=f"fault-b{i}", max_new_tokens=4) for i, p in enumerate(before)]
@@ -186,7 +194,7 @@ def test_exception_inside_generation_fails_that_request_only(h):
         res_after = [wait_future(f, TIMEOUT) for f in futs_after]
         m = h.wait_message(f"{N}/responses", lambda m: m.request_id == rid, timeout=TIMEOUT, after=n_resp0)
     finally:
-        backend.model = wrapper._inner
+        setattr(backend, part, wrapper._inner)
     assert wrapper.raised == 2
     assert not res_bad.success and res_bad.error.startswith("internal error: RuntimeError: injected fault"), \
         res_bad.error
