@@ -99,7 +99,7 @@ class LlamaCpp:
     def __init__(self, backend, system_prompt: str, threads: int):
         from llama_cpp import Llama, LlamaRAMCache
 
-        from simllm_ros.cli.bench import gguf_path
+        from simllm_ros.bench.systems import gguf_path
 
         self.backend, self.system_prompt = backend, system_prompt
         self.llm = Llama(model_path=gguf_path(), n_ctx=2048, n_batch=512, n_threads=threads,
@@ -212,8 +212,8 @@ def main() -> None:
         try:
             systems.append(LlamaCpp(systems[0].engine.backend, systems[0].engine.settings.system_prompt,
                                     args.threads))
-        except ImportError:
-            print("llama-cpp-python is not installed: llama.cpp column skipped (pip install -r requirements-bench.txt)")
+        except ImportError as e:
+            print(f"llama.cpp column skipped ({e}); pip install -r requirements-bench.txt")
     for s in systems:
         for q in qs:
             s.reference(q, max_new)

@@ -13,7 +13,9 @@ fingerprints (one scale per row, ATen's weight-only int8 kernel, a quarter of
 the bytes) picks the candidates and only those are scored exactly in float32:
 at least PREFILTER_KEEP, and every row whose approximate cosine is within the
 recency weight plus the int8 error bound of the best one, so the ranking is the
-exact one.
+exact one. The kernel is a private ATen op whose CPU paths differ by instruction
+set, so it is checked once per process against float32 on data of the prefilter's
+shape; where it disagrees (or is missing) every lookup scans exactly in float32.
 
 For eviction it also keeps each entry's redundancy (highest cosine to another
 entry of its scope) up to date as entries come and go: an add costs one pass
@@ -30,6 +32,43 @@ import torch
 PREFILTER_ROWS = 8192  # scopes with more rows use the int8 prefilter
 PREFILTER_KEEP = 256  # candidates rescored exactly after the prefilter (at least 4 * k)
 PREFILTER_MARGIN = 0.03  # bound on the int8 + bf16 error of a cosine of unit vectors (384-d: ~0.02)
+
+
+_INT8_KERNEL_OK: bool | None = None  # decided by _int8_kernel_ok() on first use
+
+
+def _int8_scores(q: np.ndarray, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(torch.from_numpy(q)[None].to(torch.bfloat16), w8, scale)[0].float()
+
+
+def _quantize(fp: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.from_numpy(fp)
+    scale = (t.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    return torch.round(t / scale[:, None]).to(torch.int8).contiguous(), scale.to(torch.bfloat16)
+
+
+def _int8_kernel_ok() -> bool:
+    """Whether the int8 kernel's cosines stay within PREFILTER_MARGIN / 2 of float32 here."""
+    global _INT8_KERNEL_OK
+    if _INT8_KERNEL_OK is None:
+        rng = np.random.default_rng(0)
+        rows, dim = PREFILTER_ROWS + 1001, 384  # the prefilter's shapes, a row count that is no block multiple
+        fp = rng.standard_normal((rows, dim)).astype(np.float32)
+        fp /= np.linalg.norm(fp, axis=1, keepdims=True)
+        try:
+            ok = True
+            for q in (fp[7], fp[rows - 1], -fp[123]):
+                err = np.abs(_int8_scores(q, *_quantize(fp)).numpy() - fp @ q).max()
+                ok = ok and bool(np.isfinite(err)) and err <= PREFILTER_MARGIN / 2
+        except (RuntimeError, AttributeError, NotImplementedError):
+            ok = False
+        _INT8_KERNEL_OK = ok
+    return _INT8_KERNEL_OK
+
+
+def _distrust_int8_kernel() -> None:
+    global _INT8_KERNEL_OK
+    _INT8_KERNEL_OK = False
 
 
 class _ScopeRows:
@@ -54,9 +93,7 @@ class _ScopeRows:
 
     def int8(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._q8 is None or self._q8[0].shape[0] != self.n:
-            fp = torch.from_numpy(self.fp[:self.n])
-            scale = (fp.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-            self._q8 = (torch.round(fp / scale[:, None]).to(torch.int8).contiguous(), scale.to(torch.bfloat16))
+            self._q8 = _quantize(self.fp[:self.n])
         return self._q8
 
     def changed(self) -> None:
@@ -160,17 +197,22 @@ class Matcher:
             if s is None or s.n == 0 or k <= 0:
                 return []
             q = np.asarray(fingerprint, dtype=np.float32)
-            if s.n > PREFILTER_ROWS:
-                w8, scale = s.int8()
-                approx = torch.ops.aten._weight_int8pack_mm(torch.from_numpy(q)[None].to(torch.bfloat16), w8, scale)
-                approx = approx[0].float()
+            rows = np.arange(s.n)
+            cos = None
+            if s.n > PREFILTER_ROWS and _int8_kernel_ok():
+                approx = _int8_scores(q, *s.int8())
                 # Exactly ranked later: every row the recency term or the int8 rounding could lift to the top.
                 floor = float(approx.max()) - recency_weight - PREFILTER_MARGIN
                 keep = max(min(s.n, max(PREFILTER_KEEP, 4 * k)), int((approx >= floor).sum()))
-                rows = torch.topk(approx, min(keep, s.n)).indices.numpy()
-            else:
-                rows = np.arange(s.n)
-            cos = s.fp[rows] @ q if len(rows) < s.n else s.fp[:s.n] @ q
+                picked = torch.topk(approx, min(keep, s.n)).indices.numpy()
+                cos = s.fp[picked] @ q
+                if np.abs(approx.numpy()[picked] - cos).max() <= PREFILTER_MARGIN / 2:
+                    rows = picked
+                else:  # the kernel misbehaved on these rows: never trust it again in this process
+                    _distrust_int8_kernel()
+                    cos = None
+            if cos is None:
+                cos = s.fp[:s.n] @ q
             score = cos
             if recency_weight > 0:
                 age = np.maximum(now - s.last_used[rows], 0.0)

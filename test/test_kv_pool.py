@@ -445,3 +445,30 @@ def test_matcher_large_scope_prefilter_finds_the_exact_best():
     rest = np.array([k for k in range(n) if k % 3])
     q = fps[rest[5]]
     assert m.best(q, "big", now=0.0, k=1)[0][0] == rest[5]
+
+
+def test_matcher_prefilter_distrusts_a_wrong_int8_kernel(monkeypatch):
+    """The int8 kernel is a private op with per-ISA paths (CI once ranked garbage first on another CPU):
+    if its cosines disagree with float32 on the rows it picked, the lookup falls back to the exact scan
+    and the kernel is not used again in the process."""
+    from simllm_ros import matcher as matcher_mod
+
+    rng = np.random.default_rng(5)
+    n = matcher_mod.PREFILTER_ROWS + 500
+    fps = rng.standard_normal((n, DIM)).astype(np.float32)
+    fps /= np.linalg.norm(fps, axis=1, keepdims=True)
+    m = Matcher(DIM)
+    for key in range(n):
+        m.add(key, fps[key], "big", now=0.0)
+    real = matcher_mod._int8_scores
+
+    def broken(q, w8, scale):  # a kernel that ranks a block of unrelated rows first
+        out = real(q, w8, scale).clone()
+        out[7000:7300] += 1.0
+        return out
+
+    monkeypatch.setattr(matcher_mod, "_int8_scores", broken)
+    monkeypatch.setattr(matcher_mod, "_INT8_KERNEL_OK", True)
+    for i in (3, 4000, n - 1):
+        assert m.best(fps[i], "big", now=0.0, k=1)[0][0] == i
+    assert matcher_mod._INT8_KERNEL_OK is False
