@@ -165,7 +165,8 @@ class SimLLMNode(LifecycleNode):
             engine.load(progress=self._progress)
             self._monitor = monitor
             self._server = RequestServer(
-                prepare=engine.prepare, execute=lambda job: engine.execute(job.prepared), state=self.state_label,
+                prepare=engine.prepare, state=self.state_label,
+                execute=lambda job: engine.execute(job.prepared, job.on_progress, job.should_stop),
                 queue_limit=settings.queue_limit, has_idle_work=engine.has_idle_work, idle_work=engine.idle_work,
                 on_busy=engine.record_rejected_busy, log=self._py_log)
             self._create_entities()
