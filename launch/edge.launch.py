@@ -5,6 +5,10 @@
 
 Parameters come from config/edge.yaml (installed to share/simllm_ros/config) unless params_file
 is given; model, cache_threshold and cache_size override it when set (empty: keep the file's).
+The file's key is `/**`, so its values reach the node in any namespace: several robots can run
+`namespace:=robot1`, `namespace:=robot2`, ... with one file (a block keyed `/robot1/simllm_node:` in
+the same file gives one robot its own values). Its services, topics and action then live under
+/robot1/simllm_node/, and /diagnostics names it "robot1/simllm_node: LLM service".
 The launch file emits configure, then activate once the node reached 'inactive' (the pattern of
 ros2/demos lifecycle_py and nav2's lifecycle bring-up). A failed configure (e.g. a model path
 that does not exist) is logged and ends the launch.
@@ -71,7 +75,7 @@ def _node_and_transitions(context, *args, **kwargs):
 
     announce_active = RegisterEventHandler(OnStateTransition(
         target_lifecycle_node=node, start_state="activating", goal_state="active",
-        entities=[LogInfo(msg="simllm_node active: ~/query service, ~/requests -> ~/responses")]))
+        entities=[LogInfo(msg="simllm_node active: ~/query, ~/generate (action), ~/embed, ~/requests -> ~/responses")]))
 
     # Handlers first, so no transition event can be missed.
     return [activate_when_configured, stop_when_configure_failed, announce_active, node, configure]

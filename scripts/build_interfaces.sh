@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Build the simllm_ros interfaces (msg/, srv/) and install the package into
+# Build the simllm_ros interfaces (msg/, srv/, action/) and install the package into
 # the Python venv that holds the ros-* PyPI wheels, with plain cmake.
 #
 # Usage: scripts/build_interfaces.sh [VENV]      (default: <repo>/.venv)
 #        FORCE=1 scripts/build_interfaces.sh     (rebuild even if unchanged)
 #
 # Idempotent:
-#  - the cmake configure+build is skipped when msg/ srv/ CMakeLists.txt
+#  - the cmake configure+build is skipped when msg/ srv/ action/ CMakeLists.txt
 #    package.xml (and the venv's python) are unchanged since the last
 #    successful build (content hash in build/interfaces/.simllm_stamp) and
 #    the installed generated modules are still present in the venv;
@@ -53,7 +53,7 @@ export PYTHONDONTWRITEBYTECODE=1
 missing=()
 for p in ament_cmake ament_cmake_core ament_cmake_python rosidl_default_generators \
          rosidl_core_generators ament_cmake_ros_core ament_cmake_include_directories \
-         builtin_interfaces rosidl_generator_py; do
+         builtin_interfaces action_msgs rosidl_generator_py; do
   [ -d "$VENV/share/$p/cmake" ] || missing+=("ros-${p//_/-}")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -67,7 +67,7 @@ PKG_DIR="$VENV/$SITE_REL/simllm_ros"
 hash_inputs() {
   (
     cd "$REPO"
-    find msg srv -type f \( -name '*.msg' -o -name '*.srv' \) | LC_ALL=C sort
+    find msg srv action -type f \( -name '*.msg' -o -name '*.srv' -o -name '*.action' \) | LC_ALL=C sort
     echo CMakeLists.txt
     echo package.xml
   ) | while read -r f; do

@@ -59,6 +59,20 @@ class Generation:
         return max(0, len(self.tokens) - (0 if self.stopped == "eos" else 1))
 
 
+class Constraint:
+    """What the decoder needs from an output grammar (structured_output.JsonConstraint): the pick stays a
+    function of (masked logits, step), so constrained answers are as exact as plain ones."""
+
+    def mask(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        return logits
+
+    def accept(self, token: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+
 class DraftSource:
     """What the decoder needs from a proposer."""
 
@@ -73,26 +87,38 @@ def generate(step: Callable[[list[int]], torch.Tensor], truncate: Callable[[int]
              first_logits: torch.Tensor, max_new_tokens: int, *, sampler: Sampler, stop_ids: set[int],
              drafts: DraftSource | None = None, t_start: float | None = None,
              on_token: Callable[[list[int]], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> Generation:
+             should_stop: Callable[[], bool] | None = None, constraint: Constraint | None = None) -> Generation:
     """Decode up to max_new_tokens after `first_logits` (the prompt's last-token logits).
 
     step(tokens) runs tokens at the end of the cache and returns logits for each of them;
     truncate(n) forgets cache entries past n. on_token(tokens so far) is called as tokens are
-    committed; should_stop() is polled between passes (cancellation).
+    committed; should_stop() is polled after every committed token (cancellation, stop strings).
+    constraint (an output grammar) masks every row a token is picked from, draft rows included,
+    and accepts each committed token.
     """
     tokens: list[int] = []
     gen = Generation(tokens, "", 0.0, first_logits)
     logits = first_logits
+
+    def pick(row: torch.Tensor) -> int:
+        return sampler.pick(row if constraint is None else constraint.mask(row, len(tokens)), len(tokens))
+
+    def commit(t: int) -> None:
+        if constraint is not None:
+            constraint.accept(t)
+        if t not in stop_ids:
+            tokens.append(t)
+            if on_token is not None:
+                on_token(tokens)
+
     while True:
-        tok = sampler.pick(logits, len(tokens))
+        tok = pick(logits)
         if not tokens and not gen.ttft_s:
             gen.ttft_s = time.perf_counter() - (t_start or time.perf_counter())
+        commit(tok)
         if tok in stop_ids:
             gen.stopped = "eos"
             break
-        tokens.append(tok)
-        if on_token is not None:
-            on_token(tokens)
         if len(tokens) >= max_new_tokens:
             gen.stopped = "length"
             break
@@ -107,28 +133,28 @@ def generate(step: Callable[[list[int]], torch.Tensor], truncate: Callable[[int]
         out = step([tok] + guess)  # [1 + len(guess), vocab]
         gen.forward_passes += 1
         accepted = 0
-        ended = False
+        stopped = ""
         for j, d in enumerate(guess):
-            choice = sampler.pick(out[j], len(tokens))
-            if choice != d:
+            if pick(out[j]) != d:
                 break
+            commit(d)
             if d in stop_ids:  # the model itself would stop here
-                ended = True
+                stopped = "eos"
                 break
-            tokens.append(d)
             accepted += 1
-            if on_token is not None:
-                on_token(tokens)
             if len(tokens) >= max_new_tokens:
-                ended = True
+                stopped = "length"
+                break
+            if should_stop is not None and should_stop():
+                stopped = "cancel"
                 break
         if guess:
             gen.draft_proposed += len(guess)
             gen.draft_accepted += accepted
             drafts.feedback(len(guess), accepted)
         truncate(base + 1 + accepted)  # KV of tok and of the accepted drafts
-        if ended:
-            gen.stopped = "length" if len(tokens) >= max_new_tokens else "eos"
+        if stopped:
+            gen.stopped = stopped
             break
         logits = out[accepted]
     return gen

@@ -19,17 +19,19 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import persistence, reuse_planner, semantic_reuse
+from . import persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
 from .cache_stats import CacheStatsRecorder
 from .draft_proposer import DraftProposer
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
 from .model_backend import ModelBackend, ModelLoadError
-from .request import CacheResult, QueryRequest, QueryResult
+from .request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
 from .semantic_log import SemanticLog
 from .settings import SPECS, SettingError, Settings, parse_size
+from .streaming import AnswerWatcher
+from .structured_output import CompiledSchema, SchemaError
 from .thermal import ThermalLevel
-from .validation import normalize_text, validate_request
+from .validation import check_text_field, is_blank, normalize_text, validate_request
 
 RELOAD_PARAMS = {s.name for s in SPECS if not s.live}
 
@@ -44,6 +46,19 @@ class Prepared:
     fingerprint: np.ndarray
     question: str
     t_arrival: float  # perf_counter when the request reached the engine: TTFT counts from here
+    schema: CompiledSchema | None = None  # the compiled json_schema, when the request has one
+
+
+
+def task_digest(req: QueryRequest) -> str:
+    """What must be identical for a stored answer to fit a request (the ANSWER tier): the context, and for a
+    conversation, structured output or stop strings also the earlier turns, the schema and the stops."""
+    history = [[t.role, t.content] for t in req.turns()[:-1]]
+    if not (history or req.json_schema or req.stop):
+        return context_digest(req.context)
+    extra = json.dumps({"history": history, "json_schema": req.json_schema, "stop": list(req.stop)},
+                       ensure_ascii=False, sort_keys=True)
+    return context_digest(req.context + "\x1f" + extra)
 
 
 @dataclasses.dataclass
@@ -72,6 +87,7 @@ class Observation:
 
 
 PENDING_INSERTS_MAX = 8  # deferred exact prefills kept (newest win): idle time is finite
+EMBED_MAX_TEXTS = 256  # texts per ~/embed call
 
 
 def device_memory_bytes(device: str) -> int:
@@ -118,6 +134,7 @@ class Engine:
         self._recent_answers: dict[str, collections.deque[list[int]]] = {}
         self._answer_tokens: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._owns_models = True  # False for a fork(): the backend belongs to another engine
+        self._warming = False  # requests now are warm-up: the semantic log marks them so they do not count
         # Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time.
         self.pending_inserts: collections.deque[PendingInsert] = collections.deque(maxlen=PENDING_INSERTS_MAX)
         # Called with an Observation after every executed request (the benchmark's hook); None: nobody.
@@ -193,12 +210,39 @@ class Engine:
     def _identity(self) -> dict:
         return persistence.identity(self.pool, self.backend.identity, self.settings.embedder)
 
-    def _warm_up(self, path: str, progress) -> int:
+    def _warm_up(self, spec: str, progress) -> int:
+        """warmup_queries: a JSON Lines file of requests, or an integer N: the N most-used tasks of the
+        semantic log that the snapshot did not already bring back."""
+        self._warming = True
+        try:
+            if spec.strip().isdigit():
+                return self._warm_up_most_used(int(spec), progress)
+            return self._warm_up_file(spec, progress)
+        finally:
+            self._warming = False
+
+    def _warm_up_most_used(self, n: int, progress) -> int:
+        s, restored = self.settings, self.load_report.get("restored", 0)
+        if not s.semantic_log_path:
+            progress(f"warm-up: the {n} most-used tasks need the semantic log (semantic_log_path is empty); "
+                     f"only the {restored} tasks restored from the snapshot are warm")
+            return 0
+        tasks = semantic_log_mod.most_used(s.semantic_log_path, n)
+        todo = [r for r in tasks if self.pool.find(
+            r.scope, self.backend.chat_ids(s.system_prompt, r.context, r.turns())) is None]
+        progress(f"warm-up: the {len(tasks)} most-used tasks of {s.semantic_log_path} ({n} asked): "
+                 f"{len(tasks) - len(todo)} already in the pool from the snapshot, computing {len(todo)}")
+        return self._run_warm_up(todo, progress)
+
+    def _warm_up_file(self, path: str, progress) -> int:
         reqs = read_requests_jsonl(path)
         progress(f"warm-up: {len(reqs)} requests from {path}")
         calibrate = self.settings.enable_quant_calibration and self.pool.quantized
         if calibrate:
             self._calibrate([self.backend.prompt_ids(self.settings.system_prompt, r.context, r.prompt) for r in reqs])
+        return self._run_warm_up(reqs, progress)
+
+    def _run_warm_up(self, reqs: list[QueryRequest], progress) -> int:
         done = 0
         for r in reqs:
             if self.thermal_level >= ThermalLevel.WARN:
@@ -286,47 +330,84 @@ class Engine:
             err = validate_request(r, max_scope_length=s.max_scope_length, max_new_tokens_limit=s.max_new_tokens_limit)
             if err is None and not self.loaded:
                 err = "engine is not loaded"
+            schema = None
+            if err is None and r.json_schema:
+                try:
+                    schema = self.backend.grammars.compile(r.json_schema)
+                except SchemaError as e:
+                    err = str(e)
             if err is not None:
                 self.recorder.record_error()
                 out[i] = QueryResult.failure(err, r.request_id)
             else:
-                todo.append(i)
+                todo.append((i, schema))
         if todo:
-            fps = self.fingerprinter.embed([reqs[i].prompt for i in todo])
-            for j, i in enumerate(todo):
-                out[i] = Prepared(reqs[i], fps[j], normalize_text(reqs[i].prompt), t0)
+            fps = self.fingerprinter.embed([reqs[i].question for i, _ in todo])
+            for j, (i, schema) in enumerate(todo):
+                out[i] = Prepared(reqs[i], fps[j], normalize_text(reqs[i].question), t0, schema)
         return out
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """Unit vectors [len(texts), dim] from the loaded embedder (the ~/embed service); raises ValueError with
+        the reason for bad input. Texts longer than the embedder reads are refused, never truncated."""
+        fp = self.fingerprinter
+        if fp is None:
+            raise ValueError("engine is not loaded")
+        if not texts:
+            raise ValueError(f"texts is empty; give 1 to {EMBED_MAX_TEXTS} texts")
+        if len(texts) > EMBED_MAX_TEXTS:
+            raise ValueError(f"{len(texts)} texts; at most {EMBED_MAX_TEXTS} per call")
+        for i, text in enumerate(texts):
+            err = check_text_field(f"texts[{i}]", text)
+            if err:
+                raise ValueError(err)
+            if is_blank(text):
+                raise ValueError(f"texts[{i}] is empty (only whitespace or invisible characters)")
+            n = fp.count_tokens(text)
+            if n > fp.max_tokens:
+                raise ValueError(f"texts[{i}] is {n} tokens; the embedder reads at most {fp.max_tokens} "
+                                 "(nothing is truncated)")
+        return fp.embed(texts)
 
     def handle(self, req: QueryRequest) -> QueryResult:
         p = self.prepare(req)
         return p if isinstance(p, QueryResult) else self.execute(p)
 
-    def execute(self, p: Prepared) -> QueryResult:
+    def execute(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> QueryResult:
+        """Run one prepared request. on_progress(Progress) streams the answer so far (at most every 50 ms);
+        should_stop() returning True cancels it within one decode pass (success=False, stop_reason "cancel",
+        the partial answer in `answer`; the prompt's KV may be pooled, the partial answer never is)."""
         with self._exec_lock:
             if not self.loaded:
                 self.recorder.record_error()
                 return QueryResult.failure("engine is not loaded", p.req.request_id)
             try:
-                result = self._execute(p)
+                if should_stop is not None and should_stop():  # cancelled while it waited
+                    result = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel")
+                else:
+                    result = self._execute(p, on_progress, should_stop)
             except Exception as e:  # a fault inside generation fails this request only
                 self.log.exception(f"request {p.req.request_id!r} failed inside the engine")
                 result = QueryResult.failure(f"internal error: {type(e).__name__}: {e}", p.req.request_id)
+            result.request_id = p.req.request_id
             if result.success:
                 self.recorder.record(result)
-            else:
+            elif result.stop_reason != "cancel":  # a cancel is the caller's choice, not a fault
                 self.recorder.record_error()
             return result
 
-    def _execute(self, p: Prepared) -> QueryResult:
+    def _execute(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> QueryResult:
         s, req, backend, pool = self.settings, p.req, self.backend, self.pool
-        tokens = backend.prompt_ids(s.system_prompt, req.context, req.prompt)
+        tokens = backend.chat_ids(s.system_prompt, req.context, req.turns())
         if len(tokens) > s.max_prompt_tokens:
             return QueryResult.failure(f"prompt and context are {len(tokens)} tokens; max_prompt_tokens is "
                                        f"{s.max_prompt_tokens} (nothing is truncated)", req.request_id)
         max_new = self._answer_length(req)
         now = time.time()
         self._refresh(now)
-        digest = context_digest(req.context)
+        digest = task_digest(req)
         # A sliding-window layer keeps only its window: past it, the cache no longer holds every token's KV.
         poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
         lossless = self.lossless_reuse
@@ -344,6 +425,9 @@ class Engine:
             res.answer = plan.answer
             res.reused_tokens = len(tokens)
             res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
+            if on_progress is not None:
+                AnswerWatcher(backend.detokenize, on_progress=on_progress,
+                              cache_result=plan.tier).progress(res.answer, 0)
             self._log_decision(req, digest, plan, res)
             self._observe(req, plan, plan_ms, 0.0, None)
             return res
@@ -352,8 +436,15 @@ class Engine:
         # Drafts are checked by the model; they keep the answer exact only on a batch-invariant backend.
         use_drafts = s.enable_drafts and (backend.exact_chunking or req.allow_approximate)
         drafts = self._draft_source(req, tokens, p.fingerprint, now) if use_drafts else None
-        gen = backend.decode(logits, cache, max_new, s.temperature, s.seed, t_start=p.t_arrival, drafts=drafts)
-        res.answer = gen.text
+        watch = AnswerWatcher(backend.detokenize, stop=req.stop, on_progress=on_progress, cancelled=should_stop,
+                              cache_result=plan.tier)
+        constraint = p.schema.constraint() if p.schema is not None else None
+        gen = backend.decode(logits, cache, max_new, s.temperature if req.temperature is None else req.temperature,
+                             s.seed if req.seed is None else req.seed, t_start=p.t_arrival, drafts=drafts,
+                             on_token=watch.on_token if (req.stop or on_progress) else None,
+                             should_stop=watch.should_stop, constraint=constraint)
+        res.answer = watch.final_text(gen.text)
+        res.stop_reason = "stop" if watch.stop_hit else gen.stopped
         res.generated_tokens = len(gen.tokens)
         res.ttft_ms = gen.ttft_s * 1000
         res.draft_tokens_proposed, res.draft_tokens_accepted = gen.draft_proposed, gen.draft_accepted
@@ -361,9 +452,21 @@ class Engine:
         res.decode_passes_saved = max(0, gen.plain_passes - gen.forward_passes)
         res.exact = (plan.tier == CacheResult.MISS or (plan.tier == CacheResult.EXACT_PREFIX and lossless)) and \
             (drafts is None or backend.exact_chunking)
-        self._remember_answer(req.scope, gen.tokens)
+        # Only a finished answer is stored (a draft source, an ANSWER candidate): a cancelled one, or JSON that
+        # max_new_tokens cut short, leaves the prompt's KV in the pool and nothing else.
+        finished = True
+        if watch.cancelled:
+            res.success, res.error, finished = False, CANCELLED_ERROR, False
+        elif constraint is not None and not constraint.is_terminated():
+            res.success, finished = False, False
+            res.error = (f"json_schema: the answer reached max_new_tokens ({max_new}) before the JSON was "
+                         "complete; raise max_new_tokens or simplify the schema")
+        if on_progress is not None:
+            watch.progress(res.answer, len(gen.tokens))  # the last word, whatever the throttle held back
+        if finished:
+            self._remember_answer(req.scope, gen.tokens)
         t_insert = time.perf_counter()
-        self._update_pool(p, plan, tokens, cache, digest, res.answer, now, poolable)
+        self._update_pool(p, plan, tokens, cache, digest, res.answer if finished else None, now, poolable)
         insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
         self._log_decision(req, digest, plan, res)
@@ -412,15 +515,20 @@ class Engine:
                                 fingerprint=fingerprint, question=question, context_digest=digest, answer=answer,
                                 now=now)
 
-    def _update_pool(self, p: Prepared, plan, tokens, cache, digest: str, answer: str, now: float,
+    def _update_pool(self, p: Prepared, plan, tokens, cache, digest: str, answer: str | None, now: float,
                      poolable: bool) -> None:
         """Exact KV only: a repaired SEMANTIC cache is approximate and would poison exact reuse, so its exact
-        KV is computed at idle time (idle_work) and the next request on that context is an EXACT_PREFIX hit."""
+        KV is computed at idle time (idle_work) and the next request on that context is an EXACT_PREFIX hit.
+        answer None: no finished answer (cancelled, cut short): the prompt's KV only, a stored answer stays."""
         req = p.req
         if plan.source_key is not None:
             self.pool.touch([plan.source_key], now)
         if not poolable:
             return
+        if answer is None:
+            if self.pool.find(req.scope, tokens) is not None:
+                return
+            answer = ""
         if plan.tier == CacheResult.SEMANTIC:
             self.pending_inserts.append(PendingInsert(req.scope, tokens, p.fingerprint, p.question, digest, answer))
         elif plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX):
@@ -497,11 +605,15 @@ class Engine:
         if self.semantic_log is None:
             return
         self.semantic_log.write({
-            "request_id": req.request_id, "scope": req.scope, "question": req.prompt[:200],
+            "request_id": req.request_id, "scope": req.scope, "question": req.question[:200],
             "context_digest": digest, "tier": CacheResult(plan.tier).name, "similarity": round(plan.similarity, 4),
             "source_key": plan.source_key, "source_question": plan.source_question[:200],
             "reason": plan.reason, "prompt_tokens": res.prompt_tokens, "reused_tokens": res.reused_tokens,
-            "recomputed_tokens": res.recomputed_tokens, "ttft_ms": round(res.ttft_ms, 2)})
+            "recomputed_tokens": res.recomputed_tokens, "ttft_ms": round(res.ttft_ms, 2),
+            # the request itself, so that warmup_queries: N can replay the most-used tasks
+            "prompt": req.prompt, "context": req.context,
+            **({"messages": [[t.role, t.content] for t in req.messages]} if req.messages else {}),
+            **({"warmup": True} if self._warming else {})})
 
     # ---- telemetry -------------------------------------------------------------
     def stats(self, queue_depth: int = 0) -> dict:

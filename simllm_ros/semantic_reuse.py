@@ -10,6 +10,9 @@
    and the selected tokens are run through the model at their true positions,
    attending (through an explicit mask) to reused tokens before them.
 The result is a position-ordered cache ready for decoding.
+
+Devices: the stored KV lives on the pool's device (the model's). Index tensors are built on that device;
+the per-token bookkeeping (which tokens to keep) stays on the CPU and is moved where it indexes KV.
 """
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
         gap_recompute_tokens: int, strict_layers: int) -> SemanticPrefill:
     n = len(tokens)
     src_k, src_v = pool.entry_kv(plan.source_key)
-    new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long)
-    src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long)
+    device = src_k.device
+    new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long, device=device)
+    src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long, device=device)
     k = backend.rotate_keys(src_k[:, :, src_pos], new_pos - src_pos)
     v = src_v[:, :, src_pos].clone()
 
@@ -45,8 +49,8 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     # deviation is measured at layer 1 or deeper: two fresh layers at least, even for strict_layers=1.
     n_fresh = min(max(strict, 2), k.shape[0])
     fk, fv = backend.early_layer_kv(tokens, n_fresh)
-    fk, fv = fk.to(k.dtype), fv.to(v.dtype)
-    dev = (fv[n_fresh - 1][:, new_pos].float() - v[n_fresh - 1].float()).norm(dim=(0, 2))  # [reused]
+    fk, fv = fk.to(device, k.dtype), fv.to(device, v.dtype)
+    dev = (fv[n_fresh - 1][:, new_pos].float() - v[n_fresh - 1].float()).norm(dim=(0, 2)).cpu()  # [reused]
     k[:strict] = fk[:strict][:, :, new_pos]
     v[:strict] = fv[:strict][:, :, new_pos]
 
@@ -68,15 +72,16 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     if not keep.any():  # nothing survives the repair: a plain prefill is the same work
         logits, cache = backend.prefill(tokens)
         return SemanticPrefill(logits, cache, reused=0, recomputed=n)
-    kept_pos = new_pos[keep]
+    keep_d = keep.to(device)
+    kept_pos = new_pos[keep_d].cpu()
     kept_set = set(kept_pos.tolist())
     recompute = [p for p in range(n) if p not in kept_set]
-    cache = backend.cache_from_tensors(k[:, :, keep], v[:, :, keep])
+    cache = backend.cache_from_tensors(k[:, :, keep_d], v[:, :, keep_d])
     q_pos = torch.tensor(recompute, dtype=torch.long)
     kv_pos = torch.cat([kept_pos, q_pos])
-    mask = kv_pos[None, :] <= q_pos[:, None]  # [q, kv]: each recomputed token sees what precedes it
+    mask = kv_pos[None, :] <= q_pos[:, None]  # [q, kv]: each recomputed token sees what precedes it (run() moves it)
     logits, cache = backend.prefill([tokens[p] for p in recompute], cache, positions=recompute, mask=mask)
     K, V = backend.cache_tensors(cache)
-    order = torch.argsort(kv_pos)
+    order = torch.argsort(kv_pos).to(K.device)
     cache = backend.cache_from_tensors(K[:, :, order], V[:, :, order])
     return SemanticPrefill(logits, cache, reused=int(keep.sum()), recomputed=len(recompute))

@@ -44,7 +44,7 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("block_tokens", 16, "tokens per KV block in the pool", min=4, max=256),
     ParamSpec("enable_quant_calibration", False, "fit 8-bit key scales on the warm-up set instead of per block"),
     ParamSpec("persist_path", "", "pool snapshot folder (safetensors + JSON); empty disables persistence"),
-    ParamSpec("warmup_queries", "", "JSON Lines file of requests computed at configure time; empty for none"),
+    ParamSpec("warmup_queries", "", "computed at configure time: a JSON Lines file of requests, or an integer N: the N most-used tasks of the semantic log (those the snapshot did not restore); empty for none"),
     ParamSpec("semantic_log_path", "", "rotating log of every reuse decision; empty disables it"),
     ParamSpec("thermal_root", "/sys/class/thermal", "sysfs thermal root (tests point it at a fake tree)"),
     ParamSpec("thermal_zones", "", "comma-separated zone types to watch (empty: all zones found)"),
@@ -76,12 +76,15 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("thermal_critical_c", 90.0, "hottest zone above this: shed load, ERROR", live=True, min=0.0, max=150.0),
     ParamSpec("thermal_hysteresis_c", 5.0, "degrees below a threshold before its state clears", live=True, min=0.0, max=50.0),
     ParamSpec("ttft_warn_ms", 2000.0, "p95 time to first token above this turns /diagnostics WARN", live=True, min=1.0, max=600000.0),
+    ParamSpec("hardware_id", "", "/diagnostics hardware_id: the robot or computer this node runs on (empty: the host name)", live=True),
+    ParamSpec("cache_map_frame", "simllm_cache", "frame_id of the ~/cache_map markers; in a namespace it is prefixed with it (robot1/simllm_cache). Nothing publishes a transform for it: set it as rviz's fixed frame", live=True),
     ParamSpec("telemetry_period_s", 1.0, "period of cache_stats, thermal, diagnostics and cache_map", min=0.05, max=60.0),
     ParamSpec("temperature", 0.0, "sampling temperature (0 = greedy)", live=True, min=0.0, max=5.0),
     ParamSpec("seed", 0, "sampling seed", live=True, min=0, max=2**31 - 1),
 )
 
 SPEC_BY_NAME = {s.name: s for s in SPECS}
+MAX_WARMUP_TASKS = 10000
 
 
 class SettingError(ValueError):
@@ -115,6 +118,8 @@ def check_value(name: str, value: Any) -> Any:
         raise SettingError(f"{name} must be <= {spec.max}, got {value}")
     if name == "cache_size":
         parse_size(value, device_bytes=1)  # syntax only; the share is resolved at configure time
+    if name == "warmup_queries" and value.strip().isdigit() and int(value) > MAX_WARMUP_TASKS:
+        raise SettingError(f"warmup_queries {value}: at most {MAX_WARMUP_TASKS} most-used tasks")
     return value
 
 

@@ -86,7 +86,7 @@ class RosHarness:
     TRANSITIONS = {"configure": 1, "cleanup": 2, "activate": 3, "deactivate": 4,
                    "unconfigured_shutdown": 5, "inactive_shutdown": 6, "active_shutdown": 7}
 
-    def __init__(self, node_name: str, params_files: list[str], overrides: dict | None = None):
+    def __init__(self, node_name: str, params_files: list[str], overrides: dict | None = None, namespace: str = ""):
         import rclpy
         from rclpy.context import Context
         from rclpy.parameter import Parameter
@@ -94,14 +94,18 @@ class RosHarness:
         from simllm_ros.ros.node import SimLLMNode, make_executor
 
         self.name = node_name
+        self.namespace = "/" + namespace.strip("/") if namespace.strip("/") else ""
+        self.fqn = f"{self.namespace}/{node_name}"  # the node's full name: /robot1/simllm_node
         self.context = Context()
         rclpy.init(context=self.context)
         cli_args = ["--ros-args"]
         for p in params_files:
             cli_args += ["--params-file", p]
         overrides = [Parameter(k, value=v) for k, v in (overrides or {}).items()]
-        self.node = SimLLMNode(node_name, context=self.context, cli_args=cli_args, parameter_overrides=overrides)
-        self.client = rclpy.create_node(f"test_client_{os.getpid()}", context=self.context)
+        self.node = SimLLMNode(node_name, context=self.context, cli_args=cli_args, parameter_overrides=overrides,
+                               namespace=self.namespace or None)
+        self.client = rclpy.create_node(f"test_client_{os.getpid()}", context=self.context,
+                                        namespace=self.namespace or None)
         self.executor = make_executor(self.node, context=self.context)
         self.executor.add_node(self.node)
         self.executor.add_node(self.client)
@@ -122,18 +126,22 @@ class RosHarness:
         from diagnostic_msgs.msg import DiagnosticArray
         from lifecycle_msgs.srv import ChangeState, GetState
         from rcl_interfaces.srv import DescribeParameters, GetParameters, SetParameters
+        from rclpy.action import ActionClient
         from visualization_msgs.msg import MarkerArray
 
+        from simllm_ros.action import Generate
         from simllm_ros.msg import CacheStats, QueryRequest, QueryResponse, ThermalStatus
-        from simllm_ros.srv import Query
+        from simllm_ros.srv import Embed, Query
 
-        c, n = self.client, f"/{self.name}"
+        c, n = self.client, self.fqn
         self.change_state_cli = c.create_client(ChangeState, f"{n}/change_state")
         self.get_state_cli = c.create_client(GetState, f"{n}/get_state")
         self.set_params_cli = c.create_client(SetParameters, f"{n}/set_parameters")
         self.get_params_cli = c.create_client(GetParameters, f"{n}/get_parameters")
         self.describe_cli = c.create_client(DescribeParameters, f"{n}/describe_parameters")
         self.query_cli = c.create_client(Query, f"{n}/query")
+        self.embed_cli = c.create_client(Embed, f"{n}/embed")
+        self.generate_cli = ActionClient(c, Generate, f"{n}/generate")
         self.request_pub = c.create_publisher(QueryRequest, f"{n}/requests", 100)
         for topic, typ in ((f"{n}/responses", QueryResponse), (f"{n}/cache_stats", CacheStats),
                            (f"{n}/thermal", ThermalStatus), ("/diagnostics", DiagnosticArray),
@@ -214,6 +222,11 @@ class RosHarness:
     def query(self, prompt: str, timeout: float = 120.0, **kw):
         return wait_future(self.query_async(prompt, **kw), timeout)
 
+    def call(self, client, request, timeout: float = 120.0):
+        """Any service call through DDS, waiting for the service first."""
+        assert client.wait_for_service(timeout_sec=10), f"{client.srv_name} not available"
+        return wait_future(client.call_async(request), timeout)
+
     def publish_request(self, request_id: str, prompt: str, max_new_tokens: int = 12, **kw):
         from simllm_ros.msg import QueryRequest
         self.request_pub.publish(QueryRequest(request_id=request_id, prompt=prompt,
@@ -235,11 +248,11 @@ class RosHarness:
 
 @pytest.fixture(scope="module")
 def ros_harness_factory():
-    """Call with (node_name, params_files, overrides); every harness made is closed at module end."""
+    """Call with (node_name, params_files, overrides, namespace); every harness made is closed at module end."""
     made = []
 
-    def make(node_name, params_files, overrides=None):
-        h = RosHarness(node_name, params_files, overrides)
+    def make(node_name, params_files, overrides=None, namespace=""):
+        h = RosHarness(node_name, params_files, overrides, namespace)
         made.append(h)
         return h
 

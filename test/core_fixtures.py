@@ -46,7 +46,8 @@ ROBOT_INTENTS = ("weather", "traffic", "directions", "gas", "gas_type", "distanc
                  "calendar", "reminder", "alarm", "tire_pressure", "oil_change_when", "meeting_schedule",
                  "travel_suggestion", "car_rental", "flight_status", "timezone", "jump_start")
 
-BASE = dict(cache_size="768MB", dtype="float32", kv_bits=32)
+# SIMLLM_TEST_DEVICE=cuda runs the core tests on a GPU (scripts/gpu_check.sh); the default is the CPU.
+BASE = dict(cache_size="768MB", dtype="float32", kv_bits=32, device=os.environ.get("SIMLLM_TEST_DEVICE", "cpu"))
 
 
 def clinc_by_intent(limit_per_intent: int | None = None) -> dict[str, list[str]]:

@@ -6,6 +6,7 @@ Tests run in file order and each one brings the node to the state it needs.
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ NODE = "simllm_node"
 N = f"/{NODE}"
 BUDGET = 32_000_000
 PROMPT = "What is the capital of France?"
-DIAG_NAME = "simllm_ros: LLM service"
+DIAG_NAME = "simllm_node: LLM service"  # "<node's full name without the leading slash>: <task>"
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +174,9 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
     dg = h.wait_message("/diagnostics", lambda m: diag_status(m) is not None, timeout=10, after=after["/diagnostics"])
     s = diag_status(dg)
     assert s.level == DiagnosticStatus.OK, s.message
-    assert s.hardware_id == DEFAULT_MODEL
+    assert s.hardware_id == socket.gethostname()  # hardware_id parameter empty: the host name
     kv = {v.key: v.value for v in s.values}
+    assert kv["model"] == DEFAULT_MODEL
     assert int(kv["entries"]) >= 2 and kv["hottest_zone"] == "gpu-thermal" and kv["thermal_level"] == "OK"
     assert "ttft_miss_p95_ms" in kv and "hit_rate_any_recent" in kv
 

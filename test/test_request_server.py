@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from simllm_ros.request import QueryRequest, QueryResult
+from simllm_ros.request import CacheResult, Progress, QueryRequest, QueryResult
 from simllm_ros.request_server import STOPPED_ERROR, RequestServer
 
 WAIT_S = 10.0
@@ -244,17 +244,17 @@ def test_per_job_callbacks_reach_the_executor(served):
             if job.should_stop():
                 return QueryResult(success=True, answer=text.strip(), generated_tokens=n - 1)
             text += word + " "
-            job.on_text(text.strip(), n)
+            job.on_progress(Progress(text.strip(), n, CacheResult.MISS))
         return QueryResult(success=True, answer=text.strip(), generated_tokens=n)
 
     s = RequestServer(prepare=lambda r: r.prompt, execute=execute, state=lambda: "inactive")
     s.start()
     s.open()
     try:
-        full = s.wait(s.submit(req(1, "one two three"), on_text=lambda t, n: seen.append((t, n)),
+        full = s.wait(s.submit(req(1, "one two three"), on_progress=lambda p: seen.append((p.text, p.generated_tokens)),
                                should_stop=lambda: False))
         streamed = []
-        cut = s.wait(s.submit(req(2, "one two three"), on_text=lambda t, n: streamed.append(n),
+        cut = s.wait(s.submit(req(2, "one two three"), on_progress=lambda p: streamed.append(p.generated_tokens),
                               should_stop=lambda: len(streamed) >= 1))
     finally:
         s.stop()

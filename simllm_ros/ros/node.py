@@ -10,23 +10,27 @@ Transitions (one callback each, as in ros2/demos lifecycle_py):
   cleanup    : saves the pool, unloads the model, destroys the entities.
   shutdown   : the same from any state.
 
-Requests (service `~/query`, topic `~/requests` -> `~/responses`) go to request_server.RequestServer,
-which admits, queues and answers each exactly once; its prepare step (validation + fingerprint) runs
-in the calling callback, which belongs to the reentrant "matching" group, so several requests are
-fingerprinted while another one generates on the server's own worker thread. Health (/diagnostics)
-is health.assess; the cache map is cache_map.spheres. The executor must be a MultiThreadedExecutor;
-`make_executor()` sizes one.
+Requests (service `~/query`, topic `~/requests` -> `~/responses`, action `~/generate`) go to
+request_server.RequestServer, which admits, queues and answers each exactly once; its prepare step
+(validation, schema compile, fingerprint) runs in the calling callback, which belongs to the reentrant
+"matching" group, so several requests are fingerprinted while another one generates on the server's
+own worker thread. The action streams the answer so far as feedback and cancels through the job's
+should_stop. `~/embed` runs the embedder directly (no queue: it does not touch the model). Health
+(/diagnostics, named after the node's full name) is health.assess; the cache map is
+cache_map.spheres. The executor must be a MultiThreadedExecutor; `make_executor()` sizes one.
 """
 from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
 from typing import Callable
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import Point
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
@@ -36,17 +40,18 @@ from visualization_msgs.msg import Marker, MarkerArray
 
 from simllm_ros import cache_map, health
 from simllm_ros.engine import Engine, EngineLoadError
+from simllm_ros.action import Generate
 from simllm_ros.msg import CacheStats, QueryRequest as QueryRequestMsg, QueryResponse, ThermalStatus
-from simllm_ros.request import CacheResult, QueryRequest, QueryResult
+from simllm_ros.request import CacheResult, ChatTurn, Progress, QueryRequest, QueryResult
 from simllm_ros.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
 from simllm_ros.ros.params import ParameterGate, declare_all, settings_from_node
 from simllm_ros.settings import SettingError, Settings
-from simllm_ros.srv import Query
+from simllm_ros.srv import Embed, Query
 from simllm_ros.thermal import ThermalLevel, ThermalMonitor, ThermalReading
 
 NODE_NAME = "simllm_node"
-DIAGNOSTIC_NAME = "simllm_ros: LLM service"
-CACHE_MAP_FRAME = "simllm_cache"
+DIAGNOSTIC_TASK = "LLM service"  # the status is "<node's full name without the leading slash>: LLM service"
+GOAL_POLL_S = 0.1  # a goal cancelled while it waits in the queue is withdrawn within this
 
 _U32, _U64 = 2**32 - 1, 2**64 - 1
 
@@ -100,7 +105,29 @@ def _fill_result(msg, result: QueryResult):
     msg.draft_tokens_proposed = _u32(result.draft_tokens_proposed)
     msg.draft_tokens_accepted = _u32(result.draft_tokens_accepted)
     msg.decode_passes = _u32(result.decode_passes)
+    msg.stop_reason = str(result.stop_reason or "")
     return msg
+
+
+def _request_from(msg, request_id: str = "") -> QueryRequest:
+    """A QueryRequest from a Query.Request, a QueryRequest message or a Generate goal (the same fields)."""
+    return QueryRequest(prompt=msg.prompt, context=msg.context, cache_scope=msg.cache_scope,
+                        max_new_tokens=int(msg.max_new_tokens), allow_approximate=bool(msg.allow_approximate),
+                        request_id=request_id, messages=[ChatTurn(m.role, m.content) for m in msg.messages],
+                        json_schema=msg.json_schema, stop=list(msg.stop),
+                        temperature=None if msg.temperature < 0 else float(msg.temperature),
+                        seed=None if msg.seed < 0 else int(msg.seed))
+
+
+def diagnostic_name(full_name: str) -> str:
+    """ROS convention (diagnostic_updater): '<node's full name without the leading slash>: <task>'."""
+    return f"{full_name.lstrip('/')}: {DIAGNOSTIC_TASK}"
+
+
+def namespaced_frame(frame: str, namespace: str) -> str:
+    """A frame id prefixed by the node's namespace ('/robot1' -> 'robot1/simllm_cache'), tf2 style (no slash)."""
+    ns = namespace.strip("/")
+    return f"{ns}/{frame}" if ns else frame
 
 
 class SimLLMNode(LifecycleNode):
@@ -129,6 +156,8 @@ class SimLLMNode(LifecycleNode):
         self._matching_group = ReentrantCallbackGroup()
         self._telemetry_group = MutuallyExclusiveCallbackGroup()
         self._srv = None
+        self._embed_srv = None
+        self._action = None
         self._sub = None
         self._pub_responses = None
         self._pub_stats = None
@@ -165,7 +194,8 @@ class SimLLMNode(LifecycleNode):
             engine.load(progress=self._progress)
             self._monitor = monitor
             self._server = RequestServer(
-                prepare=engine.prepare, execute=lambda job: engine.execute(job.prepared), state=self.state_label,
+                prepare=engine.prepare, state=self.state_label,
+                execute=lambda job: engine.execute(job.prepared, job.on_progress, job.should_stop),
                 queue_limit=settings.queue_limit, has_idle_work=engine.has_idle_work, idle_work=engine.idle_work,
                 on_busy=engine.record_rejected_busy, log=self._py_log)
             self._create_entities()
@@ -200,7 +230,7 @@ class SimLLMNode(LifecycleNode):
                                             callback_group=self._telemetry_group)
             self._server.open()
             self._create_request_entities()
-            self.get_logger().info("active: serving ~/query and ~/requests")
+            self.get_logger().info("active: serving ~/query, ~/requests, ~/generate and ~/embed")
             return TransitionCallbackReturn.SUCCESS
         except Exception as e:
             self.get_logger().error(f"activate failed: {type(e).__name__}: {e}")
@@ -311,20 +341,31 @@ class SimLLMNode(LifecycleNode):
         if self._srv is None:
             self._srv = self.create_service(Query, "~/query", self._on_query_service,
                                             callback_group=self._matching_group)
+        if self._embed_srv is None:
+            self._embed_srv = self.create_service(Embed, "~/embed", self._on_embed_service,
+                                                  callback_group=self._matching_group)
+        if self._action is None:
+            self._action = ActionServer(self, Generate, "~/generate", execute_callback=self._on_goal,
+                                        goal_callback=lambda goal: GoalResponse.ACCEPT,
+                                        cancel_callback=lambda goal_handle: CancelResponse.ACCEPT,
+                                        callback_group=self._matching_group)
         if self._sub is None:
             self._sub = self.create_subscription(
                 QueryRequestMsg, "~/requests", self._on_request_msg,
                 QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE), callback_group=self._matching_group)
 
     def _destroy_entities(self) -> None:
-        for attr in ("_srv", "_sub", "_pub_responses", "_pub_stats", "_pub_thermal", "_pub_diag", "_pub_map"):
+        for attr in ("_srv", "_embed_srv", "_action", "_sub", "_pub_responses", "_pub_stats", "_pub_thermal",
+                     "_pub_diag", "_pub_map"):
             ent = getattr(self, attr)
             if ent is None:
                 continue
             setattr(self, attr, None)
             try:
-                if attr == "_srv":
+                if attr in ("_srv", "_embed_srv"):
                     self.destroy_service(ent)
+                elif attr == "_action":
+                    ent.destroy()
                 elif attr == "_sub":
                     self.destroy_subscription(ent)
                 elif attr == "_pub_responses":
@@ -365,9 +406,7 @@ class SimLLMNode(LifecycleNode):
         with self._calls:
             self._service_calls += 1
         try:
-            req = QueryRequest(prompt=request.prompt, context=request.context, cache_scope=request.cache_scope,
-                               max_new_tokens=int(request.max_new_tokens),
-                               allow_approximate=bool(request.allow_approximate))
+            req = _request_from(request)
             server = self._server
             if server is None:
                 result = QueryResult.failure(not_active_error(self.state_label()))
@@ -384,9 +423,7 @@ class SimLLMNode(LifecycleNode):
 
     def _on_request_msg(self, msg: QueryRequestMsg) -> None:
         try:
-            req = QueryRequest(prompt=msg.prompt, context=msg.context, cache_scope=msg.cache_scope,
-                               max_new_tokens=int(msg.max_new_tokens), allow_approximate=bool(msg.allow_approximate),
-                               request_id=msg.request_id)
+            req = _request_from(msg, msg.request_id)
             server = self._server
             if server is None:
                 self._publish_response(QueryResult.failure(not_active_error(self.state_label()), req.request_id))
@@ -395,6 +432,68 @@ class SimLLMNode(LifecycleNode):
         except Exception as e:
             self.get_logger().error(f"request topic: {type(e).__name__}: {e}")
             self._publish_response(QueryResult.failure(internal_error(e), getattr(msg, "request_id", "")))
+
+    def _on_goal(self, goal_handle) -> Generate.Result:
+        """One goal of ~/generate: through the same admission as the service; feedback as the answer grows;
+        cancel ends it within one decode pass (or at once while it waits in the queue). A refusal or a bad
+        goal is aborted with the reason in the result's error."""
+        with self._calls:
+            self._service_calls += 1
+        try:
+            req = _request_from(goal_handle.request, "goal-" + bytes(goal_handle.goal_id.uuid).hex()[:8])
+            server = self._server
+            if server is None:
+                result = QueryResult.failure(not_active_error(self.state_label()))
+            else:
+                job = server.submit(req, on_progress=lambda p: self._send_feedback(goal_handle, p),
+                                    should_stop=lambda: goal_handle.is_cancel_requested)
+                result = server.wait(job, poll_s=GOAL_POLL_S)
+        except Exception as e:
+            self.get_logger().error(f"generate action: {type(e).__name__}: {e}")
+            result = QueryResult.failure(internal_error(e))
+        finally:
+            with self._calls:
+                self._service_calls -= 1
+                self._calls.notify_all()
+        try:
+            if result.stop_reason == "cancel" and goal_handle.is_cancel_requested:
+                goal_handle.canceled()
+            elif result.success:
+                goal_handle.succeed()
+            else:
+                goal_handle.abort()
+        except Exception as e:  # the goal may already be gone (node shutting down)
+            self.get_logger().warning(f"generate action: ending goal: {type(e).__name__}: {e}")
+        return _fill_result(Generate.Result(), result)
+
+    def _send_feedback(self, goal_handle, p: Progress) -> None:
+        goal_handle.publish_feedback(Generate.Feedback(text=p.text, generated_tokens=_u32(p.generated_tokens),
+                                                       cache_result=int(p.cache_result)))
+
+    def _on_embed_service(self, request: Embed.Request, response: Embed.Response) -> Embed.Response:
+        with self._calls:
+            self._service_calls += 1
+        try:
+            engine = self._engine
+            if engine is None or self.state_label() != "active":
+                response.success, response.error = False, not_active_error(self.state_label())
+                return response
+            try:
+                vectors = engine.embed(list(request.texts))
+            except ValueError as e:
+                response.success, response.error = False, str(e)
+                return response
+            response.success = True
+            response.dim = _u32(vectors.shape[1])
+            response.vectors = vectors.reshape(-1).astype("float32").tolist()
+        except Exception as e:
+            self.get_logger().error(f"embed service: {type(e).__name__}: {e}")
+            response.success, response.error = False, internal_error(e)
+        finally:
+            with self._calls:
+                self._service_calls -= 1
+                self._calls.notify_all()
+        return response
 
     def _publish_response(self, result: QueryResult) -> None:
         pub = self._pub_responses
@@ -448,7 +547,7 @@ class SimLLMNode(LifecycleNode):
         except Exception as e:
             self.get_logger().error(f"telemetry (diagnostics): {type(e).__name__}: {e}")
         try:
-            self._publish_cache_map(cache_map.spheres(engine.entries()), now)
+            self._publish_cache_map(cache_map.spheres(engine.entries()), now, engine.settings.cache_map_frame)
         except Exception as e:
             self.get_logger().error(f"telemetry (cache_map): {type(e).__name__}: {e}")
 
@@ -494,24 +593,26 @@ class SimLLMNode(LifecycleNode):
         h = health.assess(stats, self._thermal, recent, ttft_warn_ms=engine.settings.ttft_warn_ms,
                           queue_limit=server.queue_limit if server is not None else engine.settings.queue_limit,
                           state=self.state_label(), reading=reading)
-        st = DiagnosticStatus(level=bytes([int(h.level)]), name=DIAGNOSTIC_NAME, message=h.message,
-                              hardware_id=str(engine.settings.model))
-        st.values = [KeyValue(key=k, value=v) for k, v in h.values]
+        s = engine.settings
+        st = DiagnosticStatus(level=bytes([int(h.level)]), name=diagnostic_name(self.get_fully_qualified_name()),
+                              message=h.message, hardware_id=s.hardware_id or socket.gethostname())
+        st.values = [KeyValue(key=k, value=v) for k, v in h.values] + [KeyValue(key="model", value=str(s.model))]
         arr = DiagnosticArray(status=[st])
         arr.header.stamp = stamp
         self._pub_diag.publish(arr)
 
-    def _publish_cache_map(self, spheres: list[cache_map.Sphere], stamp) -> None:
+    def _publish_cache_map(self, spheres: list[cache_map.Sphere], stamp, frame: str) -> None:
         if self._pub_map is None:
             return
         arr = MarkerArray()
+        frame = namespaced_frame(frame, self.get_namespace())
         clear = Marker(action=Marker.DELETEALL)
-        clear.header.frame_id = CACHE_MAP_FRAME
+        clear.header.frame_id = frame
         clear.header.stamp = stamp
         arr.markers.append(clear)
         for i, s in enumerate(spheres):
             m = Marker(type=Marker.SPHERE, action=Marker.ADD, id=i, ns=s.namespace)
-            m.header.frame_id = CACHE_MAP_FRAME
+            m.header.frame_id = frame
             m.header.stamp = stamp
             m.pose.position = Point(x=s.x, y=s.y, z=s.z)
             m.pose.orientation.w = 1.0
@@ -537,4 +638,4 @@ def make_executor(node: SimLLMNode | None = None, context=None) -> MultiThreaded
     return MultiThreadedExecutor(num_threads=max(8, min(limit + 6, 64)), context=context)
 
 
-__all__ = ["SimLLMNode", "make_executor", "NODE_NAME", "DIAGNOSTIC_NAME", "CACHE_MAP_FRAME"]
+__all__ = ["SimLLMNode", "make_executor", "NODE_NAME", "diagnostic_name", "namespaced_frame"]

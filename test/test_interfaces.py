@@ -1,0 +1,217 @@
+"""Robot-facing interfaces through real DDS: the ~/generate action, json_schema, messages, ~/embed.
+
+One node for the module (real rclpy, the real model, lossless reuse on this CPU). Tests run in file order and
+each brings the node to the state it needs. The claims:
+- ~/generate streams growing partial text as feedback and succeeds with the Query fields in its result;
+- a cancel ends a running goal CANCELED within 2 s, a queued one at once, with nothing half-written in the pool;
+  cancelling a finished goal is answered ERROR_GOAL_TERMINATED;
+- goals share the service's admission: a goal beyond queue_limit, or while inactive, is aborted with the reason;
+- json_schema answers validate, on the service, the topic and the action; a bad schema gets a clear error;
+- messages (chat turns) work on the service, topic and action; bad turns get a clear error;
+- ~/embed returns unit vectors from the loaded MiniLM and refuses bad input.
+"""
+import json
+import threading
+import time
+import uuid
+
+import jsonschema
+import numpy as np
+import pytest
+from action_msgs.msg import GoalStatus
+from action_msgs.srv import CancelGoal
+
+from conftest import wait_future, wait_until
+from simllm_ros.action import Generate
+from simllm_ros.msg import ChatMessage
+from simllm_ros.request import CacheResult
+from simllm_ros.srv import Embed, Query
+
+NODE = "simllm_node"
+BULLETIN = ("Riverside bulletin. Elm Street is closed from 09:00 to 17:00 for water main repairs; use Oak Avenue. "
+            "Light rain after 15:00. Bus line 12 runs every 15 minutes until 20:00.")
+SCHEMA = {"type": "object",
+          "properties": {"road": {"type": "string", "enum": ["Elm Street", "Oak Avenue", "Route 9"]},
+                         "closed": {"type": "boolean"}},
+          "required": ["road", "closed"]}
+
+
+@pytest.fixture(scope="module")
+def h(ros_harness_factory, tmp_path_factory):
+    d = tmp_path_factory.mktemp("interfaces")
+    yaml = d / "test.yaml"
+    yaml.write_text(f"{NODE}:\n  ros__parameters:\n    cache_size: \"48MB\"\n    max_new_tokens: 12\n"
+                    "    queue_limit: 4\n    telemetry_period_s: 0.5\n    ttft_warn_ms: 600000.0\n")
+    return ros_harness_factory(NODE, [str(yaml)])
+
+
+def send_goal(h, feedback=None, **fields):
+    assert h.generate_cli.wait_for_server(timeout_sec=10), "~/generate not available"
+    fields.setdefault("context", BULLETIN)
+    gh = wait_future(h.generate_cli.send_goal_async(Generate.Goal(**fields), feedback_callback=feedback), 20)
+    assert gh.accepted, "a goal is accepted (refusals are aborted with the reason)"
+    return gh
+
+
+def outcome(gh, timeout=120):
+    r = wait_future(gh.get_result_async(), timeout)
+    return r.status, r.result
+
+
+def test_goal_while_inactive_is_aborted_with_the_reason(h):
+    h.ensure_active()
+    assert h.change_state("deactivate")
+    status, res = outcome(send_goal(h, prompt="Which road is closed?"))
+    assert status == GoalStatus.STATUS_ABORTED
+    assert not res.success and res.error == "node is not active (state: inactive)"
+    emb = h.call(h.embed_cli, Embed.Request(texts=["hello"]))
+    assert not emb.success and emb.error == "node is not active (state: inactive)"
+    assert h.change_state("activate")
+
+
+def test_goal_streams_growing_text_and_succeeds(h):
+    h.ensure_active()
+    feedback = []
+    gh = send_goal(h, feedback=lambda m: feedback.append(m.feedback), prompt="Tell me about the buses tonight.",
+                   max_new_tokens=32, cache_scope="stream")
+    status, res = outcome(gh)
+    assert status == GoalStatus.STATUS_SUCCEEDED and res.success, res.error
+    texts = [f.text for f in feedback]
+    assert len(set(texts)) >= 3, texts  # the text grows while it is generated
+    assert all(res.answer.startswith(t) for t in texts) and texts[-1] == res.answer
+    assert [f.generated_tokens for f in feedback] == sorted(f.generated_tokens for f in feedback)
+    assert feedback[-1].generated_tokens == res.generated_tokens and res.stop_reason in ("eos", "length")
+    assert res.prompt_tokens > 0 and res.exact and res.ttft_ms > 0
+    again = outcome(send_goal(h, prompt="Tell me about the buses tonight.", max_new_tokens=32, cache_scope="stream"))[1]
+    assert again.answer == res.answer and again.cache_result == CacheResult.EXACT_PREFIX
+
+
+def test_cancel_ends_a_running_goal_within_2_s_and_a_finished_one_says_terminated(h):
+    h.ensure_active()
+    first = threading.Event()
+    gh = send_goal(h, feedback=lambda m: first.set(), prompt="Describe every road, bus and shop in the bulletin.",
+                   max_new_tokens=400, cache_scope="cancel")
+    assert first.wait(60), "no feedback before the cancel"
+    t0 = time.monotonic()
+    cancel = wait_future(gh.cancel_goal_async(), 10)
+    assert cancel.return_code == CancelGoal.Response.ERROR_NONE and len(cancel.goals_canceling) == 1
+    status, res = outcome(gh, 10)
+    took = time.monotonic() - t0
+    assert status == GoalStatus.STATUS_CANCELED and took < 2.0, (status, took)
+    assert not res.success and res.stop_reason == "cancel" and res.error == "cancelled by the caller"
+    assert 0 < res.generated_tokens < 400 and res.answer
+    again = wait_future(gh.cancel_goal_async(), 10)
+    assert again.return_code == CancelGoal.Response.ERROR_GOAL_TERMINATED and not again.goals_canceling
+    print(f"\n[action] cancel -> CANCELED in {took * 1000:.0f} ms after {res.generated_tokens} tokens")
+    # The pool holds the prompt's KV (test_chat_and_streaming checks that the partial answer is not stored):
+    # the next identical goal reuses it and is answered in full.
+    full = outcome(send_goal(h, prompt="Describe every road, bus and shop in the bulletin.", max_new_tokens=20,
+                             cache_scope="cancel"))[1]
+    assert full.success and full.cache_result == CacheResult.EXACT_PREFIX and full.answer.startswith(res.answer[:10])
+
+
+def test_goals_share_the_admission_queue_and_a_queued_goal_cancels_at_once(h):
+    h.ensure_active()
+    assert all(r.successful for r in h.set_params(queue_limit=1))
+    try:
+        started = threading.Event()
+        running = send_goal(h, feedback=lambda m: started.set(), prompt="Describe the whole bulletin in detail.",
+                            max_new_tokens=400, cache_scope="busy")
+        assert started.wait(60)
+        queued = send_goal(h, prompt="Is the pharmacy open?", cache_scope="busy")
+        status, res = outcome(send_goal(h, prompt="And the post office?", cache_scope="busy"), 20)
+        assert status == GoalStatus.STATUS_ABORTED and res.error.startswith("busy: 1 requests already waiting")
+        svc = h.query("And the post office?", scope="busy", timeout=20)  # the service sees the same queue
+        assert not svc.success and svc.error.startswith("busy:")
+        t0 = time.monotonic()
+        wait_future(queued.cancel_goal_async(), 10)
+        status, res = outcome(queued, 10)
+        assert status == GoalStatus.STATUS_CANCELED and time.monotonic() - t0 < 1.0
+        assert res.generated_tokens == 0 and res.stop_reason == "cancel"
+        wait_future(running.cancel_goal_async(), 10)
+        assert outcome(running, 10)[0] == GoalStatus.STATUS_CANCELED
+    finally:
+        assert all(r.successful for r in h.set_params(queue_limit=4))
+
+
+def test_json_schema_on_the_service_topic_and_action(h):
+    h.ensure_active()
+    schema = json.dumps(SCHEMA)
+    q = "Which road is closed today? Answer in JSON with road and closed."
+    res = h.call(h.query_cli, Query.Request(prompt=q, context=BULLETIN, json_schema=schema, max_new_tokens=32))
+    assert res.success, res.error
+    jsonschema.validate(json.loads(res.answer), SCHEMA)
+    status, goal = outcome(send_goal(h, prompt=q, json_schema=schema, max_new_tokens=32))
+    assert status == GoalStatus.STATUS_SUCCEEDED and json.loads(goal.answer) == json.loads(res.answer)
+    rid = f"schema-{uuid.uuid4().hex[:6]}"
+    after = len(h.messages(f"{h.fqn}/responses"))
+    h.publish_request(rid, q, max_new_tokens=32, context=BULLETIN, json_schema=schema)
+    msg = h.wait_message(f"{h.fqn}/responses", lambda m: m.request_id == rid, timeout=120, after=after)
+    assert msg is not None and msg.success
+    jsonschema.validate(json.loads(msg.answer), SCHEMA)
+    # Bad schemas: a clear error on every interface, and the node keeps serving.
+    bad = '{"type": "nonsense"}'
+    r = h.call(h.query_cli, Query.Request(prompt=q, json_schema=bad))
+    assert not r.success and r.error == 'json_schema cannot be used: Unsupported type "nonsense"'
+    status, g = outcome(send_goal(h, prompt=q, json_schema="{not json"))
+    assert status == GoalStatus.STATUS_ABORTED and g.error.startswith("json_schema is not valid JSON")
+    h.publish_request(rid + "-bad", q, json_schema="[]")
+    msg = h.wait_message(f"{h.fqn}/responses", lambda m: m.request_id == rid + "-bad", timeout=30, after=after)
+    assert msg is not None and msg.error == "json_schema must be a JSON object (a schema), got list"
+    assert h.query("Is it raining?", context=BULLETIN).success
+
+
+def test_messages_on_the_service_topic_and_action(h):
+    h.ensure_active()
+    turn1 = [ChatMessage(role="user", content="Which road is closed today?")]
+    r1 = h.call(h.query_cli, Query.Request(messages=turn1, context=BULLETIN, cache_scope="chat", max_new_tokens=12))
+    assert r1.success, r1.error
+    turn2 = turn1 + [ChatMessage(role="assistant", content=r1.answer),
+                     ChatMessage(role="user", content="What should I use instead?")]
+    status, r2 = outcome(send_goal(h, messages=turn2, cache_scope="chat", max_new_tokens=12))
+    assert status == GoalStatus.STATUS_SUCCEEDED and r2.success
+    assert r2.cache_result == CacheResult.EXACT_PREFIX and r2.reused_tokens >= r1.prompt_tokens and r2.exact
+    rid = f"chat-{uuid.uuid4().hex[:6]}"
+    after = len(h.messages(f"{h.fqn}/responses"))
+    h.publish_request(rid, "", context=BULLETIN, cache_scope="chat",
+                      messages=turn2 + [ChatMessage(role="assistant", content=r2.answer)], stop=["\n"])
+    msg = h.wait_message(f"{h.fqn}/responses", lambda m: m.request_id == rid, timeout=60, after=after)
+    assert msg is not None and not msg.success and msg.error.startswith("the conversation ends with a assistant turn")
+    # Bad conversations: clear errors through DDS.
+    r = h.call(h.query_cli, Query.Request(prompt="", messages=[]))
+    assert not r.success and r.error.startswith("prompt is empty") and "no messages were given" in r.error
+    status, g = outcome(send_goal(h, prompt="", messages=[ChatMessage(role="robot", content="hi")]))
+    assert status == GoalStatus.STATUS_ABORTED and g.error == "messages[0].role 'robot' is not one of system, user, assistant"
+    r = h.call(h.query_cli, Query.Request(prompt="hi", messages=[ChatMessage(role="user", content="")]))
+    assert not r.success and r.error.startswith("messages[0].content is empty")
+
+
+def test_stop_strings_and_per_request_sampling_on_the_service(h):
+    h.ensure_active()
+    full = h.call(h.query_cli, Query.Request(prompt="Describe the weather today.", context=BULLETIN, max_new_tokens=24))
+    assert full.success and full.answer
+    word = " " + full.answer.split()[len(full.answer.split()) // 2]
+    cut = h.call(h.query_cli, Query.Request(prompt="Describe the weather today.", context=BULLETIN,
+                                            max_new_tokens=24, stop=[word]))
+    assert cut.success and cut.stop_reason == "stop" and cut.answer == full.answer[:full.answer.find(word)].rstrip()
+    a, b = (h.call(h.query_cli, Query.Request(prompt="Say hello.", temperature=1.0, seed=9, max_new_tokens=10))
+            for _ in range(2))
+    assert a.success and a.answer == b.answer
+    r = h.call(h.query_cli, Query.Request(prompt="Say hello.", temperature=7.5))
+    assert not r.success and r.error.startswith("temperature must be between 0 and 5.0")
+
+
+def test_embed_service(h):
+    h.ensure_active()
+    texts = ["is it going to rain today", "will it rain this afternoon", "where can I buy diesel"]
+    r = h.call(h.embed_cli, Embed.Request(texts=texts))
+    assert r.success, r.error
+    assert r.dim == 384 and len(r.vectors) == 3 * 384
+    v = np.asarray(r.vectors, dtype=np.float32).reshape(3, r.dim)
+    assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-4)
+    assert float(v[0] @ v[1]) > float(v[0] @ v[2]) + 0.2
+    for texts, reason in (([], "texts is empty"), (["fine", ""], "texts[1] is empty"),
+                          (["x"] * 300, "300 texts; at most 256 per call")):
+        r = h.call(h.embed_cli, Embed.Request(texts=texts))
+        assert not r.success and r.error.startswith(reason) and not r.vectors, r.error
+    assert wait_until(lambda: h.call(h.embed_cli, Embed.Request(texts=["still here"])).success, 10)
