@@ -83,6 +83,111 @@ class DraftSource:
         pass
 
 
+class Decoder:
+    """One answer decoded step by step: the state of `generate` between forward passes.
+
+    The owner runs the passes: `inputs()` are the tokens to run at the end of this request's cache
+    this step ([last picked token] + draft), `consume(rows)` takes their logits [len(inputs), vocab]
+    and returns whether the answer is finished; afterwards only the first `kept` of the step's tokens
+    belong in the cache (the picked token and the accepted drafts). Because a pick is a function of
+    (logits, step) alone, an owner may run many decoders' steps in one batched pass (the request
+    server's continuous batching) and each answer is still the one `generate` gives.
+    The first token is picked from `first_logits` when the decoder is made.
+    """
+
+    def __init__(self, first_logits: torch.Tensor, max_new_tokens: int, *, sampler: Sampler, stop_ids: set[int],
+                 drafts: DraftSource | None = None, t_start: float | None = None,
+                 on_token: Callable[[list[int]], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, constraint: Constraint | None = None):
+        self.max_new_tokens = max_new_tokens
+        self.constraint = constraint
+        self.sampler, self.stop_ids, self.drafts = sampler, stop_ids, drafts
+        self.on_token, self.should_stop = on_token, should_stop
+        self.tokens: list[int] = []
+        self.gen = Generation(self.tokens, "", 0.0, first_logits)
+        self.done = False
+        self.kept = 0  # tokens of the last step's inputs whose KV stays
+        self._feed: list[int] | None = None
+        self._guess: list[int] = []
+        self._t_start = t_start
+        self._take(first_logits)
+
+    def _pick(self, row: torch.Tensor) -> int:
+        c = self.constraint
+        return self.sampler.pick(row if c is None else c.mask(row, len(self.tokens)), len(self.tokens))
+
+    def _commit(self, token: int) -> None:
+        """The grammar sees every picked token, the answer every one but the end of the answer."""
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        if token not in self.stop_ids:
+            self.tokens.append(token)
+            if self.on_token is not None:
+                self.on_token(self.tokens)
+
+    def _take(self, logits: torch.Tensor) -> None:
+        """Pick the next token from `logits` and commit it, or finish."""
+        tok = self._pick(logits)
+        if not self.tokens and not self.gen.ttft_s:
+            self.gen.ttft_s = time.perf_counter() - (self._t_start or time.perf_counter())
+        self._commit(tok)
+        if tok in self.stop_ids:
+            return self._end("eos")
+        if len(self.tokens) >= self.max_new_tokens:
+            return self._end("length")
+        if self.should_stop is not None and self.should_stop():
+            return self._end("cancel")
+        self._feed = None
+
+    def _end(self, why: str) -> None:
+        self.gen.stopped = why
+        self.done = True
+
+    def inputs(self) -> list[int]:
+        """This step's tokens: the last committed token, then a draft (the same list until consume())."""
+        if self.done:
+            raise RuntimeError("the answer is finished")
+        if self._feed is None:
+            # Tokens after the last one that may still be emitted: drafts beyond that would be wasted.
+            room = self.max_new_tokens - len(self.tokens)
+            guess = self.drafts.propose(self.tokens, room) if self.drafts is not None else []
+            self._guess = list(guess[:room])
+            self._feed = [self.tokens[-1]] + self._guess
+        return self._feed
+
+    def consume(self, rows: torch.Tensor) -> bool:
+        """Logits of this step's inputs, one row each; returns whether the answer is finished."""
+        self.inputs()
+        guess = self._guess
+        self.gen.forward_passes += 1
+        accepted = 0
+        ended = ""
+        for j, d in enumerate(guess):
+            if self._pick(rows[j]) != d:
+                break
+            self._commit(d)
+            if d in self.stop_ids:  # the model itself would stop here
+                ended = "eos"
+                break
+            accepted += 1
+            if len(self.tokens) >= self.max_new_tokens:
+                ended = "length"
+                break
+            if self.should_stop is not None and self.should_stop():
+                ended = "cancel"
+                break
+        if guess:
+            self.gen.draft_proposed += len(guess)
+            self.gen.draft_accepted += accepted
+            self.drafts.feedback(len(guess), accepted)
+        self.kept = 1 + accepted  # KV of the fed token and of the accepted drafts
+        if ended:
+            self._end(ended)
+        else:
+            self._take(rows[accepted])
+        return self.done
+
+
 def generate(step: Callable[[list[int]], torch.Tensor], truncate: Callable[[int], None], cache_len: Callable[[], int],
              first_logits: torch.Tensor, max_new_tokens: int, *, sampler: Sampler, stop_ids: set[int],
              drafts: DraftSource | None = None, t_start: float | None = None,
@@ -96,65 +201,10 @@ def generate(step: Callable[[list[int]], torch.Tensor], truncate: Callable[[int]
     constraint (an output grammar) masks every row a token is picked from, draft rows included,
     and accepts each committed token.
     """
-    tokens: list[int] = []
-    gen = Generation(tokens, "", 0.0, first_logits)
-    logits = first_logits
-
-    def pick(row: torch.Tensor) -> int:
-        return sampler.pick(row if constraint is None else constraint.mask(row, len(tokens)), len(tokens))
-
-    def commit(t: int) -> None:
-        if constraint is not None:
-            constraint.accept(t)
-        if t not in stop_ids:
-            tokens.append(t)
-            if on_token is not None:
-                on_token(tokens)
-
-    while True:
-        tok = pick(logits)
-        if not tokens and not gen.ttft_s:
-            gen.ttft_s = time.perf_counter() - (t_start or time.perf_counter())
-        commit(tok)
-        if tok in stop_ids:
-            gen.stopped = "eos"
-            break
-        if len(tokens) >= max_new_tokens:
-            gen.stopped = "length"
-            break
-        if should_stop is not None and should_stop():
-            gen.stopped = "cancel"
-            break
-        # Tokens after `tok` that may still be emitted: drafts beyond that would be wasted.
-        room = max_new_tokens - len(tokens)
-        guess = drafts.propose(tokens, room) if drafts is not None else []
-        guess = guess[:room]
+    dec = Decoder(first_logits, max_new_tokens, sampler=sampler, stop_ids=stop_ids, drafts=drafts, t_start=t_start,
+                  on_token=on_token, should_stop=should_stop, constraint=constraint)
+    while not dec.done:
         base = cache_len()
-        out = step([tok] + guess)  # [1 + len(guess), vocab]
-        gen.forward_passes += 1
-        accepted = 0
-        stopped = ""
-        for j, d in enumerate(guess):
-            if pick(out[j]) != d:
-                break
-            commit(d)
-            if d in stop_ids:  # the model itself would stop here
-                stopped = "eos"
-                break
-            accepted += 1
-            if len(tokens) >= max_new_tokens:
-                stopped = "length"
-                break
-            if should_stop is not None and should_stop():
-                stopped = "cancel"
-                break
-        if guess:
-            gen.draft_proposed += len(guess)
-            gen.draft_accepted += accepted
-            drafts.feedback(len(guess), accepted)
-        truncate(base + 1 + accepted)  # KV of tok and of the accepted drafts
-        if stopped:
-            gen.stopped = stopped
-            break
-        logits = out[accepted]
-    return gen
+        dec.consume(step(dec.inputs()))
+        truncate(base + dec.kept)
+    return dec.gen

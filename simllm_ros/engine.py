@@ -1,9 +1,13 @@
 """The request pipeline: request -> fingerprint -> match -> plan reuse -> run model -> update pool -> respond.
 
 Two phases so the ROS node can overlap them in different callback groups:
-`prepare()` (validate, fingerprint; thread-safe, no model) and `execute()`
-(plan reuse, run the model, update the pool; one request at a time). A
-request's own fault never raises: it comes back as success=False with an error.
+`prepare()` (validate, fingerprint; thread-safe, no model) and then either
+`execute()` (plan reuse, run the model, update the pool; one request alone) or,
+for several requests in flight together (continuous batching, max_batch > 1),
+`begin()` (plan, set up the prefill) followed by `step()` calls that advance
+every flight in one forward pass (prefill chunks and decode steps) until each
+finishes with its result. A request's own fault never raises: it comes back as
+success=False with an error, and fails only that request.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 
 from . import persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
 from .cache_stats import CacheStatsRecorder
+from .decoding import Constraint, Decoder, Generation
 from .draft_proposer import DraftProposer
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
@@ -59,6 +64,34 @@ def task_digest(req: QueryRequest) -> str:
     extra = json.dumps({"history": history, "json_schema": req.json_schema, "stop": list(req.stop)},
                        ensure_ascii=False, sort_keys=True)
     return context_digest(req.context + "\x1f" + extra)
+
+
+@dataclasses.dataclass
+class Flight:
+    """A request between its plan and its result: the engine's state for it while it is prefilled and decoded
+    (alone in execute(), or among others in step())."""
+
+    p: Prepared
+    plan: reuse_planner.ReusePlan
+    tokens: list[int]
+    res: QueryResult  # filled in as it goes
+    digest: str
+    now: float
+    poolable: bool
+    lossless: bool
+    plan_ms: float
+    max_new: int
+    reserve: int  # KV room beyond the prompt: the answer and a draft
+    drafts: DraftProposer | None = None
+    watch: AnswerWatcher | None = None  # stop strings, streaming, cancel
+    on_token: Callable[[list[int]], None] | None = None
+    constraint: Constraint | None = None  # the json_schema's grammar
+    temperature: float = 0.0
+    seed: int = 0
+    streaming: bool = False
+    cache: object = None
+    todo: int = 0  # prompt tokens (the last ones) still to prefill
+    decoder: Decoder | None = None
 
 
 @dataclasses.dataclass
@@ -305,9 +338,10 @@ class Engine:
                                       half_life_s=s.recency_half_life_s)
 
     def clear_pool(self) -> None:
-        """Forget every cached task and every deferred exact prefill."""
+        """Forget every cached task, every deferred exact prefill and the recent answers kept as drafts."""
         with self._exec_lock:
             self.pending_inserts.clear()
+            self._recent_answers.clear()
             if self.pool is not None:
                 self.pool.clear()
 
@@ -375,9 +409,10 @@ class Engine:
 
     def execute(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
                 should_stop: Callable[[], bool] | None = None) -> QueryResult:
-        """Run one prepared request. on_progress(Progress) streams the answer so far (at most every 50 ms);
-        should_stop() returning True cancels it within one decode pass (success=False, stop_reason "cancel",
-        the partial answer in `answer`; the prompt's KV may be pooled, the partial answer never is)."""
+        """One request from plan to result, alone (max_batch 1, warm-up, the benchmark's one-at-a-time runs).
+        on_progress(Progress) streams the answer so far (at most every 50 ms); should_stop() returning True
+        cancels it within one decode pass (success=False, stop_reason "cancel", the partial answer in `answer`;
+        the prompt's KV may be pooled, the partial answer never is)."""
         with self._exec_lock:
             if not self.loaded:
                 self.recorder.record_error()
@@ -388,17 +423,36 @@ class Engine:
                 else:
                     result = self._execute(p, on_progress, should_stop)
             except Exception as e:  # a fault inside generation fails this request only
-                self.log.exception(f"request {p.req.request_id!r} failed inside the engine")
-                result = QueryResult.failure(f"internal error: {type(e).__name__}: {e}", p.req.request_id)
+                result = self._fault(p, e)
             result.request_id = p.req.request_id
-            if result.success:
-                self.recorder.record(result)
-            elif result.stop_reason != "cancel":  # a cancel is the caller's choice, not a fault
-                self.recorder.record_error()
+            self._record(result)
             return result
+
+    def _fault(self, p: Prepared, e: BaseException) -> QueryResult:
+        self.log.error(f"request {p.req.request_id!r} failed inside the engine", exc_info=e)
+        return QueryResult.failure(f"internal error: {type(e).__name__}: {e}", p.req.request_id)
+
+    def _record(self, result: QueryResult) -> None:
+        if result.success:
+            self.recorder.record(result)
+        elif result.stop_reason != "cancel":  # a cancel is the caller's choice, not a fault
+            self.recorder.record_error()
 
     def _execute(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> QueryResult:
+        f = self._plan(p, on_progress, should_stop)
+        if isinstance(f, QueryResult):
+            return f
+        logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve)
+        gen = self.backend.decode(logits, f.cache, f.max_new, f.temperature, f.seed, t_start=p.t_arrival,
+                                  drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
+                                  constraint=f.constraint)
+        return self._conclude(f, gen)
+
+    def _plan(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
+        """A request's first phase: its prompt tokens and reuse plan; the result at once for the ANSWER tier
+        or a refusal, else a Flight whose prefill and decoding are still to run."""
         s, req, backend, pool = self.settings, p.req, self.backend, self.pool
         tokens = backend.chat_ids(s.system_prompt, req.context, req.turns())
         if len(tokens) > s.max_prompt_tokens:
@@ -431,18 +485,21 @@ class Engine:
             self._log_decision(req, digest, plan, res)
             self._observe(req, plan, plan_ms, 0.0, None)
             return res
-        reserve = max_new + s.max_draft_tokens + 2  # room in the KV buffer for the answer and a draft
-        logits, cache = self._prefill(plan, tokens, res, reserve)
         # Drafts are checked by the model; they keep the answer exact only on a batch-invariant backend.
         use_drafts = s.enable_drafts and (backend.exact_chunking or req.allow_approximate)
         drafts = self._draft_source(req, tokens, p.fingerprint, now) if use_drafts else None
         watch = AnswerWatcher(backend.detokenize, stop=req.stop, on_progress=on_progress, cancelled=should_stop,
                               cache_result=plan.tier)
-        constraint = p.schema.constraint() if p.schema is not None else None
-        gen = backend.decode(logits, cache, max_new, s.temperature if req.temperature is None else req.temperature,
-                             s.seed if req.seed is None else req.seed, t_start=p.t_arrival, drafts=drafts,
-                             on_token=watch.on_token if (req.stop or on_progress) else None,
-                             should_stop=watch.should_stop, constraint=constraint)
+        return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, max_new,
+                      reserve=max_new + s.max_draft_tokens + 2,  # room in the KV buffer for the answer and a draft
+                      drafts=drafts, watch=watch, on_token=watch.on_token if (req.stop or on_progress) else None,
+                      constraint=p.schema.constraint() if p.schema is not None else None,
+                      temperature=s.temperature if req.temperature is None else req.temperature,
+                      seed=s.seed if req.seed is None else req.seed, streaming=on_progress is not None)
+
+    def _conclude(self, f: Flight, gen: Generation) -> QueryResult:
+        """A request's last phase: its result from the generation; the pool learns the prompt's KV."""
+        req, res, backend, watch = f.p.req, f.res, self.backend, f.watch
         res.answer = watch.final_text(gen.text)
         res.stop_reason = "stop" if watch.stop_hit else gen.stopped
         res.generated_tokens = len(gen.tokens)
@@ -450,28 +507,152 @@ class Engine:
         res.draft_tokens_proposed, res.draft_tokens_accepted = gen.draft_proposed, gen.draft_accepted
         res.decode_passes = gen.forward_passes
         res.decode_passes_saved = max(0, gen.plain_passes - gen.forward_passes)
-        res.exact = (plan.tier == CacheResult.MISS or (plan.tier == CacheResult.EXACT_PREFIX and lossless)) and \
-            (drafts is None or backend.exact_chunking)
+        res.exact = (f.plan.tier == CacheResult.MISS or (f.plan.tier == CacheResult.EXACT_PREFIX and f.lossless)) \
+            and (f.drafts is None or backend.exact_chunking)
         # Only a finished answer is stored (a draft source, an ANSWER candidate): a cancelled one, or JSON that
         # max_new_tokens cut short, leaves the prompt's KV in the pool and nothing else.
         finished = True
         if watch.cancelled:
             res.success, res.error, finished = False, CANCELLED_ERROR, False
-        elif constraint is not None and not constraint.is_terminated():
+        elif f.constraint is not None and not f.constraint.is_terminated():
             res.success, finished = False, False
-            res.error = (f"json_schema: the answer reached max_new_tokens ({max_new}) before the JSON was "
+            res.error = (f"json_schema: the answer reached max_new_tokens ({f.max_new}) before the JSON was "
                          "complete; raise max_new_tokens or simplify the schema")
-        if on_progress is not None:
+        if f.streaming:
             watch.progress(res.answer, len(gen.tokens))  # the last word, whatever the throttle held back
         if finished:
             self._remember_answer(req.scope, gen.tokens)
         t_insert = time.perf_counter()
-        self._update_pool(p, plan, tokens, cache, digest, res.answer if finished else None, now, poolable)
+        self._update_pool(f.p, f.plan, f.tokens, f.cache, f.digest, res.answer if finished else None, f.now,
+                          f.poolable)
         insert_ms = (time.perf_counter() - t_insert) * 1000
-        res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
-        self._log_decision(req, digest, plan, res)
-        self._observe(req, plan, plan_ms, insert_ms, gen.first_logits)
+        res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000
+        self._log_decision(req, f.digest, f.plan, res)
+        self._observe(req, f.plan, f.plan_ms, insert_ms, gen.first_logits)
         return res
+
+    # ---- continuous batching: requests in flight together (the request server's worker) ----------------
+    def begin(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
+        """Admit a prepared request into the batch: its plan, and its prefill set up (run in the next steps,
+        chunked); a SEMANTIC repair runs here, whole. Returns the result at once (ANSWER tier, a refusal, a
+        fault), else a Flight for step()."""
+        with self._exec_lock:
+            if not self.loaded:
+                self.recorder.record_error()
+                return QueryResult.failure("engine is not loaded", p.req.request_id)
+            try:
+                if should_stop is not None and should_stop():  # cancelled while it waited
+                    result = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel",
+                                         request_id=p.req.request_id)
+                    self._record(result)
+                    return result
+                f = self._plan(p, on_progress, should_stop)
+                if isinstance(f, QueryResult):
+                    self._record(f)
+                    return f
+                if f.plan.tier == CacheResult.SEMANTIC:
+                    logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve)
+                    result = self._start_decoding(f, logits)
+                    if result is not None:
+                        self._record(result)
+                    return result or f
+                n = f.plan.prefix.n_tokens if f.plan.tier == CacheResult.EXACT_PREFIX else 0
+                f.res.reused_tokens, f.res.recomputed_tokens = n, len(f.tokens) - n
+                if n:
+                    f.cache = self.backend.cache_from_tensors(f.plan.prefix.k, f.plan.prefix.v,
+                                                              reserve=len(f.tokens) - n + f.reserve)
+                else:
+                    f.cache = self.backend.new_cache(len(f.tokens) + max(f.reserve, 2))
+                f.todo = len(f.tokens) - n
+                return f
+            except Exception as e:
+                result = self._fault(p, e)
+                self._record(result)
+                return result
+
+    def step(self, flights: list[Flight]) -> list[QueryResult | None]:
+        """One step of every flight, in ONE forward pass: a decode step (the last token and its draft) of each
+        decoding flight and the next prefill chunks (at most prefill_chunk_tokens tokens in all, oldest flight
+        first). Returns, per flight, its result when it finished in this step (done, or failed: a fault fails
+        its own flight only), else None."""
+        out: list[QueryResult | None] = [None] * len(flights)
+        with self._exec_lock:
+            if not self.loaded:
+                for i, f in enumerate(flights):
+                    out[i] = QueryResult.failure("engine is not loaded", f.p.req.request_id)
+                    self.recorder.record_error()
+                return out
+            backend = self.backend
+            budget = self.settings.prefill_chunk_tokens if backend.exact_chunking else None  # None: whole prompts
+            work = []  # (flight index, tokens, logits mode, cache length before)
+            for i, f in enumerate(flights):
+                try:
+                    if f.decoder is None and f.watch.should_stop():  # cancelled before its prompt was in
+                        out[i] = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel",
+                                             request_id=f.p.req.request_id)
+                    elif f.decoder is not None:
+                        work.append((i, f.decoder.inputs(), "all", backend.cache_len(f.cache)))
+                    elif budget is None or budget > 0:
+                        done = len(f.tokens) - f.todo
+                        n = f.todo if budget is None else min(f.todo, budget)
+                        work.append((i, f.tokens[done:done + n], "last" if n == f.todo else "none", done))
+                        budget = None if budget is None else budget - n
+                except Exception as e:
+                    out[i] = self._fault(f.p, e)
+            outs = self._run_isolated(flights, work, out)
+            for (i, ids, mode, base), rows in zip(work, outs):
+                if out[i] is not None:
+                    continue
+                f = flights[i]
+                try:
+                    if f.decoder is not None:
+                        backend.finish_step(f.decoder, f.cache, base, rows)
+                    else:
+                        f.todo -= len(ids)
+                        if not f.todo:
+                            out[i] = self._start_decoding(f, rows)
+                    if out[i] is None and f.decoder is not None and f.decoder.done:
+                        out[i] = self._conclude(f, f.decoder.gen)
+                except Exception as e:
+                    out[i] = self._fault(f.p, e)
+            for r in out:
+                if r is not None:
+                    self._record(r)
+        return out
+
+    def _run_isolated(self, flights: list[Flight], work: list, out: list) -> list:
+        """The work's forward pass, all together; if it raises, each flight's part alone, so that a fault fails
+        only the flight it belongs to (a failed pass leaves nothing behind: every step rewrites its KV slots)."""
+        backend = self.backend
+        items = [(ids, flights[i].cache, mode) for i, ids, mode, _ in work]
+        if not items:
+            return []
+        try:
+            return backend.run_batch(items)
+        except Exception as e:
+            if len(items) == 1:
+                out[work[0][0]] = self._fault(flights[work[0][0]].p, e)
+                return [None]
+        res = []
+        for (i, _, _, base), item in zip(work, items):
+            backend.truncate(flights[i].cache, base)
+            try:
+                res.append(backend.run_batch([item])[0])
+            except Exception as e:
+                out[i] = self._fault(flights[i].p, e)
+                res.append(None)
+        return res
+
+    def _start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
+        """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
+        f.decoder = self.backend.decoder(logits, f.max_new, f.temperature, f.seed, t_start=f.p.t_arrival,
+                                         drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
+                                         constraint=f.constraint)
+        if f.decoder.done:
+            f.decoder.gen.text = self.backend.detokenize(f.decoder.gen.tokens)
+            return self._conclude(f, f.decoder.gen)
+        return None
 
     def _answer_length(self, req: QueryRequest) -> int:
         """Tokens to generate: the request's, or the default; at most half the default while running hot."""

@@ -76,6 +76,18 @@ class KVBuffer:
         self.length = min(self.length, n)
 
 
+@dataclasses.dataclass
+class Seq:
+    """One sequence of a batched pass (`LlamaRunner.forward_batch`): tokens `ids` [M] at `positions` [M],
+    written at slots start..start+M-1 of its own `kv` and attending causally by slot; which logits to return."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    kv: KVBuffer
+    start: int
+    logits: str = "all"  # "all", "last" or "none"
+
+
 class _Proj:
     """One projection: a dense weight, or int8 weights with one scale per output channel (weight_bits=8).
 
@@ -223,6 +235,90 @@ class LlamaRunner:
         h = self.norm(h[0] if logits == "all" or _single else h[0, -2:])
         out = self.lm_head(h).float()
         return out if logits == "all" or _single else out[-1:]  # [M or 1, vocab]
+
+    @torch.inference_mode()
+    def forward_batch(self, seqs: list["Seq"]) -> list[torch.Tensor | None]:
+        """Several sequences in one pass: each its own tokens, positions and KVBuffer (ragged lengths).
+
+        Rows of all sequences are concatenated for the embedding, norms, projections, MLP and lm_head
+        (one weight read for everyone: a decode step is memory-bound, so this is what batching buys);
+        RoPE is per row, and attention runs per sequence over its own buffer, causal by slot. Each
+        sequence gets what `forward` gives it alone, bitwise, on a batch-invariant platform (products of
+        >= 2 rows are row-invariant; attention is per sequence anyway): a lone row in the whole pass takes
+        `forward`'s padded path, and lm_head always runs >= 2 rows. Returns, per sequence, logits
+        [M, vocab] ("all"), [1, vocab] ("last") or None ("none").
+        """
+        if not seqs:
+            return []
+        total = sum(int(s.ids.shape[0]) for s in seqs)
+        if total == 1:  # one row in the whole pass: exactly the one-at-a-time path (padded to two rows)
+            s = next(s for s in seqs if s.ids.shape[0])
+            return [self.forward(s.ids, s.positions, s.kv, s.start, logits=s.logits) if x is s else None
+                    for x in seqs]
+        spans, off = [], 0
+        for s in seqs:
+            m = int(s.ids.shape[0])
+            if s.start + m > s.kv.capacity:
+                raise ValueError(f"KV buffer holds {s.kv.capacity} tokens, {s.start + m} needed")
+            spans.append((off, off + m))
+            off += m
+        ids = torch.cat([s.ids for s in seqs])
+        positions = torch.cat([s.positions for s in seqs])
+        h = self.embed(ids)[None]  # [1, N, E]
+        cos, sin = self.rotary(h, positions[None])
+        cos, sin = cos[0][None], sin[0][None]  # [1, N, D]: broadcast over heads
+        G, D, Hkv, Hq = self.group, self.head_dim, self.n_kv, self.n_heads
+        masks = []
+        for s, (a, b) in zip(seqs, spans):
+            m, end = b - a, s.start + b - a
+            if m > 1:  # causal by slot, as `forward` builds it; query heads grouped by KV head
+                slots = torch.arange(end, device=ids.device)
+                masks.append((slots[None, :] <= (s.start + torch.arange(m, device=ids.device))[:, None]).repeat(G, 1))
+            else:
+                masks.append(None)
+        for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
+            x = ln1(h)
+            qkv = qkv_proj(x)[0]  # [N, q + 2kv]
+            q = qkv[:, :self.q_size].view(-1, Hq, D).transpose(0, 1)  # [Hq, N, D]
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, Hkv, D).transpose(0, 1)
+            v = qkv[:, self.q_size + self.kv_size:].view(-1, Hkv, D).transpose(0, 1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            outs = []
+            for s, (a, b), mask in zip(seqs, spans, masks):
+                m = b - a
+                if not m:
+                    continue
+                end = s.start + m
+                s.kv.k[li, :, s.start:end] = k[:, a:b]
+                s.kv.v[li, :, s.start:end] = v[:, a:b]
+                qg = q[:, a:b].reshape(Hkv, G * m, D)
+                o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], mask)
+                outs.append(o.reshape(Hq, m, D).transpose(0, 1).reshape(m, Hq * D))
+            h = h + o_proj(torch.cat(outs)[None])
+            x = ln2(h)
+            gu = gate_up(x)
+            h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+        rows = []
+        for s, (a, b) in zip(seqs, spans):
+            s.kv.length = max(s.kv.length, s.start + b - a)
+            if b > a and s.logits == "all":
+                rows.append(torch.arange(a, b))
+            elif b > a and s.logits == "last":
+                rows.append(torch.tensor([b - 1]))
+        if not rows:
+            return [None] * len(seqs)
+        sel = torch.cat(rows)
+        n_sel = int(sel.shape[0])
+        if n_sel == 1:  # never one row alone through lm_head: a throwaway second row
+            sel = torch.cat([sel, sel])
+        out = self.lm_head(self.norm(h[0, sel.to(h.device)])).float()
+        res, j = [], 0
+        for s, (a, b) in zip(seqs, spans):
+            n = (b - a) if s.logits == "all" else (1 if s.logits == "last" and b > a else 0)
+            res.append(out[j:j + n] if n else None)
+            j += n
+        return res
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
         """q [Hkv, G*M, D], k/v [Hkv, T, D] -> [Hkv, G*M, D]. Scores and the weighted sum are plain

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from .block_store import KVShape
-from .decoding import Constraint, DraftSource, Generation, Sampler, generate
-from .llama_runner import KVBuffer, LlamaRunner
+from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
+from .llama_runner import KVBuffer, LlamaRunner, Seq
 from .request import ChatTurn
 from .settings import DEFAULT_MODEL
 from .structured_output import StructuredOutput
@@ -296,6 +296,28 @@ class ModelBackend:
             return None
         return out.logits[0].float() if logits == "all" else out.logits[0, -1].float()
 
+    @property
+    def batches_exactly(self) -> bool:
+        """Whether run_batch runs its sequences in one pass with the same bits as one at a time (the Llama
+        runner on a platform that passed the invariance probe); otherwise it runs them one after another."""
+        return self.runner is not None and self.exact_chunking
+
+    @torch.inference_mode()
+    def run_batch(self, items: list[tuple[list[int], object, str]]) -> list[torch.Tensor | None]:
+        """Several `run(ids, cache, logits=mode)` calls, each after its own cache's tokens, as one forward pass
+        where that is exact (`batches_exactly`), else one after another. Results as `run` returns them."""
+        if not self.batches_exactly or len(items) == 1:
+            return [self.run(ids, cache, logits=mode) for ids, cache, mode in items]
+        seqs = []
+        for ids, cache, mode in items:
+            past = cache.length
+            cache.ensure_capacity(past + len(ids) + 1)
+            seqs.append(Seq(torch.tensor(ids, dtype=torch.long, device=self.device),
+                            torch.arange(past, past + len(ids), device=self.device), cache, past,
+                            "all" if mode == "all" else "last" if mode == "last" else "none"))
+        outs = self.runner.forward_batch(seqs)
+        return [None if out is None else out if mode == "all" else out[-1] for out, (_, _, mode) in zip(outs, items)]
+
     def prefill(self, ids: list[int], cache=None, positions: list[int] | None = None,
                 mask: torch.Tensor | None = None, reserve: int = 0):
         """Run `ids` on top of `cache` (a new one if None); returns (logits of the last token, cache)."""
@@ -371,6 +393,30 @@ class ModelBackend:
                        on_token=on_token, should_stop=should_stop, constraint=constraint)
         gen.text = self.detokenize(gen.tokens)
         return gen
+
+    def decoder(self, first_logits: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                t_start: float | None = None, should_stop: Callable[[], bool] | None = None,
+                drafts: DraftSource | None = None, on_token: Callable[[list[int]], None] | None = None,
+                constraint: Constraint | None = None) -> Decoder:
+        """The answer as `decode` would produce it, one step at a time (the owner runs the passes: step_batch)."""
+        return Decoder(first_logits, max_new_tokens, sampler=Sampler(temperature, seed), stop_ids=self.stop_ids,
+                       drafts=drafts, t_start=t_start, on_token=on_token, should_stop=should_stop,
+                       constraint=constraint)
+
+    def step_batch(self, work: list[tuple[Decoder, object]]) -> None:
+        """One decode step of several unfinished decoders, each over its own cache, in one forward pass where
+        that is exact (run_batch); each cache then keeps its accepted tokens. A finished decoder's text is set."""
+        bases = [self.cache_len(cache) for _, cache in work]
+        outs = self.run_batch([(dec.inputs(), cache, "all") for dec, cache in work])
+        for (dec, cache), base, out in zip(work, bases, outs):
+            self.finish_step(dec, cache, base, out)
+
+    def finish_step(self, dec: Decoder, cache, base: int, rows: torch.Tensor) -> None:
+        """Hand one decoder its step's logits and trim its cache to the accepted tokens."""
+        dec.consume(rows)
+        self.truncate(cache, base + dec.kept)
+        if dec.done:
+            dec.gen.text = self.detokenize(dec.gen.tokens)
 
     def detokenize(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -7,9 +7,14 @@ happens to a request between arrival and answer lives here so it can be tested w
               or admit into a bounded queue (queue_limit counts admitted requests not yet picked up
               by the worker). prepare() (validation + fingerprint) runs in the caller's thread, so
               several callers fingerprint while the worker generates.
-  worker    : one thread runs the jobs in arrival order through execute(job); when no job waits
-              and the server is open it runs idle work (deferred exact prefills). A continuous
-              batching step would replace `_run(job)` with a step over several in-flight jobs.
+  worker    : one thread runs the jobs in arrival order. With max_batch 1 (or no step function)
+              each job runs alone through execute(job). With max_batch > 1 it keeps up to
+              max_batch jobs in flight (continuous batching): between steps it admits waiting jobs
+              (begin(job): plan, prefill set-up; or a result at once), then runs step(handles), one
+              forward pass that advances every job in flight, and finishes those that are done. A
+              new job therefore waits at most one step while there is room in the batch. When
+              nothing is in flight or waiting and the server is open it runs idle work (deferred
+              exact prefills).
   close()   : refuse new requests; drain() waits for the admitted ones; stop() lets the worker
               finish what is queued, then ends it. A job the worker can no longer reach is
               finished with an error, never left waiting.
@@ -81,8 +86,15 @@ class RequestServer:
     def __init__(self, *, prepare: Callable[[QueryRequest], Any], execute: Callable[[Job], QueryResult],
                  state: Callable[[], str], queue_limit: int = 8, has_idle_work: Callable[[], bool] | None = None,
                  idle_work: Callable[[], Any] | None = None, on_busy: Callable[[], None] | None = None,
-                 log: logging.Logger | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S):
+                 log: logging.Logger | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+                 begin: Callable[[Job], Any] | None = None, step: Callable[[list], list] | None = None,
+                 max_batch: int = 1):
+        """begin(job) -> QueryResult (finished at once) | a handle; step(handles) -> per handle its
+        QueryResult when finished in this step, else None. Both may raise: begin fails its job, step fails
+        every job in flight (the executor isolates its own per-job faults)."""
         self._prepare, self._execute, self._state = prepare, execute, state
+        self._begin, self._step = begin, step
+        self._max_batch = max(1, int(max_batch))
         self._has_idle_work, self._idle_work, self._on_busy = has_idle_work, idle_work, on_busy
         self.log = log or logging.getLogger("simllm_ros.request_server")
         self.drain_timeout_s = drain_timeout_s
@@ -119,6 +131,17 @@ class RequestServer:
     def set_queue_limit(self, limit: int) -> None:
         with self._cv:
             self._queue_limit = int(limit)
+            self._cv.notify_all()
+
+    @property
+    def max_batch(self) -> int:
+        with self._cv:
+            return self._max_batch
+
+    def set_max_batch(self, n: int) -> None:
+        """Live: jobs in flight beyond a lowered limit finish first; no new one joins until there is room."""
+        with self._cv:
+            self._max_batch = max(1, int(n))
             self._cv.notify_all()
 
     def set_overheated(self, reason: str | None) -> None:
@@ -271,31 +294,47 @@ class RequestServer:
                 self.log.error(f"request {job.request.request_id!r}: answering failed: {e}")
 
     # ---- the worker ------------------------------------------------------------------------------
-    def _next(self) -> Job | None:
-        """The next job, None for a round of idle work; raises StopIteration when stopped and empty."""
+    def _next(self, active: int) -> tuple[list[Job], bool]:
+        """(jobs to start now, whether to run idle work); raises StopIteration when stopped with nothing
+        left. With `active` jobs in flight it returns at once (possibly with no job: their next step)."""
         with self._cv:
-            while not self._queue and not self._stopping:
+            while not self._queue and not active and not self._stopping:
                 if self._open and self._has_idle_work is not None and self._has_idle_work():
-                    return None
+                    return [], True
                 self._cv.wait(timeout=IDLE_POLL_S)
-            if not self._queue:
+            if not self._queue and not active:
                 raise StopIteration
-            self._waiting -= 1
-            return self._queue.popleft()
+            room = self._max_batch - active if self._batching(active) else 1 - active
+            take = []
+            while self._queue and len(take) < room:
+                take.append(self._queue.popleft())
+            self._waiting -= len(take)
+            return take, False
+
+    def _batching(self, active: int) -> bool:
+        return self._step is not None and self._begin is not None and (self._max_batch > 1 or active > 0)
 
     def _loop(self) -> None:
+        inflight: list[tuple[Job, Any]] = []  # (job, handle) in admission order
         while True:
             try:
-                job = self._next()
+                take, idle = self._next(len(inflight))
             except StopIteration:
                 return
-            if job is None:
+            if idle:
                 try:
                     self._idle_work()
                 except Exception as e:
                     self.log.error(f"idle work failed: {type(e).__name__}: {e}")
                 continue
-            self._run(job)
+            if not inflight and not self._batching(0):
+                for job in take:
+                    self._run(job)
+                continue
+            for job in take:
+                self._start(job, inflight)
+            if inflight:
+                self._advance(inflight)
 
     def _run(self, job: Job) -> None:
         try:
@@ -304,3 +343,29 @@ class RequestServer:
             self.log.error(f"request {job.request.request_id!r}: generation failed: {type(e).__name__}: {e}")
             result = QueryResult.failure(internal_error(e))
         self._finish(job, result)
+
+    def _start(self, job: Job, inflight: list) -> None:
+        try:
+            handle = self._begin(job)
+        except Exception as e:
+            self.log.error(f"request {job.request.request_id!r}: generation failed: {type(e).__name__}: {e}")
+            handle = QueryResult.failure(internal_error(e))
+        if isinstance(handle, QueryResult):
+            self._finish(job, handle)
+        else:
+            inflight.append((job, handle))
+
+    def _advance(self, inflight: list) -> None:
+        """One step of every job in flight; the finished ones are answered and leave."""
+        try:
+            results = self._step([h for _, h in inflight])
+        except Exception as e:
+            self.log.error(f"batched step failed: {type(e).__name__}: {e}")
+            results = [QueryResult.failure(internal_error(e)) for _ in inflight]
+        left = []
+        for (job, handle), result in zip(inflight, results):
+            if result is None:
+                left.append((job, handle))
+            else:
+                self._finish(job, result)
+        inflight[:] = left

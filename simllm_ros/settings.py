@@ -71,6 +71,8 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("max_new_tokens_limit", 512, "largest max_new_tokens a request may ask", live=True, min=1, max=4096),
     ParamSpec("max_prompt_tokens", 1024, "prompt+context longer than this is refused, never truncated", live=True, min=16, max=32768),
     ParamSpec("max_scope_length", 64, "longest cache_scope accepted", live=True, min=1, max=256),
+    ParamSpec("max_batch", 8, "requests decoding together: each step runs one forward pass over all of them (continuous batching; answers bitwise the same as one at a time where the load-time invariance probe passed). 1: one request at a time", live=True, min=1, max=64),
+    ParamSpec("prefill_chunk_tokens", 128, "with max_batch > 1: prompt tokens prefilled per step at most, so a long prompt delays the others' decoding by short steps, not one long one", live=True, min=1, max=32768),
     ParamSpec("queue_limit", 8, "requests waiting beyond this are refused as busy", live=True, min=1, max=1024),
     ParamSpec("thermal_warn_c", 75.0, "hottest zone above this: WARN and save work", live=True, min=0.0, max=150.0),
     ParamSpec("thermal_critical_c", 90.0, "hottest zone above this: shed load, ERROR", live=True, min=0.0, max=150.0),

@@ -260,3 +260,172 @@ def test_per_job_callbacks_reach_the_executor(served):
         s.stop()
     assert full.answer == "one two three" and seen == [("one", 1), ("one two", 2), ("one two three", 3)]
     assert cut.generated_tokens == 1 and cut.answer == "one" and streamed == [1]
+
+
+# ---- continuous batching: several jobs in flight, one step at a time --------------------------------------
+class Stepper:
+    """begin/step functions for the batched worker: a job "decodes" its prompt one word per step, so a job of
+    n words takes n steps; every step is logged with the jobs it advanced."""
+
+    def __init__(self):
+        self.steps: list[list[str]] = []  # request ids advanced by each step
+        self.begun: list[tuple[str, int]] = []  # (request id, steps run before its begin)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.idle_runs = 0
+        self.idle_left = 0
+        self.step_s = 0.0  # how long a step takes
+
+    def begin(self, job):
+        self.begun.append((job.request.request_id, len(self.steps)))
+        if job.request.prompt == "explode in begin":
+            raise RuntimeError("begin fault")
+        if job.request.prompt == "at once":
+            return QueryResult(success=True, answer="now")
+        return {"id": job.request.request_id, "words": job.request.prompt.split(), "done": []}
+
+    def step(self, handles):
+        assert self.gate.wait(WAIT_S)
+        if any(w == "crash" for h in handles for w in h["words"][:1]):
+            raise RuntimeError("step fault")
+        time.sleep(self.step_s)
+        self.steps.append([h["id"] for h in handles])
+        out = []
+        for h in handles:
+            word = h["words"].pop(0)
+            if word == "fail":
+                out.append(QueryResult.failure("its own fault"))
+                continue
+            h["done"].append(word)
+            out.append(None if h["words"] else QueryResult(success=True, answer=" ".join(h["done"])))
+        return out
+
+    def has_idle_work(self):
+        return self.idle_left > 0
+
+    def idle_work(self):
+        self.idle_left -= 1
+        self.idle_runs += 1
+
+
+def batched(stepper: Stepper, max_batch: int, queue_limit: int = 16) -> RequestServer:
+    s = RequestServer(prepare=lambda r: r.prompt, execute=lambda job: QueryResult(success=True, answer="alone"),
+                      state=lambda: "inactive", queue_limit=queue_limit, begin=stepper.begin, step=stepper.step,
+                      max_batch=max_batch, has_idle_work=stepper.has_idle_work, idle_work=stepper.idle_work)
+    s.start()
+    s.open()
+    return s
+
+
+def test_batched_jobs_share_steps_and_each_is_answered_once():
+    st = Stepper()
+    st.gate.clear()
+    s = batched(st, max_batch=3)
+    calls: dict[str, int] = {}
+    try:
+        jobs = [s.submit(req(i, " ".join(f"w{k}" for k in range(n))), lambda r: calls.__setitem__(
+            r.request_id, calls.get(r.request_id, 0) + 1)) for i, n in enumerate([4, 1, 6, 2, 3])]
+        st.gate.set()
+        res = [s.wait(j) for j in jobs]
+    finally:
+        s.stop()
+    assert [r.answer for r in res] == [" ".join(f"w{k}" for k in range(n)) for n in [4, 1, 6, 2, 3]]
+    assert calls == {f"r{i}": 1 for i in range(5)} and s.inflight == 0
+    assert max(len(ids) for ids in st.steps) == 3  # max_batch jobs in one step, never more
+    assert st.steps[0] == ["r0", "r1", "r2"]
+    # r1 finished in the first step: r3 joined at the very next one, while r0 and r2 were still decoding.
+    assert st.steps[1] == ["r0", "r2", "r3"]
+    assert len(st.steps) < 4 + 1 + 6 + 2 + 3
+
+
+def test_batched_new_job_waits_at_most_one_step_behind_a_long_one():
+    st = Stepper()
+    st.step_s = 0.005
+    s = batched(st, max_batch=4)
+    try:
+        long_job = s.submit(req(0, " ".join(["w"] * 400)))
+        deadline = time.monotonic() + WAIT_S
+        while len(st.steps) < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        n_before = len(st.steps)
+        short = s.wait(s.submit(req(1, "a b")))
+        assert short.success and short.answer == "a b"
+        assert not long_job.done.is_set()  # the short one finished while the long one was still decoding
+        begun_at = dict(st.begun)["r1"]
+        assert begun_at - n_before <= 1, (n_before, begun_at)
+    finally:
+        s.stop()
+    assert s.wait(long_job).success
+
+
+def test_batched_faults_fail_only_their_job_and_a_step_fault_fails_those_in_flight():
+    st = Stepper()
+    st.gate.clear()
+    s = batched(st, max_batch=4)
+    try:
+        jobs = [s.submit(req(0, "a b c")), s.submit(req(1, "explode in begin")), s.submit(req(2, "x fail y")),
+                s.submit(req(3, "at once"))]
+        st.gate.set()
+        res = [s.wait(j) for j in jobs]
+        assert res[0].success and res[0].answer == "a b c"
+        assert res[1].error == "internal error: RuntimeError: begin fault"
+        assert res[2].error == "its own fault" and res[3].answer == "now"
+        # A step that raises as a whole fails the jobs in flight with it; the server keeps serving.
+        crash = [s.submit(req(4, "crash now")), s.submit(req(5, "q"))]
+        out = [s.wait(j) for j in crash]
+        assert all(r.error == "internal error: RuntimeError: step fault" for r in out)
+        assert s.wait(s.submit(req(6, "still here"))).answer == "still here"
+    finally:
+        s.stop()
+    assert s.inflight == 0 and s.queue_depth == 0
+
+
+def test_batched_full_batch_queues_then_refuses_busy_and_drain_waits():
+    st = Stepper()
+    st.gate.clear()
+    s = batched(st, max_batch=2, queue_limit=2)
+    try:
+        first = [s.submit(req(i, "a b")) for i in range(2)]
+        deadline = time.monotonic() + WAIT_S
+        while s.queue_depth and time.monotonic() < deadline:  # the worker takes both into the batch
+            time.sleep(0.001)
+        queued = [s.submit(req(i, "c")) for i in (2, 3)]
+        refused = s.submit(req(4, "d"))
+        assert refused.result.error == "busy: 2 requests already waiting (queue_limit 2); retry later"
+        s.close()
+        threading.Timer(0.2, st.gate.set).start()
+        assert s.drain("test") == 0
+        assert all(j.result.success for j in first + queued)
+    finally:
+        st.gate.set()
+        s.stop()
+
+
+def test_batched_idle_work_only_when_nothing_is_in_flight():
+    st = Stepper()
+    st.gate.clear()
+    s = batched(st, max_batch=2)
+    try:
+        job = s.submit(req(0, "a b c"))
+        st.idle_left = 2
+        time.sleep(0.3)
+        assert st.idle_runs == 0  # a job is in flight (its step is held): no idle work meanwhile
+        st.gate.set()
+        assert s.wait(job).success
+        deadline = time.monotonic() + WAIT_S
+        while st.idle_left and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert st.idle_runs == 2
+    finally:
+        s.stop()
+
+
+def test_max_batch_one_runs_each_job_alone_through_execute():
+    st = Stepper()
+    s = batched(st, max_batch=1)
+    try:
+        assert s.wait(s.submit(req(0, "a b"))).answer == "alone" and st.steps == []
+        s.set_max_batch(2)  # live: the next job goes through the batched worker
+        assert s.wait(s.submit(req(1, "a b"))).answer == "a b" and len(st.steps) == 2
+    finally:
+        s.stop()

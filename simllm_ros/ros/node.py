@@ -197,7 +197,9 @@ class SimLLMNode(LifecycleNode):
                 prepare=engine.prepare, state=self.state_label,
                 execute=lambda job: engine.execute(job.prepared, job.on_progress, job.should_stop),
                 queue_limit=settings.queue_limit, has_idle_work=engine.has_idle_work, idle_work=engine.idle_work,
-                on_busy=engine.record_rejected_busy, log=self._py_log)
+                on_busy=engine.record_rejected_busy, log=self._py_log,
+                begin=lambda job: engine.begin(job.prepared, job.on_progress, job.should_stop), step=engine.step,
+                max_batch=settings.max_batch)
             self._create_entities()
             self._server.start()
             self._engine = engine
@@ -400,6 +402,7 @@ class SimLLMNode(LifecycleNode):
         engine.update_settings(settings)  # raises SettingError
         if self._server is not None:
             self._server.set_queue_limit(settings.queue_limit)
+            self._server.set_max_batch(settings.max_batch)
 
     # ------------------------------------------------------------ request path
     def _on_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:

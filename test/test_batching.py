@@ -1,0 +1,331 @@
+"""Continuous batching: several requests decoded in one forward pass per step give the answers they get alone.
+
+Real model (SmolLM2, bfloat16 as by default), real runner, real engine, real request server thread. Claims:
+- the batched forward gives every sequence bitwise the logits and KV of running it alone (ragged lengths,
+  drafts, single tokens, prefill chunks), on this batch-invariant platform;
+- decoders stepped together (drafts, greedy and sampled) produce the tokens of decode() one at a time;
+- through the request server with max_batch > 1, every request is answered once, with the answer (and
+  tier) it gets with max_batch 1, on every tier;
+- a long prompt's prefill is chunked: the others decode in every step meanwhile, and a new request joins
+  within one step;
+- a fault in one batched request fails that request only.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from simllm_ros.decoding import DraftSource
+from simllm_ros.draft_proposer import DraftProposer
+from simllm_ros.llama_runner import Seq
+from simllm_ros.request import CacheResult, QueryRequest
+from simllm_ros.request_server import RequestServer
+
+from core_fixtures import BULLETIN, BULLETIN_REVISED, fresh, shared_engine
+
+NATIVE_BF16 = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+pytestmark = pytest.mark.skipif(not NATIVE_BF16, reason="no native bfloat16 here: the platform is not batch-"
+                                "invariant, and the backend runs a batch one sequence after another")
+WAIT_S = 600.0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = shared_engine(dtype="bfloat16", kv_bits=0)
+    assert e.backend.batches_exactly, "the load-time invariance probe failed on this machine"
+    return e
+
+
+def _ids(engine, question, context=BULLETIN):
+    return engine.backend.prompt_ids(engine.settings.system_prompt, context, question)
+
+
+def test_batched_forward_equals_one_at_a_time_bitwise(engine):
+    b = engine.backend
+    rng = random.Random(11)
+    vocab = len(b.tokenizer)
+    checked = singles = 0
+    for trial in range(8):
+        n = rng.randint(1, 6)
+        prefixes = [[rng.randrange(100, vocab) for _ in range(rng.randint(1, 80))] for _ in range(n)]
+        # decode steps (one token), verification passes (token + draft), prefill chunks; an empty one too
+        feeds = [[rng.randrange(100, vocab) for _ in range(rng.choice([0, 1, 1, 1, 2, 5, 9, 33]))] for _ in range(n)]
+        if trial == 0:
+            feeds = [[7]] + [[] for _ in feeds[1:]]  # one row in the whole pass
+        if not any(feeds):
+            feeds[0] = [5]
+        modes = [rng.choice(["all", "last", "none"]) for _ in range(n)]
+        alone, together = [], []
+        for p, f in zip(prefixes, feeds):
+            for caches in (alone, together):
+                c = b.new_cache(len(p) + len(f) + 2)
+                b.run(p, c, logits="none")
+                caches.append(c)
+        refs = [b.runner.forward(torch.tensor(f), torch.arange(len(p), len(p) + len(f)), c, len(p), logits=m)
+                if f else None for p, f, c, m in zip(prefixes, feeds, alone, modes)]
+        outs = b.runner.forward_batch([Seq(torch.tensor(f, dtype=torch.long), torch.arange(len(p), len(p) + len(f)),
+                                           c, len(p), m) for p, f, c, m in zip(prefixes, feeds, together, modes)])
+        for i, (p, f, m) in enumerate(zip(prefixes, feeds, modes)):
+            where = f"trial {trial}, sequence {i}: prefix {len(p)}, {len(f)} tokens, logits {m!r}, feeds " \
+                    f"{[len(x) for x in feeds]}"
+            if f and m != "none":
+                assert outs[i] is not None and torch.equal(outs[i], refs[i]), where
+            else:
+                assert outs[i] is None, where
+            end = len(p) + len(f)
+            assert together[i].length == alone[i].length == end, where
+            assert torch.equal(together[i].k[:, :, :end], alone[i].k[:, :, :end]), where
+            assert torch.equal(together[i].v[:, :, :end], alone[i].v[:, :, :end]), where
+            checked += 1
+            singles += len(f) == 1
+    assert singles >= 3
+    print(f"\n[batched forward] {checked} sequences in 8 ragged passes bitwise equal to one at a time "
+          f"({singles} single tokens)")
+
+
+class FixedDrafts(DraftSource):
+    def __init__(self, seq, fallback=()):
+        self.seq, self.fallback = list(seq), list(fallback)
+
+    def propose(self, generated, limit):
+        n = len(generated)
+        if self.seq[:n] == generated and len(self.seq) > n:
+            return self.seq[n:n + limit]
+        return self.fallback[:limit]
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.9, 5)])
+def test_decoders_stepped_together_equal_decode_alone(engine, temperature, seed):
+    b = engine.backend
+    questions = ["is it going to rain today", "which bus line runs late tonight", "where can i get diesel",
+                 "is the pharmacy open now"]
+    prompts = [_ids(engine, q) for q in questions]
+    max_new = 14
+    plain = []
+    for ids in prompts:
+        logits, cache = b.prefill(ids, reserve=max_new + 40)
+        plain.append(b.decode(logits, cache, max_new, temperature, seed).tokens)
+    rng = random.Random(2)
+    wrong = [rng.randrange(100, len(b.tokenizer)) for _ in range(40)]
+    drafts = [FixedDrafts(plain[0]), FixedDrafts([], wrong), DraftProposer(prompt=prompts[2], max_tokens=8), None]
+    work = []
+    for ids, d in zip(prompts, drafts):
+        logits, cache = b.prefill(ids, reserve=max_new + 40)
+        work.append((b.decoder(logits, max_new, temperature, seed, drafts=d), cache))
+    steps = widest = 0
+    while any(not dec.done for dec, _ in work):
+        live = [(dec, c) for dec, c in work if not dec.done]
+        bases = [b.cache_len(c) for _, c in live]
+        outs = b.run_batch([(dec.inputs(), c, "all") for dec, c in live])
+        widest = max(widest, sum(len(dec.inputs()) for dec, _ in live))
+        for (dec, c), base, rows in zip(live, bases, outs):
+            b.finish_step(dec, c, base, rows)
+        steps += 1
+    for q, (dec, _), ref in zip(questions, work, plain):
+        assert dec.gen.tokens == ref, f"{q!r}: stepped together {dec.gen.tokens} != alone {ref}"
+    assert steps < sum(len(t) for t in plain)
+    print(f"\n[decoders together T={temperature}] 4 answers identical to decode() alone in {steps} shared passes "
+          f"(widest {widest} rows)")
+
+
+class Recorder:
+    """The engine's begin/step as the request server calls them, logging what each step did."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps: list[dict] = []  # per step: request id -> (phase before, prefill tokens left, passes)
+        self.begun: dict[str, int] = {}  # request id -> steps run before its begin
+
+    def begin(self, job):
+        self.begun[job.request.request_id] = len(self.steps)
+        return self.engine.begin(job.prepared)
+
+    def step(self, flights):
+        def state(f):
+            return ("decode" if f.decoder is not None else "prefill", f.todo,
+                    f.decoder.gen.forward_passes if f.decoder is not None else 0)
+        before = {f.p.req.request_id: state(f) for f in flights}
+        out = self.engine.step(flights)
+        after = {f.p.req.request_id: state(f) for f in flights}
+        self.steps.append({"before": before, "after": after})
+        return out
+
+
+def _serve(engine, reqs, max_batch, recorder=None):
+    rec = recorder or Recorder(engine)
+    server = RequestServer(prepare=engine.prepare, execute=lambda job: engine.execute(job.prepared),
+                           state=lambda: "inactive", queue_limit=64, begin=rec.begin, step=rec.step,
+                           max_batch=max_batch)
+    answered: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def done(r):
+        with lock:
+            answered[r.request_id] = answered.get(r.request_id, 0) + 1
+
+    server.start()
+    server.open()
+    try:
+        jobs = [server.submit(r, done) for r in reqs]
+        results = [server.wait(j) for j in jobs]
+    finally:
+        server.stop()
+    assert answered == {r.request_id: 1 for r in reqs}, answered
+    assert server.inflight == 0
+    return results, rec
+
+
+def _warm_and_burst():
+    """(warm-up requests, burst requests): one scope per case, so the burst requests cannot see each other's
+    pool entries and each one's tier depends only on its own warm-up."""
+    q = dict(max_new_tokens=16)
+    warm = [
+        QueryRequest(prompt="is elm street open", context=BULLETIN, cache_scope="prefix", **q),
+        QueryRequest(prompt="what is the weather going to be like today", context=BULLETIN, cache_scope="sem", **q),
+        QueryRequest(prompt="when does the pharmacy close", context=BULLETIN, cache_scope="answer", **q),
+        QueryRequest(prompt="when does the post office open", context=BULLETIN, cache_scope="drafts", **q),
+    ]
+    burst = [
+        QueryRequest(prompt="how bad is traffic on route 9", context=BULLETIN, cache_scope="miss", request_id="miss",
+                     max_new_tokens=24),
+        QueryRequest(prompt="where can i buy diesel", context=BULLETIN, cache_scope="prefix", request_id="prefix",
+                     allow_approximate=False, **q),
+        QueryRequest(prompt="what will the weather be like today", context=BULLETIN_REVISED, cache_scope="sem",
+                     request_id="semantic", **q),
+        QueryRequest(prompt="when does the pharmacy close", context=BULLETIN, cache_scope="answer",
+                     request_id="answer", **q),
+        # the stored answer of the same question is a draft: verified in the batch, rows = token + draft
+        QueryRequest(prompt="when does the post office open", context=BULLETIN, cache_scope="drafts",
+                     request_id="drafts", allow_approximate=False, **q),
+        QueryRequest(prompt="hi", cache_scope="short", request_id="short", max_new_tokens=1),
+    ]
+    return warm, burst
+
+
+def test_server_with_max_batch_answers_as_one_at_a_time_on_every_tier(engine):
+    warm, burst = _warm_and_burst()
+    runs = {}
+    for max_batch in (1, 4):
+        fresh(engine, enable_answer_cache=True)
+        for r in warm:
+            assert engine.handle(r).success
+        results, rec = _serve(engine, burst, max_batch)
+        engine.pool.check_consistency()
+        runs[max_batch] = (results, rec)
+    fresh(engine)
+    alone, batched = runs[1][0], runs[4][0]
+    for r, a, b in zip(burst, alone, batched):
+        assert a.success and b.success, (r.request_id, a.error, b.error)
+        assert (a.cache_result, a.exact) == (b.cache_result, b.exact), r.request_id
+        assert b.answer == a.answer, f"{r.request_id}: batched {b.answer!r} != one at a time {a.answer!r}"
+        assert b.generated_tokens == a.generated_tokens and b.draft_tokens_accepted == a.draft_tokens_accepted
+    tiers = {r.request_id: b.cache_result for r, b in zip(burst, batched)}
+    assert tiers["miss"] == CacheResult.MISS and tiers["prefix"] == CacheResult.EXACT_PREFIX
+    assert tiers["semantic"] == CacheResult.SEMANTIC and tiers["answer"] == CacheResult.ANSWER
+    drafts = batched[[r.request_id for r in burst].index("drafts")]
+    assert drafts.draft_tokens_accepted > 0
+    steps = runs[4][1].steps
+    together = max(sum(1 for st in s["before"].values() if st[0] == "decode") for s in steps)
+    assert runs[1][1].steps == [] and together >= 3, together
+    print(f"\n[server max_batch 4] {len(burst)} requests ({', '.join(t.name for t in tiers.values())}) answered "
+          f"once each, identical to max_batch 1; {len(steps)} steps, up to {together} decoding together")
+
+
+def test_long_prefill_is_chunked_and_others_decode_every_step(engine):
+    fresh(engine, prefill_chunk_tokens=32, enable_drafts=False)
+    rec = Recorder(engine)
+    long_ctx = BULLETIN + "\n" + BULLETIN_REVISED
+    a = QueryRequest(prompt="say something about the weather", cache_scope="a", request_id="a", max_new_tokens=40)
+    b = QueryRequest(prompt="summarise the road closures", context=long_ctx, cache_scope="b", request_id="b",
+                     max_new_tokens=4)
+    ref_b = engine.handle(b)  # its answer alone (then the pool is emptied again)
+    ref_a = engine.handle(a)
+    engine.clear_pool()
+    server = RequestServer(prepare=engine.prepare, execute=lambda job: engine.execute(job.prepared),
+                           state=lambda: "inactive", queue_limit=8, begin=rec.begin, step=rec.step, max_batch=4)
+    server.start()
+    server.open()
+    try:
+        job_a = server.submit(a)
+        deadline = time.monotonic() + WAIT_S
+        while len(rec.steps) < 3 and time.monotonic() < deadline:  # a is decoding
+            time.sleep(0.005)
+        submitted_after = len(rec.steps)
+        job_b = server.submit(b)
+        res_a, res_b = server.wait(job_a), server.wait(job_b)
+    finally:
+        server.stop()
+    fresh(engine)
+    assert res_a.success and res_b.success and res_a.answer == ref_a.answer and res_b.answer == ref_b.answer
+    n_b = res_b.prompt_tokens
+    assert n_b > 4 * 32
+    # b joined within one step of its arrival, although a was in the middle of a 40-token answer
+    assert rec.begun["b"] - submitted_after <= 1, (submitted_after, rec.begun["b"])
+    prefill_steps = [s for s in rec.steps if s["before"].get("b", ("",))[0] == "prefill"]
+    assert len(prefill_steps) == -(-n_b // 32)  # chunks of at most prefill_chunk_tokens
+    for s in prefill_steps:
+        assert 0 < s["before"]["b"][1] - s["after"]["b"][1] <= 32
+        if "a" in s["before"] and s["before"]["a"][0] == "decode":
+            assert s["after"]["a"][2] == s["before"]["a"][2] + 1, "a did not decode while b was prefilling"
+    decoded_meanwhile = sum(1 for s in prefill_steps if "a" in s["before"] and s["before"]["a"][0] == "decode")
+    assert decoded_meanwhile >= len(prefill_steps) - 1
+    print(f"\n[chunked prefill] a {n_b}-token prompt in {len(prefill_steps)} chunks of <= 32; the other request "
+          f"decoded in {decoded_meanwhile} of those steps; the new request joined {rec.begun['b'] - submitted_after} "
+          f"step(s) after arriving")
+
+
+class _FaultyRunner:
+    """The real runner, raising when any sequence of a pass has exactly `n` tokens (one prompt's prefill)."""
+
+    def __init__(self, inner, n):
+        self._inner, self._n = inner, n
+        self.raised = 0
+
+    def _check(self, lengths):
+        if self._n in lengths:
+            self.raised += 1
+            raise RuntimeError(f"injected fault on a {self._n}-token prefill")
+
+    def forward(self, ids, *a, **kw):
+        self._check([ids.shape[-1]])
+        return self._inner.forward(ids, *a, **kw)
+
+    def forward_batch(self, seqs):
+        self._check([s.ids.shape[-1] for s in seqs])
+        return self._inner.forward_batch(seqs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_fault_in_one_batched_request_fails_only_it(engine):
+    fresh(engine, prefill_chunk_tokens=4096)
+    good = [QueryRequest(prompt=p, cache_scope=f"g{i}", request_id=f"good{i}", max_new_tokens=12)
+            for i, p in enumerate(["name a big cat", "what is ice made of", "count to three"])]
+    refs = [engine.handle(r) for r in good]
+    engine.clear_pool()
+    bad = QueryRequest(prompt="explain how a fuel cell works, step by step", cache_scope="bad", request_id="bad",
+                       max_new_tokens=12)
+    n_bad = len(_ids(engine, bad.prompt, ""))
+    assert all(len(_ids(engine, r.prompt, "")) != n_bad for r in good)
+    errors0 = engine.stats()["errors_total"]
+    wrapper = _FaultyRunner(engine.backend.runner, n_bad)
+    engine.backend.runner = wrapper
+    try:
+        results, rec = _serve(engine, [good[0], bad, good[1], good[2]], max_batch=4)
+    finally:
+        engine.backend.runner = wrapper._inner
+    by_id = {r.request_id: r for r in results}
+    assert not by_id["bad"].success and by_id["bad"].error.startswith("internal error: RuntimeError: injected fault")
+    for r, ref in zip(good, refs):
+        assert by_id[r.request_id].success and by_id[r.request_id].answer == ref.answer, by_id[r.request_id]
+    assert wrapper.raised >= 1
+    assert any(len(s["before"]) >= 2 and "bad" in s["before"] for s in rec.steps), "the fault was not in a batch"
+    engine.pool.check_consistency()
+    assert not any(e.scope == "bad" for e in engine.pool.describe_entries())
+    assert engine.stats()["errors_total"] == errors0 + 1
+    fresh(engine)
