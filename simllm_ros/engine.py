@@ -112,6 +112,7 @@ class Engine:
         self.thermal_level = ThermalLevel.OK
         self._exec_lock = threading.Lock()
         self._last_refresh = 0.0
+        self._saved_mutations = -1
         self.load_report: dict = {}
         self.kv_bits = 0
         # Recent answers per scope (token ids), a draft source for verified decoding.
@@ -150,13 +151,7 @@ class Engine:
                 self.semantic_log = SemanticLog(s.semantic_log_path)
             self.load_report = {"load_s": 0.0, "restored": 0, "snapshot": "", "warmup": 0}
             if s.persist_path:
-                try:
-                    n = persistence.load(self.pool, s.persist_path, self._identity())
-                    self.load_report.update(restored=n, snapshot="loaded")
-                    progress(f"restored {n} cached tasks from {s.persist_path}")
-                except persistence.SnapshotSkipped as e:
-                    self.load_report["snapshot"] = str(e)
-                    self.log.warning(f"pool snapshot skipped: {e}")
+                self.restore(progress)
             if s.warmup_queries:
                 self.load_report["warmup"] = self._warm_up(s.warmup_queries, progress)
             self.load_report["load_s"] = time.monotonic() - t0
@@ -223,11 +218,38 @@ class Engine:
         if lo is not None:
             self.pool.set_key_calibration(lo, hi)
 
-    def save(self) -> str | None:
-        if self.pool is None or not self.settings.persist_path:
+    def restore(self, progress: Callable[[str], None] | None = None) -> int:
+        """Load the snapshot in persist_path into the (empty) pool; never raises. A bad snapshot is logged
+        with its path and the reason, and the pool stays empty."""
+        pool, folder = self.pool, self.settings.persist_path
+        try:
+            n = persistence.load(pool, folder, self._identity())
+            self.load_report.update(restored=n, snapshot="loaded")
+            (progress or self.log.info)(f"restored {n} cached tasks from {folder}")
+        except Exception as e:  # SnapshotSkipped, or anything unforeseen: a snapshot never stops a start
+            n = 0
+            pool.clear()
+            reason = str(e) if isinstance(e, persistence.SnapshotSkipped) else \
+                f"snapshot in {folder} not loaded: {type(e).__name__}: {e}"
+            self.load_report.update(restored=0, snapshot=reason)
+            self.log.warning(f"pool snapshot skipped: {reason}")
+        self._saved_mutations = pool.mutations  # what was just loaded needs no checkpoint
+        return n
+
+    def save(self, only_if_changed: bool = False) -> str | None:
+        """Write the pool to persist_path (atomic). Does not wait for a running generation: the pool lock
+        is held only while the tensors are copied. only_if_changed: skip when nothing changed since the
+        last save or restore (background checkpoints)."""
+        pool, backend = self.pool, self.backend
+        if pool is None or backend is None or not self.settings.persist_path:
             return None
-        with self._exec_lock:
-            return persistence.save(self.pool, self.settings.persist_path, self._identity())
+        mutations = pool.mutations
+        if only_if_changed and mutations == self._saved_mutations:
+            return None
+        ident = persistence.identity(pool, backend.identity, self.settings.embedder)
+        path = persistence.save(pool, self.settings.persist_path, ident)
+        self._saved_mutations = mutations
+        return path
 
     def unload(self) -> None:
         with self._exec_lock:
