@@ -75,6 +75,7 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("thermal_warn_c", 75.0, "hottest zone above this: WARN and save work", live=True, min=0.0, max=150.0),
     ParamSpec("thermal_critical_c", 90.0, "hottest zone above this: shed load, ERROR", live=True, min=0.0, max=150.0),
     ParamSpec("thermal_hysteresis_c", 5.0, "degrees below a threshold before its state clears", live=True, min=0.0, max=50.0),
+    ParamSpec("thermal_no_data_level", "warn", "/diagnostics level when no thermal zone is readable (no sensors, or all failing): warn or error", live=True, choices=("warn", "error")),
     ParamSpec("ttft_warn_ms", 2000.0, "p95 time to first token above this turns /diagnostics WARN", live=True, min=1.0, max=600000.0),
     ParamSpec("telemetry_period_s", 1.0, "period of cache_stats, thermal, diagnostics and cache_map", min=0.05, max=60.0),
     ParamSpec("temperature", 0.0, "sampling temperature (0 = greedy)", live=True, min=0.0, max=5.0),

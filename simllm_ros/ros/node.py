@@ -493,7 +493,9 @@ class SimLLMNode(LifecycleNode):
         recent = self._health_window.update(time.monotonic(), stats) if stats is not None else None
         h = health.assess(stats, self._thermal, recent, ttft_warn_ms=engine.settings.ttft_warn_ms,
                           queue_limit=server.queue_limit if server is not None else engine.settings.queue_limit,
-                          state=self.state_label(), reading=reading)
+                          state=self.state_label(), reading=reading,
+                          no_data_level=health.HealthLevel.ERROR if engine.settings.thermal_no_data_level == "error"
+                          else health.HealthLevel.WARN)
         st = DiagnosticStatus(level=bytes([int(h.level)]), name=DIAGNOSTIC_NAME, message=h.message,
                               hardware_id=str(engine.settings.model))
         st.values = [KeyValue(key=k, value=v) for k, v in h.values]
