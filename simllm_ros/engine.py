@@ -100,6 +100,15 @@ def read_requests_jsonl(path: str) -> list[QueryRequest]:
     return out
 
 
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes of text one token stands for: the longest vocabulary entry, in UTF-8 bytes
+    of its token string (byte-level BPE writes each byte as one character of up to 2 UTF-8 bytes, so this
+    can only overestimate)."""
+    n = len(tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
+    return max([len(t.encode("utf-8", "surrogatepass")) for t in tokens if isinstance(t, str)] + [1])
+
+
 class Engine:
     def __init__(self, settings: Settings, log: logging.Logger | None = None):
         self.settings = settings
@@ -113,6 +122,7 @@ class Engine:
         self._exec_lock = threading.Lock()
         self._last_refresh = 0.0
         self._saved_mutations = -1
+        self._token_bytes = 0  # longest vocabulary entry in UTF-8 bytes (an upper bound), set at load
         self.load_report: dict = {}
         self.kv_bits = 0
         # Recent answers per scope (token ids), a draft source for verified decoding.
@@ -138,6 +148,7 @@ class Engine:
             self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits)
             progress(f"model in {self.backend.dtype_name}, weights at {s.weight_bits} bits; batch-invariant "
                      f"execution {'verified: exact-prefix reuse and drafts are lossless' if self.backend.exact_chunking else 'NOT verified on this machine: reuse and drafts are approximate'}")
+            self._token_bytes = max_token_bytes(self.backend.tokenizer)
             progress(f"loading embedder {s.embedder}")
             self.fingerprinter = Fingerprinter(s.embedder, self.backend.device)
             budget = parse_size(s.cache_size, device_memory_bytes(self.backend.device))
@@ -305,7 +316,8 @@ class Engine:
         out: list[Prepared | QueryResult | None] = [None] * len(reqs)
         todo = []
         for i, r in enumerate(reqs):
-            err = validate_request(r, max_scope_length=s.max_scope_length, max_new_tokens_limit=s.max_new_tokens_limit)
+            err = validate_request(r, max_scope_length=s.max_scope_length, max_new_tokens_limit=s.max_new_tokens_limit,
+                                   max_chars=self.max_prompt_chars())
             if err is None and not self.loaded:
                 err = "engine is not loaded"
             if err is not None:
@@ -318,6 +330,11 @@ class Engine:
             for j, i in enumerate(todo):
                 out[i] = Prepared(reqs[i], fps[j], normalize_text(reqs[i].prompt), t0)
         return out
+
+    def max_prompt_chars(self) -> int | None:
+        """No prompt + context longer than this (characters) fits in max_prompt_tokens: each token stands for
+        at most _token_bytes bytes of text, and each character is at least one byte. None before load."""
+        return self.settings.max_prompt_tokens * self._token_bytes if self._token_bytes else None
 
     def handle(self, req: QueryRequest) -> QueryResult:
         p = self.prepare(req)
