@@ -19,13 +19,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import persistence, reuse_planner, semantic_reuse
+from . import path_checks, persistence, reuse_planner, semantic_reuse
 from .cache_stats import CacheStatsRecorder
 from .draft_proposer import DraftProposer
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
 from .model_backend import ModelBackend, ModelLoadError
 from .request import CacheResult, QueryRequest, QueryResult
+from .safe_io import read_regular
 from .semantic_log import SemanticLog
 from .settings import SPECS, SettingError, Settings, parse_size
 from .thermal import ThermalLevel
@@ -83,20 +84,20 @@ def device_memory_bytes(device: str) -> int:
 def read_requests_jsonl(path: str) -> list[QueryRequest]:
     """Requests from JSON Lines ({prompt, context?, scope?, max_new_tokens?}); used for warm-up and replay."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                d = json.loads(line)
-                out.append(QueryRequest(prompt=str(d["prompt"]), context=str(d.get("context", "")),
-                                        cache_scope=str(d.get("scope", d.get("cache_scope", ""))),
-                                        max_new_tokens=int(d.get("max_new_tokens", 0)),
-                                        allow_approximate=bool(d.get("allow_approximate", True)),
-                                        request_id=str(d.get("request_id", f"{os.path.basename(path)}:{n}"))))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a request ({e})") from None
+    text = read_regular(path, path_checks.MAX_WARMUP_BYTES).decode("utf-8")  # never blocks on a FIFO
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            d = json.loads(line)
+            out.append(QueryRequest(prompt=str(d["prompt"]), context=str(d.get("context", "")),
+                                    cache_scope=str(d.get("scope", d.get("cache_scope", ""))),
+                                    max_new_tokens=int(d.get("max_new_tokens", 0)),
+                                    allow_approximate=bool(d.get("allow_approximate", True)),
+                                    request_id=str(d.get("request_id", f"{os.path.basename(path)}:{n}"))))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a request ({e})") from None
     return out
 
 
@@ -144,6 +145,7 @@ class Engine:
         s = self.settings
         try:
             t0 = time.monotonic()
+            path_checks.check_all(s, create=True)  # before the model: a path that cannot work fails now
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
             self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits)
             progress(f"model in {self.backend.dtype_name}, weights at {s.weight_bits} bits; batch-invariant "

@@ -39,7 +39,7 @@ from simllm_ros.engine import Engine, EngineLoadError
 from simllm_ros.msg import CacheStats, QueryRequest as QueryRequestMsg, QueryResponse, ThermalStatus
 from simllm_ros.request import CacheResult, QueryRequest, QueryResult
 from simllm_ros.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
-from simllm_ros.ros.params import ParameterGate, declare_all, settings_from_node
+from simllm_ros.ros.params import ParameterGate, declare_all, settings_from_node, undeclared_names
 from simllm_ros.settings import SettingError, Settings
 from simllm_ros.srv import Query
 from simllm_ros.thermal import ThermalLevel, ThermalMonitor, ThermalReading
@@ -136,6 +136,17 @@ class SimLLMNode(LifecycleNode):
         self._pub_diag = None
         self._pub_map = None
         self._timer = None
+
+    def _check_undeclared_parameters(self, parameter_list) -> None:
+        """Name the undeclared parameter in the refusal (rclpy's own message lists none)."""
+        from rclpy.exceptions import ParameterNotDeclaredException
+        from rclpy.parameter import Parameter
+        if not all(isinstance(p, Parameter) for p in parameter_list):
+            raise TypeError(f"parameter must be instance of type '{Parameter!r}'")
+        names = undeclared_names(self, parameter_list)
+        if names and not self._allow_undeclared_parameters:
+            raise ParameterNotDeclaredException(f"{names}; `ros2 param list {self.get_fully_qualified_name()}` "
+                                                "shows the declared ones")
 
     # ---------------------------------------------------------------- lifecycle
     def state_label(self) -> str:
