@@ -195,11 +195,14 @@ def foreign_identity(field, value):
 
 
 def _nan_k(ts):
-    ts["k"][0, 0, 0, 0, 0] = float("nan")
+    """NaN in the keys (float KV) or in their scales (8-bit KV)."""
+    name = "k_scale" if ts["k"].dtype == torch.uint8 else "k"
+    ts[name].view(-1)[0] = float("nan")
 
 
 def _inf_v(ts):
-    ts["v"][-1, -1, -1, -1, -1] = float("inf")
+    name = "v_zero" if ts["v"].dtype == torch.uint8 else "v"
+    ts[name].view(-1)[-1] = float("inf")
 
 
 VARIANTS = [
@@ -243,7 +246,7 @@ VARIANTS = [
     ("manifest_deep_nesting", deep_nesting),
     # foreign identity
     ("identity_other_model", foreign_identity("model", {"model": "someone/else", "vocab": 10})),
-    ("identity_other_kv_bits", foreign_identity("kv_bits", 8)),
+    ("identity_other_kv_bits", edit(lambda m: m["identity"].__setitem__("kv_bits", 16 if m["identity"]["kv_bits"] == 8 else 8))),
     ("identity_other_format", foreign_identity("format", "evil.pool")),
     ("identity_missing", edit(lambda m: m.pop("identity"))),
     # tensors inconsistent with the manifest or the pool
@@ -252,7 +255,7 @@ VARIANTS = [
     ("fingerprints_wrong_dim", edit(mutate_tensors=lambda ts: ts.__setitem__("fingerprints", ts["fingerprints"][:, :100]))),
     ("kv_nan", edit(mutate_tensors=_nan_k)),
     ("kv_inf", edit(mutate_tensors=_inf_v)),
-    ("kv_wrong_dtype", edit(mutate_tensors=lambda ts: ts.__setitem__("k", ts["k"].half()))),
+    ("kv_wrong_dtype", edit(mutate_tensors=lambda ts: ts.__setitem__("k", ts["k"].double()))),
     ("kv_wrong_shape", edit(mutate_tensors=lambda ts: ts.__setitem__("k", ts["k"][:, :, :, :8]))),
     ("tensor_extra", edit(mutate_tensors=lambda ts: ts.__setitem__("payload", torch.zeros(4)))),
     ("tensor_missing_v", edit(mutate_tensors=lambda ts: ts.pop("v"))),
