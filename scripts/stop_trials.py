@@ -64,9 +64,9 @@ class TrialResult:
     kind: str
     exit: str = ""  # "rc 0", "SIGKILL", ...
     stop_s: float = 0.0  # first signal -> process gone
-    answered_before: int = 0
-    inflight_sent: int = 0
-    inflight_answered: int = 0
+    answered_before: int = 0  # short questions answered before the stop
+    inflight_sent: int = 0  # long questions not yet answered when the first signal was sent
+    inflight_answered: int = 0  # of those, answered during the stop
     expected: int = 0  # entries the next start must find
     save_hit: bool | None = None  # during_save: a signal landed while a save was in progress
     restored: int = -1  # filled by the next start
@@ -299,13 +299,13 @@ def _one_trial(i, kind, edge, client, persist, expected, normalize_text, log) ->
     res.answered_before = len(answered)
     long_tokens = 300 if name == "int_term_long" else 24
     n_inflight = 2
-    futs = []
-    for n in range(n_inflight):
-        p = f"Trial {i} long question {n}: describe a walk through a city park in spring."
-        futs.append(client.ask_async(p, scope, long_tokens, record(p)))
-    res.inflight_sent = n_inflight
+    long_prompts = [f"Trial {i} long question {n}: describe a walk through a city park in spring."
+                    for n in range(n_inflight)]
+    for p in long_prompts:
+        client.ask_async(p, scope, long_tokens, record(p))
     time.sleep(1.0)  # the first long answer is generating, the second waits
     before = {k for k, _ in answered}
+    res.inflight_sent = sum((scope, normalize_text(p)) not in before for p in long_prompts)
     t_sig = time.monotonic()
     edge.signal(signal.SIGINT)
     if name in ("int_term", "int_term_long"):
@@ -340,8 +340,8 @@ def _one_trial(i, kind, edge, client, persist, expected, normalize_text, log) ->
     expected.update(must)
     res.expected = len(must)
     extra = f", save hit: {res.save_hit}" if res.save_hit is not None else ""
-    log(f"trial {i + 1} {kind}: {res.answered_before} cached before the stop, {res.inflight_answered}/"
-        f"{n_inflight} in-flight answered; exit {res.exit} after {res.stop_s:.1f} s{extra}")
+    log(f"trial {i + 1} {kind}: {len(before)} cached before the stop, {res.inflight_answered}/"
+        f"{res.inflight_sent} in flight at the signal answered; exit {res.exit} after {res.stop_s:.1f} s{extra}")
     return res
 
 
