@@ -186,6 +186,7 @@ class Engine:
             raise SettingError(f"a fork shares the loaded model: {', '.join(reload)} cannot differ")
         other = Engine(settings, log=self.log)
         other.backend, other.fingerprinter, other.kv_bits = self.backend, self.fingerprinter, self.kv_bits
+        other._token_bytes = self._token_bytes
         other.pool = self.pool.empty_like()
         other._apply_pool_knobs()
         other._owns_models = False

@@ -483,5 +483,5 @@ def test_future_timestamps_are_clamped_to_now(restoring_engine, saved, tmp_path)
     before = time.time()
     n, _ = _restore_with_timeout(e, tmp_path)
     assert n == 3, e.load_report
-    for en in e.pool.entries.values():
+    for en in e.pool.describe_entries():
         assert before - 1 <= en.created <= time.time() and before - 1 <= en.last_used <= time.time()
