@@ -228,7 +228,11 @@ def run_trials(kinds: list[str], workdir: str, log=say) -> list[TrialResult]:
                     prev = results[-1]
                     prev.restored = restored
                     prev.missing = sorted(expected - in_file)
-                    prev.ok = not prev.missing and restored == len(in_file)
+                    # A stop that was not SIGKILLed must exit 0, whatever signals came after the first.
+                    clean_exit = prev.exit in ("SIGKILL", "rc 0")
+                    prev.ok = not prev.missing and restored == len(in_file) and clean_exit
+                    if not clean_exit:
+                        log(f"  -> the stop exited with {prev.exit}, not 0")
                     log(f"  -> restart restored {restored} entries (file holds {len(in_file)}); expected "
                         f"{len(expected)}, missing {len(prev.missing)}: {'OK' if prev.ok else 'FAILED'}")
                     if expected:  # a restored entry really serves: exact prefix reuse of all but one token

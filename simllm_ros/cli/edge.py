@@ -186,6 +186,11 @@ class _Runner:
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
+        # The stop is complete. Python puts SIG_DFL back for handled signals while the interpreter exits,
+        # so a late SIGTERM (ros2 launch escalating) would turn exit 0 into "killed"; ignored ones stay
+        # ignored.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _split(prog: str, argv: list[str] | None) -> tuple[list[str], list[str]]:
