@@ -7,6 +7,8 @@ into visualization_msgs/Marker.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import math
 
 import numpy as np
@@ -18,7 +20,7 @@ MAX_EXTRA_DIAMETER = 0.2  # the largest entry's sphere is MIN + this (area grows
 
 @dataclasses.dataclass(frozen=True)
 class Sphere:
-    namespace: str  # the cache scope
+    namespace: str  # the cache scope's tag (scope_tag), or its name when no salt is given
     x: float
     y: float
     z: float
@@ -44,17 +46,26 @@ def heat_colour(t: float) -> tuple[float, float, float, float]:
     return (t, 0.25 * (1.0 - abs(2.0 * t - 1.0)), 1.0 - t, 0.85)
 
 
-def spheres(entries) -> list[Sphere]:
-    """Entries (with scope, bytes, hits, fingerprint) -> spheres sized by bytes and coloured by hits."""
+def scope_tag(scope: str, salt: bytes) -> str:
+    """'scope-1f2e3d4c': the same for every entry of a scope, so rviz can colour or hide a scope by namespace,
+    but not the scope's name. The salt is random per node process: a subscriber cannot test a guessed name
+    against it, nor link tags across restarts."""
+    return "scope-" + hmac.new(salt, (scope or "default").encode("utf-8"), hashlib.sha256).hexdigest()[:8]
+
+
+def spheres(entries, salt: bytes | None = None) -> list[Sphere]:
+    """Entries (with scope, bytes, hits, fingerprint) -> spheres sized by bytes and coloured by hits.
+    With a salt (the node always passes one) the namespace is scope_tag(scope), never the name."""
     entries = list(entries)[:MAX_SPHERES]
     if not entries:
         return []
     xyz = pca_3d(np.stack([e.fingerprint for e in entries]))
     max_b = max(float(e.bytes) for e in entries) or 1.0
-    max_h = max(int(e.hits) for e in entries)
+    max_h = max(max(int(e.hits), 0) for e in entries)
     out = []
     for p, e in zip(xyz, entries):
         d = MIN_DIAMETER + MAX_EXTRA_DIAMETER * math.sqrt(max(float(e.bytes), 0.0) / max_b)
-        heat = math.log1p(e.hits) / math.log1p(max_h) if max_h > 0 else 0.0
-        out.append(Sphere(str(e.scope or "default"), float(p[0]), float(p[1]), float(p[2]), d, heat_colour(heat)))
+        heat = math.log1p(max(int(e.hits), 0)) / math.log1p(max_h) if max_h > 0 else 0.0
+        ns = scope_tag(e.scope, salt) if salt is not None else str(e.scope or "default")
+        out.append(Sphere(ns, float(p[0]), float(p[1]), float(p[2]), d, heat_colour(heat)))
     return out

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
+from . import path_checks, persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
 from .cache_stats import CacheStatsRecorder
 from .decoding import Constraint, Decoder, Generation
 from .draft_proposer import DraftProposer
@@ -31,6 +31,7 @@ from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
 from .model_backend import ModelBackend, ModelLoadError
 from .request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
+from .safe_io import read_regular
 from .semantic_log import SemanticLog
 from .settings import SPECS, SettingError, Settings, parse_size
 from .streaming import AnswerWatcher
@@ -132,21 +133,30 @@ def device_memory_bytes(device: str) -> int:
 def read_requests_jsonl(path: str) -> list[QueryRequest]:
     """Requests from JSON Lines ({prompt, context?, scope?, max_new_tokens?}); used for warm-up and replay."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                d = json.loads(line)
-                out.append(QueryRequest(prompt=str(d["prompt"]), context=str(d.get("context", "")),
-                                        cache_scope=str(d.get("scope", d.get("cache_scope", ""))),
-                                        max_new_tokens=int(d.get("max_new_tokens", 0)),
-                                        allow_approximate=bool(d.get("allow_approximate", True)),
-                                        request_id=str(d.get("request_id", f"{os.path.basename(path)}:{n}"))))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a request ({e})") from None
+    text = read_regular(path, path_checks.MAX_WARMUP_BYTES).decode("utf-8")  # never blocks on a FIFO
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            d = json.loads(line)
+            out.append(QueryRequest(prompt=str(d["prompt"]), context=str(d.get("context", "")),
+                                    cache_scope=str(d.get("scope", d.get("cache_scope", ""))),
+                                    max_new_tokens=int(d.get("max_new_tokens", 0)),
+                                    allow_approximate=bool(d.get("allow_approximate", True)),
+                                    request_id=str(d.get("request_id", f"{os.path.basename(path)}:{n}"))))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a request ({e})") from None
     return out
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes of text one token stands for: the longest vocabulary entry, in UTF-8 bytes
+    of its token string (byte-level BPE writes each byte as one character of up to 2 UTF-8 bytes, so this
+    can only overestimate)."""
+    n = len(tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
+    return max([len(t.encode("utf-8", "surrogatepass")) for t in tokens if isinstance(t, str)] + [1])
 
 
 class Engine:
@@ -161,6 +171,8 @@ class Engine:
         self.thermal_level = ThermalLevel.OK
         self._exec_lock = threading.Lock()
         self._last_refresh = 0.0
+        self._saved_mutations = -1
+        self._token_bytes = 0  # longest vocabulary entry in UTF-8 bytes (an upper bound), set at load
         self.load_report: dict = {}
         self.kv_bits = 0
         # Recent answers per scope (token ids), a draft source for verified decoding.
@@ -183,10 +195,12 @@ class Engine:
         s = self.settings
         try:
             t0 = time.monotonic()
+            path_checks.check_all(s, create=True)  # before the model: a path that cannot work fails now
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
             self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits)
             progress(f"model in {self.backend.dtype_name}, weights at {s.weight_bits} bits; batch-invariant "
                      f"execution {'verified: exact-prefix reuse and drafts are lossless' if self.backend.exact_chunking else 'NOT verified on this machine: reuse and drafts are approximate'}")
+            self._token_bytes = max_token_bytes(self.backend.tokenizer)
             progress(f"loading embedder {s.embedder}")
             self.fingerprinter = Fingerprinter(s.embedder, self.backend.device)
             budget = parse_size(s.cache_size, device_memory_bytes(self.backend.device))
@@ -200,13 +214,7 @@ class Engine:
                 self.semantic_log = SemanticLog(s.semantic_log_path)
             self.load_report = {"load_s": 0.0, "restored": 0, "snapshot": "", "warmup": 0}
             if s.persist_path:
-                try:
-                    n = persistence.load(self.pool, s.persist_path, self._identity())
-                    self.load_report.update(restored=n, snapshot="loaded")
-                    progress(f"restored {n} cached tasks from {s.persist_path}")
-                except persistence.SnapshotSkipped as e:
-                    self.load_report["snapshot"] = str(e)
-                    self.log.warning(f"pool snapshot skipped: {e}")
+                self.restore(progress)
             if s.warmup_queries:
                 self.load_report["warmup"] = self._warm_up(s.warmup_queries, progress)
             self.load_report["load_s"] = time.monotonic() - t0
@@ -228,6 +236,7 @@ class Engine:
             raise SettingError(f"a fork shares the loaded model: {', '.join(reload)} cannot differ")
         other = Engine(settings, log=self.log)
         other.backend, other.fingerprinter, other.kv_bits = self.backend, self.fingerprinter, self.kv_bits
+        other._token_bytes = self._token_bytes
         other.pool = self.pool.empty_like()
         other._apply_pool_knobs()
         other._owns_models = False
@@ -300,11 +309,38 @@ class Engine:
         if lo is not None:
             self.pool.set_key_calibration(lo, hi)
 
-    def save(self) -> str | None:
-        if self.pool is None or not self.settings.persist_path:
+    def restore(self, progress: Callable[[str], None] | None = None) -> int:
+        """Load the snapshot in persist_path into the (empty) pool; never raises. A bad snapshot is logged
+        with its path and the reason, and the pool stays empty."""
+        pool, folder = self.pool, self.settings.persist_path
+        try:
+            n = persistence.load(pool, folder, self._identity())
+            self.load_report.update(restored=n, snapshot="loaded")
+            (progress or self.log.info)(f"restored {n} cached tasks from {folder}")
+        except Exception as e:  # SnapshotSkipped, or anything unforeseen: a snapshot never stops a start
+            n = 0
+            pool.clear()
+            reason = str(e) if isinstance(e, persistence.SnapshotSkipped) else \
+                f"snapshot in {folder} not loaded: {type(e).__name__}: {e}"
+            self.load_report.update(restored=0, snapshot=reason)
+            self.log.warning(f"pool snapshot skipped: {reason}")
+        self._saved_mutations = pool.mutations  # what was just loaded needs no checkpoint
+        return n
+
+    def save(self, only_if_changed: bool = False) -> str | None:
+        """Write the pool to persist_path (atomic). Does not wait for a running generation: the pool lock
+        is held only while the tensors are copied. only_if_changed: skip when nothing changed since the
+        last save or restore (background checkpoints)."""
+        pool, backend = self.pool, self.backend
+        if pool is None or backend is None or not self.settings.persist_path:
             return None
-        with self._exec_lock:
-            return persistence.save(self.pool, self.settings.persist_path, self._identity())
+        mutations = pool.mutations
+        if only_if_changed and mutations == self._saved_mutations:
+            return None
+        ident = persistence.identity(pool, backend.identity, self.settings.embedder)
+        path = persistence.save(pool, self.settings.persist_path, ident)
+        self._saved_mutations = mutations
+        return path
 
     def unload(self) -> None:
         with self._exec_lock:
@@ -361,7 +397,8 @@ class Engine:
         out: list[Prepared | QueryResult | None] = [None] * len(reqs)
         todo = []
         for i, r in enumerate(reqs):
-            err = validate_request(r, max_scope_length=s.max_scope_length, max_new_tokens_limit=s.max_new_tokens_limit)
+            err = validate_request(r, max_scope_length=s.max_scope_length, max_new_tokens_limit=s.max_new_tokens_limit,
+                                   max_chars=self.max_prompt_chars())
             if err is None and not self.loaded:
                 err = "engine is not loaded"
             schema = None
@@ -402,6 +439,11 @@ class Engine:
                 raise ValueError(f"texts[{i}] is {n} tokens; the embedder reads at most {fp.max_tokens} "
                                  "(nothing is truncated)")
         return fp.embed(texts)
+
+    def max_prompt_chars(self) -> int | None:
+        """No prompt + context longer than this (characters) fits in max_prompt_tokens: each token stands for
+        at most _token_bytes bytes of text, and each character is at least one byte. None before load."""
+        return self.settings.max_prompt_tokens * self._token_bytes if self._token_bytes else None
 
     def handle(self, req: QueryRequest) -> QueryResult:
         p = self.prepare(req)

@@ -83,9 +83,16 @@ class RateWindow:
 
 def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | None, *, ttft_warn_ms: float,
            queue_limit: int, window_s: float = WINDOW_S, state: str = "",
-           reading: ThermalReading | None = None) -> Health:
-    """Level and message from the statistics (None: unavailable), thermal state and recent counts."""
+           reading: ThermalReading | None = None, no_data_level: HealthLevel = HealthLevel.WARN) -> Health:
+    """Level and message from the statistics (None: unavailable), thermal state and recent counts.
+    A reading with no readable zone (no sensors, or all failing) adds "no thermal data" at no_data_level
+    (the thermal_no_data_level parameter): unknown is never reported as fine."""
     level, reasons = _judge(stats, thermal, recent, ttft_warn_ms, queue_limit, window_s)
+    if reading is not None and not reading.available:
+        why = ("the sensor read timed out" if reading.timed_out else
+               f"{len(reading.zones)} zone(s) found, none readable" if reading.zones else "no thermal zones found")
+        level = max(level, no_data_level)
+        reasons.append(f"no thermal data ({why})")
     return Health(level, "; ".join(reasons) if reasons else "ok",
                   _values(stats, thermal, queue_limit, state, reading))
 

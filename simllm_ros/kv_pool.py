@@ -142,6 +142,7 @@ class KVPool:
         self._meta_bytes = 0
         self._next_key = 1
         self._evictions_total = 0
+        self._mutations = 0  # every change a snapshot would show (checkpoints skip an unchanged pool)
         self._lock = threading.RLock()
         # eviction policy (live: set_eviction_policy)
         self._lfu_weight = 0.7
@@ -187,6 +188,11 @@ class KVPool:
     @property
     def evictions_total(self) -> int:
         return self._evictions_total
+
+    @property
+    def mutations(self) -> int:
+        """Counts inserts, refreshes, touches and removals: equal values mean an equal snapshot."""
+        return self._mutations
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -255,6 +261,7 @@ class KVPool:
             for key in keys:
                 e = self._entries.get(key)
                 if e is not None:
+                    self._mutations += 1
                     e.hits += 1
                     e.last_used = now
                     self._matcher.touch(key, now)
@@ -275,6 +282,7 @@ class KVPool:
         now = time.time() if now is None else now
         tokens = tuple(tokens)
         with self._lock:
+            self._mutations += 1
             existing = self._by_tokens.get((scope, tokens))
             if existing is not None:  # same task again: refresh what it says, keep its blocks
                 e = self._entries[existing]
@@ -312,6 +320,7 @@ class KVPool:
 
     def remove(self, key: int) -> None:
         with self._lock:
+            self._mutations += 1
             e = self._entries.pop(key)
             del self._by_tokens[(e.scope, e.tokens)]
             for bid in e.block_ids:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+DEFAULT_SCOPE = "default"  # the pool's name for the shared scope of requests with an empty cache_scope
+
 
 class CacheResult(enum.IntEnum):
     """Which reuse tier answered; values are the Query.srv constants."""
@@ -47,8 +49,9 @@ class QueryRequest:
 
     @property
     def scope(self) -> str:
-        """Empty scope means 'default' (the interface contract)."""
-        return self.cache_scope or "default"
+        """The pool's scope: an empty cache_scope is the shared scope DEFAULT_SCOPE. A request that names
+        "default" itself is refused by validation, so the two can never meet."""
+        return self.cache_scope or DEFAULT_SCOPE
 
     def turns(self) -> list[ChatTurn]:
         """The conversation the model answers: messages, then the prompt as a user turn (when given)."""

@@ -55,12 +55,20 @@ def internal_error(e: BaseException) -> str:
 
 
 STOPPED_ERROR = "node stopped before answering"
+EMPTY_ID_ERROR = ("request_id is empty: a topic request needs an id that is unique among your requests in flight "
+                  "(e.g. a UUID), or its answer cannot be matched")
+
+
+def duplicate_id_error(request_id: str) -> str:
+    return (f"request_id {request_id!r} is already in flight: ids must be unique among requests in flight "
+            "(this refusal carries the same id; the earlier request is still answered)")
 
 
 class Job:
     """One admitted request; finished exactly once (result set, `done` set, on_done called)."""
 
-    __slots__ = ("request", "prepared", "on_done", "on_progress", "should_stop", "result", "done", "_finished")
+    __slots__ = ("request", "prepared", "on_done", "on_progress", "should_stop", "result", "done", "_finished",
+                 "_id_held")
 
     def __init__(self, request: QueryRequest, on_done: Callable[[QueryResult], None] | None = None,
                  on_progress: Callable[[Progress], None] | None = None,
@@ -73,6 +81,7 @@ class Job:
         self.result: QueryResult | None = None
         self.done = threading.Event()
         self._finished = False
+        self._id_held = False  # its request_id is registered as in flight
 
 
 class RequestServer:
@@ -105,6 +114,7 @@ class RequestServer:
         self._waiting = 0  # admitted, not yet picked up by the worker
         self._inflight = 0  # admitted, not yet finished
         self._queue: collections.deque[Job] = collections.deque()
+        self._ids_in_flight: set[str] = set()  # request_ids of admitted jobs submitted with unique_id
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -203,11 +213,13 @@ class RequestServer:
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request: QueryRequest, on_done: Callable[[QueryResult], None] | None = None, *,
                on_progress: Callable[[Progress], None] | None = None,
-               should_stop: Callable[[], bool] | None = None) -> Job:
+               should_stop: Callable[[], bool] | None = None, unique_id: bool = False) -> Job:
         """Admit (or refuse), prepare in this thread, queue for the worker. The returned job may already be
-        finished (a refusal or a bad request); on_done is called once either way."""
+        finished (a refusal or a bad request); on_done is called once either way.
+        unique_id: the request_id must be non-empty and not held by another request in flight (the topic
+        transport matches answers by id)."""
         job = Job(request, on_done, on_progress, should_stop)
-        refusal = self._admit()
+        refusal = self._admit(job if unique_id else None)
         if refusal is not None:
             self._finish(job, QueryResult.failure(refusal), counted=False)
             return job
@@ -256,11 +268,18 @@ class RequestServer:
         self._finish(job, QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel"))
         return True
 
-    def _admit(self) -> str | None:
-        """A refusal message, or None after counting the request as admitted."""
+    def _admit(self, unique: Job | None = None) -> str | None:
+        """A refusal message, or None after counting the request as admitted (and, for `unique`, holding
+        its request_id until it is finished)."""
         with self._cv:
             if not self._open:
                 return not_active_error(self._state())
+            if unique is not None:
+                rid = unique.request.request_id
+                if not rid:
+                    return EMPTY_ID_ERROR
+                if rid in self._ids_in_flight:
+                    return duplicate_id_error(rid)
             if self._overheated is not None:
                 return overheated_error(self._overheated)
             if self._waiting >= self._queue_limit:
@@ -268,6 +287,9 @@ class RequestServer:
             else:
                 self._waiting += 1
                 self._inflight += 1
+                if unique is not None:
+                    self._ids_in_flight.add(unique.request.request_id)
+                    unique._id_held = True
                 return None
         if self._on_busy is not None:
             try:
@@ -283,6 +305,8 @@ class RequestServer:
             job._finished = True
             if counted:
                 self._inflight -= 1
+            if job._id_held:
+                self._ids_in_flight.discard(job.request.request_id)
             self._cv.notify_all()
         result.request_id = job.request.request_id
         job.result = result

@@ -2,10 +2,21 @@
 
 Why it exists: an edge robot (e.g. a Jetson) that runs an LLM can overheat; the
 node must see it, save work when warm and shed load when critical, without
-flapping around a threshold. A zone that cannot be read is reported as offline
-(temperature NaN), never as 0 degC, so a broken sensor is not mistaken for a
-cool one. A machine without thermal zones (CI containers) reads as OK with
-`available=False`.
+flapping around a threshold.
+
+An unreadable value is unknown, never cool. A zone whose `temp` is missing,
+garbage, empty, 'nan', 'inf', out of the plausible range, not a regular file
+(a FIFO is refused without being opened) or whose folder was deleted is reported
+offline (temperature NaN), and for the level it keeps its last valid reading: the
+level can only fall on a valid reading below the threshold minus the hysteresis.
+So a sensor that dies at 95 C keeps the node shedding load until that zone reads
+cool again (or the node is reconfigured). A machine without any readable zone
+reads as OK with `available=False`; the node reports that as "no thermal data".
+
+Reads never block the caller: each scan runs in a short-lived daemon thread and
+read() waits at most `read_timeout_s` for it; a scan that hangs in a driver
+leaves every zone unknown for that round (and no second scan is started while it
+hangs).
 
 sysfs layout read here: <root>/thermal_zone*/type (zone name, e.g. 'gpu-thermal')
 and <root>/thermal_zone*/temp (milli-degrees Celsius as an integer).
@@ -19,6 +30,8 @@ import os
 import re
 import threading
 from typing import Iterable, NamedTuple
+
+from .safe_io import read_regular
 
 # Readings outside this range are sensor placeholders, not temperatures: Jetson
 # reports -256000 for powered-down zones (e.g. cv0-thermal on Orin).
@@ -43,11 +56,13 @@ class ZoneReading(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class ThermalReading:
     zones: list[ZoneReading]
-    hottest_name: str  # "" when no zone is online
-    hottest_c: float  # NaN when no zone is online
+    hottest_name: str  # the zone that sets the level; "" when no zone was ever read
+    hottest_c: float  # its temperature (a held last valid reading when it is unreadable now); NaN when none
     level: ThermalLevel
-    available: bool  # False when no zone is online
+    available: bool  # False when no zone is readable now
     level_changed: bool  # level differs from the previous read()
+    held: tuple[str, ...] = ()  # unreadable zones whose last valid reading still counts for the level
+    timed_out: bool = False  # the sysfs scan did not finish within read_timeout_s
 
     @property
     def level_name(self) -> str:
@@ -69,10 +84,11 @@ def parse_zone_filter(zone_filter: str | Iterable[str] | None) -> tuple[str, ...
 
 
 def _read_text(path: str) -> str | None:
+    """A small sysfs file's text; None when it is missing, not a regular file (never blocks on a FIFO),
+    not ASCII, or too long to be a sysfs value."""
     try:
-        with open(path, "r", encoding="ascii", errors="strict") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError):
+        return read_regular(path, 4096).decode("ascii", errors="strict")
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
 
 
@@ -95,6 +111,11 @@ def scan_zones(root: str, zone_filter: tuple[str, ...] = ()) -> list[ZoneReading
     A filtered name with no matching zone is listed as offline, so a missing
     sensor shows up instead of silently disappearing.
     """
+    return [z for _, z in _scan_keyed(root, zone_filter)]
+
+
+def _scan_keyed(root: str, zone_filter: tuple[str, ...] = ()) -> list[tuple[str, ZoneReading]]:
+    """(stable key, reading) per zone: the key is the zone's folder (or the filter name when missing)."""
     try:
         entries = os.listdir(root)
     except OSError:
@@ -119,28 +140,34 @@ def scan_zones(root: str, zone_filter: tuple[str, ...] = ()) -> list[ZoneReading
     zones = []
     for zone_type, d, temp in raw:
         name = zone_type if counts[zone_type] == 1 else f"{zone_type}/{d}"
-        zones.append(ZoneReading(name, temp, not math.isnan(temp)))
+        zones.append((d, ZoneReading(name, temp, not math.isnan(temp))))
 
     found = {t for t, _, _ in raw} | {d for _, d, _ in raw}
     for wanted in zone_filter:
         if wanted not in found:
-            zones.append(ZoneReading(wanted, math.nan, False))
+            zones.append((wanted, ZoneReading(wanted, math.nan, False)))
     return zones
 
 
 class ThermalMonitor:
     """Reads the zones and keeps the OK/WARN/CRITICAL level.
 
-    The level goes up as soon as the hottest online zone reaches a threshold and
-    comes down only once it is below that threshold minus the hysteresis.
+    The level goes up as soon as the hottest zone reaches a threshold and comes
+    down only once it is below that threshold minus the hysteresis. The hottest
+    zone counts every readable zone, and every unreadable one at its last valid
+    reading: a reading that fails never lowers the level.
     """
 
     def __init__(self, root: str = "/sys/class/thermal", zone_filter: str | Iterable[str] | None = None,
-                 warn_c: float = 75.0, critical_c: float = 90.0, hysteresis_c: float = 5.0):
+                 warn_c: float = 75.0, critical_c: float = 90.0, hysteresis_c: float = 5.0,
+                 read_timeout_s: float = 0.5):
         self.root = root
         self.zone_filter = parse_zone_filter(zone_filter)
+        self.read_timeout_s = float(read_timeout_s)
         self._lock = threading.Lock()
         self._level = ThermalLevel.OK
+        self._held: dict[str, tuple[str, float]] = {}  # zone key -> (name, last valid temperature)
+        self._scan_thread: threading.Thread | None = None
         self._check_thresholds(warn_c, critical_c, hysteresis_c)
         self.warn_c, self.critical_c, self.hysteresis_c = float(warn_c), float(critical_c), float(hysteresis_c)
 
@@ -182,25 +209,64 @@ class ThermalMonitor:
             level = ThermalLevel(level - 1)
         return level
 
+    def _scan(self) -> list[tuple[str, ZoneReading]] | None:
+        """The zones, or None when the scan did not finish within read_timeout_s (or an earlier one hangs)."""
+        with self._lock:
+            running = self._scan_thread
+        if running is not None and running.is_alive():
+            return None
+        box: dict = {}
+
+        def run():
+            try:
+                box["zones"] = _scan_keyed(self.root, self.zone_filter)
+            except Exception:  # a scan never raises into telemetry; unknown this round
+                box["zones"] = None
+
+        t = threading.Thread(target=run, name="simllm-thermal-scan", daemon=True)
+        with self._lock:
+            self._scan_thread = t
+        t.start()
+        t.join(self.read_timeout_s)
+        return box.get("zones") if not t.is_alive() else None
+
     def read(self) -> ThermalReading:
-        zones = scan_zones(self.root, self.zone_filter)
-        online = [z for z in zones if z.online]
+        scanned = self._scan()
         with self._lock:
             previous = self._level
-            if online:
-                hottest = max(online, key=lambda z: z.temp_c)
-                self._level = self._next_level(self._level, hottest.temp_c)
-                name, temp = hottest.name, hottest.temp_c
+            keyed = scanned if scanned is not None else []
+            # A zone whose `type` became unreadable keeps the name it had.
+            keyed = [(k, z._replace(name=self._held[k][0]) if z.name == k and k in self._held else z) for k, z in keyed]
+            seen = {k for k, _ in keyed}
+            zones = [z for _, z in keyed]
+            # Zones known before that are gone now (folder deleted, or the scan timed out): offline.
+            for key, (name, _) in self._held.items():
+                if key not in seen:
+                    zones.append(ZoneReading(name, math.nan, False))
+            candidates, held = [], []
+            for key, z in keyed:
+                if z.online:
+                    self._held[key] = (z.name, z.temp_c)
+                    candidates.append((z.temp_c, z.name))
+            for key, (name, temp) in self._held.items():
+                z = next((z for k, z in keyed if k == key), None)
+                if z is None or not z.online:
+                    candidates.append((temp, name))
+                    held.append(name)
+            if candidates:
+                temp, name = max(candidates)
+                self._level = self._next_level(self._level, temp)
             else:
-                self._level = ThermalLevel.OK
                 name, temp = "", math.nan
             level = self._level
         return ThermalReading(zones=zones, hottest_name=name, hottest_c=temp, level=level,
-                              available=bool(online), level_changed=level != previous)
+                              available=any(z.online for z in zones), level_changed=level != previous,
+                              held=tuple(held), timed_out=scanned is None)
 
     def explain(self, reading: ThermalReading) -> str:
         """Why the reading's level is not OK, in words for logs, refusals and diagnostics ("" when OK)."""
         if reading.level == ThermalLevel.OK:
             return ""
         limit = self.critical_c if reading.level == ThermalLevel.CRITICAL else self.warn_c
-        return f"hottest zone {reading.hottest_name} at {reading.hottest_c:.1f} C (threshold {limit:.1f} C)"
+        held = " (its last valid reading: the sensor is unreadable now)" if reading.hottest_name in reading.held else ""
+        return f"hottest zone {reading.hottest_name} at {reading.hottest_c:.1f} C{held} (threshold {limit:.1f} C)"

@@ -7,29 +7,40 @@ never crash the node or poison the cache. Real text (emoji, accents, CJK, a few
 right-to-left marks) must pass. `normalize_text` removes invisible format
 characters so that zero-width tricks cannot give a prompt a new fingerprint.
 
-Token-count limits need the tokenizer and are checked by the engine.
+Invisible is decided by Unicode property, not by a list of code points:
+Default_Ignorable_Code_Point (Hangul fillers, the combining grapheme joiner, the
+Khmer inherent vowels, tags, ...), format characters (Cf), variation selectors,
+non-spacing and enclosing combining marks (Mn, Me: a prompt of marks alone has
+nothing to combine with), controls and White_Space. The one addition is U+2800
+BRAILLE PATTERN BLANK, a symbol (So) that renders as nothing.
+
+Order of the checks: types, then the length in characters (one comparison, so a
+4 MB prompt is refused before anything walks over it), then character by
+character. The exact token count needs the tokenizer and is checked by the engine;
+`max_chars` is a bound the engine derives from it that no prompt within
+max_prompt_tokens can exceed.
 """
 from __future__ import annotations
 
 import re
 import unicodedata
 
-from simllm_ros.request import ROLES, QueryRequest
+import regex
 
-_ALLOWED_CONTROLS = {"\n", "\t", "\r"}
+from simllm_ros.request import DEFAULT_SCOPE, ROLES, QueryRequest
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TEMPERATURE = 5.0
+
 _SCOPE_RE = re.compile(r"[A-Za-z0-9_.:/-]*")
-# Letters and symbols that render as nothing (Hangul fillers, braille blank).
-_INVISIBLE_NON_CF = {"\u115f", "\u1160", "\u3164", "\uffa0", "\u2800"}
+# Characters that show nothing on their own, by Unicode property (see the module docstring).
+_INVISIBLE_CLASS = (r"\p{Default_Ignorable_Code_Point}\p{Cf}\p{Variation_Selector}\p{Mn}\p{Me}\p{White_Space}"
+                    r"\p{Cc}\p{Zs}\p{Zl}\p{Zp}\u2800")
+_INVISIBLE_ONLY_RE = regex.compile(f"[{_INVISIBLE_CLASS}]*")
+# Dropped by normalize_text: what renders as nothing inside text (marks stay: they change letters).
+_DROP_RE = regex.compile(r"[\p{Default_Ignorable_Code_Point}\p{Cf}\u2800]")
 _BLACK_FLAG = "\U0001f3f4"
-
-
-def _is_control(ch: str) -> bool:
-    """C0 (U+0000-U+001F), DEL and C1 (U+0080-U+009F), except newline, tab and carriage return."""
-    o = ord(ch)
-    return ch not in _ALLOWED_CONTROLS and (o < 0x20 or 0x7F <= o <= 0x9F)
 
 
 def _is_tag(ch: str) -> bool:
@@ -52,8 +63,9 @@ def _suspicious_format_count(text: str) -> int:
     return n
 
 
-def _is_invisible(ch: str) -> bool:
-    return ch.isspace() or ch in _INVISIBLE_NON_CF or unicodedata.category(ch) in ("Cf", "Cc", "Zs", "Zl", "Zp")
+def is_invisible_only(text: str) -> bool:
+    """True for '' and for text made only of invisible characters (by property)."""
+    return _INVISIBLE_ONLY_RE.fullmatch(text) is not None
 
 
 def _char_code(ch: str) -> str:
@@ -68,22 +80,27 @@ def check_text_field(field: str, text: str) -> str | None:
 
 def is_blank(text: str) -> bool:
     """Empty, or only whitespace and invisible characters."""
-    return _is_blank(text)
+    return is_invisible_only(text)
+
+
+_BAD_CHAR_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def _check_text_field(field: str, text: str) -> str | None:
     if not isinstance(text, str):
         return f"{field} must be a string, got {type(text).__name__}"
-    for i, ch in enumerate(text):
-        if _is_control(ch):
-            return f"{field} contains control character {_char_code(ch)} at position {i}; only \\n, \\t and \\r are allowed"
-        if unicodedata.category(ch) == "Cs":
-            return f"{field} contains an unpaired surrogate {_char_code(ch)} at position {i}; text must be valid Unicode"
-    return None
+    m = _BAD_CHAR_RE.search(text)
+    if m is None:
+        return None
+    ch, i = m.group(), m.start()
+    if unicodedata.category(ch) == "Cs":
+        return f"{field} contains an unpaired surrogate {_char_code(ch)} at position {i}; text must be valid Unicode"
+    return f"{field} contains control character {_char_code(ch)} at position {i}; only \\n, \\t and \\r are allowed"
 
 
 def validate_scope(scope: str, max_scope_length: int) -> str | None:
-    """Empty scope is fine (it means 'default')."""
+    """Empty scope is the shared default scope; the name "default" is reserved for it (refused), so that
+    a caller who names a scope never shares entries with callers who send none."""
     if not isinstance(scope, str):
         return f"cache_scope must be a string, got {type(scope).__name__}"
     if len(scope) > max_scope_length:
@@ -91,11 +108,10 @@ def validate_scope(scope: str, max_scope_length: int) -> str | None:
     if not _SCOPE_RE.fullmatch(scope):
         bad = next(ch for ch in scope if not _SCOPE_RE.fullmatch(ch))
         return (f"cache_scope contains {_char_code(bad)!s}; only letters A-Z a-z, digits and _ . : / - are allowed")
+    if scope == DEFAULT_SCOPE:
+        return (f'cache_scope "{DEFAULT_SCOPE}" is reserved: it names the shared scope of requests with an empty '
+                'cache_scope. Send "" to use that scope, or choose another name')
     return None
-
-
-def _is_blank(text: str) -> bool:
-    return not text or all(_is_invisible(ch) for ch in text)
 
 
 def _check_question(field: str, text: str) -> str | None:
@@ -115,7 +131,7 @@ def validate_messages(req: QueryRequest) -> str | None:
         err = _check_text_field(f"{field}.content", turn.content)
         if err:
             return err
-        if _is_blank(turn.content):
+        if is_invisible_only(turn.content):
             return f"{field}.content is empty (only whitespace or invisible characters)"
         if turn.role == "system" and i > 0:
             return f"{field}: a system turn may only come first"
@@ -126,15 +142,26 @@ def validate_messages(req: QueryRequest) -> str | None:
     return _check_question("the last user turn", turns[-1].content)
 
 
-def validate_request(req: QueryRequest, *, max_scope_length: int, max_new_tokens_limit: int) -> str | None:
-    """Return a human-readable reason the request is refused, or None when it is acceptable."""
+def validate_request(req: QueryRequest, *, max_scope_length: int, max_new_tokens_limit: int,
+                     max_chars: int | None = None) -> str | None:
+    """Return a human-readable reason the request is refused, or None when it is acceptable.
+    max_chars: prompt, context and conversation longer than this (in characters) are refused before any
+    per-character work."""
+    for field in ("prompt", "context", "json_schema"):
+        if not isinstance(getattr(req, field), str):
+            return f"{field} must be a string, got {type(getattr(req, field)).__name__}"
+    n_chars = len(req.prompt) + len(req.context) + sum(len(t.content) for t in req.messages
+                                                       if isinstance(t.content, str))
+    if max_chars is not None and n_chars > max_chars:
+        return (f"prompt, context and messages are {n_chars} characters: more than the {max_chars} that can fit "
+                "in max_prompt_tokens (nothing is truncated)")
     for field in ("prompt", "context", "json_schema"):
         err = _check_text_field(field, getattr(req, field))
         if err:
             return err
     prompt = req.prompt
     if not req.messages:
-        if _is_blank(prompt):
+        if is_invisible_only(prompt):
             return "prompt is empty (only whitespace or invisible characters) and no messages were given"
         err = _check_question("prompt", prompt)
     else:
@@ -179,6 +206,5 @@ _WS_RE = re.compile(r"\s+")
 
 
 def normalize_text(s: str) -> str:
-    """Drop format (Cf) and invisible filler characters, collapse whitespace runs to one space, strip the ends."""
-    kept = "".join(ch for ch in s if unicodedata.category(ch) != "Cf" and ch not in _INVISIBLE_NON_CF)
-    return _WS_RE.sub(" ", kept).strip()
+    """Drop default-ignorable and format characters, collapse whitespace runs to one space, strip the ends."""
+    return _WS_RE.sub(" ", _DROP_RE.sub("", s)).strip()

@@ -32,3 +32,16 @@ def test_empty_and_single_entry():
     assert spheres([]) == []
     (only,) = spheres([E("s", 10, 1, np.ones(8))])
     assert (only.x, only.y, only.z) == (0.0, 0.0, 0.0)
+
+
+def test_with_a_salt_namespaces_are_tags_not_scope_names():
+    """What every subscriber of ~/cache_map sees: one stable tag per scope, no scope name; another salt
+    (another node process) gives other tags."""
+    import os
+    rng = np.random.default_rng(1)
+    entries = [E(sc, 100, 1, rng.standard_normal(8)) for sc in ("kiosk-3", "kiosk-3", "secret_lab", "")]
+    salt = os.urandom(16)
+    tags = [p.namespace for p in spheres(entries, salt=salt)]
+    assert tags[0] == tags[1] and len(set(tags)) == 3 and all(t.startswith("scope-") for t in tags)
+    assert not any(name in t for t in tags for name in ("kiosk", "secret", "default"))
+    assert [p.namespace for p in spheres(entries, salt=os.urandom(16))] != tags

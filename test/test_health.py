@@ -101,3 +101,22 @@ def test_rate_window_forgets_what_is_older_than_the_window():
 def test_nan_temperature_is_reported_as_nan():
     reading = ThermalReading([ZoneReading("cpu", math.nan, False)], "", math.nan, ThermalLevel.OK, False, False)
     assert dict(judge(reading=reading).values)["hottest_c"] == "nan"
+
+
+@pytest.mark.parametrize("zones, why", [([], "no thermal zones found"),
+                                        ([ZoneReading("cpu", math.nan, False)], "1 zone(s) found, none readable")])
+def test_no_thermal_data_is_never_ok(zones, why):
+    """No readable zone: WARN "no thermal data" by default, ERROR when thermal_no_data_level is error."""
+    reading = ThermalReading(zones, "", math.nan, ThermalLevel.OK, False, False)
+    h = judge(reading=reading)
+    assert h.level == HealthLevel.WARN and h.message == f"no thermal data ({why})"
+    assert judge(reading=reading, no_data_level=HealthLevel.ERROR).level == HealthLevel.ERROR
+    timed_out = ThermalReading(zones, "", math.nan, ThermalLevel.OK, False, False, timed_out=True)
+    assert "the sensor read timed out" in judge(reading=timed_out).message
+
+
+def test_failed_hot_sensor_stays_error_and_says_no_data():
+    reading = ThermalReading([ZoneReading("gpu", math.nan, False)], "gpu", 95.0, ThermalLevel.CRITICAL, False,
+                             False, held=("gpu",))
+    h = judge(reading=reading, thermal=ThermalState(ThermalLevel.CRITICAL, "gpu held at 95.0 C"))
+    assert h.level == HealthLevel.ERROR and "overheated" in h.message and "no thermal data" in h.message

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import hostile_snapshots
 from core_fixtures import BASE, BULLETIN, clinc_by_intent
 from simllm_ros import persistence
 from simllm_ros.block_store import KVShape
@@ -261,6 +263,19 @@ def test_snapshot_from_other_setup_is_reported(saved, tmp_path):
     try:
         assert e8.handle(QueryRequest(prompt=questions()[0], context=BULLETIN, max_new_tokens=2)).success
         e8.save()
+        ident8, pool8 = e8._identity(), e8.pool
+        # 8-bit snapshots carry scales: a NaN or infinite scale would dequantize to NaN KV, so it is refused.
+        for name, value in (("k_scale", float("nan")), ("v_zero", float("inf"))):
+            bad = tmp_path / f"bad_{name}"
+            bad.mkdir()
+            manifest, tensors = hostile_snapshots.read_good(persistence.snapshot_path(str(tmp_path)))
+            tensors[name].view(-1)[7] = value
+            hostile_snapshots.write_snapshot(persistence.snapshot_path(str(bad)), json.dumps(manifest), tensors)
+            pool8.clear()
+            with pytest.raises(persistence.SnapshotSkipped, match=f"tensor '{name}' holds non-finite values"):
+                persistence.load(pool8, str(bad), ident8)
+            assert len(pool8) == 0
+        assert persistence.load(pool8, str(tmp_path), ident8) == 1  # control: the unedited one loads
     finally:
         e8.unload()
     e = load_engine(tmp_path)
@@ -325,7 +340,7 @@ SAVER = textwrap.dedent("""
         for i in range(N):
             k = torch.full((30, 3, LEN, 64), float(i))
             pool.insert(scope="s", tokens=[i] * LEN, k=k, v=-k, fingerprint=fp, question=f"q{i}",
-                        context_digest="d", answer=f"gen{gen}", now=float(gen))
+                        context_digest="0" * 32, answer=f"gen{gen}", now=float(gen))
         t0 = time.monotonic()
         persistence.save(pool, folder, IDENT)
         print(f"saved {gen} {time.monotonic() - t0:.3f}", flush=True)
@@ -379,3 +394,94 @@ def test_kill9_during_save_keeps_a_loadable_snapshot(tmp_path):
     print(f"\nkill -9 trials: loaded generations {loaded_gens}; kills that left a temp file: {kills_mid_save}/6; "
           f"temp files left: {sorted(seen)}")
     assert kills_mid_save >= 1, "no kill landed inside a save: the test did not exercise the case"
+
+
+# --------------------------------------------------------------------------- hostile snapshots, engine level
+
+_hostile_times: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def restoring_engine(saved):
+    """One engine with the snapshot's identity; each variant runs engine.restore(), the code configure runs."""
+    e = load_engine(saved[0])
+    assert e.load_report["restored"] == 3  # control: the real snapshot loads
+    yield e
+    e.unload()
+    if _hostile_times:
+        worst = max(_hostile_times, key=_hostile_times.get)
+        print(f"\nhostile snapshots: {len(_hostile_times)} variants, restore time max "
+              f"{_hostile_times[worst] * 1000:.0f} ms ({worst}), total {sum(_hostile_times.values()):.1f} s")
+
+
+def _restore_with_timeout(engine, folder, timeout=20.0):
+    engine.settings = engine.settings.replace(persist_path=str(folder))
+    engine.pool.clear()
+    out = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            out["n"] = engine.restore()
+        except BaseException as e:  # restore must never raise; recorded so the test says so
+            out["raised"] = e
+        out["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"restore hung for more than {timeout} s"
+    assert "raised" not in out, f"restore raised {out.get('raised')!r}"
+    return out["n"], out["s"]
+
+
+@pytest.mark.parametrize("name, make", hostile_snapshots.VARIANTS, ids=[n for n, _ in hostile_snapshots.VARIANTS])
+def test_hostile_snapshot_engine_starts_empty(restoring_engine, saved, tmp_path, name, make):
+    """Each variant: restore returns at once, logs a reason naming the file, and leaves an empty, consistent pool."""
+    e = restoring_engine
+    good = persistence.snapshot_path(str(saved[0]))
+    make(tmp_path, good)
+    n, secs = _restore_with_timeout(e, tmp_path)
+    _hostile_times[name] = secs
+    report = e.load_report["snapshot"]
+    assert n == 0 and e.load_report["restored"] == 0, report
+    assert report != "loaded" and persistence.snapshot_path(str(tmp_path)) in report, report
+    assert len(e.pool) == 0 and e.pool.bytes_used == 0
+    e.pool.check_consistency()
+    assert secs < 10, f"restore took {secs:.1f} s"
+
+
+@pytest.mark.parametrize("name, make", hostile_snapshots.HARMLESS, ids=[n for n, _ in hostile_snapshots.HARMLESS])
+def test_odd_but_harmless_snapshot_loads(restoring_engine, saved, tmp_path, name, make):
+    e = restoring_engine
+    make(tmp_path, persistence.snapshot_path(str(saved[0])))
+    n, _ = _restore_with_timeout(e, tmp_path)
+    assert n == 3 and e.load_report["snapshot"] == "loaded", e.load_report
+    victim = tmp_path / "victim" / "precious.txt"
+    if name == "partial_is_symlink":
+        assert victim.read_text() == "keep me", "load deleted a file through a planted .partial symlink"
+        e.save()  # a save replaces the planted link with our own folder, and writes nothing into the victim
+        assert os.listdir(tmp_path / "victim") == ["precious.txt"]
+        assert not os.path.islink(tmp_path / persistence.PARTIAL_DIR)
+
+
+def test_hostile_engine_still_serves(restoring_engine):
+    """After every variant, the same engine answers and pools a request."""
+    e = restoring_engine
+    e.pool.clear()
+    r = e.handle(QueryRequest(prompt="Is Elm Street open?", context=BULLETIN, max_new_tokens=2))
+    assert r.success and len(e.pool) == 1
+    e.pool.check_consistency()
+
+
+def test_future_timestamps_are_clamped_to_now(restoring_engine, saved, tmp_path):
+    """A robot whose clock restarted at 1970 sees every saved time in the future: the snapshot still loads,
+    with those times set to now (a negative age would otherwise inflate recency scores)."""
+    e = restoring_engine
+    make = hostile_snapshots.edit(lambda m: [en.update(created=4e9, last_used=4e9) for en in m["entries"]])
+    make(tmp_path, persistence.snapshot_path(str(saved[0])))
+    before = time.time()
+    n, _ = _restore_with_timeout(e, tmp_path)
+    assert n == 3, e.load_report
+    for en in e.pool.describe_entries():
+        assert before - 1 <= en.created <= time.time() and before - 1 <= en.last_used <= time.time()

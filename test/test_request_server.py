@@ -429,3 +429,27 @@ def test_max_batch_one_runs_each_job_alone_through_execute():
         assert s.wait(s.submit(req(1, "a b"))).answer == "a b" and len(st.steps) == 2
     finally:
         s.stop()
+
+
+def test_topic_ids_must_be_unique_in_flight_and_non_empty(served):
+    """Three "dup-1" requests: the first is answered, the two others refused at once; the id is free again
+    once the first is answered. An empty id is refused."""
+    from simllm_ros.request_server import EMPTY_ID_ERROR
+    b = Backend(gated=True)
+    s = served(b, queue_limit=8)
+    s.open()
+    first = s.submit(QueryRequest(prompt="a", request_id="dup-1"), unique_id=True)
+    dups = [s.submit(QueryRequest(prompt="b", request_id="dup-1"), unique_id=True) for _ in range(2)]
+    for d in dups:
+        assert d.done.is_set() and not d.result.success and d.result.request_id == "dup-1"
+        assert "'dup-1' is already in flight" in d.result.error
+    empty = s.submit(QueryRequest(prompt="c", request_id=""), unique_id=True)
+    assert empty.done.is_set() and empty.result.error == EMPTY_ID_ERROR
+    other = s.submit(QueryRequest(prompt="d", request_id="dup-2"), unique_id=True)  # another id: admitted
+    b.gate.set()
+    assert s.wait(first).success and s.wait(other).success
+    again = s.wait(s.submit(QueryRequest(prompt="e", request_id="dup-1"), unique_id=True))
+    assert again.success, again.error
+    # Service requests (unique_id=False) carry no id and are not checked.
+    assert s.wait(s.submit(QueryRequest(prompt="f"))).success
+    assert s.inflight == 0 and b.executed == ["dup-1", "dup-2", "dup-1", ""]

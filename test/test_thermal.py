@@ -1,6 +1,8 @@
 """ThermalMonitor against a fake sysfs tree written in tmp_path."""
 import math
 import os
+import shutil
+import time
 
 import pytest
 
@@ -205,15 +207,84 @@ def test_nonexistent_root_is_ok_but_unavailable(tmp_path):
     assert r.zones == [] and not r.available and r.level == ThermalLevel.OK
 
 
-def test_all_zones_going_offline_resets_level(jetson):
+def test_all_zones_going_offline_holds_level(jetson):
+    """Unknown is never cool: with every temp file gone the level stays CRITICAL, and the report says the
+    hottest zone is held at its last valid reading."""
     mon = ThermalMonitor(str(jetson), warn_c=75, critical_c=90)
     set_temp(jetson, 2, 95000)
     assert mon.read().level == ThermalLevel.CRITICAL
     for i in range(3):
         os.remove(jetson / f"thermal_zone{i}" / "temp")
     r = mon.read()
-    assert not r.available and r.level == ThermalLevel.OK
+    assert not r.available and r.level == ThermalLevel.CRITICAL and not r.level_changed
     assert all(not z.online for z in r.zones) and len(r.zones) == 3
+    assert r.hottest_name == "tj-thermal" and r.hottest_c == pytest.approx(95.0) and "tj-thermal" in r.held
+
+
+def _break(root, index, fault):
+    d = root / f"thermal_zone{index}"
+    temp = d / "temp"
+    if fault == "deleted_zone":
+        shutil.rmtree(d)
+    elif fault == "deleted_temp":
+        temp.unlink()
+    elif fault == "fifo":
+        temp.unlink()
+        os.mkfifo(temp)
+    elif fault == "fifo_type_and_temp":
+        temp.unlink()
+        os.mkfifo(temp)
+        (d / "type").unlink()
+        os.mkfifo(d / "type")
+    elif fault == "directory":
+        temp.unlink()
+        temp.mkdir()
+    elif fault == "symlink_loop":
+        temp.unlink()
+        os.symlink("temp", temp)
+    elif fault == "dev_zero":
+        temp.unlink()
+        os.symlink("/dev/zero", temp)
+    else:
+        temp.write_text(fault)
+
+
+SENSOR_FAULTS = ["abc", "", "\n", "nan", "NaN", "inf", "-inf", "1e9", "95000.5", "999999999999999999999",
+                 "-256000", "deleted_temp", "deleted_zone", "fifo", "fifo_type_and_temp", "directory",
+                 "symlink_loop", "dev_zero"]
+
+
+@pytest.mark.parametrize("fault", SENSOR_FAULTS, ids=[repr(f) for f in SENSOR_FAULTS])
+def test_hot_sensor_failing_at_critical_keeps_level_until_a_valid_cool_reading(jetson, fault):
+    mon = ThermalMonitor(str(jetson), warn_c=75, critical_c=90, hysteresis_c=5)
+    set_temp(jetson, 2, 95000)
+    assert mon.read().level == ThermalLevel.CRITICAL
+    _break(jetson, 2, fault)
+    for _ in range(3):  # the other zones read 45-47 C, validly: that is not a cool reading of the hot zone
+        t0 = time.monotonic()
+        r = mon.read()
+        assert time.monotonic() - t0 < 0.4 and not r.timed_out, "a sensor read blocked"
+        assert r.level == ThermalLevel.CRITICAL, (fault, r)
+        assert r.hottest_name == "tj-thermal" and r.held == ("tj-thermal",)
+        assert r.available and not zone_map(r)["tj-thermal"].online
+    # The sensor comes back: the level falls only on valid readings, with hysteresis.
+    if fault == "deleted_zone":
+        write_zone(jetson, 2, "tj-thermal", 86000)
+    else:
+        shutil.rmtree(jetson / "thermal_zone2")
+        write_zone(jetson, 2, "tj-thermal", 86000)
+    assert mon.read().level == ThermalLevel.CRITICAL  # 86 is not below 90 - 5
+    set_temp(jetson, 2, 84000)
+    r = mon.read()
+    assert r.level == ThermalLevel.WARN and r.held == ()
+    set_temp(jetson, 2, 60000)
+    assert mon.read().level == ThermalLevel.OK
+
+
+def test_zone_never_read_is_unknown_not_cool(tmp_path):
+    write_zone(tmp_path, 0, "cpu-thermal", "garbage")
+    r = ThermalMonitor(str(tmp_path)).read()
+    assert r.level == ThermalLevel.OK and not r.available and r.hottest_name == "" and r.held == ()
 
 
 def test_real_sysfs_never_raises():

@@ -35,6 +35,37 @@ def test_empty_or_invisible_prompt_refused(prompt):
     assert err and "prompt is empty" in err
 
 
+# Found by probing: these rendered nothing and were served (U+034F combining grapheme joiner, U+FE0F
+# variation selector 16, U+17B4/U+17B5 Khmer inherent vowels), plus others by the same properties.
+_INVISIBLES = ["\u034f", "\ufe0f", "\u17b4", "\u17b5", "\ufe00", "\U000e0100", "\u180b", "\u115f", "\uffa0",
+               "\u00ad", "\u061c", "\u2064", "\U000e0001", "\U000e0041", "\u0301", "\u20dd", "\u1160", "\u2800"]
+
+
+@pytest.mark.parametrize("ch", _INVISIBLES, ids=[f"U+{ord(c):04X}" for c in _INVISIBLES])
+@pytest.mark.parametrize("shape", ["alone", "repeated", "spaces", "newlines", "mixed"])
+def test_invisible_only_prompts_refused_by_property(ch, shape):
+    prompt = {"alone": ch, "repeated": ch * 7, "spaces": f" {ch} {ch}  ", "newlines": f"\n{ch}\n\n{ch}\n",
+              "mixed": ch + "\u200b \u034f\ufe0f\u17b4\u17b5\n" + ch}[shape]
+    err = check(prompt=prompt)
+    assert err and "prompt is empty" in err, (prompt, err)
+
+
+def test_marks_on_a_letter_are_text():
+    assert check(prompt="e\u0301") is None and check(prompt="\u2764\ufe0f") is None  # é; red heart emoji
+
+
+def test_long_prompt_refused_by_length_before_any_scan():
+    """A 4 MB prompt is refused by one length comparison (the engine passes max_chars), not after a scan."""
+    import time
+    big = "a" * (4 * 2**20)
+    t0 = time.perf_counter()
+    err = validate_request(QueryRequest(prompt=big, context="x"), **LIMITS, max_chars=100_000)
+    dt = time.perf_counter() - t0
+    assert err and "4194305 characters" in err and "100000" in err and "nothing is truncated" in err
+    assert dt < 0.01, f"{dt * 1000:.1f} ms"
+    assert validate_request(QueryRequest(prompt="a" * 1000, context="b" * 1000), **LIMITS, max_chars=2000) is None
+
+
 def test_mostly_format_chars_refused():
     err = check(prompt="hi\u200b\u200b\u200b")  # 3 of 5 are zero-width spaces
     assert err and "invisible formatting" in err and "3 of 5" in err
@@ -63,9 +94,17 @@ def test_lone_surrogate_refused():
     assert err and "surrogate" in err
 
 
-@pytest.mark.parametrize("scope", ["", "default", "robot_1/kitchen", "map:v2.1", "a-b_c.d:e/f", "x" * 64])
+@pytest.mark.parametrize("scope", ["", "Default", "default2", "robot_1/kitchen", "map:v2.1", "a-b_c.d:e/f", "x" * 64])
 def test_scope_accepted(scope):
     assert check(cache_scope=scope) is None
+
+
+def test_scope_default_is_reserved():
+    """"" is the shared scope, which the pool calls "default": a caller may not name it, or it would
+    share entries with every caller that sends no scope."""
+    err = check(cache_scope="default")
+    assert err and "reserved" in err and 'Send ""' in err
+    assert QueryRequest(prompt="x", cache_scope="").scope == "default"
 
 
 def test_scope_too_long():

@@ -4,9 +4,15 @@
                 [--lfu_weight X] [--enable_quant_calibration [BOOL]] [--param NAME=VALUE ...]
                 [--ros-args --params-file config/edge.yaml -p name:=value ...]
 
-Shortcut flags and --param win over --ros-args values. Ctrl-C / SIGTERM: deactivate (in-flight
-requests finish), cleanup (pool saved), shutdown. Exit code 1 if configure or activate fails,
+Shortcut flags and --param win over --ros-args values. Exit code 1 if configure or activate fails,
 2 for a bad argument or parameter.
+
+Stopping: the first SIGINT or SIGTERM starts an orderly stop: deactivate (new requests refused, the
+pool checkpointed at once, the answers in flight finish), cleanup (pool saved if it changed), shutdown.
+Further signals only print that the stop is under way: they never interrupt the save. This is what
+`ros2 launch` sends (SIGINT, then SIGTERM after sigterm_timeout, then SIGKILL after sigkill_timeout,
+5 s each by default): if the SIGKILL lands while long answers are still running, the checkpoint taken
+when the stop began holds every entry cached until then. SIGKILL is the way to abort a stop.
 
 `simllm_node` (node_main) is the launch-file target: it creates the node and spins, and leaves
 the transitions to the launch file (or to `ros2 lifecycle set`). On exit it shuts the node down
@@ -15,6 +21,7 @@ from whatever state it is in, so the pool is still saved.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -127,8 +134,16 @@ class _Runner:
         self.thread.start()
 
     def _on_signal(self, signum, frame):
-        if self.stop.is_set():  # second Ctrl-C: give up waiting
-            raise KeyboardInterrupt
+        """First signal: stop (the main thread runs close()). Later ones: say so and return, so that no
+        KeyboardInterrupt can land inside the drain or the save. os.write: print() is not reentrant."""
+        if self.stop.is_set():
+            name = signal.Signals(signum).name
+            try:
+                os.write(2, f"[{self.prog}] {name}: already stopping (answers in flight finish, then the pool "
+                            "is saved); SIGKILL aborts, keeping the last checkpoint\n".encode())
+            except OSError:
+                pass
+            return
         self.stop.set()
 
     def _spin(self):
@@ -171,6 +186,11 @@ class _Runner:
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
+        # The stop is complete. Python puts SIG_DFL back for handled signals while the interpreter exits,
+        # so a late SIGTERM (ros2 launch escalating) would turn exit 0 into "killed"; ignored ones stay
+        # ignored.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _split(prog: str, argv: list[str] | None) -> tuple[list[str], list[str]]:
@@ -204,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         if runner.node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
             _say(prog, "configure failed (see the error above); fix the parameter and retry")
             code = 1
+        elif runner.stop.is_set():
+            _say(prog, f"configured in {time.monotonic() - t0:.1f} s, but a stop was requested: not activating")
         else:
             _say(prog, f"configured in {time.monotonic() - t0:.1f} s; activating")
             if runner.node.trigger_activate() != TransitionCallbackReturn.SUCCESS:

@@ -6,9 +6,19 @@ Transitions (one callback each, as in ros2/demos lifecycle_py):
                Any failure logs one clear line, releases everything and returns FAILURE.
   activate   : starts the telemetry timer, enables the lifecycle publishers, opens admission;
                the first activate creates the Query service and the request subscription.
-  deactivate : refuses new requests, waits for the in-flight ones, keeps the pool.
-  cleanup    : saves the pool, unloads the model, destroys the entities.
+  deactivate : refuses new requests, checkpoints the pool (if it changed), waits for the in-flight
+               ones, keeps the pool.
+  cleanup    : saves the pool (if it changed since the last checkpoint), unloads the model, destroys
+               the entities.
   shutdown   : the same from any state.
+With persist_path set, a Checkpointer also saves the pool every persist_interval_s when it changed, so
+a SIGKILL loses at most that interval; a stop checkpoints before it waits for the answers in flight.
+
+Who sees what: every subscriber of ~/responses sees every topic answer (prompt answers of all scopes);
+with responses_per_scope they go to ~/responses/<scope> instead ("" -> ~/responses/default), one topic
+per scope that SROS2 permissions can grant separately. ~/cache_map names no scope: its marker
+namespaces are salted digests (cache_map.scope_tag), random per process. Service answers go only to
+the caller.
 
 Requests (service `~/query`, topic `~/requests` -> `~/responses`, action `~/generate`) go to
 request_server.RequestServer, which admits, queues and answers each exactly once; its prepare step
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -39,12 +50,13 @@ from std_msgs.msg import ColorRGBA
 from visualization_msgs.msg import Marker, MarkerArray
 
 from simllm_ros import cache_map, health
+from simllm_ros.checkpoint import Checkpointer
 from simllm_ros.engine import Engine, EngineLoadError
 from simllm_ros.action import Generate
 from simllm_ros.msg import CacheStats, QueryRequest as QueryRequestMsg, QueryResponse, ThermalStatus
 from simllm_ros.request import CacheResult, ChatTurn, Progress, QueryRequest, QueryResult
 from simllm_ros.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
-from simllm_ros.ros.params import ParameterGate, declare_all, settings_from_node
+from simllm_ros.ros.params import ParameterGate, declare_all, settings_from_node, undeclared_names
 from simllm_ros.settings import SettingError, Settings
 from simllm_ros.srv import Embed, Query
 from simllm_ros.thermal import ThermalLevel, ThermalMonitor, ThermalReading
@@ -146,6 +158,10 @@ class SimLLMNode(LifecycleNode):
 
         self._engine: Engine | None = None
         self._server: RequestServer | None = None
+        self._checkpointer: Checkpointer | None = None
+        self._map_salt = os.urandom(16)  # cache_map namespaces are scope tags, never scope names
+        self._scope_pubs: dict[str, object] = {}  # responses_per_scope: topic -> publisher
+        self._scope_pubs_lock = threading.Lock()
         self._monitor: ThermalMonitor | None = None
         self._thermal = health.ThermalState()
         self._health_window = health.RateWindow()
@@ -165,6 +181,17 @@ class SimLLMNode(LifecycleNode):
         self._pub_diag = None
         self._pub_map = None
         self._timer = None
+
+    def _check_undeclared_parameters(self, parameter_list) -> None:
+        """Name the undeclared parameter in the refusal (rclpy's own message lists none)."""
+        from rclpy.exceptions import ParameterNotDeclaredException
+        from rclpy.parameter import Parameter
+        if not all(isinstance(p, Parameter) for p in parameter_list):
+            raise TypeError(f"parameter must be instance of type '{Parameter!r}'")
+        names = undeclared_names(self, parameter_list)
+        if names and not self._allow_undeclared_parameters:
+            raise ParameterNotDeclaredException(f"{names}; `ros2 param list {self.get_fully_qualified_name()}` "
+                                                "shows the declared ones")
 
     # ---------------------------------------------------------------- lifecycle
     def state_label(self) -> str:
@@ -202,6 +229,10 @@ class SimLLMNode(LifecycleNode):
                 max_batch=settings.max_batch)
             self._create_entities()
             self._server.start()
+            if settings.persist_path:
+                self._checkpointer = Checkpointer(engine.save, lambda: engine.settings.persist_interval_s,
+                                                  self._py_log)
+                self._checkpointer.start()
             self._engine = engine
             rep = engine.load_report
             log.info(f"configured in {time.monotonic() - t0:.1f} s: restored {rep.get('restored', 0)} cached "
@@ -241,6 +272,7 @@ class SimLLMNode(LifecycleNode):
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         if self._server is not None:
             self._server.close()
+            self.checkpoint("deactivate")  # what is cached now survives even if the wait below is cut short
             self._server.drain("deactivate")
         self._destroy_timer()
         self.get_logger().info("inactive: requests are refused, the pool is kept")
@@ -281,18 +313,23 @@ class SimLLMNode(LifecycleNode):
                 pass
 
     def _teardown(self, why: str, save: bool = True) -> None:
-        """Refuse, drain, save, unload, destroy: safe from any state and idempotent."""
+        """Refuse, checkpoint, drain, save, unload, destroy: safe from any state and idempotent."""
         if self._server is not None:
             self._server.close()
         self._destroy_timer()
         if self._server is not None:
+            if save:
+                self.checkpoint(why)
             self._server.drain(why)
         self._stop_server()
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            checkpointer.stop()
         engine, self._engine = self._engine, None
         if engine is not None:
             if save:
                 try:
-                    path = engine.save()
+                    path = engine.save(only_if_changed=True)
                     if path:
                         self.get_logger().info(f"{why}: pool saved to {path}")
                 except Exception as e:
@@ -305,6 +342,19 @@ class SimLLMNode(LifecycleNode):
         self._destroy_entities()
         self._monitor = None
         self._thermal = health.ThermalState()
+
+    def checkpoint(self, why: str) -> str | None:
+        """Save the pool now if it changed (does not wait for a running generation); never raises."""
+        checkpointer, server = self._checkpointer, self._server
+        if checkpointer is None:
+            return None
+        t0 = time.monotonic()
+        path = checkpointer.checkpoint(why)
+        if path:
+            waiting = server.inflight if server is not None else 0
+            self.get_logger().info(f"{why}: pool checkpointed to {path} in {time.monotonic() - t0:.2f} s"
+                                   + (f", before waiting for {waiting} request(s) in flight" if waiting else ""))
+        return path
 
     def _stop_server(self) -> None:
         server, self._server = self._server, None
@@ -357,8 +407,15 @@ class SimLLMNode(LifecycleNode):
                 QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE), callback_group=self._matching_group)
 
     def _destroy_entities(self) -> None:
-        for attr in ("_srv", "_embed_srv", "_action", "_sub", "_pub_responses", "_pub_stats", "_pub_thermal",
-                     "_pub_diag", "_pub_map"):
+        with self._scope_pubs_lock:
+            pubs, self._scope_pubs = list(self._scope_pubs.values()), {}
+        for pub in pubs:
+            try:
+                self.destroy_publisher(pub)
+            except Exception as e:
+                self.get_logger().warning(f"destroying a per-scope responses publisher: {e}")
+        for attr in ("_srv", "_embed_srv", "_action", "_sub", "_pub_responses", "_pub_stats", "_pub_thermal", "_pub_diag",
+                     "_pub_map"):
             ent = getattr(self, attr)
             if ent is None:
                 continue
@@ -427,14 +484,19 @@ class SimLLMNode(LifecycleNode):
     def _on_request_msg(self, msg: QueryRequestMsg) -> None:
         try:
             req = _request_from(msg, msg.request_id)
-            server = self._server
+            server, engine, scope = self._server, self._engine, req.cache_scope
             if server is None:
-                self._publish_response(QueryResult.failure(not_active_error(self.state_label()), req.request_id))
+                self._publish_response(QueryResult.failure(not_active_error(self.state_label()), req.request_id), scope)
+            elif engine is not None and engine.settings.responses_per_scope and self.scope_topic(scope) is None:
+                self._publish_response(QueryResult.failure(
+                    f"cache_scope {scope[:80]!r} cannot name a topic: with responses_per_scope, a scope must be a "
+                    "ROS name (letters, digits, _ and /, no part starting with a digit)", req.request_id), scope)
             else:
-                server.submit(req, self._publish_response)
+                server.submit(req, lambda r: self._publish_response(r, scope), unique_id=True)
         except Exception as e:
             self.get_logger().error(f"request topic: {type(e).__name__}: {e}")
-            self._publish_response(QueryResult.failure(internal_error(e), getattr(msg, "request_id", "")))
+            self._publish_response(QueryResult.failure(internal_error(e), getattr(msg, "request_id", "")),
+                                   getattr(msg, "cache_scope", ""))
 
     def _on_goal(self, goal_handle) -> Generate.Result:
         """One goal of ~/generate: through the same admission as the service; feedback as the answer grows;
@@ -498,8 +560,36 @@ class SimLLMNode(LifecycleNode):
                 self._calls.notify_all()
         return response
 
-    def _publish_response(self, result: QueryResult) -> None:
-        pub = self._pub_responses
+    def _responses_publisher(self, scope: str):
+        """The shared ~/responses, or with responses_per_scope ~/responses/<scope> (created on first use).
+        A scope that is no valid ROS name part (it holds '.', ':' or '-', or a part starts with a digit)
+        gets the shared topic; its request was refused (see _on_request_msg), so only an error goes there."""
+        engine = self._engine
+        if engine is None or not engine.settings.responses_per_scope or self._pub_responses is None:
+            return self._pub_responses
+        topic = self.scope_topic(scope)
+        if topic is None:
+            return self._pub_responses
+        with self._scope_pubs_lock:
+            pub = self._scope_pubs.get(topic)
+            if pub is None:
+                pub = self.create_publisher(QueryResponse, topic,
+                                            QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+                self._scope_pubs[topic] = pub
+            return pub
+
+    def scope_topic(self, scope: str) -> str | None:
+        """'/simllm_node/responses/kiosk_3' for scope 'kiosk_3' ('' -> .../default); None if not a valid name."""
+        from rclpy.validate_full_topic_name import validate_full_topic_name
+        topic = f"{self.get_fully_qualified_name()}/responses/{scope or 'default'}"
+        try:
+            validate_full_topic_name(topic)
+        except Exception:
+            return None
+        return topic
+
+    def _publish_response(self, result: QueryResult, scope: str = "") -> None:
+        pub = self._responses_publisher(scope)
         if pub is None:
             self.get_logger().warning(f"request {result.request_id!r}: no response publisher (node cleaned up)")
             return
@@ -550,7 +640,8 @@ class SimLLMNode(LifecycleNode):
         except Exception as e:
             self.get_logger().error(f"telemetry (diagnostics): {type(e).__name__}: {e}")
         try:
-            self._publish_cache_map(cache_map.spheres(engine.entries()), now, engine.settings.cache_map_frame)
+            self._publish_cache_map(cache_map.spheres(engine.entries(), salt=self._map_salt), now,
+                                    engine.settings.cache_map_frame)
         except Exception as e:
             self.get_logger().error(f"telemetry (cache_map): {type(e).__name__}: {e}")
 
@@ -595,7 +686,9 @@ class SimLLMNode(LifecycleNode):
         recent = self._health_window.update(time.monotonic(), stats) if stats is not None else None
         h = health.assess(stats, self._thermal, recent, ttft_warn_ms=engine.settings.ttft_warn_ms,
                           queue_limit=server.queue_limit if server is not None else engine.settings.queue_limit,
-                          state=self.state_label(), reading=reading)
+                          state=self.state_label(), reading=reading,
+                          no_data_level=health.HealthLevel.ERROR if engine.settings.thermal_no_data_level == "error"
+                          else health.HealthLevel.WARN)
         s = engine.settings
         st = DiagnosticStatus(level=bytes([int(h.level)]), name=diagnostic_name(self.get_fully_qualified_name()),
                               message=h.message, hardware_id=s.hardware_id or socket.gethostname())

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
 from rclpy.parameter import Parameter
 
+from simllm_ros import path_checks
 from simllm_ros.settings import SPEC_BY_NAME, SPECS, ParamSpec, SettingError, Settings
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -120,6 +121,12 @@ class ParameterGate:
         changes = {name: getattr(candidate, name) for name in asked if getattr(candidate, name) != current[name]}
         if not changes:
             return ""
+        if not self._is_loaded():
+            try:
+                for name, value in changes.items():
+                    path_checks.check(name, value)  # a path that cannot work is refused when set
+            except SettingError as e:
+                return str(e)
         if self._is_loaded():
             reload = [name for name in changes if not SPEC_BY_NAME[name].live]
             if reload:
@@ -131,3 +138,16 @@ class ParameterGate:
                 return str(e)
         self._node.get_logger().info("parameters set: " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
         return ""
+
+
+def undeclared_names(node, parameter_list) -> str:
+    """'cache_treshold (did you mean cache_threshold?)' for the parameters the node does not have; '' if none.
+    (rclpy's own check exhausts a generator before listing the names, so its error said '[]'.)"""
+    import difflib
+    declared = list(node._parameters)
+    out = []
+    for p in parameter_list:
+        if p.name not in declared:
+            close = difflib.get_close_matches(p.name, declared, n=1)
+            out.append(p.name + (f" (did you mean {close[0]}?)" if close else ""))
+    return ", ".join(out)
