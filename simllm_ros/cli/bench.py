@@ -9,6 +9,7 @@ time against pool size, KV bytes per entry at 8 and 16 bits, and the engine's ov
     python -m simllm_ros.cli.bench                       # full run -> benchmark/results
     python -m simllm_ros.cli.bench --smoke               # a few requests -> build/bench-smoke
     python -m simllm_ros.cli.bench --systems no-cache,simllm --workloads edge-bulletin
+    python -m simllm_ros.cli.bench concurrency           # many users at once -> benchmark/concurrency
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ from ..bench.systems import ALL_SYSTEMS
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["concurrency"]:  # many users at once: simllm_ros/bench/concurrency.py
+        _environment()
+        from ..bench import concurrency
+
+        return concurrency.main(argv[1:])
     ap = argparse.ArgumentParser(prog="simllm-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="a few requests, no peer that needs building (for CI)")
     ap.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT}; with --smoke {SMOKE_OUT})")
@@ -49,13 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (SMOKE_OUT if args.smoke else DEFAULT_OUT)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    # On a shared machine, OpenMP threads that spin while waiting collapse throughput (20x measured on 2 cores
-    # with other work running); passive waiting costs little when the machine is idle. Set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    _environment()
     os.makedirs(out, exist_ok=True)
     if args.report_only:
         res = read_results(args.report_only)
@@ -73,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
             err = st.get("error", "")
             print(f"  {s}: {err if err.startswith(st['status']) else st['status'] + ': ' + err}")
     return 0
+
+
+def _environment() -> None:
+    # On a shared machine, OpenMP threads that spin while waiting collapse throughput (20x measured on 2 cores
+    # with other work running); passive waiting costs little when the machine is idle. Set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 if __name__ == "__main__":
