@@ -460,15 +460,18 @@ class Engine:
                 self.recorder.record_error()
                 return QueryResult.failure("engine is not loaded", p.req.request_id)
             try:
-                if should_stop is not None and should_stop():  # cancelled while it waited
-                    result = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel")
-                else:
-                    result = self._execute(p, on_progress, should_stop)
+                result = self._cancelled_while_waiting(p, should_stop) or self._execute(p, on_progress, should_stop)
             except Exception as e:  # a fault inside generation fails this request only
                 result = self._fault(p, e)
             result.request_id = p.req.request_id
             self._record(result)
             return result
+
+    @staticmethod
+    def _cancelled_while_waiting(p: Prepared, should_stop: Callable[[], bool] | None) -> QueryResult | None:
+        if should_stop is not None and should_stop():
+            return QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel", request_id=p.req.request_id)
+        return None
 
     def _fault(self, p: Prepared, e: BaseException) -> QueryResult:
         self.log.error(f"request {p.req.request_id!r} failed inside the engine", exc_info=e)
@@ -584,9 +587,8 @@ class Engine:
                 self.recorder.record_error()
                 return QueryResult.failure("engine is not loaded", p.req.request_id)
             try:
-                if should_stop is not None and should_stop():  # cancelled while it waited
-                    result = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel",
-                                         request_id=p.req.request_id)
+                result = self._cancelled_while_waiting(p, should_stop)
+                if result is not None:
                     self._record(result)
                     return result
                 f = self._plan(p, on_progress, should_stop)

@@ -81,7 +81,10 @@ class _ScopeRows:
         self.nn_sim = np.full(capacity, -1.0, dtype=np.float32)  # cosine to the nearest other row
         self.nn_idx = np.full(capacity, -1, dtype=np.int64)  # that row, -1 when alone
         self.n = 0
-        self._q8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 copy for the prefilter, rebuilt lazily
+        # int8 copy for the prefilter: rows below _q8_valid are current; an add or a removal marks from its
+        # row on, so a lookup after an add quantizes one row, not the scope.
+        self._q8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._q8_valid = 0
 
     def grow(self) -> None:
         cap = self.fp.shape[0] * 2
@@ -92,12 +95,22 @@ class _ScopeRows:
             setattr(self, name, new)
 
     def int8(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._q8 is None or self._q8[0].shape[0] != self.n:
-            self._q8 = _quantize(self.fp[:self.n])
-        return self._q8
+        cap = self.fp.shape[0]
+        if self._q8 is None or self._q8[0].shape[0] != cap:
+            old, self._q8 = self._q8, (torch.zeros((cap, self.fp.shape[1]), dtype=torch.int8),
+                                       torch.ones(cap, dtype=torch.bfloat16))
+            if old is not None:
+                keep = min(self._q8_valid, old[0].shape[0])
+                self._q8[0][:keep], self._q8[1][:keep] = old[0][:keep], old[1][:keep]
+        if self._q8_valid < self.n:
+            w8, scale = _quantize(self.fp[self._q8_valid:self.n])
+            self._q8[0][self._q8_valid:self.n], self._q8[1][self._q8_valid:self.n] = w8, scale
+            self._q8_valid = self.n
+        return self._q8[0][:self.n], self._q8[1][:self.n]
 
-    def changed(self) -> None:
-        self._q8 = None
+    def changed(self, row: int) -> None:
+        """Rows from `row` on are new or moved."""
+        self._q8_valid = min(self._q8_valid, row)
 
 
 class Matcher:
@@ -126,7 +139,7 @@ class Matcher:
             s.fp[row] = fingerprint
             s.keys[row] = key
             s.last_used[row] = now
-            s.changed()
+            s.changed(row)
             self._where[key] = (scope, row)
             self._link(s, row)
 
@@ -154,7 +167,7 @@ class Matcher:
             orphans = np.where(orphans == last, row, orphans)  # the moved row may be an orphan too
         s.keys[last], s.nn_idx[last], s.nn_sim[last] = -1, -1, -1.0
         s.n = last
-        s.changed()
+        s.changed(row)
         for other in orphans:  # rows whose nearest neighbour left look again
             if other < s.n:
                 s.nn_idx[other], s.nn_sim[other] = self._nearest(s, int(other))

@@ -19,13 +19,13 @@ import time
 import pytest
 import torch
 
-from simllm_ros.decoding import DraftSource
 from simllm_ros.draft_proposer import DraftProposer
 from simllm_ros.llama_runner import Seq
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.request_server import RequestServer
 
 from core_fixtures import BULLETIN, BULLETIN_REVISED, fresh, shared_engine
+from test_verified_decoding import FixedDrafts
 
 NATIVE_BF16 = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
 pytestmark = pytest.mark.skipif(not NATIVE_BF16, reason="no native bfloat16 here: the platform is not batch-"
@@ -85,17 +85,6 @@ def test_batched_forward_equals_one_at_a_time_bitwise(engine):
     assert singles >= 3
     print(f"\n[batched forward] {checked} sequences in 8 ragged passes bitwise equal to one at a time "
           f"({singles} single tokens)")
-
-
-class FixedDrafts(DraftSource):
-    def __init__(self, seq, fallback=()):
-        self.seq, self.fallback = list(seq), list(fallback)
-
-    def propose(self, generated, limit):
-        n = len(generated)
-        if self.seq[:n] == generated and len(self.seq) > n:
-            return self.seq[n:n + limit]
-        return self.fallback[:limit]
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.9, 5)])

@@ -23,7 +23,7 @@ N = f"/{NODE}"
 QUEUE_LIMIT = 4
 MAX_NEW = 8
 BUDGET = 3_000_000
-DIAG_NAME = "simllm_node: LLM service"
+DIAG_NAME = f"{NODE}: LLM service"  # "<node's full name without the leading slash>: <task>"
 SERVICE_CLIENTS, TOPIC_CLIENTS, PER_CLIENT, WAVES = 3, 2, 6, 3
 
 

@@ -275,24 +275,13 @@ def identity(runs: list[dict], four: dict | None) -> dict:
 
 
 def run(args) -> dict:
-    import torch
-
     from .. import workloads as wl
     from ..engine import Engine
     from ..settings import Settings
-    from .runner import machine_info
+    from .runner import machine_info, set_threads
 
     t_start = time.monotonic()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()
-    blas = None
-    try:
-        from threadpoolctl import threadpool_limits
-
-        blas = threadpool_limits(limits=threads, user_api="blas")
-    except ImportError:  # pragma: no cover
-        pass
+    threads, blas = set_threads(args.threads)
     clients = [int(c) for c in args.clients.split(",")]
     max_new = args.max_new_tokens or (8 if args.smoke else 32)
     settings = Settings.from_overrides(cache_size="256MB", max_new_tokens=max(max_new, args.four_max_new_tokens),

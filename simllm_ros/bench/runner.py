@@ -158,8 +158,23 @@ def interleave(systems: dict, wname: str, rows: list[dict], status: dict, bar) -
     return recs
 
 
-def run(args) -> dict:
+def set_threads(n: int | None):
+    """torch gets n threads (None/0: its default) and numpy's BLAS (the matcher) the same number: idle BLAS
+    threads waking up cost ~8 ms a call on a busy 2-core machine. Returns (threads, the BLAS limiter or None)."""
     import torch
+
+    if n:
+        torch.set_num_threads(n)
+    threads = torch.get_num_threads()
+    try:
+        from threadpoolctl import threadpool_limits
+
+        return threads, threadpool_limits(limits=threads, user_api="blas")
+    except ImportError:  # pragma: no cover - threadpoolctl is optional
+        return threads, None
+
+
+def run(args) -> dict:
     from tqdm import tqdm
 
     from ..engine import Engine
@@ -167,16 +182,7 @@ def run(args) -> dict:
     from ..settings import SPEC_BY_NAME, Settings, parse_size
 
     t_start = time.monotonic()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()
-    blas = None
-    try:  # numpy's BLAS (the matcher) gets the same thread count: idle BLAS threads waking up cost ~8 ms a call
-        from threadpoolctl import threadpool_limits   # on a busy 2-core machine
-
-        blas = threadpool_limits(limits=threads, user_api="blas")
-    except ImportError:  # pragma: no cover - threadpoolctl is optional
-        pass
+    threads, blas = set_threads(args.threads)
     minfo = machine_info(threads)
     minfo["blas_threads"] = threads if blas is not None else "default"
     plan = build_plan(args)
