@@ -211,7 +211,8 @@ def test_server_with_max_batch_answers_as_one_at_a_time_on_every_tier(engine):
         assert a.success and b.success, (r.request_id, a.error, b.error)
         assert (a.cache_result, a.exact) == (b.cache_result, b.exact), r.request_id
         assert b.answer == a.answer, f"{r.request_id}: batched {b.answer!r} != one at a time {a.answer!r}"
-        assert b.generated_tokens == a.generated_tokens and b.draft_tokens_accepted == a.draft_tokens_accepted
+        # Draft counts may differ: decoding together, each request's draft is capped at its share of the pass.
+        assert b.generated_tokens == a.generated_tokens
     tiers = {r.request_id: b.cache_result for r, b in zip(burst, batched)}
     assert tiers["miss"] == CacheResult.MISS and tiers["prefix"] == CacheResult.EXACT_PREFIX
     assert tiers["semantic"] == CacheResult.SEMANTIC and tiers["answer"] == CacheResult.ANSWER

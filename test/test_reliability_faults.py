@@ -142,17 +142,17 @@ def test_cleanup_right_after_deactivate_with_requests_in_flight(h):
 
 class _FaultyModel:
     """Wraps the real model, or the backend's Llama runner where it has one (that is what runs the forward
-    passes then): raises when run on exactly `n_tokens` input tokens (one prompt's prefill), alone or as one
-    sequence of a batched pass (max_batch > 1)."""
+    passes then): raises when its input holds `marker`, a token that only the faulty prompt has, alone or as
+    one sequence of a batched pass, whole or in a chunk of a chunked prefill (max_batch > 1)."""
 
-    def __init__(self, inner, n_tokens):
-        self._inner, self._n = inner, n_tokens
+    def __init__(self, inner, marker: int):
+        self._inner, self._marker = inner, marker
         self.raised = 0
 
     def _check(self, ids):
-        if ids is not None and ids.shape[-1] == self._n:
+        if ids is not None and bool((ids == self._marker).any()):
             self.raised += 1
-            raise RuntimeError(f"injected fault on a {self._n}-token prefill")
+            raise RuntimeError(f"injected fault on a prefill holding token {self._marker}")
 
     def __call__(self, *args, **kwargs):
         self._check(kwargs.get("input_ids", args[0] if args else None))
@@ -179,12 +179,11 @@ def test_exception_inside_generation_fails_that_request_only(h):
     faulty = "Explain how a fuel cell works, step by step, in detail please."
     before = ["What colour is the sky?", "Name a big cat."]
     after = ["Count to three.", "What is ice made of?"]
-    n_fault = len(backend.prompt_ids(sysp, "", faulty))
-    for p in before + after:
-        assert len(backend.prompt_ids(sysp, "", p)) != n_fault
+    others = {t for p in before + after for t in backend.prompt_ids(sysp, "", p)}
+    marker = next(t for t in backend.prompt_ids(sysp, "", faulty) if t not in others)
     errors0 = engine.recorder.snapshot(0, 0, 0, 0, 0, 0, 0)["errors_total"]
     part = "runner" if getattr(backend, "runner", None) is not None else "model"
-    wrapper = _FaultyModel(getattr(backend, part), n_fault)
+    wrapper = _FaultyModel(getattr(backend, part), marker)
     n_resp0 = len(h.messages(f"{N}/responses"))
     setattr(backend, part, wrapper)
     try:
