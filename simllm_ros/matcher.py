@@ -15,7 +15,8 @@ at least PREFILTER_KEEP, and every row whose approximate cosine is within the
 recency weight plus the int8 error bound of the best one, so the ranking is the
 exact one. The kernel is a private ATen op whose CPU paths differ by instruction
 set, so it is checked once per process against float32 on data of the prefilter's
-shape; where it disagrees (or is missing) every lookup scans exactly in float32.
+shape, and on every lookup on the rows it picked and 64 rows spread over the scope;
+where it disagrees (or is missing) every lookup scans exactly in float32.
 
 For eviction it also keeps each entry's redundancy (highest cosine to another
 entry of its scope) up to date as entries come and go: an add costs one pass
@@ -219,7 +220,10 @@ class Matcher:
                 keep = max(min(s.n, max(PREFILTER_KEEP, 4 * k)), int((approx >= floor).sum()))
                 picked = torch.topk(approx, min(keep, s.n)).indices.numpy()
                 cos = s.fp[picked] @ q
-                if np.abs(approx.numpy()[picked] - cos).max() <= PREFILTER_MARGIN / 2:
+                spread = np.linspace(0, s.n - 1, 64).astype(np.int64)  # rows it did not pick are checked too
+                a = approx.numpy()
+                if max(np.abs(a[picked] - cos).max(), np.abs(a[spread] - s.fp[spread] @ q).max()) \
+                        <= PREFILTER_MARGIN / 2:
                     rows = picked
                 else:  # the kernel misbehaved on these rows: never trust it again in this process
                     _distrust_int8_kernel()

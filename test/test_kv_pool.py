@@ -472,3 +472,13 @@ def test_matcher_prefilter_distrusts_a_wrong_int8_kernel(monkeypatch):
     for i in (3, 4000, n - 1):
         assert m.best(fps[i], "big", now=0.0, k=1)[0][0] == i
     assert matcher_mod._INT8_KERNEL_OK is False
+
+    def sinks(q, w8, scale):  # a kernel that buries a block of rows, the right one among them
+        out = real(q, w8, scale).clone()
+        out[3000:3400] -= 1.0
+        return out
+
+    monkeypatch.setattr(matcher_mod, "_int8_scores", sinks)
+    monkeypatch.setattr(matcher_mod, "_INT8_KERNEL_OK", True)
+    assert m.best(fps[3100], "big", now=0.0, k=1)[0][0] == 3100
+    assert matcher_mod._INT8_KERNEL_OK is False
