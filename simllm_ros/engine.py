@@ -37,7 +37,7 @@ from .settings import SPECS, SettingError, Settings, parse_size
 from .streaming import AnswerWatcher
 from .structured_output import CompiledSchema, SchemaError
 from .thermal import ThermalLevel
-from .validation import check_text_field, is_blank, normalize_text, validate_request
+from .validation import check_text_field, is_invisible_only, normalize_text, validate_request
 
 RELOAD_PARAMS = {s.name for s in SPECS if not s.live}
 
@@ -432,7 +432,7 @@ class Engine:
             err = check_text_field(f"texts[{i}]", text)
             if err:
                 raise ValueError(err)
-            if is_blank(text):
+            if is_invisible_only(text):
                 raise ValueError(f"texts[{i}] is empty (only whitespace or invisible characters)")
             n = fp.count_tokens(text)
             if n > fp.max_tokens:

@@ -398,18 +398,11 @@ class ModelBackend:
                 t_start: float | None = None, should_stop: Callable[[], bool] | None = None,
                 drafts: DraftSource | None = None, on_token: Callable[[list[int]], None] | None = None,
                 constraint: Constraint | None = None) -> Decoder:
-        """The answer as `decode` would produce it, one step at a time (the owner runs the passes: step_batch)."""
+        """The answer as `decode` would produce it, one step at a time (the owner runs the passes:
+        run_batch, then finish_step)."""
         return Decoder(first_logits, max_new_tokens, sampler=Sampler(temperature, seed), stop_ids=self.stop_ids,
                        drafts=drafts, t_start=t_start, on_token=on_token, should_stop=should_stop,
                        constraint=constraint)
-
-    def step_batch(self, work: list[tuple[Decoder, object]]) -> None:
-        """One decode step of several unfinished decoders, each over its own cache, in one forward pass where
-        that is exact (run_batch); each cache then keeps its accepted tokens. A finished decoder's text is set."""
-        bases = [self.cache_len(cache) for _, cache in work]
-        outs = self.run_batch([(dec.inputs(), cache, "all") for dec, cache in work])
-        for (dec, cache), base, out in zip(work, bases, outs):
-            self.finish_step(dec, cache, base, out)
 
     def finish_step(self, dec: Decoder, cache, base: int, rows: torch.Tensor) -> None:
         """Hand one decoder its step's logits and trim its cache to the accepted tokens."""

@@ -73,20 +73,11 @@ def _char_code(ch: str) -> str:
     return f"U+{ord(ch):04X}" + (f" ({name})" if name else "")
 
 
-def check_text_field(field: str, text: str) -> str | None:
-    """Why a text field is refused (not a string, control characters, unpaired surrogates), or None."""
-    return _check_text_field(field, text)
-
-
-def is_blank(text: str) -> bool:
-    """Empty, or only whitespace and invisible characters."""
-    return is_invisible_only(text)
-
-
 _BAD_CHAR_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
-def _check_text_field(field: str, text: str) -> str | None:
+def check_text_field(field: str, text: str) -> str | None:
+    """Why a text field is refused (not a string, control characters, unpaired surrogates), or None."""
     if not isinstance(text, str):
         return f"{field} must be a string, got {type(text).__name__}"
     m = _BAD_CHAR_RE.search(text)
@@ -128,7 +119,7 @@ def validate_messages(req: QueryRequest) -> str | None:
         field = f"messages[{i}]"
         if turn.role not in ROLES:
             return f"{field}.role {turn.role!r} is not one of {', '.join(ROLES)}"
-        err = _check_text_field(f"{field}.content", turn.content)
+        err = check_text_field(f"{field}.content", turn.content)
         if err:
             return err
         if is_invisible_only(turn.content):
@@ -156,7 +147,7 @@ def validate_request(req: QueryRequest, *, max_scope_length: int, max_new_tokens
         return (f"prompt, context and messages are {n_chars} characters: more than the {max_chars} that can fit "
                 "in max_prompt_tokens (nothing is truncated)")
     for field in ("prompt", "context", "json_schema"):
-        err = _check_text_field(field, getattr(req, field))
+        err = check_text_field(field, getattr(req, field))
         if err:
             return err
     prompt = req.prompt
@@ -186,7 +177,7 @@ def validate_generation(req: QueryRequest) -> str | None:
     if len(req.stop) > MAX_STOP_STRINGS:
         return f"stop has {len(req.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
     for i, s in enumerate(req.stop):
-        err = _check_text_field(f"stop[{i}]", s)
+        err = check_text_field(f"stop[{i}]", s)
         if err:
             return err
         if not s:

@@ -49,6 +49,14 @@ class FakeThermal:
         os.replace(tmp, path)  # atomic: the node never reads a half-written file
 
 
+def cpu_gpu_zones(root) -> FakeThermal:
+    """A cool CPU zone (0) and a GPU zone (1) that the tests heat up."""
+    t = FakeThermal(str(root))
+    t.add(0, "cpu-thermal", 45.0)
+    t.add(1, "gpu-thermal", 50.0)
+    return t
+
+
 @pytest.fixture
 def fake_thermal(tmp_path):
     return FakeThermal(str(tmp_path / "thermal"))

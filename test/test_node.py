@@ -17,7 +17,7 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticStatus
 from visualization_msgs.msg import Marker
 
-from conftest import EDGE_YAML, REPO, FakeThermal, pick_domain, wait_future, wait_until
+from conftest import EDGE_YAML, REPO, cpu_gpu_zones, pick_domain, wait_future, wait_until
 from simllm_ros.request import CacheResult
 from simllm_ros.settings import DEFAULT_MODEL
 
@@ -30,9 +30,7 @@ DIAG_NAME = "simllm_node: LLM service"  # "<node's full name without the leading
 
 @pytest.fixture(scope="module")
 def thermal(tmp_path_factory):
-    t = FakeThermal(str(tmp_path_factory.mktemp("sys") / "thermal"))
-    t.add(0, "cpu-thermal", 45.0)
-    t.add(1, "gpu-thermal", 50.0)
+    t = cpu_gpu_zones(tmp_path_factory.mktemp("sys") / "thermal")
     t.add(2, "cv0-thermal", raw="-256000")  # powered-down Jetson zone: offline, NaN
     return t
 

@@ -14,7 +14,7 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticStatus
 
 import hostile_snapshots
-from conftest import EDGE_YAML, FakeThermal, wait_until
+from conftest import EDGE_YAML, cpu_gpu_zones, wait_until
 from simllm_ros import persistence
 
 NODE = "simllm_rel_hostile"
@@ -26,10 +26,7 @@ TIMEOUT = 300.0
 
 @pytest.fixture(scope="module")
 def thermal(tmp_path_factory):
-    t = FakeThermal(str(tmp_path_factory.mktemp("sys") / "thermal"))
-    t.add(0, "cpu-thermal", 45.0)
-    t.add(1, "gpu-thermal", 50.0)
-    return t
+    return cpu_gpu_zones(tmp_path_factory.mktemp("sys") / "thermal")
 
 
 @pytest.fixture(scope="module")

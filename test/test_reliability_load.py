@@ -16,7 +16,7 @@ import uuid
 import pytest
 from diagnostic_msgs.msg import DiagnosticStatus
 
-from conftest import EDGE_YAML, FakeThermal, wait_future, wait_until
+from conftest import EDGE_YAML, cpu_gpu_zones, wait_future, wait_until
 
 NODE = "simllm_rel_load"
 N = f"/{NODE}"
@@ -29,10 +29,7 @@ SERVICE_CLIENTS, TOPIC_CLIENTS, PER_CLIENT, WAVES = 3, 2, 6, 3
 
 @pytest.fixture(scope="module")
 def thermal(tmp_path_factory):
-    t = FakeThermal(str(tmp_path_factory.mktemp("rel_load_sys") / "thermal"))
-    t.add(0, "cpu-thermal", 45.0)
-    t.add(1, "gpu-thermal", 50.0)
-    return t
+    return cpu_gpu_zones(tmp_path_factory.mktemp("rel_load_sys") / "thermal")
 
 
 @pytest.fixture(scope="module")

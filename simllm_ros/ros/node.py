@@ -31,6 +31,7 @@ cache_map.spheres. The executor must be a MultiThreadedExecutor; `make_executor(
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -462,23 +463,33 @@ class SimLLMNode(LifecycleNode):
             self._server.set_max_batch(settings.max_batch)
 
     # ------------------------------------------------------------ request path
-    def _on_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:
+    @contextlib.contextmanager
+    def _service_call(self):
+        """A service or goal callback in progress: deactivate and cleanup wait for these to finish."""
         with self._calls:
             self._service_calls += 1
         try:
-            req = _request_from(request)
-            server = self._server
-            if server is None:
-                result = QueryResult.failure(not_active_error(self.state_label()))
-            else:
-                result = server.wait(server.submit(req))
-        except Exception as e:
-            self.get_logger().error(f"query service: {type(e).__name__}: {e}")
-            result = QueryResult.failure(internal_error(e))
+            yield
         finally:
             with self._calls:
                 self._service_calls -= 1
                 self._calls.notify_all()
+
+    def _answer(self, what: str, make_request, poll_s: float = 1.0, **submit) -> QueryResult:
+        """One request through the request server, waited for; a refusal or a fault as a failed result."""
+        try:
+            req = make_request()
+            server = self._server
+            if server is None:
+                return QueryResult.failure(not_active_error(self.state_label()))
+            return server.wait(server.submit(req, **submit), poll_s=poll_s)
+        except Exception as e:
+            self.get_logger().error(f"{what}: {type(e).__name__}: {e}")
+            return QueryResult.failure(internal_error(e))
+
+    def _on_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:
+        with self._service_call():
+            result = self._answer("query service", lambda: _request_from(request))
         return _fill_result(response, result)
 
     def _on_request_msg(self, msg: QueryRequestMsg) -> None:
@@ -502,24 +513,12 @@ class SimLLMNode(LifecycleNode):
         """One goal of ~/generate: through the same admission as the service; feedback as the answer grows;
         cancel ends it within one decode pass (or at once while it waits in the queue). A refusal or a bad
         goal is aborted with the reason in the result's error."""
-        with self._calls:
-            self._service_calls += 1
-        try:
-            req = _request_from(goal_handle.request, "goal-" + bytes(goal_handle.goal_id.uuid).hex()[:8])
-            server = self._server
-            if server is None:
-                result = QueryResult.failure(not_active_error(self.state_label()))
-            else:
-                job = server.submit(req, on_progress=lambda p: self._send_feedback(goal_handle, p),
-                                    should_stop=lambda: goal_handle.is_cancel_requested)
-                result = server.wait(job, poll_s=GOAL_POLL_S)
-        except Exception as e:
-            self.get_logger().error(f"generate action: {type(e).__name__}: {e}")
-            result = QueryResult.failure(internal_error(e))
-        finally:
-            with self._calls:
-                self._service_calls -= 1
-                self._calls.notify_all()
+        with self._service_call():
+            result = self._answer(
+                "generate action",
+                lambda: _request_from(goal_handle.request, "goal-" + bytes(goal_handle.goal_id.uuid).hex()[:8]),
+                poll_s=GOAL_POLL_S, on_progress=lambda p: self._send_feedback(goal_handle, p),
+                should_stop=lambda: goal_handle.is_cancel_requested)
         try:
             if result.stop_reason == "cancel" and goal_handle.is_cancel_requested:
                 goal_handle.canceled()
@@ -536,28 +535,23 @@ class SimLLMNode(LifecycleNode):
                                                        cache_result=int(p.cache_result)))
 
     def _on_embed_service(self, request: Embed.Request, response: Embed.Response) -> Embed.Response:
-        with self._calls:
-            self._service_calls += 1
-        try:
-            engine = self._engine
-            if engine is None or self.state_label() != "active":
-                response.success, response.error = False, not_active_error(self.state_label())
-                return response
+        with self._service_call():
             try:
-                vectors = engine.embed(list(request.texts))
-            except ValueError as e:
-                response.success, response.error = False, str(e)
-                return response
-            response.success = True
-            response.dim = _u32(vectors.shape[1])
-            response.vectors = vectors.reshape(-1).astype("float32").tolist()
-        except Exception as e:
-            self.get_logger().error(f"embed service: {type(e).__name__}: {e}")
-            response.success, response.error = False, internal_error(e)
-        finally:
-            with self._calls:
-                self._service_calls -= 1
-                self._calls.notify_all()
+                engine = self._engine
+                if engine is None or self.state_label() != "active":
+                    response.success, response.error = False, not_active_error(self.state_label())
+                    return response
+                try:
+                    vectors = engine.embed(list(request.texts))
+                except ValueError as e:
+                    response.success, response.error = False, str(e)
+                    return response
+                response.success = True
+                response.dim = _u32(vectors.shape[1])
+                response.vectors = vectors.reshape(-1).astype("float32").tolist()
+            except Exception as e:
+                self.get_logger().error(f"embed service: {type(e).__name__}: {e}")
+                response.success, response.error = False, internal_error(e)
         return response
 
     def _responses_publisher(self, scope: str):
