@@ -260,13 +260,19 @@ def test_hot_sensor_failing_at_critical_keeps_level_until_a_valid_cool_reading(j
     set_temp(jetson, 2, 95000)
     assert mon.read().level == ThermalLevel.CRITICAL
     _break(jetson, 2, fault)
+    slow = 0
     for _ in range(3):  # the other zones read 45-47 C, validly: that is not a cool reading of the hot zone
         t0 = time.monotonic()
         r = mon.read()
-        assert time.monotonic() - t0 < 0.4 and not r.timed_out, "a sensor read blocked"
+        # A read that blocks hangs its scan for good: every later read times out too. A pause of this shared
+        # machine (0.1-0.7 s measured) can slow one read, not all of them.
+        slow += time.monotonic() - t0 >= 0.4 or r.timed_out
         assert r.level == ThermalLevel.CRITICAL, (fault, r)
+        if r.timed_out:
+            continue
         assert r.hottest_name == "tj-thermal" and r.held == ("tj-thermal",)
         assert r.available and not zone_map(r)["tj-thermal"].online
+    assert slow <= 1, f"{fault!r}: a sensor read blocked ({slow} of 3 reads slow or timed out)"
     # The sensor comes back: the level falls only on valid readings, with hysteresis.
     if fault == "deleted_zone":
         write_zone(jetson, 2, "tj-thermal", 86000)

@@ -1,4 +1,6 @@
 """validate_request and normalize_text on real and hostile inputs."""
+import math
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -58,9 +60,11 @@ def test_long_prompt_refused_by_length_before_any_scan():
     """A 4 MB prompt is refused by one length comparison (the engine passes max_chars), not after a scan."""
     import time
     big = "a" * (4 * 2**20)
-    t0 = time.perf_counter()
-    err = validate_request(QueryRequest(prompt=big, context="x"), **LIMITS, max_chars=100_000)
-    dt = time.perf_counter() - t0
+    dt = math.inf
+    for _ in range(5):  # best of five: a pause of this shared machine is not the check's cost
+        t0 = time.perf_counter()
+        err = validate_request(QueryRequest(prompt=big, context="x"), **LIMITS, max_chars=100_000)
+        dt = min(dt, time.perf_counter() - t0)
     assert err and "4194305 characters" in err and "100000" in err and "nothing is truncated" in err
     assert dt < 0.01, f"{dt * 1000:.1f} ms"
     assert validate_request(QueryRequest(prompt="a" * 1000, context="b" * 1000), **LIMITS, max_chars=2000) is None
