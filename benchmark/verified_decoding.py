@@ -140,6 +140,10 @@ def med(rows, key) -> float:
     return statistics.median(r[key] for r in rows) if rows else float("nan")
 
 
+OVERHEAD_QUESTIONS = ("is it going to rain today", "where can I park my car", "when does the pharmacy open",
+                      "how late does bus 12 run", "is the harbour bridge open")
+
+
 def hit_overhead(engine: Engine, sizes=(250, 500, 1000), reps: int = 5) -> list[tuple[int, float, float]]:
     """Exact-hit TTFT minus the model's own limit (prefilling only the new tokens on a KV buffer that
     already holds the cached prefix), per context size."""
@@ -149,10 +153,11 @@ def hit_overhead(engine: Engine, sizes=(250, 500, 1000), reps: int = 5) -> list[
         ctx = " ".join(words[:int(size * 0.7)])
         engine.clear_pool()
         engine.settings = engine.settings.replace(max_prompt_tokens=4096, enable_drafts=False)
-        q = "is it going to rain today"
         engine.handle(QueryRequest(prompt="hello there", context=ctx, cache_scope="o", max_new_tokens=1))
         hits, limits = [], []
-        for _ in range(reps):
+        for rep in range(reps):
+            # A question not asked before in this process: its fingerprint is computed, not remembered.
+            q = f"{OVERHEAD_QUESTIONS[rep % len(OVERHEAD_QUESTIONS)]} ({size} words, {rep})"
             r = engine.handle(QueryRequest(prompt=q, context=ctx, cache_scope="o", max_new_tokens=1))
             engine.clear_pool()
             engine.handle(QueryRequest(prompt="hello there", context=ctx, cache_scope="o", max_new_tokens=1))

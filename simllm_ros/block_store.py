@@ -101,21 +101,34 @@ class BlockStore:
             self.k[block_id].copy_(k.to(self.dtype))
             self.v[block_id].copy_(v.to(self.dtype))
 
-    def read(self, block_ids: list[int], n_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenate blocks along tokens and cut to n_tokens: returns k, v [L, H, n_tokens, D]."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        if self.quantized:
-            k = kv_quant.dequantize(self.k[idx], self.k_scale[idx], self.k_zero[idx], dtype)
-            v = kv_quant.dequantize(self.v[idx], self.v_scale[idx], self.v_zero[idx], dtype)
-        else:
-            k = self.k[idx].to(dtype)
-            v = self.v[idx].to(dtype)
-        # [B, L, H, T, D] -> [L, H, B*T, D]
-        B = len(block_ids)
+    def read(self, block_ids: list[int], n_tokens: int, dtype: torch.dtype,
+             capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks concatenated along tokens, cut to n_tokens: k, v [L, H, n_tokens, D].
+
+        They are views of the first n_tokens slots of contiguous [L, H, max(capacity, n_tokens), D]
+        tensors, so a caller that asked for capacity can decode into the rest without copying the
+        prefix again (on an exact hit this copy is the only one between the pool and the model).
+        """
         L, H, D, T = self.shape.layers, self.shape.kv_heads, self.shape.head_dim, self.block_tokens
-        k = k.permute(1, 2, 0, 3, 4).reshape(L, H, B * T, D)[:, :, :n_tokens]
-        v = v.permute(1, 2, 0, 3, 4).reshape(L, H, B * T, D)[:, :, :n_tokens]
-        return k, v
+        cap = max(capacity, n_tokens)
+        k = torch.empty((L, H, cap, D), dtype=dtype, device=self.device)
+        v = torch.empty_like(k)
+        if self.quantized:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            B = len(block_ids)
+            for out, q, scale, zero in ((k, self.k, self.k_scale, self.k_zero), (v, self.v, self.v_scale, self.v_zero)):
+                # [B, L, H, T, D] -> [L, H, B*T, D], cut to n_tokens
+                full = kv_quant.dequantize(q[idx], scale[idx], zero[idx], dtype)
+                out[:, :, :n_tokens].copy_(full.permute(1, 2, 0, 3, 4).reshape(L, H, B * T, D)[:, :, :n_tokens])
+        else:
+            for i, b in enumerate(block_ids):
+                a = i * T
+                t = min(T, n_tokens - a)
+                if t <= 0:
+                    break
+                k[:, :, a:a + t].copy_(self.k[b, :, :, :t])
+                v[:, :, a:a + t].copy_(self.v[b, :, :, :t])
+        return k[:, :, :n_tokens], v[:, :, :n_tokens]
 
     def tensors_for(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
         """Raw stored tensors of some blocks, for persistence."""

@@ -510,12 +510,13 @@ class Engine:
         # A sliding-window layer keeps only its window: past it, the cache no longer holds every token's KV.
         poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
         lossless = self.lossless_reuse
+        reserve = max_new + s.max_draft_tokens + 2  # room in the KV buffer for the answer and a draft
         t_plan = time.perf_counter()
         plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=p.fingerprint,
                                   question=p.question, context_digest=digest,
                                   allow_approximate=req.allow_approximate, settings=s,
                                   semantic_supported=backend.semantic_supported, now=now, use_kv=poolable,
-                                  lossless_kv=lossless)
+                                  lossless_kv=lossless, kv_capacity=len(tokens) + reserve)
         plan_ms = (time.perf_counter() - t_plan) * 1000
         res = QueryResult(success=True, cache_result=plan.tier, similarity=plan.similarity,
                           prompt_tokens=len(tokens), request_id=req.request_id)
@@ -536,7 +537,7 @@ class Engine:
         watch = AnswerWatcher(backend.detokenize, stop=req.stop, on_progress=on_progress, cancelled=should_stop,
                               cache_result=plan.tier)
         return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, max_new,
-                      reserve=max_new + s.max_draft_tokens + 2,  # room in the KV buffer for the answer and a draft
+                      reserve=reserve,
                       drafts=drafts, watch=watch, on_token=watch.on_token if (req.stop or on_progress) else None,
                       constraint=p.schema.constraint() if p.schema is not None else None,
                       temperature=s.temperature if req.temperature is None else req.temperature,
@@ -822,7 +823,7 @@ class Engine:
                 return False
             try:
                 # Built on the longest pooled prefix, exactly as an EXACT_PREFIX request's KV is.
-                prefix = self.pool.longest_prefix(job.scope, job.tokens, len(job.tokens) - 1)
+                prefix = self.pool.longest_prefix(job.scope, job.tokens, len(job.tokens) - 1, len(job.tokens) + 2)
                 _, cache = self._prefill_exact(job.tokens, prefix)
                 self._pool_exact(job.scope, job.tokens, cache, job.fingerprint, job.question, job.context_digest,
                                  job.answer)

@@ -223,13 +223,15 @@ class KVPool:
             return [Match(key, cos, score, self._info(self._entries[key], fp))
                     for (key, cos, score), fp in zip(found, fps)]
 
-    def longest_prefix(self, scope: str, tokens: list[int], limit: int) -> PrefixHit | None:
-        """KV of the longest cached prefix of tokens[:limit] in scope (limit keeps at least one token to compute)."""
+    def longest_prefix(self, scope: str, tokens: list[int], limit: int, capacity: int = 0) -> PrefixHit | None:
+        """KV of the longest cached prefix of tokens[:limit] in scope (limit keeps at least one token to compute).
+        capacity: token slots to allocate behind the returned views (BlockStore.read), so the model can
+        continue in them without another copy."""
         with self._lock:
             ids, n = self._blocks.longest_prefix(scope, tokens[:limit])
             if n == 0:
                 return None
-            k, v = self._store.read(ids, n, self.model_dtype)
+            k, v = self._store.read(ids, n, self.model_dtype, capacity)
             owners = tuple(sorted(self._entries_of_block.get(ids[-1], ())))
             question = self._entries[owners[0]].question if owners else ""
             return PrefixHit(k, v, n, owners, question)

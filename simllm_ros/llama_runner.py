@@ -44,6 +44,21 @@ class KVBuffer:
         shape = (layers, kv_heads, capacity, head_dim)
         return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
+    @classmethod
+    def adopt(cls, k: torch.Tensor, v: torch.Tensor, capacity: int) -> "KVBuffer | None":
+        """A buffer over the storage behind k, v [L, H, n, D] when they are the leading n slots of contiguous
+        [L, H, C, D] tensors with C >= capacity (what BlockStore.read returns when asked for room): the
+        prefix is not copied again. None when they are not such views."""
+        for t in (k, v):
+            b = t._base
+            if (b is None or b.dim() != 4 or not b.is_contiguous() or b.data_ptr() != t.data_ptr()
+                    or b.shape[:2] != t.shape[:2] or b.shape[3] != t.shape[3] or b.shape[2] < capacity
+                    or b.stride() != t.stride()):
+                return None
+        buf = cls(k._base, v._base)
+        buf.length = k.shape[2]
+        return buf
+
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
@@ -205,9 +220,11 @@ class LlamaRunner:
         if mask is None and M > 1:
             slots = torch.arange(end, device=ids.device)
             mask = slots[None, :] <= (start + torch.arange(M, device=ids.device))[:, None]
+        blocked = None
         if mask is not None:
-            # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so the mask repeats G times.
-            mask = mask.repeat(G, 1)
+            # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so the mask repeats G times;
+            # inverted once here rather than in each layer.
+            blocked = ~mask.repeat(G, 1)
         layers = self.layers if n_layers is None else self.layers[:n_layers]
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers):
             x = ln1(h)
@@ -221,7 +238,7 @@ class LlamaRunner:
             kv.v[li, :, start:end] = v
             # [Hq, M, D] -> [Hkv, G*M, D]: query head h uses KV head h // G (HF's repeat_kv order).
             qg = q.reshape(Hkv, G * M, D)
-            o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], mask)
+            o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked)
             o = o.reshape(Hkv * G, M, D).transpose(0, 1).reshape(1, M, Hkv * G * D)
             h = h + o_proj(o)
             x = ln2(h)
@@ -273,7 +290,7 @@ class LlamaRunner:
             m, end = b - a, s.start + b - a
             if m > 1:  # causal by slot, as `forward` builds it; query heads grouped by KV head
                 slots = torch.arange(end, device=ids.device)
-                masks.append((slots[None, :] <= (s.start + torch.arange(m, device=ids.device))[:, None]).repeat(G, 1))
+                masks.append((slots[None, :] > (s.start + torch.arange(m, device=ids.device))[:, None]).repeat(G, 1))
             else:
                 masks.append(None)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
@@ -320,12 +337,12 @@ class LlamaRunner:
             j += n
         return res
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None):
         """q [Hkv, G*M, D], k/v [Hkv, T, D] -> [Hkv, G*M, D]. Scores and the weighted sum are plain
         products (row-invariant); the softmax runs in float32 and a masked key adds an exact zero."""
         s = torch.matmul(q * self.scale, k.transpose(-1, -2)).float()
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
+        if blocked is not None:  # True: may not attend
+            s.masked_fill_(blocked, float("-inf"))
         p = torch.softmax(s, dim=-1).to(v.dtype)
         return torch.matmul(p, v)
 

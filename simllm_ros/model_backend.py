@@ -240,8 +240,12 @@ class ModelBackend:
     def cache_from_tensors(self, k: torch.Tensor, v: torch.Tensor, reserve: int = 0):
         """k, v: [L, H, n, D] -> a cache holding them, with room for `reserve` more tokens."""
         if self.runner is not None:
-            cache = self.new_cache(k.shape[2] + max(reserve, 2))
-            cache.load(k.to(self.device, self.dtype), v.to(self.device, self.dtype))
+            need = k.shape[2] + max(reserve, 2)
+            k, v = k.to(self.device, self.dtype), v.to(self.device, self.dtype)  # no-ops when they match
+            cache = KVBuffer.adopt(k, v, need)  # a pool read with room: decode on in place
+            if cache is None:
+                cache = self.new_cache(need)
+                cache.load(k, v)
             return cache
         cache = self.new_cache()
         for layer in range(k.shape[0]):

@@ -61,9 +61,10 @@ def align(source: list[int], target: list[int], limit: int) -> list[tuple[int, i
 
 def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: str, context_digest: str,
          allow_approximate: bool, settings, semantic_supported: bool, now: float, use_kv: bool = True,
-         lossless_kv: bool | None = None) -> ReusePlan:
+         lossless_kv: bool | None = None, kv_capacity: int = 0) -> ReusePlan:
     """lossless_kv: whether reusing stored KV gives bitwise the KV a full prefill would (the engine knows:
-    stored at the model's precision, on a batch-invariant backend)."""
+    stored at the model's precision, on a batch-invariant backend). kv_capacity: token slots the request
+    will need (prompt, answer, draft); an exact prefix is read into a buffer that size, copied once."""
     s = settings
     if lossless_kv is None:
         lossless_kv = pool.kv_bits >= 16
@@ -91,7 +92,7 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
     # --- tier 1 candidate: EXACT_PREFIX
     prefix = None
     if use_kv and (allow_approximate or lossless_kv):
-        prefix = pool.longest_prefix(scope, tokens, limit)
+        prefix = pool.longest_prefix(scope, tokens, limit, kv_capacity)
     n_exact = prefix.n_tokens if prefix else 0
 
     # --- tier 2: SEMANTIC

@@ -395,7 +395,7 @@ def test_concurrent_fingerprints_share_batches():
 
     from simllm_ros.fingerprint import Fingerprinter
 
-    fp = Fingerprinter()
+    fp = Fingerprinter(remember=0)  # every call embeds: this test is about the batching
     texts = [f"how long will it take to drive to the park in west county number {i}" for i in range(24)]
     alone = fp.embed(texts)
     before = (fp.batches, fp.batched_texts)
@@ -482,3 +482,27 @@ def test_matcher_prefilter_distrusts_a_wrong_int8_kernel(monkeypatch):
     monkeypatch.setattr(matcher_mod, "_INT8_KERNEL_OK", True)
     assert m.best(fps[3100], "big", now=0.0, k=1)[0][0] == 3100
     assert matcher_mod._INT8_KERNEL_OK is False
+
+
+def test_repeated_texts_skip_the_embedder_and_get_the_same_vector():
+    """A text embedded recently is answered from memory: no forward pass, the same vector, and a caller
+    changing its array does not change what the next caller gets; the memory is bounded (LRU)."""
+    from simllm_ros.fingerprint import Fingerprinter
+
+    fp = Fingerprinter(remember=3)
+    first = fp.embed(["where can I park near the market", "is the pharmacy open"])
+    passes = fp.batches
+    again = fp.embed(["is the pharmacy open", "where can I park near the market"])
+    assert fp.batches == passes and fp.remembered_hits == 2
+    assert np.array_equal(again, first[::-1])
+    again[:] = 0.0  # the caller's array is its own
+    assert np.array_equal(fp.embed(["is the pharmacy open"])[0], first[1])
+    mixed = fp.embed(["is the pharmacy open", "when does bus 12 stop running", "is the pharmacy open"])
+    assert fp.batches == passes + 1 and fp.batched_texts == 3, "only the new text is embedded, once"
+    assert np.array_equal(mixed[0], first[1]) and np.array_equal(mixed[2], first[1])
+    assert abs(np.linalg.norm(mixed[1]) - 1) < 1e-5
+    fp.embed(["a", "b", "c"])  # three new texts push the oldest out of a memory of three
+    passes = fp.batches
+    fp.embed(["where can I park near the market"])
+    assert fp.batches == passes + 1, "forgotten text is embedded again"
+    assert fp.embed([]).shape == (0, fp.dim)
