@@ -506,3 +506,29 @@ def test_repeated_texts_skip_the_embedder_and_get_the_same_vector():
     fp.embed(["where can I park near the market"])
     assert fp.batches == passes + 1, "forgotten text is embedded again"
     assert fp.embed([]).shape == (0, fp.dim)
+
+
+@pytest.mark.parametrize("kv_bits", [32, 8])
+def test_prefix_read_with_room_is_adopted_by_the_model_buffer_without_a_copy(kv_bits):
+    """An exact hit reads the pooled prefix once, into a buffer with room for the answer: the views it returns
+    hold the stored KV, and KVBuffer.adopt decodes on in that storage. Tensors without room are copied."""
+    from simllm_ros.llama_runner import KVBuffer
+
+    pool = make_pool(kv_bits=kv_bits)
+    tokens = list(range(1, 11))  # 10 tokens: two full blocks and a partial one
+    put(pool, tokens)
+    plain = pool.longest_prefix("a", tokens, 9)
+    roomy = pool.longest_prefix("a", tokens, 9, capacity=32)
+    assert plain.n_tokens == roomy.n_tokens == 9 and roomy.k.shape == plain.k.shape == (2, 2, 9, 8)
+    assert torch.equal(roomy.k, plain.k) and torch.equal(roomy.v, plain.v)
+    if kv_bits == 32:
+        k, v = kv_for(tokens)
+        assert torch.equal(roomy.k, k[:, :, :9]) and torch.equal(roomy.v, v[:, :, :9])
+    buf = KVBuffer.adopt(roomy.k, roomy.v, capacity=20)
+    assert buf is not None and buf.length == 9 and buf.capacity == 32
+    assert buf.k.data_ptr() == roomy.k.data_ptr() and buf.v.data_ptr() == roomy.v.data_ptr()
+    assert torch.equal(buf.view()[0], plain.k)
+    assert KVBuffer.adopt(roomy.k, roomy.v, capacity=33) is None, "not enough room"
+    assert KVBuffer.adopt(plain.k, plain.v, capacity=11) is None, "a read without room leaves none"
+    assert KVBuffer.adopt(plain.k.clone(), plain.v.clone(), capacity=9) is None, "not a view"
+    assert KVBuffer.adopt(roomy.k[:, :, 1:], roomy.v[:, :, 1:], capacity=9) is None, "not the leading slots"
