@@ -12,6 +12,7 @@ success=False with an error, and fails only that request.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -49,10 +50,17 @@ class EngineLoadError(RuntimeError):
 @dataclasses.dataclass
 class Prepared:
     req: QueryRequest
-    fingerprint: np.ndarray
+    fingerprints: concurrent.futures.Future  # [n, dim] of the batch this request was prepared in; row `row`
     question: str
     t_arrival: float  # perf_counter when the request reached the engine: TTFT counts from here
     schema: CompiledSchema | None = None  # the compiled json_schema, when the request has one
+    row: int = 0
+
+    @property
+    def fingerprint(self) -> np.ndarray:
+        """The question's fingerprint. It is computed while the request is planned and prefilled, so the
+        first use may wait for it; an embedder failure raises here and fails this request."""
+        return self.fingerprints.result()[self.row]
 
 
 
@@ -83,6 +91,8 @@ class Flight:
     plan_ms: float
     max_new: int
     reserve: int  # KV room beyond the prompt: the answer and a draft
+    use_drafts: bool = False  # drafts are built once the prompt is in (_after_prefill), with the fingerprint
+    similarity_pending: bool = False  # planned without the fingerprint: res.similarity comes after the prefill
     drafts: DraftProposer | None = None
     watch: AnswerWatcher | None = None  # stop strings, streaming, cancel
     on_token: Callable[[list[int]], None] | None = None
@@ -346,6 +356,8 @@ class Engine:
         with self._exec_lock:
             if self.backend is not None and self._owns_models:
                 self.backend.release()
+                if self.fingerprinter is not None:
+                    self.fingerprinter.close()
             self.backend = None
             self.fingerprinter = None
             self.pool = None
@@ -413,9 +425,9 @@ class Engine:
             else:
                 todo.append((i, schema))
         if todo:
-            fps = self.fingerprinter.embed([reqs[i].question for i, _ in todo])
+            fps = self.fingerprinter.embed_async([reqs[i].question for i, _ in todo])
             for j, (i, schema) in enumerate(todo):
-                out[i] = Prepared(reqs[i], fps[j], normalize_text(reqs[i].question), t0, schema)
+                out[i] = Prepared(reqs[i], fps, normalize_text(reqs[i].question), t0, schema, row=j)
         return out
 
     def embed(self, texts: list[str]) -> np.ndarray:
@@ -489,6 +501,7 @@ class Engine:
         if isinstance(f, QueryResult):
             return f
         logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve)
+        self._after_prefill(f)
         gen = self.backend.decode(logits, f.cache, f.max_new, f.temperature, f.seed, t_start=p.t_arrival,
                                   drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
                                   constraint=f.constraint)
@@ -511,8 +524,11 @@ class Engine:
         poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
         lossless = self.lossless_reuse
         reserve = max_new + s.max_draft_tokens + 2  # room in the KV buffer for the answer and a draft
+        # A lossless plan (exact prefix or miss) does not use the fingerprint: the plan and the prefill go ahead
+        # while it is computed, and what needs it (drafts, reported similarity, pool update) comes after.
+        defer = not req.allow_approximate
         t_plan = time.perf_counter()
-        plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=p.fingerprint,
+        plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=None if defer else p.fingerprint,
                                   question=p.question, context_digest=digest,
                                   allow_approximate=req.allow_approximate, settings=s,
                                   semantic_supported=backend.semantic_supported, now=now, use_kv=poolable,
@@ -533,12 +549,10 @@ class Engine:
             return res
         # Drafts are checked by the model; they keep the answer exact only on a batch-invariant backend.
         use_drafts = s.enable_drafts and (backend.exact_chunking or req.allow_approximate)
-        drafts = self._draft_source(req, tokens, p.fingerprint, now) if use_drafts else None
         watch = AnswerWatcher(backend.detokenize, stop=req.stop, on_progress=on_progress, cancelled=should_stop,
                               cache_result=plan.tier)
         return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, max_new,
-                      reserve=reserve,
-                      drafts=drafts, watch=watch, on_token=watch.on_token if (req.stop or on_progress) else None,
+                      reserve=reserve, use_drafts=use_drafts, similarity_pending=defer, watch=watch, on_token=watch.on_token if (req.stop or on_progress) else None,
                       constraint=p.schema.constraint() if p.schema is not None else None,
                       temperature=s.temperature if req.temperature is None else req.temperature,
                       seed=s.seed if req.seed is None else req.seed, streaming=on_progress is not None)
@@ -694,8 +708,23 @@ class Engine:
                 res.append(None)
         return res
 
+    def _after_prefill(self, f: Flight) -> None:
+        """What needs the fingerprint, which had the plan and prefill's time to arrive: the drafts (answers of
+        similar tasks) and, for a plan made without it, the reported similarity (the most similar task of the
+        scope now, ranked as the planner ranks)."""
+        fp = f.p.fingerprint
+        if f.similarity_pending:
+            s = self.settings
+            best = self.pool.best_matches(fp, f.p.req.scope, f.now, k=1, recency_weight=s.recency_weight,
+                                          half_life_s=s.recency_half_life_s)
+            f.plan.similarity = f.res.similarity = reuse_planner.reported_similarity(best[0].cosine) if best else 0.0
+            f.similarity_pending = False
+        if f.use_drafts and f.drafts is None:
+            f.drafts = self._draft_source(f.p.req, f.tokens, fp, f.now)
+
     def _start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
         """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
+        self._after_prefill(f)
         f.decoder = self.backend.decoder(logits, f.max_new, f.temperature, f.seed, t_start=f.p.t_arrival,
                                          drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
                                          constraint=f.constraint)

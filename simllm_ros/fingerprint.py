@@ -7,6 +7,7 @@ reuse planner, and an answer is reused only under an identical context digest.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import hashlib
 import importlib.util
@@ -50,6 +51,7 @@ class Fingerprinter:
         self._remember = max(0, int(remember))
         self._recent: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()  # LRU by text
         self.remembered_hits = 0  # texts answered without a forward pass of their own
+        self._workers: concurrent.futures.ThreadPoolExecutor | None = None  # for embed_async
         # On CUDA, fingerprints run on their own stream so they overlap generation on the default stream.
         self._stream = None
         if str(device).startswith("cuda"):
@@ -95,6 +97,33 @@ class Fingerprinter:
         if not rows:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.stack(rows)
+
+    def embed_async(self, texts: list[str]) -> "concurrent.futures.Future[np.ndarray]":
+        """embed() in a worker thread: a request's plan and prefill need not wait for its fingerprint (an
+        exact-prefix plan does not use it; drafts and the pool update take it later). Texts already in
+        memory are answered at once, without a thread."""
+        norm = [normalize_text(t) for t in texts]
+        with self._queue_lock:
+            known = all(t in self._recent for t in norm)
+            if not known and self._workers is None:
+                # Two workers: a second request's texts join the batch the first one is embedding.
+                self._workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="simllm-fingerprint")
+            workers = self._workers
+        if known:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                done.set_result(self.embed(texts))
+            except BaseException as e:
+                done.set_exception(e)
+            return done
+        return workers.submit(self.embed, texts)
+
+    def close(self) -> None:
+        """Stop the embed_async workers (after what they are running)."""
+        with self._queue_lock:
+            workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.shutdown(wait=True)
 
     def _embed_batched(self, texts: list[str]) -> list[np.ndarray]:
         """One row per (normalised) text. Callers that arrive while a batch is being embedded queue their

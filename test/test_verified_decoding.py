@@ -235,3 +235,52 @@ def test_damaged_and_foreign_draft_sources_are_harmless(engine):
     secret_ids = engine.backend.tokenize_answer(secret)
     assert all(a != secret_ids for a in drafts.answers), "another scope's answer was offered as a draft"
     fresh(engine)
+
+
+def test_lossless_request_is_planned_and_prefilled_before_its_fingerprint_arrives(engine):
+    """A lossless request (allow_approximate false, the default) does not wait for MiniLM: it is prepared and
+    planned, and its prompt prefilled, while the embedder is held busy here; its drafts, reported similarity
+    and pool entry use the fingerprint once it comes, and the answer is the model's own."""
+    import threading
+
+    fresh(engine)
+    fp = engine.fingerprinter
+    first = QueryRequest(prompt="Is the pharmacy open today?", context=BULLETIN, cache_scope="late", max_new_tokens=12)
+    assert engine.handle(first).success
+    req = QueryRequest(prompt="When does the post office close today?", context=BULLETIN, cache_scope="late",
+                       max_new_tokens=12, allow_approximate=False)
+
+    def in_thread(fn, wait_s):
+        box = []
+        t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+        t.start()
+        t.join(wait_s)
+        return t, box
+
+    fp._lock.acquire()  # the embedder is busy: nothing can be fingerprinted until it is released
+    try:
+        t, box = in_thread(lambda: engine.prepare(req), 30)
+        assert box, "prepare waited for the fingerprint"
+        p = box[0]
+        assert not p.fingerprints.done()
+        t, box = in_thread(lambda: engine.begin(p), 30)
+        assert box, "the plan waited for the fingerprint"
+        f = box[0]
+        assert f.plan.tier == CacheResult.EXACT_PREFIX and f.similarity_pending and f.drafts is None
+        # The prefill runs now; the first token waits for the drafts, which need the fingerprint.
+        stepper, out = in_thread(lambda: engine.step([f]), 5)
+        assert stepper.is_alive(), "the first token waits for the fingerprint"
+        assert engine.backend.cache_len(f.cache) == len(f.tokens), "the prompt is prefilled meanwhile"
+    finally:
+        fp._lock.release()
+    stepper.join(timeout=60)
+    results = out[0]
+    while results[0] is None:
+        results = engine.step([f])
+    res = results[0]
+    assert res.success and res.exact and not f.similarity_pending and f.drafts is not None
+    cos = float(p.fingerprint @ fp.embed([first.prompt])[0])  # the scope's only other task
+    assert 0.0 < res.similarity == pytest.approx(min(1.0, cos), abs=1e-5)
+    entry = engine.pool.find("late", f.tokens)
+    assert entry is not None and entry.answer == res.answer
+    assert res.answer == fresh(engine).handle(req).answer
