@@ -1,7 +1,7 @@
 """The request pipeline: request -> fingerprint -> match -> plan reuse -> run model -> update pool -> respond.
 
 Two phases so the ROS node can overlap them in different callback groups:
-`prepare()` (validate, fingerprint; thread-safe, no model) and then either
+`prepare()` (validate, start the fingerprint; thread-safe, no model) and then either
 `execute()` (plan reuse, run the model, update the pool; one request alone) or,
 for several requests in flight together (continuous batching, max_batch > 1),
 `begin()` (plan, set up the prefill) followed by `step()` calls that advance
