@@ -552,7 +552,8 @@ class Engine:
         watch = AnswerWatcher(backend.detokenize, stop=req.stop, on_progress=on_progress, cancelled=should_stop,
                               cache_result=plan.tier)
         return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, max_new,
-                      reserve=reserve, use_drafts=use_drafts, similarity_pending=defer, watch=watch, on_token=watch.on_token if (req.stop or on_progress) else None,
+                      reserve=reserve, use_drafts=use_drafts, similarity_pending=defer, watch=watch,
+                      on_token=watch.on_token if (req.stop or on_progress) else None,
                       constraint=p.schema.constraint() if p.schema is not None else None,
                       temperature=s.temperature if req.temperature is None else req.temperature,
                       seed=s.seed if req.seed is None else req.seed, streaming=on_progress is not None)
@@ -714,9 +715,7 @@ class Engine:
         scope now, ranked as the planner ranks)."""
         fp = f.p.fingerprint
         if f.similarity_pending:
-            s = self.settings
-            best = self.pool.best_matches(fp, f.p.req.scope, f.now, k=1, recency_weight=s.recency_weight,
-                                          half_life_s=s.recency_half_life_s)
+            best = reuse_planner.ranked_matches(self.pool, fp, f.p.req.scope, f.now, self.settings, k=1)
             f.plan.similarity = f.res.similarity = reuse_planner.reported_similarity(best[0].cosine) if best else 0.0
             f.similarity_pending = False
         if f.use_drafts and f.drafts is None:

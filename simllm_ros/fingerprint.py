@@ -74,13 +74,38 @@ class Fingerprinter:
         A text embedded recently is answered from memory with the vector computed for it then (a text
         embedded in a batch can differ from a lone pass in the last bits; from memory it never changes)."""
         norm = [normalize_text(t) for t in texts]
-        rows: list[np.ndarray | None] = [None] * len(norm)
+        return self._complete(norm, self._recall(norm))
+
+    def embed_async(self, texts: list[str]) -> "concurrent.futures.Future[np.ndarray]":
+        """embed() in a worker thread: a request's plan and prefill need not wait for its fingerprint (an
+        exact-prefix plan does not use it; drafts and the pool update take it later). Texts already in
+        memory are answered at once, without a thread."""
+        norm = [normalize_text(t) for t in texts]
+        rows = self._recall(norm)
+        if all(r is not None for r in rows):
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(self._complete(norm, rows))
+            return done
         with self._queue_lock:
-            for i, t in enumerate(norm):
+            if self._workers is None:
+                # Two workers: a second request's texts join the batch the first one is embedding.
+                self._workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="simllm-fingerprint")
+            workers = self._workers
+        return workers.submit(self._complete, norm, rows)
+
+    def _recall(self, norm: list[str]) -> list[np.ndarray | None]:
+        """The remembered vector of each (normalised) text, None where there is none."""
+        rows: list[np.ndarray | None] = []
+        with self._queue_lock:
+            for t in norm:
                 v = self._recent.get(t)
                 if v is not None:
                     self._recent.move_to_end(t)
-                    rows[i] = v
+                rows.append(v)
+        return rows
+
+    def _complete(self, norm: list[str], rows: list[np.ndarray | None]) -> np.ndarray:
+        """The rows with the missing ones embedded (once per distinct text) and remembered, stacked."""
         missing = list(dict.fromkeys(t for t, r in zip(norm, rows) if r is None))
         if missing:
             fresh = dict(zip(missing, self._embed_batched(missing)))
@@ -97,26 +122,6 @@ class Fingerprinter:
         if not rows:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.stack(rows)
-
-    def embed_async(self, texts: list[str]) -> "concurrent.futures.Future[np.ndarray]":
-        """embed() in a worker thread: a request's plan and prefill need not wait for its fingerprint (an
-        exact-prefix plan does not use it; drafts and the pool update take it later). Texts already in
-        memory are answered at once, without a thread."""
-        norm = [normalize_text(t) for t in texts]
-        with self._queue_lock:
-            known = all(t in self._recent for t in norm)
-            if not known and self._workers is None:
-                # Two workers: a second request's texts join the batch the first one is embedding.
-                self._workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="simllm-fingerprint")
-            workers = self._workers
-        if known:
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                done.set_result(self.embed(texts))
-            except BaseException as e:
-                done.set_exception(e)
-            return done
-        return workers.submit(self.embed, texts)
 
     def close(self) -> None:
         """Stop the embed_async workers (after what they are running)."""

@@ -285,14 +285,14 @@ class LlamaRunner:
         cos, sin = self.rotary(h, positions[None])
         cos, sin = cos[0][None], sin[0][None]  # [1, N, D]: broadcast over heads
         G, D, Hkv, Hq = self.group, self.head_dim, self.n_kv, self.n_heads
-        masks = []
+        blocked = []  # per sequence: True where a query may not attend (later slots); None for one token
         for s, (a, b) in zip(seqs, spans):
             m, end = b - a, s.start + b - a
             if m > 1:  # causal by slot, as `forward` builds it; query heads grouped by KV head
                 slots = torch.arange(end, device=ids.device)
-                masks.append((slots[None, :] > (s.start + torch.arange(m, device=ids.device))[:, None]).repeat(G, 1))
+                blocked.append((slots[None, :] > (s.start + torch.arange(m, device=ids.device))[:, None]).repeat(G, 1))
             else:
-                masks.append(None)
+                blocked.append(None)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
             x = ln1(h)
             qkv = qkv_proj(x)[0]  # [N, q + 2kv]
@@ -302,7 +302,7 @@ class LlamaRunner:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             outs = []
-            for s, (a, b), mask in zip(seqs, spans, masks):
+            for s, (a, b), seq_blocked in zip(seqs, spans, blocked):
                 m = b - a
                 if not m:
                     continue
@@ -310,7 +310,7 @@ class LlamaRunner:
                 s.kv.k[li, :, s.start:end] = k[:, a:b]
                 s.kv.v[li, :, s.start:end] = v[:, a:b]
                 qg = q[:, a:b].reshape(Hkv, G * m, D)
-                o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], mask)
+                o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked)
                 outs.append(o.reshape(Hq, m, D).transpose(0, 1).reshape(m, Hq * D))
             h = h + o_proj(torch.cat(outs)[None])
             x = ln2(h)

@@ -59,22 +59,26 @@ def align(source: list[int], target: list[int], limit: int) -> list[tuple[int, i
     return pairs
 
 
+def ranked_matches(pool: KVPool, fingerprint, scope: str, now: float, settings, k: int = 4) -> list:
+    """The scope's most similar tasks, ranked as the planner ranks them (cosine, weighted toward recent)."""
+    return pool.best_matches(fingerprint, scope, now, k=k, recency_weight=settings.recency_weight,
+                             half_life_s=settings.recency_half_life_s)
+
+
 def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: str, context_digest: str,
          allow_approximate: bool, settings, semantic_supported: bool, now: float, use_kv: bool = True,
          lossless_kv: bool | None = None, kv_capacity: int = 0) -> ReusePlan:
-    """fingerprint None: a lossless plan without matching (the caller forbids approximate reuse; similarity is
-    then 0.0 here and the engine reports it later). lossless_kv: whether reusing stored KV gives bitwise the KV a
-    full prefill would (the engine knows:
-    stored at the model's precision, on a batch-invariant backend). kv_capacity: token slots the request
-    will need (prompt, answer, draft); an exact prefix is read into a buffer that size, copied once."""
+    """fingerprint None: a lossless plan made without matching (the caller forbids approximate reuse); its
+    similarity is then 0.0 and the engine reports it later. lossless_kv: whether reusing stored KV gives bitwise
+    the KV a full prefill would (the engine knows: stored at the model's precision, on a batch-invariant
+    backend). kv_capacity: token slots the request will need (prompt, answer, draft); an exact prefix is read
+    into a buffer that size, copied once."""
     s = settings
     if lossless_kv is None:
         lossless_kv = pool.kv_bits >= 16
     limit = len(tokens) - 1  # the last prompt token is always computed: its logits start the answer
     t_match = time.perf_counter()
-    candidates = [] if fingerprint is None else pool.best_matches(fingerprint, scope, now, k=4,
-                                                                  recency_weight=s.recency_weight,
-                                                                  half_life_s=s.recency_half_life_s)
+    candidates = [] if fingerprint is None else ranked_matches(pool, fingerprint, scope, now, s)
     match_ms = (time.perf_counter() - t_match) * 1000
     best_cos = candidates[0].cosine if candidates else 0.0
 
