@@ -176,6 +176,12 @@ class ModelBackend:
                          "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits}
         self.exact_chunking = self.invariance_probe()
 
+    @property
+    def hf_model(self):
+        """The transformers model, ready for its own forward or `generate` (the runner keeps packed weights
+        and releases the dense ones; this unpacks them on first use)."""
+        return self.model if self.runner is None else self.runner.hf_model()
+
     def _stop_ids(self) -> set[int]:
         ids = set()
         gen = getattr(self.model, "generation_config", None)

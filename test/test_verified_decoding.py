@@ -284,3 +284,35 @@ def test_lossless_request_is_planned_and_prefilled_before_its_fingerprint_arrive
     entry = engine.pool.find("late", f.tokens)
     assert entry is not None and entry.answer == res.answer
     assert res.answer == fresh(engine).handle(req).answer
+
+
+def test_packed_weights_are_the_model_bitwise_and_held_once(engine):
+    """The runner packs bf16 weights once for oneDNN (a decode step reads them faster) and the HF modules'
+    dense copies are released; asking for the HF model unpacks them, bitwise the checkpoint's."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from simllm_ros.model_backend import resolve_model
+
+    b = engine.backend
+    r = b.runner
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build: weights stay dense")
+    assert all(layer[i].packed is not None for layer in r.layers for i in (1, 2, 4, 5)) and r.lm_head.packed is not None
+    att = b.model.model.layers[0].self_attn
+    assert att.q_proj.weight.numel() == 0, "the dense copy is still held next to the packed one"
+    # Same bits as F.linear on the dense weight, for a lone (padded) row and for a prefill's many rows.
+    ln1, qkv, o, ln2, gate_up, down, act = r.layers[3]
+    for proj in (qkv, o, gate_up, down, r.lm_head):
+        w = proj.dense()
+        for m in (2, 7, 64):
+            x = torch.randn(1, m, w.shape[1], generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+            assert torch.equal(proj(x), F.linear(x, w)), (w.shape, m)
+    ids = _prompt(engine, "is the pharmacy open now")
+    before = _decode(engine, ids, 8).tokens
+    path = resolve_model(engine.settings.model, engine.settings.model_cache_dir, lambda msg: None)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True).state_dict()
+    got = b.hf_model.state_dict()
+    assert att.q_proj.weight.shape == (r.q_size, att.q_proj.in_features)
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert _decode(engine, ids, 8).tokens == before, "the runner answers differently once the HF weights are back"

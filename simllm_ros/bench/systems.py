@@ -75,7 +75,7 @@ class PlainGenerate:
         inp = torch.tensor([ids], device=self.backend.device)
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = self.backend.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=self.max_new,
+            out = self.backend.hf_model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=self.max_new,
                                               streamer=st, return_dict_in_generate=True, output_logits=True,
                                               **self.gen_kwargs)
         toks = [t for t in out.sequences[0, len(ids):].tolist()]
