@@ -447,6 +447,40 @@ def test_matcher_large_scope_prefilter_finds_the_exact_best():
     assert m.best(q, "big", now=0.0, k=1)[0][0] == rest[5]
 
 
+def test_matcher_prefilter_keeps_every_row_recency_can_lift_into_the_top_k():
+    """k > 1 with recency: the candidates are taken around the k-th best approximate cosine, not the best.
+    One exact duplicate of the query (cosine 1) and 600 rows at cosine 0.86-0.89, where the closest 500 are
+    old and the farthest 100 fresh: the 2nd-5th best scores belong to fresh rows 500 places down the cosine
+    ranking (a fixed-size candidate list around the best cosine missed them)."""
+    from simllm_ros import matcher as matcher_mod
+
+    rng = np.random.default_rng(11)
+    dim, n_far, n_near = 384, matcher_mod.PREFILTER_ROWS + 100, 600
+    q = rng.standard_normal(dim).astype(np.float32)
+    q /= np.linalg.norm(q)
+    far = rng.standard_normal((n_far, dim)).astype(np.float32)
+    far /= np.linalg.norm(far, axis=1, keepdims=True)
+    ortho = rng.standard_normal((n_near, dim)).astype(np.float32)
+    ortho -= np.outer(ortho @ q, q)
+    ortho /= np.linalg.norm(ortho, axis=1, keepdims=True)
+    target = np.linspace(0.89, 0.86, n_near).astype(np.float32)  # row i of the cluster: cosine target[i]
+    near = target[:, None] * q + np.sqrt(1 - target[:, None] ** 2) * ortho
+    fps = np.vstack([q[None], near, far]).astype(np.float32)
+    now, half_life = 10_000.0, 600.0
+    # The closest 500 of the cluster are old (score ~ cosine - 0.05), the farthest 100 fresh (score = cosine).
+    last_used = np.concatenate([[now], np.full(n_near - 100, now - 20_000), np.full(100, now), np.zeros(n_far)])
+    m = Matcher(dim)
+    for key, (fp, t) in enumerate(zip(fps, last_used)):
+        m.add(key, fp, "s", now=float(t))
+    assert m._scopes["s"].n > matcher_mod.PREFILTER_ROWS and matcher_mod._int8_kernel_ok()
+    score = fps @ q - 0.05 * (1.0 - np.exp2(-(now - last_used) / half_life))
+    want = [int(i) for i in np.argsort(-score, kind="stable")[:5]]
+    assert min(want[1:]) > 300, "the case needs top rows far down the cosine ranking"
+    got = m.best(q, "s", now=now, k=5, recency_weight=0.05, half_life_s=half_life)
+    assert [key for key, _, _ in got] == want
+    assert [s for _, _, s in got] == pytest.approx([float(score[i]) for i in want], abs=1e-5)
+
+
 def test_matcher_prefilter_distrusts_a_wrong_int8_kernel(monkeypatch):
     """The int8 kernel is a private op with per-ISA paths (CI once ranked garbage first on another CPU):
     if its cosines disagree with float32 on the rows it picked, the lookup falls back to the exact scan
