@@ -25,6 +25,7 @@ Only for full-attention RoPE models whose HF module layout is Llama's
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import torch
@@ -200,6 +201,8 @@ class LlamaRunner:
                 for lin in linears:
                     lin.weight.data = lin.weight.data.new_empty((0, lin.in_features))
                 self._hf_released = True
+        if self._hf_released:
+            _return_freed_heap()
 
     @property
     def packed(self) -> bool:
@@ -412,6 +415,17 @@ class LlamaRunner:
             s.masked_fill_(blocked, float("-inf"))
         p = torch.softmax(s, dim=-1).to(v.dtype)
         return torch.matmul(p, v)
+
+
+def _return_freed_heap() -> None:
+    """glibc keeps freed heap pages for reuse: without this the released dense weights stayed in the
+    process's resident memory (measured: 1147 MB after loading SmolLM2-135M in bf16, 843 MB after the
+    trim, against 788 MB before packing; the 55 MB left is the packed LM head, whose dense table is
+    also the embedding). Elsewhere than glibc it does nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _bias(linear) -> torch.Tensor | None:
