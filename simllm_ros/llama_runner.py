@@ -110,8 +110,8 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     F.linear hands oneDNN a plain bf16 weight and oneDNN reorders it into its blocked layout on every call.
     Packed once, the same kernel runs on the same data: bitwise the F.linear result (checked for 1..599
     rows on every projection shape of SmolLM2), and a decode step of SmolLM2-135M takes ~45 ms instead
-    of ~55 (one thread, this CPU). float32 is left to MKL: packed, it decoded ~10% slower here and was
-    no more batch-invariant.
+    of ~55 (one thread, this CPU). float32 is left to MKL: packed, it decoded ~10% slower here, and the
+    model still failed the invariance probe in float32 (attention with few keys).
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return None
@@ -129,7 +129,7 @@ class _Proj:
     this CPU it reads a decode step's weights in about half the time of the unpacked bf16 product.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int):
         self.bias = bias
         self.n = weight.shape[0]
         self.weight = self.w8 = self.packed = None
@@ -139,7 +139,7 @@ class _Proj:
             self.w8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
             self.scale = scale.to(weight.dtype)
         else:
-            self.packed = _pack(weight) if pack else None
+            self.packed = _pack(weight)
             if self.packed is None:
                 self.weight = weight
 
