@@ -204,21 +204,13 @@ class LlamaRunner:
         if self._hf_released:
             _return_freed_heap()
 
-    @property
-    def packed(self) -> bool:
-        return self.lm_head.packed is not None or any(p.packed is not None for p, _ in self._hf_views)
-
     def hf_model(self):
         """The HF model with dense weights, for code that runs its own forward (the benchmark's plain
         `generate` reference). Unpacks the released weights once (exact); costs their memory again."""
         if self._hf_released:
             for proj, linears in self._hf_views:
-                if proj.packed is None:
-                    continue
-                w, off = proj.dense(), 0
-                for lin in linears:
-                    lin.weight.data = w[off:off + lin.out_features]
-                    off += lin.out_features
+                if proj.packed is not None:
+                    _hand_out(proj.dense(), linears, "weight")
             self._hf_released = False
         return self.model
 
@@ -228,13 +220,9 @@ class LlamaRunner:
         w = torch.cat([lin.weight.data for lin in linears], dim=0).contiguous()
         biases = [lin.bias for lin in linears]
         b = torch.cat([x.data for x in biases], dim=0).contiguous() if all(x is not None for x in biases) else None
-        off = 0
-        for lin in linears:
-            n = lin.weight.shape[0]
-            lin.weight.data = w[off:off + n]
-            if b is not None:
-                lin.bias.data = b[off:off + n]
-            off += n
+        _hand_out(w, linears, "weight")
+        if b is not None:
+            _hand_out(b, linears, "bias")
         return w, b
 
     @staticmethod
@@ -426,6 +414,14 @@ def _return_freed_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _hand_out(fused: torch.Tensor, linears, attr: str) -> None:
+    """Point each HF linear's weight (or bias) at its rows of a fused tensor, in order."""
+    off = 0
+    for lin in linears:
+        getattr(lin, attr).data = fused[off:off + lin.out_features]
+        off += lin.out_features
 
 
 def _bias(linear) -> torch.Tensor | None:
