@@ -144,6 +144,7 @@ def main(argv=None) -> int:
 
     from simllm_ros.msg import CacheStats, QueryRequest, QueryResponse
     from simllm_ros.ros.node import SimLLMNode, make_executor
+    from simllm_ros.ros.qos import CLIENT_QOS
     from simllm_ros.srv import Query
 
     texts = load_texts(data_dir())
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
     client.create_subscription(QueryResponse, f"/{name}/responses", on_response, reliable)
     client.create_subscription(CacheStats, f"/{name}/cache_stats", on_stats, 10)
     pub = client.create_publisher(QueryRequest, f"/{name}/requests", reliable)
-    cli = client.create_client(Query, f"/{name}/query")
+    cli = client.create_client(Query, f"/{name}/query", qos_profile=CLIENT_QOS)
 
     from lifecycle_msgs.msg import Transition
     from lifecycle_msgs.srv import ChangeState

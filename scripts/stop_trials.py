@@ -93,11 +93,12 @@ class Client:
         from rclpy.context import Context
         from rclpy.executors import SingleThreadedExecutor
 
+        from simllm_ros.ros.qos import CLIENT_QOS
         from simllm_ros.srv import Query
         self.context = Context()
         rclpy.init(context=self.context)
         self.node = rclpy.create_node(f"stop_trials_client_{os.getpid()}", context=self.context)
-        self.cli = self.node.create_client(Query, f"/{NODE}/query")
+        self.cli = self.node.create_client(Query, f"/{NODE}/query", qos_profile=CLIENT_QOS)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self.thread = threading.Thread(target=self._spin, daemon=True)

@@ -3,6 +3,7 @@
 ROS isolation is set here, at import, before any test module can call rclpy.init: a ROS_DOMAIN_ID
 derived from the pid and discovery limited to this host, so parallel test runs never see each other.
 """
+import contextlib
 import os
 import sys
 import threading
@@ -117,6 +118,9 @@ class RosHarness:
         self.executor = make_executor(self.node, context=self.context)
         self.executor.add_node(self.node)
         self.executor.add_node(self.client)
+        self._closing = False
+        self._serving = threading.Event()
+        self._serving.set()
         self._thread = threading.Thread(target=self._spin, name="test-executor", daemon=True)
         self._thread.start()
         self._lock = threading.Lock()
@@ -126,10 +130,10 @@ class RosHarness:
     def _spin(self):
         from rclpy.exceptions import InvalidHandle
         from rclpy.executors import ExternalShutdownException
-        while True:
+        while not self._closing and self.context.ok():
+            self._serving.wait()
             try:
-                self.executor.spin()  # returns once the executor is shut down
-                return
+                self.executor.spin_once(timeout_sec=0.2)
             except ExternalShutdownException:
                 return
             except InvalidHandle:
@@ -137,6 +141,17 @@ class RosHarness:
                 # building its wait set (an rclpy race; seen once in CI-like runs). The entity is gone by the
                 # next spin, so keep serving: a dead executor thread would time out every later call.
                 continue
+
+    @contextlib.contextmanager
+    def executor_held(self):
+        """Stop taking new work from DDS (callbacks already running go on), as a node whose executor threads
+        are all busy would; everything that arrives meanwhile waits in the DDS readers."""
+        self._serving.clear()
+        time.sleep(0.5)  # the spin_once in progress returns
+        try:
+            yield
+        finally:
+            self._serving.set()
 
     def _make_clients(self):
         from diagnostic_msgs.msg import DiagnosticArray
@@ -147,6 +162,7 @@ class RosHarness:
 
         from simllm_ros.action import Generate
         from simllm_ros.msg import CacheStats, QueryRequest, QueryResponse, ThermalStatus
+        from simllm_ros.ros.qos import CLIENT_QOS
         from simllm_ros.srv import Embed, Query
 
         c, n = self.client, self.fqn
@@ -155,8 +171,8 @@ class RosHarness:
         self.set_params_cli = c.create_client(SetParameters, f"{n}/set_parameters")
         self.get_params_cli = c.create_client(GetParameters, f"{n}/get_parameters")
         self.describe_cli = c.create_client(DescribeParameters, f"{n}/describe_parameters")
-        self.query_cli = c.create_client(Query, f"{n}/query")
-        self.embed_cli = c.create_client(Embed, f"{n}/embed")
+        self.query_cli = c.create_client(Query, f"{n}/query", qos_profile=CLIENT_QOS)
+        self.embed_cli = c.create_client(Embed, f"{n}/embed", qos_profile=CLIENT_QOS)
         self.generate_cli = ActionClient(c, Generate, f"{n}/generate")
         self.request_pub = c.create_publisher(QueryRequest, f"{n}/requests", 100)
         for topic, typ in ((f"{n}/responses", QueryResponse), (f"{n}/cache_stats", CacheStats),
@@ -255,6 +271,8 @@ class RosHarness:
                 self.node.trigger_shutdown()
         except Exception:
             pass
+        self._closing = True
+        self._serving.set()
         self.executor.shutdown(timeout_sec=10)
         self._thread.join(timeout=30)
         self.client.destroy_node()

@@ -49,6 +49,7 @@ def _pct(xs, q):
 def test_overload_every_request_answered_once(h):
     import rclpy
     from simllm_ros.msg import QueryRequest, QueryResponse
+    from simllm_ros.ros.qos import CLIENT_QOS
     from simllm_ros.srv import Query
 
     # single-request time, measured now (the machine may be shared): the slowest of 3 warm requests
@@ -67,9 +68,8 @@ def test_overload_every_request_answered_once(h):
                  for i in range(TOPIC_CLIENTS)]
     for n in svc_nodes + pub_nodes:
         h.executor.add_node(n)
-    clients = [n.create_client(Query, f"{N}/query") for n in svc_nodes]
-    pubs = [n.create_publisher(QueryRequest, f"{N}/requests", 100) for n in pub_nodes]
-    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    clients = [n.create_client(Query, f"{N}/query", qos_profile=CLIENT_QOS) for n in svc_nodes]
+    pubs = [n.create_publisher(QueryRequest, f"{N}/requests", CLIENT_QOS) for n in pub_nodes]
     topic_received: list[tuple[float, object]] = []  # (receive time, QueryResponse) for every topic answer
     recv_lock = threading.Lock()
 
@@ -77,8 +77,7 @@ def test_overload_every_request_answered_once(h):
         if m.request_id.startswith("topic-"):
             with recv_lock:
                 topic_received.append((time.monotonic(), m))
-    pub_nodes[0].create_subscription(QueryResponse, f"{N}/responses", on_response,
-                                     QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE))
+    pub_nodes[0].create_subscription(QueryResponse, f"{N}/responses", on_response, CLIENT_QOS)
     try:
         for c in clients:
             assert c.wait_for_service(timeout_sec=10)
@@ -225,6 +224,75 @@ def _diag(msg):
         if st.name == DIAG_NAME:
             return st
     return None
+
+
+def test_burst_while_the_executor_is_held_loses_no_request(h):
+    """Requests that arrive while every executor thread is busy wait in DDS; none is overwritten.
+
+    With ROS's default service QoS (KEEP_LAST 10) the node's request reader kept only the newest 10 of
+    a burst, and the rest were never answered: this held-executor burst lost 20 of 30 service calls.
+    The client here is spun by its own executor, so only the node's side is held."""
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    from simllm_ros.msg import QueryRequest, QueryResponse
+    from simllm_ros.ros.qos import CLIENT_QOS
+    from simllm_ros.srv import Query
+
+    n_svc, n_topic = 30, 150  # more than the old service depth (10) and the old topic depth (100)
+    node = rclpy.create_node(f"burst_{uuid.uuid4().hex[:6]}", context=h.context)
+    ex = SingleThreadedExecutor(context=h.context)
+    ex.add_node(node)
+    spinner = threading.Thread(target=ex.spin, daemon=True)
+    spinner.start()
+    lock = threading.Lock()
+    svc_answers: dict[int, object] = {}
+    topic_answers: dict[str, list] = {}
+
+    def on_service_answer(i, r):
+        with lock:
+            svc_answers[i] = r
+
+    def on_response(m):
+        if m.request_id.startswith("burst-"):
+            with lock:
+                topic_answers.setdefault(m.request_id, []).append(m)
+    try:
+        cli = node.create_client(Query, f"{N}/query", qos_profile=CLIENT_QOS)
+        pub = node.create_publisher(QueryRequest, f"{N}/requests", CLIENT_QOS)
+        node.create_subscription(QueryResponse, f"{N}/responses", on_response, CLIENT_QOS)
+        assert cli.wait_for_service(timeout_sec=10)
+        assert wait_future(cli.call_async(Query.Request(prompt="Say hi.", max_new_tokens=1)), 120).success
+        assert wait_until(lambda: pub.get_subscription_count() >= 1, 10)
+        topic_ids = [f"burst-{i}-{uuid.uuid4().hex[:6]}" for i in range(n_topic)]
+        with h.executor_held():
+            for i in range(n_svc):
+                fut = cli.call_async(Query.Request(prompt=f"Burst call {i}: say yes.", max_new_tokens=1))
+                fut.add_done_callback(lambda f, i=i: on_service_answer(i, f.result()))
+            for rid in topic_ids:
+                pub.publish(QueryRequest(request_id=rid, prompt="Burst topic: say yes.", max_new_tokens=1))
+            time.sleep(1.0)  # everything is delivered to the node's readers while nothing is taken
+
+        def done():
+            with lock:
+                return len(svc_answers) == n_svc and len(topic_answers) == n_topic
+        ok = wait_until(done, 120, interval=0.1)
+        time.sleep(0.5)
+        with lock:
+            svc, topic = dict(svc_answers), dict(topic_answers)
+        everything = list(svc.values()) + [ms[0] for ms in topic.values()]
+        served = sum(1 for r in everything if r.success)
+        print(f"\nburst while held: {n_svc} service calls answered {len(svc)}, {n_topic} topic requests answered "
+              f"{len(topic)}; served {served}, refused busy {len(everything) - served}")
+        assert ok, f"lost: {n_svc - len(svc)} service calls, {n_topic - len(topic)} topic requests"
+        assert all(len(ms) == 1 for ms in topic.values()), "a topic request answered twice"
+        assert set(topic) == set(topic_ids)
+        assert all(r.success or r.error.startswith("busy:") for r in everything), \
+            [r.error for r in everything if not r.success and not r.error.startswith("busy:")][:3]
+        assert served >= 1
+    finally:
+        ex.shutdown(timeout_sec=5)
+        node.destroy_node()
 
 
 def test_critical_heat_sheds_then_recovers_with_hysteresis(h, thermal):

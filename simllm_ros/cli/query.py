@@ -68,13 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     import rclpy
     from rclpy.executors import ExternalShutdownException
 
+    from simllm_ros.ros.qos import CLIENT_QOS
     from simllm_ros.srv import Query
 
     rclpy.init(args=["simllm-query"] + argv)
     node = rclpy.create_node(f"simllm_query_{os.getpid()}")
     code = 1
     try:
-        client = node.create_client(Query, f"{node_name}/query")
+        client = node.create_client(Query, f"{node_name}/query", qos_profile=CLIENT_QOS)
         deadline = time.monotonic() + args.timeout
         if not client.wait_for_service(timeout_sec=args.timeout):
             print(json.dumps({"success": False, "error": f"timeout: service {node_name}/query not available "

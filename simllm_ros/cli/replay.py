@@ -53,11 +53,12 @@ def main(argv=None) -> int:
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from simllm_ros.msg import CacheStats
+    from simllm_ros.ros.qos import CLIENT_QOS
     from simllm_ros.srv import Query
 
     rclpy.init()
     node = rclpy.create_node("simllm_replay")
-    client = node.create_client(Query, f"{args.node}/query")
+    client = node.create_client(Query, f"{args.node}/query", qos_profile=CLIENT_QOS)
     last_stats: dict = {}
 
     def on_stats(msg):

@@ -46,7 +46,7 @@ from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.qos import DurabilityPolicy, QoSProfile
 from std_msgs.msg import ColorRGBA
 from visualization_msgs.msg import Marker, MarkerArray
 
@@ -58,6 +58,7 @@ from simllm_ros.msg import CacheStats, QueryRequest as QueryRequestMsg, QueryRes
 from simllm_ros.request import CacheResult, ChatTurn, Progress, QueryRequest, QueryResult
 from simllm_ros.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
 from simllm_ros.ros.params import ParameterGate, declare_all, settings_from_node, undeclared_names
+from simllm_ros.ros.qos import REQUEST_QOS, RESPONSE_QOS
 from simllm_ros.settings import SettingError, Settings
 from simllm_ros.srv import Embed, Query
 from simllm_ros.thermal import ThermalLevel, ThermalMonitor, ThermalReading
@@ -378,9 +379,8 @@ class SimLLMNode(LifecycleNode):
     # ------------------------------------------------------------------ entities
     def _create_entities(self) -> None:
         """Publishers, at configure. The request entities come at the first activate."""
-        reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
         # A plain publisher: refusals ("node is not active") must reach topic clients while inactive too.
-        self._pub_responses = self.create_publisher(QueryResponse, "~/responses", reliable)
+        self._pub_responses = self.create_publisher(QueryResponse, "~/responses", RESPONSE_QOS)
         self._pub_stats = self.create_lifecycle_publisher(CacheStats, "~/cache_stats", 10)
         self._pub_thermal = self.create_lifecycle_publisher(ThermalStatus, "~/thermal", 10)
         self._pub_diag = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
@@ -392,20 +392,20 @@ class SimLLMNode(LifecycleNode):
         service (or a subscription match) is then never answered "not active" by a node that is merely
         configuring. They stay through deactivate, answering refusals, until cleanup."""
         if self._srv is None:
-            self._srv = self.create_service(Query, "~/query", self._on_query_service,
+            self._srv = self.create_service(Query, "~/query", self._on_query_service, qos_profile=REQUEST_QOS,
                                             callback_group=self._matching_group)
         if self._embed_srv is None:
-            self._embed_srv = self.create_service(Embed, "~/embed", self._on_embed_service,
+            self._embed_srv = self.create_service(Embed, "~/embed", self._on_embed_service, qos_profile=REQUEST_QOS,
                                                   callback_group=self._matching_group)
         if self._action is None:
             self._action = ActionServer(self, Generate, "~/generate", execute_callback=self._on_goal,
                                         goal_callback=lambda goal: GoalResponse.ACCEPT,
                                         cancel_callback=lambda goal_handle: CancelResponse.ACCEPT,
-                                        callback_group=self._matching_group)
+                                        goal_service_qos_profile=REQUEST_QOS, result_service_qos_profile=REQUEST_QOS,
+                                        cancel_service_qos_profile=REQUEST_QOS, callback_group=self._matching_group)
         if self._sub is None:
             self._sub = self.create_subscription(
-                QueryRequestMsg, "~/requests", self._on_request_msg,
-                QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE), callback_group=self._matching_group)
+                QueryRequestMsg, "~/requests", self._on_request_msg, REQUEST_QOS, callback_group=self._matching_group)
 
     def _destroy_entities(self) -> None:
         with self._scope_pubs_lock:
@@ -567,8 +567,7 @@ class SimLLMNode(LifecycleNode):
         with self._scope_pubs_lock:
             pub = self._scope_pubs.get(topic)
             if pub is None:
-                pub = self.create_publisher(QueryResponse, topic,
-                                            QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+                pub = self.create_publisher(QueryResponse, topic, RESPONSE_QOS)
                 self._scope_pubs[topic] = pub
             return pub
 
