@@ -5,7 +5,7 @@ questions, 32-token answers, greedy. For each question, in this order, interleav
   hit    - a new question on a context the system has already seen (the context is cached)
   repeat - the same question again (for simllm_ros: its stored answer becomes a verified draft)
 Systems: simllm_ros at its defaults (bf16, lossless KV, verified drafts), the same without drafts,
-with int8 weights (weight_bits=8), and in float32; llama.cpp (llama-cpp-python, same GGUF file,
+with int8 weights (weight_bits=8), with 4-bit weights (weight_bits=4), and in float32; llama.cpp (llama-cpp-python, same GGUF file,
 its prompt cache), if installed. Every simllm_ros configuration is also run with an empty pool and
 no drafts, and its cached answers are compared with those (identical-answer share).
 
@@ -234,6 +234,7 @@ def main() -> None:
     if not args.smoke:
         systems += [SimSystem("simllm_ros, drafts off", enable_drafts=False),
                     SimSystem("simllm_ros, int8 weights", weight_bits=8),
+                    SimSystem("simllm_ros, 4-bit weights", weight_bits=4),
                     SimSystem("simllm_ros, float32", dtype="float32")]
         try:
             systems.append(LlamaCpp(systems[0].engine.backend, systems[0].engine.settings.system_prompt,
@@ -273,6 +274,13 @@ def main() -> None:
             lines.append(f"- {s.name}: hit total {med(h, 'total') / med(base['hit'], 'total'):.2f}x, repeat total "
                          f"{med(rp, 'total') / med(base['repeat'], 'total'):.2f}x, decode ms/token "
                          f"{ms_per_token(h) / ms_per_token(base['hit']):.2f}x")
+    quantized = [s for s in systems if isinstance(s, SimSystem) and s.engine.settings.weight_bits != 16]
+    if quantized:
+        lines += ["", "Quantized weights against 16-bit ones (no-cache answers, same questions): a different model, "
+                  "not a cache effect:", ""]
+        for s in quantized:
+            same16 = sum(s.ref[q] == systems[0].ref[q] for q in qs)
+            lines.append(f"- {s.name}: {same16}/{len(qs)} answers identical to the 16-bit defaults' answers")
     e = systems[0].engine
     d = rows[systems[0].name]
     acc = sum(r["accepted"] for r in d["hit"] + d["repeat"])

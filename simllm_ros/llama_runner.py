@@ -121,30 +121,86 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-class _Proj:
-    """One projection: oneDNN-packed weights (CPU), a dense weight (elsewhere), or int8 weights with one
-    scale per output channel (weight_bits=8).
+INT4_GROUP = 32  # weights per 4-bit group: GGUF's Q4_0/Q4_1 block size
 
-    The int8 path uses ATen's weight-only kernel (`_weight_int8pack_mm`, bf16/fp16 activations): on
-    this CPU it reads a decode step's weights in about half the time of the unpacked bf16 product.
+
+def _quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric 4-bit weights for ATen's CPU kernel: (packed, scales_and_zeros [K/32, N, 2]).
+
+    Each group of 32 input weights of one output row gets its own step and minimum (min/max of the
+    group). A model that came from a Q4_1 GGUF already holds at most 16 values per such group, on that
+    grid: min/max finds the grid again, so the 4-bit weights are the file's own (to bf16 rounding of the
+    step), not a second quantization of them. The kernel computes (q - 8) * step + zero."""
+    q, scales_and_zeros = _int4_codes(weight)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), scales_and_zeros
+
+
+def _int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes 0..15 [N, K] int32, scales_and_zeros [K/32, N, 2] in the weight's dtype)."""
+    n, k = weight.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"weight_bits=4 needs input sizes that are multiples of {INT4_GROUP} (got {k})")
+    w = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    step = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((w - lo[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8 * step
+    return q.contiguous(), torch.stack([step.t(), zero.t()], dim=-1).contiguous().to(weight.dtype)
+
+
+def int4_dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The float32 weights [N, K] that 4-bit codes stand for, as the kernel reads them: (q - 8) * step + zero."""
+    n, k = q.shape
+    step, zero = scales_and_zeros[..., 0].float().t(), scales_and_zeros[..., 1].float().t()  # [N, K/32]
+    qg = q.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+    return ((qg - 8) * step[..., None] + zero[..., None]).reshape(n, k)
+
+
+def int4_kernel_error() -> str | None:
+    """None if ATen's int4 CPU kernel computes what its weights say on this machine, else why not. It is
+    a private op with per-ISA code paths; checked against a float32 product of the same 4-bit weights."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(64, 128, generator=g).to(torch.bfloat16)
+        x = torch.randn(3, 128, generator=g).to(torch.bfloat16)
+        q, sz = _int4_codes(w)
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), INT4_GROUP, sz).float()
+    except (RuntimeError, AttributeError, NotImplementedError, ValueError) as e:
+        return f"torch's int4 CPU kernel is not usable here: {type(e).__name__}: {e}"
+    want = x.float() @ int4_dequantized(q, sz).t()
+    err = (got - want).abs().max().item()
+    bound = 0.02 * want.abs().max().item() + 1e-3
+    return None if err <= bound else f"torch's int4 CPU kernel is off by {err:.3g} (allowed {bound:.3g}) here"
+
+
+class _Proj:
+    """One projection: oneDNN-packed weights (CPU), a dense weight (elsewhere), int8 weights with one
+    scale per output channel (weight_bits=8), or 4-bit weights in groups of 32 (weight_bits=4).
+
+    The int8 and int4 paths use ATen's weight-only kernels (`_weight_int8pack_mm`,
+    `_weight_int4pack_mm_for_cpu`; bf16 activations). Both are row-invariant (a row's result does not
+    depend on the other rows), which the load-time probe checks for the whole model.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int):
         self.bias = bias
         self.n = weight.shape[0]
-        self.weight = self.w8 = self.packed = None
+        self.weight = self.w8 = self.w4 = self.packed = None
         if weight_bits == 8:
             w = weight.float()
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
             self.w8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
             self.scale = scale.to(weight.dtype)
+        elif weight_bits == 4:
+            self.w4, self.scale = _quantize_int4(weight)
         else:
             self.packed = _pack(weight)
             if self.packed is None:
                 self.weight = weight
 
     def dense(self) -> torch.Tensor | None:
-        """The plain weight (unpacked again if packed: oneDNN's reorder back is exact); None for int8."""
+        """The plain weight (unpacked again if packed: oneDNN's reorder back is exact); None for int8/int4."""
         if self.packed is not None:
             return self.packed.to_dense()
         return self.weight
@@ -152,10 +208,14 @@ class _Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        if self.w8 is None:
+        if self.w8 is None and self.w4 is None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.w8, self.scale)
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        if self.w4 is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w4, INT4_GROUP, self.scale)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
         y = y.reshape(*shape[:-1], self.n)
         return y if self.bias is None else y + self.bias
 
@@ -175,7 +235,10 @@ class LlamaRunner:
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
         lm = model.lm_head
-        self.lm_head = _Proj(lm.weight.data, lm.bias.data if lm.bias is not None else None, weight_bits)
+        # At 4 bits the LM head stays 16-bit: it is usually tied to the embedding, which GGUF files keep
+        # above 4 bits (SmolLM2's Q4_1 file: 32 distinct values in a group of 32), so 4 bits would re-quantize it.
+        self.lm_head = _Proj(lm.weight.data, lm.bias.data if lm.bias is not None else None,
+                             16 if weight_bits == 4 else weight_bits)
         self.layers = []
         self._hf_views: list[tuple[_Proj, tuple]] = []  # (projection, the HF linears whose weights it holds)
         for layer in base.layers:
@@ -193,11 +256,12 @@ class LlamaRunner:
         self.inter = base.layers[0].mlp.gate_proj.out_features
         if lm.weight is not base.embed_tokens.weight:  # an untied lm_head: the runner's copy is the one used
             self._hf_views.append((self.lm_head, (lm,)))
-        # Packed weights are a second copy: the HF modules' dense ones are released (the model's weight
-        # memory stays 1x) and unpacked again only if something asks for the HF model (`hf_model`).
+        # Packed or quantized weights are a second copy: the HF modules' dense ones are released (the
+        # model's weight memory stays 1x) and, if packed, unpacked again only if something asks for the HF
+        # model (`hf_model`). Quantized ones cannot be given back.
         self._hf_released = False
         for proj, linears in self._hf_views:
-            if proj.packed is not None:
+            if proj.packed is not None or proj.w8 is not None or proj.w4 is not None:
                 for lin in linears:
                     lin.weight.data = lin.weight.data.new_empty((0, lin.in_features))
                 self._hf_released = True
@@ -207,6 +271,9 @@ class LlamaRunner:
     def hf_model(self):
         """The HF model with dense weights, for code that runs its own forward (the benchmark's plain
         `generate` reference). Unpacks the released weights once (exact); costs their memory again."""
+        if self._hf_released and self.weight_bits != 16:
+            raise RuntimeError(f"the runner holds {self.weight_bits}-bit weights and released the dense ones: "
+                               "transformers' own forward needs weight_bits 16")
         if self._hf_released:
             for proj, linears in self._hf_views:
                 if proj.packed is not None:

@@ -18,7 +18,7 @@ import torch
 
 from .block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
-from .llama_runner import KVBuffer, LlamaRunner, Seq
+from .llama_runner import KVBuffer, LlamaRunner, Seq, int4_kernel_error
 from .request import ChatTurn
 from .settings import DEFAULT_MODEL
 from .structured_output import StructuredOutput
@@ -162,11 +162,21 @@ class ModelBackend:
             t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
         self.runner = None
-        if self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers and LlamaRunner.supports(self.model):
-            self.runner = LlamaRunner(self.model, weight_bits)
-        if weight_bits != 16 and (self.runner is None or self.dtype not in (torch.bfloat16, torch.float16)):
+        fast = self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers and LlamaRunner.supports(self.model)
+        if weight_bits != 16 and (not fast or self.dtype not in (torch.bfloat16, torch.float16)):
             raise ModelLoadError(f"weight_bits={weight_bits} needs a Llama-family model in bfloat16 or float16 "
                                  f"(got {self.model_type}, {dtype})")
+        if weight_bits == 4:
+            why = None if (device == "cpu" and self.dtype == torch.bfloat16) else \
+                f"weight_bits=4 runs on ATen's CPU int4 kernel: it needs device cpu and dtype bfloat16 (got {device}, {dtype})"
+            why = why or int4_kernel_error()
+            if why:
+                raise ModelLoadError(why)
+        if fast:
+            try:
+                self.runner = LlamaRunner(self.model, weight_bits)
+            except ValueError as e:  # a shape the quantized kernels cannot take
+                raise ModelLoadError(str(e)) from e
         self.weight_bits = weight_bits
         self.semantic_supported = self.runner is not None
         self.stop_ids = self._stop_ids()

