@@ -347,7 +347,7 @@ class LlamaRunner:
             kv.k[li, :, start:end] = k
             kv.v[li, :, start:end] = v
             # [Hq, M, D] -> [Hkv, G*M, D]: query head h uses KV head h // G (HF's repeat_kv order).
-            qg = q.reshape(Hkv, G * M, D)
+            qg = (q * self.scale).reshape(Hkv, G * M, D)
             o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked)
             o = o.reshape(Hkv * G, M, D).transpose(0, 1).reshape(1, M, Hkv * G * D)
             h = h + o_proj(o)
@@ -405,7 +405,8 @@ class LlamaRunner:
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
             x = ln1(h)
             q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, N, D], [Hkv, N, D] x 2
-            outs = []
+            q = q * self.scale  # once for every sequence (elementwise: the same bits as per sequence)
+            attn = h.new_empty(total, Hq, D)  # each sequence's attention output lands in its rows
             for s, (a, b), seq_blocked in zip(seqs, spans, blocked):
                 m = b - a
                 if not m:
@@ -415,8 +416,8 @@ class LlamaRunner:
                 s.kv.v[li, :, s.start:end] = v[:, a:b]
                 qg = q[:, a:b].reshape(Hkv, G * m, D)
                 o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked)
-                outs.append(o.reshape(Hq, m, D).transpose(0, 1).reshape(m, Hq * D))
-            h = h + o_proj(torch.cat(outs)[None])
+                attn[a:b] = o.view(Hq, m, D).transpose(0, 1)
+            h = h + o_proj(attn.view(1, total, Hq * D))
             x = ln2(h)
             gu = gate_up(x)
             h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
@@ -458,18 +459,19 @@ class LlamaRunner:
         return qk[:, :Hq].transpose(0, 1), qk[:, Hq:].transpose(0, 1), v
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None):
-        """q [Hkv, G*M, D], k/v [Hkv, T, D] -> [Hkv, G*M, D]. Scores and the weighted sum are plain
-        products (row-invariant); the softmax runs in float32 and a masked key adds an exact zero."""
+        """q [Hkv, G*M, D] (already scaled), k/v [Hkv, T, D] -> [Hkv, G*M, D]. Scores and the weighted sum
+        are plain batched products (row-invariant; bmm, not matmul's wrapper); the softmax runs in float32
+        and a masked key adds an exact zero."""
         if q.dtype == torch.float32:  # MKL: k @ q^T would change with the key count below 3 keys
-            s = torch.matmul(q * self.scale, k.transpose(-1, -2))
+            s = torch.bmm(q, k.transpose(-1, -2))
         else:
             # k @ q^T, transposed: k (a slice of the buffer) is read in place, where as the right operand
             # k^T it was first copied. Bitwise the same scores; a bf16 decode step ~1.5 ms faster here.
-            s = torch.matmul(k, (q * self.scale).transpose(-1, -2)).transpose(-1, -2).float()
+            s = torch.bmm(k, q.transpose(-1, -2)).transpose(-1, -2).float()
         if blocked is not None:  # True: may not attend
             s.masked_fill_(blocked, float("-inf"))
         p = torch.softmax(s, dim=-1).to(v.dtype)
-        return torch.matmul(p, v)
+        return torch.bmm(p, v)
 
 
 def _return_freed_heap() -> None:
