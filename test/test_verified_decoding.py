@@ -79,6 +79,34 @@ def test_backend_is_batch_invariant_on_a_real_prompt(engine):
         assert torch.equal(b.run(ids[n:], cache, logits="last"), ref[-1]), f"last logits after a {n}-token prefix"
 
 
+def test_probe_rejects_an_attention_whose_rounding_follows_the_cut(engine, monkeypatch):
+    """The load-time probe is what keeps reuse lossless on hardware nobody tested. A float32 attention for a
+    bf16 model (faster here, tried and dropped) changes a real prompt's last logits after some prefixes;
+    the probe must then say no. On a CPU where it changes nothing, the probe must say yes."""
+    from simllm_ros.llama_runner import LlamaRunner
+
+    def float32_attention(self, q, k, v, blocked):
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2))
+        if blocked is not None:
+            s.masked_fill_(blocked, float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(v.dtype)
+
+    b = engine.backend
+    monkeypatch.setattr(LlamaRunner, "_attention", float32_attention)
+    ids = b.prompt_ids("You are a helpful robot.", "Riverside bulletin: Elm Street closed 9-17.",
+                       "Which road is closed today, and until when?")
+    last = b.run(ids, b.new_cache(len(ids) + 4), logits="last")
+    changed = []
+    for n in list(range(1, 17)) + [len(ids) // 2, len(ids) - 1]:
+        cache = b.new_cache(len(ids) + 4)
+        b.run(ids[:n], cache, logits="none")
+        if not torch.equal(b.run(ids[n:], cache, logits="last"), last):
+            changed.append(n)
+    verdict = b.invariance_probe()
+    print(f"\n[probe] float32 attention: last logits changed after prefixes {changed}; probe says invariant: {verdict}")
+    assert verdict == (not changed)
+
+
 QUESTIONS = ["is it going to rain today", "which bus line runs late tonight", "where can i get diesel",
              "is the pharmacy open now", "how bad is traffic on route 9", "can i mail a letter today"]
 
