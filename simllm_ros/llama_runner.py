@@ -261,7 +261,7 @@ class LlamaRunner:
         # model (`hf_model`). Quantized ones cannot be given back.
         self._hf_released = False
         for proj, linears in self._hf_views:
-            if proj.packed is not None or proj.w8 is not None or proj.w4 is not None:
+            if proj.weight is None:  # packed or quantized: the runner holds its own copy
                 for lin in linears:
                     lin.weight.data = lin.weight.data.new_empty((0, lin.in_features))
                 self._hf_released = True

@@ -17,5 +17,5 @@ from __future__ import annotations
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 
 REQUEST_QOS = QoSProfile(history=HistoryPolicy.KEEP_ALL, reliability=ReliabilityPolicy.RELIABLE)
-CLIENT_QOS = QoSProfile(history=HistoryPolicy.KEEP_ALL, reliability=ReliabilityPolicy.RELIABLE)
+CLIENT_QOS = REQUEST_QOS  # the same profile, named for the caller's side
 RESPONSE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1000, reliability=ReliabilityPolicy.RELIABLE)
