@@ -208,7 +208,7 @@ class Engine:
             path_checks.check_all(s, create=True)  # before the model: a path that cannot work fails now
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
             self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits)
-            progress(f"model in {self.backend.dtype_name}, weights at {s.weight_bits} bits; batch-invariant "
+            progress(f"model in {self.backend.dtype_name}, weights at {self.backend.weight_bits} bits; batch-invariant "
                      f"execution {'verified: exact-prefix reuse and drafts are lossless' if self.backend.exact_chunking else 'NOT verified on this machine: reuse and drafts are approximate'}")
             self._token_bytes = max_token_bytes(self.backend.tokenizer)
             progress(f"loading embedder {s.embedder}")

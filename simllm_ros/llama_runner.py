@@ -156,6 +156,20 @@ def int4_dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.T
     return ((qg - 8) * step[..., None] + zero[..., None]).reshape(n, k)
 
 
+def on_int4_grid(weight: torch.Tensor) -> bool:
+    """Whether every group of 32 input weights of each output row already holds at most 16 levels of one step
+    (a Q4_0/Q4_1/Q4_K GGUF layer): then 4-bit weights are the same weights, not a second quantization.
+    Allowed: a tenth of a step (min/max finds the grid again; the bf16 rounding of the values is ~0.02 of
+    a step on the embedded model) plus the value's own bf16 rounding."""
+    if weight.dim() != 2 or weight.shape[1] % INT4_GROUP:
+        return False
+    w = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
+    lo = w.amin(dim=-1, keepdim=True)
+    step = ((w.amax(dim=-1, keepdim=True) - lo) / 15).clamp(min=1e-12)
+    off = (w - lo) / step
+    return bool(((off - off.round()).abs() * step <= 0.1 * step + w.abs() * 2.0 ** -8).all())
+
+
 def int4_kernel_error() -> str | None:
     """None if ATen's int4 CPU kernel computes what its weights say on this machine, else why not. It is
     a private op with per-ISA code paths; checked against a float32 product of the same 4-bit weights."""

@@ -314,14 +314,15 @@ def test_lossless_request_is_planned_and_prefilled_before_its_fingerprint_arrive
     assert res.answer == fresh(engine).handle(req).answer
 
 
-def test_packed_weights_are_the_model_bitwise_and_held_once(engine):
-    """The runner packs bf16 weights once for oneDNN (a decode step reads them faster) and the HF modules'
-    dense copies are released; asking for the HF model unpacks them, bitwise the checkpoint's."""
+def test_packed_weights_are_the_model_bitwise_and_held_once():
+    """weight_bits=16: the runner packs bf16 weights once for oneDNN (a decode step reads them faster) and
+    the HF modules' dense copies are released; asking for the HF model unpacks them, bitwise the checkpoint's."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     from simllm_ros.model_backend import resolve_model
 
+    engine = shared_engine(dtype="bfloat16", kv_bits=0, weight_bits=16)
     b = engine.backend
     r = b.runner
     if not torch.backends.mkldnn.is_available():
@@ -346,19 +347,24 @@ def test_packed_weights_are_the_model_bitwise_and_held_once(engine):
     assert _decode(engine, ids, 8).tokens == before, "the runner answers differently once the HF weights are back"
 
 
-def test_four_bit_weights_are_the_files_own_and_reuse_stays_lossless():
-    """weight_bits=4: each group of 32 weights becomes 16 levels of one step. The embedded model is a Q4_1
-    GGUF, so its layers already sit on such a grid and the 4-bit codes give the file's weights back (to a
-    small part of a step); the LM head stays 16-bit. The int4 kernel is row-invariant, so cached answers
-    still equal the same configuration's empty-pool answers, drafts included."""
+def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(engine):
+    """weight_bits 0 (auto, the default) picks 4 bits for the embedded model on a bf16 CPU: each group of
+    32 weights becomes 16 levels of one step, and the model is a Q4_1 GGUF, so its layers already sit on
+    such a grid and the 4-bit codes give the file's weights back (to a small part of a step); the LM head
+    stays 16-bit. A weight off that grid keeps auto at 16 bits (no second quantization), and so does
+    float32. The int4 kernel is row-invariant, so cached answers still equal the same configuration's
+    empty-pool answers, drafts included."""
     from transformers import AutoModelForCausalLM
 
-    from simllm_ros.llama_runner import INT4_GROUP, _int4_codes, int4_dequantized, int4_kernel_error
+    from simllm_ros.llama_runner import INT4_GROUP, _int4_codes, int4_dequantized, int4_kernel_error, on_int4_grid
     from simllm_ros.model_backend import resolve_model
 
+    assert shared_engine().backend.weight_bits == 16, "auto quantized a float32 model"
     if int4_kernel_error() is not None:
+        assert engine.backend.weight_bits == 16
         pytest.skip(int4_kernel_error())
-    e4 = shared_engine(dtype="bfloat16", kv_bits=0, weight_bits=4)
+    e4 = engine
+    assert e4.settings.weight_bits == 0 and e4.backend.weight_bits == 4, "auto did not pick the file's 4 bits"
     r = e4.backend.runner
     assert all(layer[i].w4 is not None for layer in r.layers for i in (1, 2, 4, 5))
     assert r.lm_head.w4 is None and r.lm_head.w8 is None
@@ -373,6 +379,11 @@ def test_four_bit_weights_are_the_files_own_and_reuse_stays_lossless():
     deq = int4_dequantized(q, sz)
     off = (deq - w.float()).abs().reshape(w.shape[0], -1, INT4_GROUP) / sz[..., 0].float().t()[..., None]
     assert off.max() < 0.1, f"4-bit weights are {off.max():.3f} of a step away from the file's (not its Q4 grid?)"
+    assert on_int4_grid(w)
+    moved = w.clone()
+    moved[5, 40] += 0.3 * sz[1, 5, 0]  # one weight a third of a step off its group's grid
+    assert not on_int4_grid(moved), "a weight off the grid would be quantized a second time"
+    assert not on_int4_grid(torch.randn(64, 128).to(torch.bfloat16))
     x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     want = x.float() @ deq.t()
     got = r.layers[0][1](x).float()

@@ -1,0 +1,108 @@
+"""Fidelity: how often do different ways of running the same model file give the same greedy answer?
+
+No cache anywhere (empty pool, drafts off): this measures the arithmetic, not the cache. The embedded
+model is a Q4_1 GGUF; float32 with its dequantized weights is the most precise way to run it, so each
+configuration is compared with float32 (and with every other): identical answers, and the share of
+tokens before the first difference. The questions are the first CLINC150 question of every N-th
+intent (all 150 intents, not the benchmark's robot intents), asked about the same bulletin.
+
+Run: .venv/bin/python benchmark/fidelity.py [--questions 24] [--max-new-tokens 32] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmark"))
+sys.path.insert(0, REPO)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from verified_decoding import BULLETIN, LlamaCpp, SimSystem  # noqa: E402
+
+from simllm_ros.workloads import find_clinc  # noqa: E402
+
+CONFIGS = (("float32", dict(dtype="float32")),
+           ("bf16, 16-bit weights", dict(dtype="bfloat16", weight_bits=16)),
+           ("defaults (bf16, weight_bits auto)", dict()),
+           ("bf16, int8 weights", dict(dtype="bfloat16", weight_bits=8)))
+
+
+def spread_questions(n: int) -> list[str]:
+    first: dict[str, str] = {}
+    with open(find_clinc(), encoding="utf-8") as f:
+        for line in f:
+            d = json.loads(line)
+            first.setdefault(d["intent"], d["text"])
+    qs = list(first.values())
+    return qs[::max(1, len(qs) // n)][:n]
+
+
+def prefix_share(a: list[int], b: list[int]) -> float:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n / max(len(a), len(b), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--questions", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "fidelity.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    qs = spread_questions(args.questions)
+    t0 = time.monotonic()
+    answers: dict[str, list[list[int]]] = {}
+    last = None
+    for name, overrides in CONFIGS:
+        if last is not None:
+            last.engine.unload()  # one model in memory at a time
+        last = SimSystem(name, **overrides)
+        b = last.engine.backend
+        if not overrides:
+            name = f"defaults ({b.dtype_name}, weight_bits auto: {b.weight_bits})"
+        answers[name] = [b.tokenizer.encode(last.reference(q, args.max_new_tokens), add_special_tokens=False)
+                         for q in qs]
+        print(f"{name}: {time.monotonic() - t0:.0f} s", flush=True)
+    backend, tokenizer = last.engine.backend, last.engine.backend.tokenizer
+    try:
+        llama = LlamaCpp(backend, last.engine.settings.system_prompt, args.threads)
+        answers["llama.cpp (same GGUF)"] = [tokenizer.encode(llama.reference(q, args.max_new_tokens),
+                                                             add_special_tokens=False) for q in qs]
+    except ImportError as e:
+        print(f"llama.cpp skipped ({e}); pip install -r requirements-bench.txt")
+    names = list(answers)
+    lines = [f"# Fidelity: same model file, different arithmetic ({time.strftime('%Y-%m-%d')})", "",
+             f"{len(qs)} CLINC150 questions (one per {150 // max(1, len(qs))} intents) on the bulletin, up to "
+             f"{args.max_new_tokens} new tokens, greedy, empty pool, drafts off, {args.threads} thread(s). "
+             "Cell: identical answers / share of tokens before the first difference (mean).", "",
+             "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        cells = []
+        for b in names:
+            same = sum(x == y for x, y in zip(answers[a], answers[b]))
+            share = sum(prefix_share(x, y) for x, y in zip(answers[a], answers[b])) / len(qs)
+            cells.append(f"{same}/{len(qs)}, {share:.2f}")
+        lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    lines += ["", f"Wall time {time.monotonic() - t0:.0f} s."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+    main()
