@@ -586,6 +586,7 @@ class Engine:
         t_insert = time.perf_counter()
         self._update_pool(f.p, f.plan, f.tokens, f.cache, f.digest, res.answer if finished else None, f.now,
                           f.poolable)
+        self._keep_live(f)
         insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000
         self._log_decision(req, f.digest, f.plan, res)
@@ -794,6 +795,15 @@ class Engine:
             key = self._pool_exact(req.scope, tokens, cache, p.fingerprint, p.question, digest, answer, now)
             if key is None:
                 self.log.warning(f"request {req.request_id!r}: {len(tokens)} tokens do not fit in the KV pool budget")
+
+    def _keep_live(self, f: Flight) -> None:
+        """The request's buffer becomes the pool's live prefix (next exact hit in its scope: no copy) when its
+        prompt KV is exact and at the pool's precision (a SEMANTIC repair's is not)."""
+        storage = self.backend.cache_storage(f.cache)
+        if (storage is not None and f.poolable and self.lossless_reuse
+                and f.plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX)
+                and self.backend.cache_len(f.cache) >= len(f.tokens)):
+            self.pool.keep_live(f.p.req.scope, f.tokens, *storage)
 
     def _observe(self, req: QueryRequest, plan, plan_ms: float, insert_ms: float, first_logits) -> None:
         if self.observer is not None:

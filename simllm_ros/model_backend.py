@@ -290,6 +290,11 @@ class ModelBackend:
             cache.update(k[layer:layer + 1].to(self.device, self.dtype), v[layer:layer + 1].to(self.device, self.dtype), layer)
         return cache
 
+    @staticmethod
+    def cache_storage(cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole storage [L, H, capacity, D] behind a KVBuffer's keys and values (None for other caches)."""
+        return (cache.k, cache.v) if isinstance(cache, KVBuffer) else None
+
     def cache_tensors(self, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache's KV as k, v [L, H, n, D] (views where possible: copy before the cache changes)."""
         if isinstance(cache, KVBuffer):

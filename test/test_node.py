@@ -175,6 +175,8 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
     assert s.hardware_id == socket.gethostname()  # hardware_id parameter empty: the host name
     kv = {v.key: v.value for v in s.values}
     assert kv["model"] == DEFAULT_MODEL
+    assert kv["precision"].split(", ")[0] in ("float32", "bfloat16", "float16") and \
+        kv["precision"].split(", ")[1] in ("4-bit weights", "8-bit weights", "16-bit weights"), kv["precision"]
     assert int(kv["entries"]) >= 2 and kv["hottest_zone"] == "gpu-thermal" and kv["thermal_level"] == "OK"
     assert "ttft_miss_p95_ms" in kv and "hit_rate_any_recent" in kv
 

@@ -411,3 +411,41 @@ def test_four_bit_weights_refuse_what_the_kernel_cannot_run():
 
     with pytest.raises(ModelLoadError, match="weight_bits=4 .*bfloat16"):
         ModelBackend(DEFAULT_MODEL, dtype="float16", cache_dir=default_cache_dir(), weight_bits=4)
+
+
+def test_live_prefix_skips_the_copy_and_changes_no_answer(engine):
+    """After a lossless request, the pool keeps its KV buffer as the live prefix: the next exact hit in the
+    same scope decodes in it instead of copying the prefix out of the blocks. Its answer is the empty-pool
+    answer; the blocks it did not read still give the same answer later; another scope, a SEMANTIC repair
+    and clear_pool never hand it out."""
+    qs = clinc_by_intent(3)
+    q1, q2, q3 = qs["weather"][0], qs["gas"][0], qs["traffic"][0]
+    req = lambda q, scope="robot", approx=False: QueryRequest(  # noqa: E731
+        prompt=q, context=BULLETIN, cache_scope=scope, max_new_tokens=12, allow_approximate=approx)
+    refs = _references(engine, [req(q2), req(q3)], 12)
+    e = fresh(engine, enable_drafts=False, enable_semantic_reuse=False)
+    assert e.lossless_reuse, "the bf16 backend failed the invariance probe on this CPU"
+    pool = e.pool
+    assert e.handle(req(q1)).success and pool.live_bytes > 0
+    saved = pool.live_reads_saved
+    r2 = e.handle(req(q2))
+    assert r2.cache_result == CacheResult.EXACT_PREFIX and r2.exact and pool.live_reads_saved == saved + 1
+    assert r2.answer == refs[0]
+    pool.check_consistency()
+    # The live buffer now holds q2's prompt; a read from the blocks (the buffer taken by another scope's
+    # lookup) gives q3 the same answer the live path would.
+    e.handle(req(q1, scope="elsewhere"))  # a miss in its own scope: the live buffer is now that scope's
+    r3 = e.handle(req(q3))
+    assert r3.cache_result == CacheResult.EXACT_PREFIX and pool.live_reads_saved == saved + 1, "crossed scopes"
+    assert r3.answer == refs[1]
+    e.clear_pool()
+    assert pool.live_bytes == 0
+    # A SEMANTIC repair's KV is approximate: it never becomes the live prefix.
+    fresh(engine, enable_drafts=False)
+    e.handle(req(q1))
+    sem = e.handle(QueryRequest(prompt=q1, context=BULLETIN_REVISED, cache_scope="robot", max_new_tokens=4,
+                                allow_approximate=True))
+    assert sem.cache_result == CacheResult.SEMANTIC, sem
+    sem_tokens = tuple(e.backend.prompt_ids(e.settings.system_prompt, BULLETIN_REVISED, q1))
+    assert pool._live is None or pool._live.tokens != sem_tokens, "a SEMANTIC repair's KV became the live prefix"
+    fresh(engine)

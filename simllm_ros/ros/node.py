@@ -686,6 +686,9 @@ class SimLLMNode(LifecycleNode):
         st = DiagnosticStatus(level=bytes([int(h.level)]), name=diagnostic_name(self.get_fully_qualified_name()),
                               message=h.message, hardware_id=s.hardware_id or socket.gethostname())
         st.values = [KeyValue(key=k, value=v) for k, v in h.values] + [KeyValue(key="model", value=str(s.model))]
+        b = engine.backend
+        if b is not None:  # what dtype / weight_bits "auto" chose on this machine
+            st.values.append(KeyValue(key="precision", value=f"{b.dtype_name}, {b.weight_bits}-bit weights"))
         arr = DiagnosticArray(status=[st])
         arr.header.stamp = stamp
         self._pub_diag.publish(arr)
