@@ -64,6 +64,9 @@ class Prepared:
 
 
 
+KV_SLOT_STEP = 128  # a request's KV buffer holds a multiple of this many token slots (<= 3 MB more at 16 bits)
+
+
 def task_digest(req: QueryRequest) -> str:
     """What must be identical for a stored answer to fit a request (the ANSWER tier): the context, and for a
     conversation, structured output or stop strings also the earlier turns, the schema and the stops."""
@@ -523,7 +526,9 @@ class Engine:
         # A sliding-window layer keeps only its window: past it, the cache no longer holds every token's KV.
         poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
         lossless = self.lossless_reuse
-        reserve = max_new + s.max_draft_tokens + 2  # room in the KV buffer for the answer and a draft
+        # Room in the KV buffer for the answer and a draft, the buffer sized in steps of KV_SLOT_STEP slots: the
+        # pool keeps it as the live prefix, and the next question on that context (a few tokens longer) fits.
+        reserve = -(-(len(tokens) + max_new + s.max_draft_tokens + 2) // KV_SLOT_STEP) * KV_SLOT_STEP - len(tokens)
         # A lossless plan (exact prefix or miss) does not use the fingerprint: the plan and the prefill go ahead
         # while it is computed, and what needs it (drafts, reported similarity, pool update) comes after.
         defer = not req.allow_approximate
