@@ -346,13 +346,14 @@ class LlamaRunner:
         h = self.embed(ids)[None]  # [1, M, E]
         cos, sin = self._rope_tables(h, positions)
         G, D, Hkv = self.group, self.head_dim, self.n_kv
+        # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so a mask repeats G times; inverted
+        # once here rather than in each layer. Causal by slot, every query may attend slots < start: only the
+        # new tokens' own columns need masking (`first`: the column the mask starts at).
+        blocked, first = None, 0
         if mask is None and M > 1:
-            slots = torch.arange(end, device=ids.device)
-            mask = slots[None, :] <= (start + torch.arange(M, device=ids.device))[:, None]
-        blocked = None
-        if mask is not None:
-            # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so the mask repeats G times;
-            # inverted once here rather than in each layer.
+            own = torch.arange(start, end, device=ids.device)
+            blocked, first = (own[None, :] > own[:, None]).repeat(G, 1), start
+        elif mask is not None:
             blocked = ~mask.repeat(G, 1)
         layers = self.layers if n_layers is None else self.layers[:n_layers]
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers):
@@ -362,7 +363,7 @@ class LlamaRunner:
             kv.v[li, :, start:end] = v
             # [Hq, M, D] -> [Hkv, G*M, D]: query head h uses KV head h // G (HF's repeat_kv order).
             qg = (q * self.scale).reshape(Hkv, G * M, D)
-            o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked)
+            o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked, first)
             o = o.reshape(Hkv * G, M, D).transpose(0, 1).reshape(1, M, Hkv * G * D)
             h = h + o_proj(o)
             x = ln2(h)
@@ -408,12 +409,12 @@ class LlamaRunner:
         h = self.embed(ids)[None]  # [1, N, E]
         cos, sin = self._rope_tables(h, positions)
         G, D, Hkv, Hq = self.group, self.head_dim, self.n_kv, self.n_heads
-        blocked = []  # per sequence: True where a query may not attend (later slots); None for one token
+        blocked = []  # per sequence: True where a query may not attend (later slots, from column s.start on)
         for s, (a, b) in zip(seqs, spans):
             m, end = b - a, s.start + b - a
             if m > 1:  # causal by slot, as `forward` builds it; query heads grouped by KV head
-                slots = torch.arange(end, device=ids.device)
-                blocked.append((slots[None, :] > (s.start + torch.arange(m, device=ids.device))[:, None]).repeat(G, 1))
+                own = torch.arange(s.start, end, device=ids.device)
+                blocked.append((own[None, :] > own[:, None]).repeat(G, 1))
             else:
                 blocked.append(None)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
@@ -429,7 +430,7 @@ class LlamaRunner:
                 s.kv.k[li, :, s.start:end] = k[:, a:b]
                 s.kv.v[li, :, s.start:end] = v[:, a:b]
                 qg = q[:, a:b].reshape(Hkv, G * m, D)
-                o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked)
+                o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked, s.start)
                 attn[a:b] = o.view(Hq, m, D).transpose(0, 1)
             h = h + o_proj(attn.view(1, total, Hq * D))
             x = ln2(h)
@@ -472,10 +473,12 @@ class LlamaRunner:
         v = qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D).transpose(0, 1)
         return qk[:, :Hq].transpose(0, 1), qk[:, Hq:].transpose(0, 1), v
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None):
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                   first: int = 0):
         """q [Hkv, G*M, D] (already scaled), k/v [Hkv, T, D] -> [Hkv, G*M, D]. Scores and the weighted sum
         are plain batched products (row-invariant; bmm, not matmul's wrapper); the softmax runs in float32
-        and a masked key adds an exact zero."""
+        and a masked key adds an exact zero. `blocked` [G*M, T - first]: True where a query may not attend
+        key first + j."""
         if q.dtype == torch.float32:  # MKL: k @ q^T would change with the key count below 3 keys
             s = torch.bmm(q, k.transpose(-1, -2))
         else:
@@ -483,7 +486,7 @@ class LlamaRunner:
             # k^T it was first copied. Bitwise the same scores; a bf16 decode step ~1.5 ms faster here.
             s = torch.bmm(k, q.transpose(-1, -2)).transpose(-1, -2).float()
         if blocked is not None:  # True: may not attend
-            s.masked_fill_(blocked, float("-inf"))
+            s[..., first:].masked_fill_(blocked, float("-inf"))
         p = torch.softmax(s, dim=-1).to(v.dtype)
         return torch.bmm(p, v)
 

@@ -85,10 +85,10 @@ def test_probe_rejects_an_attention_whose_rounding_follows_the_cut(engine, monke
     the probe must then say no. On a CPU where it changes nothing, the probe must say yes."""
     from simllm_ros.llama_runner import LlamaRunner
 
-    def float32_attention(self, q, k, v, blocked):
+    def float32_attention(self, q, k, v, blocked, first=0):
         s = torch.matmul(q.float(), k.float().transpose(-1, -2))
         if blocked is not None:
-            s.masked_fill_(blocked, float("-inf"))
+            s[..., first:].masked_fill_(blocked, float("-inf"))
         return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(v.dtype)
 
     b = engine.backend
