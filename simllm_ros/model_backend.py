@@ -126,7 +126,8 @@ def _head_digest(path: str, n: int = 1 << 20) -> str:
         return hashlib.sha256(f.read(n)).hexdigest()
 
 
-_PROBED: dict[tuple, bool] = {}  # invariance_probe results of this process, per model file and settings
+# check_single_rows and invariance_probe results of this process, per model file and settings
+_PROBED: dict[tuple, tuple[bool, bool]] = {}
 
 
 class ModelBackend:
@@ -191,8 +192,11 @@ class ModelBackend:
                          "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits}
         key = (path, device, dtype, weight_bits)  # the same model and settings in this process: the same answer
         if key not in _PROBED:
-            _PROBED[key] = self.invariance_probe()
-        self.exact_chunking = _PROBED[key]
+            single = self.runner is not None and self.runner.check_single_rows()
+            _PROBED[key] = (single, self.invariance_probe())  # the probe runs with single rows as decided
+        single, self.exact_chunking = _PROBED[key]
+        if self.runner is not None:
+            self.runner.single_rows = single
 
     def _auto_weight_bits(self, fast: bool, device: str) -> int:
         """weight_bits 0 (auto): 4 where every layer weight already is 4-bit in groups of 32 (a Q4 GGUF, such as

@@ -449,3 +449,32 @@ def test_live_prefix_skips_the_copy_and_changes_no_answer(engine):
     sem_tokens = tuple(e.backend.prompt_ids(e.settings.system_prompt, BULLETIN_REVISED, q1))
     assert pool._live is None or pool._live.tokens != sem_tokens, "a SEMANTIC repair's KV became the live prefix"
     fresh(engine)
+
+
+def test_a_lone_token_runs_as_one_row_only_where_that_is_bitwise_the_padded_pass(engine):
+    """A plain decode step is one token. 16-bit oneDNN products round one row differently, so there it is
+    padded to two rows; with 4-bit weights the load-time check found one row bitwise the same, and runs it
+    alone. Checked here again on a real prompt, at positions the load check did not use."""
+    from simllm_ros.llama_runner import KVBuffer
+
+    e16 = shared_engine(dtype="bfloat16", kv_bits=0, weight_bits=16)
+    assert not e16.backend.runner.single_rows, "16-bit products round one row differently: it must be padded"
+    r = engine.backend.runner
+    if engine.backend.weight_bits != 4:
+        pytest.skip("weight_bits auto did not pick 4 bits here")
+    assert r.single_rows, "the 4-bit int4 kernel is row-invariant on this CPU: a lone token should run alone"
+    ids = torch.tensor(_prompt(engine, "is the pharmacy open now"))
+    n = len(ids)
+    kv = KVBuffer.allocate(len(r.layers), r.n_kv, r.head_dim, n + 4, torch.bfloat16, "cpu")
+    r.forward(ids[:n - 8], torch.arange(n - 8), kv, 0, logits="none")
+    try:
+        for p in range(n - 8, n):
+            got = []
+            for single in (True, False):
+                r.single_rows = single
+                kv.length = p
+                out = r.forward(ids[p:p + 1], torch.tensor([p]), kv, p)
+                got.append((out, kv.k[:, :, p].clone(), kv.v[:, :, p].clone()))
+            assert all(torch.equal(a, b) for a, b in zip(*got)), f"position {p}: one row != padded pass"
+    finally:
+        r.single_rows = True
