@@ -6,7 +6,7 @@ configuration is compared with float32 (and with every other): identical answers
 tokens before the first difference. The questions are the first CLINC150 question of every N-th
 intent (all 150 intents, not the benchmark's robot intents), asked about the same bulletin.
 
-Run: .venv/bin/python benchmark/fidelity.py [--questions 24] [--max-new-tokens 32] [--threads 1]
+Run: .venv/bin/python benchmark/fidelity.py [--questions 24] [--max-new-tokens 32] [--threads 1] [--smoke]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ sys.path.insert(0, REPO)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from verified_decoding import BULLETIN, LlamaCpp, SimSystem  # noqa: E402
+from verified_decoding import LlamaCpp, SimSystem, write_report  # noqa: E402
 
 from simllm_ros.workloads import find_clinc  # noqa: E402
 
@@ -59,13 +59,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "fidelity.md"))
+    ap.add_argument("--smoke", action="store_true", help="2 questions, 4 tokens, float32 and defaults, no llama.cpp, "
+                    "no report file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.questions, args.max_new_tokens = 2, 4
+    configs = [c for c in CONFIGS if not args.smoke or c[0] in ("float32", "defaults (bf16, weight_bits auto)")]
     qs = spread_questions(args.questions)
     t0 = time.monotonic()
     answers: dict[str, list[list[int]]] = {}
     last = None
-    for name, overrides in CONFIGS:
+    for name, overrides in configs:
         if last is not None:
             last.engine.unload()  # one model in memory at a time
         last = SimSystem(name, **overrides)
@@ -77,6 +82,8 @@ def main() -> None:
         print(f"{name}: {time.monotonic() - t0:.0f} s", flush=True)
     backend, tokenizer = last.engine.backend, last.engine.backend.tokenizer
     try:
+        if args.smoke:
+            raise ImportError("--smoke")
         llama = LlamaCpp(backend, last.engine.settings.system_prompt, args.threads)
         answers["llama.cpp (same GGUF)"] = [tokenizer.encode(llama.reference(q, args.max_new_tokens),
                                                              add_special_tokens=False) for q in qs]
@@ -98,10 +105,8 @@ def main() -> None:
     lines += ["", f"Wall time {time.monotonic() - t0:.0f} s."]
     text = "\n".join(lines) + "\n"
     print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(args.out + ".tmp", args.out)
+    if not args.smoke:
+        write_report(args.out, text)
 
 
 if __name__ == "__main__":

@@ -219,6 +219,14 @@ def matcher_times(sizes=(10_000, 100_000, 1_000_000), dim: int = 384) -> list[tu
     return out
 
 
+def write_report(path: str, text: str) -> None:
+    """Written whole or not at all (a stopped run leaves the previous report)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -308,10 +316,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.smoke:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(args.out + ".tmp", args.out)
+        write_report(args.out, text)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Smoke runs of the two benchmarks of this round, through their command lines: the concurrency workload
-(batched vs one at a time) and the verified-decoding benchmark. The full runs are commands (README); here
+"""Smoke runs of the benchmarks of this round, through their command lines: the concurrency workload
+(batched vs one at a time), the verified-decoding benchmark and the fidelity table. The full runs are commands (README); here
 they must run end to end and keep their exactness claims."""
 import importlib.util
 import json
@@ -44,3 +44,12 @@ def test_verified_decoding_smoke_every_answer_exact():
     row = next(line for line in out.splitlines() if line.startswith("| simllm_ros defaults"))
     same, total = map(int, re.search(r"\| (\d+)/(\d+) \|$", row).groups())
     assert total > 0 and same == total, row
+
+
+def test_fidelity_smoke_compares_every_configuration_with_every_other():
+    out = _run([os.path.join("benchmark", "fidelity.py"), "--smoke"])
+    rows = [line for line in out.splitlines() if line.startswith("| float32 |") or line.startswith("| defaults (")]
+    assert len(rows) == 2, out
+    for i, row in enumerate(rows):  # the diagonal: a configuration always agrees with itself
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert len(cells) == 2 and cells[i] == "2/2, 1.00", row
