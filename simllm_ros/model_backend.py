@@ -150,6 +150,7 @@ class ModelBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = resolve_model(ref, cache_dir, self.progress)
+        self._path, self._dense_model = path, None
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -214,9 +215,20 @@ class ModelBackend:
 
     @property
     def hf_model(self):
-        """The transformers model, ready for its own forward or `generate` (the runner keeps packed weights
-        and releases the dense ones; this unpacks them on first use)."""
-        return self.model if self.runner is None else self.runner.hf_model()
+        """The transformers model, ready for its own forward or `generate` (benchmark references): the runner
+        keeps packed weights and releases the dense ones, so this unpacks them on first use; with 4- or 8-bit
+        weights it loads a separate dense copy of the model file once (its memory again, the engine untouched)."""
+        if self.runner is None:
+            return self.model
+        if self.runner.weight_bits == 16:
+            return self.runner.hf_model()
+        if self._dense_model is None:  # quantized weights cannot be given back: a dense copy of the file's
+            from transformers import AutoModelForCausalLM
+
+            self.progress("loading a dense copy of the model for transformers' own forward (reference runs)")
+            self._dense_model = AutoModelForCausalLM.from_pretrained(
+                self._path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(self.device).eval()
+        return self._dense_model
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -482,6 +494,6 @@ class ModelBackend:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def release(self) -> None:
-        self.model = None
+        self.model = self._dense_model = None
         if self.device == "cuda":
             torch.cuda.empty_cache()
