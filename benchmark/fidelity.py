@@ -24,7 +24,7 @@ sys.path.insert(0, REPO)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from verified_decoding import LlamaCpp, SimSystem, write_report  # noqa: E402
+from verified_decoding import LlamaCpp, SimSystem, finish_report  # noqa: E402
 
 from simllm_ros.workloads import find_clinc  # noqa: E402
 
@@ -102,11 +102,7 @@ def main() -> None:
             share = sum(prefix_share(x, y) for x, y in zip(answers[a], answers[b])) / len(qs)
             cells.append(f"{same}/{len(qs)}, {share:.2f}")
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
-    lines += ["", f"Wall time {time.monotonic() - t0:.0f} s."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.smoke:
-        write_report(args.out, text)
+    finish_report(lines, t0, None if args.smoke else args.out)
 
 
 if __name__ == "__main__":

@@ -219,12 +219,16 @@ def matcher_times(sizes=(10_000, 100_000, 1_000_000), dim: int = 384) -> list[tu
     return out
 
 
-def write_report(path: str, text: str) -> None:
-    """Written whole or not at all (a stopped run leaves the previous report)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+def finish_report(lines: list[str], t_start: float, path: str | None) -> None:
+    """Prints the report with its wall time and writes it to `path` (None: print only), whole or not at all:
+    a stopped run leaves the previous report."""
+    text = "\n".join(lines + ["", f"Wall time {time.monotonic() - t_start:.0f} s."]) + "\n"
+    print(text)
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
 
 
 def main() -> None:
@@ -312,11 +316,7 @@ def main() -> None:
         lines += ["", "Matcher (best 4 of N clustered fingerprints, 384-d, one scope, recency on):", "",
                   "| N | lookup | lookup right after an add | the add |", "|---|---|---|---|"]
         lines += [f"| {n:,} | {a:.2f} ms | {b:.2f} ms | {c:.2f} ms |" for n, a, b, c in matcher_times()]
-    lines += ["", f"Wall time {time.monotonic() - t_start:.0f} s."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.smoke:
-        write_report(args.out, text)
+    finish_report(lines, t_start, None if args.smoke else args.out)
 
 
 if __name__ == "__main__":
