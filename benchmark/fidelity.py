@@ -26,6 +26,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from verified_decoding import LlamaCpp, SimSystem, finish_report  # noqa: E402
 
+from simllm_ros.block_pool import common_prefix  # noqa: E402
 from simllm_ros.workloads import find_clinc  # noqa: E402
 
 CONFIGS = (("float32", dict(dtype="float32")),
@@ -45,12 +46,7 @@ def spread_questions(n: int) -> list[str]:
 
 
 def prefix_share(a: list[int], b: list[int]) -> float:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n / max(len(a), len(b), 1)
+    return common_prefix(a, b) / max(len(a), len(b), 1)
 
 
 def main() -> None:
