@@ -135,15 +135,22 @@ def _quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), scales_and_zeros
 
 
+def _int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights in groups [N, K/32, 32] (float32), each group's minimum and step [N, K/32, 1]: 16 levels
+    from min to max, the grid both the 4-bit codes and the grid check use."""
+    w = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
+    lo = w.amin(dim=-1, keepdim=True)
+    return w, lo, ((w.amax(dim=-1, keepdim=True) - lo) / 15).clamp(min=1e-12)
+
+
 def _int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes 0..15 [N, K] int32, scales_and_zeros [K/32, N, 2] in the weight's dtype)."""
     n, k = weight.shape
     if k % INT4_GROUP:
         raise ValueError(f"weight_bits=4 needs input sizes that are multiples of {INT4_GROUP} (got {k})")
-    w = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    step = ((hi - lo) / 15).clamp(min=1e-12)
-    q = torch.round((w - lo[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    w, lo, step = _int4_grid(weight)
+    q = torch.round((w - lo) / step).clamp(0, 15).to(torch.int32).reshape(n, k)
+    lo, step = lo[..., 0], step[..., 0]
     zero = lo + 8 * step
     return q.contiguous(), torch.stack([step.t(), zero.t()], dim=-1).contiguous().to(weight.dtype)
 
@@ -163,9 +170,7 @@ def on_int4_grid(weight: torch.Tensor) -> bool:
     a step on the embedded model) plus the value's own bf16 rounding."""
     if weight.dim() != 2 or weight.shape[1] % INT4_GROUP:
         return False
-    w = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
-    lo = w.amin(dim=-1, keepdim=True)
-    step = ((w.amax(dim=-1, keepdim=True) - lo) / 15).clamp(min=1e-12)
+    w, lo, step = _int4_grid(weight)
     off = (w - lo) / step
     return bool(((off - off.round()).abs() * step <= 0.1 * step + w.abs() * 2.0 ** -8).all())
 
