@@ -27,7 +27,7 @@ import torch
 from . import path_checks, persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
 from .cache_stats import CacheStatsRecorder
 from .decoding import Constraint, Decoder, Generation
-from .draft_proposer import DraftProposer
+from .draft_proposer import DraftProposer, DraftStats
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
 from .model_backend import ModelBackend, ModelLoadError
@@ -191,6 +191,9 @@ class Engine:
         # Recent answers per scope (token ids), a draft source for verified decoding.
         self._recent_answers: dict[str, collections.deque[list[int]]] = {}
         self._answer_tokens: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        # How often each kind of draft is accepted (learnt over requests): with the backend's pass costs it
+        # decides how long a draft is checked.
+        self._draft_stats = DraftStats()
         self._owns_models = True  # False for a fork(): the backend belongs to another engine
         self._warming = False  # requests now are warm-up: the semantic log marks them so they do not count
         # Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time.
@@ -827,15 +830,16 @@ class Engine:
         s, pool = self.settings, self.pool
         answers = []
         same = pool.find(req.scope, tokens)
-        if same is not None and same.answer:
-            answers.append(same.answer)
+        repeat = same.answer if same is not None and same.answer else ""
         for m in pool.best_matches(fingerprint, req.scope, now, k=4, recency_weight=0.0,
                                    half_life_s=s.recency_half_life_s):
-            if m.cosine >= s.draft_min_similarity and m.entry.answer and m.entry.answer not in answers:
+            if m.cosine >= s.draft_min_similarity and m.entry.answer and m.entry.answer not in answers + [repeat]:
                 answers.append(m.entry.answer)
         return DraftProposer(answers=[self._answer_ids(a) for a in answers],
+                             repeat=self._answer_ids(repeat) if repeat else [],
                              history=list(self._recent_answers.get(req.scope, ())),
-                             prompt=tokens, max_tokens=s.max_draft_tokens)
+                             prompt=tokens, max_tokens=s.max_draft_tokens,
+                             costs=self.backend.pass_costs, stats=self._draft_stats)
 
     def _answer_ids(self, text: str) -> list[int]:
         ids = self._answer_tokens.get(text)

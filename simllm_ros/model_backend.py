@@ -127,7 +127,8 @@ def _head_digest(path: str, n: int = 1 << 20) -> str:
 
 
 # check_single_rows and invariance_probe results of this process, per model file and settings
-_PROBED: dict[tuple, tuple[bool, bool]] = {}
+_PROBED: dict[tuple, tuple] = {}  # (single rows, exact chunking, pass costs) per model and settings
+MAX_PASS_ROWS = 257  # a decode pass: the last token and a draft of up to 256 (max_draft_tokens' range)
 
 
 class ModelBackend:
@@ -194,8 +195,13 @@ class ModelBackend:
         key = (path, device, dtype, weight_bits)  # the same model and settings in this process: the same answer
         if key not in _PROBED:
             single = self.runner is not None and self.runner.check_single_rows()
-            _PROBED[key] = (single, self.invariance_probe())  # the probe runs with single rows as decided
-        single, self.exact_chunking = _PROBED[key]
+            exact = self.invariance_probe()  # the probe runs with single rows as decided
+            costs = self.runner.pass_costs(MAX_PASS_ROWS) if self.runner is not None else None
+            _PROBED[key] = (single, exact, costs)
+        single, self.exact_chunking, costs = _PROBED[key]
+        # What a pass of m rows costs relative to one (m = 0..MAX_PASS_ROWS), where measured: draft lengths
+        # are chosen by it (draft_proposer). None for transformers' own forward.
+        self.pass_costs: tuple[float, ...] | None = tuple(costs) if costs is not None else None
         if self.runner is not None:
             self.runner.single_rows = single
 

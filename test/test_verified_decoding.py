@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from simllm_ros.decoding import DraftSource, Sampler
-from simllm_ros.draft_proposer import DraftProposer
+from simllm_ros.draft_proposer import DraftProposer, DraftStats
 from simllm_ros.request import CacheResult, QueryRequest
 
 from core_fixtures import BULLETIN, BULLETIN_REVISED, clinc_by_intent, fresh, shared_engine
@@ -129,6 +129,8 @@ def test_verified_equals_plain_whatever_the_drafts(engine, temperature, seed):
             "partly right": FixedDrafts(t[:j] + [(t[j] + 1) % vocab] + t[j + 1:], wrong),
             "longer than the answer": FixedDrafts(t + wrong),
             "prompt lookup": DraftProposer(prompt=ids, max_tokens=8),
+            "prompt lookup, lengths by pass costs": DraftProposer(prompt=ids, max_tokens=8,
+                                                                  costs=engine.backend.pass_costs, stats=DraftStats()),
         }
         for name, drafts in variants.items():
             got = _decode(engine, ids, 20, drafts=drafts, temperature=temperature, seed=seed)
@@ -137,7 +139,7 @@ def test_verified_equals_plain_whatever_the_drafts(engine, temperature, seed):
                 passes_right += got.forward_passes
                 assert got.draft_accepted == got.draft_proposed
         passes_plain += plain.forward_passes
-    print(f"\n[verified decoding T={temperature}] {len(QUESTIONS)} prompts x 5 draft kinds identical to plain; "
+    print(f"\n[verified decoding T={temperature}] {len(QUESTIONS)} prompts x 6 draft kinds identical to plain; "
           f"decode passes with right drafts {passes_right} vs plain {passes_plain}")
     assert passes_right * 3 <= passes_plain
 

@@ -1,0 +1,99 @@
+"""Draft lengths chosen by what a pass of more rows costs: `best_length`, `DraftStats` and the proposer that
+uses them, and the backend's measured `pass_costs`. A length never changes an answer (the identity tests in
+test_verified_decoding run these proposers too); here: that rows are paid for only where acceptance covers
+them, and that the rates follow what the model accepts."""
+from __future__ import annotations
+
+import math
+import random
+
+from simllm_ros.draft_proposer import DraftProposer, DraftStats, best_length
+from simllm_ros.model_backend import MAX_PASS_ROWS
+
+from core_fixtures import shared_engine
+
+FREE_ROWS = [0.0] + [1.0] * 12  # a padded 16-bit pass: a few more rows cost (almost) nothing
+FOUR_BIT = [0.0, 1.0, 1.10, 1.20, 1.28, 1.50, 1.72, 1.86, 2.01, 2.2, 2.4, 2.6, 2.8]  # measured shape, 4 bits
+
+
+def _value(rate, costs, d):
+    return sum(rate ** j for j in range(d + 1)) / costs[1 + d]
+
+
+def test_best_length_is_the_length_with_most_tokens_per_cost():
+    rng = random.Random(3)
+    for _ in range(300):
+        rate = rng.random()
+        steps = [rng.random() * 0.4 for _ in range(12)]
+        costs = [0.0, 1.0]
+        for s in steps[:-1]:
+            costs.append(costs[-1] + s)
+        available = rng.randrange(0, 12)
+        d = best_length(rate, costs, available)
+        best = max(_value(rate, costs, k) for k in range(available + 1))
+        assert 0 <= d <= available
+        assert math.isclose(_value(rate, costs, d), best, rel_tol=1e-9), (rate, costs, available, d)
+        # the shortest of the best: a shorter length that is as good would have been taken
+        assert all(_value(rate, costs, k) < best * (1 + 1e-9) for k in range(d)) or d == 0
+
+
+def test_rows_are_paid_for_only_where_acceptance_covers_them():
+    assert best_length(0.0, FREE_ROWS, 8) == 0, "a draft that is never accepted is never worth a row"
+    assert best_length(0.1, FREE_ROWS, 8) >= 1, "a free row is worth any chance"
+    assert best_length(0.1, FOUR_BIT, 8) == 0, "at 4 bits a second row costs 10%: a 10% guess does not pay"
+    assert best_length(0.5, FOUR_BIT, 8) in (1, 2, 3)
+    assert best_length(0.99, FOUR_BIT, 11) == 11, "an answer the model keeps following: check all of it"
+    assert best_length(0.99, FOUR_BIT, 3) == 3, "never longer than what is there"
+
+
+def test_rates_follow_what_the_model_accepts():
+    st = DraftStats()
+    start = st.rate("suffix")
+    for _ in range(40):
+        st.record("suffix", 4, 0)  # the first token rejected: one checked, none accepted
+    low = st.rate("suffix")
+    assert low < 0.1 < start
+    for _ in range(400):
+        st.record("suffix", 4, 4)
+    assert st.rate("suffix") > 0.9
+    assert st.rate("answer") == DraftStats.PRIOR["answer"], "kinds are counted apart"
+
+
+def test_a_guess_that_does_not_pay_is_left_out_but_still_tried_now_and_then():
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 10, 11]
+    st = DraftStats()
+    for _ in range(60):
+        st.record("guess", 1, 0)
+    p = DraftProposer(prompt=prompt, max_tokens=8, costs=FOUR_BIT, stats=st)
+    # [.., 9, 7]: only the last token (7) matches somewhere: a one-token guess
+    drafts = [p.propose([1, 7], 8) for _ in range(DraftStats.EXPLORE_EVERY * 2)]
+    assert sum(1 for d in drafts if d) == 2 and all(len(d) <= 1 for d in drafts)
+    # Without costs (the adaptive length) the guess is always made, as before.
+    assert DraftProposer(prompt=prompt, max_tokens=8).propose([1, 7], 8) in ([8], [10])
+
+
+def test_the_stored_answer_of_the_same_prompt_is_checked_whole():
+    answer, other = list(range(100, 120)), list(range(200, 220))
+    costs = FOUR_BIT + [FOUR_BIT[-1] + 0.2 * i for i in range(1, 30)]
+    st = DraftStats()
+    p = DraftProposer(repeat=answer, answers=[other, answer], max_tokens=32, costs=costs, stats=st)
+    assert p.answers == [answer, other], "the repeat first, and once"
+    first = p.propose([], 32)
+    assert first == answer[:len(first)] and len(first) >= 8, "from the prior alone: a long draft"
+    p.feedback(len(first), len(first))
+    assert st.rate("repeat") > DraftStats.PRIOR["repeat"]
+    assert p.propose(first, 32) == answer[len(first):], "once it was kept: the rest in one pass"
+    # A similar request's answer is a kind of its own: its rate does not shorten the repeat's drafts.
+    for _ in range(50):
+        st.record("answer", 20, 0)
+    q = DraftProposer(answers=[other], max_tokens=32, costs=costs, stats=st)
+    assert q.propose([], 32) in ([], other[:1])
+    assert DraftProposer(repeat=answer, max_tokens=32, costs=costs, stats=st).propose([], 32) == answer
+
+
+def test_the_backend_measures_its_pass_costs_at_load():
+    costs = shared_engine(dtype="bfloat16", kv_bits=0).backend.pass_costs
+    assert costs is not None and len(costs) == MAX_PASS_ROWS + 1
+    assert costs[0] == 0.0 and costs[1] == 1.0
+    assert all(b >= a for a, b in zip(costs[1:], costs[2:])), "more rows never cost less"
+    assert all(math.isfinite(c) for c in costs)
