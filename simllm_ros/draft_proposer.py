@@ -69,18 +69,14 @@ class DraftStats:
             self._seen[kind] = self._seen[kind] * self.DECAY + checked
 
 
-def best_length(rate: float, costs, available: int, rows: int = 1, tokens: int = 1) -> int:
+def best_length(rate: float, costs, available: int) -> int:
     """The draft length d in 0..available with the most expected tokens per cost of its pass:
-    (tokens + rate + ... + rate^d) / costs[rows + d], for a pass that already holds `rows` rows yielding
-    `tokens` tokens without this draft (1 and 1 alone; in a batched step, every decoding request's row);
-    the shorter one on a tie. A batched pass is past the cheap rows, and a draft row there slows every
-    request in it: only drafts the model will likely keep are worth it."""
-    rows = max(1, min(rows, len(costs) - 1))
-    best, best_value, expected, p = 0, tokens / costs[rows], float(tokens), 1.0
-    for d in range(1, min(available, len(costs) - 1 - rows) + 1):
+    (1 + rate + ... + rate^d) / costs[1 + d]; the shorter one on a tie."""
+    best, best_value, expected, p = 0, 1.0 / costs[1], 1.0, 1.0
+    for d in range(1, min(available, len(costs) - 2) + 1):
         p *= rate
         expected += p
-        value = expected / costs[rows + d]
+        value = expected / costs[1 + d]
         if value > best_value * (1 + 1e-9):
             best, best_value = d, value
     return best
@@ -104,16 +100,10 @@ class DraftProposer(DraftSource):
         self.costs = costs
         self.stats = stats if stats is not None else DraftStats()
         self._kind = ""  # the kind of the last draft proposed, for feedback
-        self._pass = (1, 1)  # (rows, tokens) of the pass without this draft: set_pass
         self._index: dict[int, list[tuple[int, int]]] = {}  # token -> [(ref, pos)] for suffix search
         for r, ref in enumerate(self.refs):
             for pos, t in enumerate(ref[:-1]):  # a token with something after it
                 self._index.setdefault(t, []).append((r, pos))
-
-    def set_pass(self, rows: int, tokens: int) -> None:
-        """The next draft joins a pass that already holds `rows` rows yielding `tokens` tokens (the request
-        server's batched step); (1, 1) when the request runs alone."""
-        self._pass = (max(1, int(rows)), max(1, int(tokens)))
 
     def propose(self, generated: list[int], limit: int) -> list[int]:
         limit = min(limit, self.max_tokens)
@@ -138,7 +128,7 @@ class DraftProposer(DraftSource):
         if self.costs is None:
             n = adaptive
         else:
-            n = best_length(self.stats.rate(kind), self.costs, min(limit, len(cont)), *self._pass)
+            n = best_length(self.stats.rate(kind), self.costs, min(limit, len(cont)))
             if n == 0 and cont and limit > 0 and self.stats.explore(kind):
                 n = 1
         self._kind = kind if n > 0 else ""

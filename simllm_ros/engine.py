@@ -659,11 +659,6 @@ class Engine:
             # rows 1110 ms measured on one core): decoding together, each flight's draft gets a share.
             n_decoding = sum(1 for f in flights if f.decoder is not None and not f.decoder.done)
             cap = None if n_decoding <= 1 else max(1, self.settings.max_draft_tokens // n_decoding)
-            # Rows of the pass before drafts (a row per decoding flight, the prefill chunks): a flight's draft
-            # is priced at what its rows add to this pass (draft_proposer.best_length), and each draft
-            # chosen adds to the rows the next flight's draft is priced against.
-            prefill = sum(f.todo for f in flights if f.decoder is None)
-            rows = n_decoding + (prefill if budget is None else min(prefill, budget))
             for i, f in enumerate(flights):
                 try:
                     if f.decoder is None and f.watch.should_stop():  # cancelled before its prompt was in
@@ -671,11 +666,7 @@ class Engine:
                                              request_id=f.p.req.request_id)
                     elif f.decoder is not None:
                         f.decoder.draft_cap = cap
-                        if isinstance(f.drafts, DraftProposer):
-                            f.drafts.set_pass(rows, n_decoding)
-                        feed = f.decoder.inputs()
-                        rows += len(feed) - 1
-                        work.append((i, feed, "all", backend.cache_len(f.cache)))
+                        work.append((i, f.decoder.inputs(), "all", backend.cache_len(f.cache)))
                     elif budget is None or budget > 0:
                         done = len(f.tokens) - f.todo
                         n = f.todo if budget is None else min(f.todo, budget)

@@ -16,8 +16,8 @@ FREE_ROWS = [0.0] + [1.0] * 12  # a padded 16-bit pass: a few more rows cost (al
 FOUR_BIT = [0.0, 1.0, 1.10, 1.20, 1.28, 1.50, 1.72, 1.86, 2.01, 2.2, 2.4, 2.6, 2.8]  # measured shape, 4 bits
 
 
-def _value(rate, costs, d, rows=1, tokens=1):
-    return (tokens - 1 + sum(rate ** j for j in range(d + 1))) / costs[rows + d]
+def _value(rate, costs, d):
+    return sum(rate ** j for j in range(d + 1)) / costs[1 + d]
 
 
 def test_best_length_is_the_length_with_most_tokens_per_cost():
@@ -28,15 +28,13 @@ def test_best_length_is_the_length_with_most_tokens_per_cost():
         costs = [0.0, 1.0]
         for s in steps[:-1]:
             costs.append(costs[-1] + s)
-        rows = rng.choice([1, 1, 2, 5])
-        tokens = rng.randrange(1, rows + 1)
-        available = rng.randrange(0, 12 - rows)
-        d = best_length(rate, costs, available, rows, tokens)
-        best = max(_value(rate, costs, k, rows, tokens) for k in range(available + 1))
+        available = rng.randrange(0, 12)
+        d = best_length(rate, costs, available)
+        best = max(_value(rate, costs, k) for k in range(available + 1))
         assert 0 <= d <= available
-        assert math.isclose(_value(rate, costs, d, rows, tokens), best, rel_tol=1e-9), (rate, costs, available, d)
+        assert math.isclose(_value(rate, costs, d), best, rel_tol=1e-9), (rate, costs, available, d)
         # the shortest of the best: a shorter length that is as good would have been taken
-        assert all(_value(rate, costs, k, rows, tokens) < best * (1 + 1e-9) for k in range(d)) or d == 0
+        assert all(_value(rate, costs, k) < best * (1 + 1e-9) for k in range(d)) or d == 0
 
 
 def test_rows_are_paid_for_only_where_acceptance_covers_them():
@@ -46,20 +44,6 @@ def test_rows_are_paid_for_only_where_acceptance_covers_them():
     assert best_length(0.5, FOUR_BIT, 8) in (1, 2, 3)
     assert best_length(0.99, FOUR_BIT, 11) == 11, "an answer the model keeps following: check all of it"
     assert best_length(0.99, FOUR_BIT, 3) == 3, "never longer than what is there"
-
-
-def test_in_a_batched_pass_only_drafts_the_model_will_likely_keep_are_checked():
-    costs = FOUR_BIT + [FOUR_BIT[-1] + 0.17 * i for i in range(1, 60)]  # past a few rows: ~0.17 per row
-    alone = best_length(0.5, costs, 8)
-    assert alone >= 1
-    # Eight requests decoding together: a draft row slows all eight, so a coin-flip draft does not pay
-    assert best_length(0.5, costs, 8, rows=8, tokens=8) == 0
-    assert best_length(0.99, costs, 20, rows=8, tokens=8) >= 10, "a repeat's stored answer still does"
-    p = DraftProposer(prompt=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=8, costs=costs, stats=DraftStats())
-    p.set_pass(8, 8)
-    assert p.propose([1, 5, 6], 8) == []
-    p.set_pass(1, 1)
-    assert p.propose([1, 5, 6], 8) == [7, 8, 9, 10, 11, 12][:best_length(0.5, costs, 6)]
 
 
 def test_rates_follow_what_the_model_accepts():
