@@ -31,10 +31,7 @@ import threading
 import numpy as np
 import torch
 
-from .row_groups import RowGroups
-
 PREFILTER_ROWS = 8192  # scopes with more rows use the int8 prefilter
-GROUP_ROWS = 32768  # scopes with more rows are grouped around centres for exact pruning (row_groups)
 PREFILTER_MARGIN = 0.03  # bound on the int8 error of a cosine of unit vectors (both sides quantized; checked)
 
 
@@ -108,18 +105,6 @@ class _ScopeRows:
         # row on, so a lookup after an add quantizes one row, not the scope.
         self._q8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._q8_valid = 0
-        self.groups: RowGroups | None = None  # above GROUP_ROWS rows (built by `grouped`)
-
-    def grouped(self) -> RowGroups | None:
-        """The row groups, built on first need and again when the scope has doubled since; None below
-        GROUP_ROWS rows (dropped below half of it)."""
-        if self.n < GROUP_ROWS:
-            if self.n < GROUP_ROWS // 2:
-                self.groups = None
-            return self.groups
-        if self.groups is None or self.n >= 2 * self.groups.built_n:
-            self.groups = RowGroups(self.fp, self.n)
-        return self.groups
 
     def grow(self) -> None:
         cap = self.fp.shape[0] * 2
@@ -175,8 +160,6 @@ class Matcher:
             s.keys[row] = key
             s.last_used[row] = now
             s.changed(row)
-            if s.groups is not None:
-                s.groups.add(row, s.fp[row])
             self._where[key] = (scope, row)
             self._link(s, row)
 
@@ -196,10 +179,6 @@ class Matcher:
         s = self._scopes[scope]
         last = s.n - 1
         orphans = np.nonzero(s.nn_idx[:s.n] == row)[0]
-        if s.groups is not None:
-            s.groups.remove(row)
-            if row != last:
-                s.groups.move(last, row)
         if row != last:  # the last row fills the hole
             for name in ("fp", "keys", "last_used", "nn_sim", "nn_idx"):
                 getattr(s, name)[row] = getattr(s, name)[last]
@@ -251,20 +230,9 @@ class Matcher:
             if s is None or s.n == 0 or k <= 0:
                 return []
             q = np.asarray(fingerprint, dtype=np.float32)
-
-            def penalty(rows):
-                if recency_weight <= 0:
-                    return 0.0
-                age = np.maximum(now - s.last_used[rows], 0.0)
-                return recency_weight * (1.0 - np.exp2(-age / half_life_s))
-
             rows = None
             cos = None
-            groups = s.grouped()
-            if groups is not None:  # exact pruning by group bounds, where the scope clusters
-                rows = groups.candidates(q, min(k, s.n), lambda r: s.fp[r] @ q - penalty(r), s.n)
-                cos = None if rows is None else s.fp[rows] @ q
-            if cos is None and s.n > PREFILTER_ROWS and _int8_kernel_ok():
+            if s.n > PREFILTER_ROWS and _int8_kernel_ok():
                 a = _int8_scores(q, *s.int8()).numpy()
                 picked = _candidates(a, min(k, s.n), recency_weight)
                 cos = s.fp[picked] @ q
@@ -278,7 +246,10 @@ class Matcher:
             if cos is None:
                 rows = np.arange(s.n)
                 cos = s.fp[:s.n] @ q
-            score = cos - penalty(rows)
+            score = cos
+            if recency_weight > 0:
+                age = np.maximum(now - s.last_used[rows], 0.0)
+                score = cos - recency_weight * (1.0 - np.exp2(-age / half_life_s))
             k = min(k, len(rows))
             top = np.argpartition(-score, k - 1)[:k] if k < len(rows) else np.arange(len(rows))
             top = top[np.argsort(-score[top], kind="stable")]
