@@ -42,6 +42,7 @@ class DraftStats:
     PRIOR = {"repeat": 0.99, "answer": 0.7, "suffix": 0.5, "guess": 0.3}
     PRIOR_WEIGHT = 4.0  # the prior counts as this many checked tokens
     DECAY = 0.995  # per checked draft: about the last few hundred drafts count
+    EXPLORE_EVERY = 16  # a kind whose drafts do not pay is still tried once in this many chances
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -52,8 +53,6 @@ class DraftStats:
     def rate(self, kind: str) -> float:
         with self._lock:
             return self._acc[kind] / self._seen[kind]
-
-    EXPLORE_EVERY = 16  # a kind whose drafts do not pay is still tried once in this many chances
 
     def explore(self, kind: str) -> bool:
         """Whether to check one token of a kind whose drafts do not pay now: without a try now and then, its
@@ -129,7 +128,7 @@ class DraftProposer(DraftSource):
             n = adaptive
         else:
             n = best_length(self.stats.rate(kind), self.costs, min(limit, len(cont)))
-            if n == 0 and cont and limit > 0 and self.stats.explore(kind):
+            if n == 0 and cont and self.stats.explore(kind):
                 n = 1
         self._kind = kind if n > 0 else ""
         return cont[:n]

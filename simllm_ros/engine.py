@@ -833,7 +833,7 @@ class Engine:
         repeat = same.answer if same is not None and same.answer else ""
         for m in pool.best_matches(fingerprint, req.scope, now, k=4, recency_weight=0.0,
                                    half_life_s=s.recency_half_life_s):
-            if m.cosine >= s.draft_min_similarity and m.entry.answer and m.entry.answer not in answers + [repeat]:
+            if m.cosine >= s.draft_min_similarity and m.entry.answer and m.entry.answer not in answers:
                 answers.append(m.entry.answer)
         return DraftProposer(answers=[self._answer_ids(a) for a in answers],
                              repeat=self._answer_ids(repeat) if repeat else [],

@@ -126,8 +126,9 @@ def _head_digest(path: str, n: int = 1 << 20) -> str:
         return hashlib.sha256(f.read(n)).hexdigest()
 
 
-# check_single_rows and invariance_probe results of this process, per model file and settings
-_PROBED: dict[tuple, tuple] = {}  # (single rows, exact chunking, pass costs) per model and settings
+# Load-time checks of this process, per model file and settings: (check_single_rows, invariance_probe,
+# pass costs)
+_PROBED: dict[tuple, tuple] = {}
 MAX_PASS_ROWS = 257  # a decode pass: the last token and a draft of up to 256 (max_draft_tokens' range)
 
 
