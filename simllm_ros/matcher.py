@@ -19,6 +19,13 @@ data of the prefilter's shape, and on every lookup on the rows it picked and 64
 rows spread over the scope; where it disagrees (or is missing) every lookup
 scans exactly in float32.
 
+Above index_rows (INDEX_ROWS, 50,000 by default) a scan reads too much (N x 384 bytes: ~3 ms at 100k, ~45
+ms at 1M on one core here), so a scope gets an inverted-file index (coarse_index, faiss) built in the
+background once it passes the limit (and again when it has grown by half), kept up to date row by row after
+that; a lookup scores exactly only the candidates the index hands back and the newest rows. That is the one approximate
+step: a row filed far from the query may be missed (measured recall in the README). It never changes an
+answer on the lossless paths: exact prefixes are found by token hashes, not here, and drafts are verified.
+
 For eviction it also keeps each entry's redundancy (highest cosine to another
 entry of its scope) up to date as entries come and go: an add costs one pass
 over its scope, a remove one pass per entry whose nearest neighbour it was, so
@@ -31,8 +38,14 @@ import threading
 import numpy as np
 import torch
 
+from . import coarse_index
+
 PREFILTER_ROWS = 8192  # scopes with more rows use the int8 prefilter
 PREFILTER_MARGIN = 0.03  # bound on the int8 error of a cosine of unit vectors (both sides quantized; checked)
+INDEX_ROWS = 50_000  # scopes with more rows are looked up through a coarse index (0: never)
+INDEX_REBUILD_GROWTH = 1.5  # a scope this many times the rows its index was trained on gets a new one
+INDEX_TAIL_ROWS = 2048  # the newest rows (at the end of the arrays) are scored exactly on every indexed lookup
+INDEX_CANDIDATES = 64  # rows the index hands back per lookup (16 per wanted row at least), scored exactly
 
 
 _INT8_KERNEL_OK: bool | None = None  # decided by _int8_kernel_ok() on first use
@@ -105,6 +118,9 @@ class _ScopeRows:
         # row on, so a lookup after an add quantizes one row, not the scope.
         self._q8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._q8_valid = 0
+        self.index: coarse_index.CoarseIndex | None = None  # above index_rows, once built
+        self.building: threading.Thread | None = None  # a background build in flight
+        self.changed_keys: set[int] = set()  # keys added, replaced or removed since that build's snapshot
 
     def grow(self) -> None:
         cap = self.fp.shape[0] * 2
@@ -134,9 +150,10 @@ class _ScopeRows:
 
 
 class Matcher:
-    def __init__(self, dim: int, capacity: int = 256):
+    def __init__(self, dim: int, capacity: int = 256, index_rows: int = INDEX_ROWS):
         self.dim = dim
         self._capacity = max(1, capacity)
+        self.index_rows = index_rows if coarse_index.available() else 0
         self._scopes: dict[str, _ScopeRows] = {}
         self._where: dict[int, tuple[str, int]] = {}  # key -> (scope, row)
         self._lock = threading.Lock()
@@ -162,6 +179,11 @@ class Matcher:
             s.changed(row)
             self._where[key] = (scope, row)
             self._link(s, row)
+            if s.building is not None:
+                s.changed_keys.add(key)
+            if s.index is not None:
+                s.index.add([key], s.fp[row:row + 1])
+            self._maybe_index(scope, s)
 
     def touch(self, key: int, now: float) -> None:
         with self._lock:
@@ -177,6 +199,10 @@ class Matcher:
     def _remove(self, key: int) -> None:
         scope, row = self._where.pop(key)
         s = self._scopes[scope]
+        if s.building is not None:
+            s.changed_keys.add(key)
+        if s.index is not None:
+            s.index.remove([key])
         last = s.n - 1
         orphans = np.nonzero(s.nn_idx[:s.n] == row)[0]
         if row != last:  # the last row fills the hole
@@ -191,8 +217,75 @@ class Matcher:
         for other in orphans:  # rows whose nearest neighbour left look again
             if other < s.n:
                 s.nn_idx[other], s.nn_sim[other] = self._nearest(s, int(other))
+        if s.index is not None and s.n < self.index_rows // 2:
+            s.index = None  # small enough to scan again; a new one is trained if it grows back
         if s.n == 0:
             del self._scopes[scope]
+
+    # ---- the coarse index of a large scope; callers hold the lock ------------------------------------
+    def _maybe_index(self, scope: str, s: _ScopeRows) -> None:
+        """Starts a background build when the scope has passed index_rows and has no index (or has
+        outgrown it): lookups keep scanning until it is ready."""
+        if self.index_rows <= 0 or s.n <= self.index_rows or s.building is not None:
+            return
+        if s.index is not None and s.n < INDEX_REBUILD_GROWTH * s.index.trained_rows:
+            return
+        s.changed_keys = set()
+        s.building = threading.Thread(target=self._build, args=(scope, s, s.fp[:s.n].copy(), s.keys[:s.n].copy()),
+                                      name=f"matcher-index-{scope}", daemon=True)
+        s.building.start()
+
+    def _build(self, scope: str, s: _ScopeRows, fps: np.ndarray, keys: np.ndarray) -> None:
+        """Trains an index on a snapshot off the lock, then replays what changed since under it."""
+        try:
+            index = coarse_index.CoarseIndex(self.dim, fps, keys)
+        except (RuntimeError, MemoryError, ValueError) as e:  # faiss failed: this scope keeps scanning
+            index = None
+            print(f"[matcher] index for scope {scope!r} not built ({e}); lookups scan", flush=True)
+        with self._lock:
+            changed, s.changed_keys, s.building = s.changed_keys, set(), None
+            if index is None or self._scopes.get(scope) is not s or s.n < self.index_rows // 2:
+                return
+            index.remove(np.fromiter(changed, np.int64, len(changed)))
+            live = [k for k in changed if self._where.get(k, ("",))[0] == scope]
+            if live:
+                index.add(live, s.fp[[self._where[k][1] for k in live]])
+            s.index = index
+
+    def wait_for_index(self, timeout: float | None = None) -> None:
+        """Returns when no index build is in flight (tests and the benchmark; lookups never wait)."""
+        while True:
+            with self._lock:
+                threads = [s.building for s in self._scopes.values() if s.building is not None]
+            if not threads:
+                return
+            for t in threads:
+                t.join(timeout)
+                if t.is_alive():
+                    raise TimeoutError("matcher index build still running")
+
+    def check_consistency(self) -> None:
+        with self._lock:
+            for scope, s in self._scopes.items():
+                if s.index is not None and s.building is None:
+                    filed = s.index.keys()
+                    assert len(filed) == s.n and set(filed.tolist()) == set(s.keys[:s.n].tolist()), \
+                        f"scope {scope!r}: the index holds other keys than the scope"
+
+    def _index_rows(self, s: _ScopeRows, scope: str, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, exact cosines) of the index's candidates (the rows of highest approximate cosine in the
+        probed lists, enough of them that recency can reorder the top k) and of the scope's last
+        INDEX_TAIL_ROWS rows, which hold the newest tasks: those the centres were not trained on, which a
+        new topic can file in lists its own queries do not probe (None: out of step, scan)."""
+        keys, _ = s.index.candidates(q, max(INDEX_CANDIDATES, 16 * k))
+        where = [self._where.get(int(key)) for key in keys]
+        if not where or any(w is None or w[0] != scope for w in where):  # out of step: drop it, rebuild later
+            s.index = None
+            return None
+        rows = np.fromiter((w[1] for w in where), np.int64, len(where))
+        start = max(0, s.n - INDEX_TAIL_ROWS)
+        rows = np.concatenate([rows[rows < start], np.arange(start, s.n)])
+        return rows, np.concatenate([s.fp[rows[:len(rows) - (s.n - start)]] @ q, s.fp[start:s.n] @ q])
 
     # ---- nearest neighbours (redundancy); callers hold the lock --------------------------------------
     @staticmethod
@@ -232,7 +325,10 @@ class Matcher:
             q = np.asarray(fingerprint, dtype=np.float32)
             rows = None
             cos = None
-            if s.n > PREFILTER_ROWS and _int8_kernel_ok():
+            found = self._index_rows(s, scope, q, k) if s.index is not None else None
+            if found is not None:
+                rows, cos = found
+            elif s.n > PREFILTER_ROWS and _int8_kernel_ok():
                 a = _int8_scores(q, *s.int8()).numpy()
                 picked = _candidates(a, min(k, s.n), recency_weight)
                 cos = s.fp[picked] @ q
