@@ -12,7 +12,7 @@ no drafts, and its cached answers are compared with those (identical-answer shar
 
 Also measured: the exact-hit overhead over the model's own limit (prefilling only the uncached
 tokens into a KV buffer that already holds the prefix) at 250 / 500 / 1000-token contexts, and the
-matcher at 10k / 100k / 1M fingerprints.
+matcher at 10k / 100k / 1M fingerprints (benchmark/matcher.py's scan against index).
 
 Run: .venv/bin/python benchmark/verified_decoding.py [--threads 1] [--questions 8] [--smoke]
 Writes benchmark/results/verified_decoding.md (and prints it).
@@ -30,11 +30,9 @@ sys.path.insert(0, REPO)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from simllm_ros.engine import Engine  # noqa: E402
-from simllm_ros.matcher import Matcher  # noqa: E402
 from simllm_ros.request import QueryRequest  # noqa: E402
 from simllm_ros.settings import Settings  # noqa: E402
 from simllm_ros.workloads import find_clinc  # noqa: E402
@@ -180,45 +178,6 @@ def hit_overhead(engine: Engine, sizes=(250, 500, 1000), reps: int = 5,
     return out
 
 
-def matcher_times(sizes=(10_000, 100_000, 1_000_000), dim: int = 384) -> list[tuple[int, float, float, float]]:
-    """Per size: lookup ms (best 4, recency on), lookup ms right after an add (the int8 copy catches up by one
-    row), and the add's own ms (its nearest-neighbour pass over the scope, for eviction). The rows are loaded
-    straight into the matcher's arrays: filling 1M through add() would take hours (each add is O(N) for
-    the neighbour bookkeeping), and only the lookup is on a request's path."""
-    from simllm_ros.matcher import _ScopeRows
-
-    rng = np.random.default_rng(0)
-    out = []
-    for n in sizes:
-        centres = rng.standard_normal((200, dim))
-        fps = (centres[rng.integers(0, 200, n)] + 0.5 * rng.standard_normal((n, dim))).astype(np.float32)
-        fps /= np.linalg.norm(fps, axis=1, keepdims=True)
-        m = Matcher(dim)
-        rows = _ScopeRows(dim, n + 16)
-        rows.fp[:n], rows.keys[:n], rows.n = fps, np.arange(n), n
-        rows.last_used[:n] = rng.uniform(0, 1000, n)
-        m._scopes["s"] = rows
-        m._where.update((i, ("s", i)) for i in range(n))
-        q = fps[n // 2] + 0.05 * rng.standard_normal(dim).astype(np.float32)
-        q /= np.linalg.norm(q)
-        m.best(q, "s", 1000.0, k=4)
-        look, after, add = [], [], []
-        for i in range(7):
-            t0 = time.perf_counter()
-            top = m.best(q, "s", 1000.0, k=4, recency_weight=0.05)
-            look.append((time.perf_counter() - t0) * 1000)
-            t0 = time.perf_counter()
-            m.add(n + i, fps[i], "s", 1000.0)
-            add.append((time.perf_counter() - t0) * 1000)
-            t0 = time.perf_counter()
-            m.best(q, "s", 1000.0, k=4, recency_weight=0.05)
-            after.append((time.perf_counter() - t0) * 1000)
-        exact = fps @ q - 0.05 * (1.0 - np.exp2(-(1000.0 - rows.last_used[:n]) / 600.0))
-        assert top[0][0] == int(np.argmax(exact)), "the prefiltered lookup must return the exact best"
-        out.append((n, statistics.median(look), statistics.median(after), statistics.median(add)))
-    return out
-
-
 def finish_report(lines: list[str], t_start: float, path: str | None) -> None:
     """Prints the report with its wall time and writes it to `path` (None: print only), whole or not at all:
     a stopped run leaves the previous report."""
@@ -313,9 +272,10 @@ def main() -> None:
             who = "approximate allowed (plan waits for the fingerprint)" if approx else "lossless only (ROS default)"
             for n, hit, limit in hit_overhead(e, allow_approximate=approx):
                 lines.append(f"| {who} | {n} | {hit:.1f} ms | {limit:.1f} ms | {hit - limit:.1f} ms |")
-        lines += ["", "Matcher (best 4 of N clustered fingerprints, 384-d, one scope, recency on):", "",
-                  "| N | lookup | lookup right after an add | the add |", "|---|---|---|---|"]
-        lines += [f"| {n:,} | {a:.2f} ms | {b:.2f} ms | {c:.2f} ms |" for n, a, b, c in matcher_times()]
+        from matcher import report as matcher_report, scaling as matcher_scaling  # benchmark/matcher.py
+
+        lines += [""] + matcher_report(matcher_scaling((10_000, 100_000, 1_000_000)), None)
+        lines += ["", "(The index's recall on real fingerprints: benchmark/matcher.py.)"]
     finish_report(lines, t_start, None if args.smoke else args.out)
 
 
