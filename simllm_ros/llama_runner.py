@@ -406,13 +406,15 @@ class LlamaRunner:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, start: int,
                 mask: torch.Tensor | None = None, logits: str = "last", n_layers: int | None = None,
-                _single: bool = False):
+                hidden: torch.Tensor | None = None, first_layer: int = 0, _single: bool = False):
         """Run tokens `ids` [M] at `positions` [M], writing their KV at buffer slots start..start+M-1.
 
         Attention covers slots 0..start+M-1: causal by slot when mask is None (slot order = position
         order), else `mask` [M, start+M] (True = may attend). Returns logits of the last token
         ("last"), of every token ("all"), or None ("none"); `n_layers` stops early (the
-        deviation probe of semantic repair needs only the first layers' KV).
+        deviation probe of semantic repair needs only the first layers' KV) and returns the hidden rows
+        [M, E] after those layers. `hidden` [M, E] with `first_layer` resumes from there: the rows' KV of
+        the layers below must already be in `kv` (semantic repair takes both from its early pass).
         """
         M = ids.shape[0]
         if M == 1 and not self.single_rows:  # one row alone would take the GEMV path, which rounds differently
@@ -421,13 +423,14 @@ class LlamaRunner:
             pad = None if pad is None else torch.cat([pad, pad[-1:]], dim=0)
             before = kv.length
             out = self.forward(torch.cat([ids, ids]), torch.cat([positions, positions + 1]), kv, start, pad,
-                               logits, n_layers, _single=True)
+                               logits, n_layers, None if hidden is None else torch.cat([hidden, hidden]),
+                               first_layer, _single=True)
             kv.length = max(before, start + 1)
             return None if out is None else out[:1]
         end = start + M
         if end > kv.capacity:
             raise ValueError(f"KV buffer holds {kv.capacity} tokens, {end} needed")
-        h = self.embed(ids)[None]  # [1, M, E]
+        h = self.embed(ids)[None] if hidden is None else hidden.to(self.embed.weight.dtype)[None]  # [1, M, E]
         cos, sin = self._rope_tables(h, positions)
         G, D, Hkv = self.group, self.head_dim, self.n_kv
         # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so a mask repeats G times; inverted
@@ -439,8 +442,8 @@ class LlamaRunner:
             blocked, first = (own[None, :] > own[:, None]).repeat(G, 1), start
         elif mask is not None:
             blocked = ~mask.repeat(G, 1)
-        layers = self.layers if n_layers is None else self.layers[:n_layers]
-        for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers):
+        layers = self.layers[first_layer:n_layers]
+        for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers, start=first_layer):
             x = ln1(h)
             q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, M, D], [Hkv, M, D] x 2
             kv.k[li, :, start:end] = k
@@ -454,7 +457,9 @@ class LlamaRunner:
             gu = gate_up(x)
             h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
         kv.length = max(kv.length, end)
-        if logits == "none" or n_layers is not None:
+        if n_layers is not None:
+            return h[0]
+        if logits == "none":
             return None
         # Never one row alone through lm_head either: "last" keeps the last two rows (one-row products
         # round differently, see the module doc), a padded single token keeps both.

@@ -399,16 +399,37 @@ class ModelBackend:
         """Logits at every position of a no-cache run (for tests and quality checks)."""
         return self.run(ids, self.new_cache(len(ids) + 2), logits="all")
 
-    @torch.inference_mode()
     def early_layer_kv(self, ids: list[int], n_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh KV of the first n_layers for all tokens, at a fraction of a full prefill's cost."""
+        k, v, _ = self.early_layers(ids, n_layers)
+        return k, v
+
+    @torch.inference_mode()
+    def early_layers(self, ids: list[int], n_layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K, V [n_layers, H, n, D], hidden rows [n, E]) after the first n_layers, all tokens in order."""
         if self.runner is None:
             raise RuntimeError("early-layer KV needs the Llama runner")
         n_layers = min(n_layers, self.kv_shape.layers)
         cache = self.new_cache(len(ids) + 2)
-        self.runner.forward(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
-                            cache, 0, logits="none", n_layers=n_layers)
-        return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)]
+        h = self.runner.forward(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
+                                cache, 0, logits="none", n_layers=n_layers)
+        return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)], h
+
+    @torch.inference_mode()
+    def resume_prefill(self, ids: list[int], cache, positions: list[int], mask: torch.Tensor, hidden: torch.Tensor,
+                       early_k: torch.Tensor, early_v: torch.Tensor) -> torch.Tensor:
+        """Run `ids` after the cache's tokens from layer L = len(early_k) on, from their hidden rows after the
+        layers below (`hidden` [M, E]) and their KV there (`early_k/v` [L, H, M, D]), as an early pass over
+        the same prompt computed them; returns the last token's logits. Semantic repair's recomputed tokens
+        thus skip the layers its early pass already ran for every token."""
+        past, n, first = cache.length, len(ids), early_k.shape[0]
+        cache.ensure_capacity(past + n + 1)
+        cache.k[:first, :, past:past + n] = early_k
+        cache.v[:first, :, past:past + n] = early_v
+        out = self.runner.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
+                                  torch.tensor(positions, device=self.device), cache, past, mask=mask.to(self.device),
+                                  logits="last", hidden=hidden, first_layer=first)
+        return out[-1]
 
     def invariance_probe(self) -> bool:
         """Whether a token's logits and KV are bitwise the same however the sequence is cut into passes.

@@ -8,7 +8,10 @@
    selection); the top recompute_ratio of them are recomputed in full.
 3. Every new or changed token, the first gap_recompute_tokens after each gap
    and the selected tokens are run through the model at their true positions,
-   attending (through an explicit mask) to reused tokens before them.
+   attending (through an explicit mask) to reused tokens before them. They
+   start above the strict layers, from the early pass's hidden rows and KV:
+   those layers saw fresh KV of every token there, so the early pass already
+   computed exactly what the recompute would (~2/30 of its cost saved).
 The result is a position-ordered cache ready for decoding.
 
 Devices: the stored KV lives on the pool's device (the model's). Index tensors are built on that device;
@@ -40,15 +43,15 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     device = src_k.device
     new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long, device=device)
     src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long, device=device)
-    k = backend.rotate_keys(src_k[:, :, src_pos], new_pos - src_pos)
+    # Layered reuse + selection: fresh KV of the first layers for all tokens (their reused keys are not rotated).
+    strict = min(strict_layers, src_k.shape[0])
+    k = torch.empty((src_k.shape[0], src_k.shape[1], len(plan.pairs), src_k.shape[3]), dtype=src_k.dtype, device=device)
+    k[strict:] = backend.rotate_keys(src_k[strict:][:, :, src_pos], new_pos - src_pos)
     v = src_v[:, :, src_pos].clone()
-
-    # Layered reuse + selection: fresh KV of the first layers for all tokens.
-    strict = min(strict_layers, k.shape[0])
     # Layer-0 KV depends on the token alone (a reused token's layer-0 values equal fresh ones), so the
     # deviation is measured at layer 1 or deeper: two fresh layers at least, even for strict_layers=1.
     n_fresh = min(max(strict, 2), k.shape[0])
-    fk, fv = backend.early_layer_kv(tokens, n_fresh)
+    fk, fv, fh = backend.early_layers(tokens, n_fresh)
     fk, fv = fk.to(device, k.dtype), fv.to(device, v.dtype)
     dev = (fv[n_fresh - 1][:, new_pos].float() - v[n_fresh - 1].float()).norm(dim=(0, 2)).cpu()  # [reused]
     k[:strict] = fk[:strict][:, :, new_pos]
@@ -80,7 +83,12 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     q_pos = torch.tensor(recompute, dtype=torch.long)
     kv_pos = torch.cat([kept_pos, q_pos])
     mask = kv_pos[None, :] <= q_pos[:, None]  # [q, kv]: each recomputed token sees what precedes it (run() moves it)
-    logits, cache = backend.prefill([tokens[p] for p in recompute], cache, positions=recompute, mask=mask)
+    ids = [tokens[p] for p in recompute]
+    if strict == n_fresh:  # the early pass already ran the recomputed tokens through every strict layer
+        rec = q_pos.to(device)
+        logits = backend.resume_prefill(ids, cache, recompute, mask, fh[rec], fk[:, :, rec], fv[:, :, rec])
+    else:  # its last layer saw reused KV of the other tokens: the recomputed ones start from the bottom
+        logits, cache = backend.prefill(ids, cache, positions=recompute, mask=mask)
     K, V = backend.cache_tensors(cache)
     order = torch.argsort(kv_pos).to(K.device)
     cache = backend.cache_from_tensors(K[:, :, order], V[:, :, order])

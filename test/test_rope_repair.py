@@ -60,3 +60,35 @@ def test_rotation_per_token_deltas(backend):
     rotated = backend.rotate_keys(k, deltas)
     assert float((rotated[:, :, 1::2] - k_shift[:, :, 1::2]).abs().max()) < 1e-4
     assert torch.equal(rotated[:, :, ::2], k[:, :, ::2]) or float((rotated[:, :, ::2] - k[:, :, ::2]).abs().max()) < 1e-6
+
+
+def test_resuming_above_the_early_layers_equals_running_them_again(backend):
+    """Semantic repair's recomputed tokens start above the strict layers from the early pass's hidden rows
+    and KV. With every other token's KV fresh, that is the same computation as a full pass of those tokens:
+    scattered tokens (masked, out of order) get the same last-token logits either way (bitwise where the
+    runner is batch-invariant), and the same next token."""
+    ids = backend.tokenizer(BULLETIN[:900] + " " + MOVED, add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    redo = sorted(set(range(40, n, 9)) | {n - 1})  # tokens to recompute, scattered, the last one included
+    keep = [p for p in range(n) if p not in set(redo)]
+    full = backend.new_cache(n + 2)
+    backend.run(ids, full, logits="none")
+    fk, fv, fh = backend.early_layers(ids, 2)
+    assert fh.shape == (n, backend.model.config.hidden_size)
+    kv_pos = torch.tensor(keep + redo)
+    mask = kv_pos[None, :] <= torch.tensor(redo)[:, None]
+
+    def cache_of_kept():
+        return backend.cache_from_tensors(full.k[:, :, keep].clone(), full.v[:, :, keep].clone())
+
+    again = backend.run([ids[p] for p in redo], cache_of_kept(), redo, mask)
+    rec = torch.tensor(redo)
+    resumed_cache = cache_of_kept()
+    resumed = backend.resume_prefill([ids[p] for p in redo], resumed_cache, redo, mask, fh[rec], fk[:, :, rec], fv[:, :, rec])
+    if backend.exact_chunking:  # a batch-invariant runner: bitwise the same
+        assert torch.equal(resumed, again)
+    assert int(resumed.argmax()) == int(again.argmax())
+    assert (resumed - again).abs().max() <= 0.05 * again.abs().max()
+    # The strict layers' KV of the recomputed tokens is the early pass's, the deeper layers' their own.
+    assert torch.equal(resumed_cache.k[:2, :, len(keep):n], fk[:, :, rec])
+    assert not torch.equal(resumed_cache.k[2:, :, len(keep):n], torch.zeros_like(resumed_cache.k[2:, :, len(keep):n]))

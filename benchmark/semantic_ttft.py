@@ -1,0 +1,77 @@
+"""SEMANTIC time to first token against a cold run of the same request, at the default settings.
+
+The 20 CLINC150 paraphrase pairs of test/test_semantic_quality.py (cosine 0.82-0.95): the first phrasing
+runs with the bulletin, then the second with the revised bulletin (times and numbers changed) in the same
+scope (a SEMANTIC hit, `allow_approximate`), and the second once more in a scope of its own (a cold run).
+Each pair is measured twice in fresh scopes, interleaved (hit, cold, hit, cold), and its ratio is the median
+hit over the median cold, so that a slow moment of this shared machine does not land on one side only.
+Also printed: tokens reused and recomputed, and greedy token agreement of the hit with the cold answer.
+
+Run: .venv/bin/python benchmark/semantic_ttft.py [--threads 1] [--pairs 20] [--tokens 8]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "test"))  # the pairs and bulletins of the quality test
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from core_fixtures import BULLETIN, BULLETIN_REVISED  # noqa: E402
+from simllm_ros.engine import Engine  # noqa: E402
+from simllm_ros.request import CacheResult, QueryRequest  # noqa: E402
+from simllm_ros.settings import Settings  # noqa: E402
+from test_semantic_quality import select_pairs  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pairs", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t_start = time.monotonic()
+    e = Engine(Settings.from_overrides(cache_size="512MB"))
+    e.load(progress=lambda m: None)
+    pairs = select_pairs(e.fingerprinter)[:args.pairs]
+
+    def ask(q, ctx, scope, **kw):
+        return e.handle(QueryRequest(prompt=q, context=ctx, cache_scope=scope, max_new_tokens=args.tokens, **kw))
+
+    rows = []
+    for i, (intent, q1, q2, cos) in enumerate(pairs):
+        hits, colds = [], []
+        for rep in range(2):
+            ask(q1, BULLETIN, f"pair{i}-{rep}")
+            hit = ask(q2, BULLETIN_REVISED, f"pair{i}-{rep}", allow_approximate=True)
+            cold = ask(q2, BULLETIN_REVISED, f"cold{i}-{rep}", allow_approximate=True)
+            hits.append(hit)
+            colds.append(cold)
+        if any(h.cache_result != CacheResult.SEMANTIC for h in hits) or any(c.cache_result != CacheResult.MISS for c in colds):
+            print(f"{intent:22s} not a SEMANTIC hit: {[h.cache_result.name for h in hits]}", flush=True)
+            continue
+        ratio = statistics.median(h.ttft_ms for h in hits) / statistics.median(c.ttft_ms for c in colds)
+        same = sum(a == b for a, b in zip(hits[0].answer.split(), colds[0].answer.split()))
+        rows.append((intent, ratio, hits[0].reused_tokens, hits[0].recomputed_tokens,
+                     statistics.median(h.ttft_ms for h in hits), statistics.median(c.ttft_ms for c in colds),
+                     hits[0].answer == colds[0].answer))
+        print(f"{intent:22s} cos {cos:.2f}  hit {rows[-1][4]:6.1f} ms  cold {rows[-1][5]:6.1f} ms  ratio {ratio:.3f}  "
+              f"reused {rows[-1][2]}  recomputed {rows[-1][3]}  same answer {rows[-1][6]} ({same} words alike)", flush=True)
+    ratios = [r[1] for r in rows]
+    print(f"\nSEMANTIC TTFT / cold TTFT over {len(rows)} pairs: median {statistics.median(ratios):.3f}, "
+          f"mean {statistics.mean(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}; "
+          f"same answer as cold: {sum(r[6] for r in rows)}/{len(rows)}; "
+          f"weights {e.backend.weight_bits}-bit, {e.backend.dtype}. Wall time {time.monotonic() - t_start:.0f} s.")
+
+
+if __name__ == "__main__":
+    main()
