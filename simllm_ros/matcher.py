@@ -279,10 +279,10 @@ class Matcher:
         new topic can file in lists its own queries do not probe (None: out of step, scan)."""
         keys, _ = s.index.candidates(q, max(INDEX_CANDIDATES, 16 * k))
         where = [self._where.get(int(key)) for key in keys]
-        if not where or any(w is None or w[0] != scope for w in where):  # out of step: drop it, rebuild later
+        if any(w is None or w[0] != scope for w in where):  # out of step: drop it, rebuild later
             s.index = None
             return None
-        rows = np.fromiter((w[1] for w in where), np.int64, len(where))
+        rows = np.fromiter((w[1] for w in where), np.int64, len(where))  # may be empty: the tail remains
         start = max(0, s.n - INDEX_TAIL_ROWS)
         rows = np.concatenate([rows[rows < start], np.arange(start, s.n)])
         return rows, np.concatenate([s.fp[rows[:len(rows) - (s.n - start)]] @ q, s.fp[start:s.n] @ q])
