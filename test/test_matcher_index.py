@@ -1,6 +1,8 @@
 """The matcher's coarse index (faiss IVF) for large scopes: built in the background, kept in step with every
 add, removal and replacement (also those made while it is being built), dropped when the scope shrinks, and
 its lookups agree with the exact scan for queries close to a stored task."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -48,9 +50,17 @@ def test_index_lookups_agree_with_the_exact_scan_near_stored_tasks():
         assert got[0][2] == pytest.approx(float(score.max()), abs=1e-5)
 
 
-def test_index_follows_every_change_made_during_and_after_its_build():
+def test_index_follows_every_change_made_during_and_after_its_build(monkeypatch):
     both = clustered(INDEX_ROWS + 401, seed=3)  # new tasks on the same topics (drift: the benchmark, real data)
     fps, extra = both[:INDEX_ROWS + 1], both[INDEX_ROWS + 1:]
+    go = threading.Event()
+
+    class HeldIndex(coarse_index.CoarseIndex):  # the real index, trained only once the changes below are made
+        def __init__(self, *a, **kw):
+            assert go.wait(60)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(coarse_index, "CoarseIndex", HeldIndex)
     m = Matcher(DIM, index_rows=INDEX_ROWS)
     for key, fp in enumerate(fps):
         m.add(key, fp, "s", now=0.0)
@@ -64,7 +74,8 @@ def test_index_follows_every_change_made_during_and_after_its_build():
         m.remove(key)
     m.add(5, extra[300], "s", now=0.0)  # key 5 gets another fingerprint
     m.add(7, fps[7], "other", now=0.0)  # key 7 leaves the scope
-    during = s.building is not None
+    assert s.building is not None and s.index is None and len(s.changed_keys) == 200 + len(removed) + 2
+    go.set()
     m.wait_for_index(timeout=120)
     # And after it: the index is kept up to date row by row.
     for j in range(200, 300):
@@ -73,7 +84,6 @@ def test_index_follows_every_change_made_during_and_after_its_build():
     m.add(11, extra[301], "s", now=0.0)
     assert s.index is not None
     m.check_consistency()
-    assert during, "the changes above were meant to land while the build ran"
 
     for key, now_fp, old_fp in ((5, extra[300], fps[5]), (11, extra[301], fps[11])):  # filed as they are now
         assert float(s.index.stored(key) @ now_fp) > float(s.index.stored(key) @ old_fp) + 0.5
