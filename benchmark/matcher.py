@@ -155,7 +155,7 @@ def real_recall(queries: int, threshold: float = 0.8) -> dict:
 
 def report(rows: list[dict], real: dict | None) -> list[str]:
     lines = ["Matcher (best 4 of N clustered fingerprints, 384-d, one scope, recency on; scan = int8 prefilter + "
-             "exact ranking, index = coarse index, the default above 50,000 rows):", "",
+             f"exact ranking, index = coarse index, the default above {matcher_mod.INDEX_ROWS:,} rows):", "",
              "| N | scan | index | index ratio | index best = exact best | index build | lookup after an add | the add |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -399,14 +399,10 @@ class ModelBackend:
         """Logits at every position of a no-cache run (for tests and quality checks)."""
         return self.run(ids, self.new_cache(len(ids) + 2), logits="all")
 
-    def early_layer_kv(self, ids: list[int], n_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh KV of the first n_layers for all tokens, at a fraction of a full prefill's cost."""
-        k, v, _ = self.early_layers(ids, n_layers)
-        return k, v
-
     @torch.inference_mode()
     def early_layers(self, ids: list[int], n_layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(K, V [n_layers, H, n, D], hidden rows [n, E]) after the first n_layers, all tokens in order."""
+        """(K, V [n_layers, H, n, D], hidden rows [n, E]) after the first n_layers, all tokens in order: fresh
+        KV of the early layers at a fraction of a full prefill's cost."""
         if self.runner is None:
             raise RuntimeError("early-layer KV needs the Llama runner")
         n_layers = min(n_layers, self.kv_shape.layers)

@@ -17,7 +17,7 @@ def backend():
 
 
 def _layer0_keys(backend, ids):
-    k, _ = backend.early_layer_kv(ids, 1)
+    k, _, _ = backend.early_layers(ids, 1)
     return k  # [1, H, n, D]
 
 
@@ -42,8 +42,8 @@ def test_layer0_key_rotation_matches_fresh(backend, d):
     assert err < 1e-4
     assert stale > 1e-2, "without rotation the key must differ (else this test could not fail)"
     # Values carry no position: they are equal without any repair.
-    _, v_old = backend.early_layer_kv(old_ids, 1)
-    _, v_new = backend.early_layer_kv(new_ids, 1)
+    _, v_old, _ = backend.early_layers(old_ids, 1)
+    _, v_new, _ = backend.early_layers(new_ids, 1)
     assert float((v_old[:, :, base:] - v_new[:, :, base + d:]).abs().max()) < 1e-5
 
 
