@@ -165,8 +165,8 @@ def hit_overhead(engine: Engine, sizes=(250, 500, 1000), reps: int = 5,
             engine.handle(QueryRequest(prompt="hello there", context=ctx, cache_scope="o", max_new_tokens=1))
             hits.append(r.ttft_ms)
             ids = b.prompt_ids(engine.settings.system_prompt, ctx, q)
-            n = r.reused_tokens
-            logits, cache = b.prefill(ids[:n], reserve=len(ids))
+            n = r.reused_tokens  # 0 where nothing could be reused exactly: the limit is then a whole prefill
+            logits, cache = b.prefill(ids[:n], reserve=len(ids)) if n else (None, b.new_cache(len(ids) + 2))
             t0 = time.perf_counter()
             logits, _ = b.prefill(ids[n:], cache)
             int(torch.argmax(logits))

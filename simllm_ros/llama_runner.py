@@ -27,9 +27,22 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
+
+# The highest instruction set oneDNN (torch's bf16 CPU products) may use in this process. With AMX (Sapphire
+# Rapids and later Xeons) oneDNN switches kernels by row count, and they round differently: measured on such a
+# CPU (torch 2.13), the LM head's logits of a row changed between passes of 17, 24 and 48 rows, and attention
+# changed a layer's KV between a 44- and a 48-token pass, so the invariance probe failed and every lossless
+# hit became a miss. Capped at AVX-512 with bf16 the probe passes there; it cost ~8% of a 4-bit decode step and
+# ~10-20% of a prefill on that CPU. Only set when the user has not chosen (ONEDNN_MAX_CPU_ISA or
+# DNNL_MAX_CPU_ISA): it must be in place before oneDNN's first product in the process, i.e. before a model
+# loads. Below this level (no AMX) it changes nothing.
+ONEDNN_ISA_CAP = "AVX512_CORE_BF16"
+if not (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")):
+    os.environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA_CAP
 
 
 @dataclasses.dataclass

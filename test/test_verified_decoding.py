@@ -11,6 +11,7 @@ Real model (SmolLM2 in bfloat16, the default), real drafts, real pool. The claim
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -483,3 +484,22 @@ def test_a_lone_token_runs_as_one_row_only_where_that_is_bitwise_the_padded_pass
             assert all(torch.equal(a, b) for a, b in zip(*got)), f"position {p}: one row != padded pass"
     finally:
         r.single_rows = True
+
+
+def test_onednn_is_capped_below_amx_unless_the_user_chose():
+    """On AMX CPUs oneDNN's bf16 kernels round by row count (the probe fails there); llama_runner caps the ISA at
+    import, but a value the user set is kept. Checked in fresh interpreters: the cap only works before oneDNN's
+    first product, and this process has run many."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import os, simllm_ros.llama_runner as r; print(os.environ.get('ONEDNN_MAX_CPU_ISA'), r.ONEDNN_ISA_CAP)"
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    got, cap = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              check=True, cwd=repo).stdout.split()
+    assert got == cap == "AVX512_CORE_BF16"
+    env["ONEDNN_MAX_CPU_ISA"] = "ALL"
+    got, _ = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            check=True, cwd=repo).stdout.split()
+    assert got == "ALL"
