@@ -266,7 +266,7 @@ class Engine:
         self.fingerprinter.embed(["hello"])
 
     def _identity(self) -> dict:
-        return persistence.identity(self.pool, self.backend.identity, self.settings.embedder)
+        return persistence.identity(self.pool, self.backend.identity, self.settings.embedder, self.backend.numerics)
 
     def _warm_up(self, spec: str, progress) -> int:
         """warmup_queries: a JSON Lines file of requests, or an integer N: the N most-used tasks of the
@@ -353,7 +353,7 @@ class Engine:
         mutations = pool.mutations
         if only_if_changed and mutations == self._saved_mutations:
             return None
-        ident = persistence.identity(pool, backend.identity, self.settings.embedder)
+        ident = persistence.identity(pool, backend.identity, self.settings.embedder, backend.numerics)
         path = persistence.save(pool, self.settings.persist_path, ident)
         self._saved_mutations = mutations
         return path

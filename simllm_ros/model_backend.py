@@ -198,8 +198,8 @@ class ModelBackend:
             single = self.runner is not None and self.runner.check_single_rows()
             exact = self.invariance_probe()  # the probe runs with single rows as decided
             costs = self.runner.pass_costs(MAX_PASS_ROWS) if self.runner is not None else None
-            _PROBED[key] = (single, exact, costs)
-        single, self.exact_chunking, costs = _PROBED[key]
+            _PROBED[key] = (single, exact, costs, self.numerics_digest())
+        single, self.exact_chunking, costs, self.numerics = _PROBED[key]
         # What a pass of m rows costs relative to one (m = 0..MAX_PASS_ROWS), where measured: draft lengths
         # are chosen by it (draft_proposer). None for transformers' own forward.
         self.pass_costs: tuple[float, ...] | None = tuple(costs) if costs is not None else None
@@ -465,6 +465,18 @@ class ModelBackend:
             if not torch.equal(self.run(short[p:], cache, logits="last"), last):
                 return False
         return True
+
+    def numerics_digest(self) -> str:
+        """A digest of the logits this process computes for a fixed 16-token sequence: the arithmetic of this
+        model, these settings, these kernels and this CPU. The same model gives other bits elsewhere (measured:
+        the same 4-bit model with oneDNN allowed AMX changed it; the thread count did not), and KV cached by
+        one arithmetic is not what another computes: a pool snapshot carries the digest, and a process whose
+        digest differs does not load it (persistence), so a lossless hit never serves another machine's KV."""
+        import hashlib
+
+        ids = [int(t) % max(len(self.tokenizer), 1) for t in range(211, 211 + 16 * 89, 89)]
+        logits = self.run(ids, self.new_cache(len(ids) + 2), logits="all")
+        return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
     def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Move post-RoPE keys [L, H, n, D] by `delta` positions each ([n] ints): R(p+d) = R(d) R(p)."""

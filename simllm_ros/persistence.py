@@ -76,10 +76,12 @@ def snapshot_path(folder: str) -> str:
     return os.path.join(folder, FILENAME)
 
 
-def identity(pool: KVPool, model_identity: dict, embedder: str) -> dict:
+def identity(pool: KVPool, model_identity: dict, embedder: str, numerics: str = "") -> dict:
+    """What a snapshot must match to be loaded. `numerics`: ModelBackend.numerics_digest, the arithmetic of
+    the process that computed the KV (another CPU or kernel choice computes other bits)."""
     return {"format": FORMAT, "version": FORMAT_VERSION, "model": model_identity, "embedder": embedder,
             "kv_bits": pool.kv_bits, "block_tokens": pool.block_tokens,
-            "store_dtype": str(pool.store_dtype)}
+            "store_dtype": str(pool.store_dtype), "numerics": numerics}
 
 
 def save(pool: KVPool, folder: str, ident: dict) -> str:
@@ -381,8 +383,10 @@ def load(pool: KVPool, folder: str, ident: dict) -> int:
         if got != ident:
             keys = set(got) | set(ident) if isinstance(got, dict) else set(ident)
             diff = sorted(k for k in keys if not isinstance(got, dict) or got.get(k) != ident.get(k))
+            why = (" (numerics: the model computes other bits in this process, another CPU or kernel choice, so its "
+                   "KV would not be what this process computes)") if diff == ["numerics"] else ""
             raise SnapshotSkipped(f"snapshot {path} is from another setup (differs in: {', '.join(diff) or 'format'})"
-                                  "; starting empty")
+                                  f"{why}; starting empty")
         try:
             n = len(manifest.get("entries") or []) if isinstance(manifest.get("entries"), list) else 0
             rows = _check_tensors(tensors, pool, n)

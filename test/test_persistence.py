@@ -465,6 +465,23 @@ def test_odd_but_harmless_snapshot_loads(restoring_engine, saved, tmp_path, name
         assert not os.path.islink(tmp_path / persistence.PARTIAL_DIR)
 
 
+def test_snapshot_from_another_arithmetic_is_not_loaded(restoring_engine, saved, tmp_path):
+    """KV saved by a process whose model arithmetic differs (another CPU or kernel choice: on an AMX box,
+    oneDNN allowed AMX changed the bits of the same 4-bit model) is not what this process computes, so an
+    exact-prefix hit on it would change answers silently: the snapshot carries the saving process's
+    numerics digest, and a process with another one starts empty, saying why."""
+    e = restoring_engine
+    good = persistence.snapshot_path(str(saved[0]))
+    manifest, _ = hostile_snapshots.read_good(good)
+    assert manifest["identity"]["numerics"] == e.backend.numerics and len(e.backend.numerics) == 16
+    hostile_snapshots.foreign_identity("numerics", "0123456789abcdef")(tmp_path, good)
+    n, _ = _restore_with_timeout(e, tmp_path)
+    report = e.load_report["snapshot"]
+    assert n == 0 and "another setup (differs in: numerics)" in report and "other bits" in report, report
+    assert len(e.pool) == 0
+    e.pool.check_consistency()
+
+
 def test_hostile_engine_still_serves(restoring_engine):
     """After every variant, the same engine answers and pools a request."""
     e = restoring_engine
