@@ -83,18 +83,28 @@ class RateWindow:
 
 def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | None, *, ttft_warn_ms: float,
            queue_limit: int, window_s: float = WINDOW_S, state: str = "",
-           reading: ThermalReading | None = None, no_data_level: HealthLevel = HealthLevel.WARN) -> Health:
+           reading: ThermalReading | None = None, no_data_level: HealthLevel = HealthLevel.WARN,
+           lossless: bool | None = None) -> Health:
     """Level and message from the statistics (None: unavailable), thermal state and recent counts.
     A reading with no readable zone (no sensors, or all failing) adds "no thermal data" at no_data_level
-    (the thermal_no_data_level parameter): unknown is never reported as fine."""
+    (the thermal_no_data_level parameter): unknown is never reported as fine. `lossless`: whether the
+    model's load-time batch-invariance probe passed on this machine (None: no model loaded); where it
+    failed, reuse is approximate-only and lossless callers get misses, which is a WARN, not a silent
+    slowdown (measured: a CPU with AMX failed it until oneDNN was capped below AMX)."""
     level, reasons = _judge(stats, thermal, recent, ttft_warn_ms, queue_limit, window_s)
+    if lossless is False:
+        level = max(level, HealthLevel.WARN)
+        reasons.append("batch-invariance probe failed on this machine: no lossless reuse (exact-prefix hits and "
+                       "drafts only for callers that allow approximation)")
     if reading is not None and not reading.available:
         why = ("the sensor read timed out" if reading.timed_out else
                f"{len(reading.zones)} zone(s) found, none readable" if reading.zones else "no thermal zones found")
         level = max(level, no_data_level)
         reasons.append(f"no thermal data ({why})")
-    return Health(level, "; ".join(reasons) if reasons else "ok",
-                  _values(stats, thermal, queue_limit, state, reading))
+    values = _values(stats, thermal, queue_limit, state, reading)
+    if lossless is not None:
+        values += (("lossless_reuse", "true" if lossless else "false"),)
+    return Health(level, "; ".join(reasons) if reasons else "ok", values)
 
 
 def _judge(stats, thermal, recent, ttft_warn_ms, queue_limit, window_s) -> tuple[HealthLevel, list[str]]:

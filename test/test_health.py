@@ -120,3 +120,14 @@ def test_failed_hot_sensor_stays_error_and_says_no_data():
                              False, held=("gpu",))
     h = judge(reading=reading, thermal=ThermalState(ThermalLevel.CRITICAL, "gpu held at 95.0 C"))
     assert h.level == HealthLevel.ERROR and "overheated" in h.message and "no thermal data" in h.message
+
+
+def test_a_failed_invariance_probe_is_a_warning_with_its_value():
+    """Where the model's batch-invariance probe failed (an AMX CPU with oneDNN uncapped did), lossless callers
+    get misses: /diagnostics says so instead of only getting slower."""
+    h = judge(lossless=False)
+    assert h.level == HealthLevel.WARN and "batch-invariance probe failed" in h.message
+    assert dict(h.values)["lossless_reuse"] == "false"
+    h = judge(lossless=True)
+    assert h.level == HealthLevel.OK and h.message == "ok" and dict(h.values)["lossless_reuse"] == "true"
+    assert "lossless_reuse" not in dict(judge().values)  # no model loaded: nothing claimed

@@ -179,6 +179,7 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
         kv["precision"].split(", ")[1] in ("4-bit weights", "8-bit weights", "16-bit weights"), kv["precision"]
     assert int(kv["entries"]) >= 2 and kv["hottest_zone"] == "gpu-thermal" and kv["thermal_level"] == "OK"
     assert "ttft_miss_p95_ms" in kv and "hit_rate_any_recent" in kv
+    assert kv["lossless_reuse"] == "true"  # the load-time batch-invariance probe passed on this machine
 
     cm = h.wait_message(f"{N}/cache_map", lambda m: len(m.markers) >= 3, timeout=10, after=after[f"{N}/cache_map"])
     assert cm is not None

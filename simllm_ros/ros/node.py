@@ -681,7 +681,8 @@ class SimLLMNode(LifecycleNode):
                           queue_limit=server.queue_limit if server is not None else engine.settings.queue_limit,
                           state=self.state_label(), reading=reading,
                           no_data_level=health.HealthLevel.ERROR if engine.settings.thermal_no_data_level == "error"
-                          else health.HealthLevel.WARN)
+                          else health.HealthLevel.WARN,
+                          lossless=engine.backend.exact_chunking if engine.backend is not None else None)
         s = engine.settings
         st = DiagnosticStatus(level=bytes([int(h.level)]), name=diagnostic_name(self.get_fully_qualified_name()),
                               message=h.message, hardware_id=s.hardware_id or socket.gethostname())
