@@ -30,6 +30,7 @@ from .decoding import Constraint, Decoder, Generation
 from .draft_proposer import DraftProposer, DraftStats
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
+from .llama_runner import ONEDNN_ISA_CAP
 from .model_backend import ModelBackend, ModelLoadError
 from .request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
 from .safe_io import read_regular
@@ -215,7 +216,7 @@ class Engine:
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
             self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits)
             progress(f"model in {self.backend.dtype_name}, weights at {self.backend.weight_bits} bits; batch-invariant "
-                     f"execution {'verified: exact-prefix reuse and drafts are lossless' if self.backend.exact_chunking else 'NOT verified on this machine: reuse and drafts are approximate (a oneDNN ISA above AVX512_CORE_BF16, e.g. ONEDNN_MAX_CPU_ISA=ALL, causes this on AMX CPUs)'}")
+                     f"execution {'verified: exact-prefix reuse and drafts are lossless' if self.backend.exact_chunking else f'NOT verified on this machine: reuse and drafts are approximate (a oneDNN ISA above {ONEDNN_ISA_CAP}, e.g. ONEDNN_MAX_CPU_ISA=ALL, causes this on AMX CPUs)'}")
             self._token_bytes = max_token_bytes(self.backend.tokenizer)
             progress(f"loading embedder {s.embedder}")
             self.fingerprinter = Fingerprinter(s.embedder, self.backend.device)
