@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import attention_kernel
 from .block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .llama_runner import KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
@@ -205,6 +206,16 @@ class ModelBackend:
         self.pass_costs: tuple[float, ...] | None = tuple(costs) if costs is not None else None
         if self.runner is not None:
             self.runner.single_rows = single
+
+    @property
+    def attention_path(self) -> str:
+        """Which attention computes this model's passes, for the load log (the two round differently)."""
+        if self.runner is None:
+            return "transformers' own forward"
+        if self.runner.kernel is not None:
+            return f"simllm_ros C kernel ({self.runner.kernel.path})"
+        why = attention_kernel.why_not() or "the kernel does not take this dtype, head size or device"
+        return f"torch products ({why})"
 
     def _auto_weight_bits(self, fast: bool, device: str) -> int:
         """weight_bits 0 (auto): 4 where every layer weight already is 4-bit in groups of 32 (a Q4 GGUF, such as

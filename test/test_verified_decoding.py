@@ -86,7 +86,8 @@ def test_probe_rejects_an_attention_whose_rounding_follows_the_cut(engine, monke
     the probe must then say no. On a CPU where it changes nothing, the probe must say yes."""
     from simllm_ros.llama_runner import LlamaRunner
 
-    def float32_attention(self, q, k, v, blocked, first=0):
+    def float32_attention(self, q, k, v, blocked, first=0, causal_m=0):
+        assert not causal_m  # the runner builds masks for this path (no kernel, below)
         s = torch.matmul(q.float(), k.float().transpose(-1, -2))
         if blocked is not None:
             s[..., first:].masked_fill_(blocked, float("-inf"))
@@ -94,6 +95,7 @@ def test_probe_rejects_an_attention_whose_rounding_follows_the_cut(engine, monke
 
     b = engine.backend
     monkeypatch.setattr(LlamaRunner, "_attention", float32_attention)
+    monkeypatch.setattr(b.runner, "kernel", None)  # the torch path's masks, which the float32 attention reads
     ids = b.prompt_ids("You are a helpful robot.", "Riverside bulletin: Elm Street closed 9-17.",
                        "Which road is closed today, and until when?")
     last = b.run(ids, b.new_cache(len(ids) + 4), logits="last")

@@ -1,0 +1,320 @@
+"""A small C attention kernel for the CPU runner: fast for one query row, and row-invariant by construction.
+
+Why our own: on the CPU a decode step's attention is two tiny bf16 products per layer (3 query rows against
+~600 keys for SmolLM2), and oneDNN takes ~50 + ~30 us for them, measured here; with 30 layers that is ~4 ms
+of a ~20 ms step, several times what reading the keys and values costs. torch's fused CPU attention is no
+way out: its result changes with the key count, which would make a cached prefix give other bits than a
+whole prefill (llama_runner's module doc). This kernel computes each query row on its own, in a fixed
+order that depends on nothing but that row's keys, so a row gets the same bits whatever rows and how many
+masked keys run with it; `ModelBackend.invariance_probe` still checks that on the model at load.
+
+Arithmetic, per query row: scores in float32 (dot products with 16 fixed lanes over the head dimension,
+summed in a fixed tree), the softmax's exponentials from a fixed polynomial, and the weighted sum of values
+accumulated in float32 in key order, divided by the sum once at the end. Keys a row may not attend are
+skipped. Compiled once per machine with the system C compiler (~1 s) into ~/.cache/simllm_ros/kernels,
+loaded with ctypes (no torch headers, no Python extension build). Where there is no compiler, or the
+shapes do not fit (head_dim not a multiple of 16, dtype other than bf16/float32, not on the CPU), the
+runner keeps its torch path; `SIMLLM_ATTENTION=torch` chooses that path explicitly. The two paths round
+differently, so a pool snapshot records which one computed it (`ModelBackend.numerics_digest`).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define ROW_BLOCK 8
+#define MAXD 256
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 b) { uint32_t u = ((uint32_t)b) << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline bf16 f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+/* Every per-key result below is a function of that key's data alone, computed by the same instructions
+   whatever T, R or the block: vector loops run over whole groups of 16 (the score buffer is padded), never
+   a scalar tail that would round differently. */
+#ifdef __AVX512F__
+#define VEC 16
+typedef __m512 vf;
+static inline vf ld_bf16(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf ld_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline float hsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vexp_nonpos(vf x) {  /* Cephes' expf polynomial, x <= 0 */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    vf n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    vf p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    vf y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#define VZERO _mm512_setzero_ps()
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VSET1(x) _mm512_set1_ps(x)
+#define VLOADF(p) _mm512_loadu_ps(p)
+#define VSTOREF(p, a) _mm512_storeu_ps(p, a)
+#else  /* portable: 16 lanes in a struct, the same order everywhere */
+#define VEC 16
+typedef struct { float v[16]; } vf;
+static inline vf ld_bf16(const bf16 *p) { vf r; for (int l = 0; l < 16; l++) r.v[l] = bf16_to_f32(p[l]); return r; }
+static inline vf ld_f32(const float *p) { vf r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline float hsum(vf a) {
+    for (int w = 8; w >= 1; w /= 2) for (int l = 0; l < w; l++) a.v[l] += a.v[l + w];
+    return a.v[0];
+}
+static inline vf vexp_nonpos(vf x) {
+    vf o;
+    for (int l = 0; l < 16; l++) {
+        float t = x.v[l] < -87.0f ? -87.0f : x.v[l];
+        float n = floorf(t * 1.44269504088896341f + 0.5f);
+        float r = t - n * 0.693359375f;
+        r = r + n * 2.12194440e-4f;
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+        float y = (p * r) * r + r + 1.0f;
+        int32_t e = ((int32_t)n + 127) << 23; float s; memcpy(&s, &e, 4);
+        o.v[l] = y * s;
+    }
+    return o;
+}
+static inline vf VZERO_fn(void) { vf r; memset(&r, 0, sizeof r); return r; }
+static inline vf VFMA_fn(vf a, vf b, vf c) { for (int l = 0; l < 16; l++) c.v[l] += a.v[l] * b.v[l]; return c; }
+static inline vf VADD_fn(vf a, vf b) { for (int l = 0; l < 16; l++) a.v[l] += b.v[l]; return a; }
+static inline vf VSET1_fn(float x) { vf r; for (int l = 0; l < 16; l++) r.v[l] = x; return r; }
+#define VZERO VZERO_fn()
+#define VFMA(a, b, c) VFMA_fn(a, b, c)
+#define VADD(a, b) VADD_fn(a, b)
+#define VSET1(x) VSET1_fn(x)
+#define VLOADF(p) ld_f32(p)
+#define VSTOREF(p, a) memcpy(p, (a).v, sizeof (a).v)
+#endif
+
+/* q [H, R, D] (contiguous, already scaled), k/v: element (h, j, d) at h*sh + j*sj + d, out [H, R, D].
+   Row r may attend key j when j < T and: causal_m > 0: j <= first + r % causal_m;
+   else blocked == NULL or j < first or !blocked[r * (T - first) + j - first].
+   work: ROW_BLOCK * (T + 16) floats. D: a multiple of 16, at most MAXD. */
+#define DEFINE_ATTEND(NAME, TYPE, LD, STORE)                                                                \
+void NAME(const TYPE *q, const TYPE *k, long k_sh, long k_sj, const TYPE *v, long v_sh, long v_sj,         \
+          TYPE *out, int H, int R, int T, int D, const uint8_t *blocked, int first, int causal_m,           \
+          float *work) {                                                                                    \
+    const int C = D / VEC;                                                                                  \
+    const long W = ((T + VEC - 1) / VEC) * VEC;                                                             \
+    vf qv[ROW_BLOCK][MAXD / VEC], acc[ROW_BLOCK][MAXD / VEC], kv[MAXD / VEC];                               \
+    int lim[ROW_BLOCK];                                                                                     \
+    float total[ROW_BLOCK];                                                                                 \
+    for (int h = 0; h < H; h++) {                                                                           \
+        const TYPE *kh = k + h * k_sh, *vh = v + h * v_sh;                                                  \
+        for (int r0 = 0; r0 < R; r0 += ROW_BLOCK) {                                                         \
+            int nb = R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK, jmax = 0;                                      \
+            for (int b = 0; b < nb; b++) {                                                                  \
+                const TYPE *qr = q + ((long)h * R + r0 + b) * D;                                            \
+                for (int c = 0; c < C; c++) qv[b][c] = LD(qr + c * VEC);                                    \
+                lim[b] = causal_m > 0 ? first + (r0 + b) % causal_m + 1 : T;                                \
+                if (lim[b] > T) lim[b] = T;                                                                 \
+                if (lim[b] > jmax) jmax = lim[b];                                                           \
+            }                                                                                               \
+            /* scores: each key read once for the block's rows; one dot product = C fused steps + hsum */    \
+            for (int j = 0; j < jmax; j++) {                                                                \
+                const TYPE *kj = kh + (long)j * k_sj;                                                       \
+                for (int c = 0; c < C; c++) kv[c] = LD(kj + c * VEC);                                      \
+                for (int b = 0; b < nb; b++) {                                                              \
+                    if (j >= lim[b]) continue;                                                              \
+                    vf a = VZERO;                                                                           \
+                    for (int c = 0; c < C; c++) a = VFMA(qv[b][c], kv[c], a);                               \
+                    work[b * W + j] = hsum(a);                                                              \
+                }                                                                                           \
+            }                                                                                               \
+            /* softmax weights, unnormalised; blocked keys weigh 0 and are skipped below */                 \
+            for (int b = 0; b < nb; b++) {                                                                  \
+                float *s = work + b * W;                                                                    \
+                const uint8_t *blk = (causal_m > 0 || blocked == NULL) ? NULL                               \
+                                     : blocked + (long)(r0 + b) * (T - first) - first;                      \
+                float mx = -INFINITY;                                                                       \
+                for (int j = 0; j < lim[b]; j++)                                                            \
+                    if (!(blk && j >= first && blk[j]) && s[j] > mx) mx = s[j];                             \
+                int padded = ((lim[b] + VEC - 1) / VEC) * VEC;                                              \
+                for (int j = lim[b]; j < padded; j++) s[j] = mx;                                            \
+                vf m = VSET1(mx), sum = VZERO;                                                              \
+                for (int j = 0; j < padded; j += VEC) {                                                     \
+                    vf e = vexp_nonpos(VADD(VLOADF(s + j), VSET1(-mx)));                                    \
+                    VSTOREF(s + j, e);                                                                      \
+                }                                                                                           \
+                (void)m;                                                                                    \
+                for (int j = lim[b]; j < padded; j++) s[j] = 0.0f;                                          \
+                if (blk) for (int j = first; j < lim[b]; j++) if (blk[j]) s[j] = 0.0f;                      \
+                for (int j = 0; j < padded; j += VEC) sum = VADD(sum, VLOADF(s + j));                       \
+                total[b] = hsum(sum);                                                                       \
+                for (int c = 0; c < C; c++) acc[b][c] = VZERO;                                              \
+            }                                                                                               \
+            /* weighted sum of values in key order: each value read once for the block's rows */            \
+            for (int j = 0; j < jmax; j++) {                                                                \
+                const TYPE *vj = vh + (long)j * v_sj;                                                       \
+                for (int c = 0; c < C; c++) kv[c] = LD(vj + c * VEC);                                      \
+                for (int b = 0; b < nb; b++) {                                                              \
+                    if (j >= lim[b]) continue;                                                              \
+                    float w = work[b * W + j];                                                              \
+                    if (w == 0.0f) continue;                                                                \
+                    vf wv = VSET1(w);                                                                       \
+                    for (int c = 0; c < C; c++) acc[b][c] = VFMA(wv, kv[c], acc[b][c]);                     \
+                }                                                                                           \
+            }                                                                                               \
+            for (int b = 0; b < nb; b++) {                                                                  \
+                TYPE *o = out + ((long)h * R + r0 + b) * D;                                                 \
+                float inv = total[b] > 0.0f ? 1.0f / total[b] : 0.0f, tmp[VEC];                             \
+                for (int c = 0; c < C; c++) {                                                               \
+                    VSTOREF(tmp, acc[b][c]);                                                                \
+                    for (int l = 0; l < VEC; l++) o[c * VEC + l] = STORE(tmp[l] * inv);                     \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+}
+
+#define STORE_BF16(x) f32_to_bf16(x)
+#define STORE_F32(x) (x)
+DEFINE_ATTEND(simllm_attend_bf16, bf16, ld_bf16, STORE_BF16)
+DEFINE_ATTEND(simllm_attend_f32, float, ld_f32, STORE_F32)
+
+int simllm_attend_version(void) { return 2; }
+"""
+
+MAX_HEAD_DIM = 256  # the kernel's per-row buffers
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
+_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+         ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+         ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+
+_loaded: "AttentionKernel | None" = None
+_why_not: str | None = None
+
+
+def kernel_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "kernels")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(cc: str) -> str:
+    """The shared library for this source, compiler and machine: built once, atomically, then reused."""
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256("\0".join([SOURCE, " ".join(_FLAGS), version, platform.machine(),
+                                    platform.node()]).encode()).hexdigest()[:16]
+    os.makedirs(kernel_dir(), exist_ok=True)
+    target = os.path.join(kernel_dir(), f"attention-{key}.so")
+    if os.path.exists(target):
+        return target
+    with tempfile.TemporaryDirectory(dir=kernel_dir()) as tmp:
+        src = os.path.join(tmp, "attention.c")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(SOURCE)
+        lib = os.path.join(tmp, "attention.so")
+        done = subprocess.run([cc, *_FLAGS, src, "-o", lib, "-lm"], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{os.path.basename(cc)} failed: {done.stderr.strip()[-400:]}")
+        os.replace(lib, target)  # atomic: another process building the same key gets a whole file either way
+    return target
+
+
+class AttentionKernel:
+    """The compiled kernel, called on torch tensors."""
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        self.path = path
+        self._fns = {}
+        for dtype, name in ((torch.bfloat16, "simllm_attend_bf16"), (torch.float32, "simllm_attend_f32")):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = _ARGS, None
+            self._fns[dtype] = fn
+        self._work: torch.Tensor | None = None
+
+    def supports(self, dtype: torch.dtype, head_dim: int, device) -> bool:
+        return torch.device(device).type == "cpu" and dtype in self._fns and head_dim % 16 == 0 \
+            and head_dim <= MAX_HEAD_DIM
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None = None,
+                 first: int = 0, causal_m: int = 0) -> torch.Tensor:
+        """q [H, R, D] (scaled), k/v [H, T, D] with the last dim contiguous (buffer slices are read in place)
+        -> [H, R, D]. `causal_m` > 0: rows r attend keys <= first + r % causal_m (the runner's causal-by-slot
+        pass; `blocked` unused); else `blocked` [R, T - first] (True: may not attend key first + j) or None."""
+        H, R, D = q.shape
+        T = k.shape[1]
+        fn = self._fns[q.dtype]
+        if k.dtype != q.dtype or v.dtype != q.dtype or k.stride(2) != 1 or v.stride(2) != 1:
+            raise ValueError("attention kernel: q, k, v must share a dtype and have a contiguous last dimension")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        need = 8 * (T + 16)  # ROW_BLOCK rows of scores, padded to whole vectors
+        if self._work is None or self._work.numel() < need:
+            self._work = torch.empty(max(need, 8 * 1024), dtype=torch.float32)
+        blk = None
+        if blocked is not None and causal_m <= 0:
+            blk = blocked.contiguous().view(torch.uint8)
+            if blk.shape != (R, T - first):
+                raise ValueError(f"attention kernel: mask {tuple(blk.shape)} for {R} rows, keys {first}..{T}")
+        fn(q.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+           out.data_ptr(), H, R, T, D, None if blk is None else blk.data_ptr(), first, causal_m,
+           self._work.data_ptr())
+        return out
+
+
+def load() -> "AttentionKernel | None":
+    """The kernel for this process (built on first use), or None with `why_not()` saying why."""
+    global _loaded, _why_not
+    if _loaded is not None or _why_not is not None:
+        return _loaded
+    if os.environ.get("SIMLLM_ATTENTION", "").lower() == "torch":
+        _why_not = "SIMLLM_ATTENTION=torch"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _why_not = "no C compiler (cc, gcc or clang) found"
+        return None
+    try:
+        _loaded = AttentionKernel(_build(cc))
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+        _why_not = f"could not build the attention kernel: {e}"
+    return _loaded
+
+
+def why_not() -> str | None:
+    return _why_not
