@@ -20,6 +20,7 @@ differently, so a pool snapshot records which one computed it (`ModelBackend.num
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import platform
@@ -80,6 +81,7 @@ static inline vf vexp_nonpos(vf x) {  /* Cephes' expf polynomial, x <= 0 */
 #define VZERO _mm512_setzero_ps()
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VSET1(x) _mm512_set1_ps(x)
 #define VLOADF(p) _mm512_loadu_ps(p)
 #define VSTOREF(p, a) _mm512_storeu_ps(p, a)
@@ -111,90 +113,106 @@ static inline vf vexp_nonpos(vf x) {
 static inline vf VZERO_fn(void) { vf r; memset(&r, 0, sizeof r); return r; }
 static inline vf VFMA_fn(vf a, vf b, vf c) { for (int l = 0; l < 16; l++) c.v[l] += a.v[l] * b.v[l]; return c; }
 static inline vf VADD_fn(vf a, vf b) { for (int l = 0; l < 16; l++) a.v[l] += b.v[l]; return a; }
+static inline vf VMUL_fn(vf a, vf b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v[l]; return a; }
 static inline vf VSET1_fn(float x) { vf r; for (int l = 0; l < 16; l++) r.v[l] = x; return r; }
 #define VZERO VZERO_fn()
 #define VFMA(a, b, c) VFMA_fn(a, b, c)
 #define VADD(a, b) VADD_fn(a, b)
+#define VMUL(a, b) VMUL_fn(a, b)
 #define VSET1(x) VSET1_fn(x)
 #define VLOADF(p) ld_f32(p)
 #define VSTOREF(p, a) memcpy(p, (a).v, sizeof (a).v)
 #endif
 
-/* q [H, R, D] (contiguous, already scaled), k/v: element (h, j, d) at h*sh + j*sj + d, out [H, R, D].
-   Row r may attend key j when j < T and: causal_m > 0: j <= first + r % causal_m;
-   else blocked == NULL or j < first or !blocked[r * (T - first) + j - first].
-   work: ROW_BLOCK * (T + 16) floats. D: a multiple of 16, at most MAXD. */
+/* One layer's attention for a pass of N query rows from one or more sequences, each over its own KV buffer.
+   q: row n, query head hq at q[n*q_sn + hq*q_sh + d]; knew/vnew: the rows' new keys/values [n, kv head] at
+   n*kn_sn + h*kn_sh (and vn_*), written here into each sequence's buffer before attending; out [N, Hq, D].
+   seqs [nseq][11] int64: row0, m, start, k_base, v_base, k_sl, k_sh, k_sj, v_sl, v_sh, v_sj (pointers and
+   element strides of [L, Hkv, C, D] buffers). Token i of a sequence sits at slot start + i and attends slots
+   <= start + i; with `blocked` (one sequence only) [m, T - first] instead: slot j is refused when j >= first and
+   blocked[i * (T - first) + j - first], T = start + m. Query head hq reads KV head hq / (Hq / Hkv).
+   work: ROW_BLOCK * (T + VEC) floats for the longest T. */
 #define DEFINE_ATTEND(NAME, TYPE, LD, STORE)                                                                \
-void NAME(const TYPE *q, const TYPE *k, long k_sh, long k_sj, const TYPE *v, long v_sh, long v_sj,         \
-          TYPE *out, int H, int R, int T, int D, const uint8_t *blocked, int first, int causal_m,           \
-          float *work) {                                                                                    \
-    const int C = D / VEC;                                                                                  \
-    const long W = ((T + VEC - 1) / VEC) * VEC;                                                             \
+void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, long kn_sh,                    \
+          const TYPE *vnew, long vn_sn, long vn_sh, TYPE *out, int Hq, int Hkv, int D, float scale,          \
+          int nseq, const int64_t *seqs, int layer, const uint8_t *blocked, int first, float *work) {        \
+    const int C = D / VEC, G = Hq / Hkv;                                                                    \
     vf qv[ROW_BLOCK][MAXD / VEC], acc[ROW_BLOCK][MAXD / VEC], kv[MAXD / VEC];                               \
-    int lim[ROW_BLOCK];                                                                                     \
-    float total[ROW_BLOCK];                                                                                 \
-    for (int h = 0; h < H; h++) {                                                                           \
-        const TYPE *kh = k + h * k_sh, *vh = v + h * v_sh;                                                  \
-        for (int r0 = 0; r0 < R; r0 += ROW_BLOCK) {                                                         \
-            int nb = R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK, jmax = 0;                                      \
-            for (int b = 0; b < nb; b++) {                                                                  \
-                const TYPE *qr = q + ((long)h * R + r0 + b) * D;                                            \
-                for (int c = 0; c < C; c++) qv[b][c] = LD(qr + c * VEC);                                    \
-                lim[b] = causal_m > 0 ? first + (r0 + b) % causal_m + 1 : T;                                \
-                if (lim[b] > T) lim[b] = T;                                                                 \
-                if (lim[b] > jmax) jmax = lim[b];                                                           \
+    int lim[ROW_BLOCK], tok[ROW_BLOCK];                                                                     \
+    float total[ROW_BLOCK], tmp[VEC];                                                                       \
+    for (int s = 0; s < nseq; s++) {                                                                        \
+        const int64_t *sq = seqs + 11 * s;                                                                  \
+        const long row0 = sq[0], m = sq[1], start = sq[2], T = start + m;                                   \
+        TYPE *kb = (TYPE *)(intptr_t)sq[3] + layer * sq[5], *vb = (TYPE *)(intptr_t)sq[4] + layer * sq[8];  \
+        const long k_sh = sq[6], k_sj = sq[7], v_sh = sq[9], v_sj = sq[10];                                 \
+        const long W = ((T + VEC - 1) / VEC) * VEC;                                                         \
+        for (long i = 0; i < m; i++)                                                                        \
+            for (int h = 0; h < Hkv; h++) {                                                                 \
+                memcpy(kb + h * k_sh + (start + i) * k_sj, knew + (row0 + i) * kn_sn + h * kn_sh, D * sizeof(TYPE)); \
+                memcpy(vb + h * v_sh + (start + i) * v_sj, vnew + (row0 + i) * vn_sn + h * vn_sh, D * sizeof(TYPE)); \
             }                                                                                               \
-            /* scores: each key read once for the block's rows; one dot product = C fused steps + hsum */    \
-            for (int j = 0; j < jmax; j++) {                                                                \
-                const TYPE *kj = kh + (long)j * k_sj;                                                       \
-                for (int c = 0; c < C; c++) kv[c] = LD(kj + c * VEC);                                      \
+        for (int h = 0; h < Hkv; h++) {                                                                     \
+            const TYPE *kh = kb + h * k_sh, *vh = vb + h * v_sh;                                            \
+            /* rows of this KV head: (token i, group member g), token-major, in blocks */                   \
+            for (long r0 = 0; r0 < m * G; r0 += ROW_BLOCK) {                                                \
+                int nb = m * G - r0 < ROW_BLOCK ? (int)(m * G - r0) : ROW_BLOCK, jmax = 0;                   \
                 for (int b = 0; b < nb; b++) {                                                              \
-                    if (j >= lim[b]) continue;                                                              \
-                    vf a = VZERO;                                                                           \
-                    for (int c = 0; c < C; c++) a = VFMA(qv[b][c], kv[c], a);                               \
-                    work[b * W + j] = hsum(a);                                                              \
+                    long i = (r0 + b) / G; int hq = h * G + (int)((r0 + b) % G);                            \
+                    const TYPE *qr = q + (row0 + i) * q_sn + hq * q_sh;                                     \
+                    for (int c = 0; c < C; c++) qv[b][c] = VMUL(LD(qr + c * VEC), VSET1(scale));            \
+                    tok[b] = (int)i;                                                                        \
+                    lim[b] = blocked ? (int)T : (int)(start + i + 1);  /* a mask decides alone */             \
+                    if (lim[b] > jmax) jmax = lim[b];                                                       \
                 }                                                                                           \
-            }                                                                                               \
-            /* softmax weights, unnormalised; blocked keys weigh 0 and are skipped below */                 \
-            for (int b = 0; b < nb; b++) {                                                                  \
-                float *s = work + b * W;                                                                    \
-                const uint8_t *blk = (causal_m > 0 || blocked == NULL) ? NULL                               \
-                                     : blocked + (long)(r0 + b) * (T - first) - first;                      \
-                float mx = -INFINITY;                                                                       \
-                for (int j = 0; j < lim[b]; j++)                                                            \
-                    if (!(blk && j >= first && blk[j]) && s[j] > mx) mx = s[j];                             \
-                int padded = ((lim[b] + VEC - 1) / VEC) * VEC;                                              \
-                for (int j = lim[b]; j < padded; j++) s[j] = mx;                                            \
-                vf m = VSET1(mx), sum = VZERO;                                                              \
-                for (int j = 0; j < padded; j += VEC) {                                                     \
-                    vf e = vexp_nonpos(VADD(VLOADF(s + j), VSET1(-mx)));                                    \
-                    VSTOREF(s + j, e);                                                                      \
+                /* scores: each key read once for the block's rows; one dot product = C fused steps + hsum */\
+                for (int j = 0; j < jmax; j++) {                                                            \
+                    const TYPE *kj = kh + (long)j * k_sj;                                                   \
+                    for (int c = 0; c < C; c++) kv[c] = LD(kj + c * VEC);                                   \
+                    for (int b = 0; b < nb; b++) {                                                          \
+                        if (j >= lim[b]) continue;                                                          \
+                        vf a = VZERO;                                                                       \
+                        for (int c = 0; c < C; c++) a = VFMA(qv[b][c], kv[c], a);                           \
+                        work[b * W + j] = hsum(a);                                                          \
+                    }                                                                                       \
                 }                                                                                           \
-                (void)m;                                                                                    \
-                for (int j = lim[b]; j < padded; j++) s[j] = 0.0f;                                          \
-                if (blk) for (int j = first; j < lim[b]; j++) if (blk[j]) s[j] = 0.0f;                      \
-                for (int j = 0; j < padded; j += VEC) sum = VADD(sum, VLOADF(s + j));                       \
-                total[b] = hsum(sum);                                                                       \
-                for (int c = 0; c < C; c++) acc[b][c] = VZERO;                                              \
-            }                                                                                               \
-            /* weighted sum of values in key order: each value read once for the block's rows */            \
-            for (int j = 0; j < jmax; j++) {                                                                \
-                const TYPE *vj = vh + (long)j * v_sj;                                                       \
-                for (int c = 0; c < C; c++) kv[c] = LD(vj + c * VEC);                                      \
+                /* softmax weights, unnormalised; refused keys weigh 0 and are skipped below */             \
                 for (int b = 0; b < nb; b++) {                                                              \
-                    if (j >= lim[b]) continue;                                                              \
-                    float w = work[b * W + j];                                                              \
-                    if (w == 0.0f) continue;                                                                \
-                    vf wv = VSET1(w);                                                                       \
-                    for (int c = 0; c < C; c++) acc[b][c] = VFMA(wv, kv[c], acc[b][c]);                     \
+                    float *sc = work + b * W;                                                               \
+                    const uint8_t *blk = blocked ? blocked + (long)tok[b] * (T - first) - first : NULL;     \
+                    float mx = -INFINITY;                                                                   \
+                    for (int j = 0; j < lim[b]; j++)                                                        \
+                        if (!(blk && j >= first && blk[j]) && sc[j] > mx) mx = sc[j];                       \
+                    int padded = ((lim[b] + VEC - 1) / VEC) * VEC;                                          \
+                    for (int j = lim[b]; j < padded; j++) sc[j] = mx;                                       \
+                    for (int j = 0; j < padded; j += VEC)                                                   \
+                        VSTOREF(sc + j, vexp_nonpos(VADD(VLOADF(sc + j), VSET1(-mx))));                     \
+                    for (int j = lim[b]; j < padded; j++) sc[j] = 0.0f;                                     \
+                    if (blk) for (int j = first; j < lim[b]; j++) if (blk[j]) sc[j] = 0.0f;                 \
+                    vf sum = VZERO;                                                                         \
+                    for (int j = 0; j < padded; j += VEC) sum = VADD(sum, VLOADF(sc + j));                  \
+                    total[b] = hsum(sum);                                                                   \
+                    for (int c = 0; c < C; c++) acc[b][c] = VZERO;                                          \
                 }                                                                                           \
-            }                                                                                               \
-            for (int b = 0; b < nb; b++) {                                                                  \
-                TYPE *o = out + ((long)h * R + r0 + b) * D;                                                 \
-                float inv = total[b] > 0.0f ? 1.0f / total[b] : 0.0f, tmp[VEC];                             \
-                for (int c = 0; c < C; c++) {                                                               \
-                    VSTOREF(tmp, acc[b][c]);                                                                \
-                    for (int l = 0; l < VEC; l++) o[c * VEC + l] = STORE(tmp[l] * inv);                     \
+                /* weighted sum of values in key order: each value read once for the block's rows */        \
+                for (int j = 0; j < jmax; j++) {                                                            \
+                    const TYPE *vj = vh + (long)j * v_sj;                                                   \
+                    for (int c = 0; c < C; c++) kv[c] = LD(vj + c * VEC);                                   \
+                    for (int b = 0; b < nb; b++) {                                                          \
+                        if (j >= lim[b]) continue;                                                          \
+                        float w = work[b * W + j];                                                          \
+                        if (w == 0.0f) continue;                                                            \
+                        vf wv = VSET1(w);                                                                   \
+                        for (int c = 0; c < C; c++) acc[b][c] = VFMA(wv, kv[c], acc[b][c]);                 \
+                    }                                                                                       \
+                }                                                                                           \
+                for (int b = 0; b < nb; b++) {                                                              \
+                    int hq = h * G + (int)((r0 + b) % G);                                                   \
+                    TYPE *o = out + ((row0 + tok[b]) * Hq + hq) * (long)D;                                   \
+                    float inv = total[b] > 0.0f ? 1.0f / total[b] : 0.0f;                                   \
+                    for (int c = 0; c < C; c++) {                                                           \
+                        VSTOREF(tmp, acc[b][c]);                                                            \
+                        for (int l = 0; l < VEC; l++) o[c * VEC + l] = STORE(tmp[l] * inv);                 \
+                    }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
@@ -206,14 +224,13 @@ void NAME(const TYPE *q, const TYPE *k, long k_sh, long k_sj, const TYPE *v, lon
 DEFINE_ATTEND(simllm_attend_bf16, bf16, ld_bf16, STORE_BF16)
 DEFINE_ATTEND(simllm_attend_f32, float, ld_f32, STORE_F32)
 
-int simllm_attend_version(void) { return 2; }
+int simllm_attend_version(void) { return 3; }
 """
 
 MAX_HEAD_DIM = 256  # the kernel's per-row buffers
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
-_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-         ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-         ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_ARGS = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _I, _I, ctypes.c_float, _I, _P, _I, _P, _I, _P]
 
 _loaded: "AttentionKernel | None" = None
 _why_not: str | None = None
@@ -254,6 +271,17 @@ def _build(cc: str) -> str:
     return target
 
 
+@dataclasses.dataclass
+class PassPlan:
+    """The sequences of one pass, as the kernel reads them: built once per pass, used for every layer."""
+
+    table: torch.Tensor  # [nseq, 11] int64 (see the C source)
+    rows: int  # query rows in the pass
+    longest: int  # the most keys any sequence attends
+    dtype: torch.dtype
+    buffers: list  # the KV tensors the table points into, kept alive for the pass
+
+
 class AttentionKernel:
     """The compiled kernel, called on torch tensors."""
 
@@ -271,28 +299,52 @@ class AttentionKernel:
         return torch.device(device).type == "cpu" and dtype in self._fns and head_dim % 16 == 0 \
             and head_dim <= MAX_HEAD_DIM
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None = None,
-                 first: int = 0, causal_m: int = 0) -> torch.Tensor:
-        """q [H, R, D] (scaled), k/v [H, T, D] with the last dim contiguous (buffer slices are read in place)
-        -> [H, R, D]. `causal_m` > 0: rows r attend keys <= first + r % causal_m (the runner's causal-by-slot
-        pass; `blocked` unused); else `blocked` [R, T - first] (True: may not attend key first + j) or None."""
-        H, R, D = q.shape
-        T = k.shape[1]
-        fn = self._fns[q.dtype]
-        if k.dtype != q.dtype or v.dtype != q.dtype or k.stride(2) != 1 or v.stride(2) != 1:
-            raise ValueError("attention kernel: q, k, v must share a dtype and have a contiguous last dimension")
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        need = 8 * (T + 16)  # ROW_BLOCK rows of scores, padded to whole vectors
+    @staticmethod
+    def plan(seqs: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> PassPlan:
+        """seqs: (row0, m, start, k, v) per sequence: its query rows row0..row0+m-1 are tokens at slots
+        start..start+m-1 of k, v [L, Hkv, C, D] (a KVBuffer's tensors; the kernel writes their new KV there)."""
+        rows, longest, table, dtype = 0, 0, [], None
+        for row0, m, start, k, v in seqs:
+            if k.dim() != 4 or k.shape != v.shape or k.stride(3) != 1 or v.stride(3) != 1:
+                raise ValueError("attention kernel: KV buffers must be [L, H, C, D] with a contiguous last dimension")
+            if dtype not in (None, k.dtype) or v.dtype != k.dtype:
+                raise ValueError("attention kernel: one dtype for every buffer of a pass")
+            if start < 0 or m < 1 or start + m > k.shape[2]:
+                raise ValueError(f"attention kernel: slots {start}..{start + m} do not fit a buffer of {k.shape[2]}")
+            dtype = k.dtype
+            table.append([row0, m, start, k.data_ptr(), v.data_ptr(), *k.stride()[:3], *v.stride()[:3]])
+            rows, longest = max(rows, row0 + m), max(longest, start + m)
+        return PassPlan(torch.tensor(table, dtype=torch.int64), rows, longest, dtype,
+                        [t for s in seqs for t in s[3:]])
+
+    def attend(self, plan: PassPlan, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               scale: float, out: torch.Tensor | None = None, blocked: torch.Tensor | None = None,
+               first: int = 0) -> torch.Tensor:
+        """One layer: writes the rows' new keys and values k_new, v_new [N, Hkv, D] into each sequence's
+        buffer, then attends q [N, Hq, D] (unscaled; strided views are read in place) -> out [N, Hq, D].
+        Causal by slot; or `blocked` [m, T - first] (one sequence: True refuses key first + j, T = start + m)."""
+        N, Hq, D = q.shape
+        Hkv = k_new.shape[1]
+        fn = self._fns.get(q.dtype)
+        if fn is None or q.dtype != plan.dtype or k_new.dtype != q.dtype or v_new.dtype != q.dtype:
+            raise ValueError("attention kernel: q, new KV and the buffers must share a dtype (bfloat16 or float32)")
+        if N < plan.rows or k_new.shape != v_new.shape or k_new.shape[0] != N or Hq % Hkv or \
+                min(q.stride(2), k_new.stride(2), v_new.stride(2)) != 1:
+            raise ValueError("attention kernel: rows [N, heads, D] with a contiguous last dimension, N covering the plan")
+        if out is None:
+            out = torch.empty((N, Hq, D), dtype=q.dtype)
+        blk = None
+        if blocked is not None:
+            t = plan.table
+            if t.shape[0] != 1 or blocked.shape != (int(t[0, 1]), int(t[0, 2] + t[0, 1]) - first):
+                raise ValueError(f"attention kernel: mask {tuple(blocked.shape)} does not fit the pass")
+            blk = blocked.contiguous().view(torch.uint8)
+        need = 8 * (plan.longest + 16)  # ROW_BLOCK rows of scores, padded to whole vectors
         if self._work is None or self._work.numel() < need:
             self._work = torch.empty(max(need, 8 * 1024), dtype=torch.float32)
-        blk = None
-        if blocked is not None and causal_m <= 0:
-            blk = blocked.contiguous().view(torch.uint8)
-            if blk.shape != (R, T - first):
-                raise ValueError(f"attention kernel: mask {tuple(blk.shape)} for {R} rows, keys {first}..{T}")
-        fn(q.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-           out.data_ptr(), H, R, T, D, None if blk is None else blk.data_ptr(), first, causal_m,
+        fn(q.data_ptr(), q.stride(0), q.stride(1), k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
+           v_new.data_ptr(), v_new.stride(0), v_new.stride(1), out.data_ptr(), Hq, Hkv, D, scale,
+           plan.table.shape[0], plan.table.data_ptr(), layer, None if blk is None else blk.data_ptr(), first,
            self._work.data_ptr())
         return out
 

@@ -456,9 +456,11 @@ class LlamaRunner:
         # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so a mask repeats G times; inverted
         # once here rather than in each layer. Causal by slot, every query may attend slots < start: only the
         # new tokens' own columns need masking (`first`: the column the mask starts at).
-        blocked, first, causal_m = None, 0, 0
-        if mask is None and M > 1 and self.kernel is not None:  # the kernel derives causality from the row
-            first, causal_m = start, M
+        blocked, first, plan = None, 0, None
+        if self.kernel is not None:  # causal by slot inside the kernel; a mask as given
+            plan = self.kernel.plan([(0, M, start, kv.k, kv.v)])
+            attn = h.new_empty(M, self.n_heads, D)
+            blocked = None if mask is None else ~mask
         elif mask is None and M > 1:
             own = torch.arange(start, end, device=ids.device)
             blocked, first = (own[None, :] > own[:, None]).repeat(G, 1), start
@@ -467,13 +469,17 @@ class LlamaRunner:
         layers = self.layers[first_layer:n_layers]
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers, start=first_layer):
             x = ln1(h)
-            q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, M, D], [Hkv, M, D] x 2
-            kv.k[li, :, start:end] = k
-            kv.v[li, :, start:end] = v
-            # [Hq, M, D] -> [Hkv, G*M, D]: query head h uses KV head h // G (HF's repeat_kv order).
-            qg = (q * self.scale).reshape(Hkv, G * M, D)
-            o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked, first, causal_m)
-            o = o.reshape(Hkv * G, M, D).transpose(0, 1).reshape(1, M, Hkv * G * D)
+            if plan is not None:
+                q, k, v = self._rotated_rows(qkv_proj(x)[0], cos, sin)  # [M, Hq, D], [M, Hkv, D] x 2
+                o = self.kernel.attend(plan, li, q, k, v, self.scale, attn, blocked).view(1, M, -1)
+            else:
+                q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, M, D], [Hkv, M, D] x 2
+                kv.k[li, :, start:end] = k
+                kv.v[li, :, start:end] = v
+                # [Hq, M, D] -> [Hkv, G*M, D]: query head h uses KV head h // G (HF's repeat_kv order).
+                qg = (q * self.scale).reshape(Hkv, G * M, D)
+                o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked, first)
+                o = o.reshape(Hkv * G, M, D).transpose(0, 1).reshape(1, M, Hkv * G * D)
             h = h + o_proj(o)
             x = ln2(h)
             gu = gate_up(x)
@@ -521,35 +527,17 @@ class LlamaRunner:
         positions = torch.cat([s.positions for s in seqs])
         h = self.embed(ids)[None]  # [1, N, E]
         cos, sin = self._rope_tables(h, positions)
-        G, D, Hkv, Hq = self.group, self.head_dim, self.n_kv, self.n_heads
-        blocked = []  # per sequence: True where a query may not attend (later slots, from column s.start on)
-        for s, (a, b) in zip(seqs, spans):
-            m, end = b - a, s.start + b - a
-            if m > 1 and self.kernel is None:  # causal by slot, as `forward` builds it; query heads grouped by KV head
-                own = torch.arange(s.start, end, device=ids.device)
-                blocked.append((own[None, :] > own[:, None]).repeat(G, 1))
-            else:
-                blocked.append(None)
-        for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
-            x = ln1(h)
-            q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, N, D], [Hkv, N, D] x 2
-            q = q * self.scale  # once for every sequence (elementwise: the same bits as per sequence)
-            attn = h.new_empty(total, Hq, D)  # each sequence's attention output lands in its rows
-            for s, (a, b), seq_blocked in zip(seqs, spans, blocked):
-                m = b - a
-                if not m:
-                    continue
-                end = s.start + m
-                s.kv.k[li, :, s.start:end] = k[:, a:b]
-                s.kv.v[li, :, s.start:end] = v[:, a:b]
-                qg = q[:, a:b].reshape(Hkv, G * m, D)
-                o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked, s.start,
-                                    m if m > 1 else 0)
-                attn[a:b] = o.view(Hq, m, D).transpose(0, 1)
-            h = h + o_proj(attn.view(1, total, Hq * D))
-            x = ln2(h)
-            gu = gate_up(x)
-            h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+        D, Hq = self.head_dim, self.n_heads
+        if self.kernel is not None:  # one call per layer for every sequence, each over its own buffer
+            plan = self.kernel.plan([(a, b - a, s.start, s.kv.k, s.kv.v) for s, (a, b) in zip(seqs, spans) if b > a])
+            attn = h.new_empty(total, Hq, D)
+            for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
+                q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)
+                h = h + o_proj(self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, total, Hq * D))
+                gu = gate_up(ln2(h))
+                h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+        else:
+            h = self._torch_batch_layers(seqs, spans, h, cos, sin, total)
         rows = []
         for s, (a, b) in zip(seqs, spans):
             s.kv.length = max(s.kv.length, s.start + b - a)
@@ -571,6 +559,46 @@ class LlamaRunner:
             j += n
         return res
 
+    def _torch_batch_layers(self, seqs, spans, h, cos, sin, total):
+        """forward_batch's layers without the kernel: attention per sequence through `_attention`."""
+        G, D, Hkv, Hq = self.group, self.head_dim, self.n_kv, self.n_heads
+        blocked = []  # per sequence: True where a query may not attend (later slots, from column s.start on)
+        for s, (a, b) in zip(seqs, spans):
+            m, end = b - a, s.start + b - a
+            if m > 1:  # causal by slot, as `forward` builds it; query heads grouped by KV head
+                own = torch.arange(s.start, end, device=h.device)
+                blocked.append((own[None, :] > own[:, None]).repeat(G, 1))
+            else:
+                blocked.append(None)
+        for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
+            x = ln1(h)
+            q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, N, D], [Hkv, N, D] x 2
+            q = q * self.scale  # once for every sequence (elementwise: the same bits as per sequence)
+            attn = h.new_empty(total, Hq, D)  # each sequence's attention output lands in its rows
+            for s, (a, b), seq_blocked in zip(seqs, spans, blocked):
+                m = b - a
+                if not m:
+                    continue
+                end = s.start + m
+                s.kv.k[li, :, s.start:end] = k[:, a:b]
+                s.kv.v[li, :, s.start:end] = v[:, a:b]
+                qg = q[:, a:b].reshape(Hkv, G * m, D)
+                o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked, s.start)
+                attn[a:b] = o.view(Hq, m, D).transpose(0, 1)
+            h = h + o_proj(attn.view(1, total, Hq * D))
+            x = ln2(h)
+            gu = gate_up(x)
+            h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+        return h
+
+    def _rotated_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [M, Hq, D], k, v [M, Hkv, D] of a fused qkv product, q and k rotated: row-major views, which the
+        kernel reads in place (no transposes)."""
+        M, D, Hq, Hkv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
+        qk = qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D)
+        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
+        return qk[:, :Hq], qk[:, Hq:], qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D)
+
     def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [M, 1, D] for the rows' positions, sin with its first half negated: then
         x * cos + roll(x, D/2) * sin is HF's x * cos + rotate_half(x) * sin, bitwise ((-a) * b == a * (-b))."""
@@ -588,14 +616,11 @@ class LlamaRunner:
         return qk[:, :Hq].transpose(0, 1), qk[:, Hq:].transpose(0, 1), v
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
-                   first: int = 0, causal_m: int = 0):
-        """q [Hkv, G*M, D] (already scaled), k/v [Hkv, T, D] -> [Hkv, G*M, D]. `blocked` [G*M, T - first]:
-        True where a query may not attend key first + j; `causal_m` (kernel only): the M rows of each query
-        head attend slots <= first + their index instead. Our kernel where it applies; else scores and the
-        weighted sum are plain batched products (row-invariant; bmm, not matmul's wrapper), the softmax runs
-        in float32 and a masked key adds an exact zero."""
-        if self.kernel is not None:
-            return self.kernel(q, k, v, blocked, first, causal_m)
+                   first: int = 0):
+        """The torch path (no kernel): q [Hkv, G*M, D] (already scaled), k/v [Hkv, T, D] -> [Hkv, G*M, D].
+        Scores and the weighted sum are plain batched products (row-invariant; bmm, not matmul's wrapper); the
+        softmax runs in float32 and a masked key adds an exact zero. `blocked` [G*M, T - first]: True where a
+        query may not attend key first + j."""
         if q.dtype == torch.float32:  # MKL: k @ q^T would change with the key count below 3 keys
             s = torch.bmm(q, k.transpose(-1, -2))
         else:

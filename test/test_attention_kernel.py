@@ -17,75 +17,108 @@ KERNEL = attention_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"no attention kernel here: {attention_kernel.why_not()}")
 
 
-def _reference(q, k, v, allowed):
-    """float64 attention of the same (already rounded) inputs; allowed [H, R, T] bool."""
-    s = torch.einsum("hrd,htd->hrt", q.double(), k.double()).masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hrt,htd->hrd", torch.softmax(s, dim=-1), v.double())
+HQ, HKV, D = 6, 2, 64  # two query heads per KV head, as in grouped-query models
 
 
-def _inputs(dtype, H=3, R=6, T=50, D=64, seed=0):
+def _buffers(dtype, cap, seed):
     g = torch.Generator().manual_seed(seed)
-    # keys and values as slices of a bigger [L, H, C, D] buffer, like the runner's KVBuffer
-    buf = torch.randn(2, 4, H, T + 7, D, generator=g).to(dtype)
-    q = (torch.randn(H, R, D, generator=g) * D ** -0.5).to(dtype)
-    return q, buf[0, 1, :, :T], buf[1, 1, :, :T]
+    k = torch.randn(3, HKV, cap, D, generator=g).to(dtype)  # [L, Hkv, C, D], like a KVBuffer
+    return k, torch.randn(3, HKV, cap, D, generator=g).to(dtype)
+
+
+def _rows(dtype, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    # q as a strided view of a wider row, as the runner's rotated qkv is read
+    wide = torch.randn(m, HQ + HKV, D, generator=g).to(dtype)
+    return wide[:, :HQ], wide[:, HQ:], torch.randn(m, HKV, D, generator=g).to(dtype)
+
+
+def _pass(seqs, layer=1, blocked=None, first=0):
+    """seqs: (start, q, k_new, v_new, k_buf, v_buf): one pass over all of them."""
+    row0, entries = 0, []
+    for start, q, *_rest, kb, vb in seqs:
+        entries.append((row0, q.shape[0], start, kb, vb))
+        row0 += q.shape[0]
+    plan = KERNEL.plan(entries)
+    q = torch.cat([s[1] for s in seqs])
+    kn, vn = torch.cat([s[2] for s in seqs]), torch.cat([s[3] for s in seqs])
+    return KERNEL.attend(plan, layer, q, kn, vn, D ** -0.5, blocked=blocked, first=first)
+
+
+def _reference(q, kb, vb, start, allowed, layer=1):
+    """float64 attention of the same rounded inputs over the buffer (new rows already written); allowed [m, T]."""
+    m, T = q.shape[0], start + q.shape[0]
+    k = kb[layer, :, :T].double().repeat_interleave(HQ // HKV, dim=0)  # [Hq, T, D]
+    v = vb[layer, :, :T].double().repeat_interleave(HQ // HKV, dim=0)
+    s = torch.einsum("mhd,htd->hmt", q.double() * D ** -0.5, k).masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hmt,htd->mhd", torch.softmax(s, dim=-1), v)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-def test_matches_a_float64_reference_in_every_mode(dtype, tol):
-    H, M, G, T = 3, 4, 2, 50
-    R, start = G * M, T - M
-    q, k, v = _inputs(dtype, H=H, R=R, T=T)
-    every = torch.ones(H, R, T, dtype=torch.bool)
-    m = torch.arange(R) % M
-    causal = (torch.arange(T)[None, :] <= (start + m)[:, None]).expand(H, R, T)
-    rng = torch.Generator().manual_seed(3)
-    allowed = torch.rand(R, T, generator=rng) > 0.4
-    allowed[:, 0] = True  # every row attends at least one key
-    for got, want in ((KERNEL(q, k, v), every),
-                      (KERNEL(q, k, v, first=start, causal_m=M), causal),
-                      (KERNEL(q, k, v, ~allowed, 0), allowed.expand(H, R, T)),
-                      (KERNEL(q, k, v, ~allowed[:, 10:], 10), (allowed | (torch.arange(T) < 10)).expand(H, R, T))):
-        ref = _reference(q, k, v, want)
-        assert got.dtype == dtype and got.shape == q.shape
-        err = (got.double() - ref).abs().max().item()
-        assert err <= tol * ref.abs().max().item(), err
+def test_a_ragged_pass_matches_a_float64_reference(dtype, tol):
+    """Two sequences of different lengths in one pass, and one with an explicit mask: new KV lands in the
+    buffers, each row attends causally by slot (or as the mask says)."""
+    (ka, va), (kb, vb) = _buffers(dtype, 80, 0), _buffers(dtype, 40, 1)
+    qa, kna, vna = _rows(dtype, 5, 2)
+    qb, knb, vnb = _rows(dtype, 1, 3)
+    out = _pass([(60, qa, kna, vna, ka, va), (30, qb, knb, vnb, kb, vb)])
+    assert torch.equal(ka[1, :, 60:65], kna.transpose(0, 1)) and torch.equal(vb[1, :, 30:31], vnb.transpose(0, 1))
+    for got, (start, q, kbuf, vbuf) in ((out[:5], (60, qa, ka, va)), (out[5:], (30, qb, kb, vb))):
+        m = q.shape[0]
+        allowed = torch.arange(start + m)[None, :] <= (start + torch.arange(m))[:, None]
+        ref = _reference(q, kbuf, vbuf, start, allowed)
+        assert (got.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
+    rng = torch.Generator().manual_seed(4)
+    allowed = torch.rand(5, 65, generator=rng) > 0.4
+    allowed[:, 0] = True
+    got = _pass([(60, qa, kna, vna, ka, va)], blocked=~allowed)
+    ref = _reference(qa, ka, va, 60, allowed)
+    assert (got.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_row_gets_the_same_bits_whatever_runs_with_it(dtype):
-    """A prefill's causal pass, the same tokens one at a time (a decode), a pass with an explicit mask over
-    extra keys, and contiguous copies of the keys: each query row bitwise the same in all of them."""
-    H, M, D = 3, 37, 64
-    T = 100
-    start = T - M
-    q, k, v = _inputs(dtype, H=H, R=M, T=T + 30, D=D, seed=1)
-    whole = KERNEL(q, k[:, :T], v[:, :T], first=start, causal_m=M)
-    own = torch.arange(start, T)
-    blocked = own[None, :] > own[:, None]  # the same causality as a mask
-    masked = KERNEL(q, k[:, :T], v[:, :T], blocked, start)
-    assert torch.equal(whole, masked)
-    # keys past the pass, masked off: the rows must not notice them
-    extra = torch.cat([blocked, torch.ones(M, 30, dtype=torch.bool)], dim=1)
-    assert torch.equal(KERNEL(q, k, v, extra, start), whole)
-    for m in (0, 1, 15, 16, 17, M - 1):  # around the kernel's 16-key vectors and 8-row blocks
-        one = KERNEL(q[:, m:m + 1].contiguous(), k[:, :start + m + 1], v[:, :start + m + 1])
-        assert torch.equal(one, whole[:, m:m + 1]), m
-        copy = KERNEL(q[:, m:m + 1].contiguous(), k[:, :start + m + 1].contiguous(), v[:, :start + m + 1].contiguous())
-        assert torch.equal(copy, one), m
-    # rows in another order and company (two query heads of a group sharing keys): same bits
-    pair = torch.cat([q[:, 5:6], q[:, 20:21]], dim=1).contiguous()
-    got = KERNEL(pair, k[:, :start + 21], v[:, :start + 21], first=start + 5, causal_m=0,
-                 blocked=torch.tensor([[False] * 1 + [True] * 15, [False] * 16])[:, :16])
-    assert torch.equal(got[:, 0], whole[:, 5]) and torch.equal(got[:, 1], whole[:, 20])
+def test_a_row_gets_the_same_bits_however_the_sequence_is_cut(dtype):
+    """A 37-token prefill in one pass, token by token (a decode), cut 17 + 20, beside another sequence, and with
+    the causal mask given explicitly: every row's output and the buffers' KV bitwise the same."""
+    M, start = 37, 23
+    q, kn, vn = _rows(dtype, M, 5)
+    base = _buffers(dtype, 70, 6)
+
+    def fresh():
+        return base[0].clone(), base[1].clone()
+
+    k1, v1 = fresh()
+    whole = _pass([(start, q, kn, vn, k1, v1)])
+    k2, v2 = fresh()
+    one_by_one = torch.cat([_pass([(start + i, q[i:i + 1], kn[i:i + 1], vn[i:i + 1], k2, v2)]) for i in range(M)])
+    assert torch.equal(one_by_one, whole) and torch.equal(k2, k1) and torch.equal(v2, v1)
+    k3, v3 = fresh()
+    cut = torch.cat([_pass([(start, q[:17], kn[:17], vn[:17], k3, v3)]),
+                     _pass([(start + 17, q[17:], kn[17:], vn[17:], k3, v3)])])
+    assert torch.equal(cut, whole)
+    k4, v4 = fresh()
+    other = _rows(dtype, 9, 7)
+    ko, vo = _buffers(dtype, 200, 8)
+    beside = _pass([(150, *other, ko, vo), (start, q, kn, vn, k4, v4)])
+    assert torch.equal(beside[9:], whole)
+    k5, v5 = fresh()
+    own = torch.arange(start, start + M)
+    blocked = own[None, :] > own[:, None]  # [M, M]: columns from `start` on
+    assert torch.equal(_pass([(start, q, kn, vn, k5, v5)], blocked=blocked, first=start), whole)
 
 
 def test_bad_shapes_and_dtypes_are_refused():
-    q, k, v = _inputs(torch.bfloat16)
+    k, v = _buffers(torch.bfloat16, 20, 0)
+    q, kn, vn = _rows(torch.bfloat16, 3, 1)
+    with pytest.raises(ValueError, match="fit"):
+        KERNEL.plan([(0, 3, 18, k, v)])
+    plan = KERNEL.plan([(0, 3, 10, k, v)])
     with pytest.raises(ValueError, match="mask"):
-        KERNEL(q, k, v, torch.zeros(q.shape[1], 3, dtype=torch.bool), 0)
+        KERNEL.attend(plan, 0, q, kn, vn, 0.125, blocked=torch.zeros(3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="dtype"):
-        KERNEL(q, k.float(), v)
+        KERNEL.attend(plan, 0, q.float(), kn.float(), vn.float(), 0.125)
+    with pytest.raises(ValueError, match="dtype"):
+        KERNEL.plan([(0, 3, 0, k, v), (3, 1, 0, k.float(), v.float())])
     assert not KERNEL.supports(torch.float16, 64, "cpu") and not KERNEL.supports(torch.bfloat16, 72, "cpu")
     assert not KERNEL.supports(torch.bfloat16, 64, "meta") and KERNEL.supports(torch.bfloat16, 64, "cpu")
 
