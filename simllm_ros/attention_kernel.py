@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import torch
 
@@ -34,6 +35,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <pthread.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -131,35 +133,57 @@ static inline vf VSET1_fn(float x) { vf r; for (int l = 0; l < 16; l++) r.v[l] =
    element strides of [L, Hkv, C, D] buffers). Token i of a sequence sits at slot start + i and attends slots
    <= start + i; with `blocked` (one sequence only) [m, T - first] instead: slot j is refused when j >= first and
    blocked[i * (T - first) + j - first], T = start + m. Query head hq reads KV head hq / (Hq / Hkv).
-   work: ROW_BLOCK * (T + VEC) floats for the longest T. */
+   work: ROW_BLOCK * (T + VEC) floats for the longest T, per thread (nthreads: 1 runs in the caller's thread).
+   Rows are split between threads in whole blocks, each computed exactly as alone: threads change no bit. */
+typedef struct {
+    const void *q, *knew, *vnew; void *out;
+    long q_sn, q_sh, kn_sn, kn_sh, vn_sn, vn_sh, work_stride;
+    int Hq, Hkv, D, nseq, layer, first, nthreads; float scale;
+    const int64_t *seqs; const uint8_t *blocked; float *work;
+} pass_t;
+typedef struct { const pass_t *p; int tid; void (*part)(const pass_t *, int); } job_t;
+static void *run_job(void *arg) { job_t *j = (job_t *)arg; j->part(j->p, j->tid); return NULL; }
+static void run_threads(const pass_t *p, void (*part)(const pass_t *, int)) {
+    pthread_t th[64]; job_t jobs[64]; int started = 0, n = p->nthreads > 64 ? 64 : p->nthreads;
+    for (int t = 1; t < n; t++) {
+        jobs[t].p = p; jobs[t].tid = t; jobs[t].part = part;
+        if (pthread_create(&th[t], NULL, run_job, &jobs[t]) != 0) break;
+        started = t;
+    }
+    if (started < n - 1) {  /* could not start them all: the caller does the rest, same blocks, same bits */
+        for (int t = started + 1; t < n; t++) part(p, t);
+    }
+    part(p, 0);
+    for (int t = 1; t <= started; t++) pthread_join(th[t], NULL);
+}
+
 #define DEFINE_ATTEND(NAME, TYPE, LD, STORE)                                                                \
-void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, long kn_sh,                    \
-          const TYPE *vnew, long vn_sn, long vn_sh, TYPE *out, int Hq, int Hkv, int D, float scale,          \
-          int nseq, const int64_t *seqs, int layer, const uint8_t *blocked, int first, float *work) {        \
-    const int C = D / VEC, G = Hq / Hkv;                                                                    \
+static void NAME##_part(const pass_t *P, int tid) {                                                         \
+    const TYPE *q = (const TYPE *)P->q; TYPE *out = (TYPE *)P->out;                                         \
+    const int Hq = P->Hq, Hkv = P->Hkv, D = P->D, C = D / VEC, G = Hq / Hkv, nt = P->nthreads;              \
+    const uint8_t *blocked = P->blocked; const int first = P->first;                                        \
+    float *work = P->work + tid * P->work_stride;                                                           \
     vf qv[ROW_BLOCK][MAXD / VEC], acc[ROW_BLOCK][MAXD / VEC], kv[MAXD / VEC];                               \
     int lim[ROW_BLOCK], tok[ROW_BLOCK];                                                                     \
     float total[ROW_BLOCK], tmp[VEC];                                                                       \
-    for (int s = 0; s < nseq; s++) {                                                                        \
-        const int64_t *sq = seqs + 11 * s;                                                                  \
+    long unit = 0;                                                                                          \
+    for (int s = 0; s < P->nseq; s++) {                                                                     \
+        const int64_t *sq = P->seqs + 11 * s;                                                               \
         const long row0 = sq[0], m = sq[1], start = sq[2], T = start + m;                                   \
-        TYPE *kb = (TYPE *)(intptr_t)sq[3] + layer * sq[5], *vb = (TYPE *)(intptr_t)sq[4] + layer * sq[8];  \
+        const TYPE *kb = (const TYPE *)(intptr_t)sq[3] + P->layer * sq[5];                                  \
+        const TYPE *vb = (const TYPE *)(intptr_t)sq[4] + P->layer * sq[8];                                  \
         const long k_sh = sq[6], k_sj = sq[7], v_sh = sq[9], v_sj = sq[10];                                 \
         const long W = ((T + VEC - 1) / VEC) * VEC;                                                         \
-        for (long i = 0; i < m; i++)                                                                        \
-            for (int h = 0; h < Hkv; h++) {                                                                 \
-                memcpy(kb + h * k_sh + (start + i) * k_sj, knew + (row0 + i) * kn_sn + h * kn_sh, D * sizeof(TYPE)); \
-                memcpy(vb + h * v_sh + (start + i) * v_sj, vnew + (row0 + i) * vn_sn + h * vn_sh, D * sizeof(TYPE)); \
-            }                                                                                               \
         for (int h = 0; h < Hkv; h++) {                                                                     \
             const TYPE *kh = kb + h * k_sh, *vh = vb + h * v_sh;                                            \
             /* rows of this KV head: (token i, group member g), token-major, in blocks */                   \
             for (long r0 = 0; r0 < m * G; r0 += ROW_BLOCK) {                                                \
+                if (unit++ % nt != tid) continue;  /* interleaved: early (short) and late rows mix */       \
                 int nb = m * G - r0 < ROW_BLOCK ? (int)(m * G - r0) : ROW_BLOCK, jmax = 0;                   \
                 for (int b = 0; b < nb; b++) {                                                              \
                     long i = (r0 + b) / G; int hq = h * G + (int)((r0 + b) % G);                            \
-                    const TYPE *qr = q + (row0 + i) * q_sn + hq * q_sh;                                     \
-                    for (int c = 0; c < C; c++) qv[b][c] = VMUL(LD(qr + c * VEC), VSET1(scale));            \
+                    const TYPE *qr = q + (row0 + i) * P->q_sn + hq * P->q_sh;                               \
+                    for (int c = 0; c < C; c++) qv[b][c] = VMUL(LD(qr + c * VEC), VSET1(P->scale));         \
                     tok[b] = (int)i;                                                                        \
                     lim[b] = blocked ? (int)T : (int)(start + i + 1);  /* a mask decides alone */             \
                     if (lim[b] > jmax) jmax = lim[b];                                                       \
@@ -217,6 +241,25 @@ void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, lon
             }                                                                                               \
         }                                                                                                   \
     }                                                                                                       \
+}                                                                                                           \
+void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, long kn_sh,                    \
+          const TYPE *vnew, long vn_sn, long vn_sh, TYPE *out, int Hq, int Hkv, int D, float scale,          \
+          int nseq, const int64_t *seqs, int layer, const uint8_t *blocked, int first, float *work,          \
+          long work_stride, int nthreads) {                                                                 \
+    for (int s = 0; s < nseq; s++) {  /* the new KV first: every thread then reads finished buffers */      \
+        const int64_t *sq = seqs + 11 * s;                                                                  \
+        const long row0 = sq[0], m = sq[1], start = sq[2];                                                  \
+        TYPE *kb = (TYPE *)(intptr_t)sq[3] + layer * sq[5], *vb = (TYPE *)(intptr_t)sq[4] + layer * sq[8];  \
+        for (long i = 0; i < m; i++)                                                                        \
+            for (int h = 0; h < Hkv; h++) {                                                                 \
+                memcpy(kb + h * sq[6] + (start + i) * sq[7], knew + (row0 + i) * kn_sn + h * kn_sh, D * sizeof(TYPE)); \
+                memcpy(vb + h * sq[9] + (start + i) * sq[10], vnew + (row0 + i) * vn_sn + h * vn_sh, D * sizeof(TYPE)); \
+            }                                                                                               \
+    }                                                                                                       \
+    pass_t P = {q, knew, vnew, out, q_sn, q_sh, kn_sn, kn_sh, vn_sn, vn_sh, work_stride,                    \
+                Hq, Hkv, D, nseq, layer, first, nthreads < 1 ? 1 : nthreads, scale, seqs, blocked, work};   \
+    if (P.nthreads == 1) NAME##_part(&P, 0);                                                                \
+    else run_threads(&P, NAME##_part);                                                                      \
 }
 
 #define STORE_BF16(x) f32_to_bf16(x)
@@ -224,13 +267,16 @@ void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, lon
 DEFINE_ATTEND(simllm_attend_bf16, bf16, ld_bf16, STORE_BF16)
 DEFINE_ATTEND(simllm_attend_f32, float, ld_f32, STORE_F32)
 
-int simllm_attend_version(void) { return 3; }
+int simllm_attend_version(void) { return 4; }
 """
 
 MAX_HEAD_DIM = 256  # the kernel's per-row buffers
-_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-pthread"]
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-_ARGS = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _I, _I, ctypes.c_float, _I, _P, _I, _P, _I, _P]
+_ARGS = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _I, _I, ctypes.c_float, _I, _P, _I, _P, _I, _P, _L, _I]
+# Below this many multiply-adds a pass runs in the caller's thread (a decode step: ~0.7M): starting threads
+# costs tens of microseconds.
+THREAD_MIN_MACS = 4_000_000
 
 _loaded: "AttentionKernel | None" = None
 _why_not: str | None = None
@@ -278,6 +324,7 @@ class PassPlan:
     table: torch.Tensor  # [nseq, 11] int64 (see the C source)
     rows: int  # query rows in the pass
     longest: int  # the most keys any sequence attends
+    pairs: int  # (query token, key) pairs of the pass, at most: what its cost grows with
     dtype: torch.dtype
     buffers: list  # the KV tensors the table points into, kept alive for the pass
 
@@ -293,7 +340,7 @@ class AttentionKernel:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGS, None
             self._fns[dtype] = fn
-        self._work: torch.Tensor | None = None
+        self._scratch = threading.local()
 
     def supports(self, dtype: torch.dtype, head_dim: int, device) -> bool:
         return torch.device(device).type == "cpu" and dtype in self._fns and head_dim % 16 == 0 \
@@ -303,7 +350,7 @@ class AttentionKernel:
     def plan(seqs: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> PassPlan:
         """seqs: (row0, m, start, k, v) per sequence: its query rows row0..row0+m-1 are tokens at slots
         start..start+m-1 of k, v [L, Hkv, C, D] (a KVBuffer's tensors; the kernel writes their new KV there)."""
-        rows, longest, table, dtype = 0, 0, [], None
+        rows, longest, pairs, table, dtype = 0, 0, 0, [], None
         for row0, m, start, k, v in seqs:
             if k.dim() != 4 or k.shape != v.shape or k.stride(3) != 1 or v.stride(3) != 1:
                 raise ValueError("attention kernel: KV buffers must be [L, H, C, D] with a contiguous last dimension")
@@ -313,8 +360,8 @@ class AttentionKernel:
                 raise ValueError(f"attention kernel: slots {start}..{start + m} do not fit a buffer of {k.shape[2]}")
             dtype = k.dtype
             table.append([row0, m, start, k.data_ptr(), v.data_ptr(), *k.stride()[:3], *v.stride()[:3]])
-            rows, longest = max(rows, row0 + m), max(longest, start + m)
-        return PassPlan(torch.tensor(table, dtype=torch.int64), rows, longest, dtype,
+            rows, longest, pairs = max(rows, row0 + m), max(longest, start + m), pairs + m * (start + m)
+        return PassPlan(torch.tensor(table, dtype=torch.int64), rows, longest, pairs, dtype,
                         [t for s in seqs for t in s[3:]])
 
     def attend(self, plan: PassPlan, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -339,13 +386,15 @@ class AttentionKernel:
             if t.shape[0] != 1 or blocked.shape != (int(t[0, 1]), int(t[0, 2] + t[0, 1]) - first):
                 raise ValueError(f"attention kernel: mask {tuple(blocked.shape)} does not fit the pass")
             blk = blocked.contiguous().view(torch.uint8)
-        need = 8 * (plan.longest + 16)  # ROW_BLOCK rows of scores, padded to whole vectors
-        if self._work is None or self._work.numel() < need:
-            self._work = torch.empty(max(need, 8 * 1024), dtype=torch.float32)
+        threads = torch.get_num_threads() if plan.pairs * Hq * D * 2 >= THREAD_MIN_MACS else 1
+        stride = 8 * (plan.longest + 16)  # ROW_BLOCK rows of scores, padded to whole vectors, per thread
+        work = getattr(self._scratch, "work", None)  # per calling thread: the call runs without the GIL
+        if work is None or work.numel() < stride * threads:
+            work = self._scratch.work = torch.empty(max(stride * threads, 8 * 1024), dtype=torch.float32)
         fn(q.data_ptr(), q.stride(0), q.stride(1), k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
            v_new.data_ptr(), v_new.stride(0), v_new.stride(1), out.data_ptr(), Hq, Hkv, D, scale,
            plan.table.shape[0], plan.table.data_ptr(), layer, None if blk is None else blk.data_ptr(), first,
-           self._work.data_ptr())
+           work.data_ptr(), stride, threads)
         return out
 
 

@@ -164,3 +164,50 @@ def test_the_load_log_names_the_attention_path():
 
     b = shared_engine(dtype="bfloat16", kv_bits=0).backend
     assert b.attention_path.startswith("simllm_ros C kernel") and KERNEL.path in b.attention_path
+
+
+def test_threads_change_no_bit():
+    """A pass big enough to be split between threads (a long prefill) gives the bits of one thread."""
+    assert attention_kernel.THREAD_MIN_MACS < 300 * 320 * HQ * D * 2
+    q, kn, vn = _rows(torch.bfloat16, 300, 9)
+    base = _buffers(torch.bfloat16, 340, 10)
+    before = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            k, v = base[0].clone(), base[1].clone()
+            got.append((_pass([(20, q, kn, vn, k, v)]), k, v))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_passes_from_two_threads_at_once_do_not_mix():
+    """Each calling thread has its own scratch (the call runs without the GIL): two engines in one process
+    (the concurrency benchmark runs two), each behind its own lock, must not corrupt each other's scores.
+    With one shared scratch buffer this produced nonsense answers there."""
+    import threading
+
+    jobs = []
+    for seed in range(2):
+        q, kn, vn = _rows(torch.bfloat16, 1, 20 + seed)
+        jobs.append((q, kn, vn, _buffers(torch.bfloat16, 900, 30 + seed)))
+
+    def run(job, start):
+        q, kn, vn, (k, v) = job
+        return _pass([(start, q, kn, vn, k, v)])
+
+    want = [[run(job, start) for start in range(700, 860)] for job in jobs]
+    got = [None, None]
+
+    def worker(i):
+        got[i] = [run(jobs[i], start) for start in range(700, 860)]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[i], want[i])), i
