@@ -274,9 +274,10 @@ MAX_HEAD_DIM = 256  # the kernel's per-row buffers
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-pthread"]
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _ARGS = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _I, _I, ctypes.c_float, _I, _P, _I, _P, _I, _P, _L, _I]
-# Below this many multiply-adds a pass runs in the caller's thread (a decode step: ~0.7M): starting threads
-# costs tens of microseconds.
-THREAD_MIN_MACS = 4_000_000
+# Below this many multiply-adds a pass runs in the caller's thread: a decode step (~0.7M) and a verification
+# pass of up to ~40 rows. Measured with 2 threads (560-token context): threads started per layer made a 17-row
+# pass slower than one thread; a 560-token prefill took ~1.0 s split, ~1.06 s not (1200 tokens: 2.36 vs 2.94 s).
+THREAD_MIN_MACS = 30_000_000
 
 _loaded: "AttentionKernel | None" = None
 _why_not: str | None = None
