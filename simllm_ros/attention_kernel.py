@@ -294,13 +294,18 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str) -> str:
-    """The shared library for this source, compiler and machine: built once, atomically, then reused."""
+def build(cc: str | None = None, extra_flags: tuple[str, ...] = ()) -> str:
+    """The shared library for this source, compiler, flags and machine: built once, atomically, then reused.
+    `extra_flags` (tests): e.g. ("-mno-avx512f",) builds the portable C on an AVX-512 machine."""
+    cc = cc or _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) found")
+    flags = [*_FLAGS, *extra_flags]
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256("\0".join([SOURCE, " ".join(_FLAGS), version, platform.machine(),
+    key = hashlib.sha256("\0".join([SOURCE, " ".join(flags), version, platform.machine(),
                                     platform.node()]).encode()).hexdigest()[:16]
     os.makedirs(kernel_dir(), exist_ok=True)
     target = os.path.join(kernel_dir(), f"attention-{key}.so")
@@ -311,7 +316,7 @@ def _build(cc: str) -> str:
         with open(src, "w", encoding="utf-8") as f:
             f.write(SOURCE)
         lib = os.path.join(tmp, "attention.so")
-        done = subprocess.run([cc, *_FLAGS, src, "-o", lib, "-lm"], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cc, *flags, src, "-o", lib, "-lm"], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{os.path.basename(cc)} failed: {done.stderr.strip()[-400:]}")
         os.replace(lib, target)  # atomic: another process building the same key gets a whole file either way
@@ -378,7 +383,8 @@ class AttentionKernel:
             raise ValueError("attention kernel: q, new KV and the buffers must share a dtype (bfloat16 or float32)")
         if N < plan.rows or k_new.shape != v_new.shape or k_new.shape[0] != N or Hq % Hkv or \
                 min(q.stride(2), k_new.stride(2), v_new.stride(2)) != 1:
-            raise ValueError("attention kernel: rows [N, heads, D] with a contiguous last dimension, N covering the plan")
+            raise ValueError("attention kernel: rows [N, heads, D] with a contiguous last dimension, N covering "
+                             "the plan")
         if out is None:
             out = torch.empty((N, Hq, D), dtype=q.dtype)
         blk = None
@@ -412,7 +418,7 @@ def load() -> "AttentionKernel | None":
         _why_not = "no C compiler (cc, gcc or clang) found"
         return None
     try:
-        _loaded = AttentionKernel(_build(cc))
+        _loaded = AttentionKernel(build(cc))
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         _why_not = f"could not build the attention kernel: {e}"
     return _loaded

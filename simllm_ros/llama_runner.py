@@ -9,8 +9,9 @@ Two reasons it exists:
    path that rounds differently in ~8% of rows; float32 (MKL) changes with M from
    16 rows on; torch's fused CPU attention changes with the key length. So this
    runner (a) never runs one row alone: a single token is padded with a throwaway
-   second row, (b) computes attention as two plain products with a float32 softmax
-   in between, whose rows do not depend on M or on masked keys. `ModelBackend`
+   second row, (b) computes attention with our own kernel (attention_kernel: every query
+   row alone, in a fixed order), or where that is unavailable as two plain products with a
+   float32 softmax in between; either way a row does not depend on M or on masked keys. `ModelBackend`
    checks the property bitwise at load time (`invariance_probe`) and reports
    reuse as approximate where a platform fails it.
 2. Speed. On a CPU the Hugging Face forward spends a large share of a decode step

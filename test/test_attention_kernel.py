@@ -4,6 +4,7 @@ bitwise the same whatever other rows, masked keys or buffer layout come with it.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -15,6 +16,18 @@ from simllm_ros import attention_kernel
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = attention_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"no attention kernel here: {attention_kernel.why_not()}")
+
+
+def _portable():
+    """The kernel's portable C (what an aarch64 Jetson compiles), built here without AVX-512; None where this
+    machine's build already is that."""
+    if KERNEL is None or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    return attention_kernel.AttentionKernel(attention_kernel.build(extra_flags=("-mno-avx512f",)))
+
+
+PORTABLE = _portable()
+BOTH = [pytest.param(KERNEL, id="native")] + ([pytest.param(PORTABLE, id="portable")] if PORTABLE else [])
 
 
 HQ, HKV, D = 6, 2, 64  # two query heads per KV head, as in grouped-query models
@@ -33,16 +46,17 @@ def _rows(dtype, m, seed):
     return wide[:, :HQ], wide[:, HQ:], torch.randn(m, HKV, D, generator=g).to(dtype)
 
 
-def _pass(seqs, layer=1, blocked=None, first=0):
+def _pass(seqs, layer=1, blocked=None, first=0, kernel=None):
     """seqs: (start, q, k_new, v_new, k_buf, v_buf): one pass over all of them."""
     row0, entries = 0, []
     for start, q, *_rest, kb, vb in seqs:
         entries.append((row0, q.shape[0], start, kb, vb))
         row0 += q.shape[0]
-    plan = KERNEL.plan(entries)
+    kernel = kernel or KERNEL
+    plan = kernel.plan(entries)
     q = torch.cat([s[1] for s in seqs])
     kn, vn = torch.cat([s[2] for s in seqs]), torch.cat([s[3] for s in seqs])
-    return KERNEL.attend(plan, layer, q, kn, vn, D ** -0.5, blocked=blocked, first=first)
+    return kernel.attend(plan, layer, q, kn, vn, D ** -0.5, blocked=blocked, first=first)
 
 
 def _reference(q, kb, vb, start, allowed, layer=1):
@@ -54,14 +68,15 @@ def _reference(q, kb, vb, start, allowed, layer=1):
     return torch.einsum("hmt,htd->mhd", torch.softmax(s, dim=-1), v)
 
 
+@pytest.mark.parametrize("kernel", BOTH)
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-def test_a_ragged_pass_matches_a_float64_reference(dtype, tol):
+def test_a_ragged_pass_matches_a_float64_reference(dtype, tol, kernel):
     """Two sequences of different lengths in one pass, and one with an explicit mask: new KV lands in the
     buffers, each row attends causally by slot (or as the mask says)."""
     (ka, va), (kb, vb) = _buffers(dtype, 80, 0), _buffers(dtype, 40, 1)
     qa, kna, vna = _rows(dtype, 5, 2)
     qb, knb, vnb = _rows(dtype, 1, 3)
-    out = _pass([(60, qa, kna, vna, ka, va), (30, qb, knb, vnb, kb, vb)])
+    out = _pass([(60, qa, kna, vna, ka, va), (30, qb, knb, vnb, kb, vb)], kernel=kernel)
     assert torch.equal(ka[1, :, 60:65], kna.transpose(0, 1)) and torch.equal(vb[1, :, 30:31], vnb.transpose(0, 1))
     for got, (start, q, kbuf, vbuf) in ((out[:5], (60, qa, ka, va)), (out[5:], (30, qb, kb, vb))):
         m = q.shape[0]
@@ -71,13 +86,14 @@ def test_a_ragged_pass_matches_a_float64_reference(dtype, tol):
     rng = torch.Generator().manual_seed(4)
     allowed = torch.rand(5, 65, generator=rng) > 0.4
     allowed[:, 0] = True
-    got = _pass([(60, qa, kna, vna, ka, va)], blocked=~allowed)
+    got = _pass([(60, qa, kna, vna, ka, va)], blocked=~allowed, kernel=kernel)
     ref = _reference(qa, ka, va, 60, allowed)
     assert (got.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("kernel", BOTH)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_row_gets_the_same_bits_however_the_sequence_is_cut(dtype):
+def test_a_row_gets_the_same_bits_however_the_sequence_is_cut(dtype, kernel):
     """A 37-token prefill in one pass, token by token (a decode), cut 17 + 20, beside another sequence, and with
     the causal mask given explicitly: every row's output and the buffers' KV bitwise the same."""
     M, start = 37, 23
@@ -88,23 +104,24 @@ def test_a_row_gets_the_same_bits_however_the_sequence_is_cut(dtype):
         return base[0].clone(), base[1].clone()
 
     k1, v1 = fresh()
-    whole = _pass([(start, q, kn, vn, k1, v1)])
+    whole = _pass([(start, q, kn, vn, k1, v1)], kernel=kernel)
     k2, v2 = fresh()
-    one_by_one = torch.cat([_pass([(start + i, q[i:i + 1], kn[i:i + 1], vn[i:i + 1], k2, v2)]) for i in range(M)])
+    one_by_one = torch.cat([_pass([(start + i, q[i:i + 1], kn[i:i + 1], vn[i:i + 1], k2, v2)], kernel=kernel)
+                            for i in range(M)])
     assert torch.equal(one_by_one, whole) and torch.equal(k2, k1) and torch.equal(v2, v1)
     k3, v3 = fresh()
-    cut = torch.cat([_pass([(start, q[:17], kn[:17], vn[:17], k3, v3)]),
-                     _pass([(start + 17, q[17:], kn[17:], vn[17:], k3, v3)])])
+    cut = torch.cat([_pass([(start, q[:17], kn[:17], vn[:17], k3, v3)], kernel=kernel),
+                     _pass([(start + 17, q[17:], kn[17:], vn[17:], k3, v3)], kernel=kernel)])
     assert torch.equal(cut, whole)
     k4, v4 = fresh()
     other = _rows(dtype, 9, 7)
     ko, vo = _buffers(dtype, 200, 8)
-    beside = _pass([(150, *other, ko, vo), (start, q, kn, vn, k4, v4)])
+    beside = _pass([(150, *other, ko, vo), (start, q, kn, vn, k4, v4)], kernel=kernel)
     assert torch.equal(beside[9:], whole)
     k5, v5 = fresh()
     own = torch.arange(start, start + M)
     blocked = own[None, :] > own[:, None]  # [M, M]: columns from `start` on
-    assert torch.equal(_pass([(start, q, kn, vn, k5, v5)], blocked=blocked, first=start), whole)
+    assert torch.equal(_pass([(start, q, kn, vn, k5, v5)], blocked=blocked, first=start, kernel=kernel), whole)
 
 
 def test_bad_shapes_and_dtypes_are_refused():
