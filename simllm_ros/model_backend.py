@@ -208,6 +208,13 @@ class ModelBackend:
             self.runner.single_rows = single
 
     @property
+    def attention_kind(self) -> str:
+        """"kernel" (attention_kernel), "torch" (the runner's torch products) or "transformers" (no runner)."""
+        if self.runner is None:
+            return "transformers"
+        return "kernel" if self.runner.kernel is not None else "torch"
+
+    @property
     def attention_path(self) -> str:
         """Which attention computes this model's passes, for the load log (the two round differently)."""
         if self.runner is None:

@@ -690,6 +690,8 @@ class SimLLMNode(LifecycleNode):
         b = engine.backend
         if b is not None:  # what dtype / weight_bits "auto" chose on this machine
             st.values.append(KeyValue(key="precision", value=f"{b.dtype_name}, {b.weight_bits}-bit weights"))
+            # which attention computes the model's passes (kernel, torch, transformers): the fast path or not
+            st.values.append(KeyValue(key="attention", value=b.attention_kind))
         arr = DiagnosticArray(status=[st])
         arr.header.stamp = stamp
         self._pub_diag.publish(arr)
