@@ -11,7 +11,8 @@ masked keys run with it; `ModelBackend.invariance_probe` still checks that on th
 Arithmetic, per query row: scores in float32 (dot products with 16 fixed lanes over the head dimension,
 summed in a fixed tree), the softmax's exponentials from a fixed polynomial, and the weighted sum of values
 accumulated in float32 in key order, divided by the sum once at the end. Keys a row may not attend are
-skipped. Compiled once per machine with the system C compiler (~1 s) into ~/.cache/simllm_ros/kernels,
+skipped. Compiled once per machine with the system C compiler (~1 s) into ~/.cache/simllm_ros/kernels
+($SIMLLM_KERNEL_DIR; a private temporary directory where that cannot be written),
 loaded with ctypes (no torch headers, no Python extension build). Where there is no compiler, or the
 shapes do not fit (head_dim not a multiple of 16, dtype other than bf16/float32, not on the CPU), the
 runner keeps its torch path; `SIMLLM_ATTENTION=torch` chooses that path explicitly. The two paths round
@@ -284,7 +285,9 @@ _why_not: str | None = None
 
 
 def kernel_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "kernels")
+    """Where built kernels are kept: $SIMLLM_KERNEL_DIR, else ~/.cache/simllm_ros/kernels."""
+    return os.environ.get("SIMLLM_KERNEL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros",
+                                                               "kernels")
 
 
 def _compiler() -> str | None:
@@ -419,7 +422,13 @@ def load() -> "AttentionKernel | None":
         return None
     try:
         _loaded = AttentionKernel(build(cc))
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+    except OSError as e:  # e.g. a read-only home on a robot: build in a private temporary directory instead
+        try:
+            os.environ["SIMLLM_KERNEL_DIR"] = tempfile.mkdtemp(prefix="simllm-kernels-")
+            _loaded = AttentionKernel(build(cc))
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e2:
+            _why_not = f"could not build the attention kernel: {e}; then {e2}"
+    except (RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         _why_not = f"could not build the attention kernel: {e}"
     return _loaded
 

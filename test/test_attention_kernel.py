@@ -228,3 +228,16 @@ def test_passes_from_two_threads_at_once_do_not_mix():
         t.join()
     for i in range(2):
         assert all(torch.equal(a, b) for a, b in zip(got[i], want[i])), i
+
+
+def test_an_unwritable_kernel_dir_falls_back_to_a_temporary_one(tmp_path):
+    """A robot whose home cannot be written still gets the kernel, built in a private temporary directory.
+    (The kernel dir lies under a plain file here: unwritable even for root, who ignores permissions.)"""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    code = ("import os; from simllm_ros import attention_kernel as a; k = a.load(); "
+            "print(k is not None, a.why_not(), k.path if k else '')")
+    env = {**os.environ, "PYTHONPATH": REPO, "SIMLLM_KERNEL_DIR": str(blocker / "kernels")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True None") and "simllm-kernels-" in done.stdout, done.stdout
