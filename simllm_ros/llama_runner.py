@@ -481,10 +481,7 @@ class LlamaRunner:
                 qg = (q * self.scale).reshape(Hkv, G * M, D)
                 o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked, first)
                 o = o.reshape(Hkv * G, M, D).transpose(0, 1).reshape(1, M, Hkv * G * D)
-            h = h + o_proj(o)
-            x = ln2(h)
-            gu = gate_up(x)
-            h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+            h = self._mlp(h + o_proj(o), ln2, gate_up, down, act)
         kv.length = max(kv.length, end)
         if n_layers is not None:
             return h[0]
@@ -535,8 +532,7 @@ class LlamaRunner:
             for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
                 q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)
                 h = h + o_proj(self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, total, Hq * D))
-                gu = gate_up(ln2(h))
-                h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+                h = self._mlp(h, ln2, gate_up, down, act)
         else:
             h = self._torch_batch_layers(seqs, spans, h, cos, sin, total)
         rows = []
@@ -586,15 +582,17 @@ class LlamaRunner:
                 qg = q[:, a:b].reshape(Hkv, G * m, D)
                 o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked, s.start)
                 attn[a:b] = o.view(Hq, m, D).transpose(0, 1)
-            h = h + o_proj(attn.view(1, total, Hq * D))
-            x = ln2(h)
-            gu = gate_up(x)
-            h = h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+            h = self._mlp(h + o_proj(attn.view(1, total, Hq * D)), ln2, gate_up, down, act)
         return h
 
+    def _mlp(self, h: torch.Tensor, ln2, gate_up, down, act) -> torch.Tensor:
+        """A layer's second half, residual included: the same ops for every pass (one fused gate/up product)."""
+        gu = gate_up(ln2(h))
+        return h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+
     def _rotated_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [M, Hq, D], k, v [M, Hkv, D] of a fused qkv product, q and k rotated: row-major views, which the
-        kernel reads in place (no transposes)."""
+        """q [M, Hq, D], k, v [M, Hkv, D] of a fused qkv product [M, q + 2kv], q and k rotated together (4 ops
+        instead of 14 per layer): row-major views, which the kernel reads in place (no transposes)."""
         M, D, Hq, Hkv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
         qk = qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D)
         qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
@@ -609,12 +607,9 @@ class LlamaRunner:
         return cos[0][:, None], sin[0][:, None]
 
     def _split_rotated(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k (rotated together: 4 ops instead of 14 per layer) and v of a fused qkv product [M, q + 2kv]."""
-        M, D, Hq, Hkv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
-        qk = qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D)
-        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
-        v = qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D).transpose(0, 1)
-        return qk[:, :Hq].transpose(0, 1), qk[:, Hq:].transpose(0, 1), v
+        """The torch path's layout of `_rotated_rows`: q [Hq, M, D], k, v [Hkv, M, D] (head-major views)."""
+        q, k, v = self._rotated_rows(qkv, cos, sin)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
                    first: int = 0):

@@ -217,9 +217,10 @@ class ModelBackend:
     @property
     def attention_path(self) -> str:
         """Which attention computes this model's passes, for the load log (the two round differently)."""
-        if self.runner is None:
+        kind = self.attention_kind
+        if kind == "transformers":
             return "transformers' own forward"
-        if self.runner.kernel is not None:
+        if kind == "kernel":
             return f"simllm_ros C kernel ({self.runner.kernel.path})"
         why = attention_kernel.why_not() or "the kernel does not take this dtype, head size or device"
         return f"torch products ({why})"
