@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -494,6 +495,43 @@ class LlamaRunner:
         h = self.norm(h[0] if logits == "all" or _single else h[0, -2:])
         out = self.lm_head(h).float()
         return out if logits == "all" or _single else out[-1:]  # [M or 1, vocab]
+
+    @torch.inference_mode()
+    def early_pass(self, ids: torch.Tensor, kv: KVBuffer, n_layers: int,
+                   pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `n_layers` layers over a whole prompt (positions 0..M-1, slots 0..M-1 of `kv`), finishing
+        the last of them only for the rows `pick` asks for: returns (those rows [R] sorted, hidden [R, E]).
+
+        `pick(k, v)` sees every token's fresh KV of those layers ([n_layers, Hkv, M, D]); its rows are the
+        only ones whose hidden state is used later (semantic repair's recomputed tokens), and the last layer's
+        attention output and MLP are most of its cost. Each picked row attends its own prefix, so the rows
+        and KV are bitwise those of the whole pass (row-invariant kernels; kernel or torch path alike)."""
+        M = ids.shape[0]
+        positions = torch.arange(M, device=ids.device)
+        h = self.forward(ids, positions, kv, 0, logits="none", n_layers=n_layers - 1)[None]  # [1, M, E]
+        li = n_layers - 1
+        ln1, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
+        cos, sin = self._rope_tables(h, positions)
+        q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)  # [M, Hq, D], [M, Hkv, D] x 2
+        kv.k[li, :, :M] = k.transpose(0, 1)
+        kv.v[li, :, :M] = v.transpose(0, 1)
+        kv.length = max(kv.length, M)
+        rows = torch.as_tensor(pick(kv.k[:n_layers, :, :M], kv.v[:n_layers, :, :M]), dtype=torch.long).sort().values
+        if rows.numel() == 0:
+            return rows, h.new_empty(0, h.shape[-1])
+        run = rows if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows])  # never one row alone
+        R, D = run.numel(), self.head_dim
+        if self.kernel is not None:  # each row a one-token sequence at its own slot: causal over its prefix
+            plan = self.kernel.plan([(j, 1, int(p), kv.k, kv.v) for j, p in enumerate(run.tolist())])
+            o = self.kernel.attend(plan, li, q[run], k[run], v[run], self.scale)
+        else:
+            G = self.group
+            qg = (q[run] * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
+            blocked = (positions[None, :] > run.to(positions.device)[:, None]).repeat(G, 1)
+            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], blocked)
+            o = o.reshape(self.n_heads, R, D).transpose(0, 1)
+        out = self._mlp(h[:, run] + o_proj(o.reshape(1, R, self.n_heads * D)), ln2, gate_up, down, act)
+        return rows, out[0, :rows.numel()]
 
     @torch.inference_mode()
     def forward_batch(self, seqs: list["Seq"]) -> list[torch.Tensor | None]:

@@ -419,15 +419,21 @@ class ModelBackend:
         return self.run(ids, self.new_cache(len(ids) + 2), logits="all")
 
     @torch.inference_mode()
-    def early_layers(self, ids: list[int], n_layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(K, V [n_layers, H, n, D], hidden rows [n, E]) after the first n_layers, all tokens in order: fresh
-        KV of the early layers at a fraction of a full prefill's cost."""
+    def early_layers(self, ids: list[int], n_layers: int, pick: Callable[[torch.Tensor, torch.Tensor], list[int]]
+                     | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K, V [n_layers, H, n, D], hidden rows [R, E]) after the first n_layers, all tokens in order: fresh
+        KV of the early layers at a fraction of a full prefill's cost. Hidden rows of every token, or only of
+        the tokens `pick(K, V)` names (ascending positions): the last layer is then finished for those alone."""
         if self.runner is None:
             raise RuntimeError("early-layer KV needs the Llama runner")
         n_layers = min(n_layers, self.kv_shape.layers)
         cache = self.new_cache(len(ids) + 2)
-        h = self.runner.forward(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
-                                cache, 0, logits="none", n_layers=n_layers)
+        ids_t = torch.tensor(ids, device=self.device)
+        if pick is None:
+            h = self.runner.forward(ids_t, torch.arange(len(ids), device=self.device), cache, 0, logits="none",
+                                    n_layers=n_layers)
+        else:
+            _, h = self.runner.early_pass(ids_t, cache, n_layers, pick)
         return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)], h
 
     @torch.inference_mode()

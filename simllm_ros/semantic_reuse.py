@@ -11,7 +11,9 @@
    attending (through an explicit mask) to reused tokens before them. They
    start above the strict layers, from the early pass's hidden rows and KV:
    those layers saw fresh KV of every token there, so the early pass already
-   computed exactly what the recompute would (~2/30 of its cost saved).
+   computed exactly what the recompute would (~2/30 of its cost saved). The tokens are chosen between the
+   last early layer's KV and the rest of that layer, which then runs for them alone (it is most of the
+   layer's cost, and no other token's hidden row is used).
 The result is a position-ordered cache ready for decoding.
 
 Devices: the stored KV lives on the pool's device (the model's). Index tensors are built on that device;
@@ -51,26 +53,32 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     # Layer-0 KV depends on the token alone (a reused token's layer-0 values equal fresh ones), so the
     # deviation is measured at layer 1 or deeper: two fresh layers at least, even for strict_layers=1.
     n_fresh = min(max(strict, 2), k.shape[0])
-    fk, fv, fh = backend.early_layers(tokens, n_fresh)
+    keep = torch.ones(len(plan.pairs), dtype=torch.bool)
+
+    def pick(fk: torch.Tensor, fv: torch.Tensor) -> list[int]:
+        """The tokens to recompute, chosen from the fresh KV of the early layers. Only their hidden rows are
+        needed after the early pass (and only where it covers the strict layers): it finishes its last
+        layer for them alone."""
+        dev = (fv[n_fresh - 1][:, new_pos].float() - v[n_fresh - 1].float()).norm(dim=(0, 2)).cpu()  # [reused]
+        # Tokens right after each gap saw a different left context most recently: recompute them.
+        prev = -1
+        for i, (p, _) in enumerate(plan.pairs):
+            if p != prev + 1 and i >= plan.exact_lead:
+                keep[i:i + gap_recompute_tokens] = False
+            prev = p
+        # The most deviating of the approximate (non-exact-lead) reused tokens.
+        approx_idx = torch.arange(plan.exact_lead, len(plan.pairs))
+        n_sel = int(round(recompute_ratio * len(approx_idx)))
+        if n_sel > 0:
+            order = torch.argsort(dev[approx_idx], descending=True)[:n_sel]
+            keep[approx_idx[order]] = False
+        kept = set(new_pos[keep.to(device)].tolist())
+        return [p for p in range(n) if p not in kept] if strict == n_fresh and keep.any() else []
+
+    fk, fv, fh = backend.early_layers(tokens, n_fresh, pick)
     fk, fv = fk.to(device, k.dtype), fv.to(device, v.dtype)
-    dev = (fv[n_fresh - 1][:, new_pos].float() - v[n_fresh - 1].float()).norm(dim=(0, 2)).cpu()  # [reused]
     k[:strict] = fk[:strict][:, :, new_pos]
     v[:strict] = fv[:strict][:, :, new_pos]
-
-    keep = torch.ones(len(plan.pairs), dtype=torch.bool)
-    # Tokens right after each gap saw a different left context most recently: recompute them.
-    prev = -1
-    for i, (p, _) in enumerate(plan.pairs):
-        if p != prev + 1 and i >= plan.exact_lead:
-            for j in range(i, min(i + gap_recompute_tokens, len(plan.pairs))):
-                keep[j] = False
-        prev = p
-    # The most deviating of the approximate (non-exact-lead) reused tokens.
-    approx_idx = torch.arange(plan.exact_lead, len(plan.pairs))
-    n_sel = int(round(recompute_ratio * len(approx_idx)))
-    if n_sel > 0:
-        order = torch.argsort(dev[approx_idx], descending=True)[:n_sel]
-        keep[approx_idx[order]] = False
 
     if not keep.any():  # nothing survives the repair: a plain prefill is the same work
         logits, cache = backend.prefill(tokens)
@@ -85,8 +93,8 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     mask = kv_pos[None, :] <= q_pos[:, None]  # [q, kv]: each recomputed token sees what precedes it (run() moves it)
     ids = [tokens[p] for p in recompute]
     if strict == n_fresh:  # the early pass already ran the recomputed tokens through every strict layer
-        rec = q_pos.to(device)
-        logits = backend.resume_prefill(ids, cache, recompute, mask, fh[rec], fk[:, :, rec], fv[:, :, rec])
+        rec = q_pos.to(device)  # fh holds exactly these rows (pick's answer)
+        logits = backend.resume_prefill(ids, cache, recompute, mask, fh, fk[:, :, rec], fv[:, :, rec])
     else:  # its last layer saw reused KV of the other tokens: the recomputed ones start from the bottom
         logits, cache = backend.prefill(ids, cache, positions=recompute, mask=mask)
     K, V = backend.cache_tensors(cache)

@@ -6,7 +6,7 @@ positions must have key R(d)·k_old exactly; without the rotation the stored key
 import pytest
 import torch
 
-from core_fixtures import BULLETIN, BULLETIN_REVISED, shared_backend
+from core_fixtures import BULLETIN, BULLETIN_REVISED, shared_backend, shared_engine
 
 MOVED = "Is Elm Street open between 3rd Avenue and Mill Road this afternoon?"
 
@@ -92,3 +92,40 @@ def test_resuming_above_the_early_layers_equals_running_them_again(backend):
     # The strict layers' KV of the recomputed tokens is the early pass's, the deeper layers' their own.
     assert torch.equal(resumed_cache.k[:2, :, len(keep):n], fk[:, :, rec])
     assert not torch.equal(resumed_cache.k[2:, :, len(keep):n], torch.zeros_like(resumed_cache.k[2:, :, len(keep):n]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_an_early_pass_finished_for_some_tokens_gives_their_rows_bitwise(dtype, path):
+    """Semantic repair picks its recomputed tokens from the last early layer's KV and finishes that layer for
+    them alone: their hidden rows and every token's KV must be those of the whole early pass (the recompute
+    starts from them), for scattered picks, one token, and none: bitwise where the runner is batch-invariant
+    (the default bf16 4-bit model), else to float32 rounding (MKL's float32 products change with row count)."""
+    backend = shared_backend() if dtype == "float32" else shared_engine(dtype="bfloat16", kv_bits=0).backend
+    ids = backend.tokenizer(BULLETIN[:900] + " " + MOVED, add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    runner = backend.runner
+    kernel = runner.kernel
+    if path == "torch":
+        runner.kernel = None
+    elif kernel is None:
+        pytest.skip("no attention kernel on this machine")
+    try:
+        fk, fv, fh = backend.early_layers(ids, 2)
+        for rows in (sorted({0, 3, n - 1} | set(range(40, n, 7))), [n - 1], [17], []):
+            seen = {}
+
+            def pick(k, v, rows=rows):
+                seen["k"], seen["v"] = k.clone(), v.clone()
+                return rows
+            pk, pv, ph = backend.early_layers(ids, 2, pick)
+            assert torch.equal(seen["k"], fk) and torch.equal(seen["v"], fv)  # pick sees the fresh KV
+            assert torch.equal(pk, fk) and torch.equal(pv, fv)
+            assert ph.shape == (len(rows), fh.shape[1])
+            want = fh[torch.tensor(rows, dtype=torch.long)]
+            if backend.exact_chunking:
+                assert torch.equal(ph, want)
+            elif rows:
+                assert (ph - want).abs().max() <= 1e-4 * max(float(want.abs().max()), 1.0)
+    finally:
+        runner.kernel = kernel
