@@ -290,17 +290,19 @@ def kernel_dir() -> str:
                                                                "kernels")
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
 
 
-def build(cc: str | None = None, extra_flags: tuple[str, ...] = ()) -> str:
+def build(cc: str | None = None, extra_flags: tuple[str, ...] = (), source: str = SOURCE,
+          name: str = "attention") -> str:
     """The shared library for this source, compiler, flags and machine: built once, atomically, then reused.
-    `extra_flags` (tests): e.g. ("-mno-avx512f",) builds the portable C on an AVX-512 machine."""
-    cc = cc or _compiler()
+    `extra_flags` (tests): e.g. ("-mno-avx512f",) builds the portable C on an AVX-512 machine. `source` and
+    `name`: another kernel of ours (int4_kernel) built the same way."""
+    cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) found")
     flags = [*_FLAGS, *extra_flags]
@@ -308,17 +310,17 @@ def build(cc: str | None = None, extra_flags: tuple[str, ...] = ()) -> str:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256("\0".join([SOURCE, " ".join(flags), version, platform.machine(),
+    key = hashlib.sha256("\0".join([source, " ".join(flags), version, platform.machine(),
                                     platform.node()]).encode()).hexdigest()[:16]
     os.makedirs(kernel_dir(), exist_ok=True)
-    target = os.path.join(kernel_dir(), f"attention-{key}.so")
+    target = os.path.join(kernel_dir(), f"{name}-{key}.so")
     if os.path.exists(target):
         return target
     with tempfile.TemporaryDirectory(dir=kernel_dir()) as tmp:
-        src = os.path.join(tmp, "attention.c")
+        src = os.path.join(tmp, f"{name}.c")
         with open(src, "w", encoding="utf-8") as f:
-            f.write(SOURCE)
-        lib = os.path.join(tmp, "attention.so")
+            f.write(source)
+        lib = os.path.join(tmp, f"{name}.so")
         done = subprocess.run([cc, *flags, src, "-o", lib, "-lm"], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{os.path.basename(cc)} failed: {done.stderr.strip()[-400:]}")
@@ -416,21 +418,28 @@ def load() -> "AttentionKernel | None":
     if os.environ.get("SIMLLM_ATTENTION", "").lower() == "torch":
         _why_not = "SIMLLM_ATTENTION=torch"
         return None
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         _why_not = "no C compiler (cc, gcc or clang) found"
         return None
     try:
-        _loaded = AttentionKernel(build(cc))
-    except OSError as e:  # e.g. a read-only home on a robot: build in a private temporary directory instead
-        try:
-            os.environ["SIMLLM_KERNEL_DIR"] = tempfile.mkdtemp(prefix="simllm-kernels-")
-            _loaded = AttentionKernel(build(cc))
-        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e2:
-            _why_not = f"could not build the attention kernel: {e}; then {e2}"
-    except (RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+        _loaded = AttentionKernel(build_anywhere(cc))
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         _why_not = f"could not build the attention kernel: {e}"
     return _loaded
+
+
+def build_anywhere(cc: str, source: str = SOURCE, name: str = "attention") -> str:
+    """build(), and where the kernel dir cannot be written (a read-only home on a robot) the same in a private
+    temporary directory, which later kernels of this process then use too."""
+    try:
+        return build(cc, source=source, name=name)
+    except OSError as e:
+        try:
+            os.environ["SIMLLM_KERNEL_DIR"] = tempfile.mkdtemp(prefix="simllm-kernels-")
+            return build(cc, source=source, name=name)
+        except OSError as e2:
+            raise OSError(f"{e}; then {e2}") from e2
 
 
 def why_not() -> str | None:

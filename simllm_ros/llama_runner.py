@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import attention_kernel
+from . import attention_kernel, int4_kernel
 
 # The highest instruction set oneDNN (torch's bf16 CPU products) may use in this process. With AMX (Sapphire
 # Rapids and later Xeons) oneDNN switches kernels by row count, and they round differently: measured on such a
@@ -219,11 +219,16 @@ class _Proj:
     depend on the other rows), which the load-time probe checks for the whole model.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int,
+                 int4: "int4_kernel.Int4Kernel | None" = None):
         self.bias = bias
         self.n = weight.shape[0]
-        self.weight = self.w8 = self.w4 = self.packed = None
-        if weight_bits == 8:
+        self.weight = self.w8 = self.w4 = self.packed = self.amx = None
+        self.int4 = int4
+        if weight_bits == 4 and int4 is not None:  # our AMX kernel (int4_kernel): its own layout of the codes
+            codes, self.scale = _int4_codes(weight)
+            self.amx = int4.pack(codes, self.scale)
+        elif weight_bits == 8:
             w = weight.float()
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
             self.w8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
@@ -235,6 +240,11 @@ class _Proj:
             if self.packed is None:
                 self.weight = weight
 
+    @property
+    def four_bit(self) -> bool:
+        """Whether this projection holds 4-bit weights (for either kernel)."""
+        return self.w4 is not None or self.amx is not None
+
     def dense(self) -> torch.Tensor | None:
         """The plain weight (unpacked again if packed: oneDNN's reorder back is exact); None for int8/int4."""
         if self.packed is not None:
@@ -244,11 +254,13 @@ class _Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        if self.w8 is None and self.w4 is None:
+        if self.w8 is None and self.w4 is None and self.amx is None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        if self.w4 is not None:
+        if self.amx is not None:
+            y = self.int4.mm(x2, self.amx, self.n)
+        elif self.w4 is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w4, INT4_GROUP, self.scale)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
@@ -277,12 +289,21 @@ class LlamaRunner:
                              16 if weight_bits == 4 else weight_bits)
         self.layers = []
         self._hf_views: list[tuple[_Proj, tuple]] = []  # (projection, the HF linears whose weights it holds)
+        # 4-bit products on our AMX kernel where it runs (int4_kernel: ~2-4x ATen's from a few rows up), for
+        # every projection or none, so that every pass computes the same way.
+        self.int4 = None
+        if weight_bits == 4 and self.embed.weight.dtype == torch.bfloat16 and self.embed.weight.device.type == "cpu":
+            shapes = [(lin.out_features, lin.in_features) for layer in base.layers for lin in (
+                layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+            if all(n % 16 == 0 and k % int4_kernel.GROUP == 0 for n, k in shapes):
+                self.int4 = int4_kernel.load()
         for layer in base.layers:
             att, mlp = layer.self_attn, layer.mlp
-            qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits)
-            gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits)
-            o = _Proj(att.o_proj.weight.data, _bias(att.o_proj), weight_bits)
-            down = _Proj(mlp.down_proj.weight.data, _bias(mlp.down_proj), weight_bits)
+            qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, self.int4)
+            gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, self.int4)
+            o = _Proj(att.o_proj.weight.data, _bias(att.o_proj), weight_bits, self.int4)
+            down = _Proj(mlp.down_proj.weight.data, _bias(mlp.down_proj), weight_bits, self.int4)
             self._hf_views += [(qkv, (att.q_proj, att.k_proj, att.v_proj)), (gate_up, (mlp.gate_proj, mlp.up_proj)),
                                (o, (att.o_proj,)), (down, (mlp.down_proj,))]
             self.layers.append((layer.input_layernorm, qkv, o, layer.post_attention_layernorm, gate_up, down,
@@ -337,7 +358,7 @@ class LlamaRunner:
         self.single_rows = False
         if self.weight_bits != 4:
             return False
-        ref = self.layers[0][1].w4
+        ref = self.embed.weight
         L, H, D = len(self.layers), self.n_kv, self.head_dim
         kv = KVBuffer.allocate(L, H, D, 48, self.embed.weight.dtype, ref.device)
         ids = torch.randint(0, self.embed.num_embeddings, (41,), generator=torch.Generator().manual_seed(7))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import attention_kernel
+from . import attention_kernel, int4_kernel
 from .block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .llama_runner import KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
@@ -224,6 +224,23 @@ class ModelBackend:
             return f"simllm_ros C kernel ({self.runner.kernel.path})"
         why = attention_kernel.why_not() or "the kernel does not take this dtype, head size or device"
         return f"torch products ({why})"
+
+    @property
+    def int4_kind(self) -> str:
+        """"amx" (int4_kernel), "aten" (ATen's int4 kernel) or "" (weights not 4-bit)."""
+        if self.runner is None or self.weight_bits != 4:
+            return ""
+        return "amx" if self.runner.int4 is not None else "aten"
+
+    @property
+    def int4_path(self) -> str:
+        """Which kernel computes the 4-bit products, for the load log (the two round differently)."""
+        kind = self.int4_kind
+        if kind == "amx":
+            return f"simllm_ros AMX kernel ({self.runner.int4.path})"
+        if kind == "aten":
+            return f"ATen's int4 kernel ({int4_kernel.why_not() or 'the shapes do not fit ours'})"
+        return "none (weights are not 4-bit)"
 
     def _auto_weight_bits(self, fast: bool, device: str) -> int:
         """weight_bits 0 (auto): 4 where every layer weight already is 4-bit in groups of 32 (a Q4 GGUF, such as

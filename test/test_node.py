@@ -182,6 +182,11 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
     assert kv["lossless_reuse"] == "true"  # the load-time batch-invariance probe passed on this machine
     from simllm_ros import attention_kernel
     assert kv["attention"] == ("kernel" if attention_kernel.load() is not None else "torch")
+    if kv["precision"].endswith("4-bit weights"):
+        from simllm_ros import int4_kernel
+        assert kv["int4_products"] == ("amx" if int4_kernel.load() is not None else "aten")
+    else:
+        assert "int4_products" not in kv
 
     cm = h.wait_message(f"{N}/cache_map", lambda m: len(m.markers) >= 3, timeout=10, after=after[f"{N}/cache_map"])
     assert cm is not None

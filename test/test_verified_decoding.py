@@ -371,15 +371,15 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
     e4 = engine
     assert e4.settings.weight_bits == 0 and e4.backend.weight_bits == 4, "auto did not pick the file's 4 bits"
     r = e4.backend.runner
-    assert all(layer[i].w4 is not None for layer in r.layers for i in (1, 2, 4, 5))
-    assert r.lm_head.w4 is None and r.lm_head.w8 is None
+    assert all(layer[i].four_bit for layer in r.layers for i in (1, 2, 4, 5))
+    assert not r.lm_head.four_bit and r.lm_head.w8 is None
     att = e4.backend.model.model.layers[0].self_attn
     assert att.q_proj.weight.numel() == 0, "the dense weights are still held next to the 4-bit ones"
     with pytest.raises(RuntimeError, match="4-bit"):
         r.hf_model()  # the runner cannot give dense weights back ...
     dense = e4.backend.hf_model  # ... so the backend loads a separate dense copy for reference runs
     assert dense is not e4.backend.model and dense.model.layers[0].self_attn.q_proj.weight.numel() > 0
-    assert att.q_proj.weight.numel() == 0 and all(layer[1].w4 is not None for layer in r.layers)
+    assert att.q_proj.weight.numel() == 0 and all(layer[1].four_bit for layer in r.layers)
     path = resolve_model(e4.settings.model, e4.settings.model_cache_dir, lambda msg: None)
     sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True).state_dict()
     w = torch.cat([sd[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])  # the file's fused qkv rows

@@ -692,6 +692,8 @@ class SimLLMNode(LifecycleNode):
             st.values.append(KeyValue(key="precision", value=f"{b.dtype_name}, {b.weight_bits}-bit weights"))
             # which attention computes the model's passes (kernel, torch, transformers): the fast path or not
             st.values.append(KeyValue(key="attention", value=b.attention_kind))
+            if b.int4_kind:  # which kernel computes the 4-bit products (amx, aten)
+                st.values.append(KeyValue(key="int4_products", value=b.int4_kind))
         arr = DiagnosticArray(status=[st])
         arr.header.stamp = stamp
         self._pub_diag.publish(arr)

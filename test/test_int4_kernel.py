@@ -1,0 +1,109 @@
+"""The AMX 4-bit product kernel (int4_kernel): what the weights say, bitwise the same for a row whatever rows,
+threads or pass come with it, bad input refused, and the model's projections on it.
+
+Skipped where the kernel cannot run (no AMX-BF16, no compiler): the runner then keeps ATen's kernel."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from simllm_ros import int4_kernel
+from simllm_ros.llama_runner import _int4_codes, _Proj, int4_dequantized
+
+KERNEL = int4_kernel.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"int4 kernel: {int4_kernel.why_not()}")
+
+
+def _weights(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    codes, sz = _int4_codes(w)
+    return codes, sz, int4_dequantized(codes, sz)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(48, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 37])
+def test_products_are_what_the_4bit_weights_say(n, k, m):
+    codes, sz, w = _weights(n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    got = KERNEL.mm(x, KERNEL.pack(codes, sz), n).float()
+    want = x.float() @ w.t()  # float64-free reference: float32 products of the same dequantized weights
+    # bf16 output rounding (2^-8 relative) plus float32 sums: well inside 1% of the largest output
+    assert (got - want).abs().max() <= 0.01 * want.abs().max()
+    assert (got - want).abs().mean() <= 0.004 * want.abs().mean()
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_whatever_rows_and_threads_come_with_it(monkeypatch):
+    codes, sz, _ = _weights(960, 576, seed=3)
+    blob = KERNEL.pack(codes, sz)
+    x = torch.randn(41, 576, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    whole = KERNEL.mm(x, blob, 960)
+    for a, b in ((0, 1), (7, 8), (3, 19), (16, 33), (40, 41), (0, 16), (0, 17)):  # tile blocks of 16 cut differently
+        assert torch.equal(KERNEL.mm(x[a:b], blob, 960), whole[a:b]), (a, b)
+    strided = torch.randn(41, 700, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    strided[:, :576] = x
+    assert torch.equal(KERNEL.mm(strided[:, :576], blob, 960), whole)  # rows read in place with their stride
+    monkeypatch.setattr(int4_kernel, "THREAD_MIN_MACS", 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert torch.equal(KERNEL.mm(x, blob, 960), whole)  # threads split the outputs, never a sum
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_bad_input_is_refused():
+    codes, sz, _ = _weights(48, 96)
+    blob = KERNEL.pack(codes, sz)
+    with pytest.raises(ValueError, match="bf16 rows"):
+        KERNEL.mm(torch.randn(3, 96), blob, 48)  # float32 input
+    with pytest.raises(ValueError, match="bf16 rows"):
+        KERNEL.mm(torch.randn(3, 64).to(torch.bfloat16), blob, 48)  # input size the weights were not packed for
+    with pytest.raises(ValueError, match="bf16 rows"):
+        KERNEL.mm(torch.randn(96, 3).to(torch.bfloat16).t(), blob, 48)  # columns not contiguous
+    with pytest.raises(ValueError, match="outputs in 16s"):
+        KERNEL.pack(codes[:40], sz[:, :40])
+
+
+@needs_kernel
+def test_the_model_projections_run_on_it_and_agree_with_aten():
+    """The default model (4-bit bf16) holds its projections in the kernel's layout, and a projection of real
+    weights gives what ATen's int4 kernel gives up to rounding (~1 element in 10^6 differs by one bf16 step)."""
+    from core_fixtures import shared_engine
+
+    b = shared_engine(dtype="bfloat16", kv_bits=0).backend
+    if b.weight_bits != 4:
+        pytest.skip("the default model is not 4-bit here")
+    r = b.runner
+    assert r.int4 is KERNEL and b.int4_kind == "amx" and KERNEL.path in b.int4_path
+    assert all(layer[i].amx is not None and layer[i].w4 is None for layer in r.layers for i in (1, 2, 4, 5))
+    w = int4_dequantized(*_int4_codes(torch.randn(1536, 576).to(torch.bfloat16))).to(torch.bfloat16)
+    ours, aten = _Proj(w, None, 4, KERNEL), _Proj(w, None, 4, None)
+    assert ours.amx is not None and aten.w4 is not None
+    x = torch.randn(23, 576).to(torch.bfloat16)
+    a, o = aten(x).float(), ours(x).float()
+    assert (a - o).abs().max() <= 0.01 * a.abs().max()
+    assert (a == o).float().mean() >= 0.99
+
+
+def test_aten_can_be_chosen_and_the_built_library_is_reused():
+    code = ("from simllm_ros import int4_kernel as k; kern = k.load(); "
+            "print(kern is None, k.why_not(), kern.path if kern else '')")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "SIMLLM_INT4": "aten"},
+                         capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.startswith("True SIMLLM_INT4=aten"), off.stdout
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert on.returncode == 0, on.stderr
+    if KERNEL is None:
+        assert on.stdout.startswith("True"), on.stdout  # no AMX here: the same answer in a new process
+    else:
+        assert on.stdout.split()[-1] == KERNEL.path  # the library built once per machine is the one loaded
