@@ -42,6 +42,7 @@ typedef uint16_t bf16;
 #define GROUP 32
 #define BLOB 320
 #define TROWS 16
+#define PREFETCH 12  /* groups ahead: the weights stream from memory while tiles work */
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) tilecfg_t;
 
@@ -64,6 +65,8 @@ static void config(int rows) {
 }
 
 #define DEQUANT(gg, dst) do {                                                                           \
+        const char *ahead_ = (const char *)(blob + (long)((gg) + PREFETCH) * BLOB);                         \
+        for (int l_ = 0; l_ < BLOB; l_ += 64) _mm_prefetch(ahead_ + l_, _MM_HINT_T0);                        \
         for (int t = 0; t < 8; t++) {                                                                      \
             __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blob + (long)(gg) * BLOB + 32 * t))); \
             _mm512_store_si512((dst) + 128 * t, _mm512_permutexvar_epi16(_mm512_and_si512(c, lo4), table));      \
