@@ -47,7 +47,7 @@ typedef uint16_t bf16;
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) tilecfg_t;
 
 typedef struct {
-    const bf16 *x; long x_stride; const uint8_t *w; bf16 *y; long y_stride;
+    const bf16 *x; long x_stride; const uint8_t *w; void *y; long y_stride;
     int M, N, K; const float *xsum; int b0, b1; uint8_t *scratch;
 } job_t;
 
@@ -84,73 +84,90 @@ static void config(int rows) {
         }                                                                                                  \
     } while (0)
 
-static void *part(void *arg) {
-    const job_t *J = arg;
-    const int G = J->K / GROUP;
-    const __m512i table = _mm512_set_epi16(
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
-        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100,
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
-        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100);
-    const __m512i lo4 = _mm512_set1_epi16(0x0f);
-    uint8_t *bbuf = J->scratch;                    /* [G][16][64] dequantized codes (bf16 of q - 8) */
-    float *cbuf = (float *)(J->scratch + (long)G * 1024);   /* [2][16][16] */
-    const int stream = J->M <= TROWS;  /* one row block: dequantize each group just before its product */
-    int cur = -1;
-    for (int b = J->b0; b < J->b1; b++) {
-        const uint8_t *blob = J->w + (long)b * G * BLOB;
-        if (!stream)  /* several row blocks: every group dequantized once, kept for all of them */
-            for (int g = 0; g < G; g++) DEQUANT(g, bbuf + g * 1024);
-        for (int r0 = 0; r0 < J->M; r0 += TROWS) {
-            int R = J->M - r0 < TROWS ? J->M - r0 : TROWS;
-            if (R != cur) { config(R); cur = R; }
-            __m512 out[TROWS];
-            for (int m = 0; m < R; m++) out[m] = _mm512_setzero_ps();
-            int g = 0;
-            for (; g + 1 < G; g += 2) {  /* two groups in flight: their tiles do not wait on each other */
-                if (stream) { DEQUANT(g, BUF(g)); DEQUANT(g + 1, BUF(g + 1)); }
-                _tile_zero(0); _tile_zero(3);
-                _tile_loadd(1, J->x + (long)r0 * J->x_stride + g * GROUP, J->x_stride * 2);
-                _tile_loadd(2, BUF(g), 64);
-                _tile_loadd(4, J->x + (long)r0 * J->x_stride + (g + 1) * GROUP, J->x_stride * 2);
-                _tile_loadd(5, BUF(g + 1), 64);
-                _tile_dpbf16ps(0, 1, 2);
-                _tile_dpbf16ps(3, 4, 5);
-                _tile_stored(0, cbuf, 64);
-                _tile_stored(3, cbuf + 256, 64);
-                POST(g, cbuf);
-                POST(g + 1, cbuf + 256);
-            }
-            for (; g < G; g++) {
-                if (stream) DEQUANT(g, BUF(g));
-                _tile_zero(0);
-                _tile_loadd(1, J->x + (long)r0 * J->x_stride + g * GROUP, J->x_stride * 2);
-                _tile_loadd(2, BUF(g), 64);
-                _tile_dpbf16ps(0, 1, 2);
-                _tile_stored(0, cbuf, 64);
-                POST(g, cbuf);
-            }
-            for (int m = 0; m < R; m++)
-                _mm256_storeu_si256((__m256i *)(J->y + (long)(r0 + m) * J->y_stride + 16 * b), (__m256i)_mm512_cvtneps_pbh(out[m]));
-        }
-    }
-    _tile_release();
-    return 0;
-}
+#define DEFINE_PART(NAME, BLOBSZ, DEQ, POST, STORE)  \
+static void *NAME(void *arg) {                                                                                      \
+    const job_t *J = arg;                                                                                           \
+    const int G = J->K / GROUP;                                                                                     \
+    const __m512i table = _mm512_set_epi16(                                                                         \
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,                                             \
+        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100,                                             \
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,                                             \
+        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100);                                            \
+    const __m512i lo4 = _mm512_set1_epi16(0x0f);                                                                    \
+    uint8_t *bbuf = J->scratch;                    /* [G][16][64] dequantized codes */                              \
+    float *cbuf = (float *)(J->scratch + (long)G * 1024);   /* [2][16][16] */                                       \
+    const int stream = J->M <= TROWS;  /* one row block: dequantize each group just before its product */           \
+    int cur = -1;                                                                                                   \
+    for (int b = J->b0; b < J->b1; b++) {                                                                           \
+        const uint8_t *blob = J->w + (long)b * G * BLOBSZ;                                                          \
+        if (!stream)  /* several row blocks: every group dequantized once, kept for all of them */                  \
+            for (int g = 0; g < G; g++) DEQ(g, bbuf + g * 1024);                                                    \
+        for (int r0 = 0; r0 < J->M; r0 += TROWS) {                                                                  \
+            int R = J->M - r0 < TROWS ? J->M - r0 : TROWS;                                                          \
+            if (R != cur) { config(R); cur = R; }                                                                   \
+            __m512 out[TROWS];                                                                                      \
+            for (int m = 0; m < R; m++) out[m] = _mm512_setzero_ps();                                               \
+            int g = 0;                                                                                              \
+            for (; g + 1 < G; g += 2) {  /* two groups in flight: their tiles do not wait on each other */          \
+                if (stream) { DEQ(g, BUF(g)); DEQ(g + 1, BUF(g + 1)); }                                             \
+                _tile_zero(0); _tile_zero(3);                                                                       \
+                _tile_loadd(1, J->x + (long)r0 * J->x_stride + g * GROUP, J->x_stride * 2);                         \
+                _tile_loadd(2, BUF(g), 64);                                                                         \
+                _tile_loadd(4, J->x + (long)r0 * J->x_stride + (g + 1) * GROUP, J->x_stride * 2);                   \
+                _tile_loadd(5, BUF(g + 1), 64);                                                                     \
+                _tile_dpbf16ps(0, 1, 2);                                                                            \
+                _tile_dpbf16ps(3, 4, 5);                                                                            \
+                _tile_stored(0, cbuf, 64);                                                                          \
+                _tile_stored(3, cbuf + 256, 64);                                                                    \
+                POST(g, cbuf);                                                                                      \
+                POST(g + 1, cbuf + 256);                                                                            \
+            }                                                                                                       \
+            for (; g < G; g++) {                                                                                    \
+                if (stream) DEQ(g, BUF(g));                                                                         \
+                _tile_zero(0);                                                                                      \
+                _tile_loadd(1, J->x + (long)r0 * J->x_stride + g * GROUP, J->x_stride * 2);                         \
+                _tile_loadd(2, BUF(g), 64);                                                                         \
+                _tile_dpbf16ps(0, 1, 2);                                                                            \
+                _tile_stored(0, cbuf, 64);                                                                          \
+                POST(g, cbuf);                                                                                      \
+            }                                                                                                       \
+            for (int m = 0; m < R; m++) STORE(m);                                                                   \
+        }                                                                                                           \
+    }                                                                                                               \
+    _tile_release();                                                                                                \
+    return 0;                                                                                                       \
+}                                                                                                                   \
+
+#define DEQUANT4(gg, dst) DEQUANT(gg, dst)
+#define POST4(gg, cb) POST(gg, cb)
+#define STORE4(m) _mm256_storeu_si256((__m256i *)((bf16 *)J->y + (long)(r0 + (m)) * J->y_stride + 16 * b),             \
+                                      (__m256i)_mm512_cvtneps_pbh(out[m]))
+/* 8-bit codes (the LM head: GGUF's Q8_0 groups of 32, one scale each): 512 bytes of codes, row j of the B
+   tile (input pair j) at byte 32j as output lane n, element e at 2n + e; then 16 float32 scales. */
+#define BLOB8 576
+#define DEQUANT8(gg, dst) do {                                                                          \
+        const char *ahead_ = (const char *)(blob + (long)((gg) + PREFETCH) * BLOB8);                       \
+        for (int l_ = 0; l_ < BLOB8; l_ += 64) _mm_prefetch(ahead_ + l_, _MM_HINT_T0);                      \
+        for (int t = 0; t < 16; t++) {                                                                    \
+            const uint8_t *c_ = blob + (long)(gg) * BLOB8 + 32 * t;                                        \
+            __m512 f0_ = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c_)));      \
+            __m512 f1_ = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c_ + 16)))); \
+            _mm512_store_si512((dst) + 64 * t, (__m512i)_mm512_cvtne2ps_pbh(f1_, f0_));                     \
+        }                                                                                                 \
+    } while (0)
+#define POST8(gg, cb) do {                                                                              \
+        const __m512 d_ = _mm512_loadu_ps((const float *)(blob + (long)(gg) * BLOB8 + 512));              \
+        for (int m = 0; m < R; m++) out[m] = _mm512_fmadd_ps(d_, _mm512_load_ps((cb) + 16 * m), out[m]);  \
+    } while (0)
+#define STORE8(m) _mm512_storeu_ps((float *)J->y + (long)(r0 + (m)) * J->y_stride + 16 * b, out[m])
+DEFINE_PART(part4, BLOB, DEQUANT4, POST4, STORE4)
+DEFINE_PART(part8, BLOB8, DEQUANT8, POST8, STORE8)
 
 /* Linux hands out AMX tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for XTILEDATA). */
 int simllm_int4_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
-void simllm_int4_mm(const bf16 *x, long x_stride, const uint8_t *w, bf16 *y, long y_stride, int M, int N, int K,
-                    float *xsum, uint8_t *scratch, long scratch_per_thread, int nthreads) {
-    const int G = K / GROUP;
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
-            float s = 0.f;
-            const bf16 *p = x + (long)m * x_stride + g * GROUP;
-            for (int k = 0; k < GROUP; k++) { uint32_t u = (uint32_t)p[k] << 16; float f; memcpy(&f, &u, 4); s += f; }
-            xsum[(long)m * G + g] = s;
-        }
+static void run(void *(*part)(void *), const bf16 *x, long x_stride, const uint8_t *w, void *y, long y_stride,
+                int M, int N, int K, float *xsum, uint8_t *scratch, long scratch_per_thread, int nthreads) {
     int nb = N / 16;
     if (nthreads > nb) nthreads = nb;
     if (nthreads < 1) nthreads = 1;
@@ -165,15 +182,37 @@ void simllm_int4_mm(const bf16 *x, long x_stride, const uint8_t *w, bf16 *y, lon
     for (int i = 1; i < nthreads; i++) pthread_join(th[i], 0);
 }
 
+/* 4-bit weights, bf16 out. The group sums of x (in a fixed order) go first into xsum [M, K/32]. */
+void simllm_int4_mm(const bf16 *x, long x_stride, const uint8_t *w, bf16 *y, long y_stride, int M, int N, int K,
+                    float *xsum, uint8_t *scratch, long scratch_per_thread, int nthreads) {
+    const int G = K / GROUP;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            float s = 0.f;
+            const bf16 *p = x + (long)m * x_stride + g * GROUP;
+            for (int k = 0; k < GROUP; k++) { uint32_t u = (uint32_t)p[k] << 16; float f; memcpy(&f, &u, 4); s += f; }
+            xsum[(long)m * G + g] = s;
+        }
+    run(part4, x, x_stride, w, y, y_stride, M, N, K, xsum, scratch, scratch_per_thread, nthreads);
+}
+
+/* 8-bit weights (one scale per group), float32 out: the LM head's logits. */
+void simllm_int8_mm(const bf16 *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                    uint8_t *scratch, long scratch_per_thread, int nthreads) {
+    run(part8, x, x_stride, w, y, y_stride, M, N, K, 0, scratch, scratch_per_thread, nthreads);
+}
 #else  /* no AMX for this compiler target: the runner keeps ATen's kernel */
 int simllm_int4_init(void) { return -1; }
 void simllm_int4_mm(const void *x, long xs, const void *w, void *y, long ys, int M, int N, int K, float *xsum,
+                    void *scratch, long per_thread, int nthreads) { (void)x; }
+void simllm_int8_mm(const void *x, long xs, const void *w, void *y, long ys, int M, int N, int K,
                     void *scratch, long per_thread, int nthreads) { (void)x; }
 #endif
 """
 
 GROUP = 32  # inputs per 4-bit group (INT4_GROUP in llama_runner)
 BLOB = 320  # bytes per 16 outputs x one group: 256 of codes, 16 steps and 16 zeros in bf16
+BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
 # Below this many multiply-adds a product runs in the caller's thread (threads are started per call).
 THREAD_MIN_MACS = 16_000_000
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -191,6 +230,9 @@ class Int4Kernel:
         self._mm = lib.simllm_int4_mm
         self._mm.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _P, _L, _I]
         self._mm.restype = None
+        self._mm8 = lib.simllm_int8_mm
+        self._mm8.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _L, _I]
+        self._mm8.restype = None
         self._init = lib.simllm_int4_init
         self._init.restype = _I
         self._scratch = threading.local()
@@ -216,22 +258,48 @@ class Int4Kernel:
         sb = torch.cat([step, zero], dim=-1).contiguous().view(torch.uint8)  # [blocks, groups, 64]
         return torch.cat([byte, sb], dim=-1).contiguous()
 
+    @staticmethod
+    def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] (-127..127) and scales [N, K/32] (float32) -> [N/16, K/32, 576] uint8: per 16 outputs and
+        group, byte 32j + 2*lane + e holds the code of input 2j + e of output `lane`, then the 16 scales."""
+        n, k = codes.shape
+        if n % 16 or k % GROUP:
+            raise ValueError(f"int8 kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+        g = k // GROUP
+        q = codes.to(torch.int8).reshape(n // 16, 16, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 512)
+        d = scales.float().reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, g, 64]
+        return torch.cat([q.view(torch.uint8), d], dim=-1).contiguous()
+
+    def mm8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] bf16 (rows contiguous) times 8-bit weights packed by pack8 -> [M, n] float32."""
+        m, k = x.shape
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, BLOB8):
+            raise ValueError("int8 kernel: bf16 rows [M, K] with contiguous inputs, and weights packed for them")
+        threads, per_thread, _, aligned = self._buffers(m, n, k)
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._mm8(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, aligned, per_thread, threads)
+        return y
+
+    def _buffers(self, m: int, n: int, k: int):
+        """(threads, scratch bytes per thread, group sums buffer, 64-byte aligned tile scratch) for a product."""
+        threads = torch.get_num_threads() if m * n * k >= THREAD_MIN_MACS else 1
+        per_thread = (k // GROUP) * 1024 + 2048
+        s = self._scratch  # per calling thread: the call runs without the GIL
+        if getattr(s, "work", None) is None or s.work.numel() < m * (k // GROUP) or \
+                s.tiles.numel() < threads * per_thread + 64:
+            s.work = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
+            s.tiles = torch.empty(max(threads * per_thread, 2 * per_thread) + 64, dtype=torch.uint8)
+        return threads, per_thread, s.work, (s.tiles.data_ptr() + 63) // 64 * 64
+
     def mm(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] bf16 (rows contiguous) times the packed weights -> [M, n] bf16."""
         m, k = x.shape
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, BLOB):
             raise ValueError("int4 kernel: bf16 rows [M, K] with contiguous inputs, and weights packed for them")
-        threads = torch.get_num_threads() if m * n * k >= THREAD_MIN_MACS else 1
-        per_thread = (k // GROUP) * 1024 + 2048
-        s = self._scratch
-        if getattr(s, "work", None) is None or s.work.numel() < m * (k // GROUP) or \
-                s.tiles.numel() < threads * per_thread + 64:
-            s.work = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
-            s.tiles = torch.empty(max(threads * per_thread, 2 * per_thread) + 64, dtype=torch.uint8)
+        threads, per_thread, work, aligned = self._buffers(m, n, k)
         y = torch.empty((m, n), dtype=torch.bfloat16)
-        aligned = (s.tiles.data_ptr() + 63) // 64 * 64  # the dequantized tiles are stored with aligned stores
-        self._mm(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, s.work.data_ptr(),
-                 aligned, per_thread, threads)
+        self._mm(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, work.data_ptr(), aligned,
+                 per_thread, threads)
         return y
 
 

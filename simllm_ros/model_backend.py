@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import attention_kernel, int4_kernel
+from . import attention_kernel, int4_kernel, norm_kernel
 from .block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .llama_runner import KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
@@ -237,10 +237,20 @@ class ModelBackend:
         """Which kernel computes the 4-bit products, for the load log (the two round differently)."""
         kind = self.int4_kind
         if kind == "amx":
-            return f"simllm_ros AMX kernel ({self.runner.int4.path})"
+            head = "8-bit (the file's Q8_0 codes)" if getattr(self.runner.lm_head, "bits", 16) == 8 else "16-bit"
+            return f"simllm_ros AMX kernel ({self.runner.int4.path}); LM head {head}"
         if kind == "aten":
             return f"ATen's int4 kernel ({int4_kernel.why_not() or 'the shapes do not fit ours'})"
         return "none (weights are not 4-bit)"
+
+    @property
+    def norm_path(self) -> str:
+        """Which code computes the RMSNorms, for the load log."""
+        if self.runner is None:
+            return "transformers' own forward"
+        k = self.runner.norm.kernel
+        return f"simllm_ros C kernel ({k.path})" if k is not None else \
+            f"transformers' module ({norm_kernel.why_not() or 'not a bf16 CPU model'})"
 
     def _auto_weight_bits(self, fast: bool, device: str) -> int:
         """weight_bits 0 (auto): 4 where every layer weight already is 4-bit in groups of 32 (a Q4 GGUF, such as

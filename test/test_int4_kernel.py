@@ -107,3 +107,41 @@ def test_aten_can_be_chosen_and_the_built_library_is_reused():
         assert on.stdout.startswith("True"), on.stdout  # no AMX here: the same answer in a new process
     else:
         assert on.stdout.split()[-1] == KERNEL.path  # the library built once per machine is the one loaded
+
+
+@needs_kernel
+def test_8bit_products_are_what_the_codes_say_and_row_invariant():
+    """The LM head's 8-bit groups (mm8): against float32 products of the same weights, rows cut any way."""
+    from simllm_ros.llama_runner import q8_codes
+
+    w = (torch.randn(4096, 576, generator=torch.Generator().manual_seed(4)) * 0.05).to(torch.bfloat16)
+    codes, d = q8_codes(w)
+    blob = KERNEL.pack8(codes, d)
+    deq = (codes.float().reshape(4096, -1, 32) * d[..., None]).reshape(4096, 576)
+    x = torch.randn(35, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    got = KERNEL.mm8(x, blob, 4096)
+    assert got.dtype == torch.float32
+    want = x.float() @ deq.t()
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # float32 out: only the sums' rounding
+    for a, b in ((0, 1), (1, 3), (5, 21), (16, 35), (0, 17)):
+        assert torch.equal(KERNEL.mm8(x[a:b], blob, 4096), got[a:b]), (a, b)
+    with pytest.raises(ValueError, match="int8 kernel"):
+        KERNEL.mm8(x.float(), blob, 4096)
+    with pytest.raises(ValueError, match="int8 kernel"):
+        KERNEL.mm8(x, blob, 2048)  # weights packed for another size
+
+
+def test_the_q8_grid_check_tells_the_files_embedding_from_other_weights():
+    from core_fixtures import shared_engine
+    from simllm_ros.llama_runner import _Head8, on_q8_grid
+
+    b = shared_engine(dtype="bfloat16", kv_bits=0).backend
+    emb = b.runner.embed.weight.data
+    assert on_q8_grid(emb)  # SmolLM2's GGUF keeps the (tied) embedding in Q8_0
+    assert not on_q8_grid((torch.randn(64, 96) * 0.05).to(torch.bfloat16))  # arbitrary weights: not on a grid
+    if KERNEL is not None and b.weight_bits == 4:
+        assert isinstance(b.runner.lm_head, _Head8)  # the head runs on the file's own 8-bit codes
+        x = torch.randn(3, emb.shape[1]).to(torch.bfloat16)
+        dense = x.float() @ emb.float().t()
+        got = b.runner.lm_head(x)
+        assert (got - dense).abs().max() <= 0.02 * dense.abs().max()  # the same weights to their bf16 rounding
