@@ -61,19 +61,20 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
         layer for them alone."""
         dev = (fv[n_fresh - 1][:, new_pos].float() - v[n_fresh - 1].float()).norm(dim=(0, 2)).cpu()  # [reused]
         # Tokens right after each gap saw a different left context most recently: recompute them.
-        prev = -1
-        for i, (p, _) in enumerate(plan.pairs):
-            if p != prev + 1 and i >= plan.exact_lead:
-                keep[i:i + gap_recompute_tokens] = False
-            prev = p
+        pos = new_pos.cpu()
+        idx = torch.arange(len(pos))
+        gap = (pos != torch.cat([pos.new_tensor([-1]), pos[:-1]]) + 1) & (idx >= plan.exact_lead)
+        for o in range(gap_recompute_tokens):  # the first gap_recompute_tokens pairs from each gap on
+            keep[(idx[gap] + o)[idx[gap] + o < len(pos)]] = False
         # The most deviating of the approximate (non-exact-lead) reused tokens.
         approx_idx = torch.arange(plan.exact_lead, len(plan.pairs))
         n_sel = int(round(recompute_ratio * len(approx_idx)))
         if n_sel > 0:
             order = torch.argsort(dev[approx_idx], descending=True)[:n_sel]
             keep[approx_idx[order]] = False
-        kept = set(new_pos[keep.to(device)].tolist())
-        return [p for p in range(n) if p not in kept] if strict == n_fresh and keep.any() else []
+        redo = torch.ones(n, dtype=torch.bool)
+        redo[pos[keep]] = False
+        return redo.nonzero()[:, 0].tolist() if strict == n_fresh and keep.any() else []
 
     fk, fv, fh = backend.early_layers(tokens, n_fresh, pick)
     fk, fv = fk.to(device, k.dtype), fv.to(device, v.dtype)
@@ -85,8 +86,9 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
         return SemanticPrefill(logits, cache, reused=0, recomputed=n)
     keep_d = keep.to(device)
     kept_pos = new_pos[keep_d].cpu()
-    kept_set = set(kept_pos.tolist())
-    recompute = [p for p in range(n) if p not in kept_set]
+    redo = torch.ones(n, dtype=torch.bool)
+    redo[kept_pos] = False
+    recompute = redo.nonzero()[:, 0].tolist()
     cache = backend.cache_from_tensors(k[:, :, keep_d], v[:, :, keep_d])
     q_pos = torch.tensor(recompute, dtype=torch.long)
     kv_pos = torch.cat([kept_pos, q_pos])
