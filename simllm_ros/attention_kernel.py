@@ -415,18 +415,22 @@ def load() -> "AttentionKernel | None":
     global _loaded, _why_not
     if _loaded is not None or _why_not is not None:
         return _loaded
-    if os.environ.get("SIMLLM_ATTENTION", "").lower() == "torch":
-        _why_not = "SIMLLM_ATTENTION=torch"
-        return None
+    _loaded, _why_not = load_kernel("SIMLLM_ATTENTION", "torch", "attention", SOURCE, AttentionKernel)
+    return _loaded
+
+
+def load_kernel(env: str, off: str, name: str, source: str, make):
+    """(make(path of the built library), None), or (None, why not): `env`=`off` asked for the torch path, there
+    is no compiler, or the build failed. Shared by this module, int4_kernel and norm_kernel."""
+    if os.environ.get(env, "").lower() == off:
+        return None, f"{env}={off}"
     cc = compiler()
     if cc is None:
-        _why_not = "no C compiler (cc, gcc or clang) found"
-        return None
+        return None, "no C compiler (cc, gcc or clang) found"
     try:
-        _loaded = AttentionKernel(build_anywhere(cc))
+        return make(build_anywhere(cc, source, name)), None
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-        _why_not = f"could not build the attention kernel: {e}"
-    return _loaded
+        return None, f"could not build the {name} kernel: {e}"
 
 
 def build_anywhere(cc: str, source: str = SOURCE, name: str = "attention") -> str:

@@ -20,8 +20,6 @@ compiler targets AMX-BF16 and the kernel grants the tile state; `SIMLLM_INT4=ate
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 import threading
 
 import torch
@@ -308,17 +306,8 @@ def load() -> "Int4Kernel | None":
     global _loaded, _why_not
     if _loaded is not None or _why_not is not None:
         return _loaded
-    if os.environ.get("SIMLLM_INT4", "").lower() == "aten":
-        _why_not = "SIMLLM_INT4=aten"
-        return None
-    cc = attention_kernel.compiler()
-    if cc is None:
-        _why_not = "no C compiler (cc, gcc or clang) found"
-        return None
-    try:
-        kernel = Int4Kernel(attention_kernel.build_anywhere(cc, SOURCE, "int4"))
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-        _why_not = f"could not build the int4 kernel: {e}"
+    kernel, _why_not = attention_kernel.load_kernel("SIMLLM_INT4", "aten", "int4", SOURCE, Int4Kernel)
+    if kernel is None:
         return None
     if not kernel.granted():
         _why_not = "no AMX-BF16 here (CPU, compiler target or kernel permission)"

@@ -11,8 +11,6 @@ CPU only, the transformers module elsewhere. `SIMLLM_NORM=torch` keeps the modul
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 
 import torch
 
@@ -87,17 +85,7 @@ def load() -> "NormKernel | None":
     global _loaded, _why_not
     if _loaded is not None or _why_not is not None:
         return _loaded
-    if os.environ.get("SIMLLM_NORM", "").lower() == "torch":
-        _why_not = "SIMLLM_NORM=torch"
-        return None
-    cc = attention_kernel.compiler()
-    if cc is None:
-        _why_not = "no C compiler (cc, gcc or clang) found"
-        return None
-    try:
-        _loaded = NormKernel(attention_kernel.build_anywhere(cc, SOURCE, "rmsnorm"))
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-        _why_not = f"could not build the norm kernel: {e}"
+    _loaded, _why_not = attention_kernel.load_kernel("SIMLLM_NORM", "torch", "rmsnorm", SOURCE, NormKernel)
     return _loaded
 
 
