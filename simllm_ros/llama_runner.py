@@ -19,7 +19,8 @@ Two reasons it exists:
    many modules). This runner reads the HF model's own weights (q/k/v and gate/up
    fused into one product each; the HF modules keep views, nothing is duplicated),
    writes KV in place into a preallocated `KVBuffer`, and builds a mask only when
-   several tokens run at once.
+   several tokens run at once. On CPUs with AMX, 4-bit products and the 8-bit LM head run on our
+   own tile kernel (int4_kernel), and RMSNorm is one C call (norm_kernel); both row-invariant.
 
 Only for full-attention RoPE models whose HF module layout is Llama's
 (`ModelBackend.fast_path` decides); other models use the HF forward.
@@ -272,8 +273,9 @@ class _Proj:
     scale per output channel (weight_bits=8), or 4-bit weights in groups of 32 (weight_bits=4).
 
     The int8 and int4 paths use ATen's weight-only kernels (`_weight_int8pack_mm`,
-    `_weight_int4pack_mm_for_cpu`; bf16 activations). Both are row-invariant (a row's result does not
-    depend on the other rows), which the load-time probe checks for the whole model.
+    `_weight_int4pack_mm_for_cpu`; bf16 activations), or for 4 bits our AMX kernel where the runner has
+    it (`int4`). All are row-invariant (a row's result does not depend on the other rows), which the
+    load-time probe checks for the whole model.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int,
@@ -582,7 +584,8 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def early_pass(self, ids: torch.Tensor, kv: KVBuffer, n_layers: int,
-                   pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                   pick: Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | list[int]"]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `n_layers` layers over a whole prompt (positions 0..M-1, slots 0..M-1 of `kv`), finishing
         the last of them only for the rows `pick` asks for: returns (those rows [R] sorted, hidden [R, E]).
 
