@@ -356,7 +356,7 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
     """weight_bits 0 (auto, the default) picks 4 bits for the embedded model on a bf16 CPU: each group of
     32 weights becomes 16 levels of one step, and the model is a Q4_1 GGUF, so its layers already sit on
     such a grid and the 4-bit codes give the file's weights back (to a small part of a step); the LM head
-    stays 16-bit. A weight off that grid keeps auto at 16 bits (no second quantization), and so does
+    is not 4-bit (16-bit, or the file's Q8_0 codes on AMX). A weight off that grid keeps auto at 16 bits (no second quantization), and so does
     float32. The int4 kernel is row-invariant, so cached answers still equal the same configuration's
     empty-pool answers, drafts included."""
     from transformers import AutoModelForCausalLM
