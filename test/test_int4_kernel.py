@@ -59,6 +59,38 @@ def test_a_row_gets_the_same_bits_whatever_rows_and_threads_come_with_it(monkeyp
 
 
 @needs_kernel
+def test_products_from_two_threads_at_once_do_not_mix(monkeypatch):
+    """Two engines in one process (the concurrency benchmark) call the kernel at once: one uses the worker
+    threads, the other computes alone meanwhile; both get their own, exact results."""
+    import threading
+
+    monkeypatch.setattr(int4_kernel, "THREAD_MIN_MACS", 0)
+    codes, sz, _ = _weights(960, 576, seed=6)
+    blob = KERNEL.pack(codes, sz)
+    xs = [torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16) for m in (1, 7)]
+    want = [KERNEL.mm(x, blob, 960) for x in xs]
+    bad = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def hammer(i):
+        for _ in range(200):
+            if not torch.equal(KERNEL.mm(xs[i], blob, 960), want[i]):
+                bad.append(i)
+
+    try:
+        ts = [threading.Thread(target=hammer, args=(i,)) for i in (0, 1)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in ts), "a product never finished"
+    finally:
+        torch.set_num_threads(threads)
+    assert not bad
+
+
+@needs_kernel
 def test_bad_input_is_refused():
     codes, sz, _ = _weights(48, 96)
     blob = KERNEL.pack(codes, sz)
