@@ -121,11 +121,14 @@ class RosHarness:
         self._closing = False
         self._serving = threading.Event()
         self._serving.set()
-        self._thread = threading.Thread(target=self._spin, name="test-executor", daemon=True)
-        self._thread.start()
         self._lock = threading.Lock()
         self.received: dict[str, list] = {}
+        # Clients before the executor thread: rclpy's ActionClient registers itself as a waitable before it
+        # sets its own lock, and an executor spinning meanwhile died on that (AttributeError '_lock', seen
+        # once in a fresh-clone run), after which every call of the module's tests timed out.
         self._make_clients()
+        self._thread = threading.Thread(target=self._spin, name="test-executor", daemon=True)
+        self._thread.start()
 
     def _spin(self):
         from rclpy.exceptions import InvalidHandle
