@@ -136,8 +136,6 @@ static void *NAME(void *arg) {                                                  
     return 0;                                                                                                       \
 }                                                                                                                   \
 
-#define DEQUANT4(gg, dst) DEQUANT(gg, dst)
-#define POST4(gg, cb) POST(gg, cb)
 #define STORE4(m) _mm256_storeu_si256((__m256i *)((bf16 *)J->y + (long)(r0 + (m)) * J->y_stride + 16 * b),             \
                                       (__m256i)_mm512_cvtneps_pbh(out[m]))
 /* 8-bit codes (the LM head: GGUF's Q8_0 groups of 32, one scale each): 512 bytes of codes, row j of the B
@@ -158,7 +156,7 @@ static void *NAME(void *arg) {                                                  
         for (int m = 0; m < R; m++) out[m] = _mm512_fmadd_ps(d_, _mm512_load_ps((cb) + 16 * m), out[m]);  \
     } while (0)
 #define STORE8(m) _mm512_storeu_ps((float *)J->y + (long)(r0 + (m)) * J->y_stride + 16 * b, out[m])
-DEFINE_PART(part4, BLOB, DEQUANT4, POST4, STORE4)
+DEFINE_PART(part4, BLOB, DEQUANT, POST, STORE4)
 DEFINE_PART(part8, BLOB8, DEQUANT8, POST8, STORE8)
 
 /* Linux hands out AMX tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for XTILEDATA). */
@@ -336,16 +334,17 @@ class Int4Kernel:
 
     def mm8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] bf16 (rows contiguous) times 8-bit weights packed by pack8 -> [M, n] float32."""
-        m, k = x.shape
-        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, BLOB8):
-            raise ValueError("int8 kernel: bf16 rows [M, K] with contiguous inputs, and weights packed for them")
-        threads, per_thread, _, aligned = self._buffers(m, n, k)
+        m, k, threads, per_thread, _, aligned = self._prepare(x, blob, n, BLOB8, "int8")
         y = torch.empty((m, n), dtype=torch.float32)
         self._mm8(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, aligned, per_thread, threads)
         return y
 
-    def _buffers(self, m: int, n: int, k: int):
-        """(threads, scratch bytes per thread, group sums buffer, 64-byte aligned tile scratch) for a product."""
+    def _prepare(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str):
+        """The checks and buffers of a product: (M, K, threads, scratch bytes per thread, group sums buffer,
+        64-byte aligned tile scratch); bad input raises ValueError."""
+        m, k = x.shape
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, blob_bytes):
+            raise ValueError(f"{what} kernel: bf16 rows [M, K] with contiguous inputs, and weights packed for them")
         threads = torch.get_num_threads() if m * n * k >= THREAD_MIN_MACS else 1
         per_thread = (k // GROUP) * 1024 + 2048
         s = self._scratch  # per calling thread: the call runs without the GIL
@@ -353,14 +352,11 @@ class Int4Kernel:
                 s.tiles.numel() < threads * per_thread + 64:
             s.work = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
             s.tiles = torch.empty(max(threads * per_thread, 2 * per_thread) + 64, dtype=torch.uint8)
-        return threads, per_thread, s.work, (s.tiles.data_ptr() + 63) // 64 * 64
+        return m, k, threads, per_thread, s.work, (s.tiles.data_ptr() + 63) // 64 * 64
 
     def mm(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] bf16 (rows contiguous) times the packed weights -> [M, n] bf16."""
-        m, k = x.shape
-        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, BLOB):
-            raise ValueError("int4 kernel: bf16 rows [M, K] with contiguous inputs, and weights packed for them")
-        threads, per_thread, work, aligned = self._buffers(m, n, k)
+        m, k, threads, per_thread, work, aligned = self._prepare(x, blob, n, BLOB, "int4")
         y = torch.empty((m, n), dtype=torch.bfloat16)
         self._mm(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, work.data_ptr(), aligned,
                  per_thread, threads)
@@ -395,11 +391,12 @@ def _self_check(kernel: Int4Kernel) -> str | None:
     step, zero = sz[..., 0].float().t(), sz[..., 1].float().t()  # [N, K/32]
     w = ((codes.float().reshape(48, 3, GROUP) - 8) * step[..., None] + zero[..., None]).reshape(48, 96)
     x = torch.randn(19, 96, generator=g).to(torch.bfloat16)
-    got = kernel.mm(x, kernel.pack(codes, sz), 48).float()
+    blob = kernel.pack(codes, sz)
+    got = kernel.mm(x, blob, 48).float()
     want = x.float() @ w.t()
     err = (got - want).abs().max().item()
     bound = 0.02 * want.abs().max().item() + 1e-3
-    if err > bound or not torch.equal(kernel.mm(x[3:4], kernel.pack(codes, sz), 48).float(), got[3:4]):
+    if err > bound or not torch.equal(kernel.mm(x[3:4], blob, 48).float(), got[3:4]):
         return f"the int4 kernel is off by {err:.3g} (allowed {bound:.3g}) or not row-invariant here"
     return None
 

@@ -285,8 +285,7 @@ class _Proj:
         self.weight = self.w8 = self.w4 = self.packed = self.amx = None
         self.int4 = int4
         if weight_bits == 4 and int4 is not None:  # our AMX kernel (int4_kernel): its own layout of the codes
-            codes, self.scale = _int4_codes(weight)
-            self.amx = int4.pack(codes, self.scale)
+            self.amx = int4.pack(*_int4_codes(weight))  # steps and zeros inside the blob
         elif weight_bits == 8:
             w = weight.float()
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)

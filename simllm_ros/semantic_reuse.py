@@ -54,6 +54,7 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     # deviation is measured at layer 1 or deeper: two fresh layers at least, even for strict_layers=1.
     n_fresh = min(max(strict, 2), k.shape[0])
     keep = torch.ones(len(plan.pairs), dtype=torch.bool)
+    recompute: list[int] = []  # positions to recompute, ascending: chosen by pick()
 
     def pick(fk: torch.Tensor, fv: torch.Tensor) -> list[int]:
         """The tokens to recompute, chosen from the fresh KV of the early layers. Only their hidden rows are
@@ -74,7 +75,8 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
             keep[approx_idx[order]] = False
         redo = torch.ones(n, dtype=torch.bool)
         redo[pos[keep]] = False
-        return redo.nonzero()[:, 0].tolist() if strict == n_fresh and keep.any() else []
+        recompute.extend(redo.nonzero()[:, 0].tolist())
+        return recompute if strict == n_fresh and keep.any() else []
 
     fk, fv, fh = backend.early_layers(tokens, n_fresh, pick)
     fk, fv = fk.to(device, k.dtype), fv.to(device, v.dtype)
@@ -86,9 +88,6 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
         return SemanticPrefill(logits, cache, reused=0, recomputed=n)
     keep_d = keep.to(device)
     kept_pos = new_pos[keep_d].cpu()
-    redo = torch.ones(n, dtype=torch.bool)
-    redo[kept_pos] = False
-    recompute = redo.nonzero()[:, 0].tolist()
     cache = backend.cache_from_tensors(k[:, :, keep_d], v[:, :, keep_d])
     q_pos = torch.tensor(recompute, dtype=torch.long)
     kv_pos = torch.cat([kept_pos, q_pos])
