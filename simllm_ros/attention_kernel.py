@@ -127,6 +127,24 @@ static inline vf VSET1_fn(float x) { vf r; for (int l = 0; l < 16; l++) r.v[l] =
 #define VSTOREF(p, a) memcpy(p, (a).v, sizeof (a).v)
 #endif
 
+/* A row's softmax weights over its scores sc[0..lim), unnormalised, in place: keys refused by `blocked` (row
+   `tok`'s mask over keys first..T-1) weigh 0, sc[lim..] up to a whole vector is zeroed. Returns their sum. */
+static inline float softmax_row(float *sc, int lim, const uint8_t *blocked, int tok, long T, int first) {
+    const uint8_t *blk = blocked ? blocked + (long)tok * (T - first) - first : NULL;
+    float mx = -INFINITY;
+    for (int j = 0; j < lim; j++)
+        if (!(blk && j >= first && blk[j]) && sc[j] > mx) mx = sc[j];
+    int padded = ((lim + VEC - 1) / VEC) * VEC;
+    for (int j = lim; j < padded; j++) sc[j] = mx;
+    for (int j = 0; j < padded; j += VEC)
+        VSTOREF(sc + j, vexp_nonpos(VADD(VLOADF(sc + j), VSET1(-mx))));
+    for (int j = lim; j < padded; j++) sc[j] = 0.0f;
+    if (blk) for (int j = first; j < lim; j++) if (blk[j]) sc[j] = 0.0f;
+    vf sum = VZERO;
+    for (int j = 0; j < padded; j += VEC) sum = VADD(sum, VLOADF(sc + j));
+    return hsum(sum);
+}
+
 /* One layer's attention for a pass of N query rows from one or more sequences, each over its own KV buffer.
    q: row n, query head hq at q[n*q_sn + hq*q_sh + d]; knew/vnew: the rows' new keys/values [n, kv head] at
    n*kn_sn + h*kn_sh (and vn_*), written here into each sequence's buffer before attending; out [N, Hq, D].
@@ -156,6 +174,29 @@ static void run_threads(const pass_t *p, void (*part)(const pass_t *, int)) {
     }
     part(p, 0);
     for (int t = 1; t <= started; t++) pthread_join(th[t], NULL);
+}
+
+/* The entry point of a pass: the new KV first (every thread then reads finished buffers), then PART's row
+   blocks in this thread or split between threads. */
+#define DEFINE_ENTRY(NAME, TYPE, PART)                                                                      \
+void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, long kn_sh,                    \
+          const TYPE *vnew, long vn_sn, long vn_sh, TYPE *out, int Hq, int Hkv, int D, float scale,          \
+          int nseq, const int64_t *seqs, int layer, const uint8_t *blocked, int first, float *work,          \
+          long work_stride, int nthreads) {                                                                 \
+    for (int s = 0; s < nseq; s++) {                                                                        \
+        const int64_t *sq = seqs + 11 * s;                                                                  \
+        const long row0 = sq[0], m = sq[1], start = sq[2];                                                  \
+        TYPE *kb = (TYPE *)(intptr_t)sq[3] + layer * sq[5], *vb = (TYPE *)(intptr_t)sq[4] + layer * sq[8];  \
+        for (long i = 0; i < m; i++)                                                                        \
+            for (int h = 0; h < Hkv; h++) {                                                                 \
+                memcpy(kb + h * sq[6] + (start + i) * sq[7], knew + (row0 + i) * kn_sn + h * kn_sh, D * sizeof(TYPE)); \
+                memcpy(vb + h * sq[9] + (start + i) * sq[10], vnew + (row0 + i) * vn_sn + h * vn_sh, D * sizeof(TYPE)); \
+            }                                                                                               \
+    }                                                                                                       \
+    pass_t P = {q, knew, vnew, out, q_sn, q_sh, kn_sn, kn_sh, vn_sn, vn_sh, work_stride,                    \
+                Hq, Hkv, D, nseq, layer, first, nthreads < 1 ? 1 : nthreads, scale, seqs, blocked, work};   \
+    if (P.nthreads == 1) PART(&P, 0);                                                                       \
+    else run_threads(&P, PART);                                                                             \
 }
 
 #define DEFINE_ATTEND(NAME, TYPE, LD, STORE)                                                                \
@@ -202,20 +243,7 @@ static void NAME##_part(const pass_t *P, int tid) {                             
                 }                                                                                           \
                 /* softmax weights, unnormalised; refused keys weigh 0 and are skipped below */             \
                 for (int b = 0; b < nb; b++) {                                                              \
-                    float *sc = work + b * W;                                                               \
-                    const uint8_t *blk = blocked ? blocked + (long)tok[b] * (T - first) - first : NULL;     \
-                    float mx = -INFINITY;                                                                   \
-                    for (int j = 0; j < lim[b]; j++)                                                        \
-                        if (!(blk && j >= first && blk[j]) && sc[j] > mx) mx = sc[j];                       \
-                    int padded = ((lim[b] + VEC - 1) / VEC) * VEC;                                          \
-                    for (int j = lim[b]; j < padded; j++) sc[j] = mx;                                       \
-                    for (int j = 0; j < padded; j += VEC)                                                   \
-                        VSTOREF(sc + j, vexp_nonpos(VADD(VLOADF(sc + j), VSET1(-mx))));                     \
-                    for (int j = lim[b]; j < padded; j++) sc[j] = 0.0f;                                     \
-                    if (blk) for (int j = first; j < lim[b]; j++) if (blk[j]) sc[j] = 0.0f;                 \
-                    vf sum = VZERO;                                                                         \
-                    for (int j = 0; j < padded; j += VEC) sum = VADD(sum, VLOADF(sc + j));                  \
-                    total[b] = hsum(sum);                                                                   \
+                    total[b] = softmax_row(work + b * W, lim[b], blocked, tok[b], T, first);                \
                     for (int c = 0; c < C; c++) acc[b][c] = VZERO;                                          \
                 }                                                                                           \
                 /* weighted sum of values in key order: each value read once for the block's rows */        \
@@ -243,32 +271,198 @@ static void NAME##_part(const pass_t *P, int tid) {                             
         }                                                                                                   \
     }                                                                                                       \
 }                                                                                                           \
-void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, long kn_sh,                    \
-          const TYPE *vnew, long vn_sn, long vn_sh, TYPE *out, int Hq, int Hkv, int D, float scale,          \
-          int nseq, const int64_t *seqs, int layer, const uint8_t *blocked, int first, float *work,          \
-          long work_stride, int nthreads) {                                                                 \
-    for (int s = 0; s < nseq; s++) {  /* the new KV first: every thread then reads finished buffers */      \
-        const int64_t *sq = seqs + 11 * s;                                                                  \
-        const long row0 = sq[0], m = sq[1], start = sq[2];                                                  \
-        TYPE *kb = (TYPE *)(intptr_t)sq[3] + layer * sq[5], *vb = (TYPE *)(intptr_t)sq[4] + layer * sq[8];  \
-        for (long i = 0; i < m; i++)                                                                        \
-            for (int h = 0; h < Hkv; h++) {                                                                 \
-                memcpy(kb + h * sq[6] + (start + i) * sq[7], knew + (row0 + i) * kn_sn + h * kn_sh, D * sizeof(TYPE)); \
-                memcpy(vb + h * sq[9] + (start + i) * sq[10], vnew + (row0 + i) * vn_sn + h * vn_sh, D * sizeof(TYPE)); \
-            }                                                                                               \
-    }                                                                                                       \
-    pass_t P = {q, knew, vnew, out, q_sn, q_sh, kn_sn, kn_sh, vn_sn, vn_sh, work_stride,                    \
-                Hq, Hkv, D, nseq, layer, first, nthreads < 1 ? 1 : nthreads, scale, seqs, blocked, work};   \
-    if (P.nthreads == 1) NAME##_part(&P, 0);                                                                \
-    else run_threads(&P, NAME##_part);                                                                      \
-}
+DEFINE_ENTRY(NAME, TYPE, NAME##_part)
 
 #define STORE_BF16(x) f32_to_bf16(x)
 #define STORE_F32(x) (x)
 DEFINE_ATTEND(simllm_attend_bf16, bf16, ld_bf16, STORE_BF16)
 DEFINE_ATTEND(simllm_attend_f32, float, ld_f32, STORE_F32)
 
-int simllm_attend_version(void) { return 4; }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
+#include <unistd.h>
+#include <sys/syscall.h>
+/* bf16 on AMX tiles, 16 query rows at a time: the scores S^T = K Q^T of 16 keys in one tile (keys read in place,
+   a row per lane), the softmax of the 16 rows at once across lanes (float32, sums in key order), then O = P V
+   with P split into two bf16 parts (hi = bf16(w), lo = bf16(w - hi): ~16 bits of each weight) against the
+   values paired for the tile (VNNI), accumulated in float32 tiles. A row's bits depend on its own query and
+   keys only: a tile and a lane compute each element on its own, rows beyond the block and keys beyond a row's
+   limit enter with zero weight (keys past the sequence as zeros). work per thread (floats): 16 Wp scores, 16
+   Wp for P's two parts, Wp D / 2 paired values, Wp for key masks, 32 D + 256 fixed; Wp = the longest T rounded
+   up to 32. Needs D a multiple of 64. */
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) att_tilecfg_t;
+
+static inline void transpose16(__m512i r[16]) {  /* r[i] lane j -> r[j] lane i, 32-bit lanes */
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88); t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88); r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+static void amx_part(const pass_t *P, int tid) {
+    const bf16 *q = (const bf16 *)P->q; bf16 *out = (bf16 *)P->out;
+    const int Hq = P->Hq, Hkv = P->Hkv, D = P->D, G = Hq / Hkv, nt = P->nthreads, DC = D / 32, DO = D / 16;
+    const uint8_t *blocked = P->blocked; const int first = P->first;
+    float *work = P->work + tid * P->work_stride;
+    int lim[16], tok[16], hqs[16];
+    float total[16];
+    const uint8_t *blk[16];
+    att_tilecfg_t cfg; memset(&cfg, 0, sizeof cfg); cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+    __m512i pair_lo, pair_hi, lanes2;  /* a0 b0 a1 b1 ...: two keys' values (lo: elements 0-15, hi: 16-31); two
+                                          keys' weights of each row (lanes2) */
+    { uint16_t il[32], ih[32], i2[32];
+      for (int k = 0; k < 32; k++) {
+          il[k] = (k & 1 ? 32 : 0) + k / 2; ih[k] = (k & 1 ? 48 : 16) + k / 2; i2[k] = (k & 1 ? 16 : 0) + k / 2; }
+      pair_lo = _mm512_loadu_si512(il); pair_hi = _mm512_loadu_si512(ih); lanes2 = _mm512_loadu_si512(i2); }
+    const __m512 scale = _mm512_set1_ps(P->scale);
+    long unit = 0;
+    for (int s = 0; s < P->nseq; s++) {
+        const int64_t *sq = P->seqs + 11 * s;
+        const long row0 = sq[0], m = sq[1], start = sq[2], T = start + m;
+        const bf16 *kb = (const bf16 *)(intptr_t)sq[3] + P->layer * sq[5];
+        const bf16 *vb = (const bf16 *)(intptr_t)sq[4] + P->layer * sq[8];
+        const long k_sh = sq[6], k_sj = sq[7], v_sh = sq[9], v_sj = sq[10];
+        const long Wp = ((T + 31) / 32) * 32;
+        float *SK = work;                                   /* [Wp keys][16 rows] scores */
+        bf16 *PH = (bf16 *)(SK + 16 * Wp), *PL = PH + 16 * Wp;  /* [16 rows][Wp] weights, two parts */
+        bf16 *VV = PL + 16 * Wp;                            /* [Wp / 2 key pairs][D / 16][32] */
+        bf16 *QT = VV + Wp * D;                             /* [D / 32][16 pairs of dims][16 rows x 2] */
+        bf16 *KZ = QT + 16 * D;                             /* [16 keys][D]: a last, partial block of keys */
+        float *OT = (float *)(KZ + 16 * D);                 /* [16 rows][D] */
+        __mmask16 *live = (__mmask16 *)(OT + 16 * D);       /* [Wp]: the rows that attend key j */
+        for (int h = 0; h < Hkv; h++) {
+            const bf16 *kh = kb + h * k_sh, *vh = vb + h * v_sh;
+            long vv_len = 0;  /* keys paired so far (this head) */
+            for (long r0 = 0; r0 < m * G; r0 += 16) {
+                if (unit++ % nt != tid) continue;
+                int nb = m * G - r0 < 16 ? (int)(m * G - r0) : 16; long jmax = 0;
+                memset(QT, 0, 16 * D * sizeof(bf16));
+                for (int b = 0; b < 16; b++) {
+                    lim[b] = 0; blk[b] = NULL;
+                    if (b >= nb) continue;
+                    long i = (r0 + b) / G; hqs[b] = h * G + (int)((r0 + b) % G);
+                    const bf16 *qr = q + (row0 + i) * P->q_sn + hqs[b] * P->q_sh;
+                    for (int c = 0; c < DC; c++)
+                        for (int r = 0; r < 16; r++) memcpy(QT + ((c * 16 + r) * 16 + b) * 2, qr + c * 32 + 2 * r, 4);
+                    tok[b] = (int)i;
+                    lim[b] = blocked ? (int)T : (int)(start + i + 1);
+                    if (blocked) blk[b] = blocked + (long)i * (T - first) - first;
+                    if (lim[b] > jmax) jmax = lim[b];
+                }
+                /* scores, 16 keys a tile, stored key-major: a row per lane */
+                for (long j0 = 0; j0 < jmax; j0 += 16) {
+                    const bf16 *kp = kh + j0 * k_sj; long kst = k_sj * 2;
+                    if (j0 + 16 > jmax) {  /* never read past the keys the block attends */
+                        memset(KZ, 0, 16 * D * sizeof(bf16));
+                        for (long jj = 0; jj < jmax - j0; jj++) memcpy(KZ + jj * D, kp + jj * k_sj, D * sizeof(bf16));
+                        kp = KZ; kst = D * 2;
+                    }
+                    _tile_zero(0);
+                    for (int c = 0; c < DC; c++) {
+                        _tile_loadd(1, kp + c * 32, kst);
+                        _tile_loadd(2, QT + c * 512, 64);
+                        _tile_dpbf16ps(0, 1, 2);
+                    }
+                    _tile_stored(0, SK + j0 * 16, 64);
+                }
+                /* softmax across lanes: the maximum over each row's keys, then weights and their sum in key order */
+                const __m512i vlim = _mm512_loadu_si512(lim);
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (long j = 0; j < jmax; j++) {
+                    __mmask16 ok = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32((int)j));
+                    if (blocked && j >= first)
+                        for (int b = 0; b < nb; b++) if (blk[b][j]) ok &= (__mmask16)~(1u << b);
+                    live[j] = ok;
+                    __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(SK + j * 16), scale);
+                    _mm512_storeu_ps(SK + j * 16, sc);
+                    mx = _mm512_mask_max_ps(mx, ok, mx, sc);
+                }
+                const long jp = ((jmax + 31) / 32) * 32;
+                __m512 sum = _mm512_setzero_ps();
+                __m512i uh[16], ul[16];
+                for (long j = 0; j < jp; j += 2) {
+                    __m256i h2[2], l2[2];
+                    for (int t = 0; t < 2; t++) {
+                        __m512 w = _mm512_setzero_ps();
+                        if (j + t < jmax)
+                            w = _mm512_maskz_mov_ps(live[j + t], vexp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(SK + (j + t) * 16), mx)));
+                        sum = _mm512_add_ps(sum, w);
+                        h2[t] = (__m256i)_mm512_cvtneps_pbh(w);
+                        __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h2[t]), 16));
+                        l2[t] = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(w, hf));
+                    }
+                    int r = (int)((j / 2) % 16);
+                    uh[r] = _mm512_permutexvar_epi16(lanes2, _mm512_inserti64x4(_mm512_castsi256_si512(h2[0]), h2[1], 1));
+                    ul[r] = _mm512_permutexvar_epi16(lanes2, _mm512_inserti64x4(_mm512_castsi256_si512(l2[0]), l2[1], 1));
+                    if (r == 15) {  /* 32 keys: rows of P from the pairs' lanes */
+                        long k0 = j - 30;
+                        transpose16(uh); transpose16(ul);
+                        for (int b = 0; b < 16; b++) {
+                            _mm512_storeu_si512(PH + b * Wp + k0, uh[b]);
+                            _mm512_storeu_si512(PL + b * Wp + k0, ul[b]);
+                        }
+                    }
+                }
+                _mm512_storeu_ps(total, sum);
+                for (; vv_len < jp; vv_len += 2) {  /* values paired for the tile, once per head */
+                    for (int c = 0; c < DC; c++) {
+                        __m512i a = vv_len < T ? _mm512_loadu_si512(vh + vv_len * v_sj + c * 32) : _mm512_setzero_si512();
+                        __m512i e = vv_len + 1 < T ? _mm512_loadu_si512(vh + (vv_len + 1) * v_sj + c * 32) : _mm512_setzero_si512();
+                        bf16 *dst = VV + ((vv_len / 2) * DO + 2 * c) * 32;
+                        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, pair_lo, e));
+                        _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, pair_hi, e));
+                    }
+                }
+                for (int d0 = 0; d0 < D; d0 += 64) {
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (long kc = 0; kc < jp / 32; kc++) {
+                        const bf16 *vc = VV + (kc * 16 * DO + d0 / 16) * 32;
+                        _tile_loadd(4, PH + kc * 32, Wp * 2);
+                        _tile_loadd(5, PL + kc * 32, Wp * 2);
+                        _tile_loadd(6, vc, DO * 64); _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 6);
+                        _tile_loadd(7, vc + 32, DO * 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7);
+                        _tile_loadd(6, vc + 64, DO * 64); _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 6);
+                        _tile_loadd(7, vc + 96, DO * 64); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7);
+                    }
+                    _tile_stored(0, OT + d0, D * 4); _tile_stored(1, OT + d0 + 16, D * 4);
+                    _tile_stored(2, OT + d0 + 32, D * 4); _tile_stored(3, OT + d0 + 48, D * 4);
+                }
+                for (int b = 0; b < nb; b++) {
+                    bf16 *o = out + ((row0 + tok[b]) * Hq + hqs[b]) * (long)D;
+                    float inv = total[b] > 0.0f ? 1.0f / total[b] : 0.0f;
+                    for (int d = 0; d < D; d++) o[d] = f32_to_bf16(OT[b * D + d] * inv);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+DEFINE_ENTRY(simllm_attend_amx_bf16, bf16, amx_part)
+int simllm_attend_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+#else
+int simllm_attend_amx_init(void) { return -1; }
+#endif
+
+int simllm_attend_version(void) { return 5; }
 """
 
 MAX_HEAD_DIM = 256  # the kernel's per-row buffers
@@ -343,7 +537,7 @@ class PassPlan:
 class AttentionKernel:
     """The compiled kernel, called on torch tensors."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, amx: bool = True):
         lib = ctypes.CDLL(path)
         self.path = path
         self._fns = {}
@@ -351,7 +545,20 @@ class AttentionKernel:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGS, None
             self._fns[dtype] = fn
+        # bf16 on AMX tiles where the compiler targets them and Linux grants the tile state; SIMLLM_ATTENTION=vector
+        # keeps the vector code for bf16 (the two round differently: the numerics digest tells them apart).
+        self.amx = None
+        init = getattr(lib, "simllm_attend_amx_init")
+        init.restype = _I
+        if amx and os.environ.get("SIMLLM_ATTENTION", "").lower() != "vector" \
+                and hasattr(lib, "simllm_attend_amx_bf16") and init() == 0:
+            self.amx = lib.simllm_attend_amx_bf16
+            self.amx.argtypes, self.amx.restype = _ARGS, None
         self._scratch = threading.local()
+
+    def uses_amx(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether a pass of this dtype and head size runs on AMX tiles (else the vector code)."""
+        return self.amx is not None and dtype == torch.bfloat16 and head_dim % 64 == 0
 
     def supports(self, dtype: torch.dtype, head_dim: int, device) -> bool:
         return torch.device(device).type == "cpu" and dtype in self._fns and head_dim % 16 == 0 \
@@ -399,7 +606,11 @@ class AttentionKernel:
                 raise ValueError(f"attention kernel: mask {tuple(blocked.shape)} does not fit the pass")
             blk = blocked.contiguous().view(torch.uint8)
         threads = torch.get_num_threads() if plan.pairs * Hq * D * 2 >= THREAD_MIN_MACS else 1
-        stride = 8 * (plan.longest + 16)  # ROW_BLOCK rows of scores, padded to whole vectors, per thread
+        if self.uses_amx(q.dtype, D):
+            fn, wp = self.amx, -(-plan.longest // 32) * 32  # the C source's layout of a thread's work
+            stride = wp * (33 + D // 2) + 32 * D + 256
+        else:
+            stride = 8 * (plan.longest + 16)  # ROW_BLOCK rows of scores, padded to whole vectors, per thread
         work = getattr(self._scratch, "work", None)  # per calling thread: the call runs without the GIL
         if work is None or work.numel() < stride * threads:
             work = self._scratch.work = torch.empty(max(stride * threads, 8 * 1024), dtype=torch.float32)

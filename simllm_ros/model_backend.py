@@ -215,13 +215,21 @@ class ModelBackend:
         return "kernel" if self.runner.kernel is not None else "torch"
 
     @property
+    def attention_arithmetic(self) -> str:
+        """"amx" (the kernel's AMX tiles, bf16), "vector" (its vector code) or "" (not the kernel)."""
+        r = self.runner
+        if r is None or r.kernel is None:
+            return ""
+        return "amx" if r.kernel.uses_amx(r.embed.weight.dtype, r.head_dim) else "vector"
+
+    @property
     def attention_path(self) -> str:
         """Which attention computes this model's passes, for the load log (the two round differently)."""
         kind = self.attention_kind
         if kind == "transformers":
             return "transformers' own forward"
         if kind == "kernel":
-            return f"simllm_ros C kernel ({self.runner.kernel.path})"
+            return f"simllm_ros C kernel, {self.attention_arithmetic} ({self.runner.kernel.path})"
         why = attention_kernel.why_not() or "the kernel does not take this dtype, head size or device"
         return f"torch products ({why})"
 

@@ -26,8 +26,17 @@ def _portable():
     return attention_kernel.AttentionKernel(attention_kernel.build(extra_flags=("-mno-avx512f",)))
 
 
-PORTABLE = _portable()
-BOTH = [pytest.param(KERNEL, id="native")] + ([pytest.param(PORTABLE, id="portable")] if PORTABLE else [])
+def _vector():
+    """This build with bf16 on its vector code, where the native kernel runs bf16 on AMX tiles (CPUs without AMX
+    run the vector code)."""
+    if KERNEL is None or KERNEL.amx is None:
+        return None
+    return attention_kernel.AttentionKernel(KERNEL.path, amx=False)
+
+
+PORTABLE, VECTOR = _portable(), _vector()
+BUILDS = [pytest.param(KERNEL, id="native")] + ([pytest.param(PORTABLE, id="portable")] if PORTABLE else []) + \
+    ([pytest.param(VECTOR, id="vector")] if VECTOR else [])
 
 
 HQ, HKV, D = 6, 2, 64  # two query heads per KV head, as in grouped-query models
@@ -68,7 +77,7 @@ def _reference(q, kb, vb, start, allowed, layer=1):
     return torch.einsum("hmt,htd->mhd", torch.softmax(s, dim=-1), v)
 
 
-@pytest.mark.parametrize("kernel", BOTH)
+@pytest.mark.parametrize("kernel", BUILDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 def test_a_ragged_pass_matches_a_float64_reference(dtype, tol, kernel):
     """Two sequences of different lengths in one pass, and one with an explicit mask: new KV lands in the
@@ -91,7 +100,7 @@ def test_a_ragged_pass_matches_a_float64_reference(dtype, tol, kernel):
     assert (got.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("kernel", BOTH)
+@pytest.mark.parametrize("kernel", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_row_gets_the_same_bits_however_the_sequence_is_cut(dtype, kernel):
     """A 37-token prefill in one pass, token by token (a decode), cut 17 + 20, beside another sequence, and with
@@ -124,6 +133,32 @@ def test_a_row_gets_the_same_bits_however_the_sequence_is_cut(dtype, kernel):
     assert torch.equal(_pass([(start, q, kn, vn, k5, v5)], blocked=blocked, first=start, kernel=kernel), whole)
 
 
+@pytest.mark.parametrize("kernel", BUILDS)
+def test_a_sequence_that_fills_the_last_layer_of_its_buffer(kernel):
+    """Keys up to the very end of the buffer's memory (last layer, last head, every slot): nothing past it is
+    read (the AMX path copies a last, partial block of keys), and 40 rows cross blocks of 16 rows."""
+    k, v = _buffers(torch.bfloat16, 61, 11)
+    q, kn, vn = _rows(torch.bfloat16, 40, 12)
+    got = _pass([(21, q, kn, vn, k, v)], layer=2, kernel=kernel)
+    allowed = torch.arange(61)[None, :] <= (21 + torch.arange(40))[:, None]
+    ref = _reference(q, k, v, 21, allowed, layer=2)
+    assert (got.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+def test_amx_and_vector_code_agree_and_differ():
+    """bf16 on AMX tiles and on the vector code: the same attention up to rounding, but two arithmetics (the
+    numerics digest tells them apart)."""
+    if VECTOR is None:
+        pytest.skip("no AMX here: bf16 runs on the vector code only")
+    assert KERNEL.uses_amx(torch.bfloat16, 64) and not KERNEL.uses_amx(torch.float32, 64) and \
+        not KERNEL.uses_amx(torch.bfloat16, 32) and not VECTOR.uses_amx(torch.bfloat16, 64)
+    q, kn, vn = _rows(torch.bfloat16, 7, 13)
+    base = _buffers(torch.bfloat16, 300, 14)
+    a = _pass([(250, q, kn, vn, base[0].clone(), base[1].clone())], kernel=KERNEL)
+    b = _pass([(250, q, kn, vn, base[0].clone(), base[1].clone())], kernel=VECTOR)
+    assert not torch.equal(a, b) and (a.float() - b.float()).abs().max().item() <= 1e-2 * b.float().abs().max().item()
+
+
 def test_bad_shapes_and_dtypes_are_refused():
     k, v = _buffers(torch.bfloat16, 20, 0)
     q, kn, vn = _rows(torch.bfloat16, 3, 1)
@@ -151,6 +186,9 @@ def test_torch_path_when_asked_and_a_cached_build_is_reused():
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert on.returncode == 0, on.stderr
     assert on.stdout.split()[-1] == KERNEL.path  # the library built once per machine is the one loaded
+    vec = subprocess.run([sys.executable, "-c", code.replace("print(k is None", "print(k.amx is None")],
+                         env={**env, "SIMLLM_ATTENTION": "vector"}, capture_output=True, text=True, timeout=120)
+    assert vec.returncode == 0 and vec.stdout.startswith("True None "), (vec.stdout, vec.stderr)
 
 
 def test_the_model_computes_the_same_attention_either_way():

@@ -182,6 +182,9 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
     assert kv["lossless_reuse"] == "true"  # the load-time batch-invariance probe passed on this machine
     from simllm_ros import attention_kernel
     assert kv["attention"] == ("kernel" if attention_kernel.load() is not None else "torch")
+    if kv["attention"] == "kernel":  # bf16 on AMX where this CPU and Linux allow it, else the vector code
+        amx = attention_kernel.load().amx is not None and kv["precision"].startswith("bfloat16")
+        assert kv["attention_arithmetic"] == ("amx" if amx else "vector")
     if kv["precision"].endswith("4-bit weights"):
         from simllm_ros import int4_kernel
         assert kv["int4_products"] == ("amx" if int4_kernel.load() is not None else "aten")

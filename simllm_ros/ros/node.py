@@ -692,6 +692,8 @@ class SimLLMNode(LifecycleNode):
             st.values.append(KeyValue(key="precision", value=f"{b.dtype_name}, {b.weight_bits}-bit weights"))
             # which attention computes the model's passes (kernel, torch, transformers): the fast path or not
             st.values.append(KeyValue(key="attention", value=b.attention_kind))
+            if b.attention_arithmetic:  # and on what: amx tiles or vector code
+                st.values.append(KeyValue(key="attention_arithmetic", value=b.attention_arithmetic))
             if b.int4_kind:  # which kernel computes the 4-bit products (amx, aten)
                 st.values.append(KeyValue(key="int4_products", value=b.int4_kind))
         arr = DiagnosticArray(status=[st])
