@@ -42,6 +42,7 @@ SOURCE = r"""
 #endif
 
 #define ROW_BLOCK 8
+#define NCOL 13  /* columns of the sequence table */
 #define MAXD 256
 
 typedef uint16_t bf16;
@@ -148,8 +149,10 @@ static inline float softmax_row(float *sc, int lim, const uint8_t *blocked, int 
 /* One layer's attention for a pass of N query rows from one or more sequences, each over its own KV buffer.
    q: row n, query head hq at q[n*q_sn + hq*q_sh + d]; knew/vnew: the rows' new keys/values [n, kv head] at
    n*kn_sn + h*kn_sh (and vn_*), written here into each sequence's buffer before attending; out [N, Hq, D].
-   seqs [nseq][11] int64: row0, m, start, k_base, v_base, k_sl, k_sh, k_sj, v_sl, v_sh, v_sj (pointers and
-   element strides of [L, Hkv, C, D] buffers). Token i of a sequence sits at slot start + i and attends slots
+   seqs [nseq][13] int64: row0, m, start, k_base, v_base, k_sl, k_sh, k_sj, v_sl, v_sh, v_sj (pointers and
+   element strides of [L, Hkv, C, D] buffers), lead, P: slots [0, P) of this sequence's buffers hold the same bits
+   as those of sequence `lead` (lead <= s; lead == s and P == 0: nothing shared), which the AMX code then reads
+   once for all of them (the vector code reads each sequence's own: the same bits either way). Token i of a sequence sits at slot start + i and attends slots
    <= start + i; with `blocked` (one sequence only) [m, T - first] instead: slot j is refused when j >= first and
    blocked[i * (T - first) + j - first], T = start + m. Query head hq reads KV head hq / (Hq / Hkv).
    work: ROW_BLOCK * (T + VEC) floats for the longest T, per thread (nthreads: 1 runs in the caller's thread).
@@ -184,7 +187,7 @@ void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, lon
           int nseq, const int64_t *seqs, int layer, const uint8_t *blocked, int first, float *work,          \
           long work_stride, int nthreads) {                                                                 \
     for (int s = 0; s < nseq; s++) {                                                                        \
-        const int64_t *sq = seqs + 11 * s;                                                                  \
+        const int64_t *sq = seqs + NCOL * s;                                                                  \
         const long row0 = sq[0], m = sq[1], start = sq[2];                                                  \
         TYPE *kb = (TYPE *)(intptr_t)sq[3] + layer * sq[5], *vb = (TYPE *)(intptr_t)sq[4] + layer * sq[8];  \
         for (long i = 0; i < m; i++)                                                                        \
@@ -210,7 +213,7 @@ static void NAME##_part(const pass_t *P, int tid) {                             
     float total[ROW_BLOCK], tmp[VEC];                                                                       \
     long unit = 0;                                                                                          \
     for (int s = 0; s < P->nseq; s++) {                                                                     \
-        const int64_t *sq = P->seqs + 11 * s;                                                               \
+        const int64_t *sq = P->seqs + NCOL * s;                                                               \
         const long row0 = sq[0], m = sq[1], start = sq[2], T = start + m;                                   \
         const TYPE *kb = (const TYPE *)(intptr_t)sq[3] + P->layer * sq[5];                                  \
         const TYPE *vb = (const TYPE *)(intptr_t)sq[4] + P->layer * sq[8];                                  \
@@ -284,11 +287,15 @@ DEFINE_ATTEND(simllm_attend_f32, float, ld_f32, STORE_F32)
 /* bf16 on AMX tiles, 16 query rows at a time: the scores S^T = K Q^T of 16 keys in one tile (keys read in place,
    a row per lane), the softmax of the 16 rows at once across lanes (float32, sums in key order), then O = P V
    with P split into two bf16 parts (hi = bf16(w), lo = bf16(w - hi): ~16 bits of each weight) against the
-   values paired for the tile (VNNI), accumulated in float32 tiles. A row's bits depend on its own query and
-   keys only: a tile and a lane compute each element on its own, rows beyond the block and keys beyond a row's
-   limit enter with zero weight (keys past the sequence as zeros). work per thread (floats): 16 Wp scores, 16
-   Wp for P's two parts, Wp D / 2 paired values, Wp for key masks, 32 D + 256 fixed; Wp = the longest T rounded
-   up to 32. Needs D a multiple of 64. */
+   values paired for the tile (VNNI), accumulated in float32 tiles. Sequences that share their first slots (a
+   lead and its members: one context, several requests) run their rows in common blocks: the shared keys and
+   values are read once, each member's own after them (its rows only; the others' enter as zero weights).
+   A row's bits depend on its own query and keys only: a tile and a lane compute each element on its own, rows
+   beyond the block and keys beyond a row's limit enter with zero weight (keys past the sequence as zeros), and
+   the chunks of 32 keys are summed in the same order shared or not. work per thread (floats): 49 Wm (scores,
+   P's two parts, a member's copy of them, key masks; Wm = the longest T rounded up to 32) + the most paired
+   values a group needs (its members' slots rounded up to 32, times D / 2) + 32 D + 2 nseq + 320. Needs D a
+   multiple of 64. */
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) att_tilecfg_t;
 
 static inline void transpose16(__m512i r[16]) {  /* r[i] lane j -> r[j] lane i, 32-bit lanes */
@@ -315,12 +322,67 @@ static inline void transpose16(__m512i r[16]) {  /* r[i] lane j -> r[j] lane i, 
     }
 }
 
+/* The keys of one sequence for a 16-row block: scores of keys [j0, j1) from its buffer kh into SK for the lanes
+   in `lanes` (all 16: stored in place; else blended in). Keys past `lmax` are never read. */
+static inline void amx_scores(const bf16 *kh, long k_sj, long j0, long j1, long lmax, const bf16 *QT, bf16 *KZ,
+                              float *ST, float *SK, int D, __mmask16 lanes) {
+    for (; j0 < j1; j0 += 16) {
+        const bf16 *kp = kh + j0 * k_sj; long kst = k_sj * 2;
+        if (j0 + 16 > lmax) {  /* a last, partial block: copied, zero beyond */
+            memset(KZ, 0, 16 * D * sizeof(bf16));
+            for (long jj = 0; jj < lmax - j0; jj++) memcpy(KZ + jj * D, kp + jj * k_sj, D * sizeof(bf16));
+            kp = KZ; kst = D * 2;
+        }
+        _tile_zero(0);
+        for (int c = 0; c < D / 32; c++) {
+            _tile_loadd(1, kp + c * 32, kst);
+            _tile_loadd(2, QT + c * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        if (lanes == 0xffff) { _tile_stored(0, SK + j0 * 16, 64); continue; }
+        _tile_stored(0, ST, 64);
+        for (int k = 0; k < 16; k++)
+            _mm512_storeu_ps(SK + (j0 + k) * 16, _mm512_mask_mov_ps(_mm512_loadu_ps(SK + (j0 + k) * 16), lanes,
+                                                                     _mm512_loadu_ps(ST + k * 16)));
+    }
+}
+
+/* Values of keys [*done, upto) paired for the tile (VNNI: a0 b0 a1 b1 ...), zero past T. */
+static inline void amx_pair_values(const bf16 *vh, long v_sj, long *done, long upto, long T, bf16 *VV, int D,
+                                   __m512i pair_lo, __m512i pair_hi) {
+    const int DO = D / 16;
+    for (long j = *done; j < upto; j += 2) {
+        for (int c = 0; c < D / 32; c++) {
+            __m512i a = j < T ? _mm512_loadu_si512(vh + j * v_sj + c * 32) : _mm512_setzero_si512();
+            __m512i e = j + 1 < T ? _mm512_loadu_si512(vh + (j + 1) * v_sj + c * 32) : _mm512_setzero_si512();
+            bf16 *dst = VV + ((j / 2) * DO + 2 * c) * 32;
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, pair_lo, e));
+            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, pair_hi, e));
+        }
+    }
+    if (upto > *done) *done = upto;
+}
+
+/* C tiles 0-3 (64 outputs) += weights (A rows of PH, PL: the block's rows) x paired values, chunks [k0, k1). */
+static inline void amx_weighted_values(const bf16 *PH, const bf16 *PL, long Wp, const bf16 *VV, int D, int d0,
+                                       long k0, long k1) {
+    const int DO = D / 16;
+    for (long kc = k0; kc < k1; kc++) {
+        const bf16 *vc = VV + (kc * 16 * DO + d0 / 16) * 32;
+        _tile_loadd(4, PH + kc * 32, Wp * 2);
+        _tile_loadd(5, PL + kc * 32, Wp * 2);
+        _tile_loadd(6, vc, DO * 64); _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 6);
+        _tile_loadd(7, vc + 32, DO * 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7);
+        _tile_loadd(6, vc + 64, DO * 64); _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(7, vc + 96, DO * 64); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 static void amx_part(const pass_t *P, int tid) {
     const bf16 *q = (const bf16 *)P->q; bf16 *out = (bf16 *)P->out;
-    const int Hq = P->Hq, Hkv = P->Hkv, D = P->D, G = Hq / Hkv, nt = P->nthreads, DC = D / 32, DO = D / 16;
+    const int Hq = P->Hq, Hkv = P->Hkv, D = P->D, G = Hq / Hkv, nt = P->nthreads, DC = D / 32, ns = P->nseq;
     const uint8_t *blocked = P->blocked; const int first = P->first;
-    float *work = P->work + tid * P->work_stride;
-    int lim[16], tok[16], hqs[16];
+    int lim[16], tok[16], hqs[16], who[16];
     float total[16];
     const uint8_t *blk[16];
     att_tilecfg_t cfg; memset(&cfg, 0, sizeof cfg); cfg.palette = 1;
@@ -333,55 +395,73 @@ static void amx_part(const pass_t *P, int tid) {
           il[k] = (k & 1 ? 32 : 0) + k / 2; ih[k] = (k & 1 ? 48 : 16) + k / 2; i2[k] = (k & 1 ? 16 : 0) + k / 2; }
       pair_lo = _mm512_loadu_si512(il); pair_hi = _mm512_loadu_si512(ih); lanes2 = _mm512_loadu_si512(i2); }
     const __m512 scale = _mm512_set1_ps(P->scale);
+    /* this thread's work (floats; the Python side sizes it the same way) */
+    long Wm = 0, vv_total = 0;  /* the longest sequence; the most paired values a group needs */
+    for (int s = 0; s < ns; s++) {
+        const int64_t *L = P->seqs + NCOL * s;
+        long Wp = ((L[2] + L[1] + 31) / 32) * 32, group = 0;
+        if (Wp > Wm) Wm = Wp;
+        if (L[11] != s) continue;
+        for (int t = s; t < ns; t++)
+            if (P->seqs[NCOL * t + 11] == s) group += ((P->seqs[NCOL * t + 2] + P->seqs[NCOL * t + 1] + 31) / 32) * 32 * D;
+        if (group > vv_total) vv_total = group;
+    }
+    float *SK = P->work + tid * P->work_stride;          /* [Wm keys][16 rows] scores, then weights */
+    bf16 *PH = (bf16 *)(SK + 16 * Wm), *PL = PH + 16 * Wm;   /* [16 rows][Wm] weights, two parts */
+    bf16 *PHm = PL + 16 * Wm, *PLm = PHm + 16 * Wm;      /* the same for one sequence's rows of a shared block */
+    bf16 *VV = PLm + 16 * Wm;                            /* per sequence [Wp / 2 key pairs][D / 16][32] */
+    bf16 *QT = VV + vv_total;                            /* [D / 32][16 pairs of dims][16 rows x 2] */
+    bf16 *KZ = QT + 16 * D;                              /* [16 keys][D]: a last, partial block of keys */
+    float *ST = (float *)(KZ + 16 * D), *OT = ST + 256;  /* [16 keys][16 rows], [16 rows][D] */
+    __mmask16 *live = (__mmask16 *)(OT + 16 * D);        /* [Wm]: the rows that attend key j */
+    long *vv_done = (long *)(live + Wm + 64);            /* [ns]: keys paired so far, per sequence (this head) */
     long unit = 0;
-    for (int s = 0; s < P->nseq; s++) {
-        const int64_t *sq = P->seqs + 11 * s;
-        const long row0 = sq[0], m = sq[1], start = sq[2], T = start + m;
-        const bf16 *kb = (const bf16 *)(intptr_t)sq[3] + P->layer * sq[5];
-        const bf16 *vb = (const bf16 *)(intptr_t)sq[4] + P->layer * sq[8];
-        const long k_sh = sq[6], k_sj = sq[7], v_sh = sq[9], v_sj = sq[10];
-        const long Wp = ((T + 31) / 32) * 32;
-        float *SK = work;                                   /* [Wp keys][16 rows] scores */
-        bf16 *PH = (bf16 *)(SK + 16 * Wp), *PL = PH + 16 * Wp;  /* [16 rows][Wp] weights, two parts */
-        bf16 *VV = PL + 16 * Wp;                            /* [Wp / 2 key pairs][D / 16][32] */
-        bf16 *QT = VV + Wp * D;                             /* [D / 32][16 pairs of dims][16 rows x 2] */
-        bf16 *KZ = QT + 16 * D;                             /* [16 keys][D]: a last, partial block of keys */
-        float *OT = (float *)(KZ + 16 * D);                 /* [16 rows][D] */
-        __mmask16 *live = (__mmask16 *)(OT + 16 * D);       /* [Wp]: the rows that attend key j */
+    for (int s = 0; s < ns; s++) {
+        const int64_t *L = P->seqs + NCOL * s;
+        if (L[11] != s) continue;  /* its rows run with its lead's */
+        const long Pg = L[12];
+        int mem[64], nm = 0; long rows_before[65];
+        rows_before[0] = 0;
+        for (int t = s; t < ns && nm < 64; t++)
+            if (P->seqs[NCOL * t + 11] == s) { mem[nm] = t; rows_before[nm + 1] = rows_before[nm] + P->seqs[NCOL * t + 1] * G; nm++; }
         for (int h = 0; h < Hkv; h++) {
-            const bf16 *kh = kb + h * k_sh, *vh = vb + h * v_sh;
-            long vv_len = 0;  /* keys paired so far (this head) */
-            for (long r0 = 0; r0 < m * G; r0 += 16) {
+            long vv_at = 0;
+            for (int u = 0; u < ns; u++) {  /* members pair their own values past the shared keys */
+                const int64_t *U = P->seqs + NCOL * u;
+                vv_done[u] = U[11] == s && u != s ? Pg : 0;
+            }
+            for (long r0 = 0; r0 < rows_before[nm]; r0 += 16) {
                 if (unit++ % nt != tid) continue;
-                int nb = m * G - r0 < 16 ? (int)(m * G - r0) : 16; long jmax = 0;
+                int nb = rows_before[nm] - r0 < 16 ? (int)(rows_before[nm] - r0) : 16; long jmax = 0;
                 memset(QT, 0, 16 * D * sizeof(bf16));
+                int x = 0;
                 for (int b = 0; b < 16; b++) {
-                    lim[b] = 0; blk[b] = NULL;
+                    lim[b] = 0; blk[b] = NULL; who[b] = -1;
                     if (b >= nb) continue;
-                    long i = (r0 + b) / G; hqs[b] = h * G + (int)((r0 + b) % G);
-                    const bf16 *qr = q + (row0 + i) * P->q_sn + hqs[b] * P->q_sh;
+                    while (r0 + b >= rows_before[x + 1]) x++;
+                    const int64_t *U = P->seqs + NCOL * mem[x];
+                    long i = (r0 + b - rows_before[x]) / G; hqs[b] = h * G + (int)((r0 + b - rows_before[x]) % G);
+                    const bf16 *qr = q + (U[0] + i) * P->q_sn + hqs[b] * P->q_sh;
                     for (int c = 0; c < DC; c++)
                         for (int r = 0; r < 16; r++) memcpy(QT + ((c * 16 + r) * 16 + b) * 2, qr + c * 32 + 2 * r, 4);
-                    tok[b] = (int)i;
-                    lim[b] = blocked ? (int)T : (int)(start + i + 1);
-                    if (blocked) blk[b] = blocked + (long)i * (T - first) - first;
+                    who[b] = x; tok[b] = (int)(U[0] + i);
+                    lim[b] = blocked ? (int)(U[2] + U[1]) : (int)(U[2] + i + 1);
+                    if (blocked) blk[b] = blocked + i * (U[2] + U[1] - first) - first;
                     if (lim[b] > jmax) jmax = lim[b];
                 }
-                /* scores, 16 keys a tile, stored key-major: a row per lane */
-                for (long j0 = 0; j0 < jmax; j0 += 16) {
-                    const bf16 *kp = kh + j0 * k_sj; long kst = k_sj * 2;
-                    if (j0 + 16 > jmax) {  /* never read past the keys the block attends */
-                        memset(KZ, 0, 16 * D * sizeof(bf16));
-                        for (long jj = 0; jj < jmax - j0; jj++) memcpy(KZ + jj * D, kp + jj * k_sj, D * sizeof(bf16));
-                        kp = KZ; kst = D * 2;
-                    }
-                    _tile_zero(0);
-                    for (int c = 0; c < DC; c++) {
-                        _tile_loadd(1, kp + c * 32, kst);
-                        _tile_loadd(2, QT + c * 512, 64);
-                        _tile_dpbf16ps(0, 1, 2);
-                    }
-                    _tile_stored(0, SK + j0 * 16, 64);
+                /* each member of the block: its lanes and the most keys they attend */
+                __mmask16 lanes[64]; long lmax[64]; int x0 = who[0], x1 = who[nb - 1];
+                for (int y = x0; y <= x1; y++) { lanes[y] = 0; lmax[y] = 0; }
+                for (int b = 0; b < nb; b++) { lanes[who[b]] |= (__mmask16)(1u << b); if (lim[b] > lmax[who[b]]) lmax[who[b]] = lim[b]; }
+                const int one = x0 == x1;
+                /* scores: the shared keys once from the lead's buffer, then each member's own */
+                const int64_t *Ls = P->seqs + NCOL * s;
+                const bf16 *k_lead = (const bf16 *)(intptr_t)Ls[3] + P->layer * Ls[5] + h * Ls[6];
+                amx_scores(k_lead, Ls[7], 0, Pg, Pg, QT, KZ, ST, SK, D, 0xffff);
+                for (int y = x0; y <= x1; y++) {
+                    const int64_t *U = P->seqs + NCOL * mem[y];
+                    const bf16 *kh = (const bf16 *)(intptr_t)U[3] + P->layer * U[5] + h * U[6];
+                    amx_scores(kh, U[7], Pg, lmax[y], lmax[y], QT, KZ, ST, SK, D, one ? 0xffff : lanes[y]);
                 }
                 /* softmax across lanes: the maximum over each row's keys, then weights and their sum in key order */
                 const __m512i vlim = _mm512_loadu_si512(lim);
@@ -416,37 +496,49 @@ static void amx_part(const pass_t *P, int tid) {
                         long k0 = j - 30;
                         transpose16(uh); transpose16(ul);
                         for (int b = 0; b < 16; b++) {
-                            _mm512_storeu_si512(PH + b * Wp + k0, uh[b]);
-                            _mm512_storeu_si512(PL + b * Wp + k0, ul[b]);
+                            _mm512_storeu_si512(PH + b * Wm + k0, uh[b]);
+                            _mm512_storeu_si512(PL + b * Wm + k0, ul[b]);
                         }
                     }
                 }
                 _mm512_storeu_ps(total, sum);
-                for (; vv_len < jp; vv_len += 2) {  /* values paired for the tile, once per head */
-                    for (int c = 0; c < DC; c++) {
-                        __m512i a = vv_len < T ? _mm512_loadu_si512(vh + vv_len * v_sj + c * 32) : _mm512_setzero_si512();
-                        __m512i e = vv_len + 1 < T ? _mm512_loadu_si512(vh + (vv_len + 1) * v_sj + c * 32) : _mm512_setzero_si512();
-                        bf16 *dst = VV + ((vv_len / 2) * DO + 2 * c) * 32;
-                        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, pair_lo, e));
-                        _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, pair_hi, e));
-                    }
+                /* values: the shared chunks from the lead's pairs, then each member's own chunks (its rows only
+                   where the block holds several members: the others' rows enter as zeros) */
+                long off = 0; bf16 *vv_of[64];
+                for (int y = 0; y < nm; y++) {
+                    const int64_t *U = P->seqs + NCOL * mem[y];
+                    vv_of[y] = VV + off;
+                    off += ((U[2] + U[1] + 31) / 32) * 32 * D;
+                }
+                const int64_t *Ls2 = P->seqs + NCOL * s;
+                const bf16 *v_lead = (const bf16 *)(intptr_t)Ls2[4] + P->layer * Ls2[8] + h * Ls2[9];
+                amx_pair_values(v_lead, Ls2[10], &vv_done[s], Pg, Ls2[2] + Ls2[1], vv_of[0], D, pair_lo, pair_hi);
+                for (int y = x0; y <= x1; y++) {
+                    const int64_t *U = P->seqs + NCOL * mem[y];
+                    const bf16 *vh = (const bf16 *)(intptr_t)U[4] + P->layer * U[8] + h * U[9];
+                    amx_pair_values(vh, U[10], &vv_done[mem[y]], ((lmax[y] + 31) / 32) * 32, U[2] + U[1], vv_of[y], D,
+                                    pair_lo, pair_hi);
                 }
                 for (int d0 = 0; d0 < D; d0 += 64) {
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                    for (long kc = 0; kc < jp / 32; kc++) {
-                        const bf16 *vc = VV + (kc * 16 * DO + d0 / 16) * 32;
-                        _tile_loadd(4, PH + kc * 32, Wp * 2);
-                        _tile_loadd(5, PL + kc * 32, Wp * 2);
-                        _tile_loadd(6, vc, DO * 64); _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 6);
-                        _tile_loadd(7, vc + 32, DO * 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7);
-                        _tile_loadd(6, vc + 64, DO * 64); _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 6);
-                        _tile_loadd(7, vc + 96, DO * 64); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7);
+                    amx_weighted_values(PH, PL, Wm, vv_of[0], D, d0, 0, Pg / 32);
+                    for (int y = x0; y <= x1; y++) {
+                        long k0 = Pg / 32, k1 = (lmax[y] + 31) / 32;
+                        if (one) { amx_weighted_values(PH, PL, Wm, vv_of[y], D, d0, k0, k1); continue; }
+                        for (int b = 0; b < 16; b++) {
+                            int mine = (lanes[y] >> b) & 1;
+                            for (long j = k0 * 32; j < k1 * 32; j += 32) {
+                                _mm512_storeu_si512(PHm + b * Wm + j, mine ? _mm512_loadu_si512(PH + b * Wm + j) : _mm512_setzero_si512());
+                                _mm512_storeu_si512(PLm + b * Wm + j, mine ? _mm512_loadu_si512(PL + b * Wm + j) : _mm512_setzero_si512());
+                            }
+                        }
+                        amx_weighted_values(PHm, PLm, Wm, vv_of[y], D, d0, k0, k1);
                     }
                     _tile_stored(0, OT + d0, D * 4); _tile_stored(1, OT + d0 + 16, D * 4);
                     _tile_stored(2, OT + d0 + 32, D * 4); _tile_stored(3, OT + d0 + 48, D * 4);
                 }
                 for (int b = 0; b < nb; b++) {
-                    bf16 *o = out + ((row0 + tok[b]) * Hq + hqs[b]) * (long)D;
+                    bf16 *o = out + ((long)tok[b] * Hq + hqs[b]) * (long)D;
                     float inv = total[b] > 0.0f ? 1.0f / total[b] : 0.0f;
                     for (int d = 0; d < D; d++) o[d] = f32_to_bf16(OT[b * D + d] * inv);
                 }
@@ -532,6 +624,7 @@ class PassPlan:
     pairs: int  # (query token, key) pairs of the pass, at most: what its cost grows with
     dtype: torch.dtype
     buffers: list  # the KV tensors the table points into, kept alive for the pass
+    slots: int = 0  # the most slots (rounded up to 32, summed over its members) a group has: paired values
 
 
 class AttentionKernel:
@@ -565,22 +658,35 @@ class AttentionKernel:
             and head_dim <= MAX_HEAD_DIM
 
     @staticmethod
-    def plan(seqs: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> PassPlan:
-        """seqs: (row0, m, start, k, v) per sequence: its query rows row0..row0+m-1 are tokens at slots
-        start..start+m-1 of k, v [L, Hkv, C, D] (a KVBuffer's tensors; the kernel writes their new KV there)."""
-        rows, longest, pairs, table, dtype = 0, 0, 0, [], None
-        for row0, m, start, k, v in seqs:
+    def plan(seqs: list[tuple]) -> PassPlan:
+        """seqs: (row0, m, start, k, v[, lead, shared]) per sequence: its query rows row0..row0+m-1 are tokens at
+        slots start..start+m-1 of k, v [L, Hkv, C, D] (a KVBuffer's tensors; the kernel writes their new KV
+        there). `lead`, `shared`: slots [0, shared) of this buffer hold the same bits as those of sequence `lead`
+        (an earlier one, itself leading, whose own `shared` is the same): the AMX code reads them once for all.
+        The caller vouches for the bits (ModelBackend.same_prefix compares them); shared is a multiple of 32,
+        at most every member's and the lead's start."""
+        rows, longest, pairs, table, dtype, group_slots = 0, 0, 0, [], None, {}
+        for i, seq in enumerate(seqs):
+            row0, m, start, k, v = seq[:5]
+            lead, shared = (seq[5], seq[6]) if len(seq) > 5 else (i, 0)
             if k.dim() != 4 or k.shape != v.shape or k.stride(3) != 1 or v.stride(3) != 1:
                 raise ValueError("attention kernel: KV buffers must be [L, H, C, D] with a contiguous last dimension")
             if dtype not in (None, k.dtype) or v.dtype != k.dtype:
                 raise ValueError("attention kernel: one dtype for every buffer of a pass")
             if start < 0 or m < 1 or start + m > k.shape[2]:
                 raise ValueError(f"attention kernel: slots {start}..{start + m} do not fit a buffer of {k.shape[2]}")
+            if not 0 <= lead <= i or shared < 0 or shared % 32 or shared > start or lead < i and (
+                    table[lead][11] != lead or table[lead][12] != shared or k.shape != seqs[lead][3].shape):
+                raise ValueError(f"attention kernel: sequence {i} cannot share {shared} slots with sequence {lead}")
             dtype = k.dtype
-            table.append([row0, m, start, k.data_ptr(), v.data_ptr(), *k.stride()[:3], *v.stride()[:3]])
+            table.append([row0, m, start, k.data_ptr(), v.data_ptr(), *k.stride()[:3], *v.stride()[:3], lead, shared])
             rows, longest, pairs = max(rows, row0 + m), max(longest, start + m), pairs + m * (start + m)
+            members, slots = group_slots.get(lead, (0, 0))
+            if members == 64:
+                raise ValueError(f"attention kernel: sequence {i} cannot share with sequence {lead}: 64 do already")
+            group_slots[lead] = (members + 1, slots + -(-(start + m) // 32) * 32)
         return PassPlan(torch.tensor(table, dtype=torch.int64), rows, longest, pairs, dtype,
-                        [t for s in seqs for t in s[3:]])
+                        [t for s in seqs for t in s[3:5]], max(s for _, s in group_slots.values()))
 
     def attend(self, plan: PassPlan, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                scale: float, out: torch.Tensor | None = None, blocked: torch.Tensor | None = None,
@@ -607,8 +713,8 @@ class AttentionKernel:
             blk = blocked.contiguous().view(torch.uint8)
         threads = torch.get_num_threads() if plan.pairs * Hq * D * 2 >= THREAD_MIN_MACS else 1
         if self.uses_amx(q.dtype, D):
-            fn, wp = self.amx, -(-plan.longest // 32) * 32  # the C source's layout of a thread's work
-            stride = wp * (33 + D // 2) + 32 * D + 256
+            fn, wm = self.amx, -(-plan.longest // 32) * 32  # the C source's layout of a thread's work
+            stride = 49 * wm + plan.slots * D // 2 + 32 * D + 2 * plan.table.shape[0] + 320
         else:
             stride = 8 * (plan.longest + 16)  # ROW_BLOCK rows of scores, padded to whole vectors, per thread
         work = getattr(self._scratch, "work", None)  # per calling thread: the call runs without the GIL

@@ -107,6 +107,10 @@ class Flight:
     cache: object = None
     todo: int = 0  # prompt tokens (the last ones) still to prefill
     decoder: Decoder | None = None
+    # (lead flight, slots, its cache, ours): our cache's first slots hold the lead's bits (ModelBackend.same_prefix),
+    # which a batched step's attention reads once for both; None: not shared (share_checked: looked already).
+    share: tuple | None = None
+    share_checked: bool = False
 
 
 @dataclasses.dataclass
@@ -708,7 +712,7 @@ class Engine:
         if not items:
             return []
         try:
-            return backend.run_batch(items)
+            return backend.run_batch(items, self._shared_prefixes(flights, work))
         except Exception as e:
             if len(items) == 1:
                 out[work[0][0]] = self._fault(flights[work[0][0]].p, e)
@@ -722,6 +726,49 @@ class Engine:
                 out[i] = self._fault(flights[i].p, e)
                 res.append(None)
         return res
+
+    def _shared_prefixes(self, flights: list[Flight], work: list) -> list[tuple[int, int] | None]:
+        """Per work item, (lead item, slots) where its cache begins with the same KV bits as a decoding lead's:
+        flights answering on one context read its keys and values once per step. A flight looks for a lead once
+        (comparing the bits: ~1 ms) when it starts decoding and again only when its lead has gone; each group
+        shares the slots all its members share."""
+        leads: dict[int, int] = {}  # id(lead flight) -> work item
+        groups: dict[int, list[int]] = {}  # lead item -> member items (the lead first)
+        slots: dict[int, int] = {}  # item -> slots it shares with its lead
+        for j, (i, ids, mode, base) in enumerate(work):
+            f = flights[i]
+            if f.decoder is None:
+                continue
+            lead = None
+            if f.share is not None:
+                lf, n, lc, oc = f.share
+                if id(lf) in leads and lf.cache is lc and f.cache is oc and n <= base:
+                    lead = leads[id(lf)]
+                else:
+                    f.share, f.share_checked = None, False
+            if lead is None and not f.share_checked:
+                f.share_checked = True
+                for lf_id, k in leads.items():
+                    lf = flights[work[k][0]]
+                    common = next((t for t, (x, y) in enumerate(zip(lf.tokens, f.tokens)) if x != y),
+                                  min(len(lf.tokens), len(f.tokens)))
+                    n = self.backend.same_prefix(lf.cache, f.cache, min(common, base, work[k][3]))
+                    if n:
+                        f.share, lead = (lf, n, lf.cache, f.cache), k
+                        break
+            if lead is None:
+                leads[id(f)] = j
+                groups[j] = [j]
+            else:
+                groups[lead].append(j)
+                slots[j] = f.share[1]
+        out: list[tuple[int, int] | None] = [None] * len(work)
+        for lead, members in groups.items():
+            if len(members) > 1:
+                n = min(slots[j] for j in members[1:])
+                for j in members:
+                    out[j] = (lead, n)
+        return out
 
     def _after_prefill(self, f: Flight) -> None:
         """What needs the fingerprint, which had the plan and prefill's time to arrive: the drafts (answers of

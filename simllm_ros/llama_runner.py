@@ -120,6 +120,10 @@ class Seq:
     kv: KVBuffer
     start: int
     logits: str = "all"  # "all", "last" or "none"
+    # Slots [0, shared) of `kv` hold the same bits as those of seqs[lead] (an earlier sequence of the pass that
+    # leads itself with the same `shared`): attention reads them once for both (attention_kernel.plan).
+    lead: int = -1
+    shared: int = 0
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -651,7 +655,7 @@ class LlamaRunner:
         cos, sin = self._rope_tables(h, positions)
         D, Hq = self.head_dim, self.n_heads
         if self.kernel is not None:  # one call per layer for every sequence, each over its own buffer
-            plan = self.kernel.plan([(a, b - a, s.start, s.kv.k, s.kv.v) for s, (a, b) in zip(seqs, spans) if b > a])
+            plan = self.kernel.plan(self._shared_entries(seqs, spans))
             attn = h.new_empty(total, Hq, D)
             for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
                 q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)
@@ -713,6 +717,24 @@ class LlamaRunner:
         """A layer's second half, residual included: the same ops for every pass (one fused gate/up product)."""
         gu = gate_up(ln2(h))
         return h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+
+    @staticmethod
+    def _shared_entries(seqs: list["Seq"], spans: list[tuple[int, int]]) -> list[tuple]:
+        """The attention kernel's sequences of a pass (those with rows), with the shared prefixes that still hold:
+        a sequence shares only with a lead that has rows in the pass and leads itself."""
+        index, entries = {}, []
+        for i, (s, (a, b)) in enumerate(zip(seqs, spans)):
+            if b == a:
+                continue
+            e = (a, b - a, s.start, s.kv.k, s.kv.v)
+            lead = index.get(s.lead) if s.shared and s.lead != i else None
+            if s.shared and s.lead == i:
+                e += (len(entries), s.shared)
+            elif lead is not None and len(entries[lead]) > 5 and entries[lead][6] == s.shared:
+                e += (lead, s.shared)
+            index[i] = len(entries)
+            entries.append(e)
+        return entries
 
     def _rotated_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [M, Hq, D], k, v [M, Hkv, D] of a fused qkv product [M, q + 2kv], q and k rotated together (4 ops

@@ -427,20 +427,38 @@ class ModelBackend:
         return self.runner is not None and self.exact_chunking
 
     @torch.inference_mode()
-    def run_batch(self, items: list[tuple[list[int], object, str]]) -> list[torch.Tensor | None]:
-        """Several `run(ids, cache, logits=mode)` calls, each after its own cache's tokens, as one forward pass
-        where that is exact (`batches_exactly`), else one after another. Results as `run` returns them."""
+    def run_batch(self, items: list[tuple], shares: list[tuple[int, int] | None] | None = None
+                  ) -> list[torch.Tensor | None]:
+        """Several `run(ids, cache, logits=mode)` calls, items (ids, cache, mode), each after its own cache's
+        tokens, as one forward pass where that is exact (`batches_exactly`), else one after another. Results as
+        `run` returns them. shares[i] = (lead, n): item i's cache holds the bits of item `lead`'s in its first n
+        slots (same_prefix said so; the lead's own entry is (lead, n)), read once for both by the attention."""
         if not self.batches_exactly or len(items) == 1:
             return [self.run(ids, cache, logits=mode) for ids, cache, mode in items]
         seqs = []
-        for ids, cache, mode in items:
+        for i, (ids, cache, mode) in enumerate(items):
             past = cache.length
             cache.ensure_capacity(past + len(ids) + 1)
+            lead, n = (shares[i] if shares and shares[i] else (-1, 0))
             seqs.append(Seq(torch.tensor(ids, dtype=torch.long, device=self.device),
                             torch.arange(past, past + len(ids), device=self.device), cache, past,
-                            "all" if mode == "all" else "last" if mode == "last" else "none"))
+                            "all" if mode == "all" else "last" if mode == "last" else "none", lead, n))
         outs = self.runner.forward_batch(seqs)
         return [None if out is None else out if mode == "all" else out[-1] for out, (_, _, mode) in zip(outs, items)]
+
+    def same_prefix(self, a, b, n: int) -> int:
+        """How many first slots (of at most n, in whole 32s) KV caches a and b hold with the same bits, keys and
+        values of every layer: what attention may read once for both. Bits, not tokens: two copies of one pool
+        entry are equal; a prefill and an 8-bit copy of the same tokens are not (and -0 is not +0)."""
+        n = min(n, self.cache_len(a), self.cache_len(b)) // 32 * 32
+        if n == 0 or not isinstance(a, KVBuffer) or not isinstance(b, KVBuffer) or a.k.shape[:2] != b.k.shape[:2] \
+                or a.k.dtype != b.k.dtype:
+            return 0
+        differ = torch.zeros(n, dtype=torch.bool, device=a.k.device)
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            differ |= (x[:, :, :n].view(torch.uint8) != y[:, :, :n].view(torch.uint8)).any(-1).any(1).any(0)
+        first = int(differ.nonzero()[0, 0]) if bool(differ.any()) else n
+        return first // 32 * 32
 
     def prefill(self, ids: list[int], cache=None, positions: list[int] | None = None,
                 mask: torch.Tensor | None = None, reserve: int = 0):

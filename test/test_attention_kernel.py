@@ -145,6 +145,70 @@ def test_a_sequence_that_fills_the_last_layer_of_its_buffer(kernel):
     assert (got.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("kernel", BUILDS)
+def test_a_shared_prefix_changes_no_bit(kernel):
+    """Five sequences whose buffers begin with the same 64 slots, in two interleaved groups (0 leads 1 and 3,
+    2 leads 4): each row gets the bits it gets alone in its own pass, and the buffers the same new KV; the AMX
+    code reads the shared slots once per group (the vector code reads each buffer: the same bits)."""
+    g = torch.Generator().manual_seed(15)
+    common = _buffers(torch.bfloat16, 200, 16)
+    specs = [(70, 1), (90, 3), (66, 5), (100, 2), (80, 4)]  # (start, rows)
+    bufs = []
+    for _ in specs:
+        k, v = (torch.randn(3, HKV, 200, D, generator=g).bfloat16() for _ in range(2))
+        k[:, :, :64], v[:, :, :64] = common[0][:, :, :64], common[1][:, :, :64]
+        bufs.append((k, v))
+    rows = [_rows(torch.bfloat16, m, 17 + i) for i, (_, m) in enumerate(specs)]
+
+    def together(shares):
+        fresh_bufs = [(k.clone(), v.clone()) for k, v in bufs]
+        entries, row0 = [], 0
+        for (start, m), (k, v), share in zip(specs, fresh_bufs, shares):
+            entries.append((row0, m, start, k, v, *share))
+            row0 += m
+        q, kn, vn = (torch.cat([r[j] for r in rows]) for j in range(3))
+        return kernel.attend(kernel.plan(entries), 1, q, kn, vn, D ** -0.5), fresh_bufs
+
+    alone = []
+    for (start, m), (k, v), r in zip(specs, bufs, rows):
+        alone.append(_pass([(start, *r, k.clone(), v.clone())], kernel=kernel))
+    alone = torch.cat(alone)
+    plain, plain_bufs = together([(i, 0) for i in range(5)])
+    assert torch.equal(plain, alone)
+    for shares in ([(0, 64), (0, 64), (2, 64), (0, 64), (2, 64)], [(0, 32), (0, 32), (2, 0), (0, 32), (4, 0)]):
+        got, got_bufs = together(shares)
+        assert torch.equal(got, alone), shares
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got_bufs, plain_bufs))
+
+
+def test_a_bad_shared_prefix_is_refused():
+    bufs = [_buffers(torch.bfloat16, 100, i) for i in range(3)]
+    for bad in ([(0, 64), (0, 48), (2, 0)],  # not the lead's count
+                [(0, 40), (0, 40), (2, 0)],  # not a multiple of 32
+                [(0, 64), (0, 64), (1, 64)],  # a lead that does not lead
+                [(1, 64), (1, 64), (2, 0)],  # a lead after its member
+                [(0, 96), (0, 96), (2, 0)]):  # past a start
+        with pytest.raises(ValueError, match="share"):
+            KERNEL.plan([(i, 1, 90 - 5 * i, k, v, *sh) for i, ((k, v), sh) in enumerate(zip(bufs, bad))])
+    KERNEL.plan([(i, 1, 90 - 5 * i, k, v, *sh) for i, ((k, v), sh) in enumerate(zip(bufs, [(0, 64), (0, 64), (0, 64)]))])
+    k, v = bufs[0]
+    with pytest.raises(ValueError, match="64 do already"):
+        KERNEL.plan([(i, 1, 64 + i % 30, k, v, 0, 64) for i in range(66)])
+
+
+def test_many_one_row_sequences_in_one_pass():
+    """70 rows, each a one-token sequence at its own slot of one buffer (how the runner runs rows at scattered
+    positions): the rows of one 70-token pass, bitwise."""
+    q, kn, vn = _rows(torch.bfloat16, 70, 18)
+    base = _buffers(torch.bfloat16, 100, 19)
+    k1, v1 = base[0].clone(), base[1].clone()
+    whole = _pass([(10, q, kn, vn, k1, v1)])
+    k2, v2 = base[0].clone(), base[1].clone()
+    _pass([(10, q, kn, vn, k2, v2)])  # the new KV in place first, as the runner writes it
+    plan = KERNEL.plan([(i, 1, 10 + i, k2, v2) for i in range(70)])
+    assert torch.equal(KERNEL.attend(plan, 1, q, kn, vn, D ** -0.5), whole)
+
+
 def test_amx_and_vector_code_agree_and_differ():
     """bf16 on AMX tiles and on the vector code: the same attention up to rounding, but two arithmetics (the
     numerics digest tells them apart)."""

@@ -87,6 +87,45 @@ def test_batched_forward_equals_one_at_a_time_bitwise(engine):
           f"({singles} single tokens)")
 
 
+def test_sequences_on_one_context_share_its_kv_bitwise(engine):
+    """Copies of one prefill's KV (what flights answering on one context hold): same_prefix finds the shared
+    slots (by bits: a perturbed copy shares none), and a batched pass that reads them once gives every
+    sequence the logits and KV it gets alone."""
+    b = engine.backend
+    prefix = _ids(engine, "")[:-3]
+    base = b.new_cache(len(prefix) + 40)
+    b.run(prefix, base, logits="none")
+    feeds = [_ids(engine, q)[len(prefix):] for q in ("is elm street open", "when does the market open",
+                                                    "what is the weather like")]
+    feeds[1] = feeds[1] + [feeds[0][0]] * 4  # a verification-sized pass beside single-token ones
+
+    def copies():
+        out = []
+        for _ in feeds:
+            c = b.new_cache(len(prefix) + 40)
+            c.k[:, :, :len(prefix)], c.v[:, :, :len(prefix)] = base.k[:, :, :len(prefix)], base.v[:, :, :len(prefix)]
+            c.length = len(prefix)
+            out.append(c)
+        return out
+
+    n = b.same_prefix(base, copies()[0], len(prefix))
+    assert n == len(prefix) // 32 * 32 and n >= 64
+    other = copies()[0]
+    other.v[3, 1, 40, 5] += 1.0
+    assert b.same_prefix(base, other, len(prefix)) == 32  # bits differ from slot 40 on: the first 32 slots remain
+    other.k[0, 0, 0, 0] += 1.0
+    assert b.same_prefix(base, other, len(prefix)) == 0
+    alone, shared = copies(), copies()
+    P = len(prefix)
+    refs = [b.runner.forward(torch.tensor(f), torch.arange(P, P + len(f)), c, P, logits="all")
+            for f, c in zip(feeds, alone)]
+    outs = b.runner.forward_batch([Seq(torch.tensor(f), torch.arange(P, P + len(f)), c, P, "all", 0, n)
+                                   for f, c in zip(feeds, shared)])
+    for i in range(len(feeds)):
+        assert torch.equal(outs[i], refs[i]), i
+        assert torch.equal(shared[i].k[:, :, :P + len(feeds[i])], alone[i].k[:, :, :P + len(feeds[i])])
+
+
 @pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.9, 5)])
 def test_decoders_stepped_together_equal_decode_alone(engine, temperature, seed):
     b = engine.backend
@@ -223,6 +262,32 @@ def test_server_with_max_batch_answers_as_one_at_a_time_on_every_tier(engine):
     assert runs[1][1].steps == [] and together >= 3, together
     print(f"\n[server max_batch 4] {len(burst)} requests ({', '.join(t.name for t in tiers.values())}) answered "
           f"once each, identical to max_batch 1; {len(steps)} steps, up to {together} decoding together")
+
+
+def test_flights_on_one_context_share_it_and_answer_as_alone(engine):
+    """Four exact-prefix hits on one context, decoded together: from their first decode step they read the
+    context's KV once (a lead and three members, by bits), and answer as with max_batch 1."""
+    reqs = [QueryRequest(prompt=q, context=BULLETIN, cache_scope="one", request_id=f"r{i}", max_new_tokens=20,
+                         allow_approximate=False)
+            for i, q in enumerate(("is elm street open", "when does the market open", "what is on at the library",
+                                   "is it going to rain"))]
+    runs, shared = {}, []
+
+    class Sharing(Recorder):
+        def step(self, flights):
+            out = super().step(flights)
+            shared.append(sum(1 for f in flights if f.share is not None))
+            return out
+
+    for max_batch in (1, 4):
+        fresh(engine)
+        assert engine.handle(QueryRequest(prompt="hello", context=BULLETIN, cache_scope="one")).success
+        runs[max_batch], _ = _serve(engine, reqs, max_batch, Sharing(engine))
+    fresh(engine)
+    for a, b in zip(runs[1], runs[4]):
+        assert a.success and b.success and a.cache_result == b.cache_result == CacheResult.EXACT_PREFIX
+        assert b.answer == a.answer, (b.request_id, b.answer, a.answer)
+    assert max(shared) == 3, shared
 
 
 def test_long_prefill_is_chunked_and_others_decode_every_step(engine):
