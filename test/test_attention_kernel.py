@@ -145,8 +145,9 @@ def test_a_sequence_that_fills_the_last_layer_of_its_buffer(kernel):
     assert (got.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("kernel", BUILDS)
-def test_a_shared_prefix_changes_no_bit(kernel):
+def test_a_shared_prefix_changes_no_bit(kernel, threads, monkeypatch):
     """Five sequences whose buffers begin with the same 64 slots, in two interleaved groups (0 leads 1 and 3,
     2 leads 4): each row gets the bits it gets alone in its own pass, and the buffers the same new KV; the AMX
     code reads the shared slots once per group (the vector code reads each buffer: the same bits)."""
@@ -159,6 +160,8 @@ def test_a_shared_prefix_changes_no_bit(kernel):
         k[:, :, :64], v[:, :, :64] = common[0][:, :, :64], common[1][:, :, :64]
         bufs.append((k, v))
     rows = [_rows(torch.bfloat16, m, 17 + i) for i, (_, m) in enumerate(specs)]
+    monkeypatch.setattr(attention_kernel, "THREAD_MIN_MACS", 0 if threads > 1 else attention_kernel.THREAD_MIN_MACS)
+    before = torch.get_num_threads()
 
     def together(shares):
         fresh_bufs = [(k.clone(), v.clone()) for k, v in bufs]
@@ -167,7 +170,11 @@ def test_a_shared_prefix_changes_no_bit(kernel):
             entries.append((row0, m, start, k, v, *share))
             row0 += m
         q, kn, vn = (torch.cat([r[j] for r in rows]) for j in range(3))
-        return kernel.attend(kernel.plan(entries), 1, q, kn, vn, D ** -0.5), fresh_bufs
+        torch.set_num_threads(threads)  # blocks of one group split between threads: each pairs what it reads
+        try:
+            return kernel.attend(kernel.plan(entries), 1, q, kn, vn, D ** -0.5), fresh_bufs
+        finally:
+            torch.set_num_threads(before)
 
     alone = []
     for (start, m), (k, v), r in zip(specs, bufs, rows):
