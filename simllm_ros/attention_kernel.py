@@ -425,11 +425,7 @@ static void amx_part(const pass_t *P, int tid) {
         for (int t = s; t < ns && nm < 64; t++)
             if (P->seqs[NCOL * t + 11] == s) { mem[nm] = t; rows_before[nm + 1] = rows_before[nm] + P->seqs[NCOL * t + 1] * G; nm++; }
         for (int h = 0; h < Hkv; h++) {
-            long vv_at = 0;
-            for (int u = 0; u < ns; u++) {  /* members pair their own values past the shared keys */
-                const int64_t *U = P->seqs + NCOL * u;
-                vv_done[u] = U[11] == s && u != s ? Pg : 0;
-            }
+            for (int y = 0; y < nm; y++) vv_done[mem[y]] = y ? Pg : 0;  /* members pair theirs past the shared keys */
             for (long r0 = 0; r0 < rows_before[nm]; r0 += 16) {
                 if (unit++ % nt != tid) continue;
                 int nb = rows_before[nm] - r0 < 16 ? (int)(rows_before[nm] - r0) : 16; long jmax = 0;
@@ -455,9 +451,8 @@ static void amx_part(const pass_t *P, int tid) {
                 for (int b = 0; b < nb; b++) { lanes[who[b]] |= (__mmask16)(1u << b); if (lim[b] > lmax[who[b]]) lmax[who[b]] = lim[b]; }
                 const int one = x0 == x1;
                 /* scores: the shared keys once from the lead's buffer, then each member's own */
-                const int64_t *Ls = P->seqs + NCOL * s;
-                const bf16 *k_lead = (const bf16 *)(intptr_t)Ls[3] + P->layer * Ls[5] + h * Ls[6];
-                amx_scores(k_lead, Ls[7], 0, Pg, Pg, QT, KZ, ST, SK, D, 0xffff);
+                const bf16 *k_lead = (const bf16 *)(intptr_t)L[3] + P->layer * L[5] + h * L[6];
+                amx_scores(k_lead, L[7], 0, Pg, Pg, QT, KZ, ST, SK, D, 0xffff);
                 for (int y = x0; y <= x1; y++) {
                     const int64_t *U = P->seqs + NCOL * mem[y];
                     const bf16 *kh = (const bf16 *)(intptr_t)U[3] + P->layer * U[5] + h * U[6];
@@ -510,9 +505,8 @@ static void amx_part(const pass_t *P, int tid) {
                     vv_of[y] = VV + off;
                     off += ((U[2] + U[1] + 31) / 32) * 32 * D;
                 }
-                const int64_t *Ls2 = P->seqs + NCOL * s;
-                const bf16 *v_lead = (const bf16 *)(intptr_t)Ls2[4] + P->layer * Ls2[8] + h * Ls2[9];
-                amx_pair_values(v_lead, Ls2[10], &vv_done[s], Pg, Ls2[2] + Ls2[1], vv_of[0], D, pair_lo, pair_hi);
+                const bf16 *v_lead = (const bf16 *)(intptr_t)L[4] + P->layer * L[8] + h * L[9];
+                amx_pair_values(v_lead, L[10], &vv_done[s], Pg, L[2] + L[1], vv_of[0], D, pair_lo, pair_hi);
                 for (int y = x0; y <= x1; y++) {
                     const int64_t *U = P->seqs + NCOL * mem[y];
                     const bf16 *vh = (const bf16 *)(intptr_t)U[4] + P->layer * U[8] + h * U[9];

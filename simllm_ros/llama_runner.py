@@ -611,9 +611,14 @@ class LlamaRunner:
             return rows, h.new_empty(0, h.shape[-1])
         run = rows if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows])  # never one row alone
         R, D = run.numel(), self.head_dim
-        if self.kernel is not None:  # each row a one-token sequence at its own slot: causal over its prefix
-            plan = self.kernel.plan([(j, 1, int(p), kv.k, kv.v) for j, p in enumerate(run.tolist())])
-            o = self.kernel.attend(plan, li, q[run], k[run], v[run], self.scale)
+        if self.kernel is not None:
+            # The rows as one sequence past the prompt (their new KV lands in scratch slots M..M+R-1, which the
+            # mask refuses), each attending the slots up to its own position: the keys and values it attends in
+            # the whole pass, read once for all rows rather than once per row, the same bits.
+            kv.ensure_capacity(M + R)
+            plan = self.kernel.plan([(0, R, M, kv.k, kv.v)])
+            blocked = torch.arange(M + R, device=run.device)[None, :] > run[:, None]
+            o = self.kernel.attend(plan, li, q[run], k[run], v[run], self.scale, blocked=blocked)
         else:
             G = self.group
             qg = (q[run] * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)

@@ -480,7 +480,7 @@ class ModelBackend:
         if self.runner is None:
             raise RuntimeError("early-layer KV needs the Llama runner")
         n_layers = min(n_layers, self.kv_shape.layers)
-        cache = self.new_cache(len(ids) + 2)
+        cache = self.new_cache(2 * len(ids) + 2)  # room past the prompt: early_pass's picked rows run there
         ids_t = torch.tensor(ids, device=self.device)
         if pick is None:
             h = self.runner.forward(ids_t, torch.arange(len(ids), device=self.device), cache, 0, logits="none",
