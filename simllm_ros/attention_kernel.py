@@ -17,6 +17,12 @@ loaded with ctypes (no torch headers, no Python extension build). Where there is
 shapes do not fit (head_dim not a multiple of 16, dtype other than bf16/float32, not on the CPU), the
 runner keeps its torch path; `SIMLLM_ATTENTION=torch` chooses that path explicitly. The two paths round
 differently, so a pool snapshot records which one computed it (`ModelBackend.numerics_digest`).
+
+Where the compiler targets AMX-BF16 and Linux grants the tile state, bf16 passes run on AMX tiles instead, 16
+query rows at a time (the C source's amx_part; ~4x faster from a few rows, at par for one row), with their own
+roundings and the same row invariance; `SIMLLM_ATTENTION=vector` keeps the vector code. There, sequences whose
+buffers begin with the same bits (one context, several requests: `plan`'s lead and shared) have those slots
+read once per pass for all of them.
 """
 from __future__ import annotations
 
