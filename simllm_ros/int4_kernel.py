@@ -53,12 +53,15 @@ static inline __m512 ld16_bf16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-static void config(int rows) {
+/* Once per product: blocks of `rows` rows in tiles 0-5 and a last block of `tail` rows (0: none) in tiles 6-7,
+   so that a product of 17 or 33 rows does not reconfigure the tiles twice per 16 outputs. */
+static void config(int rows, int tail) {
     tilecfg_t c; memset(&c, 0, sizeof c); c.palette = 1;
     c.rows[0] = rows; c.colsb[0] = 64;  /* C: rows x 16 fp32 */
     c.rows[1] = rows; c.colsb[1] = 64;  /* A: rows x 32 bf16 (one group) */
     c.rows[2] = 16;   c.colsb[2] = 64;  /* B: 16 input pairs x 16 outputs x 2 */
     c.rows[3] = rows; c.colsb[3] = 64; c.rows[4] = rows; c.colsb[4] = 64; c.rows[5] = 16; c.colsb[5] = 64;
+    if (tail) { c.rows[6] = tail; c.colsb[6] = 64; c.rows[7] = tail; c.colsb[7] = 64; }  /* C, A of the tail */
     _tile_loadconfig(&c);
 }
 
@@ -95,17 +98,28 @@ static void *NAME(void *arg) {                                                  
     uint8_t *bbuf = J->scratch;                    /* [G][16][64] dequantized codes */                              \
     float *cbuf = (float *)(J->scratch + (long)G * 1024);   /* [2][16][16] */                                       \
     const int stream = J->M <= TROWS;  /* one row block: dequantize each group just before its product */           \
-    int cur = -1;                                                                                                   \
+    const int full = J->M < TROWS ? J->M : TROWS, tail = J->M > TROWS ? J->M % TROWS : 0;                          \
+    config(full, tail);                                                                                             \
     for (int b = J->b0; b < J->b1; b++) {                                                                           \
         const uint8_t *blob = J->w + (long)b * G * BLOBSZ;                                                          \
         if (!stream)  /* several row blocks: every group dequantized once, kept for all of them */                  \
             for (int g = 0; g < G; g++) DEQ(g, bbuf + g * 1024);                                                    \
         for (int r0 = 0; r0 < J->M; r0 += TROWS) {                                                                  \
             int R = J->M - r0 < TROWS ? J->M - r0 : TROWS;                                                          \
-            if (R != cur) { config(R); cur = R; }                                                                   \
             __m512 out[TROWS];                                                                                      \
             for (int m = 0; m < R; m++) out[m] = _mm512_setzero_ps();                                               \
             int g = 0;                                                                                              \
+            if (R != full) {  /* the tail block, in tiles 6-7: the same products, one group at a time */           \
+                for (; g < G; g++) {                                                                                \
+                    if (stream) DEQ(g, BUF(g));                                                                     \
+                    _tile_zero(6);                                                                                  \
+                    _tile_loadd(7, J->x + (long)r0 * J->x_stride + g * GROUP, J->x_stride * 2);                     \
+                    _tile_loadd(2, BUF(g), 64);                                                                     \
+                    _tile_dpbf16ps(6, 7, 2);                                                                        \
+                    _tile_stored(6, cbuf, 64);                                                                      \
+                    POST(g, cbuf);                                                                                  \
+                }                                                                                                   \
+            }                                                                                                       \
             for (; g + 1 < G; g += 2) {  /* two groups in flight: their tiles do not wait on each other */          \
                 if (stream) { DEQ(g, BUF(g)); DEQ(g + 1, BUF(g + 1)); }                                             \
                 _tile_zero(0); _tile_zero(3);                                                                       \
