@@ -74,7 +74,7 @@ static void config(int rows, int tail) {
             _mm512_store_si512((dst) + 128 * t + 64, _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), table));  \
         }                                                                                                  \
     } while (0)
-#define BUF(gg) (stream ? bbuf + ((gg) & 1) * 1024 : bbuf + (long)(gg) * 1024)
+#define BUF(gg) (stream ? bbuf + ((gg) & 3) * 1024 : bbuf + (long)(gg) * 1024)
 #define POST(gg, cb) do {                                                                               \
         const bf16 *sz_ = (const bf16 *)(blob + (long)(gg) * BLOB + 256);                                   \
         const __m512 step_ = ld16_bf16(sz_), zero_ = ld16_bf16(sz_ + 16);                                  \
@@ -83,6 +83,17 @@ static void config(int rows, int tail) {
             out[m] = _mm512_fmadd_ps(step_, _mm512_load_ps((cb) + 16 * m), out[m]);                        \
             out[m] = _mm512_fmadd_ps(zero_, _mm512_set1_ps(xs_[(long)m * G]), out[m]);                     \
         }                                                                                                  \
+    } while (0)
+
+/* The products of groups gg, gg + 1 for the row block at r0, into tiles 0 and 3. */
+#define PAIR(gg) do {                                                                                   \
+        _tile_zero(0); _tile_zero(3);                                                                      \
+        _tile_loadd(1, J->x + (long)r0 * J->x_stride + (gg) * GROUP, J->x_stride * 2);                     \
+        _tile_loadd(2, BUF(gg), 64);                                                                       \
+        _tile_loadd(4, J->x + (long)r0 * J->x_stride + ((gg) + 1) * GROUP, J->x_stride * 2);               \
+        _tile_loadd(5, BUF((gg) + 1), 64);                                                                 \
+        _tile_dpbf16ps(0, 1, 2);                                                                           \
+        _tile_dpbf16ps(3, 4, 5);                                                                           \
     } while (0)
 
 #define DEFINE_PART(NAME, BLOBSZ, DEQ, POST, STORE)  \
@@ -95,8 +106,8 @@ static void *NAME(void *arg) {                                                  
         0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,                                             \
         0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100);                                            \
     const __m512i lo4 = _mm512_set1_epi16(0x0f);                                                                    \
-    uint8_t *bbuf = J->scratch;                    /* [G][16][64] dequantized codes */                              \
-    float *cbuf = (float *)(J->scratch + (long)G * 1024);   /* [2][16][16] */                                       \
+    uint8_t *bbuf = J->scratch;                    /* [max(G, 4)][16][64] dequantized codes */                      \
+    float *cbuf = (float *)(J->scratch + (long)(G > 4 ? G : 4) * 1024);   /* [4][16][16] */                         \
     const int stream = J->M <= TROWS;  /* one row block: dequantize each group just before its product */           \
     const int full = J->M < TROWS ? J->M : TROWS, tail = J->M > TROWS ? J->M % TROWS : 0;                          \
     config(full, tail);                                                                                             \
@@ -120,19 +131,24 @@ static void *NAME(void *arg) {                                                  
                     POST(g, cbuf);                                                                                  \
                 }                                                                                                   \
             }                                                                                                       \
-            for (; g + 1 < G; g += 2) {  /* two groups in flight: their tiles do not wait on each other */          \
+            /* two groups in flight (their tiles do not wait on each other), and the next pair's products run  \
+               while this pair's results are scaled: the same products and the same order of additions */        \
+            if (g + 1 < G) {                                                                                        \
                 if (stream) { DEQ(g, BUF(g)); DEQ(g + 1, BUF(g + 1)); }                                             \
-                _tile_zero(0); _tile_zero(3);                                                                       \
-                _tile_loadd(1, J->x + (long)r0 * J->x_stride + g * GROUP, J->x_stride * 2);                         \
-                _tile_loadd(2, BUF(g), 64);                                                                         \
-                _tile_loadd(4, J->x + (long)r0 * J->x_stride + (g + 1) * GROUP, J->x_stride * 2);                   \
-                _tile_loadd(5, BUF(g + 1), 64);                                                                     \
-                _tile_dpbf16ps(0, 1, 2);                                                                            \
-                _tile_dpbf16ps(3, 4, 5);                                                                            \
-                _tile_stored(0, cbuf, 64);                                                                          \
-                _tile_stored(3, cbuf + 256, 64);                                                                    \
-                POST(g, cbuf);                                                                                      \
-                POST(g + 1, cbuf + 256);                                                                            \
+                PAIR(g);                                                                                            \
+                for (;; g += 2) {                                                                                   \
+                    float *cb = cbuf + ((g >> 1) & 1) * 512;                                                        \
+                    _tile_stored(0, cb, 64);                                                                        \
+                    _tile_stored(3, cb + 256, 64);                                                                  \
+                    const int next = g + 3 < G;                                                                     \
+                    if (next) {                                                                                     \
+                        if (stream) { DEQ(g + 2, BUF(g + 2)); DEQ(g + 3, BUF(g + 3)); }                             \
+                        PAIR(g + 2);                                                                                \
+                    }                                                                                               \
+                    POST(g, cb);                                                                                    \
+                    POST(g + 1, cb + 256);                                                                          \
+                    if (!next) { g += 2; break; }                                                                   \
+                }                                                                                                   \
             }                                                                                                       \
             for (; g < G; g++) {                                                                                    \
                 if (stream) DEQ(g, BUF(g));                                                                         \
@@ -360,7 +376,7 @@ class Int4Kernel:
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, blob_bytes):
             raise ValueError(f"{what} kernel: bf16 rows [M, K] with contiguous inputs, and weights packed for them")
         threads = torch.get_num_threads() if m * n * k >= THREAD_MIN_MACS else 1
-        per_thread = (k // GROUP) * 1024 + 2048
+        per_thread = max(k // GROUP, 4) * 1024 + 4096  # the C source's bbuf and cbuf
         s = self._scratch  # per calling thread: the call runs without the GIL
         if getattr(s, "work", None) is None or s.work.numel() < m * (k // GROUP) or \
                 s.tiles.numel() < threads * per_thread + 64:
