@@ -85,6 +85,17 @@ static void config(int rows, int tail) {
         }                                                                                                  \
     } while (0)
 
+/* Group gg alone for the row block at r0: its product in tile TC (inputs in TA), scaled into out. */
+#define ONE(gg, TC, TA, DEQF, POSTF) do {                                                                     \
+        if (stream) DEQF(gg, BUF(gg));                                                                     \
+        _tile_zero(TC);                                                                                    \
+        _tile_loadd(TA, J->x + (long)r0 * J->x_stride + (gg) * GROUP, J->x_stride * 2);                    \
+        _tile_loadd(2, BUF(gg), 64);                                                                       \
+        _tile_dpbf16ps(TC, TA, 2);                                                                         \
+        _tile_stored(TC, cbuf, 64);                                                                        \
+        POSTF(gg, cbuf);                                                                                   \
+    } while (0)
+
 /* The products of groups gg, gg + 1 for the row block at r0, into tiles 0 and 3. */
 #define PAIR(gg) do {                                                                                   \
         _tile_zero(0); _tile_zero(3);                                                                      \
@@ -120,17 +131,8 @@ static void *NAME(void *arg) {                                                  
             __m512 out[TROWS];                                                                                      \
             for (int m = 0; m < R; m++) out[m] = _mm512_setzero_ps();                                               \
             int g = 0;                                                                                              \
-            if (R != full) {  /* the tail block, in tiles 6-7: the same products, one group at a time */           \
-                for (; g < G; g++) {                                                                                \
-                    if (stream) DEQ(g, BUF(g));                                                                     \
-                    _tile_zero(6);                                                                                  \
-                    _tile_loadd(7, J->x + (long)r0 * J->x_stride + g * GROUP, J->x_stride * 2);                     \
-                    _tile_loadd(2, BUF(g), 64);                                                                     \
-                    _tile_dpbf16ps(6, 7, 2);                                                                        \
-                    _tile_stored(6, cbuf, 64);                                                                      \
-                    POST(g, cbuf);                                                                                  \
-                }                                                                                                   \
-            }                                                                                                       \
+            if (R != full)  /* the tail block, in tiles 6-7: the same products, one group at a time */             \
+                for (; g < G; g++) ONE(g, 6, 7, DEQ, POST);                                                         \
             /* two groups in flight (their tiles do not wait on each other), and the next pair's products run  \
                while this pair's results are scaled: the same products and the same order of additions */        \
             if (g + 1 < G) {                                                                                        \
@@ -150,15 +152,7 @@ static void *NAME(void *arg) {                                                  
                     if (!next) { g += 2; break; }                                                                   \
                 }                                                                                                   \
             }                                                                                                       \
-            for (; g < G; g++) {                                                                                    \
-                if (stream) DEQ(g, BUF(g));                                                                         \
-                _tile_zero(0);                                                                                      \
-                _tile_loadd(1, J->x + (long)r0 * J->x_stride + g * GROUP, J->x_stride * 2);                         \
-                _tile_loadd(2, BUF(g), 64);                                                                         \
-                _tile_dpbf16ps(0, 1, 2);                                                                            \
-                _tile_stored(0, cbuf, 64);                                                                          \
-                POST(g, cbuf);                                                                                      \
-            }                                                                                                       \
+            for (; g < G; g++) ONE(g, 0, 1, DEQ, POST);  /* an odd group left */                                    \
             for (int m = 0; m < R; m++) STORE(m);                                                                   \
         }                                                                                                           \
     }                                                                                                               \
