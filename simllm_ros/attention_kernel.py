@@ -38,6 +38,16 @@ import threading
 
 import torch
 
+# What both AMX kernels (this one's bf16 path and int4_kernel) need, inside their AMX guards: the tile
+# configuration's layout, and Linux's permission for the tile state, which it hands out only to a process that
+# asks (ARCH_REQ_XCOMP_PERM = 0x1023 for XTILEDATA = 18).
+AMX_COMMON = r"""
+#include <unistd.h>
+#include <sys/syscall.h>
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) tilecfg_t;
+static int amx_request(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+"""
+
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -288,8 +298,7 @@ DEFINE_ATTEND(simllm_attend_bf16, bf16, ld_bf16, STORE_BF16)
 DEFINE_ATTEND(simllm_attend_f32, float, ld_f32, STORE_F32)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
-#include <unistd.h>
-#include <sys/syscall.h>
+/*AMX_COMMON*/
 /* bf16 on AMX tiles, 16 query rows at a time: the scores S^T = K Q^T of 16 keys in one tile (keys read in place,
    a row per lane), the softmax of the 16 rows at once across lanes (float32, sums in key order), then O = P V
    with P split into two bf16 parts (hi = bf16(w), lo = bf16(w - hi): ~16 bits of each weight) against the
@@ -302,7 +311,6 @@ DEFINE_ATTEND(simllm_attend_f32, float, ld_f32, STORE_F32)
    P's two parts, a member's copy of them, key masks; Wm = the longest T rounded up to 32) + the most paired
    values a group needs (its members' slots rounded up to 32, times D / 2) + 32 D + 2 nseq + 320. Needs D a
    multiple of 64. */
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) att_tilecfg_t;
 
 static inline void transpose16(__m512i r[16]) {  /* r[i] lane j -> r[j] lane i, 32-bit lanes */
     __m512i t[16];
@@ -391,7 +399,7 @@ static void amx_part(const pass_t *P, int tid) {
     int lim[16], tok[16], hqs[16], who[16];
     float total[16];
     const uint8_t *blk[16];
-    att_tilecfg_t cfg; memset(&cfg, 0, sizeof cfg); cfg.palette = 1;
+    tilecfg_t cfg; memset(&cfg, 0, sizeof cfg); cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
     __m512i pair_lo, pair_hi, lanes2;  /* a0 b0 a1 b1 ...: two keys' values (lo: elements 0-15, hi: 16-31); two
@@ -549,13 +557,13 @@ static void amx_part(const pass_t *P, int tid) {
 }
 
 DEFINE_ENTRY(simllm_attend_amx_bf16, bf16, amx_part)
-int simllm_attend_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+int simllm_attend_amx_init(void) { return amx_request(); }
 #else
 int simllm_attend_amx_init(void) { return -1; }
 #endif
 
 int simllm_attend_version(void) { return 5; }
-"""
+""".replace("/*AMX_COMMON*/", AMX_COMMON)
 
 MAX_HEAD_DIM = 256  # the kernel's per-row buffers
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-pthread"]

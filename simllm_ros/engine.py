@@ -748,7 +748,7 @@ class Engine:
                     f.share, f.share_checked = None, False
             if lead is None and not f.share_checked:
                 f.share_checked = True
-                for lf_id, k in leads.items():
+                for k in leads.values():
                     lf = flights[work[k][0]]
                     common = next((t for t, (x, y) in enumerate(zip(lf.tokens, f.tokens)) if x != y),
                                   min(len(lf.tokens), len(f.tokens)))

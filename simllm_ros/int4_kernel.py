@@ -30,11 +30,10 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
-#include <unistd.h>
-#include <sys/syscall.h>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
 #define SIMLLM_AMX 1
+/*AMX_COMMON*/
 
 typedef uint16_t bf16;
 #define GROUP 32
@@ -42,7 +41,6 @@ typedef uint16_t bf16;
 #define TROWS 16
 #define PREFETCH 12  /* groups ahead: the weights stream from memory while tiles work */
 
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) tilecfg_t;
 
 typedef struct {
     const bf16 *x; long x_stride; const uint8_t *w; void *y; long y_stride;
@@ -183,8 +181,7 @@ static void *NAME(void *arg) {                                                  
 DEFINE_PART(part4, BLOB, DEQUANT, POST, STORE4)
 DEFINE_PART(part8, BLOB8, DEQUANT8, POST8, STORE8)
 
-/* Linux hands out AMX tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for XTILEDATA). */
-int simllm_int4_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+int simllm_int4_init(void) { return amx_request(); }
 
 /* Worker threads kept for the process: a decode step makes ~120 small products, and starting threads per
    product costs more than it saves. Between products a worker spins briefly (~100 us: the next product of a
@@ -292,7 +289,7 @@ void simllm_int4_mm(const void *x, long xs, const void *w, void *y, long ys, int
 void simllm_int8_mm(const void *x, long xs, const void *w, void *y, long ys, int M, int N, int K,
                     void *scratch, long per_thread, int nthreads) { (void)x; }
 #endif
-"""
+""".replace("/*AMX_COMMON*/", attention_kernel.AMX_COMMON)
 
 GROUP = 32  # inputs per 4-bit group (INT4_GROUP in llama_runner)
 BLOB = 320  # bytes per 16 outputs x one group: 256 of codes, 16 steps and 16 zeros in bf16
