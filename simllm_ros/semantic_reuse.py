@@ -39,20 +39,18 @@ class SemanticPrefill:
 
 
 def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int], *, recompute_ratio: float,
-        gap_recompute_tokens: int, strict_layers: int) -> SemanticPrefill:
+        gap_recompute_tokens: int, strict_layers: int, reserve: int = 0) -> SemanticPrefill:
+    """The repaired cache (position order, room for `reserve` more tokens) and the last token's logits."""
     n = len(tokens)
     src_k, src_v = pool.entry_kv(plan.source_key)
-    device = src_k.device
-    new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long, device=device)
-    src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long, device=device)
-    # Layered reuse + selection: fresh KV of the first layers for all tokens (their reused keys are not rotated).
-    strict = min(strict_layers, src_k.shape[0])
-    k = torch.empty((src_k.shape[0], src_k.shape[1], len(plan.pairs), src_k.shape[3]), dtype=src_k.dtype, device=device)
-    k[strict:] = backend.rotate_keys(src_k[strict:][:, :, src_pos], new_pos - src_pos)
-    v = src_v[:, :, src_pos].clone()
+    device, L = src_k.device, src_k.shape[0]
+    new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long)
+    src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long)
+    strict = min(strict_layers, L)
     # Layer-0 KV depends on the token alone (a reused token's layer-0 values equal fresh ones), so the
     # deviation is measured at layer 1 or deeper: two fresh layers at least, even for strict_layers=1.
-    n_fresh = min(max(strict, 2), k.shape[0])
+    n_fresh = min(max(strict, 2), L)
+    probe_v = src_v[n_fresh - 1][:, src_pos.to(device)]  # [H, pairs, D]: the reused values the deviation is of
     keep = torch.ones(len(plan.pairs), dtype=torch.bool)
     recompute: list[int] = []  # positions to recompute, ascending: chosen by pick()
 
@@ -60,13 +58,12 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
         """The tokens to recompute, chosen from the fresh KV of the early layers. Only their hidden rows are
         needed after the early pass (and only where it covers the strict layers): it finishes its last
         layer for them alone."""
-        dev = (fv[n_fresh - 1][:, new_pos].float() - v[n_fresh - 1].float()).norm(dim=(0, 2)).cpu()  # [reused]
+        dev = (fv[n_fresh - 1][:, new_pos.to(fv.device)].float() - probe_v.to(fv.device).float()).norm(dim=(0, 2)).cpu()
         # Tokens right after each gap saw a different left context most recently: recompute them.
-        pos = new_pos.cpu()
-        idx = torch.arange(len(pos))
-        gap = (pos != torch.cat([pos.new_tensor([-1]), pos[:-1]]) + 1) & (idx >= plan.exact_lead)
+        idx = torch.arange(len(new_pos))
+        gap = (new_pos != torch.cat([new_pos.new_tensor([-1]), new_pos[:-1]]) + 1) & (idx >= plan.exact_lead)
         for o in range(gap_recompute_tokens):  # the first gap_recompute_tokens pairs from each gap on
-            keep[(idx[gap] + o)[idx[gap] + o < len(pos)]] = False
+            keep[(idx[gap] + o)[idx[gap] + o < len(new_pos)]] = False
         # The most deviating of the approximate (non-exact-lead) reused tokens.
         approx_idx = torch.arange(plan.exact_lead, len(plan.pairs))
         n_sel = int(round(recompute_ratio * len(approx_idx)))
@@ -74,31 +71,45 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
             order = torch.argsort(dev[approx_idx], descending=True)[:n_sel]
             keep[approx_idx[order]] = False
         redo = torch.ones(n, dtype=torch.bool)
-        redo[pos[keep]] = False
+        redo[new_pos[keep]] = False
         recompute.extend(redo.nonzero()[:, 0].tolist())
         return recompute if strict == n_fresh and keep.any() else []
 
     fk, fv, fh = backend.early_layers(tokens, n_fresh, pick)
-    fk, fv = fk.to(device, k.dtype), fv.to(device, v.dtype)
-    k[:strict] = fk[:strict][:, :, new_pos]
-    v[:strict] = fv[:strict][:, :, new_pos]
-
     if not keep.any():  # nothing survives the repair: a plain prefill is the same work
-        logits, cache = backend.prefill(tokens)
+        logits, cache = backend.prefill(tokens, reserve=reserve)
         return SemanticPrefill(logits, cache, reused=0, recomputed=n)
-    keep_d = keep.to(device)
-    kept_pos = new_pos[keep_d].cpu()
-    cache = backend.cache_from_tensors(k[:, :, keep_d], v[:, :, keep_d])
+    # The kept tokens' KV, read once from the entry into the buffer the repair runs in: fresh KV of the strict
+    # layers (layered reuse), the entry's deeper, keys moved with their tokens (stored after RoPE).
+    kept_pos, kept_src = new_pos[keep], src_pos[keep]
+    nk, nr = len(kept_pos), len(recompute)
+    work = backend.new_cache(nk + nr + 2)
+    wk, wv = backend.cache_storage(work)
+    at_src = kept_src.to(device)
+    wk[:strict, :, :nk] = fk[:strict].index_select(2, kept_pos.to(fk.device))  # (index_select + copy: ~2x
+    wv[:strict, :, :nk] = fv[:strict].index_select(2, kept_pos.to(fv.device))  # faster than indexed assignment)
+    wk[strict:, :, :nk] = src_k[strict:].index_select(2, at_src)
+    wv[strict:, :, :nk] = src_v[strict:].index_select(2, at_src)
+    moved = (kept_pos != kept_src).nonzero()[:, 0]
+    if len(moved):
+        at = moved.to(device)
+        wk[strict:, :, at] = backend.rotate_keys(wk[strict:][:, :, at], (kept_pos - kept_src)[moved])
+    work.length = nk
     q_pos = torch.tensor(recompute, dtype=torch.long)
     kv_pos = torch.cat([kept_pos, q_pos])
     mask = kv_pos[None, :] <= q_pos[:, None]  # [q, kv]: each recomputed token sees what precedes it (run() moves it)
     ids = [tokens[p] for p in recompute]
     if strict == n_fresh:  # the early pass already ran the recomputed tokens through every strict layer
-        rec = q_pos.to(device)  # fh holds exactly these rows (pick's answer)
-        logits = backend.resume_prefill(ids, cache, recompute, mask, fh, fk[:, :, rec], fv[:, :, rec])
+        rec = q_pos.to(fk.device)  # fh holds exactly these rows (pick's answer)
+        logits = backend.resume_prefill(ids, work, recompute, mask, fh, fk[:, :, rec], fv[:, :, rec])
     else:  # its last layer saw reused KV of the other tokens: the recomputed ones start from the bottom
-        logits, cache = backend.prefill(ids, cache, positions=recompute, mask=mask)
-    K, V = backend.cache_tensors(cache)
-    order = torch.argsort(kv_pos).to(K.device)
-    cache = backend.cache_from_tensors(K[:, :, order], V[:, :, order])
-    return SemanticPrefill(logits, cache, reused=int(keep.sum()), recomputed=len(recompute))
+        logits, work = backend.prefill(ids, work, positions=recompute, mask=mask)
+    # Slot = position from here on (decoding appends in order): one scatter of the repaired KV.
+    cache = backend.new_cache(n + max(reserve, 2))
+    ck, cv = backend.cache_storage(cache)
+    wk, wv = backend.cache_storage(work)
+    order = torch.argsort(kv_pos).to(device)
+    ck[:, :, :n] = wk[:, :, :n].index_select(2, order)
+    cv[:, :, :n] = wv[:, :, :n].index_select(2, order)
+    cache.length = n
+    return SemanticPrefill(logits, cache, reused=nk, recomputed=nr)
