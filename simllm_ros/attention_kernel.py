@@ -58,7 +58,9 @@ SOURCE = r"""
 #endif
 
 #define ROW_BLOCK 8
-#define NCOL 13  /* columns of the sequence table */
+#define NCOL 14  /* columns of the sequence table */
+/* the slot of token i of a sequence: its own (column 13: an int64 array) or start + i */
+#define SLOT(sq, i) ((sq)[13] ? ((const int64_t *)(intptr_t)(sq)[13])[i] : (sq)[2] + (i))
 #define MAXD 256
 
 typedef uint16_t bf16;
@@ -165,12 +167,14 @@ static inline float softmax_row(float *sc, int lim, const uint8_t *blocked, int 
 /* One layer's attention for a pass of N query rows from one or more sequences, each over its own KV buffer.
    q: row n, query head hq at q[n*q_sn + hq*q_sh + d]; knew/vnew: the rows' new keys/values [n, kv head] at
    n*kn_sn + h*kn_sh (and vn_*), written here into each sequence's buffer before attending; out [N, Hq, D].
-   seqs [nseq][13] int64: row0, m, start, k_base, v_base, k_sl, k_sh, k_sj, v_sl, v_sh, v_sj (pointers and
+   seqs [nseq][14] int64: row0, m, start, k_base, v_base, k_sl, k_sh, k_sj, v_sl, v_sh, v_sj (pointers and
    element strides of [L, Hkv, C, D] buffers), lead, P: slots [0, P) of this sequence's buffers hold the same bits
    as those of sequence `lead` (lead <= s; lead == s and P == 0: nothing shared), which the AMX code then reads
-   once for all of them (the vector code reads each sequence's own: the same bits either way). Token i of a sequence sits at slot start + i and attends slots
-   <= start + i; with `blocked` (one sequence only) [m, T - first] instead: slot j is refused when j >= first and
-   blocked[i * (T - first) + j - first], T = start + m. Query head hq reads KV head hq / (Hq / Hkv).
+   once for all of them (the vector code reads each sequence's own: the same bits either way), and a pointer to
+   the tokens' own slots (int64 [m], non-decreasing, the last = start + m - 1) or 0. Token i of a sequence sits at
+   slot SLOT(i) (start + i unless its own are given) and attends slots <= SLOT(i); with `blocked` (one sequence
+   only) [m, T - first] instead: slot j is refused when j >= first and blocked[i * (T - first) + j - first],
+   T = start + m. Query head hq reads KV head hq / (Hq / Hkv).
    work: ROW_BLOCK * (T + VEC) floats for the longest T, per thread (nthreads: 1 runs in the caller's thread).
    Rows are split between threads in whole blocks, each computed exactly as alone: threads change no bit. */
 typedef struct {
@@ -204,12 +208,12 @@ void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, lon
           long work_stride, int nthreads) {                                                                 \
     for (int s = 0; s < nseq; s++) {                                                                        \
         const int64_t *sq = seqs + NCOL * s;                                                                  \
-        const long row0 = sq[0], m = sq[1], start = sq[2];                                                  \
+        const long row0 = sq[0], m = sq[1];                                                                 \
         TYPE *kb = (TYPE *)(intptr_t)sq[3] + layer * sq[5], *vb = (TYPE *)(intptr_t)sq[4] + layer * sq[8];  \
         for (long i = 0; i < m; i++)                                                                        \
             for (int h = 0; h < Hkv; h++) {                                                                 \
-                memcpy(kb + h * sq[6] + (start + i) * sq[7], knew + (row0 + i) * kn_sn + h * kn_sh, D * sizeof(TYPE)); \
-                memcpy(vb + h * sq[9] + (start + i) * sq[10], vnew + (row0 + i) * vn_sn + h * vn_sh, D * sizeof(TYPE)); \
+                memcpy(kb + h * sq[6] + SLOT(sq, i) * sq[7], knew + (row0 + i) * kn_sn + h * kn_sh, D * sizeof(TYPE)); \
+                memcpy(vb + h * sq[9] + SLOT(sq, i) * sq[10], vnew + (row0 + i) * vn_sn + h * vn_sh, D * sizeof(TYPE)); \
             }                                                                                               \
     }                                                                                                       \
     pass_t P = {q, knew, vnew, out, q_sn, q_sh, kn_sn, kn_sh, vn_sn, vn_sh, work_stride,                    \
@@ -246,7 +250,7 @@ static void NAME##_part(const pass_t *P, int tid) {                             
                     const TYPE *qr = q + (row0 + i) * P->q_sn + hq * P->q_sh;                               \
                     for (int c = 0; c < C; c++) qv[b][c] = VMUL(LD(qr + c * VEC), VSET1(P->scale));         \
                     tok[b] = (int)i;                                                                        \
-                    lim[b] = blocked ? (int)T : (int)(start + i + 1);  /* a mask decides alone */             \
+                    lim[b] = blocked ? (int)T : (int)(SLOT(sq, i) + 1);  /* a mask decides alone */            \
                     if (lim[b] > jmax) jmax = lim[b];                                                       \
                 }                                                                                           \
                 /* scores: each key read once for the block's rows; one dot product = C fused steps + hsum */\
@@ -455,7 +459,7 @@ static void amx_part(const pass_t *P, int tid) {
                     for (int c = 0; c < DC; c++)
                         for (int r = 0; r < 16; r++) memcpy(QT + ((c * 16 + r) * 16 + b) * 2, qr + c * 32 + 2 * r, 4);
                     who[b] = x; tok[b] = (int)(U[0] + i);
-                    lim[b] = blocked ? (int)(U[2] + U[1]) : (int)(U[2] + i + 1);
+                    lim[b] = blocked ? (int)(U[2] + U[1]) : (int)(SLOT(U, i) + 1);
                     if (blocked) blk[b] = blocked + i * (U[2] + U[1] - first) - first;
                     if (lim[b] > jmax) jmax = lim[b];
                 }
@@ -626,7 +630,7 @@ def build(cc: str | None = None, extra_flags: tuple[str, ...] = (), source: str 
 class PassPlan:
     """The sequences of one pass, as the kernel reads them: built once per pass, used for every layer."""
 
-    table: torch.Tensor  # [nseq, 11] int64 (see the C source)
+    table: torch.Tensor  # [nseq, 14] int64 (see the C source)
     rows: int  # query rows in the pass
     longest: int  # the most keys any sequence attends
     pairs: int  # (query token, key) pairs of the pass, at most: what its cost grows with
@@ -667,34 +671,45 @@ class AttentionKernel:
 
     @staticmethod
     def plan(seqs: list[tuple]) -> PassPlan:
-        """seqs: (row0, m, start, k, v[, lead, shared]) per sequence: its query rows row0..row0+m-1 are tokens at
-        slots start..start+m-1 of k, v [L, Hkv, C, D] (a KVBuffer's tensors; the kernel writes their new KV
-        there). `lead`, `shared`: slots [0, shared) of this buffer hold the same bits as those of sequence `lead`
-        (an earlier one, itself leading, whose own `shared` is the same): the AMX code reads them once for all.
-        The caller vouches for the bits (ModelBackend.same_prefix compares them); shared is a multiple of 32,
-        at most every member's and the lead's start."""
-        rows, longest, pairs, table, dtype, group_slots = 0, 0, 0, [], None, {}
+        """seqs: (row0, m, start, k, v[, lead, shared[, slots]]) per sequence: its query rows row0..row0+m-1 are
+        tokens at slots start..start+m-1 of k, v [L, Hkv, C, D] (a KVBuffer's tensors; the kernel writes their
+        new KV there). `lead`, `shared`: slots [0, shared) of this buffer hold the same bits as those of sequence
+        `lead` (an earlier one, itself leading, whose own `shared` is the same): the AMX code reads them once for
+        all. The caller vouches for the bits (ModelBackend.same_prefix compares them); shared is a multiple of 32,
+        at most every member's and the lead's start. `slots` (int64 [m], non-decreasing; start is then ignored):
+        the tokens' own slots instead, each attending every slot up to its own (tokens scattered among KV
+        already there: semantic repair's recomputed ones, slot = position); a slot named twice gets the same
+        KV twice."""
+        rows, longest, pairs, table, dtype, group_slots, keep = 0, 0, 0, [], None, {}, []
         for i, seq in enumerate(seqs):
             row0, m, start, k, v = seq[:5]
             lead, shared = (seq[5], seq[6]) if len(seq) > 5 else (i, 0)
+            own = seq[7] if len(seq) > 7 else None
+            if own is not None:
+                own = own.to("cpu", torch.int64).contiguous()
+                if own.shape != (m,) or m < 1 or int(own[0]) < 0 or bool((own[1:] < own[:-1]).any()):
+                    raise ValueError(f"attention kernel: sequence {i}'s slots must be {m} non-decreasing slots >= 0")
+                start = int(own[-1]) + 1 - m
+                keep.append(own)
             if k.dim() != 4 or k.shape != v.shape or k.stride(3) != 1 or v.stride(3) != 1:
                 raise ValueError("attention kernel: KV buffers must be [L, H, C, D] with a contiguous last dimension")
             if dtype not in (None, k.dtype) or v.dtype != k.dtype:
                 raise ValueError("attention kernel: one dtype for every buffer of a pass")
-            if start < 0 or m < 1 or start + m > k.shape[2]:
+            if (start < 0 and own is None) or m < 1 or start + m > k.shape[2]:
                 raise ValueError(f"attention kernel: slots {start}..{start + m} do not fit a buffer of {k.shape[2]}")
-            if not 0 <= lead <= i or shared < 0 or shared % 32 or shared > start or lead < i and (
+            if not 0 <= lead <= i or shared < 0 or shared % 32 or shared > start or own is not None and shared or lead < i and (
                     table[lead][11] != lead or table[lead][12] != shared or k.shape != seqs[lead][3].shape):
                 raise ValueError(f"attention kernel: sequence {i} cannot share {shared} slots with sequence {lead}")
             dtype = k.dtype
-            table.append([row0, m, start, k.data_ptr(), v.data_ptr(), *k.stride()[:3], *v.stride()[:3], lead, shared])
+            table.append([row0, m, start, k.data_ptr(), v.data_ptr(), *k.stride()[:3], *v.stride()[:3], lead, shared,
+                          0 if own is None else own.data_ptr()])
             rows, longest, pairs = max(rows, row0 + m), max(longest, start + m), pairs + m * (start + m)
             members, slots = group_slots.get(lead, (0, 0))
             if members == 64:
                 raise ValueError(f"attention kernel: sequence {i} cannot share with sequence {lead}: 64 do already")
             group_slots[lead] = (members + 1, slots + -(-(start + m) // 32) * 32)
         return PassPlan(torch.tensor(table, dtype=torch.int64), rows, longest, pairs, dtype,
-                        [t for s in seqs for t in s[3:5]], max(s for _, s in group_slots.values()))
+                        [t for s in seqs for t in s[3:5]] + keep, max(s for _, s in group_slots.values()))
 
     def attend(self, plan: PassPlan, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                scale: float, out: torch.Tensor | None = None, blocked: torch.Tensor | None = None,

@@ -815,7 +815,7 @@ class Engine:
             s = self.settings
             sp = semantic_reuse.run(self.backend, self.pool, plan, tokens, recompute_ratio=s.recompute_ratio,
                                     gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers,
-                                    reserve=reserve)
+                                    reserve=reserve, lossless_kv=self.lossless_reuse)
             res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
             return sp.logits, sp.cache
         n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX else 0

@@ -18,8 +18,8 @@ Two reasons it exists:
    outside the matrix products (cache concatenation, mask building, dispatch through
    many modules). This runner reads the HF model's own weights (q/k/v and gate/up
    fused into one product each; the HF modules keep views, nothing is duplicated),
-   writes KV in place into a preallocated `KVBuffer`, and builds a mask only when
-   several tokens run at once. On CPUs with AMX, 4-bit products and the 8-bit LM head run on our
+   writes KV in place into a preallocated `KVBuffer` (at consecutive slots, or at each token's own: semantic
+   repair), and is causal by slot (the torch path builds a mask only when several tokens run at once). On CPUs with AMX, 4-bit products and the 8-bit LM head run on our
    own tile kernel (int4_kernel), and RMSNorm is one C call (norm_kernel); both row-invariant.
 
 Only for full-attention RoPE models whose HF module layout is Llama's
@@ -516,12 +516,13 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, start: int,
-                mask: torch.Tensor | None = None, logits: str = "last", n_layers: int | None = None,
+                slots: torch.Tensor | None = None, logits: str = "last", n_layers: int | None = None,
                 hidden: torch.Tensor | None = None, first_layer: int = 0, _single: bool = False):
-        """Run tokens `ids` [M] at `positions` [M], writing their KV at buffer slots start..start+M-1.
+        """Run tokens `ids` [M] at `positions` [M], writing their KV at buffer slots start..start+M-1, or at
+        their own `slots` [M] (ascending; start is then ignored) among KV the buffer already holds.
 
-        Attention covers slots 0..start+M-1: causal by slot when mask is None (slot order = position
-        order), else `mask` [M, start+M] (True = may attend). Returns logits of the last token
+        Attention is causal by slot (slot order = position order): a token attends every slot up to its
+        own (semantic repair's recomputed tokens, scattered among reused ones, slot = position). Returns logits of the last token
         ("last"), of every token ("all"), or None ("none"); `n_layers` stops early (the
         deviation probe of semantic repair needs only the first layers' KV) and returns the hidden rows
         [M, E] after those layers. `hidden` [M, E] with `first_layer` resumes from there: the rows' KV of
@@ -530,33 +531,34 @@ class LlamaRunner:
         M = ids.shape[0]
         if M == 1 and not self.single_rows:  # one row alone would take the GEMV path, which rounds differently
             # (16-bit oneDNN products; see check_single_rows)
-            pad = None if mask is None else torch.cat([mask, mask[:, -1:] & False], dim=1)
-            pad = None if pad is None else torch.cat([pad, pad[-1:]], dim=0)
+            # (with its own slot, the copy is the same token at the same slot: it writes the same KV there)
             before = kv.length
-            out = self.forward(torch.cat([ids, ids]), torch.cat([positions, positions + 1]), kv, start, pad,
-                               logits, n_layers, None if hidden is None else torch.cat([hidden, hidden]),
-                               first_layer, _single=True)
-            kv.length = max(before, start + 1)
+            out = self.forward(torch.cat([ids, ids]), torch.cat([positions, positions + (slots is None)]), kv, start,
+                               None if slots is None else torch.cat([slots, slots]), logits, n_layers,
+                               None if hidden is None else torch.cat([hidden, hidden]), first_layer, _single=True)
+            kv.length = max(before, start + 1 if slots is None else int(slots[0]) + 1)
             return None if out is None else out[:1]
+        if slots is not None:
+            slots = slots.to(torch.long)
+            start = int(slots[-1]) + 1 - M
         end = start + M
         if end > kv.capacity:
             raise ValueError(f"KV buffer holds {kv.capacity} tokens, {end} needed")
         h = self.embed(ids)[None] if hidden is None else hidden.to(self.embed.weight.dtype)[None]  # [1, M, E]
         cos, sin = self._rope_tables(h, positions)
         G, D, Hkv = self.group, self.head_dim, self.n_kv
-        # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so a mask repeats G times; inverted
-        # once here rather than in each layer. Causal by slot, every query may attend slots < start: only the
-        # new tokens' own columns need masking (`first`: the column the mask starts at).
+        # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so a mask repeats G times; built once
+        # here rather than in each layer. Causal by slot, every query may attend slots < start: only the
+        # new tokens' own columns need masking (`first`: the column the mask starts at); with own slots, all.
         blocked, first, plan = None, 0, None
-        if self.kernel is not None:  # causal by slot inside the kernel; a mask as given
-            plan = self.kernel.plan([(0, M, start, kv.k, kv.v)])
+        if self.kernel is not None:  # causal by slot inside the kernel
+            plan = self.kernel.plan([(0, M, start, kv.k, kv.v) + (() if slots is None else (0, 0, slots))])
             attn = h.new_empty(M, self.n_heads, D)
-            blocked = None if mask is None else ~mask
-        elif mask is None and M > 1:
+        elif slots is not None:
+            blocked = (torch.arange(end, device=ids.device)[None, :] > slots[:, None]).repeat(G, 1)
+        elif M > 1:
             own = torch.arange(start, end, device=ids.device)
             blocked, first = (own[None, :] > own[:, None]).repeat(G, 1), start
-        elif mask is not None:
-            blocked = ~mask.repeat(G, 1)
         layers = self.layers[first_layer:n_layers]
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers, start=first_layer):
             x = ln1(h)
@@ -565,8 +567,9 @@ class LlamaRunner:
                 o = self.kernel.attend(plan, li, q, k, v, self.scale, attn, blocked).view(1, M, -1)
             else:
                 q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, M, D], [Hkv, M, D] x 2
-                kv.k[li, :, start:end] = k
-                kv.v[li, :, start:end] = v
+                at = slice(start, end) if slots is None else slots
+                kv.k[li, :, at] = k
+                kv.v[li, :, at] = v
                 # [Hq, M, D] -> [Hkv, G*M, D]: query head h uses KV head h // G (HF's repeat_kv order).
                 qg = (q * self.scale).reshape(Hkv, G * M, D)
                 o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked, first)
@@ -587,42 +590,44 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def early_pass(self, ids: torch.Tensor, kv: KVBuffer, n_layers: int,
-                   pick: Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | list[int]"]
+                   pick: Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | list[int]"], start: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `n_layers` layers over a whole prompt (positions 0..M-1, slots 0..M-1 of `kv`), finishing
         the last of them only for the rows `pick` asks for: returns (those rows [R] sorted, hidden [R, E]).
+        Slots 0..start-1 may already hold those layers' KV of the first tokens (an exact prefix: bitwise what
+        the pass computes), which then run no more; pick's rows are then all >= start.
 
         `pick(k, v)` sees every token's fresh KV of those layers ([n_layers, Hkv, M, D]); its rows are the
         only ones whose hidden state is used later (semantic repair's recomputed tokens), and the last layer's
         attention output and MLP are most of its cost. Each picked row attends its own prefix, so the rows
         and KV are bitwise those of the whole pass (row-invariant kernels; kernel or torch path alike)."""
         M = ids.shape[0]
-        positions = torch.arange(M, device=ids.device)
-        h = self.forward(ids, positions, kv, 0, logits="none", n_layers=n_layers - 1)[None]  # [1, M, E]
+        positions = torch.arange(start, M, device=ids.device)
+        h = self.forward(ids[start:], positions, kv, start, logits="none", n_layers=n_layers - 1)[None]  # [1, M', E]
         li = n_layers - 1
         ln1, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
         cos, sin = self._rope_tables(h, positions)
-        q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)  # [M, Hq, D], [M, Hkv, D] x 2
-        kv.k[li, :, :M] = k.transpose(0, 1)
-        kv.v[li, :, :M] = v.transpose(0, 1)
+        q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)  # [M', Hq, D], [M', Hkv, D] x 2
+        kv.k[li, :, start:M] = k.transpose(0, 1)
+        kv.v[li, :, start:M] = v.transpose(0, 1)
         kv.length = max(kv.length, M)
         rows = torch.as_tensor(pick(kv.k[:n_layers, :, :M], kv.v[:n_layers, :, :M]), dtype=torch.long).sort().values
         if rows.numel() == 0:
             return rows, h.new_empty(0, h.shape[-1])
-        run = rows if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows])  # never one row alone
+        if int(rows[0]) < start:
+            raise ValueError(f"early pass: row {int(rows[0])} is in the {start}-token prefix it did not run")
+        run = rows - start if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows]) - start  # never alone
         R, D = run.numel(), self.head_dim
         if self.kernel is not None:
-            # The rows as one sequence past the prompt (their new KV lands in scratch slots M..M+R-1, which the
-            # mask refuses), each attending the slots up to its own position: the keys and values it attends in
-            # the whole pass, read once for all rows rather than once per row, the same bits.
-            kv.ensure_capacity(M + R)
-            plan = self.kernel.plan([(0, R, M, kv.k, kv.v)])
-            blocked = torch.arange(M + R, device=run.device)[None, :] > run[:, None]
-            o = self.kernel.attend(plan, li, q[run], k[run], v[run], self.scale, blocked=blocked)
+            # The rows at their own slots (their new KV is what the slots hold: the same bits written again),
+            # each attending the slots up to its own: the keys and values it attends in the whole pass, read once
+            # for all rows rather than once per row, the same bits.
+            plan = self.kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
+            o = self.kernel.attend(plan, li, q[run], k[run], v[run], self.scale)
         else:
             G = self.group
             qg = (q[run] * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
-            blocked = (positions[None, :] > run.to(positions.device)[:, None]).repeat(G, 1)
+            blocked = (torch.arange(M, device=ids.device)[None, :] > (run + start).to(ids.device)[:, None]).repeat(G, 1)
             o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], blocked)
             o = o.reshape(self.n_heads, R, D).transpose(0, 1)
         out = self._mlp(h[:, run] + o_proj(o.reshape(1, R, self.n_heads * D)), ln2, gate_up, down, act)

@@ -395,25 +395,27 @@ class ModelBackend:
 
     # ---- forward passes ----------------------------------------------------
     @torch.inference_mode()
-    def run(self, ids: list[int], cache, positions: list[int] | None = None, mask: torch.Tensor | None = None,
-            logits: str = "last") -> torch.Tensor | None:
+    def run(self, ids: list[int], cache, positions: list[int] | None = None, logits: str = "last"
+            ) -> torch.Tensor | None:
         """Run `ids` after the cache's tokens; the one entry point of every forward pass.
 
-        positions default to the next ones; mask [M, past+M] (True = may attend) only for
-        tokens fed out of order. Returns float logits [vocab] ("last"), [M, vocab] ("all") or None.
+        positions default to the next ones. Given (ascending, a KVBuffer): the tokens go to the slots of their
+        positions, among the KV the cache holds at every other position below them (semantic repair). Returns
+        float logits [vocab] ("last"), [M, vocab] ("all") or None.
         """
         past = self.cache_len(cache)
         n = len(ids)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions if positions is not None else list(range(past, past + n)), device=self.device)
+        mode = "all" if logits == "all" else "last" if logits == "last" else "none"
         if isinstance(cache, KVBuffer):
-            cache.ensure_capacity(past + n + 1)  # + 1: a lone token runs padded to two rows
-            out = self.runner.forward(input_ids, pos, cache, past, mask=None if mask is None else mask.to(self.device),
-                                      logits="all" if logits == "all" else "last" if logits == "last" else "none")
+            slots = None if positions is None else pos
+            cache.ensure_capacity(past + n + 1 if slots is None else int(pos[-1]) + 2)  # + 1: a lone token runs padded
+            out = self.runner.forward(input_ids, pos, cache, past, slots=slots, logits=mode)
             return None if out is None else out if logits == "all" else out[-1]
+        if positions is not None:
+            raise ValueError("tokens at given positions need the Llama runner's KV buffer")
         kwargs = {"position_ids": pos[None], "cache_position": torch.arange(past, past + n, device=self.device)}
-        if mask is not None:
-            kwargs["attention_mask"] = mask[None, None].to(self.device)
         keep = 0 if logits == "all" else 1
         out = self.model(input_ids=input_ids[None], cache=cache, use_cache=True, logits_to_keep=keep, **kwargs)
         if logits == "none":
@@ -460,12 +462,11 @@ class ModelBackend:
         first = int(differ.nonzero()[0, 0]) if bool(differ.any()) else n
         return first // 32 * 32
 
-    def prefill(self, ids: list[int], cache=None, positions: list[int] | None = None,
-                mask: torch.Tensor | None = None, reserve: int = 0):
+    def prefill(self, ids: list[int], cache=None, reserve: int = 0):
         """Run `ids` on top of `cache` (a new one if None); returns (logits of the last token, cache)."""
         if cache is None:
             cache = self.new_cache(len(ids) + max(reserve, 2))
-        return self.run(ids, cache, positions, mask), cache
+        return self.run(ids, cache), cache
 
     def full_logits(self, ids: list[int]) -> torch.Tensor:
         """Logits at every position of a no-cache run (for tests and quality checks)."""
@@ -473,36 +474,42 @@ class ModelBackend:
 
     @torch.inference_mode()
     def early_layers(self, ids: list[int], n_layers: int, pick: Callable[[torch.Tensor, torch.Tensor], list[int]]
-                     | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     | None = None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K, V [n_layers, H, n, D], hidden rows [R, E]) after the first n_layers, all tokens in order: fresh
         KV of the early layers at a fraction of a full prefill's cost. Hidden rows of every token, or only of
-        the tokens `pick(K, V)` names (ascending positions): the last layer is then finished for those alone."""
+        the tokens `pick(K, V)` names (ascending positions): the last layer is then finished for those alone.
+        With pick, `prefix` (k, v [>= n_layers, H, p, D]) may give the first p tokens' KV, bitwise what the pass
+        would compute (an exact prefix at the model's precision): those tokens then do not run."""
         if self.runner is None:
             raise RuntimeError("early-layer KV needs the Llama runner")
         n_layers = min(n_layers, self.kv_shape.layers)
-        cache = self.new_cache(2 * len(ids) + 2)  # room past the prompt: early_pass's picked rows run there
+        cache = self.new_cache(len(ids) + 2)
         ids_t = torch.tensor(ids, device=self.device)
         if pick is None:
             h = self.runner.forward(ids_t, torch.arange(len(ids), device=self.device), cache, 0, logits="none",
                                     n_layers=n_layers)
         else:
-            _, h = self.runner.early_pass(ids_t, cache, n_layers, pick)
+            start = 0
+            if prefix is not None:
+                start = min(prefix[0].shape[2], len(ids) - 1)  # the last token always runs
+                cache.k[:n_layers, :, :start] = prefix[0][:n_layers, :, :start]
+                cache.v[:n_layers, :, :start] = prefix[1][:n_layers, :, :start]
+                cache.length = start
+            _, h = self.runner.early_pass(ids_t, cache, n_layers, pick, start)
         return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)], h
 
     @torch.inference_mode()
-    def resume_prefill(self, ids: list[int], cache, positions: list[int], mask: torch.Tensor, hidden: torch.Tensor,
-                       early_k: torch.Tensor, early_v: torch.Tensor) -> torch.Tensor:
-        """Run `ids` after the cache's tokens from layer L = len(early_k) on, from their hidden rows after the
-        layers below (`hidden` [M, E]) and their KV there (`early_k/v` [L, H, M, D]), as an early pass over
-        the same prompt computed them; returns the last token's logits. Semantic repair's recomputed tokens
-        thus skip the layers its early pass already ran for every token."""
-        past, n, first = cache.length, len(ids), early_k.shape[0]
-        cache.ensure_capacity(past + n + 1)
-        cache.k[:first, :, past:past + n] = early_k
-        cache.v[:first, :, past:past + n] = early_v
-        out = self.runner.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                  torch.tensor(positions, device=self.device), cache, past, mask=mask.to(self.device),
-                                  logits="last", hidden=hidden, first_layer=first)
+    def resume_prefill(self, ids: list[int], cache, positions: list[int], hidden: torch.Tensor, first_layer: int
+                       ) -> torch.Tensor:
+        """Run `ids` at the slots of their `positions` (ascending) from layer `first_layer` on, from their hidden
+        rows after the layers below (`hidden` [M, E], as an early pass over the same prompt computed them);
+        returns the last token's logits. The cache holds every other position's KV and, in the layers below,
+        these tokens' own. Semantic repair's recomputed tokens thus skip the layers its early pass already ran
+        for every token."""
+        pos = torch.tensor(positions, device=self.device)
+        out = self.runner.forward(torch.tensor(ids, dtype=torch.long, device=self.device), pos, cache, 0, slots=pos,
+                                  logits="last", hidden=hidden, first_layer=first_layer)
         return out[-1]
 
     def invariance_probe(self) -> bool:

@@ -1,20 +1,20 @@
 """Runs a SEMANTIC plan: reuse aligned KV of a similar prompt, then repair it (CacheBlend / EPIC style).
 
-1. Take the source entry's KV of every aligned token and rotate its keys by
-   how far the token moved (keys are stored after RoPE).
-2. One cheap pass through the first `strict_layers` layers gives fresh KV for
+1. One cheap pass through the first `strict_layers` layers gives fresh KV for
    every token there (layered reuse: strict in the early layers) and shows
    which reused tokens deviate most from their cached values (CacheBlend's
    selection); the top recompute_ratio of them are recomputed in full.
+2. The repaired cache holds slot = position from the start: the strict layers' fresh KV of every token,
+   and in the deeper layers the source entry's KV of every kept token, its keys rotated by how far the
+   token moved (keys are stored after RoPE). It is sized for the answer, which decodes on in place.
 3. Every new or changed token, the first gap_recompute_tokens after each gap
-   and the selected tokens are run through the model at their true positions,
-   attending (through an explicit mask) to reused tokens before them. They
-   start above the strict layers, from the early pass's hidden rows and KV:
+   and the selected tokens run through the model at their true positions and slots, each
+   attending to every slot before it (reused or recomputed, causal by slot: no mask). They
+   start above the strict layers, from the early pass's hidden rows:
    those layers saw fresh KV of every token there, so the early pass already
    computed exactly what the recompute would (~2/30 of its cost saved). The tokens are chosen between the
    last early layer's KV and the rest of that layer, which then runs for them alone (it is most of the
    layer's cost, and no other token's hidden row is used).
-The result is a position-ordered cache ready for decoding.
 
 Devices: the stored KV lives on the pool's device (the model's). Index tensors are built on that device;
 the per-token bookkeeping (which tokens to keep) stays on the CPU and is moved where it indexes KV.
@@ -39,8 +39,11 @@ class SemanticPrefill:
 
 
 def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int], *, recompute_ratio: float,
-        gap_recompute_tokens: int, strict_layers: int, reserve: int = 0) -> SemanticPrefill:
-    """The repaired cache (position order, room for `reserve` more tokens) and the last token's logits."""
+        gap_recompute_tokens: int, strict_layers: int, reserve: int = 0, lossless_kv: bool = False
+        ) -> SemanticPrefill:
+    """The repaired cache (position order, room for `reserve` more tokens) and the last token's logits.
+    lossless_kv: the entry's KV is bitwise what a pass computes (the model's precision, a batch-invariant
+    backend): then its exact lead also stands in for the early pass's, which skips those tokens."""
     n = len(tokens)
     src_k, src_v = pool.entry_kv(plan.source_key)
     device, L = src_k.device, src_k.shape[0]
@@ -75,41 +78,30 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
         recompute.extend(redo.nonzero()[:, 0].tolist())
         return recompute if strict == n_fresh and keep.any() else []
 
-    fk, fv, fh = backend.early_layers(tokens, n_fresh, pick)
+    lead = (src_k[:n_fresh, :, :plan.exact_lead], src_v[:n_fresh, :, :plan.exact_lead]) if lossless_kv else None
+    fk, fv, fh = backend.early_layers(tokens, n_fresh, pick, prefix=lead)
     if not keep.any():  # nothing survives the repair: a plain prefill is the same work
         logits, cache = backend.prefill(tokens, reserve=reserve)
         return SemanticPrefill(logits, cache, reused=0, recomputed=n)
-    # The kept tokens' KV, read once from the entry into the buffer the repair runs in: fresh KV of the strict
-    # layers (layered reuse), the entry's deeper, keys moved with their tokens (stored after RoPE).
+    # The repaired cache, slot = position, sized for the answer: fresh KV of the strict layers for every token
+    # (layered reuse; the recomputed tokens' too, which they resume above), the entry's deeper KV of the kept
+    # tokens, keys moved with their tokens (stored after RoPE); the recomputed tokens fill their own slots.
     kept_pos, kept_src = new_pos[keep], src_pos[keep]
-    nk, nr = len(kept_pos), len(recompute)
-    work = backend.new_cache(nk + nr + 2)
-    wk, wv = backend.cache_storage(work)
-    at_src = kept_src.to(device)
-    wk[:strict, :, :nk] = fk[:strict].index_select(2, kept_pos.to(fk.device))  # (index_select + copy: ~2x
-    wv[:strict, :, :nk] = fv[:strict].index_select(2, kept_pos.to(fv.device))  # faster than indexed assignment)
-    wk[strict:, :, :nk] = src_k[strict:].index_select(2, at_src)
-    wv[strict:, :, :nk] = src_v[strict:].index_select(2, at_src)
-    moved = (kept_pos != kept_src).nonzero()[:, 0]
-    if len(moved):
-        at = moved.to(device)
-        wk[strict:, :, at] = backend.rotate_keys(wk[strict:][:, :, at], (kept_pos - kept_src)[moved])
-    work.length = nk
-    q_pos = torch.tensor(recompute, dtype=torch.long)
-    kv_pos = torch.cat([kept_pos, q_pos])
-    mask = kv_pos[None, :] <= q_pos[:, None]  # [q, kv]: each recomputed token sees what precedes it (run() moves it)
-    ids = [tokens[p] for p in recompute]
-    if strict == n_fresh:  # the early pass already ran the recomputed tokens through every strict layer
-        rec = q_pos.to(fk.device)  # fh holds exactly these rows (pick's answer)
-        logits = backend.resume_prefill(ids, work, recompute, mask, fh, fk[:, :, rec], fv[:, :, rec])
-    else:  # its last layer saw reused KV of the other tokens: the recomputed ones start from the bottom
-        logits, work = backend.prefill(ids, work, positions=recompute, mask=mask)
-    # Slot = position from here on (decoding appends in order): one scatter of the repaired KV.
     cache = backend.new_cache(n + max(reserve, 2))
     ck, cv = backend.cache_storage(cache)
-    wk, wv = backend.cache_storage(work)
-    order = torch.argsort(kv_pos).to(device)
-    ck[:, :, :n] = wk[:, :, :n].index_select(2, order)
-    cv[:, :, :n] = wv[:, :, :n].index_select(2, order)
+    ck[:strict, :, :n] = fk[:strict]
+    cv[:strict, :, :n] = fv[:strict]
+    at_new = kept_pos.to(device)
+    ck[strict:, :, :n].index_copy_(2, at_new, src_k[strict:].index_select(2, kept_src.to(device)))
+    cv[strict:, :, :n].index_copy_(2, at_new, src_v[strict:].index_select(2, kept_src.to(device)))
+    shift = kept_pos - kept_src
+    if bool(shift.any()):
+        at = kept_pos[shift != 0].to(device)
+        ck[strict:, :, at] = backend.rotate_keys(ck[strict:][:, :, at], shift[shift != 0].to(device))
     cache.length = n
-    return SemanticPrefill(logits, cache, reused=nk, recomputed=nr)
+    ids = [tokens[p] for p in recompute]
+    if strict == n_fresh:  # the early pass already ran the recomputed tokens through every strict layer
+        logits = backend.resume_prefill(ids, cache, recompute, fh, strict)  # fh: exactly these rows (pick's answer)
+    else:  # its last layer saw reused KV of the other tokens: the recomputed ones start from the bottom
+        logits = backend.run(ids, cache, positions=recompute)
+    return SemanticPrefill(logits, cache, reused=len(kept_pos), recomputed=len(recompute))

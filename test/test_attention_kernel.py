@@ -134,6 +134,33 @@ def test_a_row_gets_the_same_bits_however_the_sequence_is_cut(dtype, kernel):
 
 
 @pytest.mark.parametrize("kernel", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_at_their_own_slots_get_the_bits_of_the_whole_pass(dtype, kernel):
+    """Tokens scattered among KV already in the buffer (semantic repair: slot = position), each at its own slot
+    attending every slot up to it: the rows and the KV written are bitwise those of a causal pass over all
+    tokens, for 23 scattered rows (blocks of 16 rows mix far-apart slots), one row, a slot given twice (the
+    same KV written twice), and the first and last slots."""
+    M = 57
+    q, kn, vn = _rows(dtype, M, 21)
+    k0, v0 = _buffers(dtype, M + 3, 22)
+    whole = _pass([(0, q, kn, vn, k0, v0)], kernel=kernel)  # writes every token's KV
+    for picked in ([0, 3, 4, 5, 9, 17, 18, 19, 20, 21, 22, 30, 31, 32, 33, 40, 41, 47, 50, 52, 53, 55, 56],
+                   [29], [12, 12], [0, 56]):
+        at = torch.tensor(picked)
+        k, v = k0.clone(), v0.clone()
+        k[1, :, at], v[1, :, at] = 0.5, -0.5  # spoiled: the pass must write them
+        plan = kernel.plan([(0, len(picked), 0, k, v, 0, 0, at)])
+        got = kernel.attend(plan, 1, q[at], kn[at], vn[at], D ** -0.5)
+        assert torch.equal(got, whole[at]) and torch.equal(k, k0) and torch.equal(v, v0)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        kernel.plan([(0, 2, 0, k0, v0, 0, 0, torch.tensor([5, 4]))])
+    with pytest.raises(ValueError, match="share"):
+        kernel.plan([(0, 2, 0, k0, v0, 0, 32, torch.tensor([40, 41]))])
+    with pytest.raises(ValueError, match="fit"):
+        kernel.plan([(0, 2, 0, k0, v0, 0, 0, torch.tensor([40, M + 3]))])
+
+
+@pytest.mark.parametrize("kernel", BUILDS)
 def test_a_sequence_that_fills_the_last_layer_of_its_buffer(kernel):
     """Keys up to the very end of the buffer's memory (last layer, last head, every slot): nothing past it is
     read (the AMX path copies a last, partial block of keys), and 40 rows cross blocks of 16 rows."""

@@ -62,36 +62,56 @@ def test_rotation_per_token_deltas(backend):
     assert torch.equal(rotated[:, :, ::2], k[:, :, ::2]) or float((rotated[:, :, ::2] - k[:, :, ::2]).abs().max()) < 1e-6
 
 
-def test_resuming_above_the_early_layers_equals_running_them_again(backend):
-    """Semantic repair's recomputed tokens start above the strict layers from the early pass's hidden rows
-    and KV. With every other token's KV fresh, that is the same computation as a full pass of those tokens:
-    scattered tokens (masked, out of order) get the same last-token logits either way (bitwise where the
-    runner is batch-invariant), and the same next token."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_resuming_above_the_early_layers_equals_running_them_again(dtype, path):
+    """Semantic repair's recomputed tokens run at the slots of their positions, among the other tokens' KV,
+    starting above the strict layers from the early pass's hidden rows and KV. With every other token's KV
+    fresh, that is the same computation as a full pass: scattered tokens, run from the bottom or resumed,
+    give the whole pass's last-token logits and KV (bitwise where the runner is batch-invariant), and the same
+    next token."""
+    backend = shared_backend() if dtype == "float32" else shared_engine(dtype="bfloat16", kv_bits=0).backend
+    runner, kernel = backend.runner, backend.runner.kernel
+    if path == "torch":
+        runner.kernel = None
+    elif kernel is None:
+        pytest.skip("no attention kernel on this machine")
+    try:
+        _resume_and_rerun(backend)
+    finally:
+        runner.kernel = kernel
+
+
+def _resume_and_rerun(backend):
     ids = backend.tokenizer(BULLETIN[:900] + " " + MOVED, add_special_tokens=False)["input_ids"]
     n = len(ids)
     redo = sorted(set(range(40, n, 9)) | {n - 1})  # tokens to recompute, scattered, the last one included
-    keep = [p for p in range(n) if p not in set(redo)]
     full = backend.new_cache(n + 2)
-    backend.run(ids, full, logits="none")
+    whole = backend.run(ids, full, logits="last")
     fk, fv, fh = backend.early_layers(ids, 2)
     assert fh.shape == (n, backend.model.config.hidden_size)
-    kv_pos = torch.tensor(keep + redo)
-    mask = kv_pos[None, :] <= torch.tensor(redo)[:, None]
-
-    def cache_of_kept():
-        return backend.cache_from_tensors(full.k[:, :, keep].clone(), full.v[:, :, keep].clone())
-
-    again = backend.run([ids[p] for p in redo], cache_of_kept(), redo, mask)
     rec = torch.tensor(redo)
-    resumed_cache = cache_of_kept()
-    resumed = backend.resume_prefill([ids[p] for p in redo], resumed_cache, redo, mask, fh[rec], fk[:, :, rec], fv[:, :, rec])
-    if backend.exact_chunking:  # a batch-invariant runner: bitwise the same
-        assert torch.equal(resumed, again)
-    assert int(resumed.argmax()) == int(again.argmax())
-    assert (resumed - again).abs().max() <= 0.05 * again.abs().max()
-    # The strict layers' KV of the recomputed tokens is the early pass's, the deeper layers' their own.
-    assert torch.equal(resumed_cache.k[:2, :, len(keep):n], fk[:, :, rec])
-    assert not torch.equal(resumed_cache.k[2:, :, len(keep):n], torch.zeros_like(resumed_cache.k[2:, :, len(keep):n]))
+
+    def others_only():  # the full cache with the recomputed tokens' slots spoiled in every layer
+        c = backend.cache_from_tensors(full.k[:, :, :n].clone(), full.v[:, :, :n].clone(), reserve=4)
+        c.k[:, :, rec] = 3e38  # no key or value is near it: a slot left unwritten would show
+        c.v[:, :, rec] = -3e38
+        return c
+
+    again_cache = others_only()
+    again = backend.run([ids[p] for p in redo], again_cache, positions=redo)
+    resumed_cache = others_only()
+    resumed_cache.k[:2, :, rec] = fk[:, :, rec]  # the strict layers' KV of every token: the early pass's
+    resumed_cache.v[:2, :, rec] = fv[:, :, rec]
+    resumed = backend.resume_prefill([ids[p] for p in redo], resumed_cache, redo, fh[rec], 2)
+    for out, cache in ((again, again_cache), (resumed, resumed_cache)):
+        assert cache.length == n
+        if backend.exact_chunking:  # a batch-invariant runner: bitwise the whole pass
+            assert torch.equal(out, whole)
+            assert torch.equal(cache.k[:, :, :n], full.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], full.v[:, :, :n])
+        assert int(out.argmax()) == int(whole.argmax())
+        assert (out - whole).abs().max() <= 0.05 * whole.abs().max()
+        assert float(cache.k[2:, :, rec].abs().max()) < 1e37  # every deeper layer recomputed
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -127,5 +147,20 @@ def test_an_early_pass_finished_for_some_tokens_gives_their_rows_bitwise(dtype, 
                 assert torch.equal(ph, want)
             elif rows:
                 assert (ph - want).abs().max() <= 1e-4 * max(float(want.abs().max()), 1.0)
+        # An exact prefix's KV given (what semantic repair takes from its source entry at the model's precision):
+        # its tokens do not run, and the rest is the same.
+        lead = 40
+        for rows in (sorted({lead, n - 1} | set(range(50, n, 7))), [n - 1]):
+            pk, pv, ph = backend.early_layers(ids, 2, lambda k, v, rows=rows: rows,
+                                              prefix=(fk[:, :, :lead].clone(), fv[:, :, :lead].clone()))
+            want = fh[torch.tensor(rows, dtype=torch.long)]
+            if backend.exact_chunking:
+                assert torch.equal(pk, fk) and torch.equal(pv, fv) and torch.equal(ph, want)
+            else:
+                assert torch.equal(pk[:, :, :lead], fk[:, :, :lead])
+                assert (pk - fk).abs().max() <= 1e-4 * max(float(fk.abs().max()), 1.0)
+                assert (ph - want).abs().max() <= 1e-4 * max(float(want.abs().max()), 1.0)
+        with pytest.raises(ValueError, match="prefix"):
+            backend.early_layers(ids, 2, lambda k, v: [lead - 1, lead], prefix=(fk[:, :, :lead], fv[:, :, :lead]))
     finally:
         runner.kernel = kernel

@@ -96,14 +96,19 @@ def _serial_system(name: str, generate, backend, system_prompt: str) -> Served:
     return Served(name, server)
 
 
-def make_systems(engine, max_new: int, threads: int, want_llama: bool) -> tuple[dict, dict]:
+def make_systems(engine, max_new: int, threads: int, want_llama: bool, want_peers: bool = True
+                 ) -> tuple[dict, dict]:
     from .systems import PlainGenerate
 
     s = engine.settings
     systems = {"batched": _engine_system("batched", engine, BATCH),
                "one-at-a-time": _engine_system("one-at-a-time", engine, 1)}
-    status = {"batched": {"status": "ok", "max_batch": BATCH, "prefill_chunk_tokens": s.prefill_chunk_tokens},
-              "one-at-a-time": {"status": "ok", "max_batch": 1}}
+    status = {"batched": {"status": "ok", "max_batch": BATCH, "prefill_chunk_tokens": s.prefill_chunk_tokens,
+                          "drafts": s.enable_drafts},
+              "one-at-a-time": {"status": "ok", "max_batch": 1, "drafts": s.enable_drafts}}
+    if not want_peers:
+        status["no-cache"] = status["llama-cpp"] = {"status": "skipped", "error": "skipped: --engines-only"}
+        return systems, status
     plain = PlainGenerate(engine.backend, s.system_prompt, max_new)
 
     def hf(ids, r):
@@ -285,11 +290,12 @@ def run(args) -> dict:
     clients = [int(c) for c in args.clients.split(",")]
     max_new = args.max_new_tokens or (8 if args.smoke else 32)
     settings = Settings.from_overrides(cache_size="256MB", max_new_tokens=max(max_new, args.four_max_new_tokens),
-                                       max_batch=BATCH)
+                                       max_batch=BATCH, enable_drafts=not args.no_drafts)
     engine = Engine(settings, log=logging.getLogger("simllm_ros.engine"))
     engine.load(progress=lambda m: log.info(m))
     rows = wl.generate(args.workload, n=None, seed=args.seed)
-    systems, status = make_systems(engine, max_new, threads, want_llama=not args.no_llama and not args.smoke)
+    systems, status = make_systems(engine, max_new, threads, want_llama=not args.no_llama and not args.smoke,
+                                   want_peers=not args.engines_only)
     names = list(systems)
     log.info(f"systems: {names}; exact batching: {engine.backend.batches_exactly}")
     for s in systems.values():  # the context is in every pool before anything is timed, as on a running node
@@ -368,7 +374,9 @@ def write_report(res: dict, out: str) -> list[str]:
              f"{res['machine']['torch_threads']}, load average at start {res['machine']['loadavg_start']}. "
              f"Batched forward exact on this machine: {res['exact_batching']}. Clients {res['clients']}, "
              f"{res['rounds']} rounds x {res['requests_per_round']} requests per system and client count, systems "
-             f"interleaved; max_new_tokens {res['max_new_tokens']}. Wall time {res['wall_s']:.0f} s.",
+             f"interleaved; max_new_tokens {res['max_new_tokens']}; drafts "
+             f"{'on' if res['status']['batched'].get('drafts', True) else 'off (--no-drafts)'}. Wall time "
+             f"{res['wall_s']:.0f} s.",
              "", "| system | clients | answers | throughput (/s) | TTFT p50 ms | TTFT p95 ms | latency p95 ms | tiers |",
              "|---|---|---|---|---|---|---|---|"]
     for s, by_c in res["summary"].items():
@@ -451,6 +459,10 @@ def add_arguments(ap) -> None:
     ap.add_argument("--ttft-target-ms", type=float, default=1000.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     ap.add_argument("--no-llama", action="store_true", help="leave llama-cpp out even where it is installed")
+    ap.add_argument("--engines-only", action="store_true", help="only batched and one-at-a-time (no peers)")
+    ap.add_argument("--no-drafts", action="store_true",
+                    help="both engines without drafts (enable_drafts off): every answer token decoded one step at "
+                         "a time, the memory-bound case batching is for")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--no-progress", action="store_true")
 
