@@ -275,10 +275,11 @@ class KVPool:
         live = self._live
         return 0 if live is None else 2 * live.k.numel() * live.k.element_size()
 
-    def entry_kv(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def entry_kv(self, key: int, capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """An entry's KV [L, H, n, D], fresh tensors (views of [L, H, max(capacity, n), D]: room to work in)."""
         with self._lock:
             e = self._entries[key]
-            return self._store.read(e.block_ids, len(e.tokens), self.model_dtype)
+            return self._store.read(e.block_ids, len(e.tokens), self.model_dtype, capacity)
 
     def find(self, scope: str, tokens: list[int]) -> EntryInfo | None:
         """The task with exactly these tokens in scope, if cached."""

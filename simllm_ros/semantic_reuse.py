@@ -45,7 +45,10 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     lossless_kv: the entry's KV is bitwise what a pass computes (the model's precision, a batch-invariant
     backend): then its exact lead also stands in for the early pass's, which skips those tokens."""
     n = len(tokens)
-    src_k, src_v = pool.entry_kv(plan.source_key)
+    room = max(reserve, 2)
+    # Read into a buffer with room for this prompt and its answer: it becomes the repaired cache (slot = the
+    # source's position, which is the new one wherever a token did not move).
+    src_k, src_v = pool.entry_kv(plan.source_key, capacity=n + room)
     device, L = src_k.device, src_k.shape[0]
     new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long)
     src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long)
@@ -83,25 +86,26 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     if not keep.any():  # nothing survives the repair: a plain prefill is the same work
         logits, cache = backend.prefill(tokens, reserve=reserve)
         return SemanticPrefill(logits, cache, reused=0, recomputed=n)
-    # The repaired cache, slot = position, sized for the answer: fresh KV of the strict layers for every token
-    # (layered reuse; the recomputed tokens' too, which they resume above), the entry's deeper KV of the kept
-    # tokens, keys moved with their tokens (stored after RoPE); the recomputed tokens fill their own slots.
-    kept_pos, kept_src = new_pos[keep], src_pos[keep]
-    cache = backend.new_cache(n + max(reserve, 2))
+    # The repaired cache, slot = position, in the buffer the entry was read into: the entry's KV of every
+    # aligned token in the deeper layers (moved where the token moved, keys rotated with it: stored after RoPE),
+    # fresh KV of the strict layers for every token (layered reuse; the recomputed tokens' too, which they
+    # resume above). A recomputed token's deeper slots are written over by its pass.
+    cut = torch.ones(len(new_pos), dtype=torch.bool)
+    cut[1:] = (new_pos[1:] != new_pos[:-1] + 1) | (src_pos[1:] != src_pos[:-1] + 1)
+    starts = cut.nonzero()[:, 0].tolist() + [len(new_pos)]
+    moves = [(int(new_pos[i]), int(src_pos[i]), j - i) for i, j in zip(starts[:-1], starts[1:]) if new_pos[i] != src_pos[i]]
+    moved = [(a, b, m, src_k[strict:, :, b:b + m].clone(), src_v[strict:, :, b:b + m].clone()) for a, b, m in moves]
+    cache = backend.cache_from_tensors(src_k, src_v, reserve=max(n + room - src_k.shape[2], 2))  # no copy: adopted
     ck, cv = backend.cache_storage(cache)
+    for a, b, m, k_run, v_run in moved:  # every run's source read before any is written
+        ck[strict:, :, a:a + m] = backend.rotate_keys(k_run, torch.full((m,), a - b, dtype=torch.long, device=device))
+        cv[strict:, :, a:a + m] = v_run
     ck[:strict, :, :n] = fk[:strict]
     cv[:strict, :, :n] = fv[:strict]
-    at_new = kept_pos.to(device)
-    ck[strict:, :, :n].index_copy_(2, at_new, src_k[strict:].index_select(2, kept_src.to(device)))
-    cv[strict:, :, :n].index_copy_(2, at_new, src_v[strict:].index_select(2, kept_src.to(device)))
-    shift = kept_pos - kept_src
-    if bool(shift.any()):
-        at = kept_pos[shift != 0].to(device)
-        ck[strict:, :, at] = backend.rotate_keys(ck[strict:][:, :, at], shift[shift != 0].to(device))
     cache.length = n
     ids = [tokens[p] for p in recompute]
     if strict == n_fresh:  # the early pass already ran the recomputed tokens through every strict layer
         logits = backend.resume_prefill(ids, cache, recompute, fh, strict)  # fh: exactly these rows (pick's answer)
     else:  # its last layer saw reused KV of the other tokens: the recomputed ones start from the bottom
         logits = backend.run(ids, cache, positions=recompute)
-    return SemanticPrefill(logits, cache, reused=len(kept_pos), recomputed=len(recompute))
+    return SemanticPrefill(logits, cache, reused=int(keep.sum()), recomputed=len(recompute))
