@@ -123,6 +123,12 @@ class Fingerprinter:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.stack(rows)
 
+    def forget(self) -> None:
+        """Drop the remembered vectors: the next texts are embedded again (a benchmark timing what a new
+        question costs)."""
+        with self._queue_lock:
+            self._recent.clear()
+
     def close(self) -> None:
         """Stop the embed_async workers (after what they are running)."""
         with self._queue_lock:
