@@ -19,8 +19,9 @@ Two reasons it exists:
    many modules). This runner reads the HF model's own weights (q/k/v and gate/up
    fused into one product each; the HF modules keep views, nothing is duplicated),
    writes KV in place into a preallocated `KVBuffer` (at consecutive slots, or at each token's own: semantic
-   repair), and is causal by slot (the torch path builds a mask only when several tokens run at once). On CPUs with AMX, 4-bit products and the 8-bit LM head run on our
-   own tile kernel (int4_kernel), and RMSNorm is one C call (norm_kernel); both row-invariant.
+   repair), and is causal by slot (the torch path builds a mask only when several tokens run at once). On
+   CPUs with AMX, 4-bit products and the 8-bit LM head run on our own tile kernel (int4_kernel), and RMSNorm
+   is one C call (norm_kernel); both row-invariant.
 
 Only for full-attention RoPE models whose HF module layout is Llama's
 (`ModelBackend.fast_path` decides); other models use the HF forward.
@@ -522,8 +523,8 @@ class LlamaRunner:
         their own `slots` [M] (ascending; start is then ignored) among KV the buffer already holds.
 
         Attention is causal by slot (slot order = position order): a token attends every slot up to its
-        own (semantic repair's recomputed tokens, scattered among reused ones, slot = position). Returns logits of the last token
-        ("last"), of every token ("all"), or None ("none"); `n_layers` stops early (the
+        own (semantic repair's recomputed tokens, scattered among reused ones, slot = position). Returns
+        logits of the last token ("last"), of every token ("all"), or None ("none"); `n_layers` stops early (the
         deviation probe of semantic repair needs only the first layers' KV) and returns the hidden rows
         [M, E] after those layers. `hidden` [M, E] with `first_layer` resumes from there: the rows' KV of
         the layers below must already be in `kv` (semantic repair takes both from its early pass).

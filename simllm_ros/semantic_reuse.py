@@ -93,7 +93,8 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     cut = torch.ones(len(new_pos), dtype=torch.bool)
     cut[1:] = (new_pos[1:] != new_pos[:-1] + 1) | (src_pos[1:] != src_pos[:-1] + 1)
     starts = cut.nonzero()[:, 0].tolist() + [len(new_pos)]
-    moves = [(int(new_pos[i]), int(src_pos[i]), j - i) for i, j in zip(starts[:-1], starts[1:]) if new_pos[i] != src_pos[i]]
+    moves = [(int(new_pos[i]), int(src_pos[i]), j - i) for i, j in zip(starts[:-1], starts[1:])
+             if new_pos[i] != src_pos[i]]
     moved = [(a, b, m, src_k[strict:, :, b:b + m].clone(), src_v[strict:, :, b:b + m].clone()) for a, b, m in moves]
     cache = backend.cache_from_tensors(src_k, src_v, reserve=max(n + room - src_k.shape[2], 2))  # no copy: adopted
     ck, cv = backend.cache_storage(cache)
