@@ -697,9 +697,9 @@ class AttentionKernel:
                 raise ValueError("attention kernel: one dtype for every buffer of a pass")
             if (start < 0 and own is None) or m < 1 or start + m > k.shape[2]:
                 raise ValueError(f"attention kernel: slots {start}..{start + m} do not fit a buffer of {k.shape[2]}")
-            if not 0 <= lead <= i or shared < 0 or shared % 32 or shared > start or (own is not None and shared) \
-                    or lead < i and (
-                    table[lead][11] != lead or table[lead][12] != shared or k.shape != seqs[lead][3].shape):
+            if not 0 <= lead <= i or shared < 0 or shared % 32 or shared > max(start, 0) \
+                    or (own is not None and shared) or lead < i and (
+                        table[lead][11] != lead or table[lead][12] != shared or k.shape != seqs[lead][3].shape):
                 raise ValueError(f"attention kernel: sequence {i} cannot share {shared} slots with sequence {lead}")
             dtype = k.dtype
             table.append([row0, m, start, k.data_ptr(), v.data_ptr(), *k.stride()[:3], *v.stride()[:3], lead, shared,

@@ -161,6 +161,27 @@ def test_rows_at_their_own_slots_get_the_bits_of_the_whole_pass(dtype, kernel):
 
 
 @pytest.mark.parametrize("kernel", BUILDS)
+def test_random_slot_sets_match_the_whole_pass(kernel):
+    """Many random sets of tokens at their own slots (1 to all of them, sequences of 1 to 97 tokens, with and
+    without a repeated slot): each row and the buffers bitwise those of a causal pass over every token."""
+    g = torch.Generator().manual_seed(31)
+    for trial in range(40):
+        M = int(torch.randint(1, 98, (1,), generator=g))
+        q, kn, vn = _rows(torch.bfloat16, M, 100 + trial)
+        k0, v0 = _buffers(torch.bfloat16, M + 2, 200 + trial)
+        whole = _pass([(0, q, kn, vn, k0, v0)], kernel=kernel)
+        n = int(torch.randint(1, M + 1, (1,), generator=g))
+        at = torch.randperm(M, generator=g)[:n].sort().values
+        if trial % 4 == 0:  # a slot named twice
+            at = torch.cat([at, at[-1:]]).sort().values
+        k, v = k0.clone(), v0.clone()
+        k[1, :, at], v[1, :, at] = 0.25, -0.25
+        got = kernel.attend(kernel.plan([(0, len(at), 0, k, v, 0, 0, at)]), 1, q[at], kn[at], vn[at], D ** -0.5)
+        assert torch.equal(got, whole[at]), f"trial {trial}: {M} tokens, slots {at.tolist()}"
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("kernel", BUILDS)
 def test_a_sequence_that_fills_the_last_layer_of_its_buffer(kernel):
     """Keys up to the very end of the buffer's memory (last layer, last head, every slot): nothing past it is
     read (the AMX path copies a last, partial block of keys), and 40 rows cross blocks of 16 rows."""

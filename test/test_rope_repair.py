@@ -132,7 +132,7 @@ def test_an_early_pass_finished_for_some_tokens_gives_their_rows_bitwise(dtype, 
         pytest.skip("no attention kernel on this machine")
     try:
         fk, fv, fh = backend.early_layers(ids, 2)
-        for rows in (sorted({0, 3, n - 1} | set(range(40, n, 7))), [n - 1], [17], []):
+        for rows in (sorted({0, 3, n - 1} | set(range(40, n, 7))), [n - 1], [17], [0], []):
             seen = {}
 
             def pick(k, v, rows=rows):
