@@ -64,7 +64,8 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
         """The tokens to recompute, chosen from the fresh KV of the early layers. Only their hidden rows are
         needed after the early pass (and only where it covers the strict layers): it finishes its last
         layer for them alone."""
-        dev = (fv[n_fresh - 1][:, new_pos.to(fv.device)].float() - probe_v.to(fv.device).float()).norm(dim=(0, 2)).cpu()
+        fresh_v = fv[n_fresh - 1][:, new_pos.to(fv.device)].float()
+        dev = (fresh_v - probe_v.to(fv.device).float()).norm(dim=(0, 2)).cpu()
         # Tokens right after each gap saw a different left context most recently: recompute them.
         idx = torch.arange(len(new_pos))
         gap = (new_pos != torch.cat([new_pos.new_tensor([-1]), new_pos[:-1]]) + 1) & (idx >= plan.exact_lead)
