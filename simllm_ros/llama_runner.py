@@ -556,7 +556,7 @@ class LlamaRunner:
             plan = self.kernel.plan([(0, M, start, kv.k, kv.v) + (() if slots is None else (0, 0, slots))])
             attn = h.new_empty(M, self.n_heads, D)
         elif slots is not None:
-            blocked = (torch.arange(end, device=ids.device)[None, :] > slots[:, None]).repeat(G, 1)
+            blocked = self._slot_mask(slots, end)
         elif M > 1:
             own = torch.arange(start, end, device=ids.device)
             blocked, first = (own[None, :] > own[:, None]).repeat(G, 1), start
@@ -565,7 +565,7 @@ class LlamaRunner:
             x = ln1(h)
             if plan is not None:
                 q, k, v = self._rotated_rows(qkv_proj(x)[0], cos, sin)  # [M, Hq, D], [M, Hkv, D] x 2
-                o = self.kernel.attend(plan, li, q, k, v, self.scale, attn, blocked).view(1, M, -1)
+                o = self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, M, -1)
             else:
                 q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, M, D], [Hkv, M, D] x 2
                 at = slice(start, end) if slots is None else slots
@@ -628,8 +628,7 @@ class LlamaRunner:
         else:
             G = self.group
             qg = (q[run] * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
-            blocked = (torch.arange(M, device=ids.device)[None, :] > (run + start).to(ids.device)[:, None]).repeat(G, 1)
-            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], blocked)
+            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], self._slot_mask((run + start).to(ids.device), M))
             o = o.reshape(self.n_heads, R, D).transpose(0, 1)
         out = self._mlp(h[:, run] + o_proj(o.reshape(1, R, self.n_heads * D)), ln2, gate_up, down, act)
         return rows, out[0, :rows.numel()]
@@ -767,6 +766,10 @@ class LlamaRunner:
         """The torch path's layout of `_rotated_rows`: q [Hq, M, D], k, v [Hkv, M, D] (head-major views)."""
         q, k, v = self._rotated_rows(qkv, cos, sin)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def _slot_mask(self, slots: torch.Tensor, T: int) -> torch.Tensor:
+        """The torch path's mask [G*M, T] for tokens at their own slots: each attends every slot up to its own."""
+        return (torch.arange(T, device=slots.device)[None, :] > slots[:, None]).repeat(self.group, 1)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
                    first: int = 0):
