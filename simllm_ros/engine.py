@@ -223,6 +223,7 @@ class Engine:
                      f"execution {'verified: exact-prefix reuse and drafts are lossless' if self.backend.exact_chunking else f'NOT verified on this machine: reuse and drafts are approximate (a oneDNN ISA above {ONEDNN_ISA_CAP}, e.g. ONEDNN_MAX_CPU_ISA=ALL, causes this on AMX CPUs)'}")
             progress(f"attention: {self.backend.attention_path}")
             progress(f"norms: {self.backend.norm_path}")
+            progress(f"layers: {self.backend.layers_path}")
             if self.backend.int4_kind:
                 progress(f"4-bit products: {self.backend.int4_path}")
             self._token_bytes = max_token_bytes(self.backend.tokenizer)

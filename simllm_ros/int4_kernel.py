@@ -360,6 +360,20 @@ class Int4Kernel:
         self._mm8(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, aligned, per_thread, threads)
         return y
 
+    thread_min_macs = THREAD_MIN_MACS
+
+    def buffers(self, m: int, k: int) -> tuple[int, int, int, int]:
+        """(group sums buffer, 64-byte aligned tile scratch, scratch bytes per thread, threads) for products of
+        m rows and up to k inputs called from C (layer_kernel), kept per calling thread like `mm`'s."""
+        threads = torch.get_num_threads()
+        per_thread = max(k // GROUP, 4) * 1024 + 4096  # the C source's bbuf and cbuf
+        s = self._scratch
+        if getattr(s, "work", None) is None or s.work.numel() < m * (k // GROUP) or \
+                s.tiles.numel() < threads * per_thread + 64:
+            s.work = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
+            s.tiles = torch.empty(max(threads * per_thread, 2 * per_thread) + 64, dtype=torch.uint8)
+        return s.work.data_ptr(), (s.tiles.data_ptr() + 63) // 64 * 64, per_thread, threads
+
     def _prepare(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str):
         """The checks and buffers of a product: (M, K, threads, scratch bytes per thread, group sums buffer,
         64-byte aligned tile scratch); bad input raises ValueError."""

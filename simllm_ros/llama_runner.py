@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import attention_kernel, int4_kernel, norm_kernel
+from . import attention_kernel, int4_kernel, layer_kernel, norm_kernel
 
 # The highest instruction set oneDNN (torch's bf16 CPU products) may use in this process. With AMX (Sapphire
 # Rapids and later Xeons) oneDNN switches kernels by row count, and they round differently: measured on such a
@@ -387,6 +387,14 @@ class LlamaRunner:
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.inter = base.layers[0].mlp.gate_proj.out_features
+        # The layers in one C call per pass where every piece of them is ours (layer_kernel: ~6 ms of Python and
+        # tensor ops per decode step otherwise); then the MLP's SiLU is its own wherever a layer runs in Python.
+        self.fused = None
+        self.layers_in_c = True  # False: the same arithmetic, layer by layer from Python (tests compare the two)
+        lk = layer_kernel.load() if self.int4 is not None and self.kernel is not None else None
+        if lk is not None and layer_kernel.Layers.applies(self):
+            self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
+                                             self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale)
         if lm.weight is not base.embed_tokens.weight:  # an untied lm_head: the runner's copy is the one used
             self._hf_views.append((self.lm_head, (lm,)))
         # Packed or quantized weights are a second copy: the HF modules' dense ones are released (the
@@ -560,7 +568,13 @@ class LlamaRunner:
         elif M > 1:
             own = torch.arange(start, end, device=ids.device)
             blocked, first = (own[None, :] > own[:, None]).repeat(G, 1), start
-        layers = self.layers[first_layer:n_layers]
+        last = len(self.layers) if n_layers is None else min(n_layers, len(self.layers))
+        in_c = self.fused is not None and self.layers_in_c and plan is not None
+        if in_c and first_layer < last:
+            h = h[0].clone() if hidden is not None else h[0]  # updated in place: never the caller's rows
+            self.fused.run(h, first_layer, last, plan, cos, sin)
+            h = h[None]
+        layers = [] if in_c else self.layers[first_layer:n_layers]
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers, start=first_layer):
             x = ln1(h)
             if plan is not None:
@@ -667,7 +681,10 @@ class LlamaRunner:
         if self.kernel is not None:  # one call per layer for every sequence, each over its own buffer
             plan = self.kernel.plan(self._shared_entries(seqs, spans))
             attn = h.new_empty(total, Hq, D)
-            for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
+            in_c = self.fused is not None and self.layers_in_c
+            if in_c:
+                self.fused.run(h[0], 0, len(self.layers), plan, cos, sin)
+            for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate([] if in_c else self.layers):
                 q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)
                 h = h + o_proj(self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, total, Hq * D))
                 h = self._mlp(h, ln2, gate_up, down, act)
@@ -726,6 +743,8 @@ class LlamaRunner:
     def _mlp(self, h: torch.Tensor, ln2, gate_up, down, act) -> torch.Tensor:
         """A layer's second half, residual included: the same ops for every pass (one fused gate/up product)."""
         gu = gate_up(ln2(h))
+        if self.fused is not None:  # the C layers' SiLU, so that this layer computes as theirs do
+            return h + down(self.fused.kernel.silu_mul(gu, self.inter))
         return h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
 
     @staticmethod

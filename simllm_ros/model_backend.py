@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import attention_kernel, int4_kernel, norm_kernel
+from . import attention_kernel, int4_kernel, layer_kernel, norm_kernel
 from .block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .llama_runner import KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
@@ -250,6 +250,23 @@ class ModelBackend:
         if kind == "aten":
             return f"ATen's int4 kernel ({int4_kernel.why_not() or 'the shapes do not fit ours'})"
         return "none (weights are not 4-bit)"
+
+    @property
+    def layers_kind(self) -> str:
+        """"c" (layer_kernel: each pass's layers in one C call), "python" (layer by layer) or "" (no runner)."""
+        if self.runner is None:
+            return ""
+        return "c" if self.runner.fused is not None else "python"
+
+    @property
+    def layers_path(self) -> str:
+        """How the runner sequences a pass's layers, for the load log (C also changes the SiLU's rounding)."""
+        if self.layers_kind == "c":
+            return f"one C call per pass ({self.runner.fused.kernel.path})"
+        if self.layers_kind == "python":
+            why = layer_kernel.why_not() or "not the 4-bit AMX configuration (bf16, our products, norms and attention)"
+            return f"Python, layer by layer ({why})"
+        return "transformers' own forward"
 
     @property
     def norm_path(self) -> str:

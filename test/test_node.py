@@ -190,6 +190,10 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
         assert kv["int4_products"] == ("amx" if int4_kernel.load() is not None else "aten")
     else:
         assert "int4_products" not in kv
+    # a pass's layers in one C call exactly in the 4-bit AMX configuration, else from Python
+    from simllm_ros import layer_kernel
+    fused = kv.get("int4_products") == "amx" and kv["attention"] == "kernel" and layer_kernel.load() is not None
+    assert kv["layers"] == ("c" if fused else "python")
 
     cm = h.wait_message(f"{N}/cache_map", lambda m: len(m.markers) >= 3, timeout=10, after=after[f"{N}/cache_map"])
     assert cm is not None

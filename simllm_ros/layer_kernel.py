@@ -1,0 +1,263 @@
+"""Decoder layers in one C call each pass, for the CPU runner's 4-bit AMX configuration.
+
+Why: with the products, attention and norms in C, a decode step of SmolLM2-135M still spent ~6 of ~22 ms
+(1 thread, 2 rows) between them: ~12 Python calls and tensor ops per layer at ~2-10 us each (wrappers,
+ctypes, views, RoPE's seven ops, SiLU, residual adds). Here the same kernels run back to back from C: the
+norm kernel, the 4-bit products and the attention kernel (their own libraries, called through the addresses
+ctypes gives), with RoPE, SiLU-and-multiply and the residual adds written here.
+
+Arithmetic: RoPE and the residual adds round each product and sum to bf16 as torch's bf16 ops do (bitwise
+the tensor expressions of llama_runner). SiLU is ours (x / (1 + exp(-x)), exp by a Cephes polynomial) and
+not torch's, so the runner's 4-bit AMX configuration uses `silu_mul` below wherever a layer's MLP runs in
+Python too (the early pass's last layer), and every pass computes alike. All of it is elementwise or per row:
+a row's bits do not depend on the other rows (row-invariant, as the products and attention are).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from . import attention_kernel
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+typedef uint16_t bf16;
+
+typedef void (*norm_fn)(const bf16 *x, long x_stride, const bf16 *w, bf16 *y, int m, int e, float eps);
+typedef void (*mm_fn)(const bf16 *x, long x_stride, const uint8_t *w, bf16 *y, long y_stride, int M, int N, int K,
+                      float *xsum, uint8_t *scratch, long per_thread, int nthreads);
+typedef void (*attend_fn)(const bf16 *q, long q_sn, long q_sh, const bf16 *kn, long kn_sn, long kn_sh,
+                          const bf16 *vn, long vn_sn, long vn_sh, bf16 *out, int Hq, int Hkv, int D, float scale,
+                          int nseq, const int64_t *table, int layer, const uint8_t *blocked, int first,
+                          float *work, long stride, int threads);
+
+static inline __m512 ld(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* round to nearest even, as torch's bf16 ops do (a NaN stays a NaN) */
+static inline __m512 rnd(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                              _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void st(bf16 *p, __m512 f) {  /* f already rounded */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+}
+static inline __m512 vexp(__m512 x) {  /* Cephes' expf polynomial */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* out [M, H, D] = x * cos + roll(x, D/2) * sin of the first H heads of each row (sin's first half negated by
+   the caller), each product and the sum rounded to bf16: torch's three bf16 ops. D a multiple of 32. */
+void simllm_rope_bf16(const bf16 *x, long row_stride, int M, int H, int D, const bf16 *cos, const bf16 *sin,
+                      bf16 *out) {
+    const int half = D / 2;
+    for (int m = 0; m < M; m++) {
+        const bf16 *c = cos + (long)m * D, *s = sin + (long)m * D;
+        for (int h = 0; h < H; h++) {
+            const bf16 *xr = x + (long)m * row_stride + (long)h * D;
+            bf16 *o = out + ((long)m * H + h) * D;
+            for (int d = 0; d < D; d += 16) {
+                const int other = d < half ? d + half : d - half;
+                __m512 a = rnd(_mm512_mul_ps(ld(xr + d), ld(c + d)));
+                __m512 b = rnd(_mm512_mul_ps(ld(xr + other), ld(s + d)));
+                st(o + d, rnd(_mm512_add_ps(a, b)));
+            }
+        }
+    }
+}
+
+/* a [M, I] = bf16(silu(g)) * u, rounded, of gu [M, 2I] (g: the first I columns, u: the rest). I % 16 == 0. */
+void simllm_silu_mul_bf16(const bf16 *gu, long gu_stride, int M, int I, bf16 *a, long a_stride) {
+    for (int m = 0; m < M; m++) {
+        const bf16 *g = gu + (long)m * gu_stride, *u = g + I;
+        bf16 *o = a + (long)m * a_stride;
+        for (int j = 0; j < I; j += 16) {
+            __m512 x = ld(g + j);
+            __m512 sl = rnd(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+            st(o + j, rnd(_mm512_mul_ps(sl, ld(u + j))));
+        }
+    }
+}
+
+/* h [M, E] += t [M, E], rounded as torch's bf16 add. E % 16 == 0. */
+static void add_rows(bf16 *h, const bf16 *t, long n) {
+    for (long i = 0; i < n; i += 16) st(h + i, rnd(_mm512_add_ps(ld(h + i), ld(t + i))));
+}
+
+typedef struct {
+    norm_fn norm; mm_fn mm; attend_fn attend;
+    int E, Hq, Hkv, D, I;
+    float scale;
+    int nseq; const int64_t *table; float *awork; long astride; int athreads;   /* the pass's attention */
+    float *xsum; uint8_t *scratch; long per_thread; int threads; long thread_min_macs;  /* the products' */
+} pass_t;
+
+static void product(const pass_t *P, const bf16 *x, const uint8_t *w, bf16 *y, int M, int N, int K) {
+    int threads = (long)M * N * K >= P->thread_min_macs ? P->threads : 1;
+    P->mm(x, K, w, y, N, M, N, K, P->xsum, P->scratch, P->per_thread, threads);
+}
+
+/* Layers first..last-1 over h [M, E] (in place). weights [L][6]: ln1, ln2 (bf16 [E]), then the 4-bit blobs of
+   qkv, o, gate_up and down; eps [L][2]. ws: bf16 workspace of M * (2E + 2Nqkv + Hq*D + 3I) elements. The same
+   order of operations as LlamaRunner.forward's layer loop. */
+void simllm_layers_bf16(const pass_t *P, bf16 *h, int M, int first, int last, const int64_t *weights,
+                        const float *eps, const bf16 *cos, const bf16 *sin, bf16 *ws) {
+    const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D, Nqk = (Hq + Hkv) * D;
+    bf16 *x = ws, *qkv = x + (long)M * E, *qk = qkv + (long)M * Nqkv, *o = qk + (long)M * Nqk,
+         *t = o + (long)M * Hq * D, *gu = t + (long)M * E, *a = gu + (long)M * 2 * I;
+    for (int li = first; li < last; li++) {
+        const int64_t *W = weights + (long)li * 6;
+        P->norm(h, E, (const bf16 *)(intptr_t)W[0], x, M, E, eps[2 * li]);
+        product(P, x, (const uint8_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
+        simllm_rope_bf16(qkv, Nqkv, M, Hq + Hkv, D, cos, sin, qk);
+        P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,
+                  P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);
+        product(P, o, (const uint8_t *)(intptr_t)W[3], t, M, E, Hq * D);
+        add_rows(h, t, (long)M * E);
+        P->norm(h, E, (const bf16 *)(intptr_t)W[1], x, M, E, eps[2 * li + 1]);
+        product(P, x, (const uint8_t *)(intptr_t)W[4], gu, M, 2 * I, E);
+        simllm_silu_mul_bf16(gu, 2 * I, M, I, a, I);
+        product(P, a, (const uint8_t *)(intptr_t)W[5], t, M, E, I);
+        add_rows(h, t, (long)M * E);
+    }
+}
+int simllm_layers_available(void) { return 1; }
+#else
+int simllm_layers_available(void) { return 0; }
+#endif
+"""
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+class _Pass(ctypes.Structure):
+    _fields_ = [("norm", _P), ("mm", _P), ("attend", _P), ("E", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("I", _I),
+                ("scale", _F), ("nseq", _I), ("table", _P), ("awork", _P), ("astride", _L), ("athreads", _I),
+                ("xsum", _P), ("scratch", _P), ("per_thread", _L), ("threads", _I), ("thread_min_macs", _L)]
+
+
+_loaded: "LayerKernel | None" = None
+_why_not: str | None = None
+
+
+class LayerKernel:
+    """The compiled library: `silu_mul` for a layer's MLP run in Python, `Layers` for a runner's whole stack."""
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        self.path = path
+        self.available = bool(lib.simllm_layers_available())
+        if not self.available:
+            return
+        self._silu_mul = lib.simllm_silu_mul_bf16
+        self._silu_mul.argtypes, self._silu_mul.restype = [_P, _L, _I, _I, _P, _L], None
+        self._layers = lib.simllm_layers_bf16
+        self._layers.argtypes = [ctypes.POINTER(_Pass), _P, _I, _I, _I, _P, _P, _P, _P, _P]
+        self._layers.restype = None
+
+    def silu_mul(self, gu: torch.Tensor, inter: int) -> torch.Tensor:
+        """gu [..., 2 * inter] bf16 -> bf16(silu(gate)) * up [..., inter], as the C layers compute it."""
+        if gu.dtype != torch.bfloat16 or gu.shape[-1] != 2 * inter or inter % 16:
+            raise ValueError(f"silu_mul: bf16 rows of 2 x {inter} (a multiple of 16)")
+        rows = gu.reshape(-1, 2 * inter)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], inter), dtype=torch.bfloat16)
+        self._silu_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(), inter)
+        return out.view(*gu.shape[:-1], inter)
+
+
+class Layers:
+    """A runner's decoder layers as C sees them: the weights' addresses (the runner keeps the tensors), the
+    kernels' entry points, and per-calling-thread buffers. `run` is one pass through layers first..last-1."""
+
+    def __init__(self, kernel: LayerKernel, layers: list, int4, norms, attention, E: int, Hq: int, Hkv: int, D: int,
+                 inter: int, scale: float):
+        self.kernel, self.int4, self.attention = kernel, int4, attention
+        self.E, self.Hq, self.Hkv, self.D, self.inter, self.scale = E, Hq, Hkv, D, inter, scale
+        self.weights = torch.tensor([[ln1.weight.data_ptr(), ln2.weight.data_ptr(), qkv.amx.data_ptr(),
+                                      o.amx.data_ptr(), gu.amx.data_ptr(), down.amx.data_ptr()]
+                                     for ln1, qkv, o, ln2, gu, down, _ in layers], dtype=torch.int64)
+        self.eps = torch.tensor([[ln1.eps, ln2.eps] for ln1, _, _, ln2, _, _, _ in layers], dtype=torch.float32)
+        self._keep = [t for layer in layers for t in (layer[0].weight, layer[3].weight, layer[1].amx, layer[2].amx,
+                                                      layer[4].amx, layer[5].amx)]
+        addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        self._norm, self._mm = addr(norms._fn), addr(int4._mm)
+        self._ws = threading.local()
+        self.widest = max(E, Hq * D, inter)  # the longest input row of a product
+
+    @staticmethod
+    def applies(runner) -> bool:
+        """Whether a runner's layers fit: 4-bit AMX products everywhere, the C norms, bf16, SiLU, no biases,
+        sizes the vector code covers."""
+        if runner.int4 is None or runner.kernel is None or runner.embed.weight.dtype != torch.bfloat16:
+            return False
+        if runner.head_dim % 32 or runner.inter % 16 or runner.embed.weight.shape[1] % 16:
+            return False
+        for ln1, qkv, o, ln2, gu, down, act in runner.layers:
+            if ln1.kernel is None or ln2.kernel is None or type(act).__name__ not in ("SiLUActivation", "SiLU"):
+                return False
+            if any(p.amx is None or p.bias is not None for p in (qkv, o, gu, down)):
+                return False
+        return True
+
+    def _workspace(self, M: int) -> torch.Tensor:
+        need = M * (2 * self.E + 2 * (self.Hq + 2 * self.Hkv) * self.D + self.Hq * self.D + 3 * self.inter)
+        ws = getattr(self._ws, "buf", None)
+        if ws is None or ws.numel() < need:
+            ws = self._ws.buf = torch.empty(need, dtype=torch.bfloat16)
+        return ws
+
+    def run(self, h: torch.Tensor, first: int, last: int, plan, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Layers first..last-1 over h [M, E] (contiguous bf16; updated in place) with the attention pass `plan`
+        (attention_kernel.plan: the KV buffers the layers write and read); cos, sin [M, 1, D] (_rope_tables)."""
+        M = h.shape[0]
+        if h.dtype != torch.bfloat16 or not h.is_contiguous() or h.shape[1] != self.E:
+            raise ValueError(f"layers: contiguous bf16 rows of {self.E}")
+        c, s = cos.reshape(M, self.D).contiguous(), sin.reshape(M, self.D).contiguous()
+        fn, work, stride, athreads = self.attention.pass_args(plan, self.Hq, self.D)
+        xsum, tiles, per_thread, threads = self.int4.buffers(M, self.widest)
+        P = _Pass(self._norm, self._mm, ctypes.cast(fn, ctypes.c_void_p).value, self.E, self.Hq, self.Hkv, self.D,
+                  self.inter, self.scale, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(), stride,
+                  athreads, xsum, tiles, per_thread, threads, self.int4.thread_min_macs)
+        ws = self._workspace(M)
+        self.kernel._layers(ctypes.byref(P), h.data_ptr(), M, first, last, self.weights.data_ptr(),
+                            self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())
+
+
+def load() -> "LayerKernel | None":
+    """The library for this process (built on first use), or None with `why_not()` saying why."""
+    global _loaded, _why_not
+    if _loaded is not None or _why_not is not None:
+        return _loaded
+    kernel, _why_not = attention_kernel.load_kernel("SIMLLM_LAYERS", "python", "layers", SOURCE, LayerKernel)
+    if kernel is not None and not kernel.available:
+        kernel, _why_not = None, "no AVX-512 for this compiler target"
+    _loaded = kernel
+    return _loaded
+
+
+def why_not() -> str | None:
+    return _why_not

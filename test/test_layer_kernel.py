@@ -1,0 +1,127 @@
+"""A pass's layers in one C call (layer_kernel): bitwise what the same layers give run one by one from Python,
+for every kind of pass the engine makes (prefill, decode steps, tokens at their own slots, resumed rows,
+several sequences at once), on the default model where it runs (bf16, 4-bit AMX products)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from simllm_ros import layer_kernel
+from simllm_ros.llama_runner import KVBuffer, Seq
+
+KERNEL = layer_kernel.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"layer kernel: {layer_kernel.why_not()}")
+
+
+def _runner():
+    from core_fixtures import shared_engine
+
+    r = shared_engine(dtype="bfloat16", kv_bits=0).backend.runner
+    if r is None or r.fused is None:
+        pytest.skip("the default model does not run its layers in C here (not the 4-bit AMX configuration)")
+    return r
+
+
+def _both(r, fn):
+    """fn() with the layers in C, then from Python: both results (restores the runner)."""
+    out = []
+    try:
+        for in_c in (True, False):
+            r.layers_in_c = in_c
+            out.append(fn())
+    finally:
+        r.layers_in_c = True
+    return out
+
+
+def _buffer(r, capacity):
+    return KVBuffer.allocate(len(r.layers), r.n_kv, r.head_dim, capacity, torch.bfloat16, "cpu")
+
+
+def _ids(n, seed=0):
+    return torch.randint(0, 40000, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 2, 17, 57, 130])
+def test_prefill_and_decode_steps_equal_the_python_layers(n):
+    r = _runner()
+    ids = _ids(n + 3, n)
+
+    def run():
+        kv = _buffer(r, n + 8)
+        logits = [r.forward(ids[:n], torch.arange(n), kv, 0, logits="all")]
+        for i in range(n, n + 3):  # decode steps, one token each (single rows where the runner allows them)
+            logits.append(r.forward(ids[i:i + 1], torch.tensor([i]), kv, i, logits="last"))
+        return logits, kv.k[:, :, :n + 3].clone(), kv.v[:, :, :n + 3].clone()
+
+    (lc, kc, vc), (lp, kp, vp) = _both(r, run)
+    assert all(torch.equal(a, b) for a, b in zip(lc, lp))
+    assert torch.equal(kc, kp) and torch.equal(vc, vp)
+
+
+@needs_kernel
+def test_own_slots_resumed_rows_and_batches_equal_the_python_layers():
+    r = _runner()
+    n = 60
+    ids = _ids(n, 3)
+    slots = torch.tensor([5, 6, 19, 33, 34, 35, 59])
+
+    def run():
+        kv = _buffer(r, n + 4)
+        r.forward(ids, torch.arange(n), kv, 0, logits="none")
+        scattered = r.forward(ids[slots], slots, kv, 0, slots=slots, logits="all")  # tokens at their own slots
+        hidden = r.forward(ids[slots], slots, kv, 0, slots=slots, logits="none", n_layers=2)  # early layers only
+        kept = hidden.clone()
+        resumed = r.forward(ids[slots], slots, kv, 0, slots=slots, logits="last", hidden=hidden, first_layer=2)
+        assert torch.equal(hidden, kept)  # the caller's rows are not written over
+        a, b = _buffer(r, 40), _buffer(r, 40)
+        batch = r.forward_batch([Seq(ids[:30], torch.arange(30), a, 0, logits="all"),
+                                 Seq(ids[30:51], torch.arange(21), b, 0, logits="last")])
+        return [scattered, hidden, resumed, *batch, kv.k[:, :, :n].clone(), a.k[:, :, :30].clone(),
+                b.v[:, :, :21].clone()]
+
+    c, p = _both(r, run)
+    assert all(torch.equal(x, y) for x, y in zip(c, p))
+
+
+@needs_kernel
+def test_the_early_pass_finishes_its_last_layer_as_the_c_layers_do():
+    """The early pass runs its last layer's MLP from Python: with the C layers' SiLU, its rows are bitwise a
+    whole pass's (the semantic repair resumes from them)."""
+    r = _runner()
+    n = 50
+    ids = _ids(n, 5)
+    whole = _buffer(r, n + 2)
+    h_whole = r.forward(ids, torch.arange(n), whole, 0, logits="none", n_layers=2)
+    kv = _buffer(r, n + 2)
+    rows, h = r.early_pass(ids, kv, 2, lambda k, v: [3, 17, 49])
+    assert rows.tolist() == [3, 17, 49]
+    assert torch.equal(h, h_whole[rows])
+    assert torch.equal(kv.k[:2, :, :n], whole.k[:2, :, :n]) and torch.equal(kv.v[:2, :, :n], whole.v[:2, :, :n])
+
+
+@needs_kernel
+def test_silu_mul_is_close_to_torch_and_refuses_bad_rows():
+    g = torch.Generator().manual_seed(0)
+    gu = (torch.randn(37, 2 * 1536, generator=g) * 4).to(torch.bfloat16)
+    ours = KERNEL.silu_mul(gu, 1536).float()
+    ref = (torch.nn.functional.silu(gu[:, :1536]) * gu[:, 1536:]).float()
+    step = ref.abs().clamp(min=1e-3) * 2 ** -7  # one bf16 step, twice rounded
+    assert ((ours - ref).abs() <= 2 * step).all()
+    assert (ours == ref).float().mean() > 0.97
+    assert torch.equal(KERNEL.silu_mul(gu[5:6], 1536), KERNEL.silu_mul(gu, 1536)[5:6])  # row-invariant
+    with pytest.raises(ValueError):
+        KERNEL.silu_mul(gu.float(), 1536)
+    with pytest.raises(ValueError):
+        KERNEL.silu_mul(gu[:, :100], 50)
+
+
+def test_other_configurations_keep_the_python_layers():
+    """float32 (the tests' default) or 16-bit weights: no C layers, torch's SiLU, and the load log says so."""
+    from core_fixtures import shared_engine
+
+    b = shared_engine().backend
+    if b.runner is not None:
+        assert b.runner.fused is None and b.layers_kind == "python"
+        assert b.layers_path.startswith("Python")
