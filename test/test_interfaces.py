@@ -116,11 +116,15 @@ def test_cancel_ends_a_running_goal_at_once_and_a_finished_one_says_terminated(h
 
 def test_goals_share_the_admission_queue_and_a_queued_goal_cancels_at_once(h):
     h.ensure_active()
-    assert all(r.successful for r in h.set_params(queue_limit=1))
+    # One request at a time (max_batch 1), so that the running goal holds the worker and the next one waits in
+    # the queue; it must outlast the steps below on a busy VM: 400 tokens took ~4 s here once the layers ran
+    # in C (layer_kernel), so it asks for 2000 and is cancelled at the end. (With batching a waiting goal joins
+    # the batch within a step: that the queue was still full relied on slow steps.)
+    assert all(r.successful for r in h.set_params(queue_limit=1, max_new_tokens_limit=2000, max_batch=1))
     try:
         started = threading.Event()
         running = send_goal(h, feedback=lambda m: started.set(), prompt="Describe the whole bulletin in detail.",
-                            max_new_tokens=400, cache_scope="busy")
+                            max_new_tokens=2000, cache_scope="busy")
         assert started.wait(60)
         queued = send_goal(h, prompt="Is the pharmacy open?", cache_scope="busy")
         status, res = outcome(send_goal(h, prompt="And the post office?", cache_scope="busy"), 20)
@@ -135,7 +139,7 @@ def test_goals_share_the_admission_queue_and_a_queued_goal_cancels_at_once(h):
         wait_future(running.cancel_goal_async(), 10)
         assert outcome(running, 10)[0] == GoalStatus.STATUS_CANCELED
     finally:
-        assert all(r.successful for r in h.set_params(queue_limit=4))
+        assert all(r.successful for r in h.set_params(queue_limit=4, max_new_tokens_limit=512, max_batch=8))
 
 
 def test_json_schema_on_the_service_topic_and_action(h):
