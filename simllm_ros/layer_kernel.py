@@ -7,10 +7,12 @@ norm kernel, the 4-bit products and the attention kernel (their own libraries, c
 ctypes gives), with RoPE, SiLU-and-multiply and the residual adds written here.
 
 Arithmetic: RoPE and the residual adds round each product and sum to bf16 as torch's bf16 ops do (bitwise
-the tensor expressions of llama_runner). SiLU is ours (x / (1 + exp(-x)), exp by a Cephes polynomial) and
-not torch's, so the runner's 4-bit AMX configuration uses `silu_mul` below wherever a layer's MLP runs in
-Python too (the early pass's last layer), and every pass computes alike. All of it is elementwise or per row:
-a row's bits do not depend on the other rows (row-invariant, as the products and attention are).
+the tensor expressions of llama_runner). SiLU is ours (x / (1 + exp(-x)), exp by a Cephes polynomial), not
+torch's code, so the runner's 4-bit AMX configuration uses `silu_mul` below wherever a layer's MLP runs in
+Python too (the early pass's last layer): every pass computes alike whatever torch does. After the bf16
+rounding it gave torch's bits on every one of 11.9M real activations (a 290-token prefill), and the numerics
+digest stayed the same. All of it is elementwise or per row: a row's bits do not depend on the other rows
+(row-invariant, as the products and attention are).
 """
 from __future__ import annotations
 
