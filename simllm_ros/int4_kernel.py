@@ -366,13 +366,18 @@ class Int4Kernel:
         """(group sums buffer, 64-byte aligned tile scratch, scratch bytes per thread, threads) for products of
         m rows and up to k inputs called from C (layer_kernel), kept per calling thread like `mm`'s."""
         threads = torch.get_num_threads()
+        work, aligned, per_thread = self._buffers(m, k, threads)
+        return work.data_ptr(), aligned, per_thread, threads
+
+    def _buffers(self, m: int, k: int, threads: int) -> tuple[torch.Tensor, int, int]:
+        """This thread's group sums buffer and aligned tile scratch, grown to fit (the call runs without the GIL)."""
         per_thread = max(k // GROUP, 4) * 1024 + 4096  # the C source's bbuf and cbuf
         s = self._scratch
         if getattr(s, "work", None) is None or s.work.numel() < m * (k // GROUP) or \
                 s.tiles.numel() < threads * per_thread + 64:
             s.work = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
             s.tiles = torch.empty(max(threads * per_thread, 2 * per_thread) + 64, dtype=torch.uint8)
-        return s.work.data_ptr(), (s.tiles.data_ptr() + 63) // 64 * 64, per_thread, threads
+        return s.work, (s.tiles.data_ptr() + 63) // 64 * 64, per_thread
 
     def _prepare(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str):
         """The checks and buffers of a product: (M, K, threads, scratch bytes per thread, group sums buffer,
@@ -381,13 +386,8 @@ class Int4Kernel:
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, blob_bytes):
             raise ValueError(f"{what} kernel: bf16 rows [M, K] with contiguous inputs, and weights packed for them")
         threads = torch.get_num_threads() if m * n * k >= THREAD_MIN_MACS else 1
-        per_thread = max(k // GROUP, 4) * 1024 + 4096  # the C source's bbuf and cbuf
-        s = self._scratch  # per calling thread: the call runs without the GIL
-        if getattr(s, "work", None) is None or s.work.numel() < m * (k // GROUP) or \
-                s.tiles.numel() < threads * per_thread + 64:
-            s.work = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
-            s.tiles = torch.empty(max(threads * per_thread, 2 * per_thread) + 64, dtype=torch.uint8)
-        return m, k, threads, per_thread, s.work, (s.tiles.data_ptr() + 63) // 64 * 64
+        work, aligned, per_thread = self._buffers(m, k, threads)
+        return m, k, threads, per_thread, work, aligned
 
     def mm(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] bf16 (rows contiguous) times the packed weights -> [M, n] bf16."""

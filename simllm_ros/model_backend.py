@@ -260,7 +260,7 @@ class ModelBackend:
 
     @property
     def layers_path(self) -> str:
-        """How the runner sequences a pass's layers, for the load log (C also changes the SiLU's rounding)."""
+        """How the runner sequences a pass's layers, for the load log."""
         if self.layers_kind == "c":
             return f"one C call per pass ({self.runner.fused.kernel.path})"
         if self.layers_kind == "python":
