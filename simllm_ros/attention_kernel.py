@@ -48,6 +48,26 @@ typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; u
 static int amx_request(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 """
 
+# Cephes' expf polynomial on 16 lanes, for x in [-87, 88] (callers clamp): the attention's softmax and
+# layer_kernel's SiLU.
+EXP_POLY = r"""
+static inline __m512 exp_poly(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+"""
+
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -84,22 +104,8 @@ static inline vf ld_bf16(const bf16 *p) {
 }
 static inline vf ld_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline float hsum(vf a) { return _mm512_reduce_add_ps(a); }
-static inline vf vexp_nonpos(vf x) {  /* Cephes' expf polynomial, x <= 0 */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    vf n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    vf p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    vf y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+/*EXP_POLY*/
+static inline vf vexp_nonpos(vf x) { return exp_poly(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))); }  /* x <= 0 */
 #define VZERO _mm512_setzero_ps()
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
@@ -567,7 +573,7 @@ int simllm_attend_amx_init(void) { return -1; }
 #endif
 
 int simllm_attend_version(void) { return 5; }
-""".replace("/*AMX_COMMON*/", AMX_COMMON)
+""".replace("/*AMX_COMMON*/", AMX_COMMON).replace("/*EXP_POLY*/", EXP_POLY)
 
 MAX_HEAD_DIM = 256  # the kernel's per-row buffers
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-pthread"]
