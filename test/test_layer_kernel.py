@@ -125,3 +125,25 @@ def test_other_configurations_keep_the_python_layers():
     if b.runner is not None:
         assert b.runner.fused is None and b.layers_kind == "python"
         assert b.layers_path.startswith("Python")
+
+
+def test_the_python_layers_can_be_chosen():
+    """SIMLLM_LAYERS=python keeps the layer-by-layer loop (and torch's SiLU); a new process loads the same
+    library otherwise."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from simllm_ros import layer_kernel as k; kern = k.load(); "
+            "print(kern is None, k.why_not(), kern.path if kern else '')")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "SIMLLM_LAYERS": "python"},
+                         capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.startswith("True SIMLLM_LAYERS=python"), off.stdout
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert on.returncode == 0, on.stderr
+    if KERNEL is None:
+        assert on.stdout.startswith("True"), on.stdout
+    else:
+        assert on.stdout.split()[-1] == KERNEL.path
