@@ -129,3 +129,18 @@ def agreement(ref: list[int], got: list[int], n: int) -> tuple[float, float]:
         prefix = width
     overall = sum(x == y for x, y in zip(a, b)) / width
     return prefix / width, overall
+
+
+def kernel_in_new_process(module: str, env: dict | None = None) -> tuple[bool, str, str]:
+    """(not loaded, why not, library path) of `simllm_ros.<module>.load()` in a new Python process with `env`
+    added: a kernel switched off by its environment variable, or the library built once per machine."""
+    import subprocess
+    import sys
+
+    code = (f"from simllm_ros import {module} as k; kern = k.load(); "
+            "print(kern is None, '|', k.why_not(), '|', kern.path if kern else '')")
+    full = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), **(env or {})}
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    off, why, path = (x.strip() for x in out.stdout.strip().split("|"))
+    return off == "True", why, path

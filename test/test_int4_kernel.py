@@ -4,10 +4,6 @@ threads or pass come with it, bad input refused, and the model's projections on 
 Skipped where the kernel cannot run (no AMX-BF16, no compiler): the runner then keeps ATen's kernel."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -126,19 +122,15 @@ def test_the_model_projections_run_on_it_and_agree_with_aten():
 
 
 def test_aten_can_be_chosen_and_the_built_library_is_reused():
-    code = ("from simllm_ros import int4_kernel as k; kern = k.load(); "
-            "print(kern is None, k.why_not(), kern.path if kern else '')")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    off = subprocess.run([sys.executable, "-c", code], env={**env, "SIMLLM_INT4": "aten"},
-                         capture_output=True, text=True, timeout=120)
-    assert off.returncode == 0, off.stderr
-    assert off.stdout.startswith("True SIMLLM_INT4=aten"), off.stdout
-    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert on.returncode == 0, on.stderr
+    from core_fixtures import kernel_in_new_process
+
+    off, why, _ = kernel_in_new_process("int4_kernel", {"SIMLLM_INT4": "aten"})
+    assert off and why == "SIMLLM_INT4=aten", why
+    off, why, path = kernel_in_new_process("int4_kernel")
     if KERNEL is None:
-        assert on.stdout.startswith("True"), on.stdout  # no AMX here: the same answer in a new process
+        assert off, path  # no AMX here: the same answer in a new process
     else:
-        assert on.stdout.split()[-1] == KERNEL.path  # the library built once per machine is the one loaded
+        assert path == KERNEL.path  # the library built once per machine is the one loaded
 
 
 @needs_kernel

@@ -130,20 +130,12 @@ def test_other_configurations_keep_the_python_layers():
 def test_the_python_layers_can_be_chosen():
     """SIMLLM_LAYERS=python keeps the layer-by-layer loop (and torch's SiLU); a new process loads the same
     library otherwise."""
-    import os
-    import subprocess
-    import sys
+    from core_fixtures import kernel_in_new_process
 
-    code = ("from simllm_ros import layer_kernel as k; kern = k.load(); "
-            "print(kern is None, k.why_not(), kern.path if kern else '')")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    off = subprocess.run([sys.executable, "-c", code], env={**env, "SIMLLM_LAYERS": "python"},
-                         capture_output=True, text=True, timeout=120)
-    assert off.returncode == 0, off.stderr
-    assert off.stdout.startswith("True SIMLLM_LAYERS=python"), off.stdout
-    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert on.returncode == 0, on.stderr
+    off, why, _ = kernel_in_new_process("layer_kernel", {"SIMLLM_LAYERS": "python"})
+    assert off and why == "SIMLLM_LAYERS=python", why
+    off, why, path = kernel_in_new_process("layer_kernel")
     if KERNEL is None:
-        assert on.stdout.startswith("True"), on.stdout
+        assert off, path
     else:
-        assert on.stdout.split()[-1] == KERNEL.path
+        assert path == KERNEL.path
