@@ -718,10 +718,10 @@ class AttentionKernel:
         return PassPlan(torch.tensor(table, dtype=torch.int64), rows, longest, pairs, dtype,
                         [t for s in seqs for t in s[3:5]] + keep, max(s for _, s in group_slots.values()))
 
-    def pass_args(self, plan: PassPlan, Hq: int, D: int, fn=None) -> tuple:
+    def pass_args(self, plan: PassPlan, Hq: int, D: int) -> tuple:
         """(entry point, work buffer, its stride per thread, threads) of a pass: the C function's last arguments,
         the same for each of the pass's layers (layer_kernel calls it from C)."""
-        fn = self._fns[plan.dtype] if fn is None else fn
+        fn = self._fns[plan.dtype]
         threads = torch.get_num_threads() if plan.pairs * Hq * D * 2 >= THREAD_MIN_MACS else 1
         if self.uses_amx(plan.dtype, D):
             fn, wm = self.amx, -(-plan.longest // 32) * 32  # the C source's layout of a thread's work
@@ -756,7 +756,7 @@ class AttentionKernel:
             if t.shape[0] != 1 or blocked.shape != (int(t[0, 1]), int(t[0, 2] + t[0, 1]) - first):
                 raise ValueError(f"attention kernel: mask {tuple(blocked.shape)} does not fit the pass")
             blk = blocked.contiguous().view(torch.uint8)
-        fn, work, stride, threads = self.pass_args(plan, Hq, D, fn)
+        fn, work, stride, threads = self.pass_args(plan, Hq, D)
         fn(q.data_ptr(), q.stride(0), q.stride(1), k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
            v_new.data_ptr(), v_new.stride(0), v_new.stride(1), out.data_ptr(), Hq, Hkv, D, scale,
            plan.table.shape[0], plan.table.data_ptr(), layer, None if blk is None else blk.data_ptr(), first,

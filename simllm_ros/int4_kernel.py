@@ -360,8 +360,6 @@ class Int4Kernel:
         self._mm8(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, aligned, per_thread, threads)
         return y
 
-    thread_min_macs = THREAD_MIN_MACS
-
     def buffers(self, m: int, k: int) -> tuple[int, int, int, int]:
         """(group sums buffer, 64-byte aligned tile scratch, scratch bytes per thread, threads) for products of
         m rows and up to k inputs called from C (layer_kernel), kept per calling thread like `mm`'s."""

@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from . import attention_kernel
+from . import attention_kernel, int4_kernel
 
 SOURCE = r"""
 #include <stdint.h>
@@ -191,8 +191,6 @@ class Layers:
                                       o.amx.data_ptr(), gu.amx.data_ptr(), down.amx.data_ptr()]
                                      for ln1, qkv, o, ln2, gu, down, _ in layers], dtype=torch.int64)
         self.eps = torch.tensor([[ln1.eps, ln2.eps] for ln1, _, _, ln2, _, _, _ in layers], dtype=torch.float32)
-        self._keep = [t for layer in layers for t in (layer[0].weight, layer[3].weight, layer[1].amx, layer[2].amx,
-                                                      layer[4].amx, layer[5].amx)]
         addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
         self._norm, self._mm = addr(norms._fn), addr(int4._mm)
         self._ws = threading.local()
@@ -231,7 +229,7 @@ class Layers:
         xsum, tiles, per_thread, threads = self.int4.buffers(M, self.widest)
         P = _Pass(self._norm, self._mm, ctypes.cast(fn, ctypes.c_void_p).value, self.E, self.Hq, self.Hkv, self.D,
                   self.inter, self.scale, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(), stride,
-                  athreads, xsum, tiles, per_thread, threads, self.int4.thread_min_macs)
+                  athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS)
         ws = self._workspace(M)
         self.kernel._layers(ctypes.byref(P), h.data_ptr(), M, first, last, self.weights.data_ptr(),
                             self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())

@@ -680,14 +680,14 @@ class LlamaRunner:
         D, Hq = self.head_dim, self.n_heads
         if self.kernel is not None:  # one call per layer for every sequence, each over its own buffer
             plan = self.kernel.plan(self._shared_entries(seqs, spans))
-            attn = h.new_empty(total, Hq, D)
-            in_c = self.fused is not None and self.layers_in_c
-            if in_c:
+            if self.fused is not None and self.layers_in_c:
                 self.fused.run(h[0], 0, len(self.layers), plan, cos, sin)
-            for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate([] if in_c else self.layers):
-                q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)
-                h = h + o_proj(self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, total, Hq * D))
-                h = self._mlp(h, ln2, gate_up, down, act)
+            else:
+                attn = h.new_empty(total, Hq, D)
+                for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
+                    q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)
+                    h = h + o_proj(self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, total, Hq * D))
+                    h = self._mlp(h, ln2, gate_up, down, act)
         else:
             h = self._torch_batch_layers(seqs, spans, h, cos, sin, total)
         rows = []
