@@ -85,7 +85,7 @@ static void config(int rows, int tail) {
 
 /* Group gg alone for the row block at r0: its product in tile TC (inputs in TA), scaled into out. */
 #define ONE(gg, TC, TA, DEQF, POSTF) do {                                                                     \
-        if (stream) DEQF(gg, BUF(gg));                                                                     \
+        if (jit) DEQF(gg, BUF(gg));                                                                        \
         _tile_zero(TC);                                                                                    \
         _tile_loadd(TA, J->x + (long)r0 * J->x_stride + (gg) * GROUP, J->x_stride * 2);                    \
         _tile_loadd(2, BUF(gg), 64);                                                                       \
@@ -122,10 +122,11 @@ static void *NAME(void *arg) {                                                  
     config(full, tail);                                                                                             \
     for (int b = J->b0; b < J->b1; b++) {                                                                           \
         const uint8_t *blob = J->w + (long)b * G * BLOBSZ;                                                          \
-        if (!stream)  /* several row blocks: every group dequantized once, kept for all of them */                  \
-            for (int g = 0; g < G; g++) DEQ(g, bbuf + g * 1024);                                                    \
         for (int r0 = 0; r0 < J->M; r0 += TROWS) {                                                                  \
             int R = J->M - r0 < TROWS ? J->M - r0 : TROWS;                                                          \
+            /* the first row block dequantizes each group just before its product, while earlier products run \
+               (one row block: into a ring of 4; several: kept, for the blocks after it) */                      \
+            const int jit = stream || r0 == 0;                                                                      \
             __m512 out[TROWS];                                                                                      \
             for (int m = 0; m < R; m++) out[m] = _mm512_setzero_ps();                                               \
             int g = 0;                                                                                              \
@@ -134,7 +135,7 @@ static void *NAME(void *arg) {                                                  
             /* two groups in flight (their tiles do not wait on each other), and the next pair's products run  \
                while this pair's results are scaled: the same products and the same order of additions */        \
             if (g + 1 < G) {                                                                                        \
-                if (stream) { DEQ(g, BUF(g)); DEQ(g + 1, BUF(g + 1)); }                                             \
+                if (jit) { DEQ(g, BUF(g)); DEQ(g + 1, BUF(g + 1)); }                                                \
                 PAIR(g);                                                                                            \
                 for (;; g += 2) {                                                                                   \
                     float *cb = cbuf + ((g >> 1) & 1) * 512;                                                        \
@@ -142,7 +143,7 @@ static void *NAME(void *arg) {                                                  
                     _tile_stored(3, cb + 256, 64);                                                                  \
                     const int next = g + 3 < G;                                                                     \
                     if (next) {                                                                                     \
-                        if (stream) { DEQ(g + 2, BUF(g + 2)); DEQ(g + 3, BUF(g + 3)); }                             \
+                        if (jit) { DEQ(g + 2, BUF(g + 2)); DEQ(g + 3, BUF(g + 3)); }                                \
                         PAIR(g + 2);                                                                                \
                     }                                                                                               \
                     POST(g, cb);                                                                                    \
