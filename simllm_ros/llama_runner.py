@@ -330,6 +330,14 @@ class _Proj:
         y = y.reshape(*shape[:-1], self.n)
         return y if self.bias is None else y + self.bias
 
+    def columns(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Outputs a..b-1 (multiples of 16) of this product for rows x [M, K], on our AMX kernel only: it computes
+        each block of 16 outputs on its own, so these are bitwise those columns of the whole product."""
+        if self.amx is None or a % 16 or b % 16:
+            raise ValueError("columns of a product: our AMX kernel's weights, outputs in 16s")
+        y = self.int4.mm(x.contiguous(), self.amx[a // 16:b // 16], b - a)
+        return y if self.bias is None else y + self.bias[a:b]
+
 
 class LlamaRunner:
     def __init__(self, model, weight_bits: int = 16):
@@ -622,7 +630,17 @@ class LlamaRunner:
         li = n_layers - 1
         ln1, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
         cos, sin = self._rope_tables(h, positions)
-        q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)  # [M', Hq, D], [M', Hkv, D] x 2
+        x = ln1(h)[0]
+        # Every token needs only its keys and values here (pick reads them); queries only the picked rows do.
+        # Our kernel computes those outputs alone, bitwise as the whole product does; RoPE is per element.
+        split = qkv_proj.amx is not None
+        if split:
+            Hkv, D = self.n_kv, self.head_dim
+            kv_rows = qkv_proj.columns(x, self.q_size, self.q_size + 2 * self.kv_size)  # [M', 2 kv]
+            k = self._rotate(kv_rows[:, :self.kv_size].view(-1, Hkv, D), cos, sin)
+            v = kv_rows[:, self.kv_size:].view(-1, Hkv, D)
+        else:
+            q, k, v = self._rotated_rows(qkv_proj(x), cos, sin)  # [M', Hq, D], [M', Hkv, D] x 2
         kv.k[li, :, start:M] = k.transpose(0, 1)
         kv.v[li, :, start:M] = v.transpose(0, 1)
         kv.length = max(kv.length, M)
@@ -633,15 +651,19 @@ class LlamaRunner:
             raise ValueError(f"early pass: row {int(rows[0])} is in the {start}-token prefix it did not run")
         run = rows - start if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows]) - start  # never alone
         R, D = run.numel(), self.head_dim
+        if split:
+            q = self._rotate(qkv_proj.columns(x[run], 0, self.q_size).view(R, self.n_heads, D), cos[run], sin[run])
+        else:
+            q = q[run]
         if self.kernel is not None:
             # The rows at their own slots (their new KV is what the slots hold: the same bits written again),
             # each attending the slots up to its own: the keys and values it attends in the whole pass, read once
             # for all rows rather than once per row, the same bits.
             plan = self.kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
-            o = self.kernel.attend(plan, li, q[run], k[run], v[run], self.scale)
+            o = self.kernel.attend(plan, li, q, k[run], v[run], self.scale)
         else:
             G = self.group
-            qg = (q[run] * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
+            qg = (q * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
             o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], self._slot_mask((run + start).to(ids.device), M))
             o = o.reshape(self.n_heads, R, D).transpose(0, 1)
         out = self._mlp(h[:, run] + o_proj(o.reshape(1, R, self.n_heads * D)), ln2, gate_up, down, act)
@@ -772,6 +794,11 @@ class LlamaRunner:
         qk = qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D)
         qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
         return qk[:, :Hq], qk[:, Hq:], qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on rows of heads x [M, H, D] with `_rope_tables`' cos, sin [M, 1, D]: the ops `_rotated_rows` runs."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
     def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [M, 1, D] for the rows' positions, sin with its first half negated: then

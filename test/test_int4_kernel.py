@@ -121,6 +121,25 @@ def test_the_model_projections_run_on_it_and_agree_with_aten():
     assert (a == o).float().mean() >= 0.99
 
 
+@needs_kernel
+def test_a_range_of_outputs_is_those_columns_of_the_whole_product():
+    """The early pass of semantic repair computes keys and values for every token and queries for a few: a range
+    of a projection's outputs must be bitwise those columns of the whole product, bias included."""
+    w = (torch.randn(960, 576, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(960, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    for b in (None, bias):
+        proj = _Proj(w, b, 4, KERNEL)
+        for m in (1, 2, 17, 40):
+            x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+            whole = proj(x)
+            for a, e in ((576, 960), (0, 576), (16, 48), (944, 960)):
+                assert torch.equal(proj.columns(x, a, e), whole[:, a:e]), (m, a, e)
+    with pytest.raises(ValueError, match="16s"):
+        proj.columns(x, 8, 64)
+    with pytest.raises(ValueError, match="AMX"):
+        _Proj(w, None, 4, None).columns(x, 0, 16)
+
+
 def test_aten_can_be_chosen_and_the_built_library_is_reused():
     from core_fixtures import kernel_in_new_process
 
