@@ -38,6 +38,8 @@ import threading
 
 import torch
 
+from . import compute_threads
+
 # What both AMX kernels (this one's bf16 path and int4_kernel) need, inside their AMX guards: the tile
 # configuration's layout, and Linux's permission for the tile state, which it hands out only to a process that
 # asks (ARCH_REQ_XCOMP_PERM = 0x1023 for XTILEDATA = 18).
@@ -722,7 +724,7 @@ class AttentionKernel:
         """(entry point, work buffer, its stride per thread, threads) of a pass: the C function's last arguments,
         the same for each of the pass's layers (layer_kernel calls it from C)."""
         fn = self._fns[plan.dtype]
-        threads = torch.get_num_threads() if plan.pairs * Hq * D * 2 >= THREAD_MIN_MACS else 1
+        threads = compute_threads.kernel_threads() if plan.pairs * Hq * D * 2 >= THREAD_MIN_MACS else 1
         if self.uses_amx(plan.dtype, D):
             fn, wm = self.amx, -(-plan.longest // 32) * 32  # the C source's layout of a thread's work
             stride = 49 * wm + plan.slots * D // 2 + 32 * D + 2 * plan.table.shape[0] + 320

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import path_checks, persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
+from . import compute_threads, path_checks, persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
 from .cache_stats import CacheStatsRecorder
 from .decoding import Constraint, Decoder, Generation
 from .draft_proposer import DraftProposer, DraftStats
@@ -211,6 +212,15 @@ class Engine:
     def loaded(self) -> bool:
         return self.backend is not None
 
+    @contextlib.contextmanager
+    def _model_turn(self):
+        """The model's turn: one caller at a time, and while it runs, the cores go to our kernels' workers rather
+        than to torch's threads where the kernels do the work (compute_threads)."""
+        with self._exec_lock:
+            backend = self.backend
+            with compute_threads.kernels_own_cores(backend is not None and backend.kernels_do_the_work):
+                yield
+
     def load(self, progress: Callable[[str], None] | None = None) -> None:
         progress = progress or (lambda m: self.log.info(m))
         s = self.settings
@@ -226,6 +236,9 @@ class Engine:
             progress(f"layers: {self.backend.layers_path}")
             if self.backend.int4_kind:
                 progress(f"4-bit products: {self.backend.int4_path}")
+            if self.backend.kernels_do_the_work and compute_threads.ENABLED and torch.get_num_threads() > 1:
+                progress(f"threads: {torch.get_num_threads()} for our kernels' workers while the model runs, "
+                         "torch one (compute_threads)")
             self._token_bytes = max_token_bytes(self.backend.tokenizer)
             progress(f"loading embedder {s.embedder}")
             self.fingerprinter = Fingerprinter(s.embedder, self.backend.device)
@@ -466,7 +479,7 @@ class Engine:
             if n > fp.max_tokens:
                 raise ValueError(f"texts[{i}] is {n} tokens; the embedder reads at most {fp.max_tokens} "
                                  "(nothing is truncated)")
-        return fp.embed(texts)
+        return fp.embed_async(texts).result()  # on the fingerprinter's threads, which keep their torch threads
 
     def max_prompt_chars(self) -> int | None:
         """No prompt + context longer than this (characters) fits in max_prompt_tokens: each token stands for
@@ -483,7 +496,7 @@ class Engine:
         on_progress(Progress) streams the answer so far (at most every 50 ms); should_stop() returning True
         cancels it within one decode pass (success=False, stop_reason "cancel", the partial answer in `answer`;
         the prompt's KV may be pooled, the partial answer never is)."""
-        with self._exec_lock:
+        with self._model_turn():
             if not self.loaded:
                 self.recorder.record_error()
                 return QueryResult.failure("engine is not loaded", p.req.request_id)
@@ -617,7 +630,7 @@ class Engine:
         """Admit a prepared request into the batch: its plan, and its prefill set up (run in the next steps,
         chunked); a SEMANTIC repair runs here, whole. Returns the result at once (ANSWER tier, a refusal, a
         fault), else a Flight for step()."""
-        with self._exec_lock:
+        with self._model_turn():
             if not self.loaded:
                 self.recorder.record_error()
                 return QueryResult.failure("engine is not loaded", p.req.request_id)
@@ -656,7 +669,7 @@ class Engine:
         first). Returns, per flight, its result when it finished in this step (done, or failed: a fault fails
         its own flight only), else None."""
         out: list[QueryResult | None] = [None] * len(flights)
-        with self._exec_lock:
+        with self._model_turn():
             if not self.loaded:
                 for i, f in enumerate(flights):
                     out[i] = QueryResult.failure("engine is not loaded", f.p.req.request_id)
@@ -916,7 +929,7 @@ class Engine:
     def idle_work(self) -> bool:
         """Compute and pool the exact KV of one prompt that SEMANTIC reuse served; returns whether it did.
         Skipped while running hot. Called by the request server's worker when no request waits."""
-        with self._exec_lock:
+        with self._model_turn():
             if not self.has_idle_work():
                 return False
             job = self.pending_inserts.popleft()

@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 
+from . import compute_threads
 from .settings import DEFAULT_EMBEDDER
 from .validation import normalize_text
 
@@ -52,6 +53,9 @@ class Fingerprinter:
         self._recent: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()  # LRU by text
         self.remembered_hits = 0  # texts answered without a forward pass of their own
         self._workers: concurrent.futures.ThreadPoolExecutor | None = None  # for embed_async
+        import torch
+
+        self._threads = torch.get_num_threads()  # what embed_async's threads run torch with
         # On CUDA, fingerprints run on their own stream so they overlap generation on the default stream.
         self._stream = None
         if str(device).startswith("cuda"):
@@ -89,7 +93,9 @@ class Fingerprinter:
         with self._queue_lock:
             if self._workers is None:
                 # Two workers: a second request's texts join the batch the first one is embedding.
-                self._workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="simllm-fingerprint")
+                # torch's thread count as it is now: a model turn meanwhile sets it to one (compute_threads).
+                self._workers = concurrent.futures.ThreadPoolExecutor(
+                    2, thread_name_prefix="simllm-fingerprint", initializer=compute_threads.own_count(self._threads))
             workers = self._workers
         return workers.submit(self._complete, norm, rows)
 

@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from . import attention_kernel
+from . import attention_kernel, compute_threads
 
 SOURCE = r"""
 #include <stdint.h>
@@ -364,7 +364,7 @@ class Int4Kernel:
     def buffers(self, m: int, k: int) -> tuple[int, int, int, int]:
         """(group sums buffer, 64-byte aligned tile scratch, scratch bytes per thread, threads) for products of
         m rows and up to k inputs called from C (layer_kernel), kept per calling thread like `mm`'s."""
-        threads = torch.get_num_threads()
+        threads = compute_threads.kernel_threads()
         work, aligned, per_thread = self._buffers(m, k, threads)
         return work.data_ptr(), aligned, per_thread, threads
 
@@ -384,7 +384,7 @@ class Int4Kernel:
         m, k = x.shape
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, blob_bytes):
             raise ValueError(f"{what} kernel: bf16 rows [M, K] with contiguous inputs, and weights packed for them")
-        threads = torch.get_num_threads() if m * n * k >= THREAD_MIN_MACS else 1
+        threads = compute_threads.kernel_threads() if m * n * k >= THREAD_MIN_MACS else 1
         work, aligned, per_thread = self._buffers(m, k, threads)
         return m, k, threads, per_thread, work, aligned
 

@@ -252,6 +252,12 @@ class ModelBackend:
         return "none (weights are not 4-bit)"
 
     @property
+    def kernels_do_the_work(self) -> bool:
+        """Whether a pass's products and attention are our C kernels (4-bit AMX products, attention kernel): then
+        the model's thread gives the cores to their workers rather than to torch's (compute_threads)."""
+        return self.runner is not None and self.runner.int4 is not None and self.runner.kernel is not None
+
+    @property
     def layers_kind(self) -> str:
         """"c" (layer_kernel: each pass's layers in one C call), "python" (layer by layer) or "" (no runner)."""
         if self.runner is None:

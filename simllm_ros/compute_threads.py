@@ -1,0 +1,56 @@
+"""Who gets the cores while the model runs: our C kernels' workers, not torch's threads.
+
+Where the runner's products and attention are our kernels (int4_kernel's AMX products, attention_kernel), a
+pass is C calls that split their work over worker threads, with some torch ops around them. At torch's default
+thread count, torch's own worker threads then burn a core between and during our kernels' work (measured on a
+2-core box, SEMANTIC hits: a torch worker thread used ~17 ms of CPU per hit, ~5 with this; hit 43 vs 50 ms).
+So the thread that runs the model sets torch to one thread for the while (`kernels_own_cores`) and the kernels
+use the count torch had (`kernel_threads`). Setting only OpenMP's per-thread count did not do it (measured:
+no change); torch.set_num_threads does, and also sets the count that threads use when they first run torch
+code, so threads that compute other things with torch (the fingerprinter's) set their own count when they
+start (`own_count`). Threads change no bit of any kernel's result (they split outputs, never a sum), so
+answers do not depend on this. `SIMLLM_CORES=torch` (or `ENABLED = False`, for side-by-side runs) leaves torch
+its threads.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+
+_local = threading.local()
+ENABLED = os.environ.get("SIMLLM_CORES", "").lower() != "torch"
+
+
+def kernel_threads() -> int:
+    """The worker count our kernels use in the calling thread: torch's count, or, inside `kernels_own_cores`,
+    the count torch had before it was set to one."""
+    n = getattr(_local, "n", None)
+    return torch.get_num_threads() if n is None else n
+
+
+@contextlib.contextmanager
+def kernels_own_cores(active: bool = True):
+    """While inside: torch runs one thread and our kernels get the cores it had. A no-op when not `active` (the
+    runner's products are torch's), disabled, nested, or with one thread anyway."""
+    n = torch.get_num_threads()
+    if not (active and ENABLED) or getattr(_local, "n", None) is not None or n <= 1:
+        yield
+        return
+    _local.n = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _local.n = None
+
+
+def own_count(n: int):
+    """A thread initializer: this thread runs torch with n threads, whatever the model's thread set meanwhile."""
+    def init() -> None:
+        torch.get_num_threads()  # torch sets a thread up on its first use, from the count set last anywhere:
+        torch.set_num_threads(max(1, n))  # after that, this thread's own count holds
+    return init

@@ -1,0 +1,84 @@
+"""compute_threads: while the model runs, torch has one thread and our kernels the cores it had; everything is
+as before afterwards, other threads keep their own count, and answers do not change with it."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+
+from simllm_ros import compute_threads
+from simllm_ros.request import QueryRequest
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_kernels_get_torchs_cores_for_the_while(two_threads):
+    assert compute_threads.kernel_threads() == 2
+    with compute_threads.kernels_own_cores():
+        assert torch.get_num_threads() == 1 and compute_threads.kernel_threads() == 2
+        with compute_threads.kernels_own_cores():  # nested: the outer one holds them
+            assert torch.get_num_threads() == 1 and compute_threads.kernel_threads() == 2
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2 and compute_threads.kernel_threads() == 2
+    with pytest.raises(RuntimeError):
+        with compute_threads.kernels_own_cores():
+            raise RuntimeError("a fault inside a model turn")
+    assert torch.get_num_threads() == 2 and compute_threads.kernel_threads() == 2  # restored all the same
+
+
+def test_nothing_changes_where_the_kernels_do_not_do_the_work_or_it_is_off(two_threads, monkeypatch):
+    with compute_threads.kernels_own_cores(active=False):
+        assert torch.get_num_threads() == 2
+    monkeypatch.setattr(compute_threads, "ENABLED", False)
+    with compute_threads.kernels_own_cores():
+        assert torch.get_num_threads() == 2
+    torch.set_num_threads(1)
+    with compute_threads.kernels_own_cores():
+        assert torch.get_num_threads() == 1 and compute_threads.kernel_threads() == 1
+
+
+def test_a_thread_with_its_own_count_keeps_it_while_a_model_turn_runs(two_threads):
+    """torch.set_num_threads also sets what a thread starts with: the fingerprinter's threads set their own."""
+    with compute_threads.kernels_own_cores():
+        with concurrent.futures.ThreadPoolExecutor(1) as plain:
+            assert plain.submit(torch.get_num_threads).result() == 1  # what own_count is there for
+        with concurrent.futures.ThreadPoolExecutor(1, initializer=compute_threads.own_count(2)) as own:
+            assert own.submit(torch.get_num_threads).result() == 2
+        assert torch.get_num_threads() == 1  # the model's thread keeps its one
+
+
+def test_an_engine_gives_its_kernels_the_cores_and_answers_the_same(two_threads, monkeypatch):
+    from core_fixtures import BULLETIN, shared_engine
+
+    e = shared_engine(dtype="bfloat16", kv_bits=0)
+    if not e.backend.kernels_do_the_work:
+        pytest.skip("the runner's products are torch's here")
+    seen = []
+    real = compute_threads.kernel_threads
+
+    def watch():
+        n = real()
+        seen.append((n, torch.get_num_threads()))
+        return n
+    monkeypatch.setattr(compute_threads, "kernel_threads", watch)
+
+    def ask(scope):
+        return e.handle(QueryRequest(prompt="Which road is closed this week?", context=BULLETIN, cache_scope=scope,
+                                     max_new_tokens=12))
+    a = ask("threads-kernels")
+    assert seen and all(s == (2, 1) for s in seen)  # every product and attention pass: 2 workers, torch one
+    assert torch.get_num_threads() == 2
+    assert e.fingerprinter.embed_async(["a text never embedded before, on the fingerprinter's thread"]).result().shape
+    assert e.fingerprinter._workers.submit(torch.get_num_threads).result() == e.fingerprinter._threads
+    monkeypatch.setattr(compute_threads, "ENABLED", False)
+    seen.clear()
+    b = ask("threads-torch")
+    assert seen and all(s == (2, 2) for s in seen)
+    assert a.success and b.success and a.answer == b.answer and a.generated_tokens == b.generated_tokens
