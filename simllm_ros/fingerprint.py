@@ -16,7 +16,6 @@ import threading
 
 import numpy as np
 
-from . import compute_threads
 from .settings import DEFAULT_EMBEDDER
 from .validation import normalize_text
 
@@ -92,8 +91,10 @@ class Fingerprinter:
             return done
         with self._queue_lock:
             if self._workers is None:
-                # Two workers: a second request's texts join the batch the first one is embedding.
-                # torch's thread count as it is now: a model turn meanwhile sets it to one (compute_threads).
+                from . import compute_threads  # imports torch: here, not when the module is imported
+
+                # Two workers: a second request's texts join the batch the first one is embedding. They run
+                # torch with the count it had at load: a model turn meanwhile sets it to one (compute_threads).
                 self._workers = concurrent.futures.ThreadPoolExecutor(
                     2, thread_name_prefix="simllm-fingerprint", initializer=compute_threads.own_count(self._threads))
             workers = self._workers
