@@ -264,17 +264,33 @@ static void run(void *(*part)(void *), const bf16 *x, long x_stride, const uint8
     pthread_mutex_unlock(&pool_use);
 }
 
-/* 4-bit weights, bf16 out. The group sums of x (in a fixed order) go first into xsum [M, K/32]. */
+/* 4-bit weights, bf16 out. The group sums of x (each in input order, 16 groups to a vector) go first into
+   xsum [M, K/32]. */
 void simllm_int4_mm(const bf16 *x, long x_stride, const uint8_t *w, bf16 *y, long y_stride, int M, int N, int K,
                     float *xsum, uint8_t *scratch, long scratch_per_thread, int nthreads) {
     const int G = K / GROUP;
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(GROUP * 2));  /* byte offsets of 16 groups */
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int m = 0; m < M; m++) {
+        const bf16 *row = x + (long)m * x_stride;
+        int g = 0;
+        for (; g + 16 <= G; g += 16) {  /* 16 groups at once, a lane each, added in the order of the loop below */
+            __m512 s = _mm512_setzero_ps();
+            for (int k = 0; k < GROUP; k += 2) {  /* inputs k (low half) and k + 1 (high half) of each group */
+                const __m512i w = _mm512_i32gather_epi32(at, (const void *)(row + g * GROUP + k), 1);
+                s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+                s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+            }
+            _mm512_storeu_ps(xsum + (long)m * G + g, s);
+        }
+        for (; g < G; g++) {
             float s = 0.f;
-            const bf16 *p = x + (long)m * x_stride + g * GROUP;
+            const bf16 *p = row + g * GROUP;
             for (int k = 0; k < GROUP; k++) { uint32_t u = (uint32_t)p[k] << 16; float f; memcpy(&f, &u, 4); s += f; }
             xsum[(long)m * G + g] = s;
         }
+    }
     run(part4, x, x_stride, w, y, y_stride, M, N, K, xsum, scratch, scratch_per_thread, nthreads);
 }
 

@@ -4,6 +4,7 @@ threads or pass come with it, bad input refused, and the model's projections on 
 Skipped where the kernel cannot run (no AMX-BF16, no compiler): the runner then keeps ATen's kernel."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,6 +120,46 @@ def test_the_model_projections_run_on_it_and_agree_with_aten():
     a, o = aten(x).float(), ours(x).float()
     assert (a - o).abs().max() <= 0.01 * a.abs().max()
     assert (a == o).float().mean() >= 0.99
+
+
+@needs_kernel
+def test_each_groups_input_sum_is_added_in_input_order():
+    """The zero point multiplies a group's input sum, computed 16 groups to a vector; each sum must be the one
+    added input by input in order, as for a group alone. Codes of 8 (a weight of 0) and zero 1 make the output
+    that sum: inputs of 2^25, ones and -2^25, where float32 loses each 1 added after the big value, tell the order
+    (a tree or another order keeps some of them)."""
+    n, k, groups = 16, 576, 18  # 16 groups in the vector code, 2 after it
+    blob = KERNEL.pack(torch.full((n, k), 8, dtype=torch.int32),
+                       torch.stack([torch.full((groups, n), 0.5), torch.ones(groups, n)], dim=-1).to(torch.bfloat16))
+    x = torch.ones(3, k)
+    for r in range(3):
+        for g in range(groups):
+            at = (5 * g + 3 * r) % 31  # where the big value sits: the ones before it count, the ones after it do not
+            x[r, g * 32 + at] = 2.0 ** 25
+            x[r, g * 32 + 31] = -(2.0 ** 25)
+    x = x.to(torch.bfloat16)
+    want = torch.empty(3, groups)
+    for r in range(3):
+        for g in range(groups):
+            s = np.float32(0)
+            for v in x[r, g * 32:(g + 1) * 32].float().numpy():
+                s = np.float32(s + v)
+            want[r, g] = float(s)
+    got = KERNEL.mm(x, blob, n)  # every output of a row: 1 x each group's input sum, added group by group
+    assert torch.equal(got, _sequential_over_groups(want).expand(3, n).to(torch.bfloat16))
+    one_group = KERNEL.pack(torch.full((n, 32), 8, dtype=torch.int32),
+                            torch.stack([torch.full((1, n), 0.5), torch.ones(1, n)], dim=-1).to(torch.bfloat16))
+    for g in range(groups):  # and each group's sum alone, through a one-group product of the same inputs
+        alone = KERNEL.mm(x[:, g * 32:(g + 1) * 32].contiguous(), one_group, n)
+        assert torch.equal(alone[:, 0].float(), want[:, g].to(torch.bfloat16).float()), g
+
+
+def _sequential_over_groups(sums: torch.Tensor) -> torch.Tensor:
+    """The kernel's own order over groups: out = fma(1, sum_g, out) from g = 0 on, in float32."""
+    out = np.zeros(sums.shape[0], dtype=np.float32)
+    for g in range(sums.shape[1]):
+        out = (out + sums[:, g].numpy().astype(np.float32)).astype(np.float32)
+    return torch.from_numpy(out)[:, None]
 
 
 @needs_kernel
