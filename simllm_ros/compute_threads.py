@@ -5,9 +5,9 @@ pass is C calls that split their work over worker threads, with some torch ops a
 thread count, torch's own worker threads then burn a core between and during our kernels' work (measured on a
 2-core box, SEMANTIC hits: a torch worker thread used ~17 ms of CPU per hit, ~5 with this; hit 43 vs 50 ms).
 So the thread that runs the model sets torch to one thread for the while (`kernels_own_cores`) and the kernels
-use the count torch had (`kernel_threads`). Setting only OpenMP's per-thread count did not do it (measured:
-no change); torch.set_num_threads does, and also sets the count that threads use when they first run torch
-code, so threads that compute other things with torch (the fingerprinter's) set their own count when they
+use the count torch had (`kernel_threads`). Setting only OpenMP's per-thread count, or MKL's too, did not do it
+(measured: no change; why torch's own setting does is not understood); torch.set_num_threads does, and it also
+sets the count that threads use when they first run torch code, so threads that compute other things with torch (the fingerprinter's) set their own count when they
 start (`own_count`). Threads change no bit of any kernel's result (they split outputs, never a sum), so
 answers do not depend on this. `SIMLLM_CORES=torch` (or `ENABLED = False`, for side-by-side runs) leaves torch
 its threads.

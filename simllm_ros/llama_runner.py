@@ -791,13 +791,13 @@ class LlamaRunner:
         """q [M, Hq, D], k, v [M, Hkv, D] of a fused qkv product [M, q + 2kv], q and k rotated together (4 ops
         instead of 14 per layer): row-major views, which the kernel reads in place (no transposes)."""
         M, D, Hq, Hkv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
-        qk = qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D)
-        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
+        qk = self._rotate(qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D), cos, sin)
         return qk[:, :Hq], qk[:, Hq:], qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE on rows of heads x [M, H, D] with `_rope_tables`' cos, sin [M, 1, D]: the ops `_rotated_rows` runs."""
+        """RoPE on rows of heads x [M, H, D] with `_rope_tables`' cos, sin [M, 1, D] (per element: a subset of the
+        heads or rows gets the bits it gets with the others)."""
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
     def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
