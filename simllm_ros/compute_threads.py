@@ -7,8 +7,8 @@ thread count, torch's own worker threads then burn a core between and during our
 So the thread that runs the model sets torch to one thread for the while (`kernels_own_cores`) and the kernels
 use the count torch had (`kernel_threads`). Setting only OpenMP's per-thread count, or MKL's too, did not do it
 (measured: no change; why torch's own setting does is not understood); torch.set_num_threads does, and it also
-sets the count that threads use when they first run torch code, so threads that compute other things with torch (the fingerprinter's) set their own count when they
-start (`own_count`). Threads change no bit of any kernel's result (they split outputs, never a sum), so
+sets the count that threads use when they first run torch code, so threads that compute other things with
+torch (the fingerprinter's) set their own count when they start (`own_count`). Threads change no bit of any kernel's result (they split outputs, never a sum), so
 answers do not depend on this. `SIMLLM_CORES=torch` (or `ENABLED = False`, for side-by-side runs) leaves torch
 its threads.
 """
@@ -31,14 +31,20 @@ def kernel_threads() -> int:
     return torch.get_num_threads() if n is None else n
 
 
+def hands_over(active: bool = True) -> bool:
+    """Whether `kernels_own_cores(active)` changes anything in this thread: on, for kernels that do the work
+    (`active`), with more than one thread to give."""
+    return active and ENABLED and torch.get_num_threads() > 1
+
+
 @contextlib.contextmanager
 def kernels_own_cores(active: bool = True):
-    """While inside: torch runs one thread and our kernels get the cores it had. A no-op when not `active` (the
-    runner's products are torch's), disabled, nested, or with one thread anyway."""
-    n = torch.get_num_threads()
-    if not (active and ENABLED) or getattr(_local, "n", None) is not None or n <= 1:
+    """While inside: torch runs one thread and our kernels get the cores it had. A no-op where `hands_over` says
+    no (the runner's products are torch's, it is off, one thread anyway), and when nested."""
+    if not hands_over(active) or getattr(_local, "n", None) is not None:
         yield
         return
+    n = torch.get_num_threads()
     _local.n = n
     torch.set_num_threads(1)
     try:

@@ -236,7 +236,7 @@ class Engine:
             progress(f"layers: {self.backend.layers_path}")
             if self.backend.int4_kind:
                 progress(f"4-bit products: {self.backend.int4_path}")
-            if self.backend.kernels_do_the_work and compute_threads.ENABLED and torch.get_num_threads() > 1:
+            if compute_threads.hands_over(self.backend.kernels_do_the_work):
                 progress(f"threads: {torch.get_num_threads()} for our kernels' workers while the model runs, "
                          "torch one (compute_threads)")
             self._token_bytes = max_token_bytes(self.backend.tokenizer)
