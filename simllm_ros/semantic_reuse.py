@@ -26,7 +26,7 @@ import dataclasses
 import torch
 
 from .kv_pool import KVPool
-from .model_backend import ModelBackend
+from .model_backend import EarlyStart, ModelBackend
 from .reuse_planner import ReusePlan
 
 
@@ -38,12 +38,28 @@ class SemanticPrefill:
     recomputed: int
 
 
+def fresh_layers(strict_layers: int, n_layers: int) -> int:
+    """How many layers the early pass runs. Layer-0 KV depends on the token alone (a reused token's layer-0
+    values equal fresh ones), so the deviation is measured at layer 1 or deeper: two fresh layers at least, even
+    for strict_layers=1."""
+    return min(max(strict_layers, 2), n_layers)
+
+
+def early_start(backend: ModelBackend, tokens: list[int], *, strict_layers: int,
+                prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> EarlyStart:
+    """The early pass up to the choice of tokens, which needs only the prompt: the engine runs it while the
+    fingerprint that decides the plan is computed, and run() takes it up when the plan is SEMANTIC. `prefix`:
+    the KV of an exact prefix, bitwise what the pass computes (lossless_kv), which then does not run."""
+    return backend.early_head(tokens, fresh_layers(strict_layers, backend.kv_shape.layers), prefix)
+
+
 def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int], *, recompute_ratio: float,
-        gap_recompute_tokens: int, strict_layers: int, reserve: int = 0, lossless_kv: bool = False
-        ) -> SemanticPrefill:
+        gap_recompute_tokens: int, strict_layers: int, reserve: int = 0, lossless_kv: bool = False,
+        early: EarlyStart | None = None) -> SemanticPrefill:
     """The repaired cache (position order, room for `reserve` more tokens) and the last token's logits.
     lossless_kv: the entry's KV is bitwise what a pass computes (the model's precision, a batch-invariant
-    backend): then its exact lead also stands in for the early pass's, which skips those tokens."""
+    backend): then its exact lead also stands in for the early pass's, which skips those tokens. early: an
+    early_start of these tokens, run before the plan was known (with a prefix only where lossless_kv)."""
     n = len(tokens)
     room = max(reserve, 2)
     # Read into a buffer with room for this prompt and its answer: it becomes the repaired cache (slot = the
@@ -53,9 +69,7 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long)
     src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long)
     strict = min(strict_layers, L)
-    # Layer-0 KV depends on the token alone (a reused token's layer-0 values equal fresh ones), so the
-    # deviation is measured at layer 1 or deeper: two fresh layers at least, even for strict_layers=1.
-    n_fresh = min(max(strict, 2), L)
+    n_fresh = fresh_layers(strict, L)
     probe_v = src_v[n_fresh - 1][:, src_pos.to(device)]  # [H, pairs, D]: the reused values the deviation is of
     keep = torch.ones(len(plan.pairs), dtype=torch.bool)
     recompute: list[int] = []  # positions to recompute, ascending: chosen by pick()
@@ -83,7 +97,7 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
         return recompute if strict == n_fresh and keep.any() else []
 
     lead = (src_k[:n_fresh, :, :plan.exact_lead], src_v[:n_fresh, :, :plan.exact_lead]) if lossless_kv else None
-    fk, fv, fh = backend.early_layers(tokens, n_fresh, pick, prefix=lead)
+    fk, fv, fh = backend.early_layers(tokens, n_fresh, pick, prefix=lead, head=early)
     if not keep.any():  # nothing survives the repair: a plain prefill is the same work
         logits, cache = backend.prefill(tokens, reserve=reserve)
         return SemanticPrefill(logits, cache, reused=0, recomputed=n)

@@ -67,6 +67,7 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("recompute_ratio", 0.15, "SEMANTIC: share of reused tokens with the largest KV deviation that are recomputed", live=True, min=0.0, max=1.0),
     ParamSpec("gap_recompute_tokens", 2, "SEMANTIC: tokens recomputed after each reused gap", live=True, min=0, max=64),
     ParamSpec("min_semantic_tokens", 32, "SEMANTIC: prompts shorter than this use exact-prefix reuse only", live=True, min=1, max=100000),
+    ParamSpec("early_pass_ahead", True, "SEMANTIC: while a new question's fingerprint is computed (on its own thread), the model's thread runs the early layers of the prompt, which a SEMANTIC repair then starts from (dropped under any other plan); the same bits either way", live=True),
     ParamSpec("strict_layers", 2, "SEMANTIC layered reuse: the first N layers take fresh KV for every token (computed anyway to pick the tokens to recompute); deeper layers reuse", live=True, min=1, max=256),
     ParamSpec("system_prompt", "You are a helpful assistant on a robot. Answer briefly.", "system message placed before the context", live=True),
     ParamSpec("max_new_tokens", 64, "default tokens to generate when a request asks 0", live=True, min=1, max=4096),

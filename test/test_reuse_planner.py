@@ -192,3 +192,38 @@ def test_answer_needs_the_answer_cache_enabled():
     pool = make_pool()
     cache(pool, tokens=REVISED, cos=0.99)
     assert plan(pool).tier == CacheResult.EXACT_PREFIX
+
+
+def test_the_alignment_is_difflibs_whatever_matcher_runs_it():
+    """align() runs cydifflib's SequenceMatcher where it is installed (difflib's otherwise): the pairs must be the
+    ones the standard library's gives, on token lists like prompts (long shared runs with edits, repeated
+    tokens, small and large vocabularies) and on random ones."""
+    import difflib
+    import random
+
+    def reference(source, target, limit):
+        pairs = []
+        for a, b, size in difflib.SequenceMatcher(None, source, target, autojunk=False).get_matching_blocks():
+            if size >= reuse_planner.MIN_RUN_TOKENS:
+                pairs.extend((b + i, a + i) for i in range(size) if b + i < limit)
+        return pairs
+
+    rng = random.Random(7)
+    for trial in range(600):
+        vocab = rng.choice([2, 7, 60, 2000, 49152])
+        source = [rng.randrange(vocab) for _ in range(rng.randint(0, 420))]
+        if trial % 3:
+            target = list(source)
+            for _ in range(rng.randint(0, 25)):
+                at = rng.randint(0, len(target))
+                what = rng.random()
+                if what < 0.4:
+                    target[at:at] = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+                elif what < 0.8:
+                    del target[at:at + rng.randint(1, 12)]
+                elif target:
+                    target[min(at, len(target) - 1)] = rng.randrange(vocab)
+        else:
+            target = [rng.randrange(vocab) for _ in range(rng.randint(0, 420))]
+        limit = max(len(target) - rng.randint(0, 3), 0)
+        assert reuse_planner.align(source, target, limit) == reference(source, target, limit), trial

@@ -112,3 +112,77 @@ def test_recomputing_every_changed_token_gives_the_cold_prefill(backend, edit):
         assert torch.equal(sp.logits, cold_logits)
         assert torch.equal(k, ck[:, :, :n]) and torch.equal(v, cv[:, :, :n])
     assert int(sp.logits.argmax()) == int(cold_logits.argmax())
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_early_pass_run_ahead_gives_the_same_repair(backend, edit):
+    """The engine may run the early pass before the plan is known (early_start, while the fingerprint is
+    computed), from no prefix or from the longest exact prefix the pool holds, which can end before or after the
+    plan's exact lead. The repair that takes it up must be bitwise the one that runs its own early pass: the same
+    first-token logits and cache. A prefix past a token the repair recomputes makes the pass run again from that
+    token; an early start of other tokens is not used."""
+    source, target = _prompts(backend, BULLETIN, EDITS[edit](BULLETIN))
+    pool, key = _pool_with(backend, source)
+    plan = _plan(source, target, key)
+    _, cold = backend.prefill(target)
+    ck, cv = backend.cache_tensors(cold)
+
+    def repair(early=None):
+        return semantic_reuse.run(backend, pool, plan, target, recompute_ratio=0.15, gap_recompute_tokens=2,
+                                  strict_layers=2, reserve=8, lossless_kv=True, early=early)
+
+    want = repair()
+    wk, wv = backend.cache_tensors(want.cache)
+    n = len(target)
+    past_lead = plan.exact_lead + 40  # the target's own KV: bitwise what the pass computes, past the lead
+    starts = {"none": None, "lead": plan.exact_lead // 2, "past the lead": past_lead}
+    for name, p in starts.items():
+        prefix = None if p is None else (ck[:, :, :p].clone(), cv[:, :, :p].clone())
+        early = semantic_reuse.early_start(backend, target, strict_layers=2, prefix=prefix)
+        got = repair(early)
+        k, v = backend.cache_tensors(got.cache)
+        assert torch.equal(got.logits, want.logits), name
+        assert torch.equal(k[:, :, :n], wk[:, :, :n]) and torch.equal(v[:, :, :n], wv[:, :, :n]), name
+        assert (got.reused, got.recomputed) == (want.reused, want.recomputed)
+        assert early.reran == (name == "past the lead"), name  # the repair recomputes tokens after the lead
+    other = semantic_reuse.early_start(backend, source, strict_layers=2)
+    got = repair(other)
+    assert torch.equal(got.logits, want.logits) and not other.reran
+
+
+@pytest.mark.parametrize("config", [dict(dtype="bfloat16", kv_bits=0), {}], ids=["bf16-lossless", "float32"])
+def test_the_engine_runs_the_early_pass_while_a_new_question_is_fingerprinted(config):
+    """Through the engine: a new question (its fingerprint not remembered) in a scope that holds a prefix of its
+    prompt runs the early pass while its fingerprint is computed; a SEMANTIC plan takes it up, any other plan
+    drops it, and the answers are those with early_pass_ahead off (from a prefix where the stored KV is the
+    model's own bits, bf16 here; from the first token in float32, whose KV is not). A remembered question waits
+    for nothing, and nothing runs ahead."""
+    from core_fixtures import BULLETIN_REVISED, capture_generations, fresh
+    from simllm_ros.request import QueryRequest
+    from test_semantic_quality import select_pairs
+
+    e = shared_engine(**config)
+    _, q1, q2, _ = select_pairs(e.fingerprinter)[0]
+    unlike = "How do I reset the ticket machine at the ferry pier?"
+    seen = {}
+    for ahead in (True, False):
+        fresh(e, early_pass_ahead=ahead)
+        e.handle(QueryRequest(prompt=q1, context=BULLETIN, cache_scope="s", max_new_tokens=10))
+        starts, used = e.early_starts, e.early_starts_used
+        out = []
+        for q, ctx, tier in ((q2, BULLETIN_REVISED, CacheResult.SEMANTIC), (unlike, BULLETIN, CacheResult.EXACT_PREFIX)):
+            e.fingerprinter.forget()
+            with capture_generations(e) as gens:
+                r = e.handle(QueryRequest(prompt=q, context=ctx, cache_scope="s", max_new_tokens=10,
+                                          allow_approximate=True))
+            assert r.success and r.cache_result == tier, (r.cache_result, r.error)
+            out.append((r.answer, gens[0].tokens, r.reused_tokens, r.recomputed_tokens))
+        assert (e.early_starts - starts, e.early_starts_used - used) == ((2, 1) if ahead else (0, 0))
+        # Remembered: the fingerprint is there at once, so the plan does not wait and nothing runs ahead.
+        e.fingerprinter.embed([q2])
+        r = e.handle(QueryRequest(prompt=q2, context=BULLETIN_REVISED, cache_scope="s", max_new_tokens=4,
+                                  allow_approximate=True))
+        assert r.success and e.early_starts - starts == (2 if ahead else 0)
+        e.pool.check_consistency()
+        seen[ahead] = out
+    assert seen[True] == seen[False]
