@@ -32,7 +32,7 @@ from .draft_proposer import DraftProposer, DraftStats
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
 from .llama_runner import ONEDNN_ISA_CAP
-from .model_backend import EarlyStart, ModelBackend, ModelLoadError
+from .model_backend import ModelBackend, ModelLoadError
 from .request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
 from .safe_io import read_regular
 from .semantic_log import SemanticLog
@@ -96,7 +96,7 @@ class Flight:
     plan_ms: float
     max_new: int
     reserve: int  # KV room beyond the prompt: the answer and a draft
-    early: "EarlyStart | None" = None  # a SEMANTIC plan's early pass, run while the fingerprint was computed
+    early: "semantic_reuse.Ahead | None" = None  # a SEMANTIC plan's early pass, run while the fingerprint was computed
     use_drafts: bool = False  # drafts are built once the prompt is in (_after_prefill), with the fingerprint
     similarity_pending: bool = False  # planned without the fingerprint: res.similarity comes after the prefill
     drafts: DraftProposer | None = None
@@ -563,7 +563,7 @@ class Engine:
         # A lossless plan (exact prefix or miss) does not use the fingerprint: the plan and the prefill go ahead
         # while it is computed, and what needs it (drafts, reported similarity, pool update) comes after.
         defer = not req.allow_approximate
-        early, prefix = self._early_start(p, tokens, poolable, lossless, len(tokens) + reserve)
+        early, prefix = self._early_start(p, tokens, poolable, lossless, reserve)
         t_plan = time.perf_counter()
         plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=None if defer else p.fingerprint,
                                   question=p.question, context_digest=digest,
@@ -831,7 +831,7 @@ class Engine:
             self._last_refresh = now
 
     def _prefill(self, plan: reuse_planner.ReusePlan, tokens: list[int], res: QueryResult, reserve: int,
-                 early: "EarlyStart | None" = None):
+                 early: "semantic_reuse.Ahead | None" = None):
         """Logits of the last prompt token and the prompt's cache (with room for `reserve` more tokens), built
         as the plan says; counts the reused and recomputed tokens in res. early: see _early_start."""
         if plan.tier == CacheResult.SEMANTIC:
@@ -846,8 +846,8 @@ class Engine:
         res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
         return self._prefill_exact(tokens, plan.prefix if n else None, reserve)
 
-    def _early_start(self, p: Prepared, tokens: list[int], poolable: bool, lossless: bool, capacity: int
-                     ) -> tuple["EarlyStart | None", "PrefixHit | None | object"]:
+    def _early_start(self, p: Prepared, tokens: list[int], poolable: bool, lossless: bool, reserve: int
+                     ) -> tuple["semantic_reuse.Ahead | None", "PrefixHit | None | object"]:
         """The early pass of a possible SEMANTIC plan, run while the question's fingerprint is still computed.
 
         A SEMANTIC plan needs the fingerprint (to find the similar task), and its repair begins with an early
@@ -862,11 +862,14 @@ class Engine:
         if not (s.early_pass_ahead and req.allow_approximate and s.enable_semantic_reuse and backend.semantic_supported
                 and poolable and len(tokens) >= s.min_semantic_tokens and not p.fingerprints.done()):
             return None, reuse_planner.UNREAD
-        prefix = pool.longest_prefix(req.scope, tokens, len(tokens) - 1, capacity)
+        prefix = pool.longest_prefix(req.scope, tokens, len(tokens) - 1, len(tokens) + reserve)
         if prefix is None:
             return None, prefix
-        early = semantic_reuse.early_start(backend, tokens, strict_layers=s.strict_layers,
-                                           prefix=(prefix.k, prefix.v) if lossless else None)
+        # The entry most likely to be the source: the newest holding the prefix (right where the scope has one
+        # task on this context; else a guess, read in time the thread would have waited anyway).
+        early = semantic_reuse.ahead(backend, pool, tokens, strict_layers=s.strict_layers, reserve=reserve,
+                                     prefix=(prefix.k, prefix.v) if lossless else None,
+                                     guess=max(prefix.entry_keys) if prefix.entry_keys else None)
         self.early_starts += 1
         return early, prefix
 

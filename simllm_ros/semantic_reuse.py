@@ -45,26 +45,44 @@ def fresh_layers(strict_layers: int, n_layers: int) -> int:
     return min(max(strict_layers, 2), n_layers)
 
 
-def early_start(backend: ModelBackend, tokens: list[int], *, strict_layers: int,
-                prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> EarlyStart:
-    """The early pass up to the choice of tokens, which needs only the prompt: the engine runs it while the
-    fingerprint that decides the plan is computed, and run() takes it up when the plan is SEMANTIC. `prefix`:
-    the KV of an exact prefix, bitwise what the pass computes (lossless_kv), which then does not run."""
-    return backend.early_head(tokens, fresh_layers(strict_layers, backend.kv_shape.layers), prefix)
+@dataclasses.dataclass
+class Ahead:
+    """What a repair can do before its plan is known (the engine does it while the fingerprint is computed):
+    the early pass up to the choice of tokens, and the read of the entry it will most likely take."""
+
+    early: EarlyStart
+    source_key: int | None = None  # the entry read, and into what (run() takes it when its plan names it)
+    capacity: int = 0
+    source_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def ahead(backend: ModelBackend, pool: KVPool, tokens: list[int], *, strict_layers: int, reserve: int = 0,
+          prefix: tuple[torch.Tensor, torch.Tensor] | None = None, guess: int | None = None) -> Ahead:
+    """The early pass up to the choice of tokens, which needs only the prompt, and the read of entry `guess`
+    (None: none) as run() would read it. `prefix`: the KV of an exact prefix, bitwise what the pass computes
+    (lossless_kv), which then does not run."""
+    out = Ahead(backend.early_head(tokens, fresh_layers(strict_layers, backend.kv_shape.layers), prefix))
+    if guess is not None:
+        out.source_key, out.capacity = guess, len(tokens) + max(reserve, 2)
+        out.source_kv = pool.entry_kv(guess, capacity=out.capacity)
+    return out
 
 
 def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int], *, recompute_ratio: float,
         gap_recompute_tokens: int, strict_layers: int, reserve: int = 0, lossless_kv: bool = False,
-        early: EarlyStart | None = None) -> SemanticPrefill:
+        early: Ahead | None = None) -> SemanticPrefill:
     """The repaired cache (position order, room for `reserve` more tokens) and the last token's logits.
     lossless_kv: the entry's KV is bitwise what a pass computes (the model's precision, a batch-invariant
-    backend): then its exact lead also stands in for the early pass's, which skips those tokens. early: an
-    early_start of these tokens, run before the plan was known (with a prefix only where lossless_kv)."""
+    backend): then its exact lead also stands in for the early pass's, which skips those tokens. early: ahead()
+    for these tokens, done before the plan was known (with a prefix only where lossless_kv)."""
     n = len(tokens)
     room = max(reserve, 2)
     # Read into a buffer with room for this prompt and its answer: it becomes the repaired cache (slot = the
     # source's position, which is the new one wherever a token did not move).
-    src_k, src_v = pool.entry_kv(plan.source_key, capacity=n + room)
+    if early is not None and early.source_key == plan.source_key and early.capacity == n + room:
+        src_k, src_v = early.source_kv
+    else:
+        src_k, src_v = pool.entry_kv(plan.source_key, capacity=n + room)
     device, L = src_k.device, src_k.shape[0]
     new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long)
     src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long)
@@ -97,7 +115,7 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
         return recompute if strict == n_fresh and keep.any() else []
 
     lead = (src_k[:n_fresh, :, :plan.exact_lead], src_v[:n_fresh, :, :plan.exact_lead]) if lossless_kv else None
-    fk, fv, fh = backend.early_layers(tokens, n_fresh, pick, prefix=lead, head=early)
+    fk, fv, fh = backend.early_layers(tokens, n_fresh, pick, prefix=lead, head=None if early is None else early.early)
     if not keep.any():  # nothing survives the repair: a plain prefill is the same work
         logits, cache = backend.prefill(tokens, reserve=reserve)
         return SemanticPrefill(logits, cache, reused=0, recomputed=n)

@@ -116,16 +116,28 @@ def test_recomputing_every_changed_token_gives_the_cold_prefill(backend, edit):
 
 @pytest.mark.parametrize("edit", list(EDITS))
 def test_an_early_pass_run_ahead_gives_the_same_repair(backend, edit):
-    """The engine may run the early pass before the plan is known (early_start, while the fingerprint is
+    """The engine may run the early pass before the plan is known (semantic_reuse.ahead, while the fingerprint is
     computed), from no prefix or from the longest exact prefix the pool holds, which can end before or after the
-    plan's exact lead. The repair that takes it up must be bitwise the one that runs its own early pass: the same
-    first-token logits and cache. A prefix past a token the repair recomputes makes the pass run again from that
-    token; an early start of other tokens is not used."""
+    plan's exact lead, and read the entry it guesses the plan will take. The repair that takes them up must be
+    bitwise the one that runs its own early pass and read: the same first-token logits and cache. A prefix past a
+    token the repair recomputes makes the pass run again from that token; an early pass of other tokens and the
+    read of another entry are not used."""
     source, target = _prompts(backend, BULLETIN, EDITS[edit](BULLETIN))
     pool, key = _pool_with(backend, source)
+    _, other_cache = backend.prefill(target[:60])
+    other = pool.insert(scope="s", tokens=target[:60], k=backend.cache_tensors(other_cache)[0],
+                        v=backend.cache_tensors(other_cache)[1], fingerprint=np.ones(4, dtype=np.float32),
+                        question="q2", context_digest="d2", answer="")
     plan = _plan(source, target, key)
     _, cold = backend.prefill(target)
     ck, cv = backend.cache_tensors(cold)
+    reads = []
+    entry_kv = pool.entry_kv
+
+    def counted(k, capacity=0):
+        reads.append(k)
+        return entry_kv(k, capacity)
+    pool.entry_kv = counted
 
     def repair(early=None):
         return semantic_reuse.run(backend, pool, plan, target, recompute_ratio=0.15, gap_recompute_tokens=2,
@@ -137,17 +149,20 @@ def test_an_early_pass_run_ahead_gives_the_same_repair(backend, edit):
     past_lead = plan.exact_lead + 40  # the target's own KV: bitwise what the pass computes, past the lead
     starts = {"none": None, "lead": plan.exact_lead // 2, "past the lead": past_lead}
     for name, p in starts.items():
-        prefix = None if p is None else (ck[:, :, :p].clone(), cv[:, :, :p].clone())
-        early = semantic_reuse.early_start(backend, target, strict_layers=2, prefix=prefix)
-        got = repair(early)
-        k, v = backend.cache_tensors(got.cache)
-        assert torch.equal(got.logits, want.logits), name
-        assert torch.equal(k[:, :, :n], wk[:, :, :n]) and torch.equal(v[:, :, :n], wv[:, :, :n]), name
-        assert (got.reused, got.recomputed) == (want.reused, want.recomputed)
-        assert early.reran == (name == "past the lead"), name  # the repair recomputes tokens after the lead
-    other = semantic_reuse.early_start(backend, source, strict_layers=2)
-    got = repair(other)
-    assert torch.equal(got.logits, want.logits) and not other.reran
+        for guess in (key, other, None):
+            prefix = None if p is None else (ck[:, :, :p].clone(), cv[:, :, :p].clone())
+            early = semantic_reuse.ahead(backend, pool, target, strict_layers=2, reserve=8, prefix=prefix, guess=guess)
+            reads.clear()
+            got = repair(early)
+            assert reads == ([] if guess == key else [key])  # the entry read ahead is taken, another read again
+            k, v = backend.cache_tensors(got.cache)
+            assert torch.equal(got.logits, want.logits), (name, guess)
+            assert torch.equal(k[:, :, :n], wk[:, :, :n]) and torch.equal(v[:, :, :n], wv[:, :, :n]), name
+            assert (got.reused, got.recomputed) == (want.reused, want.recomputed)
+            assert early.early.reran == (name == "past the lead"), name  # it recomputes tokens after the lead
+    elsewhere = semantic_reuse.ahead(backend, pool, source, strict_layers=2)
+    got = repair(elsewhere)
+    assert torch.equal(got.logits, want.logits) and not elsewhere.early.reran
 
 
 @pytest.mark.parametrize("config", [dict(dtype="bfloat16", kv_bits=0), {}], ids=["bf16-lossless", "float32"])
