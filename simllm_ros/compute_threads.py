@@ -54,6 +54,18 @@ def kernels_own_cores(active: bool = True):
         _local.n = None
 
 
+@contextlib.contextmanager
+def kernels_alone():
+    """While inside: our kernels compute in the calling thread alone, leaving the other cores to work another
+    thread does meanwhile (the engine's early pass while the fingerprinter's threads compute a fingerprint)."""
+    before = getattr(_local, "n", None)
+    _local.n = 1
+    try:
+        yield
+    finally:
+        _local.n = before
+
+
 def own_count(n: int):
     """A thread initializer: this thread runs torch with n threads, whatever the model's thread set meanwhile."""
     def init() -> None:

@@ -82,3 +82,52 @@ def test_an_engine_gives_its_kernels_the_cores_and_answers_the_same(two_threads,
     b = ask("threads-torch")
     assert seen and all(s == (2, 2) for s in seen)
     assert a.success and b.success and a.answer == b.answer and a.generated_tokens == b.generated_tokens
+
+
+def test_work_done_while_another_thread_computes_keeps_to_one_thread(two_threads):
+    """kernels_alone: the engine's early pass, run while the fingerprinter's threads compute, leaves them the other
+    cores; the turn's count comes back after it, also after a fault."""
+    with compute_threads.kernels_own_cores():
+        with compute_threads.kernels_alone():
+            assert compute_threads.kernel_threads() == 1 and torch.get_num_threads() == 1
+        assert compute_threads.kernel_threads() == 2
+        with pytest.raises(RuntimeError):
+            with compute_threads.kernels_alone():
+                raise RuntimeError("a fault in the early pass")
+        assert compute_threads.kernel_threads() == 2
+    with compute_threads.kernels_alone():  # outside a model turn as well
+        assert compute_threads.kernel_threads() == 1
+    assert compute_threads.kernel_threads() == 2 and torch.get_num_threads() == 2
+
+
+def test_the_engine_runs_its_early_pass_on_one_thread_while_the_fingerprint_computes(two_threads, monkeypatch):
+    """A SEMANTIC hit on a new question at 2 threads: the early pass run ahead uses one kernel worker, the rest of
+    the request two (the fingerprinter keeps its threads meanwhile)."""
+    from core_fixtures import BULLETIN, BULLETIN_REVISED, fresh, shared_engine
+    from simllm_ros import semantic_reuse
+    from simllm_ros.request import CacheResult
+
+    e = shared_engine(dtype="bfloat16", kv_bits=0)
+    if not e.backend.kernels_do_the_work:
+        pytest.skip("the runner's products are torch's here")
+    fresh(e)
+    e.handle(QueryRequest(prompt="Which road is closed this week?", context=BULLETIN, cache_scope="alone",
+                          max_new_tokens=4))
+    ahead, rest = [], []
+    real_ahead, real_count = semantic_reuse.ahead, compute_threads.kernel_threads
+
+    def watched_ahead(*a, **kw):
+        ahead.append(real_count())
+        return real_ahead(*a, **kw)
+
+    def watched_count():
+        n = real_count()
+        rest.append(n)
+        return n
+    monkeypatch.setattr(semantic_reuse, "ahead", watched_ahead)
+    monkeypatch.setattr(compute_threads, "kernel_threads", watched_count)
+    e.fingerprinter.forget()
+    r = e.handle(QueryRequest(prompt="Which street is shut this week?", context=BULLETIN_REVISED, cache_scope="alone",
+                              max_new_tokens=4, allow_approximate=True))
+    assert r.success and r.cache_result == CacheResult.SEMANTIC, (r.cache_result, r.error)
+    assert ahead == [1] and 1 in rest and rest[-1] == 2  # the pass ahead on one worker, decoding on two
