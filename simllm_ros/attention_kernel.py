@@ -193,8 +193,18 @@ typedef struct {
 } pass_t;
 typedef struct { const pass_t *p; int tid; void (*part)(const pass_t *, int); } job_t;
 static void *run_job(void *arg) { job_t *j = (job_t *)arg; j->part(j->p, j->tid); return NULL; }
+/* Kept worker threads to split a pass on (the 4-bit kernel's simllm_pool_call, set from Python): a row block is
+   handed to a waiting thread in microseconds, where starting threads per pass costs ~100 us. 0: started here. */
+typedef void (*pool_call_t)(void *(*)(void *), void *, long, int);
+static pool_call_t pool_call;
+void simllm_attend_set_pool(void *fn) { pool_call = (pool_call_t)fn; }
 static void run_threads(const pass_t *p, void (*part)(const pass_t *, int)) {
     pthread_t th[64]; job_t jobs[64]; int started = 0, n = p->nthreads > 64 ? 64 : p->nthreads;
+    if (pool_call) {
+        for (int t = 0; t < n; t++) { jobs[t].p = p; jobs[t].tid = t; jobs[t].part = part; }
+        pool_call(run_job, jobs, sizeof(job_t), n);
+        return;
+    }
     for (int t = 1; t < n; t++) {
         jobs[t].p = p; jobs[t].tid = t; jobs[t].part = part;
         if (pthread_create(&th[t], NULL, run_job, &jobs[t]) != 0) break;
@@ -585,6 +595,10 @@ _ARGS = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _I, _I, ctypes.c_float, _I,
 # pass of up to ~40 rows. Measured with 2 threads (560-token context): threads started per layer made a 17-row
 # pass slower than one thread; a 560-token prefill took ~1.0 s split, ~1.06 s not (1200 tokens: 2.36 vs 2.94 s).
 THREAD_MIN_MACS = 30_000_000
+# The same on the 4-bit kernel's kept workers (use_pool). Measured at 2 threads, bf16 on AMX (kept workers vs one
+# thread): 1 row over 300 keys 23 vs 28 us, 2 rows over 60 keys 21 vs 23, 56 rows over 240 keys 118 vs 177, 295
+# rows from 0 364 vs 524 (threads started per pass: 440); one row over 10-40 keys the same either way.
+POOL_THREAD_MIN_MACS = 100_000
 
 _loaded: "AttentionKernel | None" = None
 _why_not: str | None = None
@@ -668,6 +682,15 @@ class AttentionKernel:
             self.amx = lib.simllm_attend_amx_bf16
             self.amx.argtypes, self.amx.restype = _ARGS, None
         self._scratch = threading.local()
+        self._set_pool = lib.simllm_attend_set_pool
+        self._set_pool.argtypes, self._set_pool.restype = [_P], None
+        self.pooled = False
+
+    def use_pool(self, pool_call: int | None) -> None:
+        """Split passes on kept worker threads: `pool_call` is the address of int4_kernel's simllm_pool_call
+        (None: threads started per pass again). Passes from POOL_THREAD_MIN_MACS on are then split."""
+        self._set_pool(pool_call)
+        self.pooled = pool_call is not None
 
     def uses_amx(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether a pass of this dtype and head size runs on AMX tiles (else the vector code)."""
@@ -724,7 +747,8 @@ class AttentionKernel:
         """(entry point, work buffer, its stride per thread, threads) of a pass: the C function's last arguments,
         the same for each of the pass's layers (layer_kernel calls it from C)."""
         fn = self._fns[plan.dtype]
-        threads = compute_threads.kernel_threads() if plan.pairs * Hq * D * 2 >= THREAD_MIN_MACS else 1
+        least = min(THREAD_MIN_MACS, POOL_THREAD_MIN_MACS) if self.pooled else THREAD_MIN_MACS
+        threads = compute_threads.kernel_threads() if plan.pairs * Hq * D * 2 >= least else 1
         if self.uses_amx(plan.dtype, D):
             fn, wm = self.amx, -(-plan.longest // 32) * 32  # the C source's layout of a thread's work
             stride = 49 * wm + plan.slots * D // 2 + 32 * D + 2 * plan.table.shape[0] + 320

@@ -197,6 +197,8 @@ static int pool_size, pool_gen, pool_pending, pool_active, pool_sleepers, pool_a
 static job_t pool_jobs[MAXT];
 static int pool_born[MAXT];  /* the generation a worker was started in: it waits for the next */
 static void *(*pool_fn)(void *);
+static char *pool_args;  /* worker i runs pool_fn(pool_args + i * pool_arg_size) */
+static long pool_arg_size;
 
 static void *worker(void *arg) {
     const int i = (int)(long)arg;
@@ -213,7 +215,7 @@ static void *worker(void *arg) {
         }
         seen = g;
         if (i < __atomic_load_n(&pool_active, __ATOMIC_ACQUIRE)) {  /* jobs 1..active-1 of this product */
-            pool_fn(&pool_jobs[i]);
+            pool_fn(pool_args + i * pool_arg_size);
             __atomic_sub_fetch(&pool_pending, 1, __ATOMIC_RELEASE);
         }
     }
@@ -225,6 +227,43 @@ static void pool_after_fork(void) {  /* the child has none of the parent's threa
     pthread_mutex_init(&pool_use, 0); pthread_mutex_init(&pool_mu, 0); pthread_cond_init(&pool_go, 0);
 }
 
+/* Workers 1..n-1 started (the caller holds pool_use); 0 where they could not be. */
+static int pool_start(int n) {
+    if (!pool_atfork) { pthread_atfork(0, 0, pool_after_fork); pool_atfork = 1; }
+    while (pool_size < n - 1) {  /* worker i computes job i (1..) */
+        pthread_t t;
+        pool_born[pool_size + 1] = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE);
+        if (pthread_create(&t, 0, worker, (void *)(long)(pool_size + 1)) != 0) break;
+        pthread_detach(t);
+        pool_size++;
+    }
+    return pool_size >= n - 1;
+}
+/* fn(args + i * size) for i < n: job 0 in the caller, the others on the workers; returns when all are done and
+   releases pool_use (held by the caller, the workers started). */
+static void pool_dispatch(void *(*fn)(void *), void *args, long size, int n) {
+    pool_fn = fn; pool_args = (char *)args; pool_arg_size = size;
+    __atomic_store_n(&pool_active, n, __ATOMIC_RELEASE);
+    __atomic_store_n(&pool_pending, n - 1, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&pool_mu);
+    __atomic_add_fetch(&pool_gen, 1, __ATOMIC_ACQ_REL);
+    if (pool_sleepers) pthread_cond_broadcast(&pool_go);
+    pthread_mutex_unlock(&pool_mu);
+    fn(args);
+    while (__atomic_load_n(&pool_pending, __ATOMIC_ACQUIRE)) _mm_pause();
+    pthread_mutex_unlock(&pool_use);
+}
+/* The same for other kernels' jobs (attention_kernel's row blocks): where the workers are busy (another caller's
+   product) or cannot start, every job runs in the caller, one after the other. Jobs must not depend on which
+   thread runs them. */
+void simllm_pool_call(void *(*fn)(void *), void *args, long size, int n) {
+    if (n > MAXT) n = MAXT;
+    if (n > 1 && pthread_mutex_trylock(&pool_use) == 0) {
+        if (pool_start(n)) { pool_dispatch(fn, args, size, n); return; }
+        pthread_mutex_unlock(&pool_use);
+    }
+    for (int i = 0; i < n; i++) fn((char *)args + i * size);
+}
 static void run(void *(*part)(void *), const bf16 *x, long x_stride, const uint8_t *w, void *y, long y_stride,
                 int M, int N, int K, float *xsum, uint8_t *scratch, long scratch_per_thread, int nthreads) {
     int nb = N / 16;
@@ -238,30 +277,13 @@ static void run(void *(*part)(void *), const bf16 *x, long x_stride, const uint8
         jobs[i] = (job_t){x, x_stride, w, y, y_stride, M, N, K, xsum, (int)((long)nb * i / nthreads),
                           (int)((long)nb * (i + 1) / nthreads), scratch + i * scratch_per_thread};
     if (nthreads == 1) { part(&jobs[0]); return; }
-    if (!pool_atfork) { pthread_atfork(0, 0, pool_after_fork); pool_atfork = 1; }
-    while (pool_size < nthreads - 1) {  /* worker i computes job i (1..) */
-        pthread_t t;
-        pool_born[pool_size + 1] = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE);
-        if (pthread_create(&t, 0, worker, (void *)(long)(pool_size + 1)) != 0) break;
-        pthread_detach(t);
-        pool_size++;
-    }
-    if (pool_size < nthreads - 1) {  /* could not start workers: alone, the same bits */
+    if (!pool_start(nthreads)) {  /* could not start workers: alone, the same bits */
         job_t one = jobs[0]; one.b1 = nb;
         part(&one);
         pthread_mutex_unlock(&pool_use);
         return;
     }
-    pool_fn = part;
-    __atomic_store_n(&pool_active, nthreads, __ATOMIC_RELEASE);
-    __atomic_store_n(&pool_pending, nthreads - 1, __ATOMIC_RELEASE);
-    pthread_mutex_lock(&pool_mu);
-    __atomic_add_fetch(&pool_gen, 1, __ATOMIC_ACQ_REL);
-    if (pool_sleepers) pthread_cond_broadcast(&pool_go);
-    pthread_mutex_unlock(&pool_mu);
-    part(&jobs[0]);
-    while (__atomic_load_n(&pool_pending, __ATOMIC_ACQUIRE)) _mm_pause();
-    pthread_mutex_unlock(&pool_use);
+    pool_dispatch(part, jobs, sizeof(job_t), nthreads);
 }
 
 /* 4-bit weights, bf16 out. The group sums of x (each in input order, 16 groups to a vector) go first into
@@ -305,6 +327,9 @@ void simllm_int4_mm(const void *x, long xs, const void *w, void *y, long ys, int
                     void *scratch, long per_thread, int nthreads) { (void)x; }
 void simllm_int8_mm(const void *x, long xs, const void *w, void *y, long ys, int M, int N, int K,
                     void *scratch, long per_thread, int nthreads) { (void)x; }
+void simllm_pool_call(void *(*fn)(void *), void *args, long size, int n) {
+    for (int i = 0; i < n; i++) fn((char *)args + i * size);
+}
 #endif
 """.replace("/*AMX_COMMON*/", attention_kernel.AMX_COMMON)
 
@@ -330,6 +355,7 @@ class Int4Kernel:
         self._mm = lib.simllm_int4_mm
         self._mm.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _P, _L, _I]
         self._mm.restype = None
+        self.pool_call = ctypes.cast(lib.simllm_pool_call, ctypes.c_void_p).value  # for AttentionKernel.use_pool
         self._mm8 = lib.simllm_int8_mm
         self._mm8.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _L, _I]
         self._mm8.restype = None
@@ -429,6 +455,9 @@ def load() -> "Int4Kernel | None":
         _why_not = err
         return None
     _loaded = kernel
+    attention = attention_kernel.load()
+    if attention is not None:  # its passes split on our workers (the same bits: threads split rows, never a sum)
+        attention.use_pool(kernel.pool_call)
     return _loaded
 
 

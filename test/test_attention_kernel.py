@@ -398,3 +398,50 @@ def test_an_unwritable_kernel_dir_falls_back_to_a_temporary_one(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("True None") and "simllm-kernels-" in done.stdout, done.stdout
+
+
+def test_passes_split_on_the_4bit_kernels_workers_give_the_bits_of_one_thread():
+    """Where the 4-bit kernel is loaded, attention passes split their row blocks on its kept workers
+    (simllm_pool_call) from a much smaller size than threads started per pass: short passes (one decode row, a
+    hit's few dozen recomputed rows) as well as a prefill must give one thread's bits, and so must passes from two
+    calling threads at once (the second finds the workers busy and computes alone)."""
+    import threading
+
+    from simllm_ros import int4_kernel
+
+    if int4_kernel.load() is None:
+        pytest.skip(f"no 4-bit kernel here: {int4_kernel.why_not()}")
+    assert KERNEL.pooled  # connected when the 4-bit kernel loaded
+    cases = [(1, 10), (1, 300), (2, 100), (17, 300), (56, 240), (300, 0)]
+    before = torch.get_num_threads()
+    try:
+        for rows, start in cases:
+            assert rows * (start + rows) * HQ * D * 2 >= attention_kernel.POOL_THREAD_MIN_MACS or rows == 1
+            q, kn, vn = _rows(torch.bfloat16, rows, 40 + rows)
+            base = _buffers(torch.bfloat16, start + rows + 8, 50 + rows)
+            got = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                k, v = base[0].clone(), base[1].clone()
+                got.append((_pass([(start, q, kn, vn, k, v)]), k, v))
+            assert all(torch.equal(a, b) for g in got[1:] for a, b in zip(got[0], g)), (rows, start)
+        torch.set_num_threads(2)
+        q, kn, vn = _rows(torch.bfloat16, 56, 61)
+        base = _buffers(torch.bfloat16, 320, 62)
+        want = _pass([(240, q, kn, vn, base[0].clone(), base[1].clone())])
+        out, errors = [], []
+
+        def run():
+            try:
+                for _ in range(30):
+                    out.append(_pass([(240, q, kn, vn, base[0].clone(), base[1].clone())]))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(out) == 60 and all(torch.equal(o, want) for o in out)
+    finally:
+        torch.set_num_threads(before)
