@@ -852,13 +852,14 @@ class Engine:
 
         A SEMANTIC plan needs the fingerprint (to find the similar task), and its repair begins with an early
         pass over the prompt that needs only the tokens. A new question's fingerprint takes the embedder ~10 ms
-        on its own thread, during which the model's thread would wait: it runs the early pass then, on this thread
-        alone (the fingerprint keeps the other cores: measured at 2 threads, a miss paid +7 ms with the pass on
-        both cores, +0.6 ms on one), and the repair takes it up; under any other plan it is dropped. Only where a SEMANTIC plan can follow: approximate
-        reuse allowed and possible, and the scope holds a prefix of this prompt (a task of the scope under the same
-        system prompt). It starts after that prefix where the prefix's KV is bitwise what a pass computes
-        (lossless), so that it gives the bits the repair's own early pass would. Returns it and the prefix read
-        (handed to the planner, which would read it anyway), or (None, reuse_planner.UNREAD)."""
+        on its own thread, during which the model's thread would wait: it runs the early pass then, on this
+        thread alone (the fingerprint keeps the other cores: at 2 threads a dropped pass cost a miss +7 ms on
+        both cores, nothing measurable on one), and reads the entry the repair will most likely take; a SEMANTIC
+        plan takes both up, any other plan drops them. Only where a SEMANTIC plan can follow: approximate reuse
+        allowed and possible, and the scope holds a prefix of this prompt. The pass starts after that prefix
+        where the prefix's KV is bitwise what a pass computes (lossless), so that it gives the bits the repair's
+        own early pass would. Returns it and the prefix read (for the planner, which would read it anyway), or
+        (None, reuse_planner.UNREAD). A fault here only costs the head start: the repair then runs its own."""
         s, req, pool, backend = self.settings, p.req, self.pool, self.backend
         if not (s.early_pass_ahead and req.allow_approximate and s.enable_semantic_reuse and backend.semantic_supported
                 and poolable and len(tokens) >= s.min_semantic_tokens and not p.fingerprints.done()):
@@ -868,10 +869,14 @@ class Engine:
             return None, prefix
         # The entry most likely to be the source: the newest holding the prefix (right where the scope has one
         # task on this context; else a guess, read in time the thread would have waited anyway).
-        with compute_threads.kernels_alone():
-            early = semantic_reuse.ahead(backend, pool, tokens, strict_layers=s.strict_layers, reserve=reserve,
-                                         prefix=(prefix.k, prefix.v) if lossless else None,
-                                         guess=max(prefix.entry_keys) if prefix.entry_keys else None)
+        try:
+            with compute_threads.kernels_alone():
+                early = semantic_reuse.ahead(backend, pool, tokens, strict_layers=s.strict_layers, reserve=reserve,
+                                             prefix=(prefix.k, prefix.v) if lossless else None,
+                                             guess=max(prefix.entry_keys) if prefix.entry_keys else None)
+        except Exception as e:  # noqa: BLE001 - speculative work: the plan goes on without it
+            self.log.warning("early pass ahead failed (%s: %s); the repair runs its own", type(e).__name__, e)
+            return None, prefix
         self.early_starts += 1
         return early, prefix
 

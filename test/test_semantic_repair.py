@@ -201,3 +201,33 @@ def test_the_engine_runs_the_early_pass_while_a_new_question_is_fingerprinted(co
         e.pool.check_consistency()
         seen[ahead] = out
     assert seen[True] == seen[False]
+
+
+def test_a_fault_in_the_early_pass_ahead_costs_only_the_head_start(monkeypatch, caplog):
+    """The pass ahead is speculative: if it fails, the request is still planned and served (the repair runs its
+    own early pass), the failure is logged, and the answer is the one without it."""
+    from core_fixtures import BULLETIN_REVISED, fresh
+    from simllm_ros.request import QueryRequest
+    from test_semantic_quality import select_pairs
+
+    e = shared_engine(dtype="bfloat16", kv_bits=0)
+    _, q1, q2, _ = select_pairs(e.fingerprinter)[1]
+    answers = []
+    for broken in (False, True):
+        fresh(e, early_pass_ahead=broken)
+        e.handle(QueryRequest(prompt=q1, context=BULLETIN, cache_scope="f", max_new_tokens=8))
+        if broken:
+            def fail(*a, **kw):
+                raise RuntimeError("no memory for the early pass")
+            monkeypatch.setattr(semantic_reuse, "ahead", fail)
+        starts = e.early_starts
+        e.fingerprinter.forget()
+        with caplog.at_level("WARNING", logger="simllm_ros.engine"):
+            r = e.handle(QueryRequest(prompt=q2, context=BULLETIN_REVISED, cache_scope="f", max_new_tokens=8,
+                                      allow_approximate=True))
+        assert r.success and r.cache_result == CacheResult.SEMANTIC, (r.cache_result, r.error)
+        assert e.early_starts == starts
+        answers.append(r.answer)
+        e.pool.check_consistency()
+    assert "early pass ahead failed (RuntimeError: no memory for the early pass)" in caplog.text
+    assert answers[0] == answers[1]
