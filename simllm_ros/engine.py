@@ -855,8 +855,10 @@ class Engine:
         on its own thread, during which the model's thread would wait: it runs the early pass then, on this
         thread alone (the fingerprint keeps the other cores: at 2 threads a dropped pass cost a miss +7 ms on
         both cores, nothing measurable on one), and reads the entry the repair will most likely take; a SEMANTIC
-        plan takes both up, any other plan drops them. Only where a SEMANTIC plan can follow: approximate reuse
-        allowed and possible, and the scope holds a prefix of this prompt. The pass starts after that prefix
+        plan takes both up, any other plan drops them. Only where a SEMANTIC plan can follow and is worth a head
+        start: approximate reuse allowed and possible, the scope holds a prefix of this prompt, and the prompt runs
+        on for at least min_semantic_tokens after it (a new question on a cached context leaves ~15 tokens, cheap to
+        compute: there the pass ahead cost 1.3-2.4 ms at one thread, for nothing). The pass starts after that prefix
         where the prefix's KV is bitwise what a pass computes (lossless), so that it gives the bits the repair's
         own early pass would. Returns it and the prefix read (for the planner, which would read it anyway), or
         (None, reuse_planner.UNREAD). A fault here only costs the head start: the repair then runs its own."""
@@ -865,7 +867,7 @@ class Engine:
                 and poolable and len(tokens) >= s.min_semantic_tokens and not p.fingerprints.done()):
             return None, reuse_planner.UNREAD
         prefix = pool.longest_prefix(req.scope, tokens, len(tokens) - 1, len(tokens) + reserve)
-        if prefix is None:
+        if prefix is None or len(tokens) - prefix.n_tokens < s.min_semantic_tokens:
             return None, prefix
         # The entry most likely to be the source: the newest holding the prefix (right where the scope has one
         # task on this context; else a guess, read in time the thread would have waited anyway).

@@ -168,8 +168,8 @@ def test_an_early_pass_run_ahead_gives_the_same_repair(backend, edit):
 @pytest.mark.parametrize("config", [dict(dtype="bfloat16", kv_bits=0), {}], ids=["bf16-lossless", "float32"])
 def test_the_engine_runs_the_early_pass_while_a_new_question_is_fingerprinted(config):
     """Through the engine: a new question (its fingerprint not remembered) in a scope that holds a prefix of its
-    prompt runs the early pass while its fingerprint is computed; a SEMANTIC plan takes it up, any other plan
-    drops it, and the answers are those with early_pass_ahead off (from a prefix where the stored KV is the
+    prompt, with at least min_semantic_tokens after it, runs the early pass while its fingerprint is computed; a
+    SEMANTIC plan takes it up, any other plan drops it, and the answers are those with early_pass_ahead off (from a prefix where the stored KV is the
     model's own bits, bf16 here; from the first token in float32, whose KV is not). A remembered question waits
     for nothing, and nothing runs ahead."""
     from core_fixtures import BULLETIN_REVISED, capture_generations, fresh
@@ -185,7 +185,11 @@ def test_the_engine_runs_the_early_pass_while_a_new_question_is_fingerprinted(co
         e.handle(QueryRequest(prompt=q1, context=BULLETIN, cache_scope="s", max_new_tokens=10))
         starts, used = e.early_starts, e.early_starts_used
         out = []
-        for q, ctx, tier in ((q2, BULLETIN_REVISED, CacheResult.SEMANTIC), (unlike, BULLETIN, CacheResult.EXACT_PREFIX)):
+        # A paraphrase on the revised bulletin (SEMANTIC: the pass ahead is used), another question on it (the
+        # pass is dropped), another question on the cached bulletin (~15 tokens after the prefix: none runs).
+        for q, ctx, tier in ((q2, BULLETIN_REVISED, CacheResult.SEMANTIC),
+                             (unlike, BULLETIN_REVISED, CacheResult.EXACT_PREFIX),
+                             ("Is the pool at the sports centre open late?", BULLETIN, CacheResult.EXACT_PREFIX)):
             e.fingerprinter.forget()
             with capture_generations(e) as gens:
                 r = e.handle(QueryRequest(prompt=q, context=ctx, cache_scope="s", max_new_tokens=10,
