@@ -96,13 +96,61 @@ static void add_rows(bf16 *h, const bf16 *t, long n) {
     for (long i = 0; i < n; i += 16) st(h + i, rnd(_mm512_add_ps(ld(h + i), ld(t + i))));
 }
 
+typedef void (*pool_fn)(void *(*)(void *), void *, long, int);
 typedef struct {
     norm_fn norm; mm_fn mm; attend_fn attend;
     int E, Hq, Hkv, D, I;
     float scale;
     int nseq; const int64_t *table; float *awork; long astride; int athreads;   /* the pass's attention */
     float *xsum; uint8_t *scratch; long per_thread; int threads; long thread_min_macs;  /* the products' */
+    pool_fn pool; int glue_min_rows;  /* the 4-bit kernel's kept workers (or 0), for the steps between products */
 } pass_t;
+
+/* The steps between products (norms, residual adds, RoPE, SiLU) are per row: from glue_min_rows rows they are
+   split by rows over the kept workers (a row's bits do not depend on which thread computes it). */
+enum { G_NORM, G_ADD_NORM, G_ROPE, G_SILU };
+typedef struct {
+    const pass_t *P; int op, M, n, i;
+    bf16 *h; const bf16 *t; const bf16 *w; bf16 *x; float eps;  /* G_NORM: x = norm(h); G_ADD_NORM: h += t first
+                                                                     (no norm where w is 0) */
+    const bf16 *src; bf16 *dst; const bf16 *cos, *sin;            /* G_ROPE: qkv -> qk; G_SILU: gu -> a */
+} glue_t;
+
+static void *glue_rows(void *arg) {
+    const glue_t *G = arg;
+    const pass_t *P = G->P;
+    const int m0 = (int)((long)G->M * G->i / G->n), m1 = (int)((long)G->M * (G->i + 1) / G->n), m = m1 - m0;
+    const int E = P->E, D = P->D, H = P->Hq + 2 * P->Hkv, I = P->I;
+    if (m <= 0) return 0;
+    switch (G->op) {
+    case G_ADD_NORM:
+        add_rows(G->h + (long)m0 * E, G->t + (long)m0 * E, (long)m * E);
+        if (!G->w) break;
+        /* fall through */
+    case G_NORM:
+        P->norm(G->h + (long)m0 * E, E, G->w, G->x + (long)m0 * E, m, E, G->eps);
+        break;
+    case G_ROPE:
+        simllm_rope_bf16(G->src + (long)m0 * H * D, (long)H * D, m, P->Hq + P->Hkv, D, G->cos + (long)m0 * D,
+                         G->sin + (long)m0 * D, G->dst + (long)m0 * (P->Hq + P->Hkv) * D);
+        break;
+    case G_SILU:
+        simllm_silu_mul_bf16(G->src + (long)m0 * 2 * I, 2 * I, m, I, G->dst + (long)m0 * I, I);
+        break;
+    }
+    return 0;
+}
+
+static void glue(const pass_t *P, glue_t g) {
+    int n = P->pool && g.M >= P->glue_min_rows ? P->threads : 1;
+    if (n > g.M) n = g.M;
+    if (n > 64) n = 64;
+    g.P = P;
+    if (n <= 1) { g.n = 1; g.i = 0; glue_rows(&g); return; }
+    glue_t jobs[64];
+    for (int i = 0; i < n; i++) { jobs[i] = g; jobs[i].n = n; jobs[i].i = i; }
+    P->pool(glue_rows, jobs, sizeof(glue_t), n);
+}
 
 static void product(const pass_t *P, const bf16 *x, const uint8_t *w, bf16 *y, int M, int N, int K) {
     int threads = (long)M * N * K >= P->thread_min_macs ? P->threads : 1;
@@ -117,20 +165,26 @@ void simllm_layers_bf16(const pass_t *P, bf16 *h, int M, int first, int last, co
     const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D, Nqk = (Hq + Hkv) * D;
     bf16 *x = ws, *qkv = x + (long)M * E, *qk = qkv + (long)M * Nqkv, *o = qk + (long)M * Nqk,
          *t = o + (long)M * Hq * D, *gu = t + (long)M * E, *a = gu + (long)M * 2 * I;
+    if (first < last)
+        glue(P, (glue_t){.op = G_NORM, .M = M, .h = h, .w = (const bf16 *)(intptr_t)weights[(long)first * 6],
+                         .x = x, .eps = eps[2 * first]});
     for (int li = first; li < last; li++) {
         const int64_t *W = weights + (long)li * 6;
-        P->norm(h, E, (const bf16 *)(intptr_t)W[0], x, M, E, eps[2 * li]);
         product(P, x, (const uint8_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
-        simllm_rope_bf16(qkv, Nqkv, M, Hq + Hkv, D, cos, sin, qk);
+        glue(P, (glue_t){.op = G_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin});
         P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,
                   P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);
         product(P, o, (const uint8_t *)(intptr_t)W[3], t, M, E, Hq * D);
-        add_rows(h, t, (long)M * E);
-        P->norm(h, E, (const bf16 *)(intptr_t)W[1], x, M, E, eps[2 * li + 1]);
+        glue(P, (glue_t){.op = G_ADD_NORM, .M = M, .h = h, .t = t, .w = (const bf16 *)(intptr_t)W[1], .x = x,
+                         .eps = eps[2 * li + 1]});
         product(P, x, (const uint8_t *)(intptr_t)W[4], gu, M, 2 * I, E);
-        simllm_silu_mul_bf16(gu, 2 * I, M, I, a, I);
+        glue(P, (glue_t){.op = G_SILU, .M = M, .src = gu, .dst = a});
         product(P, a, (const uint8_t *)(intptr_t)W[5], t, M, E, I);
-        add_rows(h, t, (long)M * E);
+        /* the residual add, and the next layer's input norm (the same rows, the same ops as at its top) */
+        const int more = li + 1 < last;
+        glue(P, (glue_t){.op = G_ADD_NORM, .M = M, .h = h, .t = t,
+                         .w = more ? (const bf16 *)(intptr_t)weights[(long)(li + 1) * 6] : 0, .x = x,
+                         .eps = more ? eps[2 * (li + 1)] : 0.f});
     }
 }
 int simllm_layers_available(void) { return 1; }
@@ -145,7 +199,13 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 class _Pass(ctypes.Structure):
     _fields_ = [("norm", _P), ("mm", _P), ("attend", _P), ("E", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("I", _I),
                 ("scale", _F), ("nseq", _I), ("table", _P), ("awork", _P), ("astride", _L), ("athreads", _I),
-                ("xsum", _P), ("scratch", _P), ("per_thread", _L), ("threads", _I), ("thread_min_macs", _L)]
+                ("xsum", _P), ("scratch", _P), ("per_thread", _L), ("threads", _I), ("thread_min_macs", _L),
+                ("pool", _P), ("glue_min_rows", _I)]
+
+
+# From this many rows a pass's norms, residual adds, RoPE and SiLU are split by rows over the 4-bit kernel's kept
+# workers (at 2 threads they were ~6% of a 56-row SEMANTIC repair's time, on one core while the other waited).
+GLUE_MIN_ROWS = 8
 
 
 _loaded: "LayerKernel | None" = None
@@ -229,7 +289,8 @@ class Layers:
         xsum, tiles, per_thread, threads = self.int4.buffers(M, self.widest)
         P = _Pass(self._norm, self._mm, ctypes.cast(fn, ctypes.c_void_p).value, self.E, self.Hq, self.Hkv, self.D,
                   self.inter, self.scale, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(), stride,
-                  athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS)
+                  athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS,
+                  getattr(self.int4, "pool_call", None), GLUE_MIN_ROWS)
         ws = self._workspace(M)
         self.kernel._layers(ctypes.byref(P), h.data_ptr(), M, first, last, self.weights.data_ptr(),
                             self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())

@@ -139,3 +139,29 @@ def test_the_python_layers_can_be_chosen():
         assert off, path
     else:
         assert path == KERNEL.path
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [7, 8, 9, 57, 130])
+def test_the_steps_between_products_split_over_threads_change_no_bit(n):
+    """From GLUE_MIN_ROWS rows the norms, residual adds, RoPE and SiLU run split by rows over the 4-bit kernel's
+    kept workers: at 2 and 3 threads the C layers give the bits of one thread and of the Python layers."""
+    r = _runner()
+    ids = _ids(n, 40 + n)
+    before = torch.get_num_threads()
+
+    def run():
+        kv = _buffer(r, n + 2)
+        return r.forward(ids, torch.arange(n), kv, 0, logits="all"), kv.k[:, :, :n].clone(), kv.v[:, :, :n].clone()
+    try:
+        got = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got.append(run())
+        r.layers_in_c = False
+        python = run()
+    finally:
+        r.layers_in_c = True
+        torch.set_num_threads(before)
+    for g in got[1:] + [python]:
+        assert all(torch.equal(a, b) for a, b in zip(got[0], g))
