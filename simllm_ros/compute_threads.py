@@ -8,8 +8,8 @@ So the thread that runs the model sets torch to one thread for the while (`kerne
 use the count torch had (`kernel_threads`). Setting only OpenMP's per-thread count, or MKL's too, did not do it
 (measured: no change; why torch's own setting does is not understood); torch.set_num_threads does, and it also
 sets the count that threads use when they first run torch code, so threads that compute other things with
-torch (the fingerprinter's) set their own count when they start (`own_count`). Threads change no bit of any kernel's result (they split outputs, never a sum), so
-answers do not depend on this. `SIMLLM_CORES=torch` (or `ENABLED = False`, for side-by-side runs) leaves torch
+torch (the fingerprinter's) set their own count when they start (`own_count`). Threads change no bit of any
+kernel's result (they split outputs, never a sum), so answers do not depend on this. `SIMLLM_CORES=torch` (or `ENABLED = False`, for side-by-side runs) leaves torch
 its threads.
 """
 from __future__ import annotations

@@ -253,6 +253,7 @@ class Layers:
         self.eps = torch.tensor([[ln1.eps, ln2.eps] for ln1, _, _, ln2, _, _, _ in layers], dtype=torch.float32)
         addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
         self._norm, self._mm = addr(norms._fn), addr(int4._mm)
+        self._pool = int4.pool_call  # simllm_pool_call: the steps between products split on its workers
         self._ws = threading.local()
         self.widest = max(E, Hq * D, inter)  # the longest input row of a product
 
@@ -290,7 +291,7 @@ class Layers:
         P = _Pass(self._norm, self._mm, ctypes.cast(fn, ctypes.c_void_p).value, self.E, self.Hq, self.Hkv, self.D,
                   self.inter, self.scale, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(), stride,
                   athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS,
-                  getattr(self.int4, "pool_call", None), GLUE_MIN_ROWS)
+                  self._pool, GLUE_MIN_ROWS)
         ws = self._workspace(M)
         self.kernel._layers(ctypes.byref(P), h.data_ptr(), M, first, last, self.weights.data_ptr(),
                             self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())

@@ -127,7 +127,6 @@ class Seq:
     shared: int = 0
 
 
-
 @dataclasses.dataclass
 class EarlyHead:
     """An early pass before its rows are chosen (LlamaRunner.early_head): the last early layer's input rows
@@ -144,6 +143,7 @@ class EarlyHead:
     q: torch.Tensor | None
     k: torch.Tensor  # [m - start, Hkv, D], rotated
     v: torch.Tensor
+
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout of a bf16 CPU weight, or None where that does not apply.

@@ -45,10 +45,8 @@ class EarlyStart:
     """ModelBackend.early_head's result: an early pass up to the choice of its rows (their KV in `cache`)."""
 
     ids: list[int]
-    ids_t: torch.Tensor
-    n_layers: int
     cache: KVBuffer
-    part: EarlyHead
+    part: EarlyHead  # its n_layers and start
     reran: bool = False  # early_layers ran it again from a lower token (pick named one of its prefix's)
 
 
@@ -527,14 +525,14 @@ class ModelBackend:
             h = self.runner.forward(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
                                     cache, 0, logits="none", n_layers=n_layers)
             return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)], h
-        fits = head is not None and head.n_layers == n_layers and head.ids == list(ids)
+        fits = head is not None and head.part.n_layers == n_layers and head.ids == list(ids)
         if not fits:
             head = self.early_head(ids, n_layers, prefix)
         cache, part, M = head.cache, head.part, len(ids)
         rows = torch.as_tensor(pick(cache.k[:n_layers, :, :M], cache.v[:n_layers, :, :M]), dtype=torch.long)
         rows = rows.sort().values
         if fits and rows.numel() and int(rows[0]) < part.start:  # slots below hold the prefix's KV: bitwise
-            part = self.runner.early_head(head.ids_t, cache, n_layers, int(rows[0]))
+            part = self.runner.early_head(torch.tensor(ids, device=self.device), cache, n_layers, int(rows[0]))
             head.reran = True
         h = self.runner.early_rows(part, cache, rows)
         return cache.k[:n_layers, :, :M], cache.v[:n_layers, :, :M], h
@@ -557,7 +555,7 @@ class ModelBackend:
             cache.v[:n_layers, :, :start] = prefix[1][:n_layers, :, :start]
             cache.length = start
         part = self.runner.early_head(ids_t, cache, n_layers, start)
-        return EarlyStart(list(ids), ids_t, n_layers, cache, part)
+        return EarlyStart(list(ids), cache, part)
 
     @torch.inference_mode()
     def resume_prefill(self, ids: list[int], cache, positions: list[int], hidden: torch.Tensor, first_layer: int

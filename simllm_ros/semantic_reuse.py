@@ -45,6 +45,12 @@ def fresh_layers(strict_layers: int, n_layers: int) -> int:
     return min(max(strict_layers, 2), n_layers)
 
 
+def entry_capacity(n_tokens: int, reserve: int) -> int:
+    """Token slots of the buffer a repair reads its source entry into (it becomes the repaired cache): the
+    prompt and room for `reserve` more, at least 2."""
+    return n_tokens + max(reserve, 2)
+
+
 @dataclasses.dataclass
 class Ahead:
     """What a repair can do before its plan is known (the engine does it while the fingerprint is computed):
@@ -63,7 +69,7 @@ def ahead(backend: ModelBackend, pool: KVPool, tokens: list[int], *, strict_laye
     (lossless_kv), which then does not run."""
     out = Ahead(backend.early_head(tokens, fresh_layers(strict_layers, backend.kv_shape.layers), prefix))
     if guess is not None:
-        out.source_key, out.capacity = guess, len(tokens) + max(reserve, 2)
+        out.source_key, out.capacity = guess, entry_capacity(len(tokens), reserve)
         out.source_kv = pool.entry_kv(guess, capacity=out.capacity)
     return out
 
@@ -76,13 +82,13 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     backend): then its exact lead also stands in for the early pass's, which skips those tokens. early: ahead()
     for these tokens, done before the plan was known (with a prefix only where lossless_kv)."""
     n = len(tokens)
-    room = max(reserve, 2)
+    capacity = entry_capacity(n, reserve)
     # Read into a buffer with room for this prompt and its answer: it becomes the repaired cache (slot = the
     # source's position, which is the new one wherever a token did not move).
-    if early is not None and early.source_key == plan.source_key and early.capacity == n + room:
+    if early is not None and early.source_key == plan.source_key and early.capacity == capacity:
         src_k, src_v = early.source_kv
     else:
-        src_k, src_v = pool.entry_kv(plan.source_key, capacity=n + room)
+        src_k, src_v = pool.entry_kv(plan.source_key, capacity=capacity)
     device, L = src_k.device, src_k.shape[0]
     new_pos = torch.tensor([p for p, _ in plan.pairs], dtype=torch.long)
     src_pos = torch.tensor([q for _, q in plan.pairs], dtype=torch.long)
@@ -129,7 +135,7 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     moves = [(int(new_pos[i]), int(src_pos[i]), j - i) for i, j in zip(starts[:-1], starts[1:])
              if new_pos[i] != src_pos[i]]
     moved = [(a, b, m, src_k[strict:, :, b:b + m].clone(), src_v[strict:, :, b:b + m].clone()) for a, b, m in moves]
-    cache = backend.cache_from_tensors(src_k, src_v, reserve=max(n + room - src_k.shape[2], 2))  # no copy: adopted
+    cache = backend.cache_from_tensors(src_k, src_v, reserve=max(capacity - src_k.shape[2], 2))  # no copy: adopted
     ck, cv = backend.cache_storage(cache)
     for a, b, m, k_run, v_run in moved:  # every run's source read before any is written
         ck[strict:, :, a:a + m] = backend.rotate_keys(k_run, torch.full((m,), a - b, dtype=torch.long, device=device))
