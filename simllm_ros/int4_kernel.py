@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from . import attention_kernel, compute_threads
+from . import attention_kernel, compute_threads, kernel_pool
 
 SOURCE = r"""
 #include <stdint.h>
@@ -184,86 +184,8 @@ DEFINE_PART(part8, BLOB8, DEQUANT8, POST8, STORE8)
 
 int simllm_int4_init(void) { return amx_request(); }
 
-/* Worker threads kept for the process: a decode step makes ~120 small products, and starting threads per
-   product costs more than it saves. Between products a worker spins briefly (~100 us: the next product of a
-   step comes sooner), then sleeps on a condition variable. One caller at a time uses them (trylock); another
-   caller meanwhile computes alone: threads split outputs, never a sum, so the bits are the same either way.
-   After fork() the child starts without workers. */
-#define MAXT 64
-#define SPIN 2000
-static pthread_mutex_t pool_use = PTHREAD_MUTEX_INITIALIZER, pool_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER;
-static int pool_size, pool_gen, pool_pending, pool_active, pool_sleepers, pool_atfork;
+/*POOL*/
 static job_t pool_jobs[MAXT];
-static int pool_born[MAXT];  /* the generation a worker was started in: it waits for the next */
-static void *(*pool_fn)(void *);
-static char *pool_args;  /* worker i runs pool_fn(pool_args + i * pool_arg_size) */
-static long pool_arg_size;
-
-static void *worker(void *arg) {
-    const int i = (int)(long)arg;
-    int seen = pool_born[i];
-    for (;;) {
-        int g = seen;
-        for (int s = 0; s < SPIN && g == seen; s++) { _mm_pause(); g = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE); }
-        if (g == seen) {
-            pthread_mutex_lock(&pool_mu);
-            pool_sleepers++;
-            while ((g = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE)) == seen) pthread_cond_wait(&pool_go, &pool_mu);
-            pool_sleepers--;
-            pthread_mutex_unlock(&pool_mu);
-        }
-        seen = g;
-        if (i < __atomic_load_n(&pool_active, __ATOMIC_ACQUIRE)) {  /* jobs 1..active-1 of this product */
-            pool_fn(pool_args + i * pool_arg_size);
-            __atomic_sub_fetch(&pool_pending, 1, __ATOMIC_RELEASE);
-        }
-    }
-    return 0;
-}
-
-static void pool_after_fork(void) {  /* the child has none of the parent's threads */
-    pool_size = 0; pool_gen = 0; pool_pending = 0; pool_active = 0; pool_sleepers = 0;
-    pthread_mutex_init(&pool_use, 0); pthread_mutex_init(&pool_mu, 0); pthread_cond_init(&pool_go, 0);
-}
-
-/* Workers 1..n-1 started (the caller holds pool_use); 0 where they could not be. */
-static int pool_start(int n) {
-    if (!pool_atfork) { pthread_atfork(0, 0, pool_after_fork); pool_atfork = 1; }
-    while (pool_size < n - 1) {  /* worker i computes job i (1..) */
-        pthread_t t;
-        pool_born[pool_size + 1] = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE);
-        if (pthread_create(&t, 0, worker, (void *)(long)(pool_size + 1)) != 0) break;
-        pthread_detach(t);
-        pool_size++;
-    }
-    return pool_size >= n - 1;
-}
-/* fn(args + i * size) for i < n: job 0 in the caller, the others on the workers; returns when all are done and
-   releases pool_use (held by the caller, the workers started). */
-static void pool_dispatch(void *(*fn)(void *), void *args, long size, int n) {
-    pool_fn = fn; pool_args = (char *)args; pool_arg_size = size;
-    __atomic_store_n(&pool_active, n, __ATOMIC_RELEASE);
-    __atomic_store_n(&pool_pending, n - 1, __ATOMIC_RELEASE);
-    pthread_mutex_lock(&pool_mu);
-    __atomic_add_fetch(&pool_gen, 1, __ATOMIC_ACQ_REL);
-    if (pool_sleepers) pthread_cond_broadcast(&pool_go);
-    pthread_mutex_unlock(&pool_mu);
-    fn(args);
-    while (__atomic_load_n(&pool_pending, __ATOMIC_ACQUIRE)) _mm_pause();
-    pthread_mutex_unlock(&pool_use);
-}
-/* The same for other kernels' jobs (attention_kernel's row blocks): where the workers are busy (another caller's
-   product) or cannot start, every job runs in the caller, one after the other. Jobs must not depend on which
-   thread runs them. */
-void simllm_pool_call(void *(*fn)(void *), void *args, long size, int n) {
-    if (n > MAXT) n = MAXT;
-    if (n > 1 && pthread_mutex_trylock(&pool_use) == 0) {
-        if (pool_start(n)) { pool_dispatch(fn, args, size, n); return; }
-        pthread_mutex_unlock(&pool_use);
-    }
-    for (int i = 0; i < n; i++) fn((char *)args + i * size);
-}
 static void run(void *(*part)(void *), const bf16 *x, long x_stride, const uint8_t *w, void *y, long y_stride,
                 int M, int N, int K, float *xsum, uint8_t *scratch, long scratch_per_thread, int nthreads) {
     int nb = N / 16;
@@ -331,7 +253,7 @@ void simllm_pool_call(void *(*fn)(void *), void *args, long size, int n) {
     for (int i = 0; i < n; i++) fn((char *)args + i * size);
 }
 #endif
-""".replace("/*AMX_COMMON*/", attention_kernel.AMX_COMMON)
+""".replace("/*AMX_COMMON*/", attention_kernel.AMX_COMMON).replace("/*POOL*/", kernel_pool.POOL)
 
 GROUP = 32  # inputs per 4-bit group (INT4_GROUP in llama_runner)
 BLOB = 320  # bytes per 16 outputs x one group: 256 of codes, 16 steps and 16 zeros in bf16
@@ -348,6 +270,9 @@ _why_not: str | None = None
 
 class Int4Kernel:
     """The compiled kernel, called on torch tensors: `pack` once per weight, `mm` per product."""
+
+    kind = "amx"
+    dtype = torch.bfloat16
 
     def __init__(self, path: str):
         lib = ctypes.CDLL(path)

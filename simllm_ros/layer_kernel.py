@@ -247,8 +247,8 @@ class Layers:
                  inter: int, scale: float):
         self.kernel, self.int4, self.attention = kernel, int4, attention
         self.E, self.Hq, self.Hkv, self.D, self.inter, self.scale = E, Hq, Hkv, D, inter, scale
-        self.weights = torch.tensor([[ln1.weight.data_ptr(), ln2.weight.data_ptr(), qkv.amx.data_ptr(),
-                                      o.amx.data_ptr(), gu.amx.data_ptr(), down.amx.data_ptr()]
+        self.weights = torch.tensor([[ln1.weight.data_ptr(), ln2.weight.data_ptr(), qkv.blob.data_ptr(),
+                                      o.blob.data_ptr(), gu.blob.data_ptr(), down.blob.data_ptr()]
                                      for ln1, qkv, o, ln2, gu, down, _ in layers], dtype=torch.int64)
         self.eps = torch.tensor([[ln1.eps, ln2.eps] for ln1, _, _, ln2, _, _, _ in layers], dtype=torch.float32)
         addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
@@ -268,7 +268,7 @@ class Layers:
         for ln1, qkv, o, ln2, gu, down, act in runner.layers:
             if ln1.kernel is None or ln2.kernel is None or type(act).__name__ not in ("SiLUActivation", "SiLU"):
                 return False
-            if any(p.amx is None or p.bias is not None for p in (qkv, o, gu, down)):
+            if any(p.blob is None or p.bias is not None for p in (qkv, o, gu, down)):
                 return False
         return True
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import attention_kernel, int4_kernel, layer_kernel, norm_kernel
+from . import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
 
 # The highest instruction set oneDNN (torch's bf16 CPU products) may use in this process. With AMX (Sapphire
 # Rapids and later Xeons) oneDNN switches kernels by row count, and they round differently: measured on such a
@@ -250,14 +250,14 @@ class _Norm:
             hasattr(module, "variance_epsilon") and kernel.takes(self.weight) else None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        if self.kernel is None or h.dtype != torch.bfloat16:
+        if self.kernel is None or h.dtype != self.weight.dtype:
             return self.module(h)
         return self.kernel.rmsnorm(h, self.weight, self.eps)
 
 
 class _Head8:
-    """The LM head as its file's own 8-bit groups on our AMX kernel (int4_kernel.mm8): half the bytes a decode
-    step reads for it (3.2-3.9 vs 4.6-5.9 ms for 1-4 rows of SmolLM2's 49152x576 here; 17 rows 6.5 vs
+    """The LM head as its file's own 8-bit groups on our 4-bit runner's kernel (`mm8`: AMX or vector): half the
+    bytes a decode step reads for it (3.2-3.9 vs 4.6-5.9 ms for 1-4 rows of SmolLM2's 49152x576 here; 17 rows 6.5 vs
     5.7), float32 logits, row-invariant like the rest."""
 
     weight = packed = None  # the runner holds its own copy: the HF module's may be released
@@ -305,10 +305,10 @@ class _Proj:
                  int4: "int4_kernel.Int4Kernel | None" = None):
         self.bias = bias
         self.n = weight.shape[0]
-        self.weight = self.w8 = self.w4 = self.packed = self.amx = None
+        self.weight = self.w8 = self.w4 = self.packed = self.blob = None
         self.int4 = int4
-        if weight_bits == 4 and int4 is not None:  # our AMX kernel (int4_kernel): its own layout of the codes
-            self.amx = int4.pack(*_int4_codes(weight))  # steps and zeros inside the blob
+        if weight_bits == 4 and int4 is not None:  # our kernel (int4_kernel or int4_vector_kernel): its own layout
+            self.blob = int4.pack(*_int4_codes(weight))  # steps and zeros inside the blob
         elif weight_bits == 8:
             w = weight.float()
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
@@ -324,7 +324,7 @@ class _Proj:
     @property
     def four_bit(self) -> bool:
         """Whether this projection holds 4-bit weights (for either kernel)."""
-        return self.w4 is not None or self.amx is not None
+        return self.w4 is not None or self.blob is not None
 
     def dense(self) -> torch.Tensor | None:
         """The plain weight (unpacked again if packed: oneDNN's reorder back is exact); None for int8/int4."""
@@ -335,12 +335,12 @@ class _Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        if self.w8 is None and self.w4 is None and self.amx is None:
+        if self.w8 is None and self.w4 is None and self.blob is None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        if self.amx is not None:
-            y = self.int4.mm(x2, self.amx, self.n)
+        if self.blob is not None:
+            y = self.int4.mm(x2, self.blob, self.n)
         elif self.w4 is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w4, INT4_GROUP, self.scale)
         else:
@@ -349,11 +349,11 @@ class _Proj:
         return y if self.bias is None else y + self.bias
 
     def columns(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """Outputs a..b-1 (multiples of 16) of this product for rows x [M, K], on our AMX kernel only: it computes
-        each block of 16 outputs on its own, so these are bitwise those columns of the whole product."""
-        if self.amx is None or a % 16 or b % 16:
-            raise ValueError("columns of a product: our AMX kernel's weights, outputs in 16s")
-        y = self.int4.mm(x.contiguous(), self.amx[a // 16:b // 16], b - a)
+        """Outputs a..b-1 (multiples of 16) of this product for rows x [M, K], on our 4-bit kernels only: they
+        compute each block of 16 outputs on its own, so these are bitwise those columns of the whole product."""
+        if self.blob is None or a % 16 or b % 16:
+            raise ValueError("columns of a product: our 4-bit kernels' weights, outputs in 16s")
+        y = self.int4.mm(x.contiguous(), self.blob[a // 16:b // 16], b - a)
         return y if self.bias is None else y + self.bias[a:b]
 
 
@@ -375,15 +375,20 @@ class LlamaRunner:
         lm = model.lm_head
         self.layers = []
         self._hf_views: list[tuple[_Proj, tuple]] = []  # (projection, the HF linears whose weights it holds)
-        # 4-bit products on our AMX kernel where it runs (int4_kernel: ~2-4x ATen's from a few rows up), for
-        # every projection or none, so that every pass computes the same way.
+        # 4-bit products on our own kernel, for every projection or none, so that every pass computes the same way:
+        # in bf16 on AMX (int4_kernel: ~2-4x ATen's from a few rows up), in float32 on vector units elsewhere
+        # (int4_vector_kernel: row-invariant where torch's float32 products are not).
         self.int4 = None
-        if weight_bits == 4 and self.embed.weight.dtype == torch.bfloat16 and self.embed.weight.device.type == "cpu":
+        dtype, on_cpu = self.embed.weight.dtype, self.embed.weight.device.type == "cpu"
+        if weight_bits == 4 and on_cpu and dtype in (torch.bfloat16, torch.float32):
             shapes = [(lin.out_features, lin.in_features) for layer in base.layers for lin in (
                 layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                 layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
             if all(n % 16 == 0 and k % int4_kernel.GROUP == 0 for n, k in shapes):
-                self.int4 = int4_kernel.load()
+                self.int4 = int4_kernel.load() if dtype == torch.bfloat16 else int4_vector_kernel.load()
+            if self.int4 is None and dtype == torch.float32:
+                raise ValueError(f"weight_bits=4 in float32 runs on our vector kernel only: "
+                                 f"{int4_vector_kernel.why_not() or 'shapes not in 16s of outputs, 32s of inputs'}")
         # At 4 bits the LM head is not 4-bit: it is usually tied to the embedding, which GGUF files keep above 4
         # bits (SmolLM2's Q4_1 file: Q8_0, 32 distinct values in a group of 32), so 4 bits would re-quantize it.
         # Where that embedding is Q8_0 and our kernel runs, its own 8-bit codes; else 16-bit.
@@ -417,7 +422,8 @@ class LlamaRunner:
         # tensor ops per decode step otherwise); then the MLP's SiLU is its own wherever a layer runs in Python.
         self.fused = None
         self.layers_in_c = True  # False: the same arithmetic, layer by layer from Python (tests compare the two)
-        lk = layer_kernel.load() if self.int4 is not None and self.kernel is not None else None
+        lk = layer_kernel.load() if self.int4 is not None and self.int4.kind == "amx" and self.kernel is not None \
+            else None
         if lk is not None and layer_kernel.Layers.applies(self):
             self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
                                              self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale)
@@ -623,7 +629,9 @@ class LlamaRunner:
             return None
         # Never one row alone through lm_head either: "last" keeps the last two rows (one-row products
         # round differently, see the module doc), a padded single token keeps both.
-        if M == 1:  # a single row run as one (single_rows): the LM head still gets two
+        if M == 1:  # a single row run as one (single_rows): a 16-bit LM head still gets two; ours takes one
+            if isinstance(self.lm_head, _Head8):
+                return self.lm_head(self.norm(h[0])).float()
             return self.lm_head(self.norm(h[0].expand(2, -1))).float()[:1]
         h = self.norm(h[0] if logits == "all" or _single else h[0, -2:])
         out = self.lm_head(h).float()
@@ -663,7 +671,7 @@ class LlamaRunner:
         # Every token needs only its keys and values here (pick reads them); queries only the picked rows do.
         # Our kernel computes those outputs alone, bitwise as the whole product does; RoPE is per element.
         q = None
-        if qkv_proj.amx is not None:
+        if qkv_proj.blob is not None:
             Hkv, D = self.n_kv, self.head_dim
             kv_rows = qkv_proj.columns(x, self.q_size, self.q_size + 2 * self.kv_size)  # [M', 2 kv]
             k = self._rotate(kv_rows[:, :self.kv_size].view(-1, Hkv, D), cos, sin)

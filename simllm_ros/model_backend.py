@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import attention_kernel, int4_kernel, layer_kernel, norm_kernel
+from . import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
 from .block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
@@ -184,13 +184,19 @@ class ModelBackend:
         fast = self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers and LlamaRunner.supports(self.model)
         if weight_bits == 0:
             weight_bits = self._auto_weight_bits(fast, device)
-        if weight_bits != 16 and (not fast or self.dtype not in (torch.bfloat16, torch.float16)):
+        four_in_f32 = weight_bits == 4 and device == "cpu" and self.dtype == torch.float32
+        if weight_bits != 16 and (not fast or (self.dtype not in (torch.bfloat16, torch.float16) and not four_in_f32)):
             raise ModelLoadError(f"weight_bits={weight_bits} needs a Llama-family model in bfloat16 or float16 "
-                                 f"(got {self.model_type}, {dtype})")
+                                 f"(4 also in float32 on the CPU; got {self.model_type}, {dtype})")
         if weight_bits == 4:
-            why = None if (device == "cpu" and self.dtype == torch.bfloat16) else \
-                f"weight_bits=4 runs on ATen's CPU int4 kernel: it needs device cpu and dtype bfloat16 (got {device}, {dtype})"
-            why = why or int4_kernel_error()
+            if four_in_f32:  # our vector kernel (int4_vector_kernel), the only float32 4-bit path
+                why = None if int4_vector_kernel.load() is not None else \
+                    f"weight_bits=4 in float32 needs our vector kernel: {int4_vector_kernel.why_not()}"
+            else:
+                why = None if (device == "cpu" and self.dtype == torch.bfloat16) else \
+                    f"weight_bits=4 runs on the CPU in bfloat16 (ATen's int4 kernel or ours) or float32 (ours) " \
+                    f"(got {device}, {dtype})"
+                why = why or int4_kernel_error()
             if why:
                 raise ModelLoadError(why)
         if fast:
@@ -246,18 +252,19 @@ class ModelBackend:
 
     @property
     def int4_kind(self) -> str:
-        """"amx" (int4_kernel), "aten" (ATen's int4 kernel) or "" (weights not 4-bit)."""
+        """"amx" (int4_kernel), "vector" (int4_vector_kernel), "aten" (ATen's int4 kernel) or "" (not 4-bit)."""
         if self.runner is None or self.weight_bits != 4:
             return ""
-        return "amx" if self.runner.int4 is not None else "aten"
+        return self.runner.int4.kind if self.runner.int4 is not None else "aten"
 
     @property
     def int4_path(self) -> str:
         """Which kernel computes the 4-bit products, for the load log (the two round differently)."""
         kind = self.int4_kind
-        if kind == "amx":
+        if kind in ("amx", "vector"):
             head = "8-bit (the file's Q8_0 codes)" if getattr(self.runner.lm_head, "bits", 16) == 8 else "16-bit"
-            return f"simllm_ros AMX kernel ({self.runner.int4.path}); LM head {head}"
+            what = "AMX kernel, bf16" if kind == "amx" else "vector kernel, float32"
+            return f"simllm_ros {what} ({self.runner.int4.path}); LM head {head}"
         if kind == "aten":
             return f"ATen's int4 kernel ({int4_kernel.why_not() or 'the shapes do not fit ours'})"
         return "none (weights are not 4-bit)"
@@ -292,14 +299,21 @@ class ModelBackend:
             return "transformers' own forward"
         k = self.runner.norm.kernel
         return f"simllm_ros C kernel ({k.path})" if k is not None else \
-            f"transformers' module ({norm_kernel.why_not() or 'not a bf16 CPU model'})"
+            f"transformers' module ({norm_kernel.why_not() or 'not a bf16 or float32 CPU model'})"
 
     def _auto_weight_bits(self, fast: bool, device: str) -> int:
         """weight_bits 0 (auto): 4 where every layer weight already is 4-bit in groups of 32 (a Q4 GGUF, such as
         the embedded model: the file's own weights, so nothing is quantized a second time) and ATen's int4
-        kernel runs here (CPU, bf16); else 16. On the embedded model and this CPU, 4 bits decode ~1.5x faster
-        than 16 and agree with a float32 run of the same file as often (README, "Precision and speed")."""
-        if not (fast and device == "cpu" and self.dtype == torch.bfloat16) or int4_kernel_error():
+        kernel runs here (CPU, bf16), or our vector kernel does (CPU, float32: the only float32 path whose
+        products are row-invariant, so reuse is lossless); else 16. On the embedded model and an AMX CPU, 4 bits
+        decode ~1.5x faster than 16 and agree with a float32 run of the same file as often (README, "Precision
+        and speed"); on an AVX2 CPU in float32 see the README's table for that CPU."""
+        if not (fast and device == "cpu"):
+            return 16
+        if self.dtype == torch.bfloat16:
+            if int4_kernel_error():
+                return 16
+        elif self.dtype != torch.float32 or int4_vector_kernel.load() is None:
             return 16
         for layer in self.model.model.layers:
             att, mlp = layer.self_attn, layer.mlp

@@ -5,8 +5,9 @@ float32, pow, mean, add, rsqrt, mul, to bf16, mul by the weight): ~40 us a norm 
 step, measured with torch's profiler. Each row is computed alone in a fixed order (float32 squares summed in
 16 lanes, the lanes in a fixed tree; 1/sqrt(mean + eps); x times that rounded to bf16, then times the weight
 rounded to bf16, as transformers rounds), so a row's bits depend on nothing but the row: row-invariant like
-the rest of the runner. Built and loaded like attention_kernel (system C compiler, ctypes); bf16 rows on the
-CPU only, the transformers module elsewhere. `SIMLLM_NORM=torch` keeps the module.
+the rest of the runner. Float32 rows (the 4-bit float32 runner) the same way, without the bf16 roundings. Built
+and loaded like attention_kernel (system C compiler, ctypes); bf16 and float32 rows on the CPU, the transformers
+module elsewhere. `SIMLLM_NORM=torch` keeps the module.
 """
 from __future__ import annotations
 
@@ -45,6 +46,22 @@ void simllm_rmsnorm_bf16(const bf16 *x, long x_stride, const bf16 *w, bf16 *y, i
         for (int k = 0; k < E; k++) yr[k] = to_bf16(f32(w[k]) * f32(to_bf16(f32(xr[k]) * r)));
     }
 }
+
+/* The same in float32 (the 4-bit float32 runner: int4_vector_kernel): y[m] = w * (x[m] * r), the sum of squares
+   in the same 16 lanes and tree. */
+void simllm_rmsnorm_f32(const float *x, long x_stride, const float *w, float *y, int M, int E, float eps) {
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (long)m * x_stride;
+        float *yr = y + (long)m * E;
+        float acc[16] = {0};
+        for (int k = 0; k < E; k += 16)
+            for (int l = 0; l < 16; l++) acc[l] += xr[k + l] * xr[k + l];
+        for (int s = 8; s >= 1; s >>= 1)
+            for (int l = 0; l < s; l++) acc[l] += acc[l + s];
+        const float r = 1.0f / sqrtf(acc[0] / (float)E + eps);
+        for (int k = 0; k < E; k++) yr[k] = w[k] * (xr[k] * r);
+    }
+}
 """
 
 _loaded: "NormKernel | None" = None
@@ -54,29 +71,32 @@ _why_not: str | None = None
 class NormKernel:
     def __init__(self, path: str):
         self.path = path
-        self._fn = ctypes.CDLL(path).simllm_rmsnorm_bf16
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                             ctypes.c_int, ctypes.c_float]
-        self._fn.restype = None
+        lib = ctypes.CDLL(path)
+        self._fns = {torch.bfloat16: lib.simllm_rmsnorm_bf16, torch.float32: lib.simllm_rmsnorm_f32}
+        for fn in self._fns.values():
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_float]
+            fn.restype = None
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
-        """Whether a norm of this weight runs here: bf16 on the CPU, a size that is a multiple of 16."""
-        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 1 and \
+        """Whether a norm of this weight runs here: bf16 or float32 on the CPU, a size that is a multiple of 16."""
+        return weight.dtype in (torch.bfloat16, torch.float32) and weight.device.type == "cpu" and weight.dim() == 1 and \
             weight.shape[0] % 16 == 0 and weight.is_contiguous()
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x [..., E] bf16 on the CPU, rows evenly strided (a view is read in place) -> a new [..., E] tensor.
-        The weight is checked once by `takes` (this is called 61 times per decode step: kept lean)."""
+        """x [..., E] in the weight's dtype (bf16 or float32) on the CPU, rows evenly strided (a view is read in
+        place) -> a new [..., E] tensor. The weight is checked once by `takes` (this is called 61 times per decode
+        step: kept lean)."""
         e = x.shape[-1]
-        if x.dtype != torch.bfloat16 or e != weight.shape[0]:
-            raise ValueError(f"norm kernel: bf16 rows of {weight.shape[0]} (got {x.dtype}, {e})")
+        if x.dtype != weight.dtype or e != weight.shape[0]:
+            raise ValueError(f"norm kernel: {weight.dtype} rows of {weight.shape[0]} (got {x.dtype}, {e})")
         rows = x.reshape(-1, e)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         m = rows.shape[0]
-        y = torch.empty((m, e), dtype=torch.bfloat16)
-        self._fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), y.data_ptr(), m, e, eps)
+        y = torch.empty((m, e), dtype=x.dtype)
+        self._fns[x.dtype](rows.data_ptr(), rows.stride(0), weight.data_ptr(), y.data_ptr(), m, e, eps)
         return y.view(x.shape)
 
 

@@ -1,6 +1,7 @@
 """Continuous batching: several requests decoded in one forward pass per step give the answers they get alone.
 
-Real model (SmolLM2, bfloat16 as by default), real runner, real engine, real request server thread. Claims:
+Real model (SmolLM2 in this CPU's lossless default: bfloat16 on AMX, else float32 on the 4-bit vector
+kernel), real runner, real engine, real request server thread. Claims:
 - the batched forward gives every sequence bitwise the logits and KV of running it alone (ragged lengths,
   drafts, single tokens, prefill chunks), on this batch-invariant platform;
 - decoders stepped together (drafts, greedy and sampled) produce the tokens of decode() one at a time;
@@ -24,19 +25,18 @@ from simllm_ros.llama_runner import Seq
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.request_server import RequestServer
 
-from core_fixtures import BULLETIN, BULLETIN_REVISED, fresh, shared_engine
+from core_fixtures import BULLETIN, BULLETIN_REVISED, LOSSLESS, fresh, shared_engine
 from test_verified_decoding import FixedDrafts
 
-NATIVE_BF16 = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
-pytestmark = pytest.mark.skipif(not NATIVE_BF16, reason="no native bfloat16 here: the platform is not batch-"
-                                "invariant, and the backend runs a batch one sequence after another")
 WAIT_S = 600.0
 
 
 @pytest.fixture(scope="module")
 def engine():
-    e = shared_engine(dtype="bfloat16", kv_bits=0)
-    assert e.backend.batches_exactly, "the load-time invariance probe failed on this machine"
+    e = shared_engine(**LOSSLESS)
+    if not e.backend.batches_exactly:
+        pytest.skip("the load-time invariance probe failed on this machine: the backend runs a batch one sequence "
+                    "after another")
     return e
 
 

@@ -17,12 +17,12 @@ import pytest
 
 from simllm_ros.request import CANCELLED_ERROR, CacheResult, ChatTurn, QueryRequest
 
-from core_fixtures import BULLETIN, fresh, shared_engine
+from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return shared_engine(dtype="bfloat16", kv_bits=0)
+    return shared_engine(**LOSSLESS)
 
 
 QUESTIONS = ["Which road is closed today?", "What should I use instead?", "And when does it open again?"]

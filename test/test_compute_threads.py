@@ -55,9 +55,9 @@ def test_a_thread_with_its_own_count_keeps_it_while_a_model_turn_runs(two_thread
 
 
 def test_an_engine_gives_its_kernels_the_cores_and_answers_the_same(two_threads, monkeypatch):
-    from core_fixtures import BULLETIN, shared_engine
+    from core_fixtures import BULLETIN, LOSSLESS, shared_engine
 
-    e = shared_engine(dtype="bfloat16", kv_bits=0)
+    e = shared_engine(**LOSSLESS)
     if not e.backend.kernels_do_the_work:
         pytest.skip("the runner's products are torch's here")
     seen = []
@@ -103,11 +103,11 @@ def test_work_done_while_another_thread_computes_keeps_to_one_thread(two_threads
 def test_the_engine_runs_its_early_pass_on_one_thread_while_the_fingerprint_computes(two_threads, monkeypatch):
     """A SEMANTIC hit on a new question at 2 threads: the early pass run ahead uses one kernel worker, the rest of
     the request two (the fingerprinter keeps its threads meanwhile)."""
-    from core_fixtures import BULLETIN, BULLETIN_REVISED, fresh, shared_engine
+    from core_fixtures import BULLETIN, BULLETIN_REVISED, LOSSLESS, fresh, shared_engine
     from simllm_ros import semantic_reuse
     from simllm_ros.request import CacheResult
 
-    e = shared_engine(dtype="bfloat16", kv_bits=0)
+    e = shared_engine(**LOSSLESS)
     if not e.backend.kernels_do_the_work:
         pytest.skip("the runner's products are torch's here")
     fresh(e)

@@ -10,7 +10,7 @@ import random
 from simllm_ros.draft_proposer import DraftProposer, DraftStats, best_length
 from simllm_ros.model_backend import MAX_PASS_ROWS
 
-from core_fixtures import shared_engine
+from core_fixtures import LOSSLESS, shared_engine
 
 FREE_ROWS = [0.0] + [1.0] * 12  # a padded 16-bit pass: a few more rows cost (almost) nothing
 FOUR_BIT = [0.0, 1.0, 1.10, 1.20, 1.28, 1.50, 1.72, 1.86, 2.01, 2.2, 2.4, 2.6, 2.8]  # measured shape, 4 bits
@@ -92,7 +92,7 @@ def test_the_stored_answer_of_the_same_prompt_is_checked_whole():
 
 
 def test_the_backend_measures_its_pass_costs_at_load():
-    costs = shared_engine(dtype="bfloat16", kv_bits=0).backend.pass_costs
+    costs = shared_engine(**LOSSLESS).backend.pass_costs
     assert costs is not None and len(costs) == MAX_PASS_ROWS + 1
     assert costs[0] == 0.0 and costs[1] == 1.0
     assert all(b >= a for a, b in zip(costs[1:], costs[2:])), "more rows never cost less"

@@ -112,10 +112,10 @@ def test_the_model_projections_run_on_it_and_agree_with_aten():
         pytest.skip("the default model is not 4-bit here")
     r = b.runner
     assert r.int4 is KERNEL and b.int4_kind == "amx" and KERNEL.path in b.int4_path
-    assert all(layer[i].amx is not None and layer[i].w4 is None for layer in r.layers for i in (1, 2, 4, 5))
+    assert all(layer[i].blob is not None and layer[i].w4 is None for layer in r.layers for i in (1, 2, 4, 5))
     w = int4_dequantized(*_int4_codes(torch.randn(1536, 576).to(torch.bfloat16))).to(torch.bfloat16)
     ours, aten = _Proj(w, None, 4, KERNEL), _Proj(w, None, 4, None)
-    assert ours.amx is not None and aten.w4 is not None
+    assert ours.blob is not None and aten.w4 is not None
     x = torch.randn(23, 576).to(torch.bfloat16)
     a, o = aten(x).float(), ours(x).float()
     assert (a - o).abs().max() <= 0.01 * a.abs().max()

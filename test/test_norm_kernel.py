@@ -52,11 +52,13 @@ def test_bad_input_is_refused_and_the_runner_uses_it_only_where_it_applies():
         KERNEL.rmsnorm(torch.randn(3, 576), n.weight.data, 1e-5)  # float32 rows
     with pytest.raises(ValueError, match="norm kernel"):
         KERNEL.rmsnorm(torch.randn(3, 512).to(torch.bfloat16), n.weight.data, 1e-5)  # another size
-    assert not KERNEL.takes(torch.ones(576)) and not KERNEL.takes(torch.ones(72, dtype=torch.bfloat16))
+    assert not KERNEL.takes(torch.ones(72)) and not KERNEL.takes(torch.ones(72, dtype=torch.bfloat16))
+    assert not KERNEL.takes(torch.ones(576, dtype=torch.float16))
     from simllm_ros.llama_runner import _Norm
 
     assert _Norm(n, KERNEL).kernel is KERNEL
-    assert _Norm(n.float(), KERNEL).kernel is None  # a float32 model keeps the module
+    assert _Norm(n.float(), KERNEL).kernel is KERNEL  # float32 too (the 4-bit float32 runner)
+    assert _Norm(n.half(), KERNEL).kernel is None  # float16 keeps the module
 
 
 def test_the_module_when_asked():
@@ -66,3 +68,17 @@ def test_the_module_when_asked():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("True SIMLLM_NORM=torch"), done.stdout
+
+
+def test_float32_rows_compute_what_transformers_computes_and_a_row_alone():
+    """The 4-bit float32 runner's norms: transformers' float32 formula up to the order of the sum of squares, and
+    a row's bits whatever rows come with it (what lossless reuse in float32 rests on)."""
+    n = _norm(seed=4).float()
+    x = torch.randn(1, 41, 576, generator=torch.Generator().manual_seed(5)) * 3
+    want, got = n(x), KERNEL.rmsnorm(x, n.weight.data, n.variance_epsilon)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    for a, b in ((0, 1), (3, 20), (40, 41)):
+        assert torch.equal(KERNEL.rmsnorm(x[:, a:b], n.weight.data, n.variance_epsilon), got[:, a:b])
+    with pytest.raises(ValueError, match="norm kernel"):
+        KERNEL.rmsnorm(x.to(torch.bfloat16), n.weight.data, n.variance_epsilon)  # rows of another dtype

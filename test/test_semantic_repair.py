@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from core_fixtures import BULLETIN, shared_engine
+from core_fixtures import BULLETIN, LOSSLESS, shared_engine
 from simllm_ros import semantic_reuse
 from simllm_ros.kv_pool import KVPool
 from simllm_ros.request import CacheResult
@@ -19,7 +19,7 @@ QUESTION = "Which road is closed this afternoon, and where can I park?"
 
 @pytest.fixture(scope="module")
 def backend():
-    return shared_engine(dtype="bfloat16", kv_bits=0).backend
+    return shared_engine(**LOSSLESS).backend
 
 
 def _pool_with(backend, ids: list[int]) -> tuple[KVPool, int]:
@@ -165,7 +165,7 @@ def test_an_early_pass_run_ahead_gives_the_same_repair(backend, edit):
     assert torch.equal(got.logits, want.logits) and not elsewhere.early.reran
 
 
-@pytest.mark.parametrize("config", [dict(dtype="bfloat16", kv_bits=0), {}], ids=["bf16-lossless", "float32"])
+@pytest.mark.parametrize("config", [LOSSLESS, {}], ids=["lossless", "float32"])
 def test_the_engine_runs_the_early_pass_while_a_new_question_is_fingerprinted(config):
     """Through the engine: a new question (its fingerprint not remembered) in a scope that holds a prefix of its
     prompt, with at least min_semantic_tokens after it, runs the early pass while its fingerprint is computed; a
@@ -214,7 +214,7 @@ def test_a_fault_in_the_early_pass_ahead_costs_only_the_head_start(monkeypatch, 
     from simllm_ros.request import QueryRequest
     from test_semantic_quality import select_pairs
 
-    e = shared_engine(dtype="bfloat16", kv_bits=0)
+    e = shared_engine(**LOSSLESS)
     _, q1, q2, _ = select_pairs(e.fingerprinter)[1]
     answers = []
     for broken in (False, True):

@@ -21,7 +21,7 @@ from simllm_ros.draft_proposer import DraftProposer
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.structured_output import SchemaError
 
-from core_fixtures import BULLETIN, fresh, shared_engine
+from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
 from test_verified_decoding import FixedDrafts
 
 SCHEMA = {
@@ -38,7 +38,7 @@ QUESTION = "Which road is closed today, and until when? Reply in JSON with road,
 
 @pytest.fixture(scope="module")
 def engine():
-    return shared_engine(dtype="bfloat16", kv_bits=0)
+    return shared_engine(**LOSSLESS)
 
 
 def _ids(engine, question=QUESTION):

@@ -1,0 +1,375 @@
+"""4-bit weight products (and the 8-bit LM head) in float32 on CPU vector units: the lossless fast path for CPUs
+without AMX (AVX2 x86, and aarch64 such as a Jetson's Cortex-A78AE, through GCC's vector extensions).
+
+Why our own: on such a CPU the model runs in float32 (no native bf16), and torch's float32 products (MKL, oneDNN)
+pick kernels by row count, so a token's bits depend on how many tokens ran with it: the load-time invariance probe
+fails, and no reuse or draft is lossless (measured on an AVX2 EPYC: every hit approximate, decode ~130 ms a token
+for the 16-bit weights). ATen's int4 kernel needs bf16 activations, which such CPUs emulate slowly.
+
+Arithmetic, per output and group of 32 inputs (the grid of the file's Q4 codes): acc = sum of x[k] * code[k] in
+input order, one fused multiply-add at a time from zero; then out = fma(step, acc, out) and
+out = fma(base, sum of the group's x, out), groups in order from out = 0 (8-bit: out = fma(scale, acc, out)). The
+weights are step * code + base (base = zero - 8 * step), float32 out. Every path (one row with four 16-output
+blocks in registers, or blocks of rows over a group decoded once into a float buffer) performs exactly these
+operations for each output, and threads split output blocks, never a sum: a row's bits depend on its inputs only,
+whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
+Built like attention_kernel (system C compiler, -march=native, ~/.cache/simllm_ros/kernels); `SIMLLM_INT4=aten`
+turns it off with the AMX one.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from . import attention_kernel, compute_threads, kernel_pool
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+/*POOL*/
+
+#define GROUP 32
+#define BLOB4 384  /* 16 outputs x one group: input k's 16 codes in 8 bytes at 8k (byte j: output j low, j + 8 high
+                      nibble), then 16 steps and 16 bases, float32 */
+#define BLOB8 576  /* input k's 16 signed codes at 16k, then 16 scales */
+#define RCHUNK 36  /* rows per chunk in the buffered path: their inputs stay in L2 while the blocks pass */
+#define QROWS 6    /* rows at a time over a decoded group: 12 sums, 2 weight vectors and a broadcast in 16 registers */
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
+typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__FMA__) && defined(__AVX2__)
+#define FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#else  /* aarch64 contracts this to fmla (GNU C's default fp-contract); elsewhere a multiply and an add, as everywhere */
+#define FMA(a, b, c) ((c) + (a) * (b))
+#endif
+
+static inline v8 ld(const float *p) { return *(const v8u *)p; }
+static inline void st(float *p, v8 v) { *(v8u *)p = v; }
+static inline v8 bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
+
+/* Eight codes widened to int32: x86's one-instruction widening (GCC expands the generic conversion of an 8-byte
+   vector byte by byte there), the generic conversion elsewhere (aarch64: ushll/sshll). */
+#if defined(__AVX2__)
+#define U8X8(p) ((v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
+#define I8X8(p) ((v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
+#else
+#define U8X8(p) __builtin_convertvector(*(const u8x8 *)(p), v8i)
+#define I8X8(p) __builtin_convertvector(*(const i8x8 *)(p), v8i)
+#endif
+/* Input k's 16 weights (outputs 0-7, 8-15) as floats: 4-bit codes 0..15, or 8-bit codes -127..127. */
+#define DEC4(p, lo, hi) do { const v8i c_ = U8X8(p);                                                     \
+        lo = __builtin_convertvector(c_ & 15, v8); hi = __builtin_convertvector(c_ >> 4, v8); } while (0)
+#define DEC8(p, lo, hi) do { lo = __builtin_convertvector(I8X8(p), v8);                                   \
+        hi = __builtin_convertvector(I8X8((p) + 8), v8); } while (0)
+#define CS4 8
+#define CS8 16
+/* A group's sums into out (o0: outputs 0-7, o1: 8-15); s: its 16 steps, then 16 bases (4-bit) or 16 scales. */
+#define POST4(s, a0, a1, xs, o0, o1) do { o0 = FMA(ld(s), a0, o0); o0 = FMA(ld((s) + 16), bc(xs), o0);          \
+        o1 = FMA(ld((s) + 8), a1, o1); o1 = FMA(ld((s) + 24), bc(xs), o1); } while (0)
+#define POST8(s, a0, a1, xs, o0, o1) do { (void)(xs); o0 = FMA(ld(s), a0, o0); o1 = FMA(ld((s) + 8), a1, o1); } while (0)
+
+typedef struct {
+    const float *x; long x_stride; const uint8_t *w; float *y; long y_stride;
+    int M, K; const float *xsum; int b0, b1; float *buf;
+} job_t;
+
+/* One row, NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used. */
+#define DEFINE_ROW(NAME, NB, BLOB, CS, DEC, POST)                                                         \
+static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, const float *xs, float *y) {  \
+    v8 o[NB][2];                                                                                          \
+    for (int j = 0; j < NB; j++) o[j][0] = o[j][1] = bc(0.f);                                             \
+    for (int g = 0; g < G; g++) {                                                                         \
+        v8 a[NB][2];                                                                                      \
+        for (int j = 0; j < NB; j++) a[j][0] = a[j][1] = bc(0.f);                                         \
+        const float *xg = x + g * GROUP;                                                                  \
+        const uint8_t *wg = w + (long)g * BLOB;                                                           \
+        for (int k = 0; k < GROUP; k++) {                                                                 \
+            const v8 xb = bc(xg[k]);                                                                      \
+            for (int j = 0; j < NB; j++) {                                                                \
+                v8 lo, hi;                                                                                \
+                DEC(wg + j * bbytes + k * CS, lo, hi);                                                    \
+                a[j][0] = FMA(xb, lo, a[j][0]); a[j][1] = FMA(xb, hi, a[j][1]);                           \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int j = 0; j < NB; j++) {                                                                    \
+            const float *s = (const float *)(wg + j * bbytes + GROUP * CS);                               \
+            POST(s, a[j][0], a[j][1], xs ? xs[g] : 0.f, o[j][0], o[j][1]);                                \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int j = 0; j < NB; j++) { st(y + 16 * j, o[j][0]); st(y + 16 * j + 8, o[j][1]); }                \
+}
+
+/* Rows in chunks; per chunk, block and group the weights are decoded once into buf [32][16], then QROWS rows at a
+   time (and one at a time for the rest) take the same operations as above. */
+#define DEFINE_PART(NAME, BLOB, CS, DEC, POST, ROW4, ROW1, HAS_XSUM)                                      \
+static void *NAME(void *arg) {                                                                            \
+    const job_t *J = arg;                                                                                 \
+    const int G = J->K / GROUP;                                                                           \
+    const long bbytes = (long)G * BLOB;                                                                   \
+    if (J->M < 4) {                                                                                       \
+        for (int m = 0; m < J->M; m++) {                                                                  \
+            const float *x = J->x + (long)m * J->x_stride;                                                \
+            const float *xs = HAS_XSUM ? J->xsum + (long)m * G : 0;                                       \
+            float *y = J->y + (long)m * J->y_stride;                                                      \
+            int b = J->b0;                                                                                \
+            for (; b + 4 <= J->b1; b += 4) ROW4(x, J->w + b * bbytes, bbytes, G, xs, y + 16 * b);         \
+            for (; b < J->b1; b++) ROW1(x, J->w + b * bbytes, bbytes, G, xs, y + 16 * b);                 \
+        }                                                                                                 \
+        return 0;                                                                                         \
+    }                                                                                                     \
+    float *dq = J->buf, *ob = J->buf + GROUP * 16;  /* decoded group; the chunk's sums [RCHUNK][16] */    \
+    for (int r0 = 0; r0 < J->M; r0 += RCHUNK) {                                                           \
+        const int R = J->M - r0 < RCHUNK ? J->M - r0 : RCHUNK;                                            \
+        for (int b = J->b0; b < J->b1; b++) {                                                             \
+            for (int i = 0; i < R * 16; i++) ob[i] = 0.f;                                                 \
+            for (int g = 0; g < G; g++) {                                                                 \
+                const uint8_t *wg = J->w + b * bbytes + (long)g * BLOB;                                   \
+                for (int k = 0; k < GROUP; k++) {                                                         \
+                    v8 lo, hi;                                                                            \
+                    DEC(wg + k * CS, lo, hi);                                                             \
+                    st(dq + 16 * k, lo); st(dq + 16 * k + 8, hi);                                         \
+                }                                                                                         \
+                const float *s = (const float *)(wg + GROUP * CS);                                        \
+                int r = 0;                                                                                \
+                for (; r + QROWS <= R; r += QROWS) {                                                      \
+                    const float *x0 = J->x + (long)(r0 + r) * J->x_stride + g * GROUP;                    \
+                    v8 a[QROWS][2];                                                                       \
+                    for (int q = 0; q < QROWS; q++) a[q][0] = a[q][1] = bc(0.f);                          \
+                    for (int k = 0; k < GROUP; k++) {                                                     \
+                        const v8 lo = ld(dq + 16 * k), hi = ld(dq + 16 * k + 8);                          \
+                        for (int q = 0; q < QROWS; q++) {                                                 \
+                            const v8 xb = bc(x0[q * J->x_stride + k]);                                    \
+                            a[q][0] = FMA(xb, lo, a[q][0]); a[q][1] = FMA(xb, hi, a[q][1]);               \
+                        }                                                                                 \
+                    }                                                                                     \
+                    for (int q = 0; q < QROWS; q++) {                                                     \
+                        float *o = ob + 16 * (r + q);                                                     \
+                        v8 o0 = ld(o), o1 = ld(o + 8);                                                    \
+                        POST(s, a[q][0], a[q][1], HAS_XSUM ? J->xsum[(long)(r0 + r + q) * G + g] : 0.f, o0, o1);\
+                        st(o, o0); st(o + 8, o1);                                                         \
+                    }                                                                                     \
+                }                                                                                         \
+                for (; r < R; r++) {                                                                      \
+                    const float *x0 = J->x + (long)(r0 + r) * J->x_stride + g * GROUP;                    \
+                    v8 a0 = bc(0.f), a1 = a0;                                                             \
+                    for (int k = 0; k < GROUP; k++) {                                                     \
+                        const v8 xb = bc(x0[k]);                                                          \
+                        a0 = FMA(xb, ld(dq + 16 * k), a0); a1 = FMA(xb, ld(dq + 16 * k + 8), a1);          \
+                    }                                                                                     \
+                    float *o = ob + 16 * r;                                                               \
+                    v8 o0 = ld(o), o1 = ld(o + 8);                                                        \
+                    POST(s, a0, a1, HAS_XSUM ? J->xsum[(long)(r0 + r) * G + g] : 0.f, o0, o1);            \
+                    st(o, o0); st(o + 8, o1);                                                             \
+                }                                                                                         \
+            }                                                                                             \
+            for (int r = 0; r < R; r++) memcpy(J->y + (long)(r0 + r) * J->y_stride + 16 * b, ob + 16 * r, 64); \
+        }                                                                                                 \
+    }                                                                                                     \
+    return 0;                                                                                             \
+}
+
+DEFINE_ROW(row4_4, 4, BLOB4, CS4, DEC4, POST4)
+DEFINE_ROW(row4_1, 1, BLOB4, CS4, DEC4, POST4)
+DEFINE_ROW(row8_4, 4, BLOB8, CS8, DEC8, POST8)
+DEFINE_ROW(row8_1, 1, BLOB8, CS8, DEC8, POST8)
+DEFINE_PART(part4, BLOB4, CS4, DEC4, POST4, row4_4, row4_1, 1)
+DEFINE_PART(part8, BLOB8, CS8, DEC8, POST8, row8_4, row8_1, 0)
+
+/*POOL*/
+static job_t pool_jobs[MAXT];
+
+static void run(void *(*part)(void *), const float *x, long x_stride, const uint8_t *w, float *y, long y_stride,
+                int M, int N, int K, const float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    const int nb = N / 16;
+    if (nthreads > nb) nthreads = nb;
+    if (nthreads > MAXT) nthreads = MAXT;
+    if (nthreads > 1 && pthread_mutex_trylock(&pool_use) != 0) nthreads = 1;  /* busy: compute alone */
+    if (nthreads < 1) nthreads = 1;
+    job_t alone[1];
+    job_t *jobs = nthreads > 1 ? pool_jobs : alone;
+    for (int i = 0; i < nthreads; i++)
+        jobs[i] = (job_t){x, x_stride, w, y, y_stride, M, K, xsum, (int)((long)nb * i / nthreads),
+                          (int)((long)nb * (i + 1) / nthreads), buf + i * buf_per_thread};
+    if (nthreads == 1) { part(&jobs[0]); return; }
+    if (!pool_start(nthreads)) {  /* could not start workers: alone, the same bits */
+        job_t one = jobs[0]; one.b1 = nb;
+        part(&one);
+        pthread_mutex_unlock(&pool_use);
+        return;
+    }
+    pool_dispatch(part, jobs, sizeof(job_t), nthreads);
+}
+
+/* Floats per thread for run's buffers: a decoded group and a chunk's sums. */
+long simllm_vec_buffer_floats(void) { return GROUP * 16 + RCHUNK * 16; }
+
+/* 4-bit weights, float32 in and out. Each row's group sums go first into xsum [M, K/32]: the group's 32 inputs
+   in four vectors of 8, added in order, then the 8 lanes in a fixed tree. */
+void simllm_vec_int4_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    const int G = K / GROUP;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            const float *p = x + (long)m * x_stride + g * GROUP;
+            const v8 s = ((ld(p) + ld(p + 8)) + ld(p + 16)) + ld(p + 24);
+            xsum[(long)m * G + g] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+        }
+    run(part4, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
+/* 8-bit weights (one scale per group of 32): the LM head's logits. */
+void simllm_vec_int8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *buf, long buf_per_thread, int nthreads) {
+    run(part8, x, x_stride, w, y, y_stride, M, N, K, 0, buf, buf_per_thread, nthreads);
+}
+""".replace("/*POOL*/", kernel_pool.POOL, 1).replace("/*POOL*/", "")
+
+GROUP = 32  # inputs per group (INT4_GROUP in llama_runner)
+BLOB = 384  # bytes per 16 outputs x one group, 4-bit: 256 of codes, 16 steps and 16 bases in float32
+BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
+# Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
+THREAD_MIN_MACS = 250_000
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+
+_loaded: "VectorKernel | None" = None
+_why_not: str | None = None
+
+
+class VectorKernel:
+    """The compiled kernel, called on torch tensors: `pack`/`pack8` once per weight, `mm`/`mm8` per product. The
+    same calls as int4_kernel.Int4Kernel, for float32 rows, so the runner holds either."""
+
+    kind = "vector"
+    dtype = torch.float32
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        self.path = path
+        self._mm = lib.simllm_vec_int4_mm
+        self._mm.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _P, _L, _I]
+        self._mm.restype = None
+        self._mm8 = lib.simllm_vec_int8_mm
+        self._mm8.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _L, _I]
+        self._mm8.restype = None
+        lib.simllm_vec_buffer_floats.restype = _L
+        self._buf_floats = int(lib.simllm_vec_buffer_floats())
+        self.pool_call = ctypes.cast(lib.simllm_pool_call, ctypes.c_void_p).value  # for AttentionKernel.use_pool
+        self._scratch = threading.local()
+
+    @staticmethod
+    def pack(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] (0..15) and scales_and_zeros [K/32, N, 2] (step, zero: weight = (code - 8) * step + zero)
+        -> [N/16, K/32, 384] uint8: per 16 outputs and group, byte 8k + j holds input k's codes of outputs j (low
+        nibble) and j + 8 (high), then the 16 steps and 16 bases (zero - 8 * step), float32."""
+        n, k = codes.shape
+        if n % 16 or k % GROUP:
+            raise ValueError(f"int4 vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+        g = k // GROUP
+        q = codes.to(torch.uint8).reshape(n // 16, 2, 8, g, GROUP)  # block, high?, lane, group, input
+        byte = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, g, 256)  # [b, g, k, lane]
+        step = scales_and_zeros[..., 0].float()  # [g, N]
+        base = scales_and_zeros[..., 1].float() - 8 * step
+        sb = torch.cat([step.t().reshape(n // 16, 16, g), base.t().reshape(n // 16, 16, g)], dim=1)
+        sb = sb.permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, g, 128]
+        return torch.cat([byte, sb], dim=-1).contiguous()
+
+    @staticmethod
+    def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] (-127..127) and scales [N, K/32] -> [N/16, K/32, 576] uint8: per 16 outputs and group,
+        byte 16k + j holds input k's code of output j, then the 16 scales (float32)."""
+        n, k = codes.shape
+        if n % 16 or k % GROUP:
+            raise ValueError(f"int8 vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+        g = k // GROUP
+        q = codes.to(torch.int8).reshape(n // 16, 16, g, GROUP).permute(0, 2, 3, 1).reshape(n // 16, g, 512)
+        d = scales.float().reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, g, 64]
+        return torch.cat([q.view(torch.uint8), d], dim=-1).contiguous()
+
+    def _prepare(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str):
+        m, k = x.shape
+        if x.dtype != torch.float32 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, blob_bytes):
+            raise ValueError(f"{what} vector kernel: float32 rows [M, K] with contiguous inputs, and weights packed "
+                             "for them")
+        threads = max(1, compute_threads.kernel_threads()) if m * n * k >= THREAD_MIN_MACS else 1
+        s = self._scratch
+        if getattr(s, "xsum", None) is None or s.xsum.numel() < m * (k // GROUP) or s.buf.numel() < threads * self._buf_floats:
+            s.xsum = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
+            s.buf = torch.empty(max(threads, 2) * self._buf_floats, dtype=torch.float32)
+        return m, k, threads, s.xsum, s.buf
+
+    def buffers(self, m: int, k: int) -> tuple[int, int, int, int]:
+        """For C callers (layer_kernel takes only the AMX kernel): not offered here."""
+        raise NotImplementedError("the vector kernel is called from Python only")
+
+    def mm(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous) times 4-bit weights packed by `pack` -> [M, n] float32."""
+        m, k, threads, xsum, buf = self._prepare(x, blob, n, BLOB, "int4")
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._mm(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, xsum.data_ptr(),
+                 buf.data_ptr(), self._buf_floats, threads)
+        return y
+
+    def mm8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous) times 8-bit weights packed by `pack8` -> [M, n] float32."""
+        m, k, threads, _, buf = self._prepare(x, blob, n, BLOB8, "int8")
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._mm8(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, buf.data_ptr(),
+                  self._buf_floats, threads)
+        return y
+
+
+def load() -> "VectorKernel | None":
+    """The kernel for this process (built on first use), or None with `why_not()` saying why."""
+    global _loaded, _why_not
+    if _loaded is not None or _why_not is not None:
+        return _loaded
+    kernel, _why_not = attention_kernel.load_kernel("SIMLLM_INT4", "aten", "int4vec", SOURCE, VectorKernel)
+    if kernel is None:
+        return None
+    err = _self_check(kernel)
+    if err:
+        _why_not = err
+        return None
+    _loaded = kernel
+    attention = attention_kernel.load()
+    if attention is not None:  # its passes split on our workers (the same bits: threads split rows, never a sum)
+        attention.use_pool(kernel.pool_call)
+    return _loaded
+
+
+def _self_check(kernel: VectorKernel) -> str | None:
+    """None if the kernel computes what the weights say (against a float64 product of the same weights, 1-3 and
+    19 rows: both paths) and a row's bits do not depend on the rows with it; else why not."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (80, 96), generator=g, dtype=torch.int32)
+    sz = torch.rand(3, 80, 2, generator=g) * torch.tensor([0.1, 1.0]) - torch.tensor([0.0, 0.5])
+    w = (codes.double().reshape(80, 3, GROUP) - 8) * sz[..., 0].double().t()[..., None] + sz[..., 1].double().t()[..., None]
+    q8 = torch.randint(-127, 128, (80, 96), generator=g, dtype=torch.int32)
+    d = torch.rand(80, 3, generator=g) * 0.01
+    w8 = (q8.double().reshape(80, 3, GROUP) * d.double()[..., None]).reshape(80, 96)
+    x = torch.randn(19, 96, generator=g)
+    blob, blob8 = kernel.pack(codes, sz), kernel.pack8(q8, d)
+    for got, want, name in ((kernel.mm(x, blob, 80), x.double() @ w.reshape(80, 96).t(), "int4"),
+                            (kernel.mm8(x, blob8, 80), x.double() @ w8.t(), "int8")):
+        err = (got.double() - want).abs().max().item()
+        bound = 1e-4 * want.abs().max().item() + 1e-5
+        if err > bound:
+            return f"the {name} vector kernel is off by {err:.3g} (allowed {bound:.3g}) here"
+        f = kernel.mm if name == "int4" else kernel.mm8
+        b = blob if name == "int4" else blob8
+        if not all(torch.equal(f(x[i:i + r].contiguous(), b, 80), got[i:i + r]) for i, r in ((3, 1), (5, 2), (7, 3))):
+            return f"the {name} vector kernel is not row-invariant here"
+    return None
+
+
+def why_not() -> str | None:
+    return _why_not
