@@ -35,7 +35,7 @@ SOURCE = r"""
                       nibble), then 16 steps and 16 bases, float32 */
 #define BLOB8 576  /* input k's 16 signed codes at 16k, then 16 scales */
 #define RCHUNK 36  /* rows per chunk in the buffered path: their inputs stay in L2 while the blocks pass */
-#define QROWS 6    /* rows at a time over a decoded group: 12 sums, 2 weight vectors and a broadcast in 16 registers */
+#define PREFETCH 8  /* groups ahead in the one-row path: the weights stream from memory while it computes */
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -92,6 +92,8 @@ static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, co
         for (int j = 0; j < NB; j++) a[j][0] = a[j][1] = bc(0.f);                                         \
         const float *xg = x + g * GROUP;                                                                  \
         const uint8_t *wg = w + (long)g * BLOB;                                                           \
+        for (int j = 0; j < NB; j++)  /* no fault past the end: a prefetch is a hint */                   \
+            for (int l = 0; l < BLOB; l += 64) __builtin_prefetch(wg + j * bbytes + PREFETCH * BLOB + l);  \
         for (int k = 0; k < GROUP; k++) {                                                                 \
             const v8 xb = bc(xg[k]);                                                                      \
             for (int j = 0; j < NB; j++) {                                                                \
@@ -108,9 +110,32 @@ static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, co
     for (int j = 0; j < NB; j++) { st(y + 16 * j, o[j][0]); st(y + 16 * j + 8, o[j][1]); }                \
 }
 
-/* Rows in chunks; per chunk, block and group the weights are decoded once into buf [32][16], then QROWS rows at a
-   time (and one at a time for the rest) take the same operations as above. */
-#define DEFINE_PART(NAME, BLOB, CS, DEC, POST, ROW4, ROW1, HAS_XSUM)                                      \
+/* NQ rows (6, 3 or 1: 12, 6 or 2 sums in registers) over a group decoded into dq [32][16]: the same operations for
+   each row as the one-row path's, their sums added into the chunk's ob. */
+#define DEFINE_QROWS(NAME, POST, HAS_XSUM)                                                                \
+static inline __attribute__((always_inline)) void NAME(const job_t *J, const float *dq, const float *s, float *ob, \
+                                                       int r0, int r, int g, int G, const int NQ) {        \
+    const float *x0 = J->x + (long)(r0 + r) * J->x_stride + g * GROUP;                                    \
+    v8 a[6][2];                                                                                           \
+    for (int q = 0; q < NQ; q++) a[q][0] = a[q][1] = bc(0.f);                                             \
+    for (int k = 0; k < GROUP; k++) {                                                                     \
+        const v8 lo = ld(dq + 16 * k), hi = ld(dq + 16 * k + 8);                                          \
+        for (int q = 0; q < NQ; q++) {                                                                    \
+            const v8 xb = bc(x0[q * J->x_stride + k]);                                                    \
+            a[q][0] = FMA(xb, lo, a[q][0]); a[q][1] = FMA(xb, hi, a[q][1]);                               \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int q = 0; q < NQ; q++) {                                                                        \
+        float *o = ob + 16 * (r + q);                                                                     \
+        v8 o0 = ld(o), o1 = ld(o + 8);                                                                    \
+        POST(s, a[q][0], a[q][1], HAS_XSUM ? J->xsum[(long)(r0 + r + q) * G + g] : 0.f, o0, o1);          \
+        st(o, o0); st(o + 8, o1);                                                                         \
+    }                                                                                                     \
+}
+
+/* Rows in chunks; per chunk, block and group the weights are decoded once into buf [32][16], then 6, 3 and 1 rows
+   at a time (DEFINE_QROWS) take the same operations as above. */
+#define DEFINE_PART(NAME, BLOB, CS, DEC, QROWS, ROW4, ROW1, HAS_XSUM)                                      \
 static void *NAME(void *arg) {                                                                            \
     const job_t *J = arg;                                                                                 \
     const int G = J->K / GROUP;                                                                           \
@@ -140,36 +165,9 @@ static void *NAME(void *arg) {                                                  
                 }                                                                                         \
                 const float *s = (const float *)(wg + GROUP * CS);                                        \
                 int r = 0;                                                                                \
-                for (; r + QROWS <= R; r += QROWS) {                                                      \
-                    const float *x0 = J->x + (long)(r0 + r) * J->x_stride + g * GROUP;                    \
-                    v8 a[QROWS][2];                                                                       \
-                    for (int q = 0; q < QROWS; q++) a[q][0] = a[q][1] = bc(0.f);                          \
-                    for (int k = 0; k < GROUP; k++) {                                                     \
-                        const v8 lo = ld(dq + 16 * k), hi = ld(dq + 16 * k + 8);                          \
-                        for (int q = 0; q < QROWS; q++) {                                                 \
-                            const v8 xb = bc(x0[q * J->x_stride + k]);                                    \
-                            a[q][0] = FMA(xb, lo, a[q][0]); a[q][1] = FMA(xb, hi, a[q][1]);               \
-                        }                                                                                 \
-                    }                                                                                     \
-                    for (int q = 0; q < QROWS; q++) {                                                     \
-                        float *o = ob + 16 * (r + q);                                                     \
-                        v8 o0 = ld(o), o1 = ld(o + 8);                                                    \
-                        POST(s, a[q][0], a[q][1], HAS_XSUM ? J->xsum[(long)(r0 + r + q) * G + g] : 0.f, o0, o1);\
-                        st(o, o0); st(o + 8, o1);                                                         \
-                    }                                                                                     \
-                }                                                                                         \
-                for (; r < R; r++) {                                                                      \
-                    const float *x0 = J->x + (long)(r0 + r) * J->x_stride + g * GROUP;                    \
-                    v8 a0 = bc(0.f), a1 = a0;                                                             \
-                    for (int k = 0; k < GROUP; k++) {                                                     \
-                        const v8 xb = bc(x0[k]);                                                          \
-                        a0 = FMA(xb, ld(dq + 16 * k), a0); a1 = FMA(xb, ld(dq + 16 * k + 8), a1);          \
-                    }                                                                                     \
-                    float *o = ob + 16 * r;                                                               \
-                    v8 o0 = ld(o), o1 = ld(o + 8);                                                        \
-                    POST(s, a0, a1, HAS_XSUM ? J->xsum[(long)(r0 + r) * G + g] : 0.f, o0, o1);            \
-                    st(o, o0); st(o + 8, o1);                                                             \
-                }                                                                                         \
+                for (; r + 6 <= R; r += 6) QROWS(J, dq, s, ob, r0, r, g, G, 6);                           \
+                for (; r + 3 <= R; r += 3) QROWS(J, dq, s, ob, r0, r, g, G, 3);                           \
+                for (; r < R; r++) QROWS(J, dq, s, ob, r0, r, g, G, 1);                                   \
             }                                                                                             \
             for (int r = 0; r < R; r++) memcpy(J->y + (long)(r0 + r) * J->y_stride + 16 * b, ob + 16 * r, 64); \
         }                                                                                                 \
@@ -181,8 +179,10 @@ DEFINE_ROW(row4_4, 4, BLOB4, CS4, DEC4, POST4)
 DEFINE_ROW(row4_1, 1, BLOB4, CS4, DEC4, POST4)
 DEFINE_ROW(row8_4, 4, BLOB8, CS8, DEC8, POST8)
 DEFINE_ROW(row8_1, 1, BLOB8, CS8, DEC8, POST8)
-DEFINE_PART(part4, BLOB4, CS4, DEC4, POST4, row4_4, row4_1, 1)
-DEFINE_PART(part8, BLOB8, CS8, DEC8, POST8, row8_4, row8_1, 0)
+DEFINE_QROWS(qrows4, POST4, 1)
+DEFINE_QROWS(qrows8, POST8, 0)
+DEFINE_PART(part4, BLOB4, CS4, DEC4, qrows4, row4_4, row4_1, 1)
+DEFINE_PART(part8, BLOB8, CS8, DEC8, qrows8, row8_4, row8_1, 0)
 
 /*POOL*/
 static job_t pool_jobs[MAXT];
@@ -307,8 +307,14 @@ class VectorKernel:
         return m, k, threads, s.xsum, s.buf
 
     def buffers(self, m: int, k: int) -> tuple[int, int, int, int]:
-        """For C callers (layer_kernel takes only the AMX kernel): not offered here."""
-        raise NotImplementedError("the vector kernel is called from Python only")
+        """(group sums buffer, work buffer, its floats per thread, threads) for products of m rows and up to k
+        inputs called from C (layer_kernel), kept per calling thread like `mm`'s."""
+        threads = max(1, compute_threads.kernel_threads())
+        s = self._scratch
+        if getattr(s, "xsum", None) is None or s.xsum.numel() < m * (k // GROUP) or s.buf.numel() < threads * self._buf_floats:
+            s.xsum = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
+            s.buf = torch.empty(max(threads, 2) * self._buf_floats, dtype=torch.float32)
+        return s.xsum.data_ptr(), s.buf.data_ptr(), self._buf_floats, threads
 
     def mm(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous) times 4-bit weights packed by `pack` -> [M, n] float32."""

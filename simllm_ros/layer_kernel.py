@@ -1,4 +1,5 @@
-"""Decoder layers in one C call each pass, for the CPU runner's 4-bit AMX configuration.
+"""Decoder layers in one C call each pass, for the CPU runner's 4-bit configurations (bf16 on AMX products; float32
+on int4_vector_kernel's products, portable C, since stop 27).
 
 Why: with the products, attention and norms in C, a decode step of SmolLM2-135M still spent ~6 of ~22 ms
 (1 thread, 2 rows) between them: ~12 Python calls and tensor ops per layer at ~2-10 us each (wrappers,
@@ -26,6 +27,7 @@ from . import attention_kernel, int4_kernel
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 typedef uint16_t bf16;
@@ -191,6 +193,133 @@ int simllm_layers_available(void) { return 1; }
 #else
 int simllm_layers_available(void) { return 0; }
 #endif
+
+/* float32 layers (the 4-bit float32 runner: int4_vector_kernel's products, the norm kernel's float32 rows, the
+   attention kernel's float32 entry), portable C for any CPU. RoPE and the residual adds as torch's float32 ops
+   compute them: each product and sum rounded on its own (no fused multiply-add: fp-contract off here). SiLU is
+   ours (x / (1 + expf(-x)), libm's expf), used by the Python layers too (silu_mul_f32). Per row, like the rest. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+typedef void (*norm32_fn)(const float *x, long x_stride, const float *w, float *y, int m, int e, float eps);
+typedef void (*mm32_fn)(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long per_thread, int nthreads);
+typedef void (*attend32_fn)(const float *q, long q_sn, long q_sh, const float *kn, long kn_sn, long kn_sh,
+                            const float *vn, long vn_sn, long vn_sh, float *out, int Hq, int Hkv, int D, float scale,
+                            int nseq, const int64_t *table, int layer, const uint8_t *blocked, int first,
+                            float *work, long stride, int threads);
+typedef void (*pool32_fn)(void *(*)(void *), void *, long, int);
+typedef struct {  /* the layout of pass_t (the _Pass structure), float32 entry points */
+    norm32_fn norm; mm32_fn mm; attend32_fn attend;
+    int E, Hq, Hkv, D, I;
+    float scale;
+    int nseq; const int64_t *table; float *awork; long astride; int athreads;
+    float *xsum; float *buf; long per_thread; int threads; long thread_min_macs;
+    pool32_fn pool; int glue_min_rows;
+} pass32_t;
+
+void simllm_rope_f32(const float *x, long row_stride, int M, int H, int D, const float *cos, const float *sin,
+                     float *out) {
+    const int half = D / 2;
+    for (int m = 0; m < M; m++) {
+        const float *c = cos + (long)m * D, *s = sin + (long)m * D;
+        for (int h = 0; h < H; h++) {
+            const float *xr = x + (long)m * row_stride + (long)h * D;
+            float *o = out + ((long)m * H + h) * D;
+            for (int d = 0; d < D; d++) {
+                const float a = xr[d] * c[d], b = xr[d < half ? d + half : d - half] * s[d];
+                o[d] = a + b;
+            }
+        }
+    }
+}
+
+void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride) {
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + (long)m * gu_stride, *u = g + I;
+        float *o = a + (long)m * a_stride;
+        for (int j = 0; j < I; j++) o[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+    }
+}
+
+enum { F_NORM, F_ADD_NORM, F_ROPE, F_SILU };
+typedef struct {
+    const pass32_t *P; int op, M, n, i;
+    float *h; const float *t; const float *w; float *x; float eps;
+    const float *src; float *dst; const float *cos, *sin;
+} glue32_t;
+
+static void *glue32_rows(void *arg) {
+    const glue32_t *G = arg;
+    const pass32_t *P = G->P;
+    const int m0 = (int)((long)G->M * G->i / G->n), m1 = (int)((long)G->M * (G->i + 1) / G->n), m = m1 - m0;
+    const int E = P->E, D = P->D, H = P->Hq + 2 * P->Hkv, I = P->I;
+    if (m <= 0) return 0;
+    switch (G->op) {
+    case F_ADD_NORM: {
+        float *h = G->h + (long)m0 * E;
+        const float *t = G->t + (long)m0 * E;
+        for (long j = 0; j < (long)m * E; j++) h[j] = h[j] + t[j];
+        if (!G->w) break;
+    }
+        /* fall through */
+    case F_NORM:
+        P->norm(G->h + (long)m0 * E, E, G->w, G->x + (long)m0 * E, m, E, G->eps);
+        break;
+    case F_ROPE:
+        simllm_rope_f32(G->src + (long)m0 * H * D, (long)H * D, m, P->Hq + P->Hkv, D, G->cos + (long)m0 * D,
+                        G->sin + (long)m0 * D, G->dst + (long)m0 * (P->Hq + P->Hkv) * D);
+        break;
+    case F_SILU:
+        simllm_silu_mul_f32(G->src + (long)m0 * 2 * I, 2 * I, m, I, G->dst + (long)m0 * I, I);
+        break;
+    }
+    return 0;
+}
+
+static void glue32(const pass32_t *P, glue32_t g) {
+    int n = P->pool && g.M >= P->glue_min_rows ? P->threads : 1;
+    if (n > g.M) n = g.M;
+    if (n > 64) n = 64;
+    g.P = P;
+    if (n <= 1) { g.n = 1; g.i = 0; glue32_rows(&g); return; }
+    glue32_t jobs[64];
+    for (int i = 0; i < n; i++) { jobs[i] = g; jobs[i].n = n; jobs[i].i = i; }
+    P->pool(glue32_rows, jobs, sizeof(glue32_t), n);
+}
+
+static void product32(const pass32_t *P, const float *x, const uint8_t *w, float *y, int M, int N, int K) {
+    int threads = (long)M * N * K >= P->thread_min_macs ? P->threads : 1;
+    P->mm(x, K, w, y, N, M, N, K, P->xsum, P->buf, P->per_thread, threads);
+}
+
+/* simllm_layers_bf16's steps in the same order, in float32. ws: M * (2E + 2Nqkv + Hq*D + 3I) floats. */
+void simllm_layers_f32(const pass32_t *P, float *h, int M, int first, int last, const int64_t *weights,
+                       const float *eps, const float *cos, const float *sin, float *ws) {
+    const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D, Nqk = (Hq + Hkv) * D;
+    float *x = ws, *qkv = x + (long)M * E, *qk = qkv + (long)M * Nqkv, *o = qk + (long)M * Nqk,
+          *t = o + (long)M * Hq * D, *gu = t + (long)M * E, *a = gu + (long)M * 2 * I;
+    if (first < last)
+        glue32(P, (glue32_t){.op = F_NORM, .M = M, .h = h, .w = (const float *)(intptr_t)weights[(long)first * 6],
+                             .x = x, .eps = eps[2 * first]});
+    for (int li = first; li < last; li++) {
+        const int64_t *W = weights + (long)li * 6;
+        product32(P, x, (const uint8_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
+        glue32(P, (glue32_t){.op = F_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin});
+        P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,
+                  P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);
+        product32(P, o, (const uint8_t *)(intptr_t)W[3], t, M, E, Hq * D);
+        glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t, .w = (const float *)(intptr_t)W[1], .x = x,
+                             .eps = eps[2 * li + 1]});
+        product32(P, x, (const uint8_t *)(intptr_t)W[4], gu, M, 2 * I, E);
+        glue32(P, (glue32_t){.op = F_SILU, .M = M, .src = gu, .dst = a});
+        product32(P, a, (const uint8_t *)(intptr_t)W[5], t, M, E, I);
+        const int more = li + 1 < last;
+        glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t,
+                             .w = more ? (const float *)(intptr_t)weights[(long)(li + 1) * 6] : 0, .x = x,
+                             .eps = more ? eps[2 * (li + 1)] : 0.f});
+    }
+}
+#pragma GCC pop_options
 """.replace("/*EXP_POLY*/", attention_kernel.EXP_POLY)
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -218,24 +347,31 @@ class LayerKernel:
     def __init__(self, path: str):
         lib = ctypes.CDLL(path)
         self.path = path
-        self.available = bool(lib.simllm_layers_available())
-        if not self.available:
-            return
-        self._silu_mul = lib.simllm_silu_mul_bf16
-        self._silu_mul.argtypes, self._silu_mul.restype = [_P, _L, _I, _I, _P, _L], None
-        self._layers = lib.simllm_layers_bf16
-        self._layers.argtypes = [ctypes.POINTER(_Pass), _P, _I, _I, _I, _P, _P, _P, _P, _P]
-        self._layers.restype = None
+        self.available = bool(lib.simllm_layers_available())  # the bf16 layers (AVX-512); float32 always
+        self._silu = {torch.float32: lib.simllm_silu_mul_f32}
+        self._stack = {torch.float32: lib.simllm_layers_f32}
+        if self.available:
+            self._silu[torch.bfloat16] = lib.simllm_silu_mul_bf16
+            self._stack[torch.bfloat16] = lib.simllm_layers_bf16
+        for fn in self._silu.values():
+            fn.argtypes, fn.restype = [_P, _L, _I, _I, _P, _L], None
+        for fn in self._stack.values():
+            fn.argtypes, fn.restype = [ctypes.POINTER(_Pass), _P, _I, _I, _I, _P, _P, _P, _P, _P], None
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        """Whether this build runs layers of this dtype: float32 anywhere, bf16 where it targets AVX-512."""
+        return dtype in self._stack
 
     def silu_mul(self, gu: torch.Tensor, inter: int) -> torch.Tensor:
-        """gu [..., 2 * inter] bf16 -> bf16(silu(gate)) * up [..., inter], as the C layers compute it."""
-        if gu.dtype != torch.bfloat16 or gu.shape[-1] != 2 * inter or inter % 16:
-            raise ValueError(f"silu_mul: bf16 rows of 2 x {inter} (a multiple of 16)")
+        """gu [..., 2 * inter] (bf16 or float32) -> silu(gate) * up [..., inter], as the C layers compute it."""
+        fn = self._silu.get(gu.dtype)
+        if fn is None or gu.shape[-1] != 2 * inter or inter % 16:
+            raise ValueError(f"silu_mul: bf16 or float32 rows of 2 x {inter} (a multiple of 16)")
         rows = gu.reshape(-1, 2 * inter)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], inter), dtype=torch.bfloat16)
-        self._silu_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(), inter)
+        out = torch.empty((rows.shape[0], inter), dtype=gu.dtype)
+        fn(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(), inter)
         return out.view(*gu.shape[:-1], inter)
 
 
@@ -246,22 +382,23 @@ class Layers:
     def __init__(self, kernel: LayerKernel, layers: list, int4, norms, attention, E: int, Hq: int, Hkv: int, D: int,
                  inter: int, scale: float):
         self.kernel, self.int4, self.attention = kernel, int4, attention
+        self.dtype = int4.dtype  # bf16 (AMX products) or float32 (vector products)
         self.E, self.Hq, self.Hkv, self.D, self.inter, self.scale = E, Hq, Hkv, D, inter, scale
         self.weights = torch.tensor([[ln1.weight.data_ptr(), ln2.weight.data_ptr(), qkv.blob.data_ptr(),
                                       o.blob.data_ptr(), gu.blob.data_ptr(), down.blob.data_ptr()]
                                      for ln1, qkv, o, ln2, gu, down, _ in layers], dtype=torch.int64)
         self.eps = torch.tensor([[ln1.eps, ln2.eps] for ln1, _, _, ln2, _, _, _ in layers], dtype=torch.float32)
         addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-        self._norm, self._mm = addr(norms._fn), addr(int4._mm)
+        self._norm, self._mm = addr(norms._fns[self.dtype]), addr(int4._mm)
         self._pool = int4.pool_call  # simllm_pool_call: the steps between products split on its workers
         self._ws = threading.local()
         self.widest = max(E, Hq * D, inter)  # the longest input row of a product
 
     @staticmethod
     def applies(runner) -> bool:
-        """Whether a runner's layers fit: 4-bit AMX products everywhere, the C norms, bf16, SiLU, no biases,
-        sizes the vector code covers."""
-        if runner.int4 is None or runner.kernel is None or runner.embed.weight.dtype != torch.bfloat16:
+        """Whether a runner's layers fit: 4-bit products on our kernel everywhere (AMX in bf16, vector in float32),
+        the C norms, SiLU, no biases, sizes the vector code covers."""
+        if runner.int4 is None or runner.kernel is None or runner.embed.weight.dtype != runner.int4.dtype:
             return False
         if runner.head_dim % 32 or runner.inter % 16 or runner.embed.weight.shape[1] % 16:
             return False
@@ -276,15 +413,15 @@ class Layers:
         need = M * (2 * self.E + 2 * (self.Hq + 2 * self.Hkv) * self.D + self.Hq * self.D + 3 * self.inter)
         ws = getattr(self._ws, "buf", None)
         if ws is None or ws.numel() < need:
-            ws = self._ws.buf = torch.empty(need, dtype=torch.bfloat16)
+            ws = self._ws.buf = torch.empty(need, dtype=self.dtype)
         return ws
 
     def run(self, h: torch.Tensor, first: int, last: int, plan, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Layers first..last-1 over h [M, E] (contiguous bf16; updated in place) with the attention pass `plan`
         (attention_kernel.plan: the KV buffers the layers write and read); cos, sin [M, 1, D] (_rope_tables)."""
         M = h.shape[0]
-        if h.dtype != torch.bfloat16 or not h.is_contiguous() or h.shape[1] != self.E:
-            raise ValueError(f"layers: contiguous bf16 rows of {self.E}")
+        if h.dtype != self.dtype or not h.is_contiguous() or h.shape[1] != self.E:
+            raise ValueError(f"layers: contiguous {self.dtype} rows of {self.E}")
         c, s = cos.reshape(M, self.D).contiguous(), sin.reshape(M, self.D).contiguous()
         fn, work, stride, athreads = self.attention.pass_args(plan, self.Hq, self.D)
         xsum, tiles, per_thread, threads = self.int4.buffers(M, self.widest)
@@ -293,7 +430,7 @@ class Layers:
                   athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS,
                   self._pool, GLUE_MIN_ROWS)
         ws = self._workspace(M)
-        self.kernel._layers(ctypes.byref(P), h.data_ptr(), M, first, last, self.weights.data_ptr(),
+        self.kernel._stack[self.dtype](ctypes.byref(P), h.data_ptr(), M, first, last, self.weights.data_ptr(),
                             self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())
 
 
@@ -302,10 +439,7 @@ def load() -> "LayerKernel | None":
     global _loaded, _why_not
     if _loaded is not None or _why_not is not None:
         return _loaded
-    kernel, _why_not = attention_kernel.load_kernel("SIMLLM_LAYERS", "python", "layers", SOURCE, LayerKernel)
-    if kernel is not None and not kernel.available:
-        kernel, _why_not = None, "no AVX-512 for this compiler target"
-    _loaded = kernel
+    _loaded, _why_not = attention_kernel.load_kernel("SIMLLM_LAYERS", "python", "layers", SOURCE, LayerKernel)
     return _loaded
 
 

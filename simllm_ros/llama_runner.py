@@ -422,9 +422,8 @@ class LlamaRunner:
         # tensor ops per decode step otherwise); then the MLP's SiLU is its own wherever a layer runs in Python.
         self.fused = None
         self.layers_in_c = True  # False: the same arithmetic, layer by layer from Python (tests compare the two)
-        lk = layer_kernel.load() if self.int4 is not None and self.int4.kind == "amx" and self.kernel is not None \
-            else None
-        if lk is not None and layer_kernel.Layers.applies(self):
+        lk = layer_kernel.load() if self.int4 is not None and self.kernel is not None else None
+        if lk is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
             self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
                                              self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale)
         if lm.weight is not base.embed_tokens.weight:  # an untied lm_head: the runner's copy is the one used

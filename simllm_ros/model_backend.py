@@ -288,7 +288,7 @@ class ModelBackend:
         if self.layers_kind == "c":
             return f"one C call per pass ({self.runner.fused.kernel.path})"
         if self.layers_kind == "python":
-            why = layer_kernel.why_not() or "not the 4-bit AMX configuration (bf16, our products, norms and attention)"
+            why = layer_kernel.why_not() or "not a 4-bit configuration on our products, norms and attention"
             return f"Python, layer by layer ({why})"
         return "transformers' own forward"
 

@@ -1,6 +1,7 @@
 """A pass's layers in one C call (layer_kernel): bitwise what the same layers give run one by one from Python,
 for every kind of pass the engine makes (prefill, decode steps, tokens at their own slots, resumed rows,
-several sequences at once), on the default model where it runs (bf16, 4-bit AMX products)."""
+several sequences at once), on this CPU's lossless default where it runs (bf16 on 4-bit AMX products; float32 on
+the 4-bit vector kernel, portable C)."""
 from __future__ import annotations
 
 import pytest
@@ -14,11 +15,11 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"layer kernel: {layer_
 
 
 def _runner():
-    from core_fixtures import shared_engine
+    from core_fixtures import LOSSLESS, shared_engine
 
-    r = shared_engine(dtype="bfloat16", kv_bits=0).backend.runner
+    r = shared_engine(**LOSSLESS).backend.runner
     if r is None or r.fused is None:
-        pytest.skip("the default model does not run its layers in C here (not the 4-bit AMX configuration)")
+        pytest.skip("the default model does not run its layers in C here (not a 4-bit configuration on our kernels)")
     return r
 
 
@@ -35,7 +36,7 @@ def _both(r, fn):
 
 
 def _buffer(r, capacity):
-    return KVBuffer.allocate(len(r.layers), r.n_kv, r.head_dim, capacity, torch.bfloat16, "cpu")
+    return KVBuffer.allocate(len(r.layers), r.n_kv, r.head_dim, capacity, r.embed.weight.dtype, "cpu")
 
 
 def _ids(n, seed=0):
@@ -101,7 +102,7 @@ def test_the_early_pass_finishes_its_last_layer_as_the_c_layers_do():
     assert torch.equal(kv.k[:2, :, :n], whole.k[:2, :, :n]) and torch.equal(kv.v[:2, :, :n], whole.v[:2, :, :n])
 
 
-@needs_kernel
+@pytest.mark.skipif(KERNEL is None or not KERNEL.takes(torch.bfloat16), reason="no bf16 C layers here")
 def test_silu_mul_is_close_to_torch_and_refuses_bad_rows():
     g = torch.Generator().manual_seed(0)
     gu = (torch.randn(37, 2 * 1536, generator=g) * 4).to(torch.bfloat16)
@@ -112,16 +113,26 @@ def test_silu_mul_is_close_to_torch_and_refuses_bad_rows():
     assert (ours == ref).float().mean() > 0.99  # measured: all equal here (0 of 11.9M real activations differ)
     assert torch.equal(KERNEL.silu_mul(gu[5:6], 1536), KERNEL.silu_mul(gu, 1536)[5:6])  # row-invariant
     with pytest.raises(ValueError):
-        KERNEL.silu_mul(gu.float(), 1536)
+        KERNEL.silu_mul(gu.half(), 1536)
     with pytest.raises(ValueError):
         KERNEL.silu_mul(gu[:, :100], 50)
 
 
+@needs_kernel
+def test_float32_silu_mul_is_close_to_torch_and_row_invariant():
+    g = torch.Generator().manual_seed(1)
+    gu = torch.randn(37, 2 * 1536, generator=g) * 4
+    ours = KERNEL.silu_mul(gu, 1536)
+    ref = torch.nn.functional.silu(gu[:, :1536]) * gu[:, 1536:]
+    assert ours.dtype == torch.float32 and (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(KERNEL.silu_mul(gu[5:6], 1536), ours[5:6])
+
+
 def test_other_configurations_keep_the_python_layers():
-    """float32 (the tests' default) or 16-bit weights: no C layers, torch's SiLU, and the load log says so."""
+    """16-bit weights: no C layers, torch's SiLU, and the load log says so."""
     from core_fixtures import shared_engine
 
-    b = shared_engine().backend
+    b = shared_engine(weight_bits=16).backend
     if b.runner is not None:
         assert b.runner.fused is None and b.layers_kind == "python"
         assert b.layers_path.startswith("Python")
