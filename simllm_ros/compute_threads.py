@@ -1,7 +1,7 @@
 """Who gets the cores while the model runs: our C kernels' workers, not torch's threads.
 
-Where the runner's products and attention are our kernels (int4_kernel's AMX products, attention_kernel), a
-pass is C calls that split their work over worker threads, with some torch ops around them. At torch's default
+Where the runner's products and attention are our kernels (int4_kernel's AMX or int4_vector_kernel's products,
+attention_kernel), a pass is C calls that split their work over worker threads, with some torch ops around them. At torch's default
 thread count, torch's own worker threads then burn a core between and during our kernels' work (measured on a
 2-core box, SEMANTIC hits: a torch worker thread used ~17 ms of CPU per hit, ~5 with this; hit 43 vs 50 ms).
 So the thread that runs the model sets torch to one thread for the while (`kernels_own_cores`) and the kernels

@@ -380,9 +380,7 @@ def load() -> "Int4Kernel | None":
         _why_not = err
         return None
     _loaded = kernel
-    attention = attention_kernel.load()
-    if attention is not None:  # its passes split on our workers (the same bits: threads split rows, never a sum)
-        attention.use_pool(kernel.pool_call)
+    kernel_pool.lend_to_attention(kernel.pool_call)
     return _loaded
 
 

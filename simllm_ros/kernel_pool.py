@@ -97,3 +97,13 @@ void simllm_pool_call(void *(*fn)(void *), void *args, long size, int n) {
     for (int i = 0; i < n; i++) fn((char *)args + i * size);
 }
 """
+
+
+def lend_to_attention(pool_call: int) -> None:
+    """Let attention_kernel's passes split on a product kernel's kept workers (`pool_call`: the address of its
+    simllm_pool_call): the same bits, since threads split rows, never a sum."""
+    from . import attention_kernel
+
+    attention = attention_kernel.load()
+    if attention is not None:
+        attention.use_pool(pool_call)

@@ -20,8 +20,10 @@ Two reasons it exists:
    fused into one product each; the HF modules keep views, nothing is duplicated),
    writes KV in place into a preallocated `KVBuffer` (at consecutive slots, or at each token's own: semantic
    repair), and is causal by slot (the torch path builds a mask only when several tokens run at once). On
-   CPUs with AMX, 4-bit products and the 8-bit LM head run on our own tile kernel (int4_kernel), and RMSNorm
-   is one C call (norm_kernel); both row-invariant.
+   CPUs with AMX, 4-bit products and the 8-bit LM head run on our own tile kernel in bf16 (int4_kernel); on
+   other CPUs in float32 on our vector kernel (int4_vector_kernel: torch's float32 products are not
+   row-invariant); RMSNorm is one C call (norm_kernel), and with either kernel a pass's layers are one C call
+   (layer_kernel); all row-invariant.
 
 Only for full-attention RoPE models whose HF module layout is Llama's
 (`ModelBackend.fast_path` decides); other models use the HF forward.

@@ -271,8 +271,8 @@ class ModelBackend:
 
     @property
     def kernels_do_the_work(self) -> bool:
-        """Whether a pass's products and attention are our C kernels (4-bit AMX products, attention kernel): then
-        the model's thread gives the cores to their workers rather than to torch's (compute_threads)."""
+        """Whether a pass's products and attention are our C kernels (4-bit AMX or vector products, attention
+        kernel): then the model's thread gives the cores to their workers rather than to torch's (compute_threads)."""
         return self.runner is not None and self.runner.int4 is not None and self.runner.kernel is not None
 
     @property

@@ -126,3 +126,20 @@ def test_the_embedded_model_in_float32_runs_on_it_losslessly():
     ref = b.hf_model(torch.tensor([ids])).logits[0].float()  # a dense float32 copy of the file
     assert torch.equal(ours.argmax(-1), ref.argmax(-1)) or (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert (ours - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_the_portable_c_without_avx2_computes_the_same_way():
+    """Built without AVX2 and FMA (what a CPU without them, or aarch64, compiles: GCC's generic vectors), the
+    kernel still computes what the weights say and a row's bits do not depend on the rows with it."""
+    from simllm_ros import attention_kernel
+
+    path = attention_kernel.build(extra_flags=("-mno-avx2", "-mno-fma"), source=int4_vector_kernel.SOURCE,
+                                  name="int4vec-portable")
+    portable = int4_vector_kernel.VectorKernel(path)
+    assert int4_vector_kernel._self_check(portable) is None
+    codes, sz, w = _weights(96, 576, seed=8)
+    blob = portable.pack(codes, sz)
+    x = torch.randn(23, 576, generator=torch.Generator().manual_seed(4))
+    whole = portable.mm(x, blob, 96)
+    assert (whole.double() - x.double() @ w.double().t()).abs().max() <= 2e-5 * whole.abs().max()
+    assert all(torch.equal(portable.mm(x[a:b].contiguous(), blob, 96), whole[a:b]) for a, b in ((0, 1), (2, 9), (20, 23)))

@@ -185,14 +185,17 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
     if kv["attention"] == "kernel":  # bf16 on AMX where this CPU and Linux allow it, else the vector code
         amx = attention_kernel.load().amx is not None and kv["precision"].startswith("bfloat16")
         assert kv["attention_arithmetic"] == ("amx" if amx else "vector")
-    if kv["precision"].endswith("4-bit weights"):
+    if kv["precision"].endswith("4-bit weights"):  # bf16: AMX or ATen's kernel; float32: our vector kernel
         from simllm_ros import int4_kernel
-        assert kv["int4_products"] == ("amx" if int4_kernel.load() is not None else "aten")
+        want = "vector" if kv["precision"].startswith("float32") else \
+            "amx" if int4_kernel.load() is not None else "aten"
+        assert kv["int4_products"] == want
     else:
         assert "int4_products" not in kv
-    # a pass's layers in one C call exactly in the 4-bit AMX configuration, else from Python
+    # a pass's layers in one C call exactly in the 4-bit configurations on our kernels, else from Python
     from simllm_ros import layer_kernel
-    fused = kv.get("int4_products") == "amx" and kv["attention"] == "kernel" and layer_kernel.load() is not None
+    fused = kv.get("int4_products") in ("amx", "vector") and kv["attention"] == "kernel" and \
+        layer_kernel.load() is not None
     assert kv["layers"] == ("c" if fused else "python")
 
     cm = h.wait_message(f"{N}/cache_map", lambda m: len(m.markers) >= 3, timeout=10, after=after[f"{N}/cache_map"])

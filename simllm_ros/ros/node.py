@@ -694,7 +694,7 @@ class SimLLMNode(LifecycleNode):
             st.values.append(KeyValue(key="attention", value=b.attention_kind))
             if b.attention_arithmetic:  # and on what: amx tiles or vector code
                 st.values.append(KeyValue(key="attention_arithmetic", value=b.attention_arithmetic))
-            if b.int4_kind:  # which kernel computes the 4-bit products (amx, aten)
+            if b.int4_kind:  # which kernel computes the 4-bit products (amx, vector, aten)
                 st.values.append(KeyValue(key="int4_products", value=b.int4_kind))
             if b.layers_kind:  # whether a pass's layers run in one C call (c) or from Python
                 st.values.append(KeyValue(key="layers", value=b.layers_kind))
