@@ -320,6 +320,8 @@ class ModelBackend:
             for lin in (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 if not on_int4_grid(lin.weight.data):
                     return 16
+                if self.dtype == torch.float32 and lin.out_features % 16:  # the vector kernel's blocks of outputs
+                    return 16
         return 4
 
     @property
