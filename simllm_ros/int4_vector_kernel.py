@@ -184,7 +184,6 @@ DEFINE_QROWS(qrows8, POST8, 0)
 DEFINE_PART(part4, BLOB4, CS4, DEC4, qrows4, row4_4, row4_1, 1)
 DEFINE_PART(part8, BLOB8, CS8, DEC8, qrows8, row8_4, row8_1, 0)
 
-/*POOL*/
 static job_t pool_jobs[MAXT];
 
 static void run(void *(*part)(void *), const float *x, long x_stride, const uint8_t *w, float *y, long y_stride,
@@ -231,7 +230,7 @@ void simllm_vec_int8_mm(const float *x, long x_stride, const uint8_t *w, float *
                         float *buf, long buf_per_thread, int nthreads) {
     run(part8, x, x_stride, w, y, y_stride, M, N, K, 0, buf, buf_per_thread, nthreads);
 }
-""".replace("/*POOL*/", kernel_pool.POOL, 1).replace("/*POOL*/", "")
+""".replace("/*POOL*/", kernel_pool.POOL)
 
 GROUP = 32  # inputs per group (INT4_GROUP in llama_runner)
 BLOB = 384  # bytes per 16 outputs x one group, 4-bit: 256 of codes, 16 steps and 16 bases in float32
@@ -300,21 +299,23 @@ class VectorKernel:
             raise ValueError(f"{what} vector kernel: float32 rows [M, K] with contiguous inputs, and weights packed "
                              "for them")
         threads = max(1, compute_threads.kernel_threads()) if m * n * k >= THREAD_MIN_MACS else 1
+        return (m, k, threads, *self._buffers(m, k, threads))
+
+    def _buffers(self, m: int, k: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This thread's group sums and work buffers, grown to fit (the call runs without the GIL)."""
         s = self._scratch
-        if getattr(s, "xsum", None) is None or s.xsum.numel() < m * (k // GROUP) or s.buf.numel() < threads * self._buf_floats:
+        if getattr(s, "xsum", None) is None or s.xsum.numel() < m * (k // GROUP) or \
+                s.buf.numel() < threads * self._buf_floats:
             s.xsum = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
             s.buf = torch.empty(max(threads, 2) * self._buf_floats, dtype=torch.float32)
-        return m, k, threads, s.xsum, s.buf
+        return s.xsum, s.buf
 
     def buffers(self, m: int, k: int) -> tuple[int, int, int, int]:
         """(group sums buffer, work buffer, its floats per thread, threads) for products of m rows and up to k
         inputs called from C (layer_kernel), kept per calling thread like `mm`'s."""
         threads = max(1, compute_threads.kernel_threads())
-        s = self._scratch
-        if getattr(s, "xsum", None) is None or s.xsum.numel() < m * (k // GROUP) or s.buf.numel() < threads * self._buf_floats:
-            s.xsum = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
-            s.buf = torch.empty(max(threads, 2) * self._buf_floats, dtype=torch.float32)
-        return s.xsum.data_ptr(), s.buf.data_ptr(), self._buf_floats, threads
+        xsum, buf = self._buffers(m, k, threads)
+        return xsum.data_ptr(), buf.data_ptr(), self._buf_floats, threads
 
     def mm(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous) times 4-bit weights packed by `pack` -> [M, n] float32."""

@@ -347,10 +347,9 @@ class LayerKernel:
     def __init__(self, path: str):
         lib = ctypes.CDLL(path)
         self.path = path
-        self.available = bool(lib.simllm_layers_available())  # the bf16 layers (AVX-512); float32 always
         self._silu = {torch.float32: lib.simllm_silu_mul_f32}
         self._stack = {torch.float32: lib.simllm_layers_f32}
-        if self.available:
+        if lib.simllm_layers_available():  # the bf16 layers (AVX-512); float32 always
             self._silu[torch.bfloat16] = lib.simllm_silu_mul_bf16
             self._stack[torch.bfloat16] = lib.simllm_layers_bf16
         for fn in self._silu.values():

@@ -31,6 +31,13 @@ static inline bf16 to_bf16(float f) {  /* round to nearest even, as torch does *
     return (bf16)(u >> 16);
 }
 
+/* 1 / sqrt(mean + eps) of a row's squares summed in 16 lanes: the lanes added in a fixed tree. */
+static inline float inv_rms(float acc[16], int E, float eps) {
+    for (int s = 8; s >= 1; s >>= 1)
+        for (int l = 0; l < s; l++) acc[l] += acc[l + s];
+    return 1.0f / sqrtf(acc[0] / (float)E + eps);
+}
+
 /* y[m] = w * bf16(x[m] / sqrt(mean(x[m]^2) + eps)), E a multiple of 16. x rows at x_stride (0: one row
    repeated), y rows contiguous. */
 void simllm_rmsnorm_bf16(const bf16 *x, long x_stride, const bf16 *w, bf16 *y, int M, int E, float eps) {
@@ -40,9 +47,7 @@ void simllm_rmsnorm_bf16(const bf16 *x, long x_stride, const bf16 *w, bf16 *y, i
         float acc[16] = {0};
         for (int k = 0; k < E; k += 16)
             for (int l = 0; l < 16; l++) { float v = f32(xr[k + l]); acc[l] += v * v; }
-        for (int s = 8; s >= 1; s >>= 1)
-            for (int l = 0; l < s; l++) acc[l] += acc[l + s];
-        const float r = 1.0f / sqrtf(acc[0] / (float)E + eps);
+        const float r = inv_rms(acc, E, eps);
         for (int k = 0; k < E; k++) yr[k] = to_bf16(f32(w[k]) * f32(to_bf16(f32(xr[k]) * r)));
     }
 }
@@ -56,9 +61,7 @@ void simllm_rmsnorm_f32(const float *x, long x_stride, const float *w, float *y,
         float acc[16] = {0};
         for (int k = 0; k < E; k += 16)
             for (int l = 0; l < 16; l++) acc[l] += xr[k + l] * xr[k + l];
-        for (int s = 8; s >= 1; s >>= 1)
-            for (int l = 0; l < s; l++) acc[l] += acc[l + s];
-        const float r = 1.0f / sqrtf(acc[0] / (float)E + eps);
+        const float r = inv_rms(acc, E, eps);
         for (int k = 0; k < E; k++) yr[k] = w[k] * (xr[k] * r);
     }
 }
