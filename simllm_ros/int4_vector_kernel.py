@@ -13,7 +13,7 @@ weights are step * code + base (base = zero - 8 * step), float32 out. Every path
 blocks in registers, or blocks of rows over a group decoded once into a float buffer) performs exactly these
 operations for each output, and threads split output blocks, never a sum: a row's bits depend on its inputs only,
 whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
-Built like attention_kernel (system C compiler, -march=native, ~/.cache/simllm_ros/kernels); `SIMLLM_INT4=aten`
+C in kernels/int4_vector.c, built by kernels/build.py; `SIMLLM_INT4=aten`
 turns it off with the AMX one.
 """
 from __future__ import annotations
@@ -23,214 +23,8 @@ import threading
 
 import torch
 
-from . import attention_kernel, compute_threads, kernel_pool
-
-SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-/*POOL*/
-
-#define GROUP 32
-#define BLOB4 384  /* 16 outputs x one group: input k's 16 codes in 8 bytes at 8k (byte j: output j low, j + 8 high
-                      nibble), then 16 steps and 16 bases, float32 */
-#define BLOB8 576  /* input k's 16 signed codes at 16k, then 16 scales */
-#define RCHUNK 36  /* rows per chunk in the buffered path: their inputs stay in L2 while the blocks pass */
-#define PREFETCH 8  /* groups ahead in the one-row path: the weights stream from memory while it computes */
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
-typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#if defined(__FMA__) && defined(__AVX2__)
-#define FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#else  /* aarch64 contracts this to fmla (GNU C's default fp-contract); elsewhere a multiply and an add, as everywhere */
-#define FMA(a, b, c) ((c) + (a) * (b))
-#endif
-
-static inline v8 ld(const float *p) { return *(const v8u *)p; }
-static inline void st(float *p, v8 v) { *(v8u *)p = v; }
-static inline v8 bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
-
-/* Eight codes widened to int32: x86's one-instruction widening (GCC expands the generic conversion of an 8-byte
-   vector byte by byte there), the generic conversion elsewhere (aarch64: ushll/sshll). */
-#if defined(__AVX2__)
-#define U8X8(p) ((v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
-#define I8X8(p) ((v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
-#else
-#define U8X8(p) __builtin_convertvector(*(const u8x8 *)(p), v8i)
-#define I8X8(p) __builtin_convertvector(*(const i8x8 *)(p), v8i)
-#endif
-/* Input k's 16 weights (outputs 0-7, 8-15) as floats: 4-bit codes 0..15, or 8-bit codes -127..127. */
-#define DEC4(p, lo, hi) do { const v8i c_ = U8X8(p);                                                     \
-        lo = __builtin_convertvector(c_ & 15, v8); hi = __builtin_convertvector(c_ >> 4, v8); } while (0)
-#define DEC8(p, lo, hi) do { lo = __builtin_convertvector(I8X8(p), v8);                                   \
-        hi = __builtin_convertvector(I8X8((p) + 8), v8); } while (0)
-#define CS4 8
-#define CS8 16
-/* A group's sums into out (o0: outputs 0-7, o1: 8-15); s: its 16 steps, then 16 bases (4-bit) or 16 scales. */
-#define POST4(s, a0, a1, xs, o0, o1) do { o0 = FMA(ld(s), a0, o0); o0 = FMA(ld((s) + 16), bc(xs), o0);          \
-        o1 = FMA(ld((s) + 8), a1, o1); o1 = FMA(ld((s) + 24), bc(xs), o1); } while (0)
-#define POST8(s, a0, a1, xs, o0, o1) do { (void)(xs); o0 = FMA(ld(s), a0, o0); o1 = FMA(ld((s) + 8), a1, o1); } while (0)
-
-typedef struct {
-    const float *x; long x_stride; const uint8_t *w; float *y; long y_stride;
-    int M, K; const float *xsum; int b0, b1; float *buf;
-} job_t;
-
-/* One row, NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used. */
-#define DEFINE_ROW(NAME, NB, BLOB, CS, DEC, POST)                                                         \
-static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, const float *xs, float *y) {  \
-    v8 o[NB][2];                                                                                          \
-    for (int j = 0; j < NB; j++) o[j][0] = o[j][1] = bc(0.f);                                             \
-    for (int g = 0; g < G; g++) {                                                                         \
-        v8 a[NB][2];                                                                                      \
-        for (int j = 0; j < NB; j++) a[j][0] = a[j][1] = bc(0.f);                                         \
-        const float *xg = x + g * GROUP;                                                                  \
-        const uint8_t *wg = w + (long)g * BLOB;                                                           \
-        for (int j = 0; j < NB; j++)  /* no fault past the end: a prefetch is a hint */                   \
-            for (int l = 0; l < BLOB; l += 64) __builtin_prefetch(wg + j * bbytes + PREFETCH * BLOB + l);  \
-        for (int k = 0; k < GROUP; k++) {                                                                 \
-            const v8 xb = bc(xg[k]);                                                                      \
-            for (int j = 0; j < NB; j++) {                                                                \
-                v8 lo, hi;                                                                                \
-                DEC(wg + j * bbytes + k * CS, lo, hi);                                                    \
-                a[j][0] = FMA(xb, lo, a[j][0]); a[j][1] = FMA(xb, hi, a[j][1]);                           \
-            }                                                                                             \
-        }                                                                                                 \
-        for (int j = 0; j < NB; j++) {                                                                    \
-            const float *s = (const float *)(wg + j * bbytes + GROUP * CS);                               \
-            POST(s, a[j][0], a[j][1], xs ? xs[g] : 0.f, o[j][0], o[j][1]);                                \
-        }                                                                                                 \
-    }                                                                                                     \
-    for (int j = 0; j < NB; j++) { st(y + 16 * j, o[j][0]); st(y + 16 * j + 8, o[j][1]); }                \
-}
-
-/* NQ rows (6, 3 or 1: 12, 6 or 2 sums in registers) over a group decoded into dq [32][16]: the same operations for
-   each row as the one-row path's, their sums added into the chunk's ob. */
-#define DEFINE_QROWS(NAME, POST, HAS_XSUM)                                                                \
-static inline __attribute__((always_inline)) void NAME(const job_t *J, const float *dq, const float *s, float *ob, \
-                                                       int r0, int r, int g, int G, const int NQ) {        \
-    const float *x0 = J->x + (long)(r0 + r) * J->x_stride + g * GROUP;                                    \
-    v8 a[6][2];                                                                                           \
-    for (int q = 0; q < NQ; q++) a[q][0] = a[q][1] = bc(0.f);                                             \
-    for (int k = 0; k < GROUP; k++) {                                                                     \
-        const v8 lo = ld(dq + 16 * k), hi = ld(dq + 16 * k + 8);                                          \
-        for (int q = 0; q < NQ; q++) {                                                                    \
-            const v8 xb = bc(x0[q * J->x_stride + k]);                                                    \
-            a[q][0] = FMA(xb, lo, a[q][0]); a[q][1] = FMA(xb, hi, a[q][1]);                               \
-        }                                                                                                 \
-    }                                                                                                     \
-    for (int q = 0; q < NQ; q++) {                                                                        \
-        float *o = ob + 16 * (r + q);                                                                     \
-        v8 o0 = ld(o), o1 = ld(o + 8);                                                                    \
-        POST(s, a[q][0], a[q][1], HAS_XSUM ? J->xsum[(long)(r0 + r + q) * G + g] : 0.f, o0, o1);          \
-        st(o, o0); st(o + 8, o1);                                                                         \
-    }                                                                                                     \
-}
-
-/* Rows in chunks; per chunk, block and group the weights are decoded once into buf [32][16], then 6, 3 and 1 rows
-   at a time (DEFINE_QROWS) take the same operations as above. */
-#define DEFINE_PART(NAME, BLOB, CS, DEC, QROWS, ROW4, ROW1, HAS_XSUM)                                      \
-static void *NAME(void *arg) {                                                                            \
-    const job_t *J = arg;                                                                                 \
-    const int G = J->K / GROUP;                                                                           \
-    const long bbytes = (long)G * BLOB;                                                                   \
-    if (J->M < 4) {                                                                                       \
-        for (int m = 0; m < J->M; m++) {                                                                  \
-            const float *x = J->x + (long)m * J->x_stride;                                                \
-            const float *xs = HAS_XSUM ? J->xsum + (long)m * G : 0;                                       \
-            float *y = J->y + (long)m * J->y_stride;                                                      \
-            int b = J->b0;                                                                                \
-            for (; b + 4 <= J->b1; b += 4) ROW4(x, J->w + b * bbytes, bbytes, G, xs, y + 16 * b);         \
-            for (; b < J->b1; b++) ROW1(x, J->w + b * bbytes, bbytes, G, xs, y + 16 * b);                 \
-        }                                                                                                 \
-        return 0;                                                                                         \
-    }                                                                                                     \
-    float *dq = J->buf, *ob = J->buf + GROUP * 16;  /* decoded group; the chunk's sums [RCHUNK][16] */    \
-    for (int r0 = 0; r0 < J->M; r0 += RCHUNK) {                                                           \
-        const int R = J->M - r0 < RCHUNK ? J->M - r0 : RCHUNK;                                            \
-        for (int b = J->b0; b < J->b1; b++) {                                                             \
-            for (int i = 0; i < R * 16; i++) ob[i] = 0.f;                                                 \
-            for (int g = 0; g < G; g++) {                                                                 \
-                const uint8_t *wg = J->w + b * bbytes + (long)g * BLOB;                                   \
-                for (int k = 0; k < GROUP; k++) {                                                         \
-                    v8 lo, hi;                                                                            \
-                    DEC(wg + k * CS, lo, hi);                                                             \
-                    st(dq + 16 * k, lo); st(dq + 16 * k + 8, hi);                                         \
-                }                                                                                         \
-                const float *s = (const float *)(wg + GROUP * CS);                                        \
-                int r = 0;                                                                                \
-                for (; r + 6 <= R; r += 6) QROWS(J, dq, s, ob, r0, r, g, G, 6);                           \
-                for (; r + 3 <= R; r += 3) QROWS(J, dq, s, ob, r0, r, g, G, 3);                           \
-                for (; r < R; r++) QROWS(J, dq, s, ob, r0, r, g, G, 1);                                   \
-            }                                                                                             \
-            for (int r = 0; r < R; r++) memcpy(J->y + (long)(r0 + r) * J->y_stride + 16 * b, ob + 16 * r, 64); \
-        }                                                                                                 \
-    }                                                                                                     \
-    return 0;                                                                                             \
-}
-
-DEFINE_ROW(row4_4, 4, BLOB4, CS4, DEC4, POST4)
-DEFINE_ROW(row4_1, 1, BLOB4, CS4, DEC4, POST4)
-DEFINE_ROW(row8_4, 4, BLOB8, CS8, DEC8, POST8)
-DEFINE_ROW(row8_1, 1, BLOB8, CS8, DEC8, POST8)
-DEFINE_QROWS(qrows4, POST4, 1)
-DEFINE_QROWS(qrows8, POST8, 0)
-DEFINE_PART(part4, BLOB4, CS4, DEC4, qrows4, row4_4, row4_1, 1)
-DEFINE_PART(part8, BLOB8, CS8, DEC8, qrows8, row8_4, row8_1, 0)
-
-static job_t pool_jobs[MAXT];
-
-static void run(void *(*part)(void *), const float *x, long x_stride, const uint8_t *w, float *y, long y_stride,
-                int M, int N, int K, const float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    const int nb = N / 16;
-    if (nthreads > nb) nthreads = nb;
-    if (nthreads > MAXT) nthreads = MAXT;
-    if (nthreads > 1 && pthread_mutex_trylock(&pool_use) != 0) nthreads = 1;  /* busy: compute alone */
-    if (nthreads < 1) nthreads = 1;
-    job_t alone[1];
-    job_t *jobs = nthreads > 1 ? pool_jobs : alone;
-    for (int i = 0; i < nthreads; i++)
-        jobs[i] = (job_t){x, x_stride, w, y, y_stride, M, K, xsum, (int)((long)nb * i / nthreads),
-                          (int)((long)nb * (i + 1) / nthreads), buf + i * buf_per_thread};
-    if (nthreads == 1) { part(&jobs[0]); return; }
-    if (!pool_start(nthreads)) {  /* could not start workers: alone, the same bits */
-        job_t one = jobs[0]; one.b1 = nb;
-        part(&one);
-        pthread_mutex_unlock(&pool_use);
-        return;
-    }
-    pool_dispatch(part, jobs, sizeof(job_t), nthreads);
-}
-
-/* Floats per thread for run's buffers: a decoded group and a chunk's sums. */
-long simllm_vec_buffer_floats(void) { return GROUP * 16 + RCHUNK * 16; }
-
-/* 4-bit weights, float32 in and out. Each row's group sums go first into xsum [M, K/32]: the group's 32 inputs
-   in four vectors of 8, added in order, then the 8 lanes in a fixed tree. */
-void simllm_vec_int4_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    const int G = K / GROUP;
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
-            const float *p = x + (long)m * x_stride + g * GROUP;
-            const v8 s = ((ld(p) + ld(p + 8)) + ld(p + 16)) + ld(p + 24);
-            xsum[(long)m * G + g] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-        }
-    run(part4, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
-
-/* 8-bit weights (one scale per group of 32): the LM head's logits. */
-void simllm_vec_int8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                        float *buf, long buf_per_thread, int nthreads) {
-    run(part8, x, x_stride, w, y, y_stride, M, N, K, 0, buf, buf_per_thread, nthreads);
-}
-""".replace("/*POOL*/", kernel_pool.POOL)
+from . import compute_threads, kernel_pool
+from .kernels import build
 
 GROUP = 32  # inputs per group (INT4_GROUP in llama_runner)
 BLOB = 384  # bytes per 16 outputs x one group, 4-bit: 256 of codes, 16 steps and 16 bases in float32
@@ -339,7 +133,7 @@ def load() -> "VectorKernel | None":
     global _loaded, _why_not
     if _loaded is not None or _why_not is not None:
         return _loaded
-    kernel, _why_not = attention_kernel.load_kernel("SIMLLM_INT4", "aten", "int4vec", SOURCE, VectorKernel)
+    kernel, _why_not = build.load_kernel("SIMLLM_INT4", "aten", "int4_vector", VectorKernel)
     if kernel is None:
         return None
     err = _self_check(kernel)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from simllm_ros import attention_kernel
+from simllm_ros.kernels import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = attention_kernel.load()
@@ -23,7 +24,7 @@ def _portable():
     machine's build already is that."""
     if KERNEL is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    return attention_kernel.AttentionKernel(attention_kernel.build(extra_flags=("-mno-avx512f",)))
+    return attention_kernel.AttentionKernel(build.build("attention", extra_flags=("-mno-avx512f",), tag="portable"))
 
 
 def _vector():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from simllm_ros import int4_vector_kernel
+from simllm_ros.kernels import build
 from simllm_ros.llama_runner import _int4_codes, _Proj, int4_dequantized, q8_codes
 
 KERNEL = int4_vector_kernel.load()
@@ -131,10 +132,7 @@ def test_the_embedded_model_in_float32_runs_on_it_losslessly():
 def test_the_portable_c_without_avx2_computes_the_same_way():
     """Built without AVX2 and FMA (what a CPU without them, or aarch64, compiles: GCC's generic vectors), the
     kernel still computes what the weights say and a row's bits do not depend on the rows with it."""
-    from simllm_ros import attention_kernel
-
-    path = attention_kernel.build(extra_flags=("-mno-avx2", "-mno-fma"), source=int4_vector_kernel.SOURCE,
-                                  name="int4vec-portable")
+    path = build.build("int4_vector", extra_flags=("-mno-avx2", "-mno-fma"), tag="portable")
     portable = int4_vector_kernel.VectorKernel(path)
     assert int4_vector_kernel._self_check(portable) is None
     codes, sz, w = _weights(96, 576, seed=8)

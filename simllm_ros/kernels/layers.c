@@ -1,0 +1,295 @@
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+typedef uint16_t bf16;
+
+typedef void (*norm_fn)(const bf16 *x, long x_stride, const bf16 *w, bf16 *y, int m, int e, float eps);
+typedef void (*mm_fn)(const bf16 *x, long x_stride, const uint8_t *w, bf16 *y, long y_stride, int M, int N, int K,
+                      float *xsum, uint8_t *scratch, long per_thread, int nthreads);
+typedef void (*attend_fn)(const bf16 *q, long q_sn, long q_sh, const bf16 *kn, long kn_sn, long kn_sh,
+                          const bf16 *vn, long vn_sn, long vn_sh, bf16 *out, int Hq, int Hkv, int D, float scale,
+                          int nseq, const int64_t *table, int layer, const uint8_t *blocked, int first,
+                          float *work, long stride, int threads);
+
+static inline __m512 ld(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* round to nearest even, as torch's bf16 ops do (a NaN stays a NaN) */
+static inline __m512 rnd(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                              _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void st(bf16 *p, __m512 f) {  /* f already rounded */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+}
+#include "exp_poly.h"
+static inline __m512 vexp(__m512 x) {
+    return exp_poly(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
+}
+
+/* out [M, H, D] = x * cos + roll(x, D/2) * sin of the first H heads of each row (sin's first half negated by
+   the caller), each product and the sum rounded to bf16: torch's three bf16 ops. D a multiple of 32. */
+void simllm_rope_bf16(const bf16 *x, long row_stride, int M, int H, int D, const bf16 *cos, const bf16 *sin,
+                      bf16 *out) {
+    const int half = D / 2;
+    for (int m = 0; m < M; m++) {
+        const bf16 *c = cos + (long)m * D, *s = sin + (long)m * D;
+        for (int h = 0; h < H; h++) {
+            const bf16 *xr = x + (long)m * row_stride + (long)h * D;
+            bf16 *o = out + ((long)m * H + h) * D;
+            for (int d = 0; d < D; d += 16) {
+                const int other = d < half ? d + half : d - half;
+                __m512 a = rnd(_mm512_mul_ps(ld(xr + d), ld(c + d)));
+                __m512 b = rnd(_mm512_mul_ps(ld(xr + other), ld(s + d)));
+                st(o + d, rnd(_mm512_add_ps(a, b)));
+            }
+        }
+    }
+}
+
+/* a [M, I] = bf16(silu(g)) * u, rounded, of gu [M, 2I] (g: the first I columns, u: the rest). I % 16 == 0. */
+void simllm_silu_mul_bf16(const bf16 *gu, long gu_stride, int M, int I, bf16 *a, long a_stride) {
+    for (int m = 0; m < M; m++) {
+        const bf16 *g = gu + (long)m * gu_stride, *u = g + I;
+        bf16 *o = a + (long)m * a_stride;
+        for (int j = 0; j < I; j += 16) {
+            __m512 x = ld(g + j);
+            __m512 sl = rnd(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+            st(o + j, rnd(_mm512_mul_ps(sl, ld(u + j))));
+        }
+    }
+}
+
+/* h [M, E] += t [M, E], rounded as torch's bf16 add. E % 16 == 0. */
+static void add_rows(bf16 *h, const bf16 *t, long n) {
+    for (long i = 0; i < n; i += 16) st(h + i, rnd(_mm512_add_ps(ld(h + i), ld(t + i))));
+}
+
+typedef void (*pool_fn)(void *(*)(void *), void *, long, int);
+typedef struct {
+    norm_fn norm; mm_fn mm; attend_fn attend;
+    int E, Hq, Hkv, D, I;
+    float scale;
+    int nseq; const int64_t *table; float *awork; long astride; int athreads;   /* the pass's attention */
+    float *xsum; uint8_t *scratch; long per_thread; int threads; long thread_min_macs;  /* the products' */
+    pool_fn pool; int glue_min_rows;  /* the 4-bit kernel's kept workers (or 0), for the steps between products */
+} pass_t;
+
+/* The steps between products (norms, residual adds, RoPE, SiLU) are per row: from glue_min_rows rows they are
+   split by rows over the kept workers (a row's bits do not depend on which thread computes it). */
+enum { G_NORM, G_ADD_NORM, G_ROPE, G_SILU };
+typedef struct {
+    const pass_t *P; int op, M, n, i;
+    bf16 *h; const bf16 *t; const bf16 *w; bf16 *x; float eps;  /* G_NORM: x = norm(h); G_ADD_NORM: h += t first
+                                                                     (no norm where w is 0) */
+    const bf16 *src; bf16 *dst; const bf16 *cos, *sin;            /* G_ROPE: qkv -> qk; G_SILU: gu -> a */
+} glue_t;
+
+static void *glue_rows(void *arg) {
+    const glue_t *G = arg;
+    const pass_t *P = G->P;
+    const int m0 = (int)((long)G->M * G->i / G->n), m1 = (int)((long)G->M * (G->i + 1) / G->n), m = m1 - m0;
+    const int E = P->E, D = P->D, H = P->Hq + 2 * P->Hkv, I = P->I;
+    if (m <= 0) return 0;
+    switch (G->op) {
+    case G_ADD_NORM:
+        add_rows(G->h + (long)m0 * E, G->t + (long)m0 * E, (long)m * E);
+        if (!G->w) break;
+        /* fall through */
+    case G_NORM:
+        P->norm(G->h + (long)m0 * E, E, G->w, G->x + (long)m0 * E, m, E, G->eps);
+        break;
+    case G_ROPE:
+        simllm_rope_bf16(G->src + (long)m0 * H * D, (long)H * D, m, P->Hq + P->Hkv, D, G->cos + (long)m0 * D,
+                         G->sin + (long)m0 * D, G->dst + (long)m0 * (P->Hq + P->Hkv) * D);
+        break;
+    case G_SILU:
+        simllm_silu_mul_bf16(G->src + (long)m0 * 2 * I, 2 * I, m, I, G->dst + (long)m0 * I, I);
+        break;
+    }
+    return 0;
+}
+
+static void glue(const pass_t *P, glue_t g) {
+    int n = P->pool && g.M >= P->glue_min_rows ? P->threads : 1;
+    if (n > g.M) n = g.M;
+    if (n > 64) n = 64;
+    g.P = P;
+    if (n <= 1) { g.n = 1; g.i = 0; glue_rows(&g); return; }
+    glue_t jobs[64];
+    for (int i = 0; i < n; i++) { jobs[i] = g; jobs[i].n = n; jobs[i].i = i; }
+    P->pool(glue_rows, jobs, sizeof(glue_t), n);
+}
+
+static void product(const pass_t *P, const bf16 *x, const uint8_t *w, bf16 *y, int M, int N, int K) {
+    int threads = (long)M * N * K >= P->thread_min_macs ? P->threads : 1;
+    P->mm(x, K, w, y, N, M, N, K, P->xsum, P->scratch, P->per_thread, threads);
+}
+
+/* Layers first..last-1 over h [M, E] (in place). weights [L][6]: ln1, ln2 (bf16 [E]), then the 4-bit blobs of
+   qkv, o, gate_up and down; eps [L][2]. ws: bf16 workspace of M * (2E + 2Nqkv + Hq*D + 3I) elements. The same
+   order of operations as LlamaRunner.forward's layer loop. */
+void simllm_layers_bf16(const pass_t *P, bf16 *h, int M, int first, int last, const int64_t *weights,
+                        const float *eps, const bf16 *cos, const bf16 *sin, bf16 *ws) {
+    const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D, Nqk = (Hq + Hkv) * D;
+    bf16 *x = ws, *qkv = x + (long)M * E, *qk = qkv + (long)M * Nqkv, *o = qk + (long)M * Nqk,
+         *t = o + (long)M * Hq * D, *gu = t + (long)M * E, *a = gu + (long)M * 2 * I;
+    if (first < last)
+        glue(P, (glue_t){.op = G_NORM, .M = M, .h = h, .w = (const bf16 *)(intptr_t)weights[(long)first * 6],
+                         .x = x, .eps = eps[2 * first]});
+    for (int li = first; li < last; li++) {
+        const int64_t *W = weights + (long)li * 6;
+        product(P, x, (const uint8_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
+        glue(P, (glue_t){.op = G_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin});
+        P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,
+                  P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);
+        product(P, o, (const uint8_t *)(intptr_t)W[3], t, M, E, Hq * D);
+        glue(P, (glue_t){.op = G_ADD_NORM, .M = M, .h = h, .t = t, .w = (const bf16 *)(intptr_t)W[1], .x = x,
+                         .eps = eps[2 * li + 1]});
+        product(P, x, (const uint8_t *)(intptr_t)W[4], gu, M, 2 * I, E);
+        glue(P, (glue_t){.op = G_SILU, .M = M, .src = gu, .dst = a});
+        product(P, a, (const uint8_t *)(intptr_t)W[5], t, M, E, I);
+        /* the residual add, and the next layer's input norm (the same rows, the same ops as at its top) */
+        const int more = li + 1 < last;
+        glue(P, (glue_t){.op = G_ADD_NORM, .M = M, .h = h, .t = t,
+                         .w = more ? (const bf16 *)(intptr_t)weights[(long)(li + 1) * 6] : 0, .x = x,
+                         .eps = more ? eps[2 * (li + 1)] : 0.f});
+    }
+}
+int simllm_layers_available(void) { return 1; }
+#else
+int simllm_layers_available(void) { return 0; }
+#endif
+
+/* float32 layers (the 4-bit float32 runner: int4_vector_kernel's products, the norm kernel's float32 rows, the
+   attention kernel's float32 entry), portable C for any CPU. RoPE and the residual adds as torch's float32 ops
+   compute them: each product and sum rounded on its own (no fused multiply-add: fp-contract off here). SiLU is
+   ours (x / (1 + expf(-x)), libm's expf), used by the Python layers too (silu_mul_f32). Per row, like the rest. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+typedef void (*norm32_fn)(const float *x, long x_stride, const float *w, float *y, int m, int e, float eps);
+typedef void (*mm32_fn)(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long per_thread, int nthreads);
+typedef void (*attend32_fn)(const float *q, long q_sn, long q_sh, const float *kn, long kn_sn, long kn_sh,
+                            const float *vn, long vn_sn, long vn_sh, float *out, int Hq, int Hkv, int D, float scale,
+                            int nseq, const int64_t *table, int layer, const uint8_t *blocked, int first,
+                            float *work, long stride, int threads);
+typedef void (*pool32_fn)(void *(*)(void *), void *, long, int);
+typedef struct {  /* the layout of pass_t (the _Pass structure), float32 entry points */
+    norm32_fn norm; mm32_fn mm; attend32_fn attend;
+    int E, Hq, Hkv, D, I;
+    float scale;
+    int nseq; const int64_t *table; float *awork; long astride; int athreads;
+    float *xsum; float *buf; long per_thread; int threads; long thread_min_macs;
+    pool32_fn pool; int glue_min_rows;
+} pass32_t;
+
+void simllm_rope_f32(const float *x, long row_stride, int M, int H, int D, const float *cos, const float *sin,
+                     float *out) {
+    const int half = D / 2;
+    for (int m = 0; m < M; m++) {
+        const float *c = cos + (long)m * D, *s = sin + (long)m * D;
+        for (int h = 0; h < H; h++) {
+            const float *xr = x + (long)m * row_stride + (long)h * D;
+            float *o = out + ((long)m * H + h) * D;
+            for (int d = 0; d < D; d++) {
+                const float a = xr[d] * c[d], b = xr[d < half ? d + half : d - half] * s[d];
+                o[d] = a + b;
+            }
+        }
+    }
+}
+
+void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride) {
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + (long)m * gu_stride, *u = g + I;
+        float *o = a + (long)m * a_stride;
+        for (int j = 0; j < I; j++) o[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+    }
+}
+
+enum { F_NORM, F_ADD_NORM, F_ROPE, F_SILU };
+typedef struct {
+    const pass32_t *P; int op, M, n, i;
+    float *h; const float *t; const float *w; float *x; float eps;
+    const float *src; float *dst; const float *cos, *sin;
+} glue32_t;
+
+static void *glue32_rows(void *arg) {
+    const glue32_t *G = arg;
+    const pass32_t *P = G->P;
+    const int m0 = (int)((long)G->M * G->i / G->n), m1 = (int)((long)G->M * (G->i + 1) / G->n), m = m1 - m0;
+    const int E = P->E, D = P->D, H = P->Hq + 2 * P->Hkv, I = P->I;
+    if (m <= 0) return 0;
+    switch (G->op) {
+    case F_ADD_NORM: {
+        float *h = G->h + (long)m0 * E;
+        const float *t = G->t + (long)m0 * E;
+        for (long j = 0; j < (long)m * E; j++) h[j] = h[j] + t[j];
+        if (!G->w) break;
+    }
+        /* fall through */
+    case F_NORM:
+        P->norm(G->h + (long)m0 * E, E, G->w, G->x + (long)m0 * E, m, E, G->eps);
+        break;
+    case F_ROPE:
+        simllm_rope_f32(G->src + (long)m0 * H * D, (long)H * D, m, P->Hq + P->Hkv, D, G->cos + (long)m0 * D,
+                        G->sin + (long)m0 * D, G->dst + (long)m0 * (P->Hq + P->Hkv) * D);
+        break;
+    case F_SILU:
+        simllm_silu_mul_f32(G->src + (long)m0 * 2 * I, 2 * I, m, I, G->dst + (long)m0 * I, I);
+        break;
+    }
+    return 0;
+}
+
+static void glue32(const pass32_t *P, glue32_t g) {
+    int n = P->pool && g.M >= P->glue_min_rows ? P->threads : 1;
+    if (n > g.M) n = g.M;
+    if (n > 64) n = 64;
+    g.P = P;
+    if (n <= 1) { g.n = 1; g.i = 0; glue32_rows(&g); return; }
+    glue32_t jobs[64];
+    for (int i = 0; i < n; i++) { jobs[i] = g; jobs[i].n = n; jobs[i].i = i; }
+    P->pool(glue32_rows, jobs, sizeof(glue32_t), n);
+}
+
+static void product32(const pass32_t *P, const float *x, const uint8_t *w, float *y, int M, int N, int K) {
+    int threads = (long)M * N * K >= P->thread_min_macs ? P->threads : 1;
+    P->mm(x, K, w, y, N, M, N, K, P->xsum, P->buf, P->per_thread, threads);
+}
+
+/* simllm_layers_bf16's steps in the same order, in float32. ws: M * (2E + 2Nqkv + Hq*D + 3I) floats. */
+void simllm_layers_f32(const pass32_t *P, float *h, int M, int first, int last, const int64_t *weights,
+                       const float *eps, const float *cos, const float *sin, float *ws) {
+    const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D, Nqk = (Hq + Hkv) * D;
+    float *x = ws, *qkv = x + (long)M * E, *qk = qkv + (long)M * Nqkv, *o = qk + (long)M * Nqk,
+          *t = o + (long)M * Hq * D, *gu = t + (long)M * E, *a = gu + (long)M * 2 * I;
+    if (first < last)
+        glue32(P, (glue32_t){.op = F_NORM, .M = M, .h = h, .w = (const float *)(intptr_t)weights[(long)first * 6],
+                             .x = x, .eps = eps[2 * first]});
+    for (int li = first; li < last; li++) {
+        const int64_t *W = weights + (long)li * 6;
+        product32(P, x, (const uint8_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
+        glue32(P, (glue32_t){.op = F_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin});
+        P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,
+                  P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);
+        product32(P, o, (const uint8_t *)(intptr_t)W[3], t, M, E, Hq * D);
+        glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t, .w = (const float *)(intptr_t)W[1], .x = x,
+                             .eps = eps[2 * li + 1]});
+        product32(P, x, (const uint8_t *)(intptr_t)W[4], gu, M, 2 * I, E);
+        glue32(P, (glue32_t){.op = F_SILU, .M = M, .src = gu, .dst = a});
+        product32(P, a, (const uint8_t *)(intptr_t)W[5], t, M, E, I);
+        const int more = li + 1 < last;
+        glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t,
+                             .w = more ? (const float *)(intptr_t)weights[(long)(li + 1) * 6] : 0, .x = x,
+                             .eps = more ? eps[2 * (li + 1)] : 0.f});
+    }
+}
+#pragma GCC pop_options

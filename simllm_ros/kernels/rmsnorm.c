@@ -1,0 +1,47 @@
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+typedef uint16_t bf16;
+static inline float f32(bf16 b) { uint32_t u = ((uint32_t)b) << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline bf16 to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+/* 1 / sqrt(mean + eps) of a row's squares summed in 16 lanes: the lanes added in a fixed tree. */
+static inline float inv_rms(float acc[16], int E, float eps) {
+    for (int s = 8; s >= 1; s >>= 1)
+        for (int l = 0; l < s; l++) acc[l] += acc[l + s];
+    return 1.0f / sqrtf(acc[0] / (float)E + eps);
+}
+
+/* y[m] = w * bf16(x[m] / sqrt(mean(x[m]^2) + eps)), E a multiple of 16. x rows at x_stride (0: one row
+   repeated), y rows contiguous. */
+void simllm_rmsnorm_bf16(const bf16 *x, long x_stride, const bf16 *w, bf16 *y, int M, int E, float eps) {
+    for (int m = 0; m < M; m++) {
+        const bf16 *xr = x + (long)m * x_stride;
+        bf16 *yr = y + (long)m * E;
+        float acc[16] = {0};
+        for (int k = 0; k < E; k += 16)
+            for (int l = 0; l < 16; l++) { float v = f32(xr[k + l]); acc[l] += v * v; }
+        const float r = inv_rms(acc, E, eps);
+        for (int k = 0; k < E; k++) yr[k] = to_bf16(f32(w[k]) * f32(to_bf16(f32(xr[k]) * r)));
+    }
+}
+
+/* The same in float32 (the 4-bit float32 runner: int4_vector_kernel): y[m] = w * (x[m] * r), the sum of squares
+   in the same 16 lanes and tree. */
+void simllm_rmsnorm_f32(const float *x, long x_stride, const float *w, float *y, int M, int E, float eps) {
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (long)m * x_stride;
+        float *yr = y + (long)m * E;
+        float acc[16] = {0};
+        for (int k = 0; k < E; k += 16)
+            for (int l = 0; l < 16; l++) acc[l] += xr[k + l] * xr[k + l];
+        const float r = inv_rms(acc, E, eps);
+        for (int k = 0; k < E; k++) yr[k] = w[k] * (xr[k] * r);
+    }
+}
