@@ -31,6 +31,19 @@ else
   say "pinned packages already installed"
 fi
 
+# The aarch64 bit checks (test/test_numerics_contract.py) cross-compile the kernels and run them under
+# qemu-aarch64: Debian's gcc-aarch64-linux-gnu and qemu-user (~60 MB). Best effort: without root or apt-get
+# those tests skip and say why (CI requires them).
+if ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || ! command -v qemu-aarch64 >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing the aarch64 cross compiler and qemu-user (apt-get)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user; } \
+      >/dev/null 2>&1 || say "note: could not install gcc-aarch64-linux-gnu / qemu-user; aarch64 checks will skip"
+  else
+    say "note: gcc-aarch64-linux-gnu / qemu-user missing (needs root apt-get); aarch64 checks will skip"
+  fi
+fi
+
 bash "$REPO/scripts/build_interfaces.sh" "$VENV"
 
 # Console commands (simllm-edge, simllm-query, simllm-replay, simllm-bench, simllm_node) point at the

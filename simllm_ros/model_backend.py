@@ -19,6 +19,7 @@ import torch
 
 from . import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
 from .block_store import KVShape
+from .kernels.build import CONTRACT
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
 from .request import ChatTurn
@@ -630,12 +631,15 @@ class ModelBackend:
         model, these settings, these kernels and this CPU. The same model gives other bits elsewhere (measured:
         the same 4-bit model with oneDNN allowed AMX changed it; the thread count did not), and KV cached by
         one arithmetic is not what another computes: a pool snapshot carries the digest, and a process whose
-        digest differs does not load it (persistence), so a lossless hit never serves another machine's KV."""
+        digest differs does not load it (persistence), so a lossless hit never serves another machine's KV. The
+        kernels' numerics contract (kernels/build.py CONTRACT) is hashed in: two machines with one digest run one
+        contract, and may share KV losslessly."""
         import hashlib
 
         ids = [int(t) % max(len(self.tokenizer), 1) for t in range(211, 211 + 16 * 89, 89)]
         logits = self.run(ids, self.new_cache(len(ids) + 2), logits="all")
-        return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+        data = CONTRACT.encode() + b"\0" + logits.detach().float().cpu().contiguous().numpy().tobytes()
+        return hashlib.sha256(data).hexdigest()[:16]
 
     def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Move post-RoPE keys [L, H, n, D] by `delta` positions each ([n] ints): R(p+d) = R(d) R(p)."""

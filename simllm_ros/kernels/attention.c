@@ -5,6 +5,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "exp_poly.h"
 
 #define ROW_BLOCK 8
 #define NCOL 14  /* columns of the sequence table */
@@ -33,7 +34,6 @@ static inline vf ld_bf16(const bf16 *p) {
 }
 static inline vf ld_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline float hsum(vf a) { return _mm512_reduce_add_ps(a); }
-#include "exp_poly.h"
 static inline vf vexp_nonpos(vf x) { return exp_poly(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))); }  /* x <= 0 */
 #define VZERO _mm512_setzero_ps()
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
@@ -51,24 +51,13 @@ static inline float hsum(vf a) {
     for (int w = 8; w >= 1; w /= 2) for (int l = 0; l < w; l++) a.v[l] += a.v[l + w];
     return a.v[0];
 }
-static inline vf vexp_nonpos(vf x) {
+static inline vf vexp_nonpos(vf x) {  /* the same operations as the AVX-512 form, lane by lane (exp_poly.h) */
     vf o;
-    for (int l = 0; l < 16; l++) {
-        float t = x.v[l] < -87.0f ? -87.0f : x.v[l];
-        float n = floorf(t * 1.44269504088896341f + 0.5f);
-        float r = t - n * 0.693359375f;
-        r = r + n * 2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
-        float y = (p * r) * r + r + 1.0f;
-        int32_t e = ((int32_t)n + 127) << 23; float s; memcpy(&s, &e, 4);
-        o.v[l] = y * s;
-    }
+    for (int l = 0; l < 16; l++) o.v[l] = exp_poly1(x.v[l] < -87.0f ? -87.0f : x.v[l]);
     return o;
 }
 static inline vf VZERO_fn(void) { vf r; memset(&r, 0, sizeof r); return r; }
-static inline vf VFMA_fn(vf a, vf b, vf c) { for (int l = 0; l < 16; l++) c.v[l] += a.v[l] * b.v[l]; return c; }
+static inline vf VFMA_fn(vf a, vf b, vf c) { for (int l = 0; l < 16; l++) c.v[l] = fmaf(a.v[l], b.v[l], c.v[l]); return c; }
 static inline vf VADD_fn(vf a, vf b) { for (int l = 0; l < 16; l++) a.v[l] += b.v[l]; return a; }
 static inline vf VMUL_fn(vf a, vf b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v[l]; return a; }
 static inline vf VSET1_fn(float x) { vf r; for (int l = 0; l < 16; l++) r.v[l] = x; return r; }

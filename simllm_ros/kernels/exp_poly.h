@@ -1,9 +1,33 @@
-/* Cephes' expf polynomial on 16 lanes, for x in [-87, 88] (callers clamp): the attention's softmax and the
-   layers' SiLU. */
+/* Cephes' expf polynomial, for x in [-87, 88] (callers clamp): the attention's softmax and the layers' SiLU.
+   exp(x) = y * s with s = 2^n; the parts are returned apart so that a caller's `1 + exp(x)` can be the one fused
+   multiply-add fma(y, s, 1) it has always been, written out (the build turns contraction off). The 16-lane form
+   (AVX-512) and the one-lane form (every other CPU) perform the same operations, so both give the same bits.
+   Ours rather than libm's expf, whose bits may differ between C libraries. */
 #ifndef SIMLLM_EXP_POLY_H
 #define SIMLLM_EXP_POLY_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
 
-static inline __m512 exp_poly(__m512 x) {
+static inline float exp_poly1_parts(float x, float *scale) {
+    const float n = floorf(fmaf(x, 1.44269504088896341f, 0.5f));
+    float r = fmaf(-n, 0.693359375f, x);
+    r = fmaf(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    const int32_t e = ((int32_t)n + 127) << 23;
+    memcpy(scale, &e, 4);
+    return fmaf(p * r, r, r) + 1.0f;
+}
+static inline float exp_poly1(float x) { float s; const float y = exp_poly1_parts(x, &s); return y * s; }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline __m512 exp_poly_parts(__m512 x, __m512 *scale) {
     __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -14,8 +38,10 @@ static inline __m512 exp_poly(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    *scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
+                                                   23));
+    return _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
 }
+static inline __m512 exp_poly(__m512 x) { __m512 s; const __m512 y = exp_poly_parts(x, &s); return _mm512_mul_ps(y, s); }
+#endif
 #endif

@@ -18,10 +18,29 @@ typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+/* c + a * b with one rounding on every CPU (the build turns contraction off, so it is written out): AVX2's
+   vfmadd, NEON's fmla, else fmaf lane by lane (a correctly rounded libm call where the CPU has no FMA: slow, the
+   same bits). */
 #if defined(__FMA__) && defined(__AVX2__)
 #define FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#else  /* aarch64 contracts this to fmla (GNU C's default fp-contract); elsewhere a multiply and an add, as everywhere */
-#define FMA(a, b, c) ((c) + (a) * (b))
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+typedef union { v8 v; float32x4_t q[2]; } v8q;
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+    const v8q x = {a}, y = {b};
+    v8q z = {c};
+    z.q[0] = vfmaq_f32(z.q[0], x.q[0], y.q[0]);
+    z.q[1] = vfmaq_f32(z.q[1], x.q[1], y.q[1]);
+    return z.v;
+}
+#define FMA(a, b, c) fma8((a), (b), (c))
+#else
+#include <math.h>
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+    for (int l = 0; l < 8; l++) c[l] = fmaf(a[l], b[l], c[l]);
+    return c;
+}
+#define FMA(a, b, c) fma8((a), (b), (c))
 #endif
 
 static inline v8 ld(const float *p) { return *(const v8u *)p; }

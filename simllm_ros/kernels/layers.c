@@ -3,6 +3,9 @@
 #include <math.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#endif
+#include "exp_poly.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 typedef uint16_t bf16;
 
 typedef void (*norm_fn)(const bf16 *x, long x_stride, const bf16 *w, bf16 *y, int m, int e, float eps);
@@ -28,9 +31,11 @@ static inline __m512 rnd(__m512 f) {
 static inline void st(bf16 *p, __m512 f) {  /* f already rounded */
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
 }
-#include "exp_poly.h"
-static inline __m512 vexp(__m512 x) {
-    return exp_poly(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
+/* 1 + exp(x), x clamped to [-87, 88]: one fused multiply-add after the polynomial (exp_poly.h) */
+static inline __m512 one_plus_exp(__m512 x) {
+    __m512 s;
+    const __m512 y = exp_poly_parts(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)), &s);
+    return _mm512_fmadd_ps(y, s, _mm512_set1_ps(1.0f));
 }
 
 /* out [M, H, D] = x * cos + roll(x, D/2) * sin of the first H heads of each row (sin's first half negated by
@@ -60,7 +65,7 @@ void simllm_silu_mul_bf16(const bf16 *gu, long gu_stride, int M, int I, bf16 *a,
         bf16 *o = a + (long)m * a_stride;
         for (int j = 0; j < I; j += 16) {
             __m512 x = ld(g + j);
-            __m512 sl = rnd(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+            __m512 sl = rnd(_mm512_div_ps(x, one_plus_exp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
             st(o + j, rnd(_mm512_mul_ps(sl, ld(u + j))));
         }
     }
@@ -169,10 +174,10 @@ int simllm_layers_available(void) { return 0; }
 
 /* float32 layers (the 4-bit float32 runner: int4_vector_kernel's products, the norm kernel's float32 rows, the
    attention kernel's float32 entry), portable C for any CPU. RoPE and the residual adds as torch's float32 ops
-   compute them: each product and sum rounded on its own (no fused multiply-add: fp-contract off here). SiLU is
-   ours (x / (1 + expf(-x)), libm's expf), used by the Python layers too (silu_mul_f32). Per row, like the rest. */
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
+   compute them: each product and sum rounded on its own (no fused multiply-add; the build turns contraction
+   off). SiLU is ours: x / (1 + exp(-x)) with exp_poly.h's polynomial and the same fused 1 + y * s as the bf16
+   path, not libm's expf (whose bits may differ between C libraries); the Python layers use it too
+   (silu_mul_f32). Per row, like the rest. */
 typedef void (*norm32_fn)(const float *x, long x_stride, const float *w, float *y, int m, int e, float eps);
 typedef void (*mm32_fn)(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
                         float *xsum, float *buf, long per_thread, int nthreads);
@@ -210,7 +215,12 @@ void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a
     for (int m = 0; m < M; m++) {
         const float *g = gu + (long)m * gu_stride, *u = g + I;
         float *o = a + (long)m * a_stride;
-        for (int j = 0; j < I; j++) o[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+        for (int j = 0; j < I; j++) {
+            float s;
+            const float t = -g[j] < -87.0f ? -87.0f : (-g[j] > 88.0f ? 88.0f : -g[j]);
+            const float y = exp_poly1_parts(t, &s);
+            o[j] = (g[j] / fmaf(y, s, 1.0f)) * u[j];
+        }
     }
 }
 
@@ -292,4 +302,3 @@ void simllm_layers_f32(const pass32_t *P, float *h, int M, int first, int last, 
                              .eps = more ? eps[2 * (li + 1)] : 0.f});
     }
 }
-#pragma GCC pop_options

@@ -11,7 +11,8 @@ static inline bf16 to_bf16(float f) {  /* round to nearest even, as torch does *
     return (bf16)(u >> 16);
 }
 
-/* 1 / sqrt(mean + eps) of a row's squares summed in 16 lanes: the lanes added in a fixed tree. */
+/* 1 / sqrt(mean + eps) of a row's squares summed in 16 lanes (one fused multiply-add per square): the lanes added
+   in a fixed tree. */
 static inline float inv_rms(float acc[16], int E, float eps) {
     for (int s = 8; s >= 1; s >>= 1)
         for (int l = 0; l < s; l++) acc[l] += acc[l + s];
@@ -26,7 +27,7 @@ void simllm_rmsnorm_bf16(const bf16 *x, long x_stride, const bf16 *w, bf16 *y, i
         bf16 *yr = y + (long)m * E;
         float acc[16] = {0};
         for (int k = 0; k < E; k += 16)
-            for (int l = 0; l < 16; l++) { float v = f32(xr[k + l]); acc[l] += v * v; }
+            for (int l = 0; l < 16; l++) { float v = f32(xr[k + l]); acc[l] = fmaf(v, v, acc[l]); }
         const float r = inv_rms(acc, E, eps);
         for (int k = 0; k < E; k++) yr[k] = to_bf16(f32(w[k]) * f32(to_bf16(f32(xr[k]) * r)));
     }
@@ -40,7 +41,7 @@ void simllm_rmsnorm_f32(const float *x, long x_stride, const float *w, float *y,
         float *yr = y + (long)m * E;
         float acc[16] = {0};
         for (int k = 0; k < E; k += 16)
-            for (int l = 0; l < 16; l++) acc[l] += xr[k + l] * xr[k + l];
+            for (int l = 0; l < 16; l++) acc[l] = fmaf(xr[k + l], xr[k + l], acc[l]);
         const float r = inv_rms(acc, E, eps);
         for (int k = 0; k < E; k++) yr[k] = w[k] * (xr[k] * r);
     }

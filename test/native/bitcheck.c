@@ -1,0 +1,105 @@
+/* Runs our kernels' float32 entry points on inputs from files and writes their outputs, so a test can compare a
+   library built for another CPU (aarch64 under qemu-aarch64) with this machine's, bit for bit.
+   usage: bitcheck <dir with the libraries> <case dir>; the case dir holds the inputs named below and receives the
+   outputs. Products run at several row cuts and 1 and 2 threads (the kept worker pool), each written apart. */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void *slurp(const char *dir, const char *name, long *bytes) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "rb");
+    if (!f) { fprintf(stderr, "cannot read %s\n", path); exit(2); }
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    void *p = malloc(n > 0 ? n : 1);
+    if (fread(p, 1, n, f) != (size_t)n) { fprintf(stderr, "short read %s\n", path); exit(2); }
+    fclose(f);
+    if (bytes) *bytes = n;
+    return p;
+}
+
+static void spill(const char *dir, const char *name, const void *p, long bytes) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(p, 1, bytes, f) != (size_t)bytes) { fprintf(stderr, "cannot write %s\n", path); exit(2); }
+    fclose(f);
+}
+
+static void *sym(void *lib, const char *name) {
+    void *p = dlsym(lib, name);
+    if (!p) { fprintf(stderr, "missing %s: %s\n", name, dlerror()); exit(2); }
+    return p;
+}
+
+static void *open_lib(const char *dir, const char *name) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s.so", dir, name);
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) { fprintf(stderr, "dlopen %s: %s\n", path, dlerror()); exit(2); }
+    return lib;
+}
+
+typedef void (*mm4_fn)(const float *, long, const uint8_t *, float *, long, int, int, int, float *, float *, long,
+                       int);
+typedef void (*mm8_fn)(const float *, long, const uint8_t *, float *, long, int, int, int, float *, long, int);
+typedef long (*floats_fn)(void);
+typedef void (*norm32_fn)(const float *, long, const float *, float *, int, int, float);
+typedef void (*norm16_fn)(const uint16_t *, long, const uint16_t *, uint16_t *, int, int, float);
+typedef void (*silu_fn)(const float *, long, int, int, float *, long);
+typedef void (*rope_fn)(const float *, long, int, int, int, const float *, const float *, float *);
+
+int main(int argc, char **argv) {
+    if (argc != 3) { fprintf(stderr, "usage: bitcheck <libdir> <casedir>\n"); return 2; }
+    const char *libs = argv[1], *dir = argv[2];
+    const int *shape = slurp(dir, "shape.i32", 0);  /* M, N, K, E, I, H, D */
+    const int M = shape[0], N = shape[1], K = shape[2], E = shape[3], I = shape[4], H = shape[5], D = shape[6];
+
+    void *vec = open_lib(libs, "int4_vector");
+    mm4_fn mm4 = (mm4_fn)sym(vec, "simllm_vec_int4_mm");
+    mm8_fn mm8 = (mm8_fn)sym(vec, "simllm_vec_int8_mm");
+    const long per_thread = ((floats_fn)sym(vec, "simllm_vec_buffer_floats"))();
+    const float *x = slurp(dir, "x.f32", 0);
+    const uint8_t *w4 = slurp(dir, "w4.u8", 0), *w8 = slurp(dir, "w8.u8", 0);
+    float *y = calloc((size_t)M * N, 4), *xsum = calloc((size_t)M * (K / 32) + 1, 4);
+    float *buf = calloc((size_t)per_thread * 2, 4);
+    static const int cuts[][2] = {{0, -1}, {0, 1}, {2, 5}, {3, 10}, {7, 8}};
+    for (int t = 1; t <= 2; t++)
+        for (int c = 0; c < 5; c++) {
+            const int r0 = cuts[c][0], r1 = cuts[c][1] < 0 ? M : cuts[c][1];
+            char name[64];
+            mm4(x + (long)r0 * K, K, w4, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
+            snprintf(name, sizeof name, "mm4_t%d_%d_%d.f32", t, r0, r1);
+            spill(dir, name, y, (long)(r1 - r0) * N * 4);
+            mm8(x + (long)r0 * K, K, w8, y, N, r1 - r0, N, K, buf, per_thread, t);
+            snprintf(name, sizeof name, "mm8_t%d_%d_%d.f32", t, r0, r1);
+            spill(dir, name, y, (long)(r1 - r0) * N * 4);
+        }
+
+    void *norm = open_lib(libs, "rmsnorm");
+    const float *nx = slurp(dir, "nx.f32", 0), *nw = slurp(dir, "nw.f32", 0);
+    float *ny = calloc((size_t)M * E, 4);
+    ((norm32_fn)sym(norm, "simllm_rmsnorm_f32"))(nx, E, nw, ny, M, E, 1e-5f);
+    spill(dir, "norm_f32.f32", ny, (long)M * E * 4);
+    const uint16_t *bx = slurp(dir, "nx.bf16", 0), *bw = slurp(dir, "nw.bf16", 0);
+    uint16_t *by = calloc((size_t)M * E, 2);
+    ((norm16_fn)sym(norm, "simllm_rmsnorm_bf16"))(bx, E, bw, by, M, E, 1e-5f);
+    spill(dir, "norm_bf16.bf16", by, (long)M * E * 2);
+
+    void *layers = open_lib(libs, "layers");
+    const float *gu = slurp(dir, "gu.f32", 0);
+    float *a = calloc((size_t)M * I, 4);
+    ((silu_fn)sym(layers, "simllm_silu_mul_f32"))(gu, 2L * I, M, I, a, I);
+    spill(dir, "silu_f32.f32", a, (long)M * I * 4);
+    const float *rx = slurp(dir, "rx.f32", 0), *cs = slurp(dir, "cos.f32", 0), *sn = slurp(dir, "sin.f32", 0);
+    float *ro = calloc((size_t)M * H * D, 4);
+    ((rope_fn)sym(layers, "simllm_rope_f32"))(rx, (long)H * D, M, H, D, cs, sn, ro);
+    spill(dir, "rope_f32.f32", ro, (long)M * H * D * 4);
+    puts("ok");
+    return 0;
+}
