@@ -1,5 +1,7 @@
 """4-bit weight products (and the 8-bit LM head) in float32 on CPU vector units: the lossless fast path for CPUs
-without AMX (AVX2 x86, and aarch64 such as a Jetson's Cortex-A78AE, through GCC's vector extensions).
+without AMX: 16 output lanes per instruction with AVX-512, 8 with AVX2, NEON on aarch64 (a Jetson's Cortex-A78AE),
+GCC's vector extensions with libm's fmaf elsewhere; every build computes the same bits (kernels/build.py's
+numerics contract, test_numerics_contract).
 
 Why our own: on such a CPU the model runs in float32 (no native bf16), and torch's float32 products (MKL, oneDNN)
 pick kernels by row count, so a token's bits depend on how many tokens ran with it: the load-time invariance probe
@@ -13,8 +15,7 @@ weights are step * code + base (base = zero - 8 * step), float32 out. Every path
 blocks in registers, or blocks of rows over a group decoded once into a float buffer) performs exactly these
 operations for each output, and threads split output blocks, never a sum: a row's bits depend on its inputs only,
 whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
-C in kernels/int4_vector.c, built by kernels/build.py; `SIMLLM_INT4=aten`
-turns it off with the AMX one.
+C in kernels/int4_vector.c, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off with the AMX one.
 """
 from __future__ import annotations
 

@@ -14,13 +14,35 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
 typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
+static inline v8 ld8(const float *p) { return *(const v8u *)p; }
 
+/* Output lanes per vector (VL): 16 with AVX-512 (one vector per block of 16 outputs), else 8 (two). A lane is
+   one output, so the width decides how many outputs an instruction computes, never an output's operations:
+   every build computes the same bits (test_numerics_contract). FMA(a, b, c) is c + a * b with one rounding on
+   every CPU (the build turns contraction off, so it is written out): vfmadd, NEON's fmla, else fmaf lane by lane
+   (a correctly rounded libm call where the CPU has no FMA: slow, the same bits). DEC4/DEC8 give input k's 16
+   weights as floats, outputs 0-15 in order across the NH vectors: 4-bit codes 0..15, or 8-bit codes -127..127. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16
+typedef __m512 vw;
+#define FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+static inline vw ld(const float *p) { return _mm512_loadu_ps(p); }
+static inline void st(float *p, vw v) { _mm512_storeu_ps(p, v); }
+static inline vw bc(float f) { return _mm512_set1_ps(f); }
+/* 8 bytes (byte j: output j low nibble, j + 8 high) -> 16 codes in output order -> 16 floats */
+#define DEC4(p, w) do { const __m128i b_ = _mm_loadl_epi64((const __m128i *)(const void *)(p));                \
+        const __m128i c_ = _mm_and_si128(_mm_unpacklo_epi64(b_, _mm_srli_epi16(b_, 4)), _mm_set1_epi8(15));   \
+        (w)[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c_)); } while (0)
+#define DEC8(p, w) do {                                                                                   \
+        (w)[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)))); \
+    } while (0)
+#else
+#define VL 8
+typedef v8 vw;
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-/* c + a * b with one rounding on every CPU (the build turns contraction off, so it is written out): AVX2's
-   vfmadd, NEON's fmla, else fmaf lane by lane (a correctly rounded libm call where the CPU has no FMA: slow, the
-   same bits). */
 #if defined(__FMA__) && defined(__AVX2__)
 #define FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #elif defined(__ARM_NEON)
@@ -42,11 +64,9 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 }
 #define FMA(a, b, c) fma8((a), (b), (c))
 #endif
-
-static inline v8 ld(const float *p) { return *(const v8u *)p; }
-static inline void st(float *p, v8 v) { *(v8u *)p = v; }
-static inline v8 bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
-
+static inline vw ld(const float *p) { return ld8(p); }
+static inline void st(float *p, vw v) { *(v8u *)p = v; }
+static inline vw bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 /* Eight codes widened to int32: x86's one-instruction widening (GCC expands the generic conversion of an 8-byte
    vector byte by byte there), the generic conversion elsewhere (aarch64: ushll/sshll). */
 #if defined(__AVX2__)
@@ -56,17 +76,20 @@ static inline v8 bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 #define U8X8(p) __builtin_convertvector(*(const u8x8 *)(p), v8i)
 #define I8X8(p) __builtin_convertvector(*(const i8x8 *)(p), v8i)
 #endif
-/* Input k's 16 weights (outputs 0-7, 8-15) as floats: 4-bit codes 0..15, or 8-bit codes -127..127. */
-#define DEC4(p, lo, hi) do { const v8i c_ = U8X8(p);                                                     \
-        lo = __builtin_convertvector(c_ & 15, v8); hi = __builtin_convertvector(c_ >> 4, v8); } while (0)
-#define DEC8(p, lo, hi) do { lo = __builtin_convertvector(I8X8(p), v8);                                   \
-        hi = __builtin_convertvector(I8X8((p) + 8), v8); } while (0)
+#define DEC4(p, w) do { const v8i c_ = U8X8(p);                                                           \
+        (w)[0] = __builtin_convertvector(c_ & 15, v8); (w)[1] = __builtin_convertvector(c_ >> 4, v8); } while (0)
+#define DEC8(p, w) do { (w)[0] = __builtin_convertvector(I8X8(p), v8);                                    \
+        (w)[1] = __builtin_convertvector(I8X8((p) + 8), v8); } while (0)
+#endif
+#define NH (16 / VL)
 #define CS4 8
 #define CS8 16
-/* A group's sums into out (o0: outputs 0-7, o1: 8-15); s: its 16 steps, then 16 bases (4-bit) or 16 scales. */
-#define POST4(s, a0, a1, xs, o0, o1) do { o0 = FMA(ld(s), a0, o0); o0 = FMA(ld((s) + 16), bc(xs), o0);          \
-        o1 = FMA(ld((s) + 8), a1, o1); o1 = FMA(ld((s) + 24), bc(xs), o1); } while (0)
-#define POST8(s, a0, a1, xs, o0, o1) do { (void)(xs); o0 = FMA(ld(s), a0, o0); o1 = FMA(ld((s) + 8), a1, o1); } while (0)
+/* A group's sums a[NH] into out o[NH]; s: its 16 steps, then 16 bases (4-bit) or 16 scales (8-bit). */
+#define POST4(s, a, xs, o) do { for (int h_ = 0; h_ < NH; h_++) {                                          \
+        (o)[h_] = FMA(ld((s) + VL * h_), (a)[h_], (o)[h_]); (o)[h_] = FMA(ld((s) + 16 + VL * h_), bc(xs), (o)[h_]); } \
+    } while (0)
+#define POST8(s, a, xs, o) do { (void)(xs);                                                                \
+        for (int h_ = 0; h_ < NH; h_++) (o)[h_] = FMA(ld((s) + VL * h_), (a)[h_], (o)[h_]); } while (0)
 
 typedef struct {
     const float *x; long x_stride; const uint8_t *w; float *y; long y_stride;
@@ -76,51 +99,53 @@ typedef struct {
 /* One row, NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used. */
 #define DEFINE_ROW(NAME, NB, BLOB, CS, DEC, POST)                                                         \
 static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, const float *xs, float *y) {  \
-    v8 o[NB][2];                                                                                          \
-    for (int j = 0; j < NB; j++) o[j][0] = o[j][1] = bc(0.f);                                             \
+    vw o[NB][NH];                                                                                         \
+    for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) o[j][h] = bc(0.f);                          \
     for (int g = 0; g < G; g++) {                                                                         \
-        v8 a[NB][2];                                                                                      \
-        for (int j = 0; j < NB; j++) a[j][0] = a[j][1] = bc(0.f);                                         \
+        vw a[NB][NH];                                                                                     \
+        for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) a[j][h] = bc(0.f);                      \
         const float *xg = x + g * GROUP;                                                                  \
         const uint8_t *wg = w + (long)g * BLOB;                                                           \
         for (int j = 0; j < NB; j++)  /* no fault past the end: a prefetch is a hint */                   \
             for (int l = 0; l < BLOB; l += 64) __builtin_prefetch(wg + j * bbytes + PREFETCH * BLOB + l);  \
         for (int k = 0; k < GROUP; k++) {                                                                 \
-            const v8 xb = bc(xg[k]);                                                                      \
+            const vw xb = bc(xg[k]);                                                                      \
             for (int j = 0; j < NB; j++) {                                                                \
-                v8 lo, hi;                                                                                \
-                DEC(wg + j * bbytes + k * CS, lo, hi);                                                    \
-                a[j][0] = FMA(xb, lo, a[j][0]); a[j][1] = FMA(xb, hi, a[j][1]);                           \
+                vw wk[NH];                                                                                \
+                DEC(wg + j * bbytes + k * CS, wk);                                                        \
+                for (int h = 0; h < NH; h++) a[j][h] = FMA(xb, wk[h], a[j][h]);                           \
             }                                                                                             \
         }                                                                                                 \
         for (int j = 0; j < NB; j++) {                                                                    \
             const float *s = (const float *)(wg + j * bbytes + GROUP * CS);                               \
-            POST(s, a[j][0], a[j][1], xs ? xs[g] : 0.f, o[j][0], o[j][1]);                                \
+            POST(s, a[j], xs ? xs[g] : 0.f, o[j]);                                                        \
         }                                                                                                 \
     }                                                                                                     \
-    for (int j = 0; j < NB; j++) { st(y + 16 * j, o[j][0]); st(y + 16 * j + 8, o[j][1]); }                \
+    for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) st(y + 16 * j + VL * h, o[j][h]);           \
 }
 
-/* NQ rows (6, 3 or 1: 12, 6 or 2 sums in registers) over a group decoded into dq [32][16]: the same operations for
-   each row as the one-row path's, their sums added into the chunk's ob. */
+/* NQ rows (6, 3 or 1) over a group decoded into dq [32][16]: the same operations for each row as the one-row
+   path's, their sums added into the chunk's ob. */
 #define DEFINE_QROWS(NAME, POST, HAS_XSUM)                                                                \
 static inline __attribute__((always_inline)) void NAME(const job_t *J, const float *dq, const float *s, float *ob, \
                                                        int r0, int r, int g, int G, const int NQ) {        \
     const float *x0 = J->x + (long)(r0 + r) * J->x_stride + g * GROUP;                                    \
-    v8 a[6][2];                                                                                           \
-    for (int q = 0; q < NQ; q++) a[q][0] = a[q][1] = bc(0.f);                                             \
+    vw a[6][NH];                                                                                          \
+    for (int q = 0; q < NQ; q++) for (int h = 0; h < NH; h++) a[q][h] = bc(0.f);                          \
     for (int k = 0; k < GROUP; k++) {                                                                     \
-        const v8 lo = ld(dq + 16 * k), hi = ld(dq + 16 * k + 8);                                          \
+        vw wk[NH];                                                                                        \
+        for (int h = 0; h < NH; h++) wk[h] = ld(dq + 16 * k + VL * h);                                    \
         for (int q = 0; q < NQ; q++) {                                                                    \
-            const v8 xb = bc(x0[q * J->x_stride + k]);                                                    \
-            a[q][0] = FMA(xb, lo, a[q][0]); a[q][1] = FMA(xb, hi, a[q][1]);                               \
+            const vw xb = bc(x0[q * J->x_stride + k]);                                                    \
+            for (int h = 0; h < NH; h++) a[q][h] = FMA(xb, wk[h], a[q][h]);                               \
         }                                                                                                 \
     }                                                                                                     \
     for (int q = 0; q < NQ; q++) {                                                                        \
         float *o = ob + 16 * (r + q);                                                                     \
-        v8 o0 = ld(o), o1 = ld(o + 8);                                                                    \
-        POST(s, a[q][0], a[q][1], HAS_XSUM ? J->xsum[(long)(r0 + r + q) * G + g] : 0.f, o0, o1);          \
-        st(o, o0); st(o + 8, o1);                                                                         \
+        vw ov[NH];                                                                                        \
+        for (int h = 0; h < NH; h++) ov[h] = ld(o + VL * h);                                              \
+        POST(s, a[q], HAS_XSUM ? J->xsum[(long)(r0 + r + q) * G + g] : 0.f, ov);                          \
+        for (int h = 0; h < NH; h++) st(o + VL * h, ov[h]);                                               \
     }                                                                                                     \
 }
 
@@ -150,9 +175,9 @@ static void *NAME(void *arg) {                                                  
             for (int g = 0; g < G; g++) {                                                                 \
                 const uint8_t *wg = J->w + b * bbytes + (long)g * BLOB;                                   \
                 for (int k = 0; k < GROUP; k++) {                                                         \
-                    v8 lo, hi;                                                                            \
-                    DEC(wg + k * CS, lo, hi);                                                             \
-                    st(dq + 16 * k, lo); st(dq + 16 * k + 8, hi);                                         \
+                    vw wk[NH];                                                                            \
+                    DEC(wg + k * CS, wk);                                                                 \
+                    for (int h = 0; h < NH; h++) st(dq + 16 * k + VL * h, wk[h]);                         \
                 }                                                                                         \
                 const float *s = (const float *)(wg + GROUP * CS);                                        \
                 int r = 0;                                                                                \
@@ -210,7 +235,7 @@ void simllm_vec_int4_mm(const float *x, long x_stride, const uint8_t *w, float *
     for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             const float *p = x + (long)m * x_stride + g * GROUP;
-            const v8 s = ((ld(p) + ld(p + 8)) + ld(p + 16)) + ld(p + 24);
+            const v8 s = ((ld8(p) + ld8(p + 8)) + ld8(p + 16)) + ld8(p + 24);
             xsum[(long)m * G + g] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
         }
     run(part4, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
