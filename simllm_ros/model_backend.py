@@ -51,16 +51,27 @@ class EarlyStart:
     reran: bool = False  # early_layers ran it again from a lower token (pick named one of its prefix's)
 
 
-def auto_dtype(device: str) -> str:
-    """bfloat16 where the hardware computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX),
-    else float32 (float16 on older CUDA cards)."""
-    if device.startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+def native_bf16() -> bool:
     try:
-        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
-        native = False
-    return "bfloat16" if native else "float32"
+        return False
+
+
+def auto_dtype(device: str) -> tuple[str, str]:
+    """(dtype, why) for dtype auto: the fastest lossless path on cache hits for this CPU class. bfloat16 where
+    our AMX kernels run (bf16 products on tiles, C layers); float32 on every other CPU, where our float32 vector
+    kernel and C layers take a 4-bit model (measured on AVX-512 + AVX512_BF16 CPUs without AMX, README
+    "Numerics and CPU classes": bf16 there runs ATen's int4 kernel with the layers in Python, and answers a hit
+    slower). A float32 choice is provisional: where the model is not 4-bit and the CPU has native bf16, the
+    backend turns to bfloat16 after loading (float32's 16-bit products are not row-invariant). CUDA: bfloat16,
+    or float16 on older cards."""
+    if device.startswith("cuda"):
+        return ("bfloat16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("float16", "CUDA without bf16")
+    if native_bf16() and int4_kernel.load() is not None:
+        return "bfloat16", "AMX: bf16 products on our AMX kernel"
+    return "float32", ("no AMX: float32 on our vector kernel and C layers is the faster lossless path for hits"
+                       + (" (native bf16 would take ATen's int4 kernel and Python layers)" if native_bf16() else ""))
 
 
 def default_cache_dir() -> str:
@@ -155,8 +166,10 @@ class ModelBackend:
         if device == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError("device 'cuda' requested but torch sees no CUDA device")
         self.device = device
-        if dtype == "auto":
-            dtype = auto_dtype(device)
+        auto = dtype == "auto"
+        self.dtype_why = "set by the dtype parameter"
+        if auto:
+            dtype, self.dtype_why = auto_dtype(device)
         if dtype not in _DTYPES:
             raise ModelLoadError(f"unknown dtype '{dtype}'")
         self.dtype = _DTYPES[dtype]
@@ -183,8 +196,16 @@ class ModelBackend:
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
         self.runner = None
         fast = self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers and LlamaRunner.supports(self.model)
-        if weight_bits == 0:
+        auto_bits = weight_bits == 0
+        if auto_bits:
             weight_bits = self._auto_weight_bits(fast, device)
+        if auto and self.dtype == torch.float32 and device == "cpu" and weight_bits != 4 and native_bf16():
+            # float32 was for the vector kernel, which this model does not take: bf16 is lossless and native here
+            dtype, self.dtype, self.dtype_name = "bfloat16", torch.bfloat16, "bfloat16"
+            self.dtype_why = "native bf16; the model's weights are not 4-bit for float32's vector kernel"
+            self.model.to(torch.bfloat16)
+            if auto_bits:
+                weight_bits = self._auto_weight_bits(fast, device)
         four_in_f32 = weight_bits == 4 and device == "cpu" and self.dtype == torch.float32
         if weight_bits != 16 and (not fast or (self.dtype not in (torch.bfloat16, torch.float16) and not four_in_f32)):
             raise ModelLoadError(f"weight_bits={weight_bits} needs a Llama-family model in bfloat16 or float16 "

@@ -13,6 +13,7 @@ import os
 import torch
 
 from simllm_ros.engine import RELOAD_PARAMS, Engine
+from simllm_ros.model_backend import auto_dtype, native_bf16
 from simllm_ros.settings import Settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,10 +49,11 @@ ROBOT_INTENTS = ("weather", "traffic", "directions", "gas", "gas_type", "distanc
 
 # SIMLLM_TEST_DEVICE=cuda runs the core tests on a GPU (scripts/gpu_check.sh); the default is the CPU.
 BASE = dict(cache_size="768MB", dtype="float32", kv_bits=32, device=os.environ.get("SIMLLM_TEST_DEVICE", "cpu"))
-# This CPU's lossless default configuration, which the identity tests check: bf16 where the CPU computes it
-# natively (AMX kernels), else float32 (the 4-bit vector kernel; then the same settings as BASE, one engine).
-NATIVE_BF16 = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
-LOSSLESS = dict(dtype="bfloat16", kv_bits=0) if NATIVE_BF16 else dict(dtype="float32", kv_bits=32)
+# This CPU's lossless default configuration, which the identity tests check: what dtype auto picks for the
+# embedded 4-bit model (bf16 where our AMX kernels run, else float32 on the vector kernel: then the same settings
+# as BASE, one engine).
+NATIVE_BF16 = native_bf16()
+LOSSLESS = dict(dtype="bfloat16", kv_bits=0) if auto_dtype("cpu")[0] == "bfloat16" else dict(dtype="float32", kv_bits=32)
 
 
 def clinc_by_intent(limit_per_intent: int | None = None) -> dict[str, list[str]]:

@@ -446,3 +446,19 @@ def test_passes_split_on_the_4bit_kernels_workers_give_the_bits_of_one_thread():
         assert not errors and len(out) == 60 and all(torch.equal(o, want) for o in out)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(PORTABLE is None or KERNEL is None or KERNEL.amx is not None,
+                    reason="needs an AVX-512 build without AMX beside the portable one")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_portable_c_gives_the_avx512_bits(dtype):
+    """The numerics contract (kernels/build.py): the portable C an aarch64 computer compiles performs the AVX-512
+    code's operations (explicit fused multiply-adds, the same exp polynomial, the same lane tree), so a pass
+    gives the same bits on either."""
+    outs = []
+    for kernel in (KERNEL, PORTABLE):
+        (ka, va), (kb, vb) = _buffers(dtype, 80, 0), _buffers(dtype, 40, 1)
+        qa, kna, vna = _rows(dtype, 5, 2)
+        qb, knb, vnb = _rows(dtype, 1, 3)
+        outs.append(_pass([(60, qa, kna, vna, ka, va), (30, qb, knb, vnb, kb, vb)], kernel=kernel))
+    assert torch.equal(outs[0], outs[1])
