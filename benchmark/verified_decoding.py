@@ -4,9 +4,11 @@ Workload: a ~560-token prompt (system prompt + a local bulletin + a question), r
 questions, 32-token answers, greedy. For each question, in this order, interleaved across systems:
   hit    - a new question on a context the system has already seen (the context is cached)
   repeat - the same question again (for simllm_ros: its stored answer becomes a verified draft)
-Systems: simllm_ros at its defaults (dtype auto: bf16 where native, else float32; weight_bits auto: the file's own
-4-bit weights; lossless KV, verified drafts), the same without drafts, with 16-bit weights (weight_bits=16), and
-where the default is bf16 with int8 weights (weight_bits=8) and in float32; llama.cpp (llama-cpp-python, same
+  miss   - (each system's references, run first) the question alone on an empty pool, no drafts
+Systems: simllm_ros at its defaults (dtype auto: bf16 where our AMX kernels run, else float32; weight_bits auto:
+the file's own 4-bit weights; lossless KV, verified drafts), the same without drafts, with 16-bit weights
+(weight_bits=16), where the default is bf16 with int8 weights (weight_bits=8) and in float32, and where float32
+was chosen over a native bf16 (AVX512_BF16 without AMX) in bf16 (4- and 8-bit weights); llama.cpp (llama-cpp-python, same
 GGUF file, its prompt cache), if installed. Every simllm_ros configuration is also run with an empty pool and
 no drafts, and its cached answers are compared with those (identical-answer share).
 
@@ -33,6 +35,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from simllm_ros.engine import Engine  # noqa: E402
+from simllm_ros.model_backend import native_bf16  # noqa: E402
 from simllm_ros.request import QueryRequest  # noqa: E402
 from simllm_ros.settings import Settings  # noqa: E402
 from simllm_ros.workloads import find_clinc  # noqa: E402
@@ -69,6 +72,7 @@ class SimSystem:
         self.engine = Engine(Settings.from_overrides(cache_size="512MB", **overrides))
         self.engine.load(progress=lambda m: None)
         self.ref: dict[str, str] = {}
+        self.miss: list[float] = []  # the references' totals: a cold request (empty pool, no drafts)
 
     def reference(self, q: str, max_new: int) -> str:
         """The answer from an empty pool without drafts: what the cache must not change."""
@@ -81,6 +85,7 @@ class SimSystem:
         e.settings = saved
         e.clear_pool()
         self.ref[q] = r.answer
+        self.miss.append(r.total_ms)
         return r.answer
 
     def ask(self, q: str, max_new: int) -> dict:
@@ -105,6 +110,7 @@ class LlamaCpp:
                          n_threads_batch=threads, seed=0, verbose=False)
         self.llm.set_cache(LlamaRAMCache(capacity_bytes=512 << 20))
         self.ref: dict[str, str] = {}
+        self.miss: list[float] = []
 
     def _run(self, q: str, max_new: int) -> dict:
         ids = self.backend.prompt_ids(self.system_prompt, BULLETIN, q)
@@ -123,7 +129,8 @@ class LlamaCpp:
 
     def reference(self, q: str, max_new: int) -> str:
         self.llm.reset()
-        self.ref[q] = self._run(q, max_new)["answer"]
+        r = self._run(q, max_new)
+        self.ref[q], _ = r["answer"], self.miss.append(r["total"])
         return self.ref[q]
 
     def ask(self, q: str, max_new: int) -> dict:
@@ -211,6 +218,9 @@ def main() -> None:
         if b.dtype_name != "float32":  # a bf16 default; on a CPU without native bf16 the default is float32 already,
             # and int8 weights need bf16
             systems += [SimSystem("simllm_ros, int8 weights", weight_bits=8), SimSystem("simllm_ros, float32", dtype="float32")]
+        elif native_bf16():  # float32 chosen over a native bf16 (no AMX): show what bf16 would give here
+            systems += [SimSystem("simllm_ros, bfloat16", dtype="bfloat16", kv_bits=0),
+                        SimSystem("simllm_ros, bfloat16, int8 weights", dtype="bfloat16", kv_bits=0, weight_bits=8)]
         try:
             systems.append(LlamaCpp(systems[0].engine.backend, systems[0].engine.settings.system_prompt,
                                     args.threads))
@@ -233,14 +243,15 @@ def main() -> None:
              f"{len(qs)} CLINC150 questions on a {rows[systems[0].name]['hit'][0]['prompt']}-token prompt, "
              f"up to {max_new} new tokens, greedy, {args.threads} thread(s), interleaved request by request; "
              f"medians. Machine: {os.cpu_count()} cores, shared, so compare within a row set, not across runs.", "",
-             "| system | hit TTFT | hit total | repeat total | decode ms/token (hit) | tokens per pass (hit / repeat) "
-             "| identical to its own no-cache answer |", "|---|---|---|---|---|---|---|"]
+             "| system | hit TTFT | hit total | repeat total | miss total | decode ms/token (hit) "
+             "| tokens per pass (hit / repeat) | identical to its own no-cache answer |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in systems:
         h, rp = rows[s.name]["hit"], rows[s.name]["repeat"]
         tpp = lambda rr: sum(r["n"] for r in rr) / max(1, sum(max(r["passes"], 1) for r in rr))  # noqa: E731
         same = sum(r["same"] for r in h + rp)
         lines.append(f"| {s.name} | {med(h, 'ttft'):.0f} ms | {med(h, 'total'):.0f} ms | {med(rp, 'total'):.0f} ms "
-                     f"| {ms_per_token(h):.1f} | {tpp(h):.2f} / {tpp(rp):.2f} | {same}/{len(h + rp)} |")
+                     f"| {statistics.median(s.miss):.0f} ms | {ms_per_token(h):.1f} | {tpp(h):.2f} / {tpp(rp):.2f} | {same}/{len(h + rp)} |")
     if any(isinstance(s, LlamaCpp) for s in systems):
         base = rows[systems[-1].name]
         lines += ["", "Ratios to llama.cpp (lower is better):", ""]
@@ -248,7 +259,8 @@ def main() -> None:
             h, rp = rows[s.name]["hit"], rows[s.name]["repeat"]
             lines.append(f"- {s.name}: hit total {med(h, 'total') / med(base['hit'], 'total'):.2f}x, repeat total "
                          f"{med(rp, 'total') / med(base['repeat'], 'total'):.2f}x, decode ms/token "
-                         f"{ms_per_token(h) / ms_per_token(base['hit']):.2f}x")
+                         f"{ms_per_token(h) / ms_per_token(base['hit']):.2f}x, miss total "
+                         f"{statistics.median(s.miss) / statistics.median(systems[-1].miss):.2f}x")
     sims = [s for s in systems if isinstance(s, SimSystem)]
     sixteen = next((s for s in sims if s.engine.backend.weight_bits == 16 and s.engine.backend.dtype_name != "float32"),
                    None)

@@ -180,6 +180,9 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
     assert int(kv["entries"]) >= 2 and kv["hottest_zone"] == "gpu-thermal" and kv["thermal_level"] == "OK"
     assert "ttft_miss_p95_ms" in kv and "hit_rate_any_recent" in kv
     assert kv["lossless_reuse"] == "true"  # the load-time batch-invariance probe passed on this machine
+    from simllm_ros.kernels.build import CONTRACT
+    digest, contract = kv["numerics"].split()
+    assert len(digest) == 16 and contract == f"({CONTRACT})", kv["numerics"]  # which arithmetic, for the fleet
     from simllm_ros import attention_kernel
     assert kv["attention"] == ("kernel" if attention_kernel.load() is not None else "torch")
     if kv["attention"] == "kernel":  # bf16 on AMX where this CPU and Linux allow it, else the vector code

@@ -53,6 +53,7 @@ from visualization_msgs.msg import Marker, MarkerArray
 from simllm_ros import cache_map, health
 from simllm_ros.checkpoint import Checkpointer
 from simllm_ros.engine import Engine, EngineLoadError
+from simllm_ros.kernels.build import CONTRACT as NUMERICS_CONTRACT
 from simllm_ros.action import Generate
 from simllm_ros.msg import CacheStats, QueryRequest as QueryRequestMsg, QueryResponse, ThermalStatus
 from simllm_ros.request import CacheResult, ChatTurn, Progress, QueryRequest, QueryResult
@@ -690,6 +691,8 @@ class SimLLMNode(LifecycleNode):
         b = engine.backend
         if b is not None:  # what dtype / weight_bits "auto" chose on this machine
             st.values.append(KeyValue(key="precision", value=f"{b.dtype_name}, {b.weight_bits}-bit weights"))
+            # the arithmetic by digest and kernel contract: two nodes with one digest compute the same bits
+            st.values.append(KeyValue(key="numerics", value=f"{getattr(b, 'numerics', '')} ({NUMERICS_CONTRACT})"))
             # which attention computes the model's passes (kernel, torch, transformers): the fast path or not
             st.values.append(KeyValue(key="attention", value=b.attention_kind))
             if b.attention_arithmetic:  # and on what: amx tiles or vector code
