@@ -38,7 +38,7 @@ from .safe_io import read_regular
 from .semantic_log import SemanticLog
 from .settings import SPECS, SettingError, Settings, parse_size
 from .streaming import AnswerWatcher
-from .structured_output import CompiledSchema, SchemaError
+from .structured_output import CompiledSchema, NoValueLeft, SchemaError
 from .thermal import ThermalLevel
 from .validation import check_text_field, is_invisible_only, normalize_text, validate_request
 
@@ -451,7 +451,7 @@ class Engine:
             schema = None
             if err is None and r.json_schema:
                 try:
-                    schema = self.backend.grammars.compile(r.json_schema)
+                    schema = self.backend.grammars.compile(r.json_schema, s.schema_compile_timeout_s)
                 except SchemaError as e:
                     err = str(e)
             if err is not None:
@@ -521,6 +521,9 @@ class Engine:
         return None
 
     def _fault(self, p: Prepared, e: BaseException) -> QueryResult:
+        if isinstance(e, NoValueLeft):  # the caller's schema, not our fault: a clear error, no traceback
+            self.log.warning(f"request {p.req.request_id!r}: {e}")
+            return QueryResult.failure(str(e), p.req.request_id)
         self.log.error(f"request {p.req.request_id!r} failed inside the engine", exc_info=e)
         return QueryResult.failure(f"internal error: {type(e).__name__}: {e}", p.req.request_id)
 
@@ -617,8 +620,15 @@ class Engine:
             res.success, res.error, finished = False, CANCELLED_ERROR, False
         elif f.constraint is not None and not f.constraint.is_terminated():
             res.success, finished = False, False
-            res.error = (f"json_schema: the answer reached max_new_tokens ({f.max_new}) before the JSON was "
+            res.error = ("json_schema: a stop string ended the answer before the JSON was complete; drop that stop "
+                         "string for JSON answers" if watch.stop_hit else
+                         f"json_schema: the answer reached max_new_tokens ({f.max_new}) before the JSON was "
                          "complete; raise max_new_tokens or simplify the schema")
+        elif f.p.schema is not None and (bad := f.p.schema.answer_error(res.answer)) is not None:
+            # the last line: the grammar should make this impossible; never report such an answer a success
+            res.success, finished = False, False
+            res.error = f"json_schema: {bad}"
+            self.log.warning(f"request {req.request_id!r}: a constrained answer failed its schema: {bad}")
         if f.streaming:
             watch.progress(res.answer, len(gen.tokens))  # the last word, whatever the throttle held back
         if finished:

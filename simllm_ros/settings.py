@@ -70,6 +70,7 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("early_pass_ahead", True, "SEMANTIC: while a new question's fingerprint is computed (on its own thread), the model's thread runs the early layers of the prompt, which a SEMANTIC repair then starts from (dropped under any other plan); the same bits either way", live=True),
     ParamSpec("strict_layers", 2, "SEMANTIC layered reuse: the first N layers take fresh KV for every token (computed anyway to pick the tokens to recompute); deeper layers reuse", live=True, min=1, max=256),
     ParamSpec("system_prompt", "You are a helpful assistant on a robot. Answer briefly.", "system message placed before the context", live=True),
+    ParamSpec("schema_compile_timeout_s", 2.0, "budget for compiling a request's json_schema into a grammar: past it the request gets a clear error (and the same schema is refused at once after), and other requests never wait on it", live=True, min=0.1, max=120.0),
     ParamSpec("max_new_tokens", 64, "default tokens to generate when a request asks 0", live=True, min=1, max=4096),
     ParamSpec("max_new_tokens_limit", 512, "largest max_new_tokens a request may ask", live=True, min=1, max=4096),
     ParamSpec("max_prompt_tokens", 1024, "prompt+context longer than this is refused, never truncated", live=True, min=16, max=32768),

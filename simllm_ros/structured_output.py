@@ -9,17 +9,23 @@ forbids is simply never the pick. The pick itself stays a function of (masked lo
 with drafts is still bitwise the answer without them.
 
 `StructuredOutput` holds what is built once per tokenizer (xgrammar's TokenizerInfo and GrammarCompiler,
-built at the first schema, ~2 s including the import) and a small cache of compiled schemas. A schema
-that is not JSON, or that xgrammar cannot turn into a grammar, raises SchemaError with the reason.
+built at the first schema, ~2 s including the import) and a small cache of compiled schemas. A schema is
+checked first (schema_check: limits, meta-schema, recursion, keywords the grammar would ignore, spots that admit
+no value); one that fails, is not JSON, that xgrammar cannot turn into a grammar, or whose grammar takes longer
+than the compile budget, raises SchemaError with the reason. Compiles run on one thread of their own, so a slow
+one holds that thread, not the caller's, and a schema that timed out is refused at once when it comes again.
 """
 from __future__ import annotations
 
 import collections
-import json
+import concurrent.futures
+import hashlib
 import re
 import threading
 
 import torch
+
+from . import schema_check
 
 SCHEMA_CACHE_SIZE = 32  # compiled schemas kept (a robot uses a handful)
 MAX_SCHEMA_CHARS = 65536
@@ -27,6 +33,11 @@ MAX_SCHEMA_CHARS = 65536
 
 class SchemaError(ValueError):
     """A json_schema that cannot constrain an answer; the message says why."""
+
+
+class NoValueLeft(RuntimeError):
+    """The grammar allows no token at this point of the answer: the schema admits no value from here (e.g. a
+    pattern nothing matches). A clear error for the caller, not an internal one."""
 
 
 def _clean(e: BaseException) -> str:
@@ -40,9 +51,10 @@ def _clean(e: BaseException) -> str:
 class JsonConstraint:
     """One request's grammar state (an xgrammar GrammarMatcher) over a vocabulary of `vocab_size` rows."""
 
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled, vocab_size: int, hint: str = ""):
         import xgrammar as xgr
 
+        self._hint = hint  # where the schema may admit nothing (its patterns), for a dead end's message
         self._xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = int(vocab_size)
@@ -60,6 +72,9 @@ class JsonConstraint:
             words = self._bitmask[0]
             bits = (words[:, None] >> self._shifts[None, :]) & 1  # [words, 32], bit i of word w = token 32 w + i
             self._allowed = (step, bits.reshape(-1)[:self.vocab_size].bool())
+            if not bool(self._allowed[1].any()):
+                raise NoValueLeft(f"json_schema admits no value: no token is allowed after {step} tokens of the "
+                                  f"answer{self._hint or ' (e.g. a pattern that nothing matches)'}")
         return self._allowed[1]
 
     def mask(self, logits: torch.Tensor, step: int) -> torch.Tensor:
@@ -82,13 +97,20 @@ class JsonConstraint:
 class CompiledSchema:
     """A schema checked and compiled once; `constraint()` gives each request its own grammar state."""
 
-    def __init__(self, text: str, compiled, vocab_size: int):
+    def __init__(self, text: str, compiled, vocab_size: int, doc=None):
         self.text = text
         self._compiled = compiled
         self.vocab_size = vocab_size
+        self.doc = doc  # the parsed schema, for validating answers (schema_check.answer_error)
+
+    def answer_error(self, answer: str) -> str | None:
+        """None if the answer is valid under this schema, else why not."""
+        return None if self.doc is None else schema_check.answer_error(answer, self.doc)
 
     def constraint(self) -> JsonConstraint:
-        return JsonConstraint(self._compiled, self.vocab_size)
+        paths = schema_check.pattern_paths(self.doc) if self.doc is not None else []
+        hint = f" (check 'pattern' at {', '.join(paths[:4])})" if paths else ""
+        return JsonConstraint(self._compiled, self.vocab_size, hint)
 
 
 class StructuredOutput:
@@ -101,6 +123,10 @@ class StructuredOutput:
         self._compiler = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, CompiledSchema] = collections.OrderedDict()
+        # One thread compiles: a compile past its budget keeps running there (xgrammar cannot be interrupted),
+        # and its schema is refused at once if asked again.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="schema-compile")
+        self._timed_out: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def _get_compiler(self):
         with self._lock:
@@ -112,29 +138,44 @@ class StructuredOutput:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
-    def compile(self, schema_text: str) -> CompiledSchema:
+    def compile(self, schema_text: str, timeout_s: float = 2.0) -> CompiledSchema:
         """The compiled grammar of a JSON schema (cached by its text); raises SchemaError."""
         if len(schema_text) > MAX_SCHEMA_CHARS:
             raise SchemaError(f"json_schema is {len(schema_text)} characters long; at most {MAX_SCHEMA_CHARS}")
+        key = hashlib.sha256(schema_text.encode("utf-8", "surrogatepass")).hexdigest()
         with self._lock:
-            hit = self._cache.get(schema_text)
+            hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(schema_text)
+                self._cache.move_to_end(key)
                 return hit
+            if key in self._timed_out:
+                raise SchemaError(f"json_schema took longer than {self._timed_out[key]:g} s to compile before; "
+                                  "simplify it")
         try:
-            parsed = json.loads(schema_text)
-        except ValueError as e:
-            raise SchemaError(f"json_schema is not valid JSON: {e}") from None
-        if not isinstance(parsed, (dict, bool)):
-            raise SchemaError(f"json_schema must be a JSON object (a schema), got {type(parsed).__name__}")
+            doc = schema_check.parse(schema_text)
+            schema_check.check(doc)
+        except schema_check.SchemaRefused as e:
+            raise SchemaError(str(e)) from None
         compiler = self._get_compiler()
+        job = self._pool.submit(compiler.compile_json_schema, schema_text, any_whitespace=False, strict_mode=True)
         try:
-            compiled = compiler.compile_json_schema(schema_text, any_whitespace=False, strict_mode=True)
+            compiled = job.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            with self._lock:
+                self._timed_out[key] = timeout_s
+                while len(self._timed_out) > 4 * SCHEMA_CACHE_SIZE:
+                    self._timed_out.popitem(last=False)
+            raise SchemaError(f"json_schema took longer than {timeout_s:g} s to compile (schema_compile_timeout_s); "
+                              "simplify it") from None
         except Exception as e:  # xgrammar raises RuntimeError (and friends) with the C++ reason
             raise SchemaError(f"json_schema cannot be used: {_clean(e)}") from None
-        out = CompiledSchema(schema_text, compiled, self.vocab_size)
+        out = CompiledSchema(schema_text, compiled, self.vocab_size, doc)
+        try:
+            out.constraint().allowed(0)
+        except NoValueLeft:
+            raise SchemaError("json_schema admits no value at all: its grammar allows no first token") from None
         with self._lock:
-            self._cache[schema_text] = out
+            self._cache[key] = out
             while len(self._cache) > SCHEMA_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return out

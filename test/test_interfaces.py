@@ -160,12 +160,50 @@ def test_json_schema_on_the_service_topic_and_action(h):
     # Bad schemas: a clear error on every interface, and the node keeps serving.
     bad = '{"type": "nonsense"}'
     r = h.call(h.query_cli, Query.Request(prompt=q, json_schema=bad))
-    assert not r.success and r.error == 'json_schema cannot be used: Unsupported type "nonsense"'
+    assert not r.success and r.error.startswith("json_schema is not a valid schema at /type: 'nonsense'")
     status, g = outcome(send_goal(h, prompt=q, json_schema="{not json"))
     assert status == GoalStatus.STATUS_ABORTED and g.error.startswith("json_schema is not valid JSON")
     h.publish_request(rid + "-bad", q, json_schema="[]")
     msg = h.wait_message(f"{h.fqn}/responses", lambda m: m.request_id == rid + "-bad", timeout=30, after=after)
     assert msg is not None and msg.error == "json_schema must be a JSON object (a schema), got list"
+    assert h.query("Is it raining?", context=BULLETIN).success
+
+
+def test_hostile_schemas_get_clear_replies_on_every_interface_and_ended_goals_stay_known(h):
+    """The hostile classes (test_schema_promise has them all) over DDS: the service, the topic and the action
+    each answer a clear refusal or an answer valid under the schema; the node keeps serving. A goal aborted for
+    its schema, cancelled 11 s later (past rclpy's default 10 s result keep), says ERROR_GOAL_TERMINATED."""
+    from test_schema_promise import ACCEPTED, REFUSED
+
+    h.ensure_active()
+    q = "Describe the closed road as JSON."
+    cases = [REFUSED[0], REFUSED[4], REFUSED[7], REFUSED[9], REFUSED[14], (ACCEPTED[0], None)]
+    aborted = None
+    for i, (text, reason) in enumerate(cases):
+        replies = [h.call(h.query_cli, Query.Request(prompt=q, context=BULLETIN, json_schema=text,
+                                                     max_new_tokens=40))]
+        status, g = outcome(send_goal(h, prompt=q, context=BULLETIN, json_schema=text, max_new_tokens=40))
+        replies.append(g)
+        if reason is not None:
+            assert status == GoalStatus.STATUS_ABORTED
+            aborted = aborted or g
+        rid = f"hostile-{i}-{uuid.uuid4().hex[:6]}"
+        after = len(h.messages(f"{h.fqn}/responses"))
+        h.publish_request(rid, q, max_new_tokens=40, context=BULLETIN, json_schema=text)
+        msg = h.wait_message(f"{h.fqn}/responses", lambda m: m.request_id == rid, timeout=120, after=after)
+        assert msg is not None
+        replies.append(msg)
+        for r in replies:
+            if reason is not None:
+                assert not r.success and r.error.startswith(reason), r.error
+            elif r.success:
+                jsonschema.validate(json.loads(r.answer), json.loads(text))
+            assert "internal error" not in r.error
+    gh = send_goal(h, prompt=q, json_schema=REFUSED[0][0])
+    assert outcome(gh)[0] == GoalStatus.STATUS_ABORTED
+    time.sleep(11)
+    late = wait_future(gh.cancel_goal_async(), 10)
+    assert late.return_code == CancelGoal.Response.ERROR_GOAL_TERMINATED and not late.goals_canceling
     assert h.query("Is it raining?", context=BULLETIN).success
 
 

@@ -111,8 +111,9 @@ def test_the_mask_only_lets_grammar_tokens_through(engine):
 @pytest.mark.parametrize("schema, reason", [
     ("not json", "json_schema is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
     ("[1, 2]", "json_schema must be a JSON object (a schema), got list"),
-    ('{"type": "nonsense"}', 'json_schema cannot be used: Unsupported type "nonsense"'),
-    ('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}', "json_schema cannot be used: Cannot find field nowhere"),
+    ('{"type": "nonsense"}', "json_schema is not a valid schema at /type: 'nonsense' is not valid"),
+    ('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}',
+     "json_schema '$ref' '#/nowhere' at /properties/a does not point into this schema"),
 ])
 def test_a_bad_schema_gets_a_clear_error_and_nothing_runs(engine, schema, reason):
     with pytest.raises(SchemaError) as e:

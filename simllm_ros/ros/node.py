@@ -67,6 +67,9 @@ from simllm_ros.thermal import ThermalLevel, ThermalMonitor, ThermalReading
 NODE_NAME = "simllm_node"
 DIAGNOSTIC_TASK = "LLM service"  # the status is "<node's full name without the leading slash>: LLM service"
 GOAL_POLL_S = 0.1  # a goal cancelled while it waits in the queue is withdrawn within this
+# How long an ended goal's result and status are kept (rclpy's default is 10 s): within it a cancel of an ended
+# goal, e.g. one aborted as busy, gets ERROR_GOAL_TERMINATED as for any ended goal, not ERROR_UNKNOWN_GOAL_ID.
+GOAL_RESULT_KEEP_S = 900
 
 _U32, _U64 = 2**32 - 1, 2**64 - 1
 
@@ -403,7 +406,8 @@ class SimLLMNode(LifecycleNode):
                                         goal_callback=lambda goal: GoalResponse.ACCEPT,
                                         cancel_callback=lambda goal_handle: CancelResponse.ACCEPT,
                                         goal_service_qos_profile=REQUEST_QOS, result_service_qos_profile=REQUEST_QOS,
-                                        cancel_service_qos_profile=REQUEST_QOS, callback_group=self._matching_group)
+                                        cancel_service_qos_profile=REQUEST_QOS, callback_group=self._matching_group,
+                                        result_timeout=GOAL_RESULT_KEEP_S)
         if self._sub is None:
             self._sub = self.create_subscription(
                 QueryRequestMsg, "~/requests", self._on_request_msg, REQUEST_QOS, callback_group=self._matching_group)
