@@ -66,10 +66,13 @@ def questions(n: int) -> list[str]:
     return [by[i] for i in INTENTS if i in by][:n]
 
 
+DEVICE = "cpu"  # --device: scripts/gpu_check.sh runs the smoke on cuda
+
+
 class SimSystem:
     def __init__(self, name: str, **overrides):
         self.name = name
-        self.engine = Engine(Settings.from_overrides(cache_size="512MB", **overrides))
+        self.engine = Engine(Settings.from_overrides(cache_size="512MB", device=DEVICE, **overrides))
         self.engine.load(progress=lambda m: None)
         self.ref: dict[str, str] = {}
         self.miss: list[float] = []  # the references' totals: a cold request (empty pool, no drafts)
@@ -203,8 +206,11 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--smoke", action="store_true", help="two questions, 8 tokens, defaults only, no peers")
+    ap.add_argument("--device", default="cpu", help="the model's device (cuda: scripts/gpu_check.sh)")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "verified_decoding.md"))
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(args.threads)
     nq, max_new = (2, 8) if args.smoke else (args.questions, args.max_new_tokens)
     qs = questions(nq)
