@@ -102,15 +102,15 @@ class CompiledSchema:
         self._compiled = compiled
         self.vocab_size = vocab_size
         self.doc = doc  # the parsed schema, for validating answers (schema_check.answer_error)
+        paths = schema_check.pattern_paths(doc) if doc is not None else []
+        self._hint = f" (check 'pattern' at {', '.join(paths[:4])})" if paths else ""
 
     def answer_error(self, answer: str) -> str | None:
         """None if the answer is valid under this schema, else why not."""
         return None if self.doc is None else schema_check.answer_error(answer, self.doc)
 
     def constraint(self) -> JsonConstraint:
-        paths = schema_check.pattern_paths(self.doc) if self.doc is not None else []
-        hint = f" (check 'pattern' at {', '.join(paths[:4])})" if paths else ""
-        return JsonConstraint(self._compiled, self.vocab_size, hint)
+        return JsonConstraint(self._compiled, self.vocab_size, self._hint)
 
 
 class StructuredOutput:
