@@ -396,6 +396,7 @@ def test_cli_edge_and_query_processes(tmp_path, thermal):
         q = subprocess.run([sys.executable, "-m", "simllm_ros.cli.query", "", "--timeout", "30"],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         assert q.returncode == 1 and json.loads(q.stdout)["success"] is False
+        _cli_options_reach_the_node(env)
         edge.send_signal(signal.SIGINT)
         assert edge.wait(timeout=60) == 0, "".join(lines)
         out = "".join(lines)
@@ -404,6 +405,53 @@ def test_cli_edge_and_query_processes(tmp_path, thermal):
         if edge.poll() is None:
             edge.kill()
             edge.wait()
+
+
+def _cli(env, *args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "simllm_ros.cli.query", *args, "--timeout", "60"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _cli_options_reach_the_node(env):
+    """simllm-query's options over DDS: a JSON schema, conversation turns, stop strings, sampling, the action's
+    stream, the embedder, and the node's errors shown as such with exit code 1."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    q = _cli(env, "What is two plus two? Answer in JSON.", "--json-schema", json.dumps(schema), "--max-new-tokens",
+             "12")
+    d = json.loads(q.stdout)
+    if d["success"]:
+        jsonschema.validate(json.loads(d["answer"]), schema)
+    else:  # 8 tokens of the node's default may cut the JSON: said as such
+        assert "json_schema" in d["error"] and q.returncode == 1
+    q = _cli(env, "--json-schema", '{"not": {}}', "hello")
+    assert q.returncode == 1 and "keyword 'not'" in json.loads(q.stdout)["error"]
+    q = _cli(env, "And the next one?", "--message", "user:Name a colour.", "--message", "assistant:Red.",
+             "--stop", ".", "--temperature", "0.7", "--seed", "3")
+    d = json.loads(q.stdout)
+    assert q.returncode == 0 and d["success"] and "." not in d["answer"] and d["prompt_tokens"] > 0
+    again = json.loads(_cli(env, "And the next one?", "--message", "user:Name a colour.", "--message",
+                            "assistant:Red.", "--stop", ".", "--temperature", "0.7", "--seed", "3").stdout)
+    assert again["answer"] == d["answer"]  # the same seed, the same sample
+    q = _cli(env, "--message", "robot:hi", "hello")
+    assert q.returncode == 2 and "ROLE:TEXT" in q.stderr
+    q = _cli(env, "Count from one to five.", "--stream", "--max-new-tokens", "8")
+    result = json.loads(q.stderr[q.stderr.index("{"):])
+    assert q.returncode == 0 and result["success"] and q.stdout.strip() == result["answer"].strip()
+    # Ctrl-C while the answer streams: the goal is cancelled, exit code 130
+    s = subprocess.Popen([sys.executable, "-m", "simllm_ros.cli.query", "Describe every road and shop in town.",
+                          "--stream", "--max-new-tokens", "300", "--timeout", "60"], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = s.stdout.read(1)  # the first streamed character: the goal is running
+    s.send_signal(signal.SIGINT)
+    out, err = s.communicate(timeout=60)
+    assert first and s.returncode == 130 and '"cancelled (Ctrl-C)"' in err, (s.returncode, err[-500:])
+    q = _cli(env, "--embed", "is the road closed", "where can I park")
+    d = json.loads(q.stdout)
+    assert q.returncode == 0 and d["dim"] == 384 and len(d["vectors"]) == 2 and len(d["vectors"][0]) == 384
 
 
 def test_cli_edge_configure_failure_exit_code(tmp_path):

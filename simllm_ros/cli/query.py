@@ -1,10 +1,14 @@
-"""`simllm-query`: ask a running simllm_node through its Query service and print the answer as JSON.
+"""`simllm-query`: ask a running simllm_node and print the answer as JSON.
 
     simllm-query "prompt" [--context TEXT | --context-file F] [--scope S] [--max-new-tokens N]
-                 [--no-approximate] [--timeout S] [--node /simllm_node] [--ros-args ...]
+                 [--no-approximate] [--json-schema SCHEMA|@FILE] [--message ROLE:TEXT ...] [--stop S ...]
+                 [--temperature T] [--seed N] [--stream] [--timeout S] [--node /simllm_node] [--ros-args ...]
+    simllm-query --embed "text" ["text" ...]
 
-Prints every response field (cache_result by name). Exit code 0 on success, 1 when the node
-answers success=false or nothing answers within --timeout, 2 for bad arguments.
+The Query service by default; --stream uses the Generate action (text on stdout as it grows, the result JSON
+on stderr, Ctrl-C cancels the goal); --embed the Embed service. Prints every response field (cache_result by
+name). Exit code 0 on success, 1 when the node answers success=false or nothing answers within --timeout,
+130 after a Ctrl-C cancel, 2 for bad arguments.
 """
 from __future__ import annotations
 
@@ -18,17 +22,51 @@ import time
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="simllm-query", description="Query the simllm_ros LLM node.")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="*", help="the prompt (words are joined); with --embed, the texts to embed")
     ctx = p.add_mutually_exclusive_group()
     ctx.add_argument("--context", default="", help="shared context placed before the prompt")
     ctx.add_argument("--context-file", metavar="F", help="read the context from a file ('-' for stdin)")
     p.add_argument("--scope", default="", help="cache namespace (default scope when empty)")
     p.add_argument("--max-new-tokens", type=int, default=0, metavar="N", help="0: the node's default")
     p.add_argument("--no-approximate", action="store_true", help="exact reuse only (no SEMANTIC / ANSWER)")
+    p.add_argument("--json-schema", metavar="SCHEMA", default="",
+                   help="constrain the answer to JSON valid under this schema (its text, or @FILE)")
+    p.add_argument("--message", action="append", default=[], metavar="ROLE:TEXT",
+                   help="a conversation turn before the prompt (system, user or assistant); repeatable, in order")
+    p.add_argument("--stop", action="append", default=[], metavar="S", help="end the answer before S; repeatable")
+    p.add_argument("--temperature", type=float, default=-1.0, metavar="T", help="sampling temperature; "
+                   "negative: the node's")
+    p.add_argument("--seed", type=int, default=-1, help="sampling seed; negative: the node's")
+    p.add_argument("--stream", action="store_true",
+                   help="use the ~/generate action: the answer is printed as it grows (stdout), the result JSON "
+                        "goes to stderr; Ctrl-C cancels the goal")
+    p.add_argument("--embed", action="store_true", help="embed the texts with the node's embedder (~/embed)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="seconds to wait for the service and the answer (default 60)")
     p.add_argument("--node", default="/simllm_node", help="node name (default /simllm_node)")
     return p
+
+
+def _fields(args, parser, context: str) -> dict:
+    """The request fields the options say, shared by the service and the action."""
+    from simllm_ros.msg import ChatMessage
+
+    schema = args.json_schema
+    if schema.startswith("@"):
+        try:
+            with open(schema[1:], encoding="utf-8") as f:
+                schema = f.read()
+        except OSError as e:
+            parser.error(f"--json-schema: {e}")
+    messages = []
+    for m in args.message:
+        role, sep, text = m.partition(":")
+        if not sep or role not in ("system", "user", "assistant"):
+            parser.error(f"--message {m!r}: expected ROLE:TEXT with ROLE system, user or assistant")
+        messages.append(ChatMessage(role=role, content=text))
+    return dict(prompt=" ".join(args.prompt), context=context, cache_scope=args.scope,
+                max_new_tokens=args.max_new_tokens, allow_approximate=not args.no_approximate, messages=messages,
+                json_schema=schema, stop=list(args.stop), temperature=float(args.temperature), seed=int(args.seed))
 
 
 def response_to_dict(resp) -> dict:
@@ -46,6 +84,75 @@ def response_to_dict(resp) -> dict:
     return d
 
 
+def _spin_until(node, future, deadline: float) -> bool:
+    import rclpy
+
+    rclpy.spin_until_future_complete(node, future, timeout_sec=max(0.1, deadline - time.monotonic()))
+    return future.done() and future.result() is not None
+
+
+def _call_service(node, srv_type, name: str, request, timeout: float) -> tuple[object | None, str]:
+    """(response, "") or (None, why not) for one service call within `timeout` seconds."""
+    from simllm_ros.ros.qos import CLIENT_QOS
+
+    client = node.create_client(srv_type, name, qos_profile=CLIENT_QOS)
+    deadline = time.monotonic() + timeout
+    if not client.wait_for_service(timeout_sec=timeout):
+        return None, f"timeout: service {name} not available after {timeout:g} s (is the node active?)"
+    future = client.call_async(request)
+    if not _spin_until(node, future, deadline):
+        return None, f"timeout: no answer from {name} within {timeout:g} s"
+    return future.result(), ""
+
+
+def _stream(node, name: str, fields: dict, timeout: float) -> int:
+    """The Generate action: the answer printed as it grows, the result as JSON on stderr; Ctrl-C cancels."""
+    from rclpy.action import ActionClient
+
+    from simllm_ros.action import Generate
+    from simllm_ros.ros.qos import CLIENT_QOS
+
+    client = ActionClient(node, Generate, name, goal_service_qos_profile=CLIENT_QOS,
+                          result_service_qos_profile=CLIENT_QOS, cancel_service_qos_profile=CLIENT_QOS)
+    deadline = time.monotonic() + timeout
+    if not client.wait_for_server(timeout_sec=timeout):
+        print(json.dumps({"success": False, "error": f"timeout: action {name} not available after {timeout:g} s"}),
+              file=sys.stderr)
+        return 1
+    shown = [""]
+
+    def feedback(msg):
+        text = msg.feedback.text
+        if text.startswith(shown[0]):
+            sys.stdout.write(text[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = text
+
+    sent = client.send_goal_async(Generate.Goal(**fields), feedback_callback=feedback)
+    if not _spin_until(node, sent, deadline):
+        print(json.dumps({"success": False, "error": f"timeout: {name} took no goal within {timeout:g} s"}),
+              file=sys.stderr)
+        return 1
+    handle = sent.result()
+    try:
+        done = handle.get_result_async()
+        if not _spin_until(node, done, deadline):
+            handle.cancel_goal_async()
+            print(json.dumps({"success": False, "error": f"timeout: no result within {timeout:g} s"}), file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        cancel = handle.cancel_goal_async()
+        _spin_until(node, cancel, time.monotonic() + 5)
+        print(file=sys.stdout)
+        print(json.dumps({"success": False, "error": "cancelled (Ctrl-C)"}), file=sys.stderr)
+        return 130
+    result = done.result().result
+    rest = result.answer[len(shown[0]):] if result.answer.startswith(shown[0]) else ""
+    sys.stdout.write(rest + "\n")
+    print(json.dumps(response_to_dict(result), ensure_ascii=False, indent=2), file=sys.stderr)
+    return 0 if result.success else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     from rclpy.utilities import remove_ros_args
 
@@ -57,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-new-tokens must be >= 0")
     if args.timeout <= 0:
         parser.error("--timeout must be > 0")
+    if args.embed and (args.stream or not args.prompt):
+        parser.error("--embed takes one or more texts and no --stream")
     context = args.context
     if args.context_file:
         try:
@@ -68,30 +177,30 @@ def main(argv: list[str] | None = None) -> int:
     import rclpy
     from rclpy.executors import ExternalShutdownException
 
-    from simllm_ros.ros.qos import CLIENT_QOS
-    from simllm_ros.srv import Query
+    from simllm_ros.srv import Embed, Query
 
-    rclpy.init(args=["simllm-query"] + argv)
+    fields = None if args.embed else _fields(args, parser, context)
+    from rclpy.signals import SignalHandlerOptions
+
+    # Ctrl-C stays a KeyboardInterrupt with the context alive, so that --stream can still send the cancel
+    rclpy.init(args=["simllm-query"] + argv, signal_handler_options=SignalHandlerOptions.NO)
     node = rclpy.create_node(f"simllm_query_{os.getpid()}")
     code = 1
     try:
-        client = node.create_client(Query, f"{node_name}/query", qos_profile=CLIENT_QOS)
-        deadline = time.monotonic() + args.timeout
-        if not client.wait_for_service(timeout_sec=args.timeout):
-            print(json.dumps({"success": False, "error": f"timeout: service {node_name}/query not available "
-                                                        f"after {args.timeout:g} s (is the node active?)"}))
-            return 1
-        req = Query.Request(prompt=args.prompt, context=context, cache_scope=args.scope,
-                            max_new_tokens=args.max_new_tokens, allow_approximate=not args.no_approximate)
-        future = client.call_async(req)
-        rclpy.spin_until_future_complete(node, future, timeout_sec=max(0.1, deadline - time.monotonic()))
-        if not future.done() or future.result() is None:
-            print(json.dumps({"success": False, "error": f"timeout: no answer from {node_name}/query within "
-                                                        f"{args.timeout:g} s"}))
-            return 1
-        resp = future.result()
-        print(json.dumps(response_to_dict(resp), ensure_ascii=False, indent=2))
-        code = 0 if resp.success else 1
+        if args.stream:
+            return _stream(node, f"{node_name}/generate", fields, args.timeout)
+        if args.embed:
+            resp, why = _call_service(node, Embed, f"{node_name}/embed", Embed.Request(texts=list(args.prompt)),
+                                      args.timeout)
+            out = {"success": False, "error": why} if resp is None else {
+                "success": resp.success, "error": resp.error, "dim": resp.dim,
+                "vectors": [[round(float(v), 6) for v in resp.vectors[i * resp.dim:(i + 1) * resp.dim]]
+                            for i in range(len(args.prompt))] if resp.success else []}
+        else:
+            resp, why = _call_service(node, Query, f"{node_name}/query", Query.Request(**fields), args.timeout)
+            out = {"success": False, "error": why} if resp is None else response_to_dict(resp)
+        print(json.dumps(out, ensure_ascii=False, indent=2))
+        code = 0 if out["success"] else 1
     except (KeyboardInterrupt, ExternalShutdownException):
         code = 1
     finally:
