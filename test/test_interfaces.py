@@ -262,3 +262,84 @@ def test_embed_service(h):
         r = h.call(h.embed_cli, Embed.Request(texts=texts))
         assert not r.success and r.error.startswith(reason) and not r.vectors, r.error
     assert wait_until(lambda: h.call(h.embed_cli, Embed.Request(texts=["still here"])).success, 10)
+
+
+def test_the_client_library_answers_inside_a_timer_callback_and_cancels(h):
+    """simllm_ros.client over DDS: blocking on its futures inside another node's timer callback (a single
+    threaded executor: the classic deadlock of a blocking service call) returns the node's answers; refusals come
+    back as responses with the reason; embed gives unit vectors; a goal streams feedback and cancels; a node that
+    is not there fails the future with TimeoutError."""
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    from simllm_ros.client import SimllmClient
+
+    h.ensure_active()
+    client = SimllmClient(f"/{NODE}", context=h.context)
+    user = rclpy.create_node(f"user_{uuid.uuid4().hex[:6]}", context=h.context)
+    executor = SingleThreadedExecutor(context=h.context)
+    executor.add_node(user)
+    got, done = {}, threading.Event()
+
+    def tick():
+        timer.cancel()
+        try:
+            got["answer"] = client.query("Is Elm Street closed?", context=BULLETIN, max_new_tokens=8).result(60)
+            got["refused"] = client.query("hi", json_schema='{"not": {}}').result(30)
+            got["vectors"] = client.embed(["parking nearby", "nearest parking lot"]).result(30)
+        finally:
+            done.set()
+
+    timer = user.create_timer(0.05, tick)
+    spinner = threading.Thread(target=lambda: [executor.spin_once(timeout_sec=0.1) for _ in iter(done.is_set, True)],
+                               daemon=True)
+    spinner.start()
+    try:
+        assert done.wait(150), "the timer callback did not come back"
+        assert got["answer"].success and got["answer"].answer, got["answer"].error
+        assert not got["refused"].success and "keyword 'not'" in got["refused"].error
+        v = np.array(got["vectors"])
+        assert v.shape == (2, 384) and np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-3)
+        texts = []
+        run = client.generate("Describe every road, bus and shop in the bulletin.", context=BULLETIN,
+                              max_new_tokens=300, on_feedback=texts.append)
+        assert wait_until(lambda: bool(texts), 60), "no feedback"
+        run.cancel()
+        res = run.result.result(30)
+        assert not res.success and res.stop_reason == "cancel" and res.answer.startswith(texts[0])
+        nobody = SimllmClient("/nobody_here", context=h.context, wait_s=0.5)
+        assert isinstance(nobody.query("x", timeout=2).exception(10), TimeoutError)
+        nobody.close()
+    finally:
+        spinner.join(5)
+        executor.shutdown()
+        user.destroy_node()
+        client.close()
+
+
+def test_the_readme_client_examples_run_as_written(h):
+    """The README's client examples (marked 'client example'), run in order as written against a live node,
+    with `bulletin` and `speak` given."""
+    import os
+    import re
+
+    import rclpy
+
+    h.ensure_active()
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
+              encoding="utf-8") as f:
+        readme = f.read()
+    blocks = re.findall(r"<!-- client example[^>]*-->\n```python\n(.*?)```", readme, re.S)
+    assert len(blocks) == 2, "the README's client examples are marked"
+    spoken = []
+    scope = {"bulletin": BULLETIN, "speak": spoken.append, "__name__": "readme_example"}
+    try:
+        for code in blocks:
+            exec(compile(code, "README.md", "exec"), scope)
+        assert scope["reply"].success and scope["reply"].answer
+        assert len(scope["vectors"]) == 2 and len(scope["vectors"][0]) == 384
+        assert scope["result"].stop_reason in ("cancel", "eos", "length")  # cancelled at once, or already done
+    finally:
+        if "client" in scope:
+            scope["client"].close()
+        rclpy.try_shutdown()

@@ -1,0 +1,204 @@
+"""A small rclpy client for simllm_node that cannot deadlock its caller.
+
+Why: the most common rclpy mistake is a blocking `cli.call(req)` inside a callback: the response is delivered
+by the executor that is busy running that very callback, so the call never returns. This client owns a node of
+its own spun by its own executor thread: the node's responses, feedback and cancels are processed there, so a
+caller may wait on a result from any thread, a timer or subscription callback of another node included.
+
+    from simllm_ros.client import SimllmClient
+    client = SimllmClient()                              # rclpy.init() first; target /simllm_node
+    future = client.query("Is Elm Street closed?", context=bulletin)     # a concurrent.futures.Future
+    answer = future.result(timeout=60).answer            # blocking is safe, even inside a callback
+    run = client.generate("Describe the town", on_feedback=lambda text: print(text))
+    run.cancel()                                          # the goal ends CANCELED with the partial answer
+    vectors = client.embed(["parking nearby"]).result(timeout=10)        # [n, 384] list of lists
+    client.close()
+
+Each call takes the node's request fields as keywords (srv/Query.srv) and a timeout: past it the future fails with
+TimeoutError. A request the node refuses comes back as a response with success=false and the reason in error,
+exactly as from the service. Futures complete on the client's thread: keep done-callbacks short.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import threading
+
+_COUNT = itertools.count()
+
+
+class GenerateRun:
+    """A running Generate goal: `result` (a Future of Generate.Result) and `cancel()`."""
+
+    def __init__(self, client: "SimllmClient"):
+        self._client = client
+        self.result: concurrent.futures.Future = concurrent.futures.Future()
+        self._handle = None
+        self._cancel_wanted = False
+        self._lock = threading.Lock()
+
+    def _accepted(self, handle) -> None:
+        with self._lock:
+            self._handle = handle
+            wanted = self._cancel_wanted
+        if wanted:
+            self._client._call_soon(handle.cancel_goal_async)
+
+    def cancel(self) -> None:
+        """Ask the node to end the goal (it stops within one decode pass); safe from any thread, also before the
+        goal was accepted. The result then has stop_reason "cancel" and the partial answer."""
+        with self._lock:
+            self._cancel_wanted = True
+            handle = self._handle
+        if handle is not None:
+            self._client._call_soon(handle.cancel_goal_async)
+
+
+class SimllmClient:
+    """Futures over a simllm_node's ~/query, ~/generate and ~/embed, with the node's QoS."""
+
+    def __init__(self, target: str = "/simllm_node", context=None, wait_s: float = 30.0):
+        import rclpy
+        from rclpy.action import ActionClient
+        from rclpy.executors import SingleThreadedExecutor
+
+        from simllm_ros.action import Generate
+        from simllm_ros.ros.qos import CLIENT_QOS
+        from simllm_ros.srv import Embed, Query
+
+        self._Query, self._Embed, self._Generate = Query, Embed, Generate
+        self.target = "/" + target.strip("/")
+        self.wait_s = wait_s
+        self._node = rclpy.create_node(f"simllm_client_{os.getpid()}_{next(_COUNT)}", context=context)
+        self._query = self._node.create_client(Query, f"{self.target}/query", qos_profile=CLIENT_QOS)
+        self._embed = self._node.create_client(Embed, f"{self.target}/embed", qos_profile=CLIENT_QOS)
+        self._action = ActionClient(self._node, Generate, f"{self.target}/generate",
+                                    goal_service_qos_profile=CLIENT_QOS, result_service_qos_profile=CLIENT_QOS,
+                                    cancel_service_qos_profile=CLIENT_QOS)
+        self._executor = SingleThreadedExecutor(context=context)
+        self._executor.add_node(self._node)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._spin, name="simllm-client", daemon=True)
+        self._thread.start()
+
+    # ---- calls ------------------------------------------------------------------------------------------
+    def query(self, prompt: str = "", timeout: float = 60.0, **fields) -> concurrent.futures.Future:
+        """A Future of the Query response (success=false with the reason where the node refuses)."""
+        return self._service(self._query, self._Query.Request(prompt=prompt, **_request_fields(fields)), timeout)
+
+    def embed(self, texts: list[str], timeout: float = 30.0) -> concurrent.futures.Future:
+        """A Future of the texts' unit vectors (a list of lists, 384 floats each); fails with ValueError carrying
+        the node's reason where it refuses."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        raw = self._service(self._embed, self._Embed.Request(texts=list(texts)), timeout)
+
+        def done(f):
+            try:
+                resp = f.result()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's future
+                out.set_exception(e)
+                return
+            if not resp.success:
+                out.set_exception(ValueError(resp.error))
+                return
+            v, d = list(resp.vectors), resp.dim
+            out.set_result([v[i * d:(i + 1) * d] for i in range(len(texts))])
+
+        raw.add_done_callback(done)
+        return out
+
+    def generate(self, prompt: str = "", on_feedback=None, timeout: float = 300.0, **fields) -> GenerateRun:
+        """A Generate goal: `on_feedback(text_so_far)` as the answer grows (on the client's thread); the run's
+        `result` Future holds Generate.Result; `cancel()` ends it."""
+        run = GenerateRun(self)
+        goal = self._Generate.Goal(prompt=prompt, **_request_fields(fields))
+
+        def start():
+            if not self._action.server_is_ready():
+                if not self._action.wait_for_server(timeout_sec=self.wait_s):
+                    run.result.set_exception(TimeoutError(f"{self.target}/generate not available"))
+                    return
+            sent = self._action.send_goal_async(
+                goal, feedback_callback=(lambda m: on_feedback(m.feedback.text)) if on_feedback else None)
+            sent.add_done_callback(lambda f: accepted(f.result()))
+
+        def accepted(handle):
+            run._accepted(handle)
+            handle.get_result_async().add_done_callback(lambda f: _settle(run.result, f.result().result))
+
+        threading.Thread(target=start, daemon=True).start()  # waiting for the server must not hold the executor
+        self._expire(run.result, timeout, f"{self.target}/generate")
+        return run
+
+    def close(self) -> None:
+        """Stop the client's thread and destroy its node (its futures then fail or stay as they are)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._executor.shutdown(timeout_sec=2.0)
+        self._thread.join(timeout=5.0)
+        self._node.destroy_node()
+
+    # ---- internals --------------------------------------------------------------------------------------
+    def _spin(self) -> None:
+        from rclpy.executors import ExternalShutdownException
+
+        try:
+            while not self._closed.is_set():
+                self._executor.spin_once(timeout_sec=0.1)
+        except (ExternalShutdownException, RuntimeError):  # the context was shut down under us
+            pass
+
+    def _call_soon(self, fn) -> None:
+        threading.Thread(target=fn, daemon=True).start()
+
+    def _service(self, client, request, timeout: float) -> concurrent.futures.Future:
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def call():
+            if not client.service_is_ready() and not client.wait_for_service(timeout_sec=min(self.wait_s, timeout)):
+                out.set_exception(TimeoutError(f"{client.srv_name} not available (is the node active?)"))
+                return
+            client.call_async(request).add_done_callback(lambda f: _settle(out, f.result()))
+
+        threading.Thread(target=call, daemon=True).start()  # waiting for the service must not block the caller
+        self._expire(out, timeout, client.srv_name)
+        return out
+
+    def _expire(self, fut: concurrent.futures.Future, timeout: float, what: str) -> None:
+        timer = threading.Timer(timeout, lambda: fut.done() or _fail(fut, TimeoutError(
+            f"no answer from {what} within {timeout:g} s")))
+        timer.daemon = True
+        timer.start()
+        fut.add_done_callback(lambda f: timer.cancel())
+
+
+def _request_fields(fields: dict) -> dict:
+    """Keyword fields as the messages want them: messages as ChatMessage, stop as a list."""
+    from simllm_ros.msg import ChatMessage
+
+    out = dict(fields)
+    if "messages" in out:
+        out["messages"] = [m if isinstance(m, ChatMessage) else ChatMessage(role=m[0], content=m[1])
+                           for m in out["messages"]]
+    if "stop" in out:
+        out["stop"] = list(out["stop"])
+    if "temperature" in out:
+        out["temperature"] = float(out["temperature"])
+    return out
+
+
+def _settle(fut: concurrent.futures.Future, value) -> None:
+    if not fut.done():
+        try:
+            fut.set_result(value)
+        except concurrent.futures.InvalidStateError:  # the timeout won the race
+            pass
+
+
+def _fail(fut: concurrent.futures.Future, e: BaseException) -> None:
+    try:
+        fut.set_exception(e)
+    except concurrent.futures.InvalidStateError:
+        pass
