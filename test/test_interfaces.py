@@ -343,3 +343,85 @@ def test_the_readme_client_examples_run_as_written(h):
         if "client" in scope:
             scope["client"].close()
         rclpy.try_shutdown()
+
+
+def test_the_rviz_config_and_the_plot_list_match_what_the_node_publishes():
+    """config/cache_map.rviz shows ~/cache_map in the markers' own frame (nothing publishes a transform for
+    it), and every line of config/rqt_plot.topics is a numeric field of the message on that topic."""
+    import os
+
+    import yaml
+
+    from simllm_ros.msg import CacheStats, ThermalStatus
+    from simllm_ros.settings import Settings
+
+    cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
+    with open(os.path.join(cfg, "cache_map.rviz"), encoding="utf-8") as f:
+        rviz = yaml.safe_load(f)
+    vm = rviz["Visualization Manager"]
+    assert vm["Global Options"]["Fixed Frame"] == Settings.from_overrides().cache_map_frame
+    markers = [d for d in vm["Displays"] if d["Class"] == "rviz_default_plugins/MarkerArray"]
+    assert markers and markers[0]["Topic"]["Value"] == f"/{NODE}/cache_map"
+    assert markers[0]["Topic"]["Durability Policy"] == "Transient Local"  # the node latches the map
+    types = {"cache_stats": CacheStats, "thermal": ThermalStatus}
+    with open(os.path.join(cfg, "rqt_plot.topics"), encoding="utf-8") as f:
+        lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    assert len(lines) >= 8
+    for ln in lines:
+        _, node, topic, field = ln.split("/")
+        assert node == NODE and field in types[topic].get_fields_and_field_types(), ln
+        assert types[topic].get_fields_and_field_types()[field] in ("float", "uint32", "uint64"), ln
+
+
+def test_the_speech_pipeline_speaks_sentences_and_a_new_utterance_cancels_the_old(h):
+    import importlib.util
+    import os
+
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from std_msgs.msg import String
+
+    from simllm_ros.client import SimllmClient
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "speech_pipeline.py")
+    spec = importlib.util.spec_from_file_location("speech_pipeline", path)
+    sp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sp)
+    s = sp.SentenceSplitter()
+    assert s.feed("Hello there. How") == ["Hello there."] and s.feed("Hello there. How are you? Fine") == \
+        ["How are you?"] and s.feed("Hello there. How are you? Fine.") == [] and s.rest("Hello there. How are "
+                                                                                        "you? Fine.") == "Fine."
+    h.ensure_active()
+    node = rclpy.create_node(f"speech_{uuid.uuid4().hex[:6]}", context=h.context)
+    client = SimllmClient(f"/{NODE}", context=h.context)
+    pipeline = sp.SpeechPipeline(node, client, context=BULLETIN, max_new_tokens=200)
+    said = []
+    listener = rclpy.create_node(f"ears_{uuid.uuid4().hex[:6]}", context=h.context)
+    listener.create_subscription(String, f"{node.get_fully_qualified_name()}/say", lambda m: said.append(m.data), 10)
+    pub = listener.create_publisher(String, f"{node.get_fully_qualified_name()}/utterances", 10)
+    executor = SingleThreadedExecutor(context=h.context)
+    executor.add_node(node)
+    executor.add_node(listener)
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: [executor.spin_once(timeout_sec=0.05) for _ in iter(stop.is_set, True)],
+                               daemon=True)
+    spinner.start()
+    try:
+        assert wait_until(lambda: pub.get_subscription_count() > 0, 10)
+        pub.publish(String(data="Describe every road, bus and shop in the bulletin, one sentence each."))
+        assert wait_until(lambda: pipeline.runs == 1 and pipeline._run is not None, 10)
+        first = pipeline._run
+        assert wait_until(lambda: bool(said), 90), "no sentence spoken"
+        pub.publish(String(data="Is it going to rain?"))
+        res = first.result.result(60)
+        assert res.stop_reason == "cancel" and not res.success  # the barge-in cancelled the first answer
+        assert wait_until(lambda: pipeline.runs == 2 and pipeline._run.result.done(), 90)
+        assert all(x.strip() for x in said)
+    finally:
+        stop.set()
+        spinner.join(5)
+        executor.shutdown()
+        client.close()
+        node.destroy_node()
+        listener.destroy_node()
