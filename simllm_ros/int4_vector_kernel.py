@@ -30,6 +30,8 @@ from .kernels import build
 GROUP = 32  # inputs per group (INT4_GROUP in llama_runner)
 BLOB = 384  # bytes per 16 outputs x one group, 4-bit: 256 of codes, 16 steps and 16 bases in float32
 BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
+GROUP6 = 16  # inputs per group of the 16-input 8-bit format (GGUF's Q6_K)
+BLOB6 = 320  # 16 outputs x one group of 16: 256 bytes of codes, 16 float32 scales
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
 THREAD_MIN_MACS = 250_000
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -54,6 +56,13 @@ class VectorKernel:
         self._mm8 = lib.simllm_vec_int8_mm
         self._mm8.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _L, _I]
         self._mm8.restype = None
+        self._mm6 = lib.simllm_vec_int8g16_mm
+        self._mm6.argtypes = self._mm.argtypes
+        self._mm6.restype = None
+        # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
+        addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        self.entries = {"q4": addr(lib.simllm_vec_int4_mm), "q8": addr(lib.simllm_vec_int8_mmx),
+                        "q6": addr(lib.simllm_vec_int8g16_mm)}
         lib.simllm_vec_buffer_floats.restype = _L
         self._buf_floats = int(lib.simllm_vec_buffer_floats())
         self.pool_call = ctypes.cast(lib.simllm_pool_call, ctypes.c_void_p).value  # for AttentionKernel.use_pool
@@ -77,6 +86,33 @@ class VectorKernel:
         return torch.cat([byte, sb], dim=-1).contiguous()
 
     @staticmethod
+    def pack_affine(codes: torch.Tensor, step: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] (0..15), step and base [N, K/32] float32 (weight = step * code + base: a GGUF file's
+        Q4_K, Q4_1 or Q4_0 groups as they are, no zero point to convert) -> `pack`'s layout."""
+        n, k = codes.shape
+        if n % 16 or k % GROUP:
+            raise ValueError(f"int4 vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+        g = k // GROUP
+        q = codes.to(torch.uint8).reshape(n // 16, 2, 8, g, GROUP)
+        byte = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, g, 256)
+        sb = torch.cat([step.float().reshape(n // 16, 16, g), base.float().reshape(n // 16, 16, g)], dim=1)
+        sb = sb.permute(0, 2, 1).contiguous().view(torch.uint8)
+        return torch.cat([byte, sb], dim=-1).contiguous()
+
+    @staticmethod
+    def pack6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """codes [N, K] (int8; GGUF's Q6_K: -32..31) and scales [N, K/16] float32 -> [N/16, K/16, 320] uint8: per
+        16 outputs and group of 16 inputs, byte 16k + j holds input k's code of output j, then the 16 scales."""
+        n, k = codes.shape
+        if n % 16 or k % GROUP6:
+            raise ValueError(f"16-input 8-bit vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in "
+                             f"{GROUP6}s")
+        g = k // GROUP6
+        q = codes.to(torch.int8).reshape(n // 16, 16, g, GROUP6).permute(0, 2, 3, 1).reshape(n // 16, g, 256)
+        d = scales.float().reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)
+        return torch.cat([q.view(torch.uint8), d], dim=-1).contiguous()
+
+    @staticmethod
     def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """codes [N, K] (-127..127) and scales [N, K/32] -> [N/16, K/32, 576] uint8: per 16 outputs and group,
         byte 16k + j holds input k's code of output j, then the 16 scales (float32)."""
@@ -88,9 +124,9 @@ class VectorKernel:
         d = scales.float().reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, g, 64]
         return torch.cat([q.view(torch.uint8), d], dim=-1).contiguous()
 
-    def _prepare(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str):
+    def _prepare(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str, group: int = GROUP):
         m, k = x.shape
-        if x.dtype != torch.float32 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, blob_bytes):
+        if x.dtype != torch.float32 or x.stride(1) != 1 or blob.shape != (n // 16, k // group, blob_bytes):
             raise ValueError(f"{what} vector kernel: float32 rows [M, K] with contiguous inputs, and weights packed "
                              "for them")
         threads = max(1, compute_threads.kernel_threads()) if m * n * k >= THREAD_MIN_MACS else 1
@@ -128,6 +164,18 @@ class VectorKernel:
                   self._buf_floats, threads)
         return y
 
+    def mm6(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous) times 8-bit weights in groups of 16 packed by `pack6` -> [M, n]."""
+        m, k, threads, xsum, buf = self._prepare(x, blob, n, BLOB6, "16-input 8-bit", GROUP6)
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._mm6(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, xsum.data_ptr(),
+                  buf.data_ptr(), self._buf_floats, threads)
+        return y
+
+    def product(self, kind: str):
+        """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q8" (`pack8`) or "q6" (`pack6`)."""
+        return {"q4": self.mm, "q8": self.mm8, "q6": self.mm6}[kind]
+
 
 def load() -> "VectorKernel | None":
     """The kernel for this process (built on first use), or None with `why_not()` saying why."""
@@ -156,16 +204,19 @@ def _self_check(kernel: VectorKernel) -> str | None:
     q8 = torch.randint(-127, 128, (80, 96), generator=g, dtype=torch.int32)
     d = torch.rand(80, 3, generator=g) * 0.01
     w8 = (q8.double().reshape(80, 3, GROUP) * d.double()[..., None]).reshape(80, 96)
+    q6 = torch.randint(-32, 32, (80, 96), generator=g, dtype=torch.int32)
+    d6 = torch.rand(80, 6, generator=g) * 0.01
+    w6 = (q6.double().reshape(80, 6, GROUP6) * d6.double()[..., None]).reshape(80, 96)
     x = torch.randn(19, 96, generator=g)
-    blob, blob8 = kernel.pack(codes, sz), kernel.pack8(q8, d)
+    blob, blob8, blob6 = kernel.pack(codes, sz), kernel.pack8(q8, d), kernel.pack6(q6, d6)
     for got, want, name in ((kernel.mm(x, blob, 80), x.double() @ w.reshape(80, 96).t(), "int4"),
-                            (kernel.mm8(x, blob8, 80), x.double() @ w8.t(), "int8")):
+                            (kernel.mm8(x, blob8, 80), x.double() @ w8.t(), "int8"),
+                            (kernel.mm6(x, blob6, 80), x.double() @ w6.t(), "int8-16")):
         err = (got.double() - want).abs().max().item()
         bound = 1e-4 * want.abs().max().item() + 1e-5
         if err > bound:
             return f"the {name} vector kernel is off by {err:.3g} (allowed {bound:.3g}) here"
-        f = kernel.mm if name == "int4" else kernel.mm8
-        b = blob if name == "int4" else blob8
+        f, b = {"int4": (kernel.mm, blob), "int8": (kernel.mm8, blob8), "int8-16": (kernel.mm6, blob6)}[name]
         if not all(torch.equal(f(x[i:i + r].contiguous(), b, 80), got[i:i + r]) for i, r in ((3, 1), (5, 2), (7, 3))):
             return f"the {name} vector kernel is not row-invariant here"
     return None

@@ -86,9 +86,16 @@ class Layers:
         self.kernel, self.int4, self.attention = kernel, int4, attention
         self.dtype = int4.dtype  # bf16 (AMX products) or float32 (vector products)
         self.E, self.Hq, self.Hkv, self.D, self.inter, self.scale = E, Hq, Hkv, D, inter, scale
-        self.weights = torch.tensor([[ln1.weight.data_ptr(), ln2.weight.data_ptr(), qkv.blob.data_ptr(),
-                                      o.blob.data_ptr(), gu.blob.data_ptr(), down.blob.data_ptr()]
-                                     for ln1, qkv, o, ln2, gu, down, _ in layers], dtype=torch.int64)
+        if self.dtype == torch.float32:  # each projection as a list of parts (layers.c, product32)
+            self._parts = [torch.tensor([len(p.parts)] + [v for kind, blob, n in p.parts
+                                                          for v in (int4.entries[kind], blob.data_ptr(), n)],
+                                        dtype=torch.int64)
+                           for ln1, qkv, o, ln2, gu, down, _ in layers for p in (qkv, o, gu, down)]
+            projs = [t.data_ptr() for t in self._parts]
+        else:
+            projs = [p.blob.data_ptr() for ln1, qkv, o, ln2, gu, down, _ in layers for p in (qkv, o, gu, down)]
+        self.weights = torch.tensor([[ln1.weight.data_ptr(), ln2.weight.data_ptr(), *projs[4 * i:4 * i + 4]]
+                                     for i, (ln1, qkv, o, ln2, gu, down, _) in enumerate(layers)], dtype=torch.int64)
         self.eps = torch.tensor([[ln1.eps, ln2.eps] for ln1, _, _, ln2, _, _, _ in layers], dtype=torch.float32)
         addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
         self._norm, self._mm = addr(norms._fns[self.dtype]), addr(int4._mm)
@@ -107,8 +114,10 @@ class Layers:
         for ln1, qkv, o, ln2, gu, down, act in runner.layers:
             if ln1.kernel is None or ln2.kernel is None or type(act).__name__ not in ("SiLUActivation", "SiLU"):
                 return False
-            if any(p.blob is None or p.bias is not None for p in (qkv, o, gu, down)):
+            if any(p.parts is None or p.bias is not None for p in (qkv, o, gu, down)):
                 return False
+            if runner.int4.dtype != torch.float32 and any(p.blob is None for p in (qkv, o, gu, down)):
+                return False  # the bf16 layers take 4-bit blobs only
         return True
 
     def _workspace(self, M: int) -> torch.Tensor:

@@ -303,14 +303,22 @@ class _Proj:
     load-time probe checks for the whole model.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int,
-                 int4: "int4_kernel.Int4Kernel | None" = None):
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, weight_bits: int,
+                 int4: "int4_kernel.Int4Kernel | None" = None,
+                 parts: list[tuple[str, torch.Tensor, int]] | None = None):
         self.bias = bias
-        self.n = weight.shape[0]
-        self.weight = self.w8 = self.w4 = self.packed = self.blob = None
+        self.weight = self.w8 = self.w4 = self.packed = self.blob = self.parts = None
         self.int4 = int4
+        if parts is not None:  # a file's own formats on the vector kernel (gguf_weights): consecutive outputs each
+            self.parts = parts  # (kind, blob, outputs)
+            self.n = sum(n for _, _, n in parts)
+            if len(parts) == 1 and parts[0][0] == "q4":
+                self.blob = parts[0][1]
+            return
+        self.n = weight.shape[0]
         if weight_bits == 4 and int4 is not None:  # our kernel (int4_kernel or int4_vector_kernel): its own layout
             self.blob = int4.pack(*_int4_codes(weight))  # steps and zeros inside the blob
+            self.parts = [("q4", self.blob, self.n)]
         elif weight_bits == 8:
             w = weight.float()
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
@@ -326,7 +334,12 @@ class _Proj:
     @property
     def four_bit(self) -> bool:
         """Whether this projection holds 4-bit weights (for either kernel)."""
-        return self.w4 is not None or self.blob is not None
+        return self.w4 is not None or self.parts is not None
+
+    @property
+    def kinds(self) -> str:
+        """The blob kinds of our kernel's parts ("q4", "q4+q6", ...), "" off our kernel."""
+        return "+".join(dict.fromkeys(k for k, _, _ in self.parts)) if self.parts else ""
 
     def dense(self) -> torch.Tensor | None:
         """The plain weight (unpacked again if packed: oneDNN's reorder back is exact); None for int8/int4."""
@@ -337,12 +350,12 @@ class _Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        if self.w8 is None and self.w4 is None and self.blob is None:
+        if self.w8 is None and self.w4 is None and self.parts is None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        if self.blob is not None:
-            y = self.int4.mm(x2, self.blob, self.n)
+        if self.parts is not None:
+            y = self._parts(x2, self.parts)
         elif self.w4 is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w4, INT4_GROUP, self.scale)
         else:
@@ -353,14 +366,43 @@ class _Proj:
     def columns(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
         """Outputs a..b-1 (multiples of 16) of this product for rows x [M, K], on our 4-bit kernels only: they
         compute each block of 16 outputs on its own, so these are bitwise those columns of the whole product."""
-        if self.blob is None or a % 16 or b % 16:
+        if self.parts is None or a % 16 or b % 16:
             raise ValueError("columns of a product: our 4-bit kernels' weights, outputs in 16s")
-        y = self.int4.mm(x.contiguous(), self.blob[a // 16:b // 16], b - a)
+        cut, c0 = [], 0
+        for kind, blob, n in self.parts:  # the parts' blocks of 16 outputs that fall in a..b-1
+            lo, hi = max(a, c0), min(b, c0 + n)
+            if lo < hi:
+                cut.append((kind, blob[(lo - c0) // 16:(hi - c0) // 16], hi - lo))
+            c0 += n
+        y = self._parts(x.contiguous(), cut)
         return y if self.bias is None else y + self.bias[a:b]
+
+    def _parts(self, x: torch.Tensor, parts) -> torch.Tensor:
+        """x [M, K] times consecutive parts of outputs, each on its kind's product: every output computed as its
+        own part's kernel computes it, whatever parts run beside it."""
+        if len(parts) == 1 and parts[0][0] == "q4":
+            return self.int4.mm(x, parts[0][1], parts[0][2])
+        ys = [self.int4.product(kind)(x, blob, n) for kind, blob, n in parts]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+
+
+def _file_parts(weights: list, kernel) -> list[tuple[str, torch.Tensor, int]]:
+    """A fused projection's parts from its pieces' file weights (gguf_weights.FileWeight): neighbours of one kind
+    share a blob, so an all-Q4_K q/k/v stays one product."""
+    parts: list[tuple[str, torch.Tensor, int]] = []
+    for fw in weights:
+        kind, blob, n = fw.pack(kernel)
+        if parts and parts[-1][0] == kind:
+            parts[-1] = (kind, torch.cat([parts[-1][1], blob]), parts[-1][2] + n)
+        else:
+            parts.append((kind, blob, n))
+    return parts
 
 
 class LlamaRunner:
-    def __init__(self, model, weight_bits: int = 16):
+    def __init__(self, model, weight_bits: int = 16, file=None):
+        """`file` (gguf_weights.ModelFile, float32 with weight_bits 4 only): the projections and LM head run on the
+        GGUF's own blocks on the vector kernel instead of 4-bit codes found again from the weights."""
         base = model.model
         cfg = model.config
         self.model = model
@@ -395,17 +437,33 @@ class LlamaRunner:
         # bits (SmolLM2's Q4_1 file: Q8_0, 32 distinct values in a group of 32), so 4 bits would re-quantize it.
         # Where that embedding is Q8_0 and our kernel runs, its own 8-bit codes; else 16-bit.
         lm_w = lm.weight.data
-        if self.int4 is not None and lm.bias is None and lm_w.shape[0] % 16 == 0 and on_q8_grid(lm_w):
+        self.file = file if self.int4 is not None and self.int4.dtype == torch.float32 else None
+        if file is not None and self.file is None:
+            raise ValueError("a GGUF's own blocks run on the float32 vector kernel only")
+        if self.file is not None and self.file.head is not None and lm_w.shape[0] % 16 == 0:
+            kind, blob, n = self.file.head.pack(self.int4)
+            self.lm_head = _Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
+            self.lm_head.ggml, self.lm_head.bits = self.file.head.ggml, {"q4": 4, "q8": 8, "q6": 6}[kind]
+        elif self.int4 is not None and lm.bias is None and lm_w.shape[0] % 16 == 0 and on_q8_grid(lm_w):
             self.lm_head = _Head8(lm_w, self.int4)
         else:
             self.lm_head = _Proj(lm_w, lm.bias.data if lm.bias is not None else None,
                                  16 if weight_bits == 4 else weight_bits)
-        for layer in base.layers:
+        for li, layer in enumerate(base.layers):
             att, mlp = layer.self_attn, layer.mlp
-            qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, self.int4)
-            gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, self.int4)
-            o = _Proj(att.o_proj.weight.data, _bias(att.o_proj), weight_bits, self.int4)
-            down = _Proj(mlp.down_proj.weight.data, _bias(mlp.down_proj), weight_bits, self.int4)
+            if self.file is not None:
+                fw = self.file.layers[li]
+                qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, self.int4,
+                            parts=_file_parts([fw["q_proj"], fw["k_proj"], fw["v_proj"]], self.int4))
+                gate_up = _Proj(None, None, 4, self.int4,
+                                parts=_file_parts([fw["gate_proj"], fw["up_proj"]], self.int4))
+                o = _Proj(None, _bias(att.o_proj), 4, self.int4, parts=_file_parts([fw["o_proj"]], self.int4))
+                down = _Proj(None, _bias(mlp.down_proj), 4, self.int4, parts=_file_parts([fw["down_proj"]], self.int4))
+            else:
+                qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, self.int4)
+                gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, self.int4)
+                o = _Proj(att.o_proj.weight.data, _bias(att.o_proj), weight_bits, self.int4)
+                down = _Proj(mlp.down_proj.weight.data, _bias(mlp.down_proj), weight_bits, self.int4)
             self._hf_views += [(qkv, (att.q_proj, att.k_proj, att.v_proj)), (gate_up, (mlp.gate_proj, mlp.up_proj)),
                                (o, (att.o_proj,)), (down, (mlp.down_proj,))]
             self.layers.append((_Norm(layer.input_layernorm, norms), qkv, o,
@@ -672,7 +730,7 @@ class LlamaRunner:
         # Every token needs only its keys and values here (pick reads them); queries only the picked rows do.
         # Our kernel computes those outputs alone, bitwise as the whole product does; RoPE is per element.
         q = None
-        if qkv_proj.blob is not None:
+        if qkv_proj.parts is not None:
             Hkv, D = self.n_kv, self.head_dim
             kv_rows = qkv_proj.columns(x, self.q_size, self.q_size + 2 * self.kv_size)  # [M', 2 kv]
             k = self._rotate(kv_rows[:, :self.kv_size].view(-1, Hkv, D), cos, sin)
@@ -898,6 +956,11 @@ def _hand_out(fused: torch.Tensor, linears, attr: str) -> None:
     for lin in linears:
         getattr(lin, attr).data = fused[off:off + lin.out_features]
         off += lin.out_features
+
+
+def _cat_bias(*linears) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears]
+    return torch.cat([b.data for b in biases]) if all(b is not None for b in biases) else None
 
 
 def _bias(linear) -> torch.Tensor | None:

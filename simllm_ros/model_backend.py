@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
+from . import attention_kernel, gguf_weights, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
 from .block_store import KVShape
 from .kernels.build import CONTRACT
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
@@ -85,6 +85,17 @@ def _quiet_transformers():
     hf_logging.disable_progress_bar()
 
 
+def gguf_source(ref: str) -> str | None:
+    """The GGUF file behind a model reference (an embedded model's or a .gguf path), else None."""
+    if ref in EMBEDDED_MODELS:
+        pkg, name, _ = EMBEDDED_MODELS[ref]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        return os.path.join(list(spec.submodule_search_locations)[0], name)
+    return os.path.abspath(ref) if ref.endswith(".gguf") and os.path.isfile(ref) else None
+
+
 def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> str:
     """Local directory holding a transformers checkpoint for `ref`, converting a GGUF once if needed."""
     gguf_dir = gguf_name = None
@@ -116,6 +127,10 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> 
                 return target
     except (OSError, ValueError):
         pass
+    try:  # a truncated or corrupt file: say so here, not as whatever the converter trips over
+        gguf_weights.check_file(src)
+    except gguf_weights.GGUFError as e:
+        raise ModelLoadError(f"model '{ref}': {e}") from e
     progress(f"converting {gguf_name} to safetensors once (about 15 s) into {target}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -196,6 +211,18 @@ class ModelBackend:
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
         self.runner = None
         fast = self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers and LlamaRunner.supports(self.model)
+        # A GGUF's own quantized blocks for the float32 vector kernel (gguf_weights), where they are other than
+        # Q4_0/Q4_1 (whose grid _int4_codes finds again: the embedded model's path, unchanged).
+        self.model_file: gguf_weights.ModelFile | None = None
+        self.file_formats: dict[str, list[str]] = {}
+        src = gguf_source(ref)
+        if src and fast and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4):
+            try:
+                self.file_formats = gguf_weights.formats(src)
+                if not gguf_weights.ModelFile([], None, self.file_formats, None).only_q4_0_1:
+                    self.model_file = gguf_weights.read_model(src, self.model)
+            except gguf_weights.GGUFError as e:
+                raise ModelLoadError(f"model '{ref}': {e}") from e
         auto_bits = weight_bits == 0
         if auto_bits:
             weight_bits = self._auto_weight_bits(fast, device)
@@ -221,9 +248,12 @@ class ModelBackend:
                 why = why or int4_kernel_error()
             if why:
                 raise ModelLoadError(why)
+        use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
+        if not use_file:
+            self.model_file = None if self.model_file is None or self.model_file.why_not else self.model_file
         if fast:
             try:
-                self.runner = LlamaRunner(self.model, weight_bits)
+                self.runner = LlamaRunner(self.model, weight_bits, file=self.model_file if use_file else None)
             except ValueError as e:  # a shape the quantized kernels cannot take
                 raise ModelLoadError(str(e)) from e
         self.weight_bits = weight_bits
@@ -284,8 +314,15 @@ class ModelBackend:
         """Which kernel computes the 4-bit products, for the load log (the two round differently)."""
         kind = self.int4_kind
         if kind in ("amx", "vector"):
-            head = "8-bit (the file's Q8_0 codes)" if getattr(self.runner.lm_head, "bits", 16) == 8 else "16-bit"
             what = "AMX kernel, bf16" if kind == "amx" else "vector kernel, float32"
+            ggml = getattr(self.runner.lm_head, "ggml", None)
+            if self.runner.file is not None:  # the GGUF's own blocks, per tensor kind
+                kinds = {"q4": "4-bit step/base per 32", "q8": "8-bit scale per 32", "q6": "8-bit scale per 16"}
+                per = ", ".join(f"{name} {'/'.join(t)} -> {'/'.join(kinds[gguf_weights.KINDS[x]] for x in t)}"
+                                for name, t in self.runner.file.formats.items() if name in gguf_weights.PROJECTIONS)
+                head = f"{ggml} ({kinds[gguf_weights.KINDS[ggml]]})" if ggml else "16-bit"
+                return f"simllm_ros {what} ({self.runner.int4.path}) on the file's own blocks: {per}; LM head {head}"
+            head = "8-bit (the file's Q8_0 codes)" if getattr(self.runner.lm_head, "bits", 16) == 8 else "16-bit"
             return f"simllm_ros {what} ({self.runner.int4.path}); LM head {head}"
         if kind == "aten":
             return f"ATen's int4 kernel ({int4_kernel.why_not() or 'the shapes do not fit ours'})"
@@ -337,6 +374,14 @@ class ModelBackend:
                 return 16
         elif self.dtype != torch.float32 or int4_vector_kernel.load() is None:
             return 16
+        if self.model_file is not None:  # a GGUF's own K-quant / Q8_0 blocks: 4 where every projection runs on them
+            if self.model_file.why_not:
+                self.progress(f"weight_bits auto: 16, the file's own formats cannot all run on our kernels: "
+                              f"{self.model_file.why_not}")
+                return 16
+            return 4 if all(lin.out_features % 16 == 0 for layer in self.model.model.layers for lin in (
+                layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)) else 16
         for layer in self.model.model.layers:
             att, mlp = layer.self_attn, layer.mlp
             for lin in (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):

@@ -84,6 +84,8 @@ def _case(path, seed=0):
         "x.f32": torch.randn(m, k, generator=g).numpy().tobytes(),
         "w4.u8": kernel.pack(codes, sz).numpy().tobytes(),
         "w8.u8": kernel.pack8(*q8_codes(int4_dequantized(codes, sz))).numpy().tobytes(),
+        "w6.u8": kernel.pack6(torch.randint(-32, 32, (n, k), generator=g),  # Q6_K's codes, a scale per 16
+                              torch.rand(n, k // 16, generator=g) * 0.01).numpy().tobytes(),
         "nx.f32": (torch.randn(m, e, generator=g) * 3).numpy().tobytes(),
         "nw.f32": torch.randn(e, generator=g).numpy().tobytes(),
         "nx.bf16": _bf16_bits(torch.randn(m, e, generator=g) * 3),
@@ -103,7 +105,7 @@ def _case(path, seed=0):
 def _outputs(path) -> dict[str, bytes]:
     out = {}
     for name in os.listdir(path):
-        if name.startswith(("mm4_", "mm8_", "norm_", "silu_", "rope_")):
+        if name.startswith(("mm4_", "mm6_", "mm8_", "norm_", "silu_", "rope_")):
             with open(os.path.join(path, name), "rb") as f:
                 out[name] = f.read()
     return out
@@ -128,7 +130,7 @@ def _run(tmp_path, label, cc, target_flags, runner=()):
 
 def _rows_do_not_depend_on_their_neighbours(out, m, n):
     """The driver ran row cuts at 1 and 2 threads: each cut equals those rows of the whole product."""
-    for kind in ("mm4", "mm8"):
+    for kind in ("mm4", "mm6", "mm8"):
         whole = np.frombuffer(out[f"{kind}_t1_0_{m}.f32"], dtype=np.float32).reshape(m, n)
         for name, data in out.items():
             if name.startswith(kind):
@@ -153,6 +155,6 @@ def test_aarch64_under_qemu_gives_this_machines_bits(tmp_path):
     native, m, n = _run(tmp_path, "native", CC, ("-march=native",) if IS_X86 else AARCH64)
     arm, _, _ = _run(tmp_path, "aarch64", CROSS, AARCH64, runner=(QEMU, "-L", SYSROOT))
     _rows_do_not_depend_on_their_neighbours(arm, m, n)
-    assert arm.keys() == native.keys() and len(arm) == 24
+    assert arm.keys() == native.keys() and len(arm) == 34
     differ = [k for k in native if arm[k] != native[k]]
     assert not differ, f"aarch64 differs from this machine in {differ}"

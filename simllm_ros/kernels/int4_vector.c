@@ -6,6 +6,8 @@
 #define BLOB4 384  /* 16 outputs x one group: input k's 16 codes in 8 bytes at 8k (byte j: output j low, j + 8 high
                       nibble), then 16 steps and 16 bases, float32 */
 #define BLOB8 576  /* input k's 16 signed codes at 16k, then 16 scales */
+#define GROUP6 16  /* inputs per group of the 16-input 8-bit format (GGUF's Q6_K: a scale per 16 weights) */
+#define BLOB6 320  /* 16 outputs x one group of 16: input k's 16 signed codes at 16k, then 16 scales */
 #define RCHUNK 36  /* rows per chunk in the buffered path: their inputs stay in L2 while the blocks pass */
 #define PREFETCH 8  /* groups ahead in the one-row path: the weights stream from memory while it computes */
 
@@ -97,18 +99,18 @@ typedef struct {
 } job_t;
 
 /* One row, NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used. */
-#define DEFINE_ROW(NAME, NB, BLOB, CS, DEC, POST)                                                         \
+#define DEFINE_ROW(NAME, NB, GK, BLOB, CS, DEC, POST)                                                         \
 static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, const float *xs, float *y) {  \
     vw o[NB][NH];                                                                                         \
     for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) o[j][h] = bc(0.f);                          \
     for (int g = 0; g < G; g++) {                                                                         \
         vw a[NB][NH];                                                                                     \
         for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) a[j][h] = bc(0.f);                      \
-        const float *xg = x + g * GROUP;                                                                  \
+        const float *xg = x + g * GK;                                                                     \
         const uint8_t *wg = w + (long)g * BLOB;                                                           \
         for (int j = 0; j < NB; j++)  /* no fault past the end: a prefetch is a hint */                   \
             for (int l = 0; l < BLOB; l += 64) __builtin_prefetch(wg + j * bbytes + PREFETCH * BLOB + l);  \
-        for (int k = 0; k < GROUP; k++) {                                                                 \
+        for (int k = 0; k < GK; k++) {                                                                    \
             const vw xb = bc(xg[k]);                                                                      \
             for (int j = 0; j < NB; j++) {                                                                \
                 vw wk[NH];                                                                                \
@@ -117,7 +119,7 @@ static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, co
             }                                                                                             \
         }                                                                                                 \
         for (int j = 0; j < NB; j++) {                                                                    \
-            const float *s = (const float *)(wg + j * bbytes + GROUP * CS);                               \
+            const float *s = (const float *)(wg + j * bbytes + GK * CS);                                  \
             POST(s, a[j], xs ? xs[g] : 0.f, o[j]);                                                        \
         }                                                                                                 \
     }                                                                                                     \
@@ -126,13 +128,13 @@ static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, co
 
 /* NQ rows (6, 3 or 1) over a group decoded into dq [32][16]: the same operations for each row as the one-row
    path's, their sums added into the chunk's ob. */
-#define DEFINE_QROWS(NAME, POST, HAS_XSUM)                                                                \
+#define DEFINE_QROWS(NAME, GK, POST, HAS_XSUM)                                                                \
 static inline __attribute__((always_inline)) void NAME(const job_t *J, const float *dq, const float *s, float *ob, \
                                                        int r0, int r, int g, int G, const int NQ) {        \
-    const float *x0 = J->x + (long)(r0 + r) * J->x_stride + g * GROUP;                                    \
+    const float *x0 = J->x + (long)(r0 + r) * J->x_stride + g * GK;                                       \
     vw a[6][NH];                                                                                          \
     for (int q = 0; q < NQ; q++) for (int h = 0; h < NH; h++) a[q][h] = bc(0.f);                          \
-    for (int k = 0; k < GROUP; k++) {                                                                     \
+    for (int k = 0; k < GK; k++) {                                                                        \
         vw wk[NH];                                                                                        \
         for (int h = 0; h < NH; h++) wk[h] = ld(dq + 16 * k + VL * h);                                    \
         for (int q = 0; q < NQ; q++) {                                                                    \
@@ -151,10 +153,10 @@ static inline __attribute__((always_inline)) void NAME(const job_t *J, const flo
 
 /* Rows in chunks; per chunk, block and group the weights are decoded once into buf [32][16], then 6, 3 and 1 rows
    at a time (DEFINE_QROWS) take the same operations as above. */
-#define DEFINE_PART(NAME, BLOB, CS, DEC, QROWS, ROW4, ROW1, HAS_XSUM)                                      \
+#define DEFINE_PART(NAME, GK, BLOB, CS, DEC, QROWS, ROW4, ROW1, HAS_XSUM)                                      \
 static void *NAME(void *arg) {                                                                            \
     const job_t *J = arg;                                                                                 \
-    const int G = J->K / GROUP;                                                                           \
+    const int G = J->K / GK;                                                                              \
     const long bbytes = (long)G * BLOB;                                                                   \
     if (J->M < 4) {                                                                                       \
         for (int m = 0; m < J->M; m++) {                                                                  \
@@ -174,12 +176,12 @@ static void *NAME(void *arg) {                                                  
             for (int i = 0; i < R * 16; i++) ob[i] = 0.f;                                                 \
             for (int g = 0; g < G; g++) {                                                                 \
                 const uint8_t *wg = J->w + b * bbytes + (long)g * BLOB;                                   \
-                for (int k = 0; k < GROUP; k++) {                                                         \
+                for (int k = 0; k < GK; k++) {                                                            \
                     vw wk[NH];                                                                            \
                     DEC(wg + k * CS, wk);                                                                 \
                     for (int h = 0; h < NH; h++) st(dq + 16 * k + VL * h, wk[h]);                         \
                 }                                                                                         \
-                const float *s = (const float *)(wg + GROUP * CS);                                        \
+                const float *s = (const float *)(wg + GK * CS);                                           \
                 int r = 0;                                                                                \
                 for (; r + 6 <= R; r += 6) QROWS(J, dq, s, ob, r0, r, g, G, 6);                           \
                 for (; r + 3 <= R; r += 3) QROWS(J, dq, s, ob, r0, r, g, G, 3);                           \
@@ -191,14 +193,18 @@ static void *NAME(void *arg) {                                                  
     return 0;                                                                                             \
 }
 
-DEFINE_ROW(row4_4, 4, BLOB4, CS4, DEC4, POST4)
-DEFINE_ROW(row4_1, 1, BLOB4, CS4, DEC4, POST4)
-DEFINE_ROW(row8_4, 4, BLOB8, CS8, DEC8, POST8)
-DEFINE_ROW(row8_1, 1, BLOB8, CS8, DEC8, POST8)
-DEFINE_QROWS(qrows4, POST4, 1)
-DEFINE_QROWS(qrows8, POST8, 0)
-DEFINE_PART(part4, BLOB4, CS4, DEC4, qrows4, row4_4, row4_1, 1)
-DEFINE_PART(part8, BLOB8, CS8, DEC8, qrows8, row8_4, row8_1, 0)
+DEFINE_ROW(row4_4, 4, GROUP, BLOB4, CS4, DEC4, POST4)
+DEFINE_ROW(row4_1, 1, GROUP, BLOB4, CS4, DEC4, POST4)
+DEFINE_ROW(row8_4, 4, GROUP, BLOB8, CS8, DEC8, POST8)
+DEFINE_ROW(row8_1, 1, GROUP, BLOB8, CS8, DEC8, POST8)
+DEFINE_ROW(row6_4, 4, GROUP6, BLOB6, CS8, DEC8, POST8)
+DEFINE_ROW(row6_1, 1, GROUP6, BLOB6, CS8, DEC8, POST8)
+DEFINE_QROWS(qrows4, GROUP, POST4, 1)
+DEFINE_QROWS(qrows8, GROUP, POST8, 0)
+DEFINE_QROWS(qrows6, GROUP6, POST8, 0)
+DEFINE_PART(part4, GROUP, BLOB4, CS4, DEC4, qrows4, row4_4, row4_1, 1)
+DEFINE_PART(part8, GROUP, BLOB8, CS8, DEC8, qrows8, row8_4, row8_1, 0)
+DEFINE_PART(part6, GROUP6, BLOB6, CS8, DEC8, qrows6, row6_4, row6_1, 0)
 
 static job_t pool_jobs[MAXT];
 
@@ -245,4 +251,21 @@ void simllm_vec_int4_mm(const float *x, long x_stride, const uint8_t *w, float *
 void simllm_vec_int8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
                         float *buf, long buf_per_thread, int nthreads) {
     run(part8, x, x_stride, w, y, y_stride, M, N, K, 0, buf, buf_per_thread, nthreads);
+}
+
+/* The same, with the signature of simllm_vec_int4_mm (the group sums unused): the C layers call every format
+   through one function pointer type. */
+void simllm_vec_int8_mmx(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N,
+                         int K, float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    (void)xsum;
+    run(part8, x, x_stride, w, y, y_stride, M, N, K, 0, buf, buf_per_thread, nthreads);
+}
+
+/* 8-bit codes with a float32 scale per group of 16 inputs (GGUF's Q6_K: codes -32..31, scale = d * its int8
+   sub-scale): per output, acc over the group's 16 inputs in order from zero, then out = fma(scale, acc, out),
+   groups in order. The signature of simllm_vec_int4_mm (the group sums unused). */
+void simllm_vec_int8g16_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N,
+                           int K, float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    (void)xsum;
+    run(part6, x, x_stride, w, y, y_stride, M, N, K, 0, buf, buf_per_thread, nthreads);
 }

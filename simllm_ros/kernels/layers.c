@@ -270,12 +270,23 @@ static void glue32(const pass32_t *P, glue32_t g) {
     P->pool(glue32_rows, jobs, sizeof(glue32_t), n);
 }
 
-static void product32(const pass32_t *P, const float *x, const uint8_t *w, float *y, int M, int N, int K) {
-    int threads = (long)M * N * K >= P->thread_min_macs ? P->threads : 1;
-    P->mm(x, K, w, y, N, M, N, K, P->xsum, P->buf, P->per_thread, threads);
+/* A projection of N outputs as parts of consecutive outputs, each its own weight format (a GGUF file's Q4_K_M keeps
+   attn_v in Q6_K beside Q4_K q and k): int64 [parts, then per part its product (mm32_fn), blob, outputs]. Each
+   part writes its columns of y; every output's operations are its part's kernel's, whatever parts are beside it. */
+static void product32(const pass32_t *P, const float *x, const int64_t *proj, float *y, int M, int N, int K) {
+    long col = 0;
+    for (int64_t i = 0; i < proj[0]; i++) {
+        const mm32_fn mm = (mm32_fn)(intptr_t)proj[1 + 3 * i];
+        const int n = (int)proj[3 + 3 * i];
+        int threads = (long)M * n * K >= P->thread_min_macs ? P->threads : 1;
+        mm(x, K, (const uint8_t *)(intptr_t)proj[2 + 3 * i], y + col, N, M, n, K, P->xsum, P->buf, P->per_thread,
+           threads);
+        col += n;
+    }
 }
 
-/* simllm_layers_bf16's steps in the same order, in float32. ws: M * (2E + 2Nqkv + Hq*D + 3I) floats. */
+/* simllm_layers_bf16's steps in the same order, in float32; weights [L][6] hold the projections as product32's
+   part lists. ws: M * (2E + 2Nqkv + Hq*D + 3I) floats. */
 void simllm_layers_f32(const pass32_t *P, float *h, int M, int first, int last, const int64_t *weights,
                        const float *eps, const float *cos, const float *sin, float *ws) {
     const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D, Nqk = (Hq + Hkv) * D;
@@ -286,16 +297,16 @@ void simllm_layers_f32(const pass32_t *P, float *h, int M, int first, int last, 
                              .x = x, .eps = eps[2 * first]});
     for (int li = first; li < last; li++) {
         const int64_t *W = weights + (long)li * 6;
-        product32(P, x, (const uint8_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
+        product32(P, x, (const int64_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
         glue32(P, (glue32_t){.op = F_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin});
         P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,
                   P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);
-        product32(P, o, (const uint8_t *)(intptr_t)W[3], t, M, E, Hq * D);
+        product32(P, o, (const int64_t *)(intptr_t)W[3], t, M, E, Hq * D);
         glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t, .w = (const float *)(intptr_t)W[1], .x = x,
                              .eps = eps[2 * li + 1]});
-        product32(P, x, (const uint8_t *)(intptr_t)W[4], gu, M, 2 * I, E);
+        product32(P, x, (const int64_t *)(intptr_t)W[4], gu, M, 2 * I, E);
         glue32(P, (glue32_t){.op = F_SILU, .M = M, .src = gu, .dst = a});
-        product32(P, a, (const uint8_t *)(intptr_t)W[5], t, M, E, I);
+        product32(P, a, (const int64_t *)(intptr_t)W[5], t, M, E, I);
         const int more = li + 1 < last;
         glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t,
                              .w = more ? (const float *)(intptr_t)weights[(long)(li + 1) * 6] : 0, .x = x,

