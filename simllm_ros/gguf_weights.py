@@ -129,7 +129,7 @@ _BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32
 
 
 def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
-    """A tensor's raw bytes (the GGUFReader's data) in one of the formats above -> its FileWeight [N, K]."""
+    """A tensor's raw bytes (check_file's Tensor.data) in one of the formats above -> its FileWeight [N, K]."""
     size, per, fn = _BLOCKS[ggml]
     n, k = shape
     if k % per or np.asarray(data).size != n * (k // per) * size:
@@ -156,21 +156,88 @@ def match(fw: FileWeight, weight: torch.Tensor) -> FileWeight | None:
     return fw.rows(torch.tensor(perm))
 
 
-def check_file(path: str):
-    """The file's GGUFReader, having checked that every tensor's bytes lie inside the file; GGUFError if not
-    (truncated or corrupt: say so at load, not as a numpy error mid-conversion)."""
-    from gguf import GGUFReader
+@dataclasses.dataclass
+class Tensor:
+    name: str
+    ggml: str
+    shape: tuple[int, ...]  # outermost first: [N, K] for a weight
+    data: np.ndarray  # its raw bytes, memory-mapped
+
+
+# Value types of GGUF metadata: fixed sizes (string 8, array 9 are read apart)
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def check_file(path: str) -> list[Tensor]:
+    """The file's tensors (raw bytes memory-mapped), having checked that each lies inside the file; GGUFError if not
+    (truncated or corrupt: say so at load, not as a numpy error mid-conversion). Our own reading of the header:
+    gguf's GGUFReader decodes every metadata value (~4 s for a tokenizer of 49k tokens), this skips them."""
+    import struct
+
+    import gguf
 
     size = os.path.getsize(path)
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on a broken header
+        with open(path, "rb") as f:
+            head = f.read(min(size, 64 << 20))  # metadata and tensor infos: a few MB even with a large vocabulary
+        pos = 0
+
+        def take(fmt):
+            nonlocal pos
+            v = struct.unpack_from("<" + fmt, head, pos)
+            pos += struct.calcsize("<" + fmt)
+            return v[0] if len(v) == 1 else v
+
+        def text():
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            if pos > len(head):
+                raise struct.error("past the end")
+            return head[pos - n:pos].decode("utf-8", "replace")
+
+        magic, version, n_tensors, n_kv = take("4sIQQ")
+        if magic != b"GGUF" or version < 2:
+            raise GGUFError(f"'{path}' is not a GGUF file (magic {magic!r}, version {version})")
+        align = 32
+        for _ in range(n_kv):
+            key, vtype = text(), take("I")
+            if vtype == 9:
+                etype, count = take("IQ")
+                if etype == 8:
+                    for _ in range(count):
+                        text()
+                else:
+                    pos += _FIXED[etype] * count
+            elif vtype == 8:
+                text()
+            elif key == "general.alignment":
+                align = take({4: "I", 10: "Q"}.get(vtype, "I"))
+            else:
+                pos += _FIXED[vtype]
+        infos = []
+        for _ in range(n_tensors):
+            name = text()
+            dims = take("I")
+            shape = tuple(reversed([take("Q") for _ in range(dims)]))
+            infos.append((name, take("I"), shape, take("Q")))
+        data_start = -(-pos // align) * align
+    except (struct.error, KeyError, ValueError, UnicodeError) as e:
         raise GGUFError(f"'{path}' is not a readable GGUF file ({type(e).__name__}: {e})") from e
-    for t in reader.tensors:
-        if t.data_offset + int(t.n_bytes) > size or np.asarray(t.data).nbytes != int(t.n_bytes):
-            raise GGUFError(f"'{path}' is truncated: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes}, "
-                            f"the file has {size}")
-    return reader
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out = []
+    for name, tcode, shape, offset in infos:
+        try:
+            qtype = gguf.GGMLQuantizationType(tcode)
+        except ValueError:
+            raise GGUFError(f"'{path}': tensor {name} has an unknown type {tcode}") from None
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        n = int(np.prod(shape)) // block * nbytes
+        begin = data_start + offset
+        if begin + n > size:
+            raise GGUFError(f"'{path}' is truncated: tensor {name} needs bytes up to {begin + n}, the file has {size}")
+        out.append(Tensor(name, qtype.name, shape, mm[begin:begin + n]))
+    return out
 
 
 @dataclasses.dataclass
@@ -191,28 +258,32 @@ class ModelFile:
         return all(t in ("Q4_0", "Q4_1") for kind, types in self.formats.items() if kind in PROJECTIONS
                    for t in types)
 
+    def formats_only(self) -> "ModelFile":
+        """This without the codes (the runner keeps its packed copy): what the load log needs."""
+        return ModelFile([], None, self.formats, self.why_not)
+
     def summary(self) -> str:
         return ", ".join(f"{k} {'/'.join(v)}" for k, v in self.formats.items())
 
 
-def formats(path: str) -> dict[str, list[str]]:
+def formats(path: str, tensors: list[Tensor] | None = None) -> dict[str, list[str]]:
     """GGUF types per tensor kind (attn_q, ..., token_embd, output), from the header alone."""
     out: dict[str, list[str]] = {}
-    for t in check_file(path).tensors:
+    for t in tensors if tensors is not None else check_file(path):
         parts = t.name.split(".")
         kind = parts[2] if parts[0] == "blk" and len(parts) > 3 else parts[0]
         lst = out.setdefault(kind, [])
-        if t.tensor_type.name not in lst:
-            lst.append(t.tensor_type.name)
+        if t.ggml not in lst:
+            lst.append(t.ggml)
     return out
 
 
 def read_model(path: str, model) -> ModelFile:
     """The file's own weights for a loaded Llama-family model (float32, dequantized from this file), each checked
     against the model's weight bit for bit."""
-    reader = check_file(path)
-    tensors = {t.name: t for t in reader.tensors}
-    fmts = formats(path)
+    listed = check_file(path)
+    tensors = {t.name: t for t in listed}
+    fmts = formats(path, listed)
     layers: list[dict[str, FileWeight]] = []
     why = None
     base = model.model
@@ -221,19 +292,19 @@ def read_model(path: str, model) -> ModelFile:
         for gname, (sub, attr) in PROJECTIONS.items():
             t = tensors.get(f"blk.{i}.{gname}.weight")
             lin = getattr(getattr(layer, sub), attr)
-            if t is None or t.tensor_type.name not in KINDS:
-                why = why or (f"blk.{i}.{gname} is {t.tensor_type.name if t is not None else 'missing'} "
+            if t is None or t.ggml not in KINDS:
+                why = why or (f"blk.{i}.{gname} is {t.ggml if t is not None else 'missing'} "
                               f"(our kernels take {', '.join(KINDS)})")
                 continue
-            fw = match(decode(t.tensor_type.name, t.data, (lin.out_features, lin.in_features)), lin.weight.data)
+            fw = match(decode(t.ggml, t.data, (lin.out_features, lin.in_features)), lin.weight.data)
             if fw is None:
-                why = why or f"blk.{i}.{gname}: the model's weights are not this file's {t.tensor_type.name} values"
+                why = why or f"blk.{i}.{gname}: the model's weights are not this file's {t.ggml} values"
                 continue
             got[attr] = fw
         layers.append(got)
     head = None
     lm = model.lm_head
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    if t is not None and t.tensor_type.name in KINDS and lm.bias is None and lm.weight.dim() == 2:
-        head = match(decode(t.tensor_type.name, t.data, tuple(lm.weight.shape)), lm.weight.data)
+    if t is not None and t.ggml in KINDS and lm.bias is None and lm.weight.dim() == 2:
+        head = match(decode(t.ggml, t.data, tuple(lm.weight.shape)), lm.weight.data)
     return ModelFile(layers, head, fmts, why)

@@ -486,6 +486,8 @@ class LlamaRunner:
         if lk is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
             self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
                                              self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale)
+        if self.file is not None:  # packed now: the codes need not stay
+            self.file = self.file.formats_only()
         if lm.weight is not base.embed_tokens.weight:  # an untied lm_head: the runner's copy is the one used
             self._hf_views.append((self.lm_head, (lm,)))
         # Packed or quantized weights are a second copy: the HF modules' dense ones are released (the

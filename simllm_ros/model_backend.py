@@ -249,13 +249,12 @@ class ModelBackend:
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
-        if not use_file:
-            self.model_file = None if self.model_file is None or self.model_file.why_not else self.model_file
         if fast:
             try:
                 self.runner = LlamaRunner(self.model, weight_bits, file=self.model_file if use_file else None)
             except ValueError as e:  # a shape the quantized kernels cannot take
                 raise ModelLoadError(str(e)) from e
+        self.model_file = self.runner.file if use_file and self.runner is not None else None  # codes dropped
         self.weight_bits = weight_bits
         self.semantic_supported = self.runner is not None
         self.stop_ids = self._stop_ids()
