@@ -38,12 +38,13 @@ def _ours(path, cache_dir, weight_bits, ids, new):
         out = []
         t0 = time.perf_counter()
         for _ in range(new):
-            tok = int(logits[-1].argmax())
+            tok = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
             out.append(tok)
             logits = b.run([tok], cache, logits="last")
         best_decode = min(best_decode, (time.perf_counter() - t0) / new * 1000)
         toks = out
     del b
+    print(f"{label}: prefill {best_prefill:.2f} s, decode {best_decode:.1f} ms/token", flush=True)
     return label, best_prefill, best_decode, toks
 
 
@@ -65,7 +66,7 @@ def _llama_cpp(path, ids, new, threads):
         out = []
         t0 = time.perf_counter()
         for _ in range(new):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))  # last row
             out.append(tok)
             llm.eval([tok])
         best_decode = min(best_decode, (time.perf_counter() - t0) / new * 1000)
@@ -105,7 +106,7 @@ def main() -> None:
         rows.append(_llama_cpp(path, ids, args.new, args.threads))
     except ImportError:
         print("llama.cpp: llama-cpp-python is not installed")
-    print(f"\n{os.path.basename(path)}, {args.prompt}-token prompt, {args.new} greedy tokens, {args.threads} thread(s)")
+    print(f"\n{os.path.basename(path)} ({os.path.getsize(path) / 2**20:.0f} MiB), {args.prompt}-token prompt, {args.new} greedy tokens, {args.threads} thread(s)")
     print(f"{'path':48s} {'prefill s':>10s} {'decode ms/tok':>14s}  first tokens")
     for label, pre, dec, toks in rows:
         print(f"{label:48s} {pre:10.2f} {dec:14.1f}  {toks[:6]}")
