@@ -8,7 +8,8 @@ each format maps onto a vector kernel product that computes with exactly those n
 - Q4_K, Q4_1, Q4_0: per group of 32, weight = step * code + base with code 0..15 (Q4_K: step = d * sub-scale,
   base = -dmin * sub-min): the 4-bit blob ("q4").
 - Q8_0: int8 codes, one scale per 32: the 8-bit blob ("q8", as the LM head of the embedded model).
-- Q6_K: codes -32..31, a scale per 16 (d * int8 sub-scale): the 16-input 8-bit blob ("q6").
+- Q6_K: codes -32..31, a scale per 16 (d * int8 sub-scale): the 16-input 8-bit blob ("q6"); Q5_0 (codes -16..15,
+  d per 32) too, its scale given to both halves of a block.
 `match` then checks, bit for bit, that step * code + base (one float32 rounding, as gguf's dequantize computes
 it) is the float32 weight the model loaded (transformers dequantizes the same file), permuting rows where the
 loader did (Llama's q and k): nothing runs on numbers other than the file's.
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 # GGUF types each kind of our products takes
-KINDS = {"Q4_K": "q4", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6"}
+KINDS = {"Q4_K": "q4", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6"}
 # The projections of a Llama-family layer: GGUF name -> transformers module path within the layer
 PROJECTIONS = {"attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),
                "attn_v": ("self_attn", "v_proj"), "attn_output": ("self_attn", "o_proj"),
@@ -43,6 +44,7 @@ class FileWeight:
     codes: torch.Tensor
     step: torch.Tensor
     base: torch.Tensor | None
+    perm: torch.Tensor | None = None  # the file's row for each of the model's rows, where the loader permuted them
 
     @property
     def group(self) -> int:
@@ -60,7 +62,7 @@ class FileWeight:
 
     def rows(self, perm: torch.Tensor) -> "FileWeight":
         return FileWeight(self.ggml, self.kind, self.codes[perm], self.step[perm],
-                          None if self.base is None else self.base[perm])
+                          None if self.base is None else self.base[perm], perm)
 
     def pack(self, kernel) -> tuple[str, torch.Tensor, int]:
         """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel)."""
@@ -79,38 +81,41 @@ def _f16(b: np.ndarray) -> torch.Tensor:
 
 def _q4_k(blocks: np.ndarray):
     """144-byte blocks of 256: d, dmin (f16), 12 bytes of eight 6-bit scales and mins, 128 bytes of codes (byte i of
-    chunk c: code i of sub-block 2c in its low nibble, of 2c+1 in its high)."""
-    nb = blocks.shape[0]
-    d, dmin = _f16(blocks[:, 0:2])[:, 0], _f16(blocks[:, 2:4])[:, 0]
-    s = torch.from_numpy(np.ascontiguousarray(blocks[:, 4:16])).to(torch.int32)
-    lo, hi, mix = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 2) & 48)], dim=1)  # sub-blocks 0-3, then 4-7
-    mn = torch.cat([hi & 63, (mix >> 4) | ((hi >> 2) & 48)], dim=1)
-    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, 16:144])).reshape(nb, 4, 1, 32)
-    codes = torch.cat([qs & 15, qs >> 4], dim=2).reshape(nb, 256)
-    step = d[:, None] * sc.float()  # exact: an 11-bit significand times 6 bits
-    base = -(dmin[:, None] * mn.float())
-    return codes, step, base
+    chunk c: code i of sub-block 2c in its low nibble, of 2c+1 in its high). Byte arithmetic in numpy on one copy
+    out of the file's map (torch int32 ops on the mapped slices took ~10x as long)."""
+    b = np.array(blocks)
+    nb = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    lo, hi, mix = b[:, 4:8], b[:, 8:12], b[:, 12:16]
+    sc = np.concatenate([lo & 63, (mix & 15) | ((lo >> 2) & 48)], axis=1)  # sub-blocks 0-3, then 4-7
+    mn = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 2) & 48)], axis=1)
+    qs = b[:, 16:144].reshape(nb, 4, 1, 32)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(nb, 256)
+    step = d * sc.astype(np.float32)  # exact: an 11-bit significand times 6 bits
+    base = -(dmin * mn.astype(np.float32))
+    return torch.from_numpy(codes), torch.from_numpy(step), torch.from_numpy(base)
 
 
 def _q6_k(blocks: np.ndarray):
     """210-byte blocks of 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d (f16)."""
-    nb = blocks.shape[0]
-    ql = torch.from_numpy(np.ascontiguousarray(blocks[:, 0:128])).to(torch.int32).reshape(nb, 2, 1, 64)
-    qh = torch.from_numpy(np.ascontiguousarray(blocks[:, 128:192])).to(torch.int32).reshape(nb, 2, 1, 32)
-    low = torch.cat([ql & 15, ql >> 4], dim=2).reshape(nb, 2, 4, 32)  # half, quarter, position
-    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2)  # [nb, 2, 4, 32]
-    codes = ((low | (high << 4)) - 32).reshape(nb, 256)
-    sc = torch.from_numpy(np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32))
-    d = _f16(blocks[:, 208:210])[:, 0]
-    return codes, d[:, None] * sc, None  # exact: 11 bits times 7, and times a code of 6 bits still in 24
+    b = np.array(blocks)
+    nb = b.shape[0]
+    ql = b[:, 0:128].reshape(nb, 2, 1, 64)
+    qh = b[:, 128:192].reshape(nb, 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(nb, 2, 4, 32)  # half, quarter, position
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)  # [nb, 2, 4, 32]
+    codes = ((low | (high << 4)).view(np.int8) - np.int8(32)).reshape(nb, 256)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
+    return torch.from_numpy(codes), torch.from_numpy(d * sc), None  # exact: 11 bits times 7, times 6 still in 24
 
 
 def _q8_0(blocks: np.ndarray):
     """34-byte blocks of 32: d (f16), 32 int8 codes."""
-    d = _f16(blocks[:, 0:2])
-    codes = torch.from_numpy(np.ascontiguousarray(blocks[:, 2:34]).view(np.int8).astype(np.int32))
-    return codes, d, None
+    b = np.array(blocks)
+    d = torch.from_numpy(b[:, 0:2].copy().view(np.float16).astype(np.float32))
+    return torch.from_numpy(b[:, 2:34].copy().view(np.int8)), d, None
 
 
 def _q4_0_1(blocks: np.ndarray, with_min: bool):
@@ -124,7 +129,22 @@ def _q4_0_1(blocks: np.ndarray, with_min: bool):
     return codes, d, base
 
 
-_BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0),
+def _q5_0(blocks: np.ndarray):
+    """22-byte blocks of 32: d (f16), 32 high bits, 16 bytes of low nibbles; code i (0..15) and i + 16 share byte i,
+    bit i of the high bits is code i's fifth. Weight d * (code - 16): the 16-input 8-bit product's form, with the
+    block's scale for both of its halves (llama.cpp's Q4_K_M keeps Q5_0 where a row's length is not in 256s)."""
+    b = np.array(blocks)
+    nb = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    qh = b[:, 2:6].copy().view("<u4")  # [nb, 1]
+    qs = b[:, 6:22]
+    low = np.concatenate([qs & 15, qs >> 4], axis=1)  # [nb, 32]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    codes = ((low | high).view(np.int8) - np.int8(16))
+    return torch.from_numpy(codes), torch.from_numpy(np.repeat(d, 2, axis=1)), None
+
+
+_BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0), "Q5_0": (22, 32, _q5_0),
            "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)), "Q4_1": (20, 32, lambda b: _q4_0_1(b, True))}
 
 
@@ -135,7 +155,7 @@ def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
     if k % per or np.asarray(data).size != n * (k // per) * size:
         raise GGUFError(f"a {ggml} tensor of shape [{n}, {k}] with {np.asarray(data).size} bytes")
     codes, step, base = fn(np.asarray(data).reshape(-1, size))
-    g = 16 if ggml == "Q6_K" else 32
+    g = 16 if KINDS[ggml] == "q6" else 32
     dtype = torch.uint8 if KINDS[ggml] == "q4" else torch.int8
     return FileWeight(ggml, KINDS[ggml], codes.reshape(n, k).to(dtype), step.reshape(n, k // g).contiguous(),
                       None if base is None else base.reshape(n, k // g).contiguous())
@@ -278,25 +298,36 @@ def formats(path: str, tensors: list[Tensor] | None = None) -> dict[str, list[st
     return out
 
 
-def read_model(path: str, model) -> ModelFile:
-    """The file's own weights for a loaded Llama-family model (float32, dequantized from this file), each checked
-    against the model's weight bit for bit."""
+def read_model(path: str, model, rows: "Rows | None" = None) -> ModelFile:
+    """The file's own weights for a Llama-family model. Without `rows`: each checked bit for bit against the loaded
+    model's weights (float32, dequantized from this file) and its row order found. With `rows` (what that check
+    found for this very file before, load_rows): the recorded row orders, and the model may be a skeleton whose
+    projection weights were never loaded (load_skeleton)."""
     listed = check_file(path)
     tensors = {t.name: t for t in listed}
     fmts = formats(path, listed)
     layers: list[dict[str, FileWeight]] = []
     why = None
     base = model.model
+
+    def take(name: str, ggml: str, data, shape, weight):
+        fw = decode(ggml, data, shape)
+        if rows is None:
+            return match(fw, weight)
+        perm = rows.perms.get(name)
+        return fw if perm is None else fw.rows(perm)
+
     for i, layer in enumerate(base.layers):
         got: dict[str, FileWeight] = {}
         for gname, (sub, attr) in PROJECTIONS.items():
-            t = tensors.get(f"blk.{i}.{gname}.weight")
+            name = f"blk.{i}.{gname}.weight"
+            t = tensors.get(name)
             lin = getattr(getattr(layer, sub), attr)
             if t is None or t.ggml not in KINDS:
                 why = why or (f"blk.{i}.{gname} is {t.ggml if t is not None else 'missing'} "
                               f"(our kernels take {', '.join(KINDS)})")
                 continue
-            fw = match(decode(t.ggml, t.data, (lin.out_features, lin.in_features)), lin.weight.data)
+            fw = take(name, t.ggml, t.data, (lin.out_features, lin.in_features), lin.weight.data)
             if fw is None:
                 why = why or f"blk.{i}.{gname}: the model's weights are not this file's {t.ggml} values"
                 continue
@@ -305,6 +336,67 @@ def read_model(path: str, model) -> ModelFile:
     head = None
     lm = model.lm_head
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    if t is not None and t.ggml in KINDS and lm.bias is None and lm.weight.dim() == 2:
-        head = match(decode(t.ggml, t.data, tuple(lm.weight.shape)), lm.weight.data)
+    if t is not None and t.ggml in KINDS and lm.bias is None and (rows is None or rows.head):
+        head = take(t.name, t.ggml, t.data, (lm.out_features, lm.in_features), lm.weight.data)
     return ModelFile(layers, head, fmts, why)
+
+
+ROWS_FILE = "simllm_file_rows.safetensors"
+
+
+@dataclasses.dataclass
+class Rows:
+    """What read_model's check found for one GGUF (by content: `stamp`): every projection is the file's own values,
+    with these row orders (tensor name -> the file's row per model row; identity where absent), and whether the LM
+    head is too. Kept beside the converted model, so that later loads need neither the dense weights nor the check."""
+
+    stamp: dict
+    perms: dict[str, torch.Tensor]
+    head: bool
+
+
+def rows_of(mf: ModelFile, stamp: dict, head_name: str) -> Rows | None:
+    """The Rows to keep for a checked ModelFile; None where some projection is not the file's own (nothing kept)."""
+    if mf.why_not is not None:
+        return None
+    perms = {}
+    for i, got in enumerate(mf.layers):
+        for gname, (_, attr) in PROJECTIONS.items():
+            if got[attr].perm is not None:
+                perms[f"blk.{i}.{gname}.weight"] = got[attr].perm.to(torch.int32)
+    if mf.head is not None and mf.head.perm is not None:
+        perms[head_name] = mf.head.perm.to(torch.int32)
+    return Rows(stamp, perms, mf.head is not None)
+
+
+def save_rows(folder: str, rows: Rows) -> None:
+    """Written atomically (a temp file renamed): a reader sees the old file or the whole new one."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tmp = os.path.join(folder, f".{ROWS_FILE}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in rows.perms.items()}, tmp,
+              metadata={"stamp": json.dumps(rows.stamp, sort_keys=True), "head": "1" if rows.head else "0"})
+    os.replace(tmp, os.path.join(folder, ROWS_FILE))
+
+
+def load_rows(folder: str, stamp: dict) -> Rows | None:
+    """The Rows kept for the GGUF whose content `stamp` describes; None if absent, for another file, or unreadable
+    (then the check runs again)."""
+    import json
+
+    from safetensors import safe_open
+
+    p = os.path.join(folder, ROWS_FILE)
+    if not os.path.isfile(p):
+        return None
+    try:
+        with safe_open(p, "pt") as f:
+            meta = f.metadata() or {}
+            if json.loads(meta.get("stamp", "null")) != json.loads(json.dumps(stamp, sort_keys=True)):
+                return None
+            perms = {k: f.get_tensor(k).long() for k in f.keys()}
+        return Rows(stamp, perms, meta.get("head") == "1")
+    except Exception:  # noqa: BLE001 - a damaged file: check again rather than trust it
+        return None

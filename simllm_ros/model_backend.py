@@ -119,8 +119,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> 
     target = os.path.join(cache_dir or default_cache_dir(), slug)
     stamp = os.path.join(target, "simllm_conversion.json")
     src = os.path.join(gguf_dir, gguf_name)
-    want = {"gguf": gguf_name, "size": os.path.getsize(src), "head_sha256": _head_digest(src),
-            "version": CONVERSION_VERSION}  # content, not path: every venv shares one converted copy
+    want = _conversion_stamp(src)  # content, not path: every venv shares one converted copy
     try:
         with open(stamp) as f:
             if json.load(f) == want:
@@ -156,6 +155,93 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> 
     shutil.rmtree(old, ignore_errors=True)
     progress(f"converted in {time.monotonic() - t0:.1f} s")
     return target
+
+
+def _conversion_stamp(src: str) -> dict:
+    """What identifies a GGUF's content for the copies made from it (the conversion, the checked rows)."""
+    return {"gguf": os.path.basename(src), "size": os.path.getsize(src), "head_sha256": _head_digest(src),
+            "version": CONVERSION_VERSION}
+
+
+LOAD_CHECKS_FILE = "load_checks.json"
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags: what decides which kernel paths run."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.split(":")[0].strip() in ("model name", "flags",
+                                                                                       "Features", "CPU part")]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            got = json.load(f)
+        return got if isinstance(got, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _update_json(path: str, key: str, value, keep: int) -> None:
+    """Sets one key of a small JSON map (the newest `keep` entries), written atomically."""
+    data = _read_json(path)
+    data.pop(key, None)
+    data[key] = value
+    data = dict(list(data.items())[-keep:])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _try(fn, progress) -> None:
+    """A cache write that may fail (read-only folder, full disk) without failing the load."""
+    try:
+        fn()
+    except OSError as e:
+        progress(f"note: could not keep a cache file ({e}); the next load checks again")
+
+
+def _load_skeleton(path: str, skip_head: bool):
+    """A converted GGUF's model (float32) without its projection weights (and LM head if `skip_head`): those are
+    allocated, never written (so never resident) and released by the runner, which takes the file's blocks."""
+    import glob
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    skip = {f"{layer}.{sub}.{attr}.weight" for layer, _ in model.model.layers.named_children()
+            for sub, attr in gguf_weights.PROJECTIONS.values()}
+    skip = {f"model.layers.{k}" for k in skip}
+    if skip_head:
+        skip.add("lm_head.weight")
+    state = {}
+    for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        if os.path.basename(shard) == gguf_weights.ROWS_FILE:
+            continue
+        with safe_open(shard, "pt") as f:
+            for key in f.keys():
+                if key not in skip:
+                    state[key] = f.get_tensor(key)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    left = [k for k in missing if k not in skip and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if left or unexpected:
+        raise ValueError(f"the converted model in {path} does not fit its config "
+                         f"(missing {left[:3]}, unexpected {list(unexpected)[:3]})")
+    if getattr(cfg, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
 
 
 def _head_digest(path: str, n: int = 1 << 20) -> str:
@@ -194,10 +280,21 @@ class ModelBackend:
 
         path = resolve_model(ref, cache_dir, self.progress)
         self._path, self._dense_model = path, None
+        src = gguf_source(ref)
+        # A GGUF whose own blocks were checked against its dequantized weights before (gguf_weights.Rows): the
+        # runner takes them from the file again, so the dense projection weights are never read (a model's
+        # float32 weights are ~4x its file: they set the peak memory and most of the load time).
+        rows = gguf_weights.load_rows(path, _conversion_stamp(src)) if (
+            src and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4)) else None
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            self.model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(device)
+            self.skeleton = rows is not None  # the dense projection weights were never loaded
+            if rows is not None:
+                self.progress("loading the GGUF's checked blocks (no dense projection weights)")
+                self.model = _load_skeleton(path, skip_head=rows.head)
+            else:
+                self.model = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(device)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load model '{ref}': {e}") from e
         self.model.eval()
@@ -215,14 +312,22 @@ class ModelBackend:
         # Q4_0/Q4_1 (whose grid _int4_codes finds again: the embedded model's path, unchanged).
         self.model_file: gguf_weights.ModelFile | None = None
         self.file_formats: dict[str, list[str]] = {}
-        src = gguf_source(ref)
         if src and fast and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4):
             try:
                 self.file_formats = gguf_weights.formats(src)
                 if not gguf_weights.ModelFile([], None, self.file_formats, None).only_q4_0_1:
-                    self.model_file = gguf_weights.read_model(src, self.model)
+                    self.model_file = gguf_weights.read_model(src, self.model, rows)
+                    if rows is None:
+                        checked = gguf_weights.rows_of(self.model_file, _conversion_stamp(src),
+                                                       "output.weight" if "output" in self.file_formats
+                                                       else "token_embd.weight")
+                        if checked is not None:
+                            _try(lambda: gguf_weights.save_rows(path, checked), self.progress)
             except gguf_weights.GGUFError as e:
                 raise ModelLoadError(f"model '{ref}': {e}") from e
+        elif rows is not None:
+            raise ModelLoadError(f"model '{ref}': its checked blocks were kept for a {self.model_type} model the "
+                                 f"runner no longer takes; delete the converted folder {path} to convert it again")
         auto_bits = weight_bits == 0
         if auto_bits:
             weight_bits = self._auto_weight_bits(fast, device)
@@ -264,16 +369,46 @@ class ModelBackend:
                          "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits}
         key = (path, device, dtype, weight_bits)  # the same model and settings in this process: the same answer
         if key not in _PROBED:
-            single = self.runner is not None and self.runner.check_single_rows()
-            exact = self.invariance_probe()  # the probe runs with single rows as decided
-            costs = self.runner.pass_costs(MAX_PASS_ROWS) if self.runner is not None else None
-            _PROBED[key] = (single, exact, costs, self.numerics_digest())
+            _PROBED[key] = self._load_checks(cache_dir, src)
         single, self.exact_chunking, costs, self.numerics = _PROBED[key]
         # What a pass of m rows costs relative to one (m = 0..MAX_PASS_ROWS), where measured: draft lengths
         # are chosen by it (draft_proposer). None for transformers' own forward.
         self.pass_costs: tuple[float, ...] | None = tuple(costs) if costs is not None else None
         if self.runner is not None:
             self.runner.single_rows = single
+
+    def _load_checks(self, cache_dir: str, src: str | None) -> tuple:
+        """(single rows, invariance probe, pass costs, numerics digest) for this model, these settings and kernels
+        on this CPU. Measured once (~15 s at 0.5B) and kept in the cache folder under a key naming everything that
+        decides them (model content, settings, kernel builds, torch, CPU model and flags, threads); a later load
+        takes them only where the numerics digest it computes again (one 16-token pass) is the one they were
+        measured with: same kernels, same CPU, same bits. Otherwise measured again."""
+        import hashlib
+
+        def measure():
+            single = self.runner is not None and self.runner.check_single_rows()
+            exact = self.invariance_probe()  # the probe runs with single rows as decided
+            costs = self.runner.pass_costs(MAX_PASS_ROWS) if self.runner is not None else None
+            return single, exact, costs, self.numerics_digest()
+
+        if self.runner is None:
+            return measure()
+        ident = json.dumps(_conversion_stamp(src), sort_keys=True) if src else os.path.abspath(self._path)
+        what = [ident, self.device, self.dtype_name, self.weight_bits, CONTRACT, self.int4_path, self.attention_path,
+                self.layers_path, self.norm_path, torch.__version__, torch.get_num_threads(), _cpu_identity()]
+        key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
+        store = os.path.join(cache_dir or default_cache_dir(), LOAD_CHECKS_FILE)
+        kept = _read_json(store).get(key)
+        if isinstance(kept, dict) and kept.get("digest"):
+            self.runner.single_rows = bool(kept.get("single"))
+            if self.numerics_digest() == kept["digest"]:
+                costs = kept.get("costs")
+                return (bool(kept["single"]), bool(kept["exact"]), costs and [float(c) for c in costs],
+                        kept["digest"])
+        got = measure()
+        record = {"single": got[0], "exact": got[1], "costs": got[2], "digest": got[3]}
+        _try(lambda: _update_json(store, key, record, keep=64), self.progress)
+        return got
 
     @property
     def attention_kind(self) -> str:

@@ -29,6 +29,9 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
         nb = n * k // 32
         b = np.concatenate([_f16(rng, nb, 2e-4, 6e-4), rng.integers(-127, 128, (nb, 32), dtype=np.int8).view(np.uint8)],
                            axis=1)
+    elif ggml == "Q5_0":
+        nb = n * k // 32
+        b = np.concatenate([_f16(rng, nb, 2e-4, 6e-4), rng.integers(0, 256, (nb, 20), dtype=np.uint8)], axis=1)
     elif ggml == "Q4_K":
         nb = n * k // 256
         b = np.concatenate([_f16(rng, nb, 4e-5, 1.2e-4), _f16(rng, nb, 1e-5, 6e-5),
@@ -79,6 +82,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     def add(name, ggml, n, k):
         if ggml == "F32":
             w.add_tensor(name, rng.uniform(0.8, 1.2, size=(n,)).astype(np.float32))
+        elif ggml == "F16":  # dense weights for llama.cpp's own quantizer (quantize_llama_cpp)
+            w.add_tensor(name, (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(np.float16))
         else:
             w.add_tensor(name, blocks(rng, ggml, n, k), raw_dtype=gguf.GGMLQuantizationType[ggml])
 
@@ -104,3 +109,18 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) - truncate)
     return path
+
+
+def quantize_llama_cpp(src: str, dst: str, ftype: str, threads: int = 0) -> str:
+    """`src` (an F16 GGUF: write_llama(default="F16", embed="F16", output="F16")) quantized by llama.cpp's own
+    quantizer (llama-cpp-python's llama_model_quantize) to `ftype` ("Q4_K_M", "Q8_0", ...): the tensor mix and
+    block values llama.cpp's users get, as their downloads have them."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype} (rc {rc})")
+    return dst

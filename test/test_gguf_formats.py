@@ -25,10 +25,10 @@ def _tensor(ggml: str, n: int, k: int, seed: int = 0):
     return gguf_weights.decode(ggml, raw, (n, k)), torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
 
 
-@pytest.mark.parametrize("ggml", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("ggml", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 def test_blocks_decode_to_what_gguf_dequantizes(ggml):
     n, k = 48, 512
-    if ggml in ("Q4_0", "Q4_1"):  # gguf-py quantizes these itself
+    if ggml in ("Q4_0", "Q4_1", "Q5_0"):  # gguf-py quantizes these itself
         w = np.random.default_rng(1).standard_normal((n, k)).astype(np.float32) * 0.05
         raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[ggml])
         fw = gguf_weights.decode(ggml, raw, (n, k))
@@ -39,7 +39,7 @@ def test_blocks_decode_to_what_gguf_dequantizes(ggml):
     assert fw.kind == gguf_weights.KINDS[ggml]
 
 
-@pytest.mark.parametrize("ggml", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("ggml", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
 def test_products_are_the_files_weights_and_row_invariant(ggml):
     n, k = 96, 768
     fw, w = _tensor(ggml, n, k, seed=3)
@@ -155,3 +155,67 @@ def test_a_truncated_gguf_is_a_clear_load_error(tmp_path):
     path = write_llama(str(tmp_path / "cut.gguf"), layers=1, truncate=4096)
     with pytest.raises(ModelLoadError, match="truncated"):
         ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "models"))
+
+
+def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files):
+    """The first load checks the file's blocks against its dequantized weights and keeps what it found (row orders)
+    beside the converted model; the next load builds the model without its dense projection weights and takes the
+    blocks again: the same bits, at a fraction of the memory."""
+    import os
+
+    from simllm_ros.model_backend import _conversion_stamp
+
+    first = _backend(files, "q4_k_m")
+    folder = first._path
+    assert os.path.isfile(os.path.join(folder, gguf_weights.ROWS_FILE))
+    rows = gguf_weights.load_rows(folder, _conversion_stamp(files["q4_k_m"]))
+    assert rows is not None and rows.head and any(k.endswith("attn_q.weight") for k in rows.perms)  # q/k permuted
+    second = ModelBackend(files["q4_k_m"], dtype="float32", weight_bits=0, cache_dir=files["cache"])
+    assert second.skeleton and second.runner.file is not None and second.weight_bits == 4
+    ids = [int(t) for t in range(500, 500 + 21 * 37, 37)]
+    assert torch.equal(first.run(ids, first.new_cache(24), logits="all"),
+                       second.run(ids, second.new_cache(24), logits="all"))
+    assert second.numerics == first.numerics and second.exact_chunking
+
+
+def test_kept_rows_of_another_or_a_damaged_file_are_not_used(files, tmp_path):
+    from simllm_ros.model_backend import _conversion_stamp
+
+    b = _backend(files, "q8_0")
+    folder = b._path
+    stamp = _conversion_stamp(files["q8_0"])
+    assert gguf_weights.load_rows(folder, stamp) is not None
+    assert gguf_weights.load_rows(folder, dict(stamp, size=stamp["size"] + 1)) is None  # another file's content
+    import shutil
+
+    damaged = tmp_path / "copy"
+    shutil.copytree(folder, damaged)
+    p = damaged / gguf_weights.ROWS_FILE
+    p.write_bytes(p.read_bytes()[:40])
+    assert gguf_weights.load_rows(str(damaged), stamp) is None
+
+
+def test_load_checks_are_kept_only_for_the_same_numerics(files, monkeypatch):
+    """The load-time checks (invariance probe, single rows, pass costs) are kept under a key of everything that
+    decides them, and taken only when the digest computed again matches: a record whose digest differs is measured
+    again (shown by a doctored record: its 'exact: false' is ignored)."""
+    import json
+    import os
+
+    from simllm_ros import model_backend
+
+    b = _backend(files, "q8_0")
+    store = os.path.join(files["cache"], model_backend.LOAD_CHECKS_FILE)
+    data = json.loads(open(store).read())
+    key = next(k for k, v in data.items() if v["digest"] == b.numerics)
+    for digest, want_exact in (("0" * 16, True), (b.numerics, False)):
+        data[key] = dict(data[key], exact=False, digest=digest)
+        with open(store, "w") as f:
+            json.dump(data, f)
+        monkeypatch.setattr(model_backend, "_PROBED", {})
+        again = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"])
+        assert again.exact_chunking is want_exact, digest
+        data = json.loads(open(store).read())
+    data[key] = dict(data[key], exact=True)  # leave the true record for later loads
+    with open(store, "w") as f:
+        json.dump(data, f)

@@ -1,0 +1,226 @@
+"""The models robots deploy, at their real sizes: GGUF files of real Llama/Qwen shapes (random weights, SmolLM2's
+tokenizer) quantized by llama.cpp's own quantizer to Q4_K_M and Q8_0, run by simllm_ros (the engine, at the file's
+own bits) and by llama.cpp (llama-cpp-python) on the same file, side by side in one run.
+
+Each path runs in a process of its own (its peak RSS is its own): load, a cold request (a ~600-token bulletin and a
+question), a hit (the same bulletin, another question), a repeat (that question again), each answer up to --new
+greedy tokens; then prefill of the cold prompt and decode ms/token with nothing cached. llama.cpp reuses its KV
+for the longest common token prefix (what llama-cpp-python's own prompt reuse does); both get the same token ids.
+
+Usage: .venv/bin/python benchmark/gguf_models.py [--shapes qwen2.5-0.5b,qwen2.5-1.5b] [--quants Q4_K_M,Q8_0]
+       [--threads 1] [--new 32]. Files and converted copies go to --dir (several GB for 1.5B and up)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "test"))
+
+# layers, hidden, intermediate, heads, kv heads: the published configs of these models (the vocabulary is SmolLM2's
+# 49,152 tokens here, not Qwen's 151,936 or Llama 3's 128,256: embeddings and LM head are smaller than the originals)
+SHAPES = {
+    "smollm2-360m": (32, 960, 2560, 15, 5),
+    "qwen2.5-0.5b": (24, 896, 4864, 14, 2),
+    "llama-3.2-1b": (16, 2048, 8192, 32, 8),
+    "qwen2.5-1.5b": (28, 1536, 8960, 12, 2),
+    "qwen2.5-3b": (36, 2048, 11008, 16, 2),
+}
+QUESTIONS = ["Which road is closed this afternoon and why?", "Where can I park near the stadium tonight?"]
+
+
+def bulletin(tokens: int) -> str:
+    """A local bulletin of real assistant requests (clinc150) as filler text, about `tokens` long."""
+    path = os.path.join(ROOT, "..", "shared", "data", "clinc150", "train.jsonl")
+    lines: list[str] = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for i, line in enumerate(f):
+                if i % 37 == 0:  # across the intents
+                    lines.append(json.loads(line)["text"].capitalize() + ".")
+    lines = lines or [f"Notice {i}: lane {i % 7} of the ring road is closed for works until {i % 12 + 1} pm."
+                      for i in range(400)]
+    return " ".join(lines)[: tokens * 4]
+
+
+def make_file(shape: str, quant: str, folder: str) -> str:
+    from random_gguf import quantize_llama_cpp, write_llama
+
+    layers, hidden, inter, heads, kv = SHAPES[shape]
+    path = os.path.join(folder, f"rand-{shape}-{quant.lower()}.gguf")
+    if os.path.exists(path):
+        return path
+    f16 = os.path.join(folder, f"rand-{shape}-f16.gguf")
+    t0 = time.perf_counter()
+    if not os.path.exists(f16):
+        write_llama(f16 + ".tmp", layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv,
+                    default="F16", embed="F16", output="F16")
+        os.replace(f16 + ".tmp", f16)
+    quantize_llama_cpp(f16, path + ".tmp", quant)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s", flush=True)
+    return path
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker_ours(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from simllm_ros.engine import Engine
+    from simllm_ros.request import QueryRequest
+    from simllm_ros.settings import Settings
+
+    t0 = time.perf_counter()
+    e = Engine(Settings.from_overrides(model=args.file, model_cache_dir=args.cache, dtype="auto", weight_bits=0,
+                                       cache_size="1GB", enable_semantic_reuse=False))
+    e.load()
+    load = time.perf_counter() - t0
+    b = e.backend
+    ctx = bulletin(args.context)
+    req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=args.new)  # noqa: E731
+    out = {"path": "simllm_ros", "load_s": load, "how": f"weight_bits={b.weight_bits} {b.dtype_name}, "
+           f"{'own blocks' if b.runner and b.runner.file else 'dense'}, exact={b.exact_chunking}"}
+    ids = [b.prompt_ids("", ctx, q) for q in QUESTIONS]
+    for name, q in (("cold", QUESTIONS[0]), ("hit", QUESTIONS[1]), ("repeat", QUESTIONS[1])):
+        r = e.handle(req(q))
+        assert r.success, r.error
+        out[name] = {"total_s": r.total_ms / 1000, "ttft_s": r.ttft_ms / 1000, "tokens": r.generated_tokens,
+                     "exact": r.exact, "reused": r.reused_tokens, "answer": r.answer[:40]}
+    # prefill and decode with nothing cached, on the backend
+    cache = b.new_cache(len(ids[0]) + args.new + 2)
+    t0 = time.perf_counter()
+    logits = b.run(ids[0], cache, logits="last")
+    out["prefill_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(args.new):
+        tok = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+        logits = b.run([tok], cache, logits="last")
+    out["decode_ms"] = (time.perf_counter() - t0) / args.new * 1000
+    out["prompt_tokens"] = len(ids[0])
+    out["peak_rss_mb"] = _peak_mb()
+    with open(args.ids, "w") as f:
+        json.dump({"ids": ids, "eos": sorted(b.stop_ids)}, f)
+    e.unload()
+    return out
+
+
+def worker_llama(args) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    with open(args.ids) as f:
+        got = json.load(f)
+    ids, eos = got["ids"], set(got["eos"])
+    t0 = time.perf_counter()
+    llm = Llama(model_path=args.file, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads,
+                n_batch=512, verbose=False)
+    load = time.perf_counter() - t0
+    n_vocab = llm.n_vocab()
+
+    def last_logits():
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+
+    def answer(prompt: list[int]) -> tuple[float, float, int, int]:
+        """Reuses the KV of the longest common prefix with what was evaluated before (at least one token is
+        evaluated again for its logits), then greedy tokens until EOS or --new."""
+        t0 = time.perf_counter()
+        have = list(llm.input_ids[: llm.n_tokens])
+        common = 0
+        while common < min(len(have), len(prompt) - 1) and have[common] == prompt[common]:
+            common += 1
+        llm.n_tokens = common
+        llm.eval(prompt[common:])
+        ttft = time.perf_counter() - t0
+        n = 0
+        while n < args.new:
+            tok = int(np.argmax(last_logits()))
+            n += 1
+            if tok in eos:
+                break
+            llm.eval([tok])
+        return time.perf_counter() - t0, ttft, n, common
+
+    out = {"path": "llama.cpp", "load_s": load, "how": "llama-cpp-python, its CPU kernels"}
+    for name, p in (("cold", ids[0]), ("hit", ids[1]), ("repeat", ids[1])):
+        total, ttft, n, common = answer(p)
+        out[name] = {"total_s": total, "ttft_s": ttft, "tokens": n, "reused": common}
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids[0])
+    out["prefill_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(args.new):
+        llm.eval([int(np.argmax(last_logits()))])
+    out["decode_ms"] = (time.perf_counter() - t0) / args.new * 1000
+    out["prompt_tokens"] = len(ids[0])
+    out["peak_rss_mb"] = _peak_mb()
+    return out
+
+
+def run_worker(kind: str, path: str, args) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--file", path, "--threads", str(args.threads),
+           "--new", str(args.new), "--context", str(args.context), "--cache", os.path.join(args.dir, "models"),
+           "--ids", os.path.join(args.dir, "ids.json")]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    print(f"{kind} failed (rc {p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}", flush=True)
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "bench-models"))
+    ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    ap.add_argument("--quants", default="Q4_K_M,Q8_0")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--context", type=int, default=600, help="bulletin length in tokens (about)")
+    ap.add_argument("--warm", action="store_true", help="load each file once before measuring (converted, checked)")
+    ap.add_argument("--worker", choices=["ours", "llama"])
+    ap.add_argument("--file")
+    ap.add_argument("--cache")
+    ap.add_argument("--ids")
+    args = ap.parse_args()
+    if args.worker:
+        out = (worker_ours if args.worker == "ours" else worker_llama)(args)
+        print("RESULT " + json.dumps(out), flush=True)
+        return
+    os.makedirs(args.dir, exist_ok=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        for quant in args.quants.split(","):
+            path = make_file(shape, quant, args.dir)
+            if args.warm:
+                run_worker("ours", path, args)  # the first load converts the file and checks its blocks
+            for kind in ("ours", "llama"):
+                r = run_worker(kind, path, args)
+                if r:
+                    r["file"] = f"{shape} {quant} ({os.path.getsize(path) / 2**20:.0f} MiB)"
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    print(f"\n{args.threads} thread(s), ~{args.context}-token bulletin, up to {args.new} greedy tokens per answer; "
+          "times in s, decode in ms/token, RSS in MB")
+    head = ("file", "path", "load", "prefill", "decode", "cold", "hit", "repeat", "peak RSS", "how")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        print(f"| {r['file']} | {r['path']} | {r['load_s']:.1f} | {r['prefill_s']:.2f} | {r['decode_ms']:.1f} | "
+              f"{r['cold']['total_s']:.2f} | {r['hit']['total_s']:.2f} | {r['repeat']['total_s']:.2f} | "
+              f"{r['peak_rss_mb']:.0f} | {r['how']} |")
+
+
+if __name__ == "__main__":
+    main()
