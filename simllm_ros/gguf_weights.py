@@ -261,15 +261,64 @@ def check_file(path: str) -> list[Tensor]:
 
 
 @dataclasses.dataclass
+class PendingWeight:
+    """A tensor of the file not decoded yet (rows already known): decoded when packed, so that a model's codes are
+    never all in memory at once beside their packed copy (that pair set the peak of a load)."""
+
+    tensor: Tensor
+    shape: tuple[int, int]
+    perm: torch.Tensor | None
+
+    @property
+    def ggml(self) -> str:
+        return self.tensor.ggml
+
+    @property
+    def kind(self) -> str:
+        return KINDS[self.tensor.ggml]
+
+    def decoded(self) -> FileWeight:
+        fw = decode(self.tensor.ggml, self.tensor.data, self.shape)
+        return fw if self.perm is None else fw.rows(self.perm)
+
+    def pack(self, kernel) -> tuple[str, torch.Tensor, int]:
+        return self.decoded().pack(kernel)
+
+
+class FileEmbedding:
+    """The token embedding looked up from the file's blocks (memory-mapped, as llama.cpp keeps it): the rows asked
+    for are decoded to float32 on each call, bitwise the float32 embedding the model would hold (read_model checks
+    that once per file). A model's embedding is then its file's size in the page cache, not 4 bytes a weight (a
+    Qwen-sized vocabulary of 151,936 x 1,536: 0.9 GB in float32)."""
+
+    def __init__(self, tensor: Tensor, vocab: int, hidden: int):
+        size, per, _ = _BLOCKS[tensor.ggml]
+        self.tensor, self.num_embeddings, self.embedding_dim = tensor, vocab, hidden
+        self._rows = np.asarray(tensor.data).reshape(vocab, hidden // per * size)
+
+    @property
+    def ggml(self) -> str:
+        return self.tensor.ggml
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).cpu().numpy()
+        if flat.size and (flat.min() < 0 or flat.max() >= self.num_embeddings):
+            raise IndexError(f"token id out of range for a vocabulary of {self.num_embeddings}")
+        rows = decode(self.tensor.ggml, self._rows[flat], (flat.size, self.embedding_dim)).dequantized()
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+
+@dataclasses.dataclass
 class ModelFile:
     """What a model's GGUF holds for our kernels: per layer and projection name (transformers' q_proj, ...) its
     FileWeight, the LM head's (output.weight, or the tied token_embd.weight), the GGUF types per tensor kind, and
     why the file's own formats cannot run (None where every projection can)."""
 
-    layers: list[dict[str, FileWeight]]
-    head: FileWeight | None
+    layers: list[dict[str, "FileWeight | PendingWeight"]]
+    head: "FileWeight | PendingWeight | None"
     formats: dict[str, list[str]]
     why_not: str | None
+    embed: "FileEmbedding | None" = None  # token_embd looked up from the file's blocks, where checked
 
     @property
     def only_q4_0_1(self) -> bool:
@@ -280,7 +329,7 @@ class ModelFile:
 
     def formats_only(self) -> "ModelFile":
         """This without the codes (the runner keeps its packed copy): what the load log needs."""
-        return ModelFile([], None, self.formats, self.why_not)
+        return ModelFile([], None, self.formats, self.why_not, self.embed)
 
     def summary(self) -> str:
         return ", ".join(f"{k} {'/'.join(v)}" for k, v in self.formats.items())
@@ -311,11 +360,9 @@ def read_model(path: str, model, rows: "Rows | None" = None) -> ModelFile:
     base = model.model
 
     def take(name: str, ggml: str, data, shape, weight):
-        fw = decode(ggml, data, shape)
         if rows is None:
-            return match(fw, weight)
-        perm = rows.perms.get(name)
-        return fw if perm is None else fw.rows(perm)
+            return match(decode(ggml, data, shape), weight)
+        return PendingWeight(tensors[name], shape, rows.perms.get(name))
 
     for i, layer in enumerate(base.layers):
         got: dict[str, FileWeight] = {}
@@ -338,7 +385,15 @@ def read_model(path: str, model, rows: "Rows | None" = None) -> ModelFile:
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if t is not None and t.ggml in KINDS and lm.bias is None and (rows is None or rows.head):
         head = take(t.name, t.ggml, t.data, (lm.out_features, lm.in_features), lm.weight.data)
-    return ModelFile(layers, head, fmts, why)
+    embed = None
+    t, emb = tensors.get("token_embd.weight"), base.embed_tokens
+    if t is not None and t.ggml in _BLOCKS and tuple(t.shape) == (emb.num_embeddings, emb.embedding_dim):
+        if rows is not None and rows.embed:
+            embed = FileEmbedding(t, emb.num_embeddings, emb.embedding_dim)
+        elif rows is None and emb.weight.dtype == torch.float32 and torch.equal(
+                decode(t.ggml, t.data, tuple(t.shape)).dequantized(), emb.weight.data):
+            embed = FileEmbedding(t, emb.num_embeddings, emb.embedding_dim)
+    return ModelFile(layers, head, fmts, why, embed)
 
 
 ROWS_FILE = "simllm_file_rows.safetensors"
@@ -353,6 +408,7 @@ class Rows:
     stamp: dict
     perms: dict[str, torch.Tensor]
     head: bool
+    embed: bool = False  # the token embedding is the file's blocks too (FileEmbedding)
 
 
 def rows_of(mf: ModelFile, stamp: dict, head_name: str) -> Rows | None:
@@ -366,7 +422,7 @@ def rows_of(mf: ModelFile, stamp: dict, head_name: str) -> Rows | None:
                 perms[f"blk.{i}.{gname}.weight"] = got[attr].perm.to(torch.int32)
     if mf.head is not None and mf.head.perm is not None:
         perms[head_name] = mf.head.perm.to(torch.int32)
-    return Rows(stamp, perms, mf.head is not None)
+    return Rows(stamp, perms, mf.head is not None, mf.embed is not None)
 
 
 def save_rows(folder: str, rows: Rows) -> None:
@@ -377,7 +433,8 @@ def save_rows(folder: str, rows: Rows) -> None:
 
     tmp = os.path.join(folder, f".{ROWS_FILE}.{os.getpid()}.tmp")
     save_file({k: v.contiguous() for k, v in rows.perms.items()}, tmp,
-              metadata={"stamp": json.dumps(rows.stamp, sort_keys=True), "head": "1" if rows.head else "0"})
+              metadata={"stamp": json.dumps(rows.stamp, sort_keys=True), "head": "1" if rows.head else "0",
+                        "embed": "1" if rows.embed else "0"})
     os.replace(tmp, os.path.join(folder, ROWS_FILE))
 
 
@@ -394,9 +451,10 @@ def load_rows(folder: str, stamp: dict) -> Rows | None:
     try:
         with safe_open(p, "pt") as f:
             meta = f.metadata() or {}
-            if json.loads(meta.get("stamp", "null")) != json.loads(json.dumps(stamp, sort_keys=True)):
+            if json.loads(meta.get("stamp", "null")) != json.loads(json.dumps(stamp, sort_keys=True)) \
+                    or "embed" not in meta:  # another file's, or written before embeddings were checked
                 return None
             perms = {k: f.get_tensor(k).long() for k in f.keys()}
-        return Rows(stamp, perms, meta.get("head") == "1")
+        return Rows(stamp, perms, meta.get("head") == "1", meta.get("embed") == "1")
     except Exception:  # noqa: BLE001 - a damaged file: check again rather than trust it
         return None

@@ -107,9 +107,9 @@ class Layers:
     def applies(runner) -> bool:
         """Whether a runner's layers fit: 4-bit products on our kernel everywhere (AMX in bf16, vector in float32),
         the C norms, SiLU, no biases, sizes the vector code covers."""
-        if runner.int4 is None or runner.kernel is None or runner.embed.weight.dtype != runner.int4.dtype:
+        if runner.int4 is None or runner.kernel is None or runner.dtype != runner.int4.dtype:
             return False
-        if runner.head_dim % 32 or runner.inter % 16 or runner.embed.weight.shape[1] % 16:
+        if runner.head_dim % 32 or runner.inter % 16 or runner.hidden % 16:
             return False
         for ln1, qkv, o, ln2, gu, down, act in runner.layers:
             if ln1.kernel is None or ln2.kernel is None or type(act).__name__ not in ("SiLUActivation", "SiLU"):

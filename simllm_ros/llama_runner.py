@@ -408,6 +408,9 @@ class LlamaRunner:
         self.model = model
         self.weight_bits = weight_bits
         self.embed = base.embed_tokens
+        # What the model computes in and on, kept here: the embedding may be the file's blocks (FileEmbedding)
+        self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
+        self.hidden, self.vocab = cfg.hidden_size, base.embed_tokens.num_embeddings
         norms = norm_kernel.load()
         self.norm = _Norm(base.norm, norms)
         self.rotary = base.rotary_emb
@@ -423,7 +426,7 @@ class LlamaRunner:
         # in bf16 on AMX (int4_kernel: ~2-4x ATen's from a few rows up), in float32 on vector units elsewhere
         # (int4_vector_kernel: row-invariant where torch's float32 products are not).
         self.int4 = None
-        dtype, on_cpu = self.embed.weight.dtype, self.embed.weight.device.type == "cpu"
+        dtype, on_cpu = self.dtype, self.device.type == "cpu"
         if weight_bits == 4 and on_cpu and dtype in (torch.bfloat16, torch.float32):
             shapes = [(lin.out_features, lin.in_features) for layer in base.layers for lin in (
                 layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
@@ -471,8 +474,8 @@ class LlamaRunner:
         # Our C attention (attention_kernel) where it applies: ~2.5x faster than the two oneDNN products for a
         # decode step; None: the torch path below. Chosen once per runner, so every pass uses the same one.
         kernel = attention_kernel.load()
-        self.kernel = kernel if kernel is not None and kernel.supports(
-            self.embed.weight.dtype, self.head_dim, self.embed.weight.device) else None
+        self.kernel = kernel if kernel is not None and kernel.supports(self.dtype, self.head_dim, self.device) \
+            else None
         # Whether a lone token may run as one row (check_single_rows); else it is padded to two.
         self.single_rows = False
         self.q_size = self.n_heads * self.head_dim
@@ -486,6 +489,11 @@ class LlamaRunner:
         if lk is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
             self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
                                              self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale)
+        if self.file is not None and self.file.embed is not None:  # looked up from the file's blocks
+            self.embed = self.file.embed
+            if lm.weight is not base.embed_tokens.weight or self.file.head is not None:
+                base.embed_tokens.weight.data = base.embed_tokens.weight.data.new_empty((0, self.hidden))
+                self._hf_released = True
         if self.file is not None:  # packed now: the codes need not stay
             self.file = self.file.formats_only()
         if lm.weight is not base.embed_tokens.weight:  # an untied lm_head: the runner's copy is the one used
@@ -493,7 +501,7 @@ class LlamaRunner:
         # Packed or quantized weights are a second copy: the HF modules' dense ones are released (the
         # model's weight memory stays 1x) and, if packed, unpacked again only if something asks for the HF
         # model (`hf_model`). Quantized ones cannot be given back.
-        self._hf_released = False
+        self._hf_released = getattr(self, "_hf_released", False)
         for proj, linears in self._hf_views:
             if proj.weight is None:  # packed or quantized: the runner holds its own copy
                 for lin in linears:
@@ -528,19 +536,19 @@ class LlamaRunner:
         self.single_rows = False
         if self.weight_bits != 4:
             return False
-        ref = self.embed.weight
+        dev = self.device
         L, H, D = len(self.layers), self.n_kv, self.head_dim
-        kv = KVBuffer.allocate(L, H, D, 48, self.embed.weight.dtype, ref.device)
-        ids = torch.randint(0, self.embed.num_embeddings, (41,), generator=torch.Generator().manual_seed(7))
-        ids = ids.to(ref.device)
-        self.forward(ids[:40], torch.arange(40, device=ref.device), kv, 0, logits="none")
+        kv = KVBuffer.allocate(L, H, D, 48, self.dtype, dev)
+        ids = torch.randint(0, self.vocab, (41,), generator=torch.Generator().manual_seed(7))
+        ids = ids.to(dev)
+        self.forward(ids[:40], torch.arange(40, device=dev), kv, 0, logits="none")
         same = True
         for p in (0, 1, 2, 16, 40):
             got = []
             for single in (False, True):
                 self.single_rows = single
                 kv.length = p
-                out = self.forward(ids[p:p + 1], torch.tensor([p], device=ref.device), kv, p)
+                out = self.forward(ids[p:p + 1], torch.tensor([p], device=dev), kv, p)
                 got.append((out, kv.k[:, :, p].clone(), kv.v[:, :, p].clone()))
             same = same and all(torch.equal(a, b) for a, b in zip(*got))
         self.single_rows = same
@@ -557,17 +565,17 @@ class LlamaRunner:
         extended along the last slope beyond them."""
         import time
 
-        ref = self.embed.weight
+        dev = self.device
         sizes = [m for m in (1, 2, 3, 4, 6, 8, 16) if m <= max(1, max_rows)]
-        kv = KVBuffer.allocate(len(self.layers), self.n_kv, self.head_dim, context + sizes[-1], ref.dtype, ref.device)
-        ids = torch.randint(0, self.embed.num_embeddings, (context + sizes[-1],),
-                            generator=torch.Generator().manual_seed(11)).to(ref.device)
-        self.forward(ids[:context], torch.arange(context, device=ref.device), kv, 0, logits="none")
+        kv = KVBuffer.allocate(len(self.layers), self.n_kv, self.head_dim, context + sizes[-1], self.dtype, dev)
+        ids = torch.randint(0, self.vocab, (context + sizes[-1],),
+                            generator=torch.Generator().manual_seed(11)).to(dev)
+        self.forward(ids[:context], torch.arange(context, device=dev), kv, 0, logits="none")
         took: dict[int, float] = {}
         for rnd in range(3):  # the first round warms the kernels up; the fastest of the next two counts
             for m in sizes:
                 kv.length = context
-                pos = torch.arange(context, context + m, device=ref.device)
+                pos = torch.arange(context, context + m, device=dev)
                 t0 = time.perf_counter()
                 self.forward(ids[context:context + m], pos, kv, context, logits="all")
                 dt = time.perf_counter() - t0
@@ -646,7 +654,7 @@ class LlamaRunner:
         end = start + M
         if end > kv.capacity:
             raise ValueError(f"KV buffer holds {kv.capacity} tokens, {end} needed")
-        h = self.embed(ids)[None] if hidden is None else hidden.to(self.embed.weight.dtype)[None]  # [1, M, E]
+        h = self.embed(ids)[None] if hidden is None else hidden.to(self.dtype)[None]  # [1, M, E]
         cos, sin = self._rope_tables(h, positions)
         G, D, Hkv = self.group, self.head_dim, self.n_kv
         # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so a mask repeats G times; built once

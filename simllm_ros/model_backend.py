@@ -209,9 +209,10 @@ def _try(fn, progress) -> None:
         progress(f"note: could not keep a cache file ({e}); the next load checks again")
 
 
-def _load_skeleton(path: str, skip_head: bool):
-    """A converted GGUF's model (float32) without its projection weights (and LM head if `skip_head`): those are
-    allocated, never written (so never resident) and released by the runner, which takes the file's blocks."""
+def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
+    """A converted GGUF's model (float32) without its projection weights (and LM head if `skip_head`, token
+    embedding if `skip_embed` and nothing else needs it): those are allocated, never written (so never resident) and
+    released by the runner, which takes the file's blocks."""
     import glob
 
     from safetensors import safe_open
@@ -226,6 +227,8 @@ def _load_skeleton(path: str, skip_head: bool):
     skip = {f"model.layers.{k}" for k in skip}
     if skip_head:
         skip.add("lm_head.weight")
+    if skip_embed and (skip_head or not getattr(cfg, "tie_word_embeddings", False)):
+        skip.add("model.embed_tokens.weight")
     state = {}
     for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         if os.path.basename(shard) == gguf_weights.ROWS_FILE:
@@ -291,7 +294,7 @@ class ModelBackend:
             self.skeleton = rows is not None  # the dense projection weights were never loaded
             if rows is not None:
                 self.progress("loading the GGUF's checked blocks (no dense projection weights)")
-                self.model = _load_skeleton(path, skip_head=rows.head)
+                self.model = _load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed)
             else:
                 self.model = AutoModelForCausalLM.from_pretrained(
                     path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(device)
@@ -423,7 +426,7 @@ class ModelBackend:
         r = self.runner
         if r is None or r.kernel is None:
             return ""
-        return "amx" if r.kernel.uses_amx(r.embed.weight.dtype, r.head_dim) else "vector"
+        return "amx" if r.kernel.uses_amx(r.dtype, r.head_dim) else "vector"
 
     @property
     def attention_path(self) -> str:
@@ -455,7 +458,10 @@ class ModelBackend:
                 per = ", ".join(f"{name} {'/'.join(t)} -> {'/'.join(kinds[gguf_weights.KINDS[x]] for x in t)}"
                                 for name, t in self.runner.file.formats.items() if name in gguf_weights.PROJECTIONS)
                 head = f"{ggml} ({kinds[gguf_weights.KINDS[ggml]]})" if ggml else "16-bit"
-                return f"simllm_ros {what} ({self.runner.int4.path}) on the file's own blocks: {per}; LM head {head}"
+                emb = self.runner.file.embed
+                emb = f"{emb.ggml} blocks looked up from the file" if emb is not None else "float32"
+                return (f"simllm_ros {what} ({self.runner.int4.path}) on the file's own blocks: {per}; LM head {head}; "
+                        f"token embedding {emb}")
             head = "8-bit (the file's Q8_0 codes)" if getattr(self.runner.lm_head, "bits", 16) == 8 else "16-bit"
             return f"simllm_ros {what} ({self.runner.int4.path}); LM head {head}"
         if kind == "aten":

@@ -172,6 +172,9 @@ def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files)
     assert rows is not None and rows.head and any(k.endswith("attn_q.weight") for k in rows.perms)  # q/k permuted
     second = ModelBackend(files["q4_k_m"], dtype="float32", weight_bits=0, cache_dir=files["cache"])
     assert second.skeleton and second.runner.file is not None and second.weight_bits == 4
+    # the token embedding is looked up from the file's Q4_K blocks; its float32 copy was never loaded
+    assert rows.embed and isinstance(second.runner.embed, gguf_weights.FileEmbedding)
+    assert second.model.model.embed_tokens.weight.numel() == 0 and "token embedding Q4_K" in second.int4_path
     ids = [int(t) for t in range(500, 500 + 21 * 37, 37)]
     assert torch.equal(first.run(ids, first.new_cache(24), logits="all"),
                        second.run(ids, second.new_cache(24), logits="all"))
@@ -219,3 +222,14 @@ def test_load_checks_are_kept_only_for_the_same_numerics(files, monkeypatch):
     data[key] = dict(data[key], exact=True)  # leave the true record for later loads
     with open(store, "w") as f:
         json.dump(data, f)
+
+
+def test_the_file_embedding_is_the_files_rows(files):
+    t = next(t for t in gguf.GGUFReader(files["q4_k_m"]).tensors if t.name == "token_embd.weight")
+    w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    tensor = next(x for x in gguf_weights.check_file(files["q4_k_m"]) if x.name == "token_embd.weight")
+    emb = gguf_weights.FileEmbedding(tensor, *w.shape)
+    ids = torch.tensor([[0, 5, w.shape[0] - 1], [77, 77, 3]])
+    assert torch.equal(emb(ids), w[ids])  # bit for bit, any shape of ids
+    with pytest.raises(IndexError, match="out of range"):
+        emb(torch.tensor([w.shape[0]]))
