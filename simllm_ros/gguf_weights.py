@@ -341,6 +341,8 @@ def formats(path: str, tensors: list[Tensor] | None = None) -> dict[str, list[st
     for t in tensors if tensors is not None else check_file(path):
         parts = t.name.split(".")
         kind = parts[2] if parts[0] == "blk" and len(parts) > 3 else parts[0]
+        if parts[-1] == "bias":  # Qwen2's q/k/v biases (float32 beside the projections): their own kind
+            kind += "_bias"
         lst = out.setdefault(kind, [])
         if t.ggml not in lst:
             lst.append(t.ggml)

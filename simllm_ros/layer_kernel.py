@@ -109,6 +109,8 @@ class Layers:
         the C norms, SiLU, no biases, sizes the vector code covers."""
         if runner.int4 is None or runner.kernel is None or runner.dtype != runner.int4.dtype:
             return False
+        if any(n is not None for n in runner.qk_norms):  # Qwen3's per-head q/k norms: the Python layers
+            return False
         if runner.head_dim % 32 or runner.inter % 16 or runner.hidden % 16:
             return False
         for ln1, qkv, o, ln2, gu, down, act in runner.layers:

@@ -242,7 +242,7 @@ class _Norm:
     """A layer's RMSNorm: our C kernel (norm_kernel: one call instead of ~8 ops) where it takes the weight and
     the module is a plain RMSNorm (the formula the kernel computes), else the transformers module itself."""
 
-    PLAIN = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+    PLAIN = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm")
 
     def __init__(self, module, kernel: "norm_kernel.NormKernel | None"):
         self.module = module
@@ -421,6 +421,7 @@ class LlamaRunner:
         self.scale = self.head_dim ** -0.5
         lm = model.lm_head
         self.layers = []
+        self.qk_norms: list[tuple[_Norm, _Norm] | None] = []
         self._hf_views: list[tuple[_Proj, tuple]] = []  # (projection, the HF linears whose weights it holds)
         # 4-bit products on our own kernel, for every projection or none, so that every pass computes the same way:
         # in bf16 on AMX (int4_kernel: ~2-4x ATen's from a few rows up), in float32 on vector units elsewhere
@@ -469,6 +470,9 @@ class LlamaRunner:
                 down = _Proj(mlp.down_proj.weight.data, _bias(mlp.down_proj), weight_bits, self.int4)
             self._hf_views += [(qkv, (att.q_proj, att.k_proj, att.v_proj)), (gate_up, (mlp.gate_proj, mlp.up_proj)),
                                (o, (att.o_proj,)), (down, (mlp.down_proj,))]
+            # Qwen3's per-head RMSNorms of q and k (before RoPE): row-invariant on the norm kernel like the others
+            self.qk_norms.append((_Norm(att.q_norm, norms), _Norm(att.k_norm, norms)) if hasattr(att, "q_norm")
+                                 else None)
             self.layers.append((_Norm(layer.input_layernorm, norms), qkv, o,
                                 _Norm(layer.post_attention_layernorm, norms), gate_up, down, mlp.act_fn))
         # Our C attention (attention_kernel) where it applies: ~2.5x faster than the two oneDNN products for a
@@ -620,8 +624,10 @@ class LlamaRunner:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         need_att = all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         need_mlp = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        # Extra per-head norms (Qwen3, OLMo) or biases on o_proj would need their own code.
-        extra = any(hasattr(att, n) for n in ("q_norm", "k_norm"))
+        # Per-head q/k norms (Qwen3) run here; norms over a whole projection (OLMo2's) would need their own code.
+        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        extra = any(getattr(getattr(att, n, None), "weight", torch.empty(head_dim)).shape != (head_dim,)
+                    for n in ("q_norm", "k_norm"))
         return need_att and need_mlp and not extra
 
     @torch.inference_mode()
@@ -679,10 +685,10 @@ class LlamaRunner:
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers, start=first_layer):
             x = ln1(h)
             if plan is not None:
-                q, k, v = self._rotated_rows(qkv_proj(x)[0], cos, sin)  # [M, Hq, D], [M, Hkv, D] x 2
+                q, k, v = self._rotated_rows(qkv_proj(x)[0], cos, sin, li)  # [M, Hq, D], [M, Hkv, D] x 2
                 o = self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, M, -1)
             else:
-                q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, M, D], [Hkv, M, D] x 2
+                q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, M, D], [Hkv, M, D] x 2
                 at = slice(start, end) if slots is None else slots
                 kv.k[li, :, at] = k
                 kv.v[li, :, at] = v
@@ -743,10 +749,10 @@ class LlamaRunner:
         if qkv_proj.parts is not None:
             Hkv, D = self.n_kv, self.head_dim
             kv_rows = qkv_proj.columns(x, self.q_size, self.q_size + 2 * self.kv_size)  # [M', 2 kv]
-            k = self._rotate(kv_rows[:, :self.kv_size].view(-1, Hkv, D), cos, sin)
+            k = self._rotate(self._head_norm(li, 1, kv_rows[:, :self.kv_size].view(-1, Hkv, D)), cos, sin)
             v = kv_rows[:, self.kv_size:].view(-1, Hkv, D)
         else:
-            q, k, v = self._rotated_rows(qkv_proj(x), cos, sin)  # [M', Hq, D], [M', Hkv, D] x 2
+            q, k, v = self._rotated_rows(qkv_proj(x), cos, sin, li)  # [M', Hq, D], [M', Hkv, D] x 2
         kv.k[li, :, start:M] = k.transpose(0, 1)
         kv.v[li, :, start:M] = v.transpose(0, 1)
         kv.length = max(kv.length, M)
@@ -766,7 +772,8 @@ class LlamaRunner:
         run = rows - start if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows]) - start  # never alone
         R, D = run.numel(), self.head_dim
         if head.q is None:
-            q = self._rotate(qkv_proj.columns(x[run], 0, self.q_size).view(R, self.n_heads, D), cos[run], sin[run])
+            q = self._rotate(self._head_norm(li, 0, qkv_proj.columns(x[run], 0, self.q_size).view(R, self.n_heads, D)),
+                             cos[run], sin[run])
         else:
             q = head.q[run]
         if self.kernel is not None:
@@ -821,7 +828,7 @@ class LlamaRunner:
             else:
                 attn = h.new_empty(total, Hq, D)
                 for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
-                    q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin)
+                    q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin, li)
                     h = h + o_proj(self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, total, Hq * D))
                     h = self._mlp(h, ln2, gate_up, down, act)
         else:
@@ -860,7 +867,7 @@ class LlamaRunner:
                 blocked.append(None)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
             x = ln1(h)
-            q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin)  # [Hq, N, D], [Hkv, N, D] x 2
+            q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, N, D], [Hkv, N, D] x 2
             q = q * self.scale  # once for every sequence (elementwise: the same bits as per sequence)
             attn = h.new_empty(total, Hq, D)  # each sequence's attention output lands in its rows
             for s, (a, b), seq_blocked in zip(seqs, spans, blocked):
@@ -901,11 +908,15 @@ class LlamaRunner:
             entries.append(e)
         return entries
 
-    def _rotated_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [M, Hq, D], k, v [M, Hkv, D] of a fused qkv product [M, q + 2kv], q and k rotated together (4 ops
-        instead of 14 per layer): row-major views, which the kernel reads in place (no transposes)."""
+    def _rotated_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, li: int):
+        """q [M, Hq, D], k, v [M, Hkv, D] of layer li's fused qkv product [M, q + 2kv], q and k rotated together (4
+        ops instead of 14 per layer): row-major views, which the kernel reads in place (no transposes). Where the
+        layer has per-head q/k norms (Qwen3), each head's row is normalized first, on its own."""
         M, D, Hq, Hkv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
-        qk = self._rotate(qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D), cos, sin)
+        qk = qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D)
+        if self.qk_norms[li] is not None:
+            qk = torch.cat([self._head_norm(li, 0, qk[:, :Hq]), self._head_norm(li, 1, qk[:, Hq:])], dim=1)
+        qk = self._rotate(qk, cos, sin)
         return qk[:, :Hq], qk[:, Hq:], qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D)
 
     @staticmethod
@@ -922,9 +933,18 @@ class LlamaRunner:
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos[0][:, None], sin[0][:, None]
 
-    def _split_rotated(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _head_norm(self, li: int, which: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer li's per-head norm of q (which 0) or k (1) on heads x [R, H, D], each head's row on its own (so a
+        subset of rows or heads gets the bits it gets with the others); x itself where the layer has none."""
+        norms = self.qk_norms[li]
+        if norms is None:
+            return x
+        R, H, D = x.shape
+        return norms[which](x.reshape(R * H, D)).view(R, H, D)
+
+    def _split_rotated(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, li: int):
         """The torch path's layout of `_rotated_rows`: q [Hq, M, D], k, v [Hkv, M, D] (head-major views)."""
-        q, k, v = self._rotated_rows(qkv, cos, sin)
+        q, k, v = self._rotated_rows(qkv, cos, sin, li)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def _slot_mask(self, slots: torch.Tensor, T: int) -> torch.Tensor:

@@ -47,16 +47,21 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
 
 def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 512, heads: int = 4, kv_heads: int = 2,
                 types: dict | None = None, default: str = "Q4_K", embed: str = "Q4_K", output: str | None = "Q6_K",
-                per_layer: dict | None = None, seed: int = 0, truncate: int = 0) -> str:
-    """A Llama GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"}) and
-    (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
-    embedding. `truncate` cuts that many bytes off the end (a broken download)."""
+                per_layer: dict | None = None, seed: int = 0, truncate: int = 0, arch: str = "llama",
+                head_dim: int | None = None) -> str:
+    """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
+    and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
+    embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
+    hidden / heads, as Qwen3's does). `truncate` cuts that many bytes off the end (a broken download)."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer_source())
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, "llama")
-    head_dim = hidden // heads
+    w = gguf.GGUFWriter(path, arch)
+    head_dim = head_dim or hidden // heads
+    if head_dim != hidden // heads or arch == "qwen3":  # Qwen3 configs default to 128 otherwise
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     w.add_block_count(layers)
     w.add_context_length(2048)
@@ -82,6 +87,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     def add(name, ggml, n, k):
         if ggml == "F32":
             w.add_tensor(name, rng.uniform(0.8, 1.2, size=(n,)).astype(np.float32))
+        elif ggml == "BIAS":
+            w.add_tensor(name, rng.uniform(-0.05, 0.05, size=(n,)).astype(np.float32))
         elif ggml == "F16":  # dense weights for llama.cpp's own quantizer (quantize_llama_cpp)
             w.add_tensor(name, (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(np.float16))
         else:
@@ -98,6 +105,10 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 add(f"blk.{i}.ffn_norm.weight", "F32", hidden, 0)
                 continue
             add(f"blk.{i}.{kind}.weight", per_layer.get((i, kind), types.get(kind, default)), n, k)
+            if arch == "qwen2" and kind in ("attn_q", "attn_k", "attn_v"):
+                add(f"blk.{i}.{kind}.bias", "BIAS", n, 0)
+            if arch == "qwen3" and kind in ("attn_q", "attn_k"):
+                add(f"blk.{i}.{kind}_norm.weight", "F32", head_dim, 0)
     add("output_norm.weight", "F32", hidden, 0)
     if output:
         add("output.weight", output, vocab, hidden)

@@ -74,6 +74,8 @@ def files(tmp_path_factory):
     # token_embd Q4_K and an untied output in Q6_K; and a Q8_0 file with the LM head tied to its embedding.
     return {"q4_k_m": write_llama(str(d / "rand-q4_k_m.gguf"), types=Q4_K_M, per_layer={(1, "attn_v"): "Q4_K"}),
             "q8_0": write_llama(str(d / "rand-q8_0.gguf"), default="Q8_0", embed="Q8_0", output=None, seed=1),
+            "qwen2": write_llama(str(d / "rand-qwen2.gguf"), arch="qwen2", types=Q4_K_M, seed=2),
+            "qwen3": write_llama(str(d / "rand-qwen3.gguf"), arch="qwen3", head_dim=128, types=Q4_K_M, seed=3),
             "cache": str(d / "models")}
 
 
@@ -121,13 +123,32 @@ def test_the_head_is_the_files_weights(files):
     assert (got - want).abs().max() <= 2e-5 * want.abs().max()
 
 
-def test_engine_cached_answers_are_its_empty_pool_answers(files):
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_qwen_files_run_on_their_own_blocks_as_transformers_computes_them(files, name):
+    """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms before RoPE, head_dim 128 beside a hidden size of 256): the
+    runner at the file's own bits, lossless, and what it computes is what transformers' own forward of the same
+    file computes (float32, to rounding: the arithmetic is ours, the model the same)."""
+    b = _backend(files, name)
+    assert b.model_type == name and b.weight_bits == 4 and b.runner.file is not None and b.exact_chunking
+    assert b.semantic_supported
+    if name == "qwen3":
+        assert all(n is not None for n in b.runner.qk_norms)
+    ids = [int(t) for t in range(400, 400 + 17 * 53, 53)]
+    ours = b.run(ids, b.new_cache(20), logits="all")
+    with torch.inference_mode():
+        ref = b.hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("name", ["q4_k_m", "qwen3"])
+def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
     from simllm_ros.engine import Engine
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
 
-    _backend(files, "q4_k_m")  # loaded (converted, probed) once in this process
-    e = Engine(Settings.from_overrides(model=files["q4_k_m"], model_cache_dir=files["cache"], dtype="float32",
+    _backend(files, name)  # loaded (converted, probed) once in this process
+    e = Engine(Settings.from_overrides(model=files[name], model_cache_dir=files["cache"], dtype="float32",
                                        weight_bits=0, kv_bits=32, cache_size="256MB", enable_semantic_reuse=False))
     e.load()
     try:
