@@ -24,14 +24,16 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "test"))
 
-# layers, hidden, intermediate, heads, kv heads: the published configs of these models (the vocabulary is SmolLM2's
-# 49,152 tokens here, not Qwen's 151,936 or Llama 3's 128,256: embeddings and LM head are smaller than the originals)
+# layers, hidden, intermediate, heads, kv heads, architecture, head_dim: the published configs of these models (the
+# vocabulary is SmolLM2's 49,152 tokens here, not Qwen's 151,936 or Llama 3's 128,256: embeddings and LM head are
+# smaller than the originals). qwen2 files carry Qwen2's q/k/v biases, qwen3 files its per-head q/k norms.
 SHAPES = {
-    "smollm2-360m": (32, 960, 2560, 15, 5),
-    "qwen2.5-0.5b": (24, 896, 4864, 14, 2),
-    "llama-3.2-1b": (16, 2048, 8192, 32, 8),
-    "qwen2.5-1.5b": (28, 1536, 8960, 12, 2),
-    "qwen2.5-3b": (36, 2048, 11008, 16, 2),
+    "smollm2-360m": (32, 960, 2560, 15, 5, "llama", None),
+    "qwen2.5-0.5b": (24, 896, 4864, 14, 2, "qwen2", None),
+    "qwen3-0.6b": (28, 1024, 3072, 16, 8, "qwen3", 128),
+    "llama-3.2-1b": (16, 2048, 8192, 32, 8, "llama", None),
+    "qwen2.5-1.5b": (28, 1536, 8960, 12, 2, "qwen2", None),
+    "qwen2.5-3b": (36, 2048, 11008, 16, 2, "qwen2", None),
 }
 QUESTIONS = ["Which road is closed this afternoon and why?", "Where can I park near the stadium tonight?"]
 
@@ -53,15 +55,15 @@ def bulletin(tokens: int) -> str:
 def make_file(shape: str, quant: str, folder: str) -> str:
     from random_gguf import quantize_llama_cpp, write_llama
 
-    layers, hidden, inter, heads, kv = SHAPES[shape]
-    path = os.path.join(folder, f"rand-{shape}-{quant.lower()}.gguf")
+    layers, hidden, inter, heads, kv, arch, head_dim = SHAPES[shape]
+    path = os.path.join(folder, f"rand-{shape}-{arch}-{quant.lower()}.gguf")
     if os.path.exists(path):
         return path
-    f16 = os.path.join(folder, f"rand-{shape}-f16.gguf")
+    f16 = os.path.join(folder, f"rand-{shape}-{arch}-f16.gguf")
     t0 = time.perf_counter()
     if not os.path.exists(f16):
         write_llama(f16 + ".tmp", layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv,
-                    default="F16", embed="F16", output="F16")
+                    default="F16", embed="F16", output="F16", arch=arch, head_dim=head_dim)
         os.replace(f16 + ".tmp", f16)
     quantize_llama_cpp(f16, path + ".tmp", quant)
     os.replace(path + ".tmp", path)
@@ -70,6 +72,14 @@ def make_file(shape: str, quant: str, folder: str) -> str:
 
 
 def _peak_mb() -> float:
+    """This process's peak resident set (VmHWM: getrusage's ru_maxrss carries the parent's peak across exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -90,13 +100,15 @@ def worker_ours(args) -> dict:
     ctx = bulletin(args.context)
     req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=args.new)  # noqa: E731
     out = {"path": "simllm_ros", "load_s": load, "how": f"weight_bits={b.weight_bits} {b.dtype_name}, "
-           f"{'own blocks' if b.runner and b.runner.file else 'dense'}, exact={b.exact_chunking}"}
+           f"{'own blocks' if b.runner and b.runner.file else 'dense'}, layers {b.layers_kind}, "
+           f"exact={b.exact_chunking}"}
     ids = [b.prompt_ids("", ctx, q) for q in QUESTIONS]
     for name, q in (("cold", QUESTIONS[0]), ("hit", QUESTIONS[1]), ("repeat", QUESTIONS[1])):
         r = e.handle(req(q))
         assert r.success, r.error
         out[name] = {"total_s": r.total_ms / 1000, "ttft_s": r.ttft_ms / 1000, "tokens": r.generated_tokens,
-                     "exact": r.exact, "reused": r.reused_tokens, "answer": r.answer[:40]}
+                     "exact": r.exact, "reused": r.reused_tokens, "answer": r.answer[:40],
+                     "drafted": r.draft_tokens_proposed, "accepted": r.draft_tokens_accepted}
     # prefill and decode with nothing cached, on the backend
     cache = b.new_cache(len(ids[0]) + args.new + 2)
     t0 = time.perf_counter()
@@ -131,6 +143,8 @@ def worker_llama(args) -> dict:
     def last_logits():
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
 
+    answer_ids: list[int] = []
+
     def answer(prompt: list[int]) -> tuple[float, float, int, int]:
         """Reuses the KV of the longest common prefix with what was evaluated before (at least one token is
         evaluated again for its logits), then greedy tokens until EOS or --new."""
@@ -143,9 +157,11 @@ def worker_llama(args) -> dict:
         llm.eval(prompt[common:])
         ttft = time.perf_counter() - t0
         n = 0
+        answer_ids.clear()
         while n < args.new:
             tok = int(np.argmax(last_logits()))
             n += 1
+            answer_ids.append(tok)
             if tok in eos:
                 break
             llm.eval([tok])
@@ -184,7 +200,7 @@ def run_worker(kind: str, path: str, args) -> dict | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "bench-models"))
-    ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen3-0.6b,qwen2.5-1.5b")
     ap.add_argument("--quants", default="Q4_K_M,Q8_0")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new", type=int, default=32)
@@ -220,6 +236,20 @@ def main() -> None:
         print(f"| {r['file']} | {r['path']} | {r['load_s']:.1f} | {r['prefill_s']:.2f} | {r['decode_ms']:.1f} | "
               f"{r['cold']['total_s']:.2f} | {r['hit']['total_s']:.2f} | {r['repeat']['total_s']:.2f} | "
               f"{r['peak_rss_mb']:.0f} | {r['how']} |")
+    print("\nsimllm_ros / llama.cpp on the same file (issue 30's targets: decode <= 1.0, hit <= 0.8, repeat <= 0.3, "
+          "RSS <= 1.2):")
+    print("| file | prefill | decode | cold | hit | repeat | peak RSS |\n|---|---|---|---|---|---|---|")
+    by_file: dict[str, dict] = {}
+    for r in rows:
+        by_file.setdefault(r["file"], {})[r["path"]] = r
+    for f, pair in by_file.items():
+        a, b = pair.get("simllm_ros"), pair.get("llama.cpp")
+        if not a or not b:
+            continue
+        ratio = lambda x, y: f"{x / y:.2f}" if y else "-"  # noqa: E731
+        print(f"| {f} | {ratio(a['prefill_s'], b['prefill_s'])} | {ratio(a['decode_ms'], b['decode_ms'])} | "
+              f"{ratio(a['cold']['total_s'], b['cold']['total_s'])} | {ratio(a['hit']['total_s'], b['hit']['total_s'])} | "
+              f"{ratio(a['repeat']['total_s'], b['repeat']['total_s'])} | {ratio(a['peak_rss_mb'], b['peak_rss_mb'])} |")
 
 
 if __name__ == "__main__":

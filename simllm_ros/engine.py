@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import compute_threads, path_checks, persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
+from .answer_memo import AnswerMemo, Memo, Signature
 from .cache_stats import CacheStatsRecorder
 from .decoding import Constraint, Decoder, Generation
 from .draft_proposer import DraftProposer, DraftStats
@@ -198,6 +199,7 @@ class Engine:
         # Recent answers per scope (token ids), a draft source for verified decoding.
         self._recent_answers: dict[str, collections.deque[list[int]]] = {}
         self._answer_tokens: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self.memo = AnswerMemo()  # finished answers of identical requests (answer_memo)
         # How often each kind of draft is accepted (learnt over requests): with the backend's pass costs it
         # decides how long a draft is checked.
         self._draft_stats = DraftStats()
@@ -425,6 +427,7 @@ class Engine:
         with self._exec_lock:
             self.pending_inserts.clear()
             self._recent_answers.clear()
+            self.memo.clear()
             if self.pool is not None:
                 self.pool.clear()
 
@@ -557,6 +560,12 @@ class Engine:
         max_new = self._answer_length(req)
         now = time.time()
         self._refresh(now)
+        temperature = s.temperature if req.temperature is None else req.temperature
+        seed = s.seed if req.seed is None else req.seed
+        served = self._memo_answer(p, tokens, max_new, Signature.of(temperature, seed, req.stop, req.json_schema),
+                                   now, on_progress)
+        if served is not None:
+            return served
         digest = task_digest(req)
         # A sliding-window layer keeps only its window: past it, the cache no longer holds every token's KV.
         poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
@@ -598,13 +607,41 @@ class Engine:
                       reserve=reserve, early=early, use_drafts=use_drafts, similarity_pending=defer, watch=watch,
                       on_token=watch.on_token if (req.stop or on_progress) else None,
                       constraint=p.schema.constraint() if p.schema is not None else None,
-                      temperature=s.temperature if req.temperature is None else req.temperature,
-                      seed=s.seed if req.seed is None else req.seed, streaming=on_progress is not None)
+                      temperature=temperature, seed=seed, streaming=on_progress is not None)
+
+    def _memo_answer(self, p: Prepared, tokens: list[int], max_new: int, signature: Signature, now: float,
+                     on_progress: Callable[[Progress], None] | None) -> QueryResult | None:
+        """An identical request's stored answer (answer_memo), exact: no prefill, no decode pass. None if there
+        is none for these tokens, this signature and max_new_tokens, or the backend is not batch-invariant."""
+        req = p.req
+        if not (self.settings.answer_memo and self.backend.exact_chunking) or not len(self.memo):
+            return None
+        same = self.pool.find(req.scope, tokens)
+        if same is None or not same.answer:
+            return None
+        served = self.memo.answer(same.key, same.answer, signature, max_new, self.backend.detokenize)
+        if served is None:
+            return None
+        self.pool.touch([same.key], now)
+        res = QueryResult(success=True, cache_result=CacheResult.EXACT_PREFIX, similarity=1.0,
+                          prompt_tokens=len(tokens), request_id=req.request_id, answer=served.text,
+                          reused_tokens=len(tokens), generated_tokens=served.tokens, stop_reason=served.stop_reason,
+                          exact=True)
+        if on_progress is not None:
+            AnswerWatcher(self.backend.detokenize, on_progress=on_progress,
+                          cache_result=CacheResult.EXACT_PREFIX).progress(res.answer, served.tokens)
+        res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
+        return res
 
     def _conclude(self, f: Flight, gen: Generation) -> QueryResult:
         """A request's last phase: its result from the generation; the pool learns the prompt's KV."""
         req, res, backend, watch = f.p.req, f.res, self.backend, f.watch
         res.answer = watch.final_text(gen.text)
+        if res.answer == gen.text and gen.tokens:  # the ids the model chose: a draft of this answer re-tokenized
+            self._answer_tokens[res.answer] = list(gen.tokens)  # from its text may differ (token boundaries)
+            self._answer_tokens.move_to_end(res.answer)
+            if len(self._answer_tokens) > 512:
+                self._answer_tokens.popitem(last=False)
         res.stop_reason = "stop" if watch.stop_hit else gen.stopped
         res.generated_tokens = len(gen.tokens)
         res.ttft_ms = gen.ttft_s * 1000
@@ -636,6 +673,11 @@ class Engine:
         t_insert = time.perf_counter()
         self._update_pool(f.p, f.plan, f.tokens, f.cache, f.digest, res.answer if finished else None, f.now,
                           f.poolable)
+        if finished and res.success and res.exact and backend.exact_chunking and self.settings.answer_memo:
+            same = self.pool.find(req.scope, f.tokens)  # the entry that now holds this answer
+            if same is not None and same.answer == res.answer:
+                self.memo.remember(same.key, Memo(Signature.of(f.temperature, f.seed, req.stop, req.json_schema),
+                                                  res.answer, tuple(gen.tokens), res.stop_reason))
         self._keep_live(f)
         insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000

@@ -182,6 +182,8 @@ class Tensor:
     ggml: str
     shape: tuple[int, ...]  # outermost first: [N, K] for a weight
     data: np.ndarray  # its raw bytes, memory-mapped
+    path: str = ""  # the file and where the bytes start in it
+    offset: int = 0
 
 
 # Value types of GGUF metadata: fixed sizes (string 8, array 9 are read apart)
@@ -256,7 +258,7 @@ def check_file(path: str) -> list[Tensor]:
         begin = data_start + offset
         if begin + n > size:
             raise GGUFError(f"'{path}' is truncated: tensor {name} needs bytes up to {begin + n}, the file has {size}")
-        out.append(Tensor(name, qtype.name, shape, mm[begin:begin + n]))
+        out.append(Tensor(name, qtype.name, shape, mm[begin:begin + n], path, begin))
     return out
 
 
@@ -294,7 +296,11 @@ class FileEmbedding:
     def __init__(self, tensor: Tensor, vocab: int, hidden: int):
         size, per, _ = _BLOCKS[tensor.ggml]
         self.tensor, self.num_embeddings, self.embedding_dim = tensor, vocab, hidden
-        self._rows = np.asarray(tensor.data).reshape(vocab, hidden // per * size)
+        # a map of its own bytes only: the whole file's map (whose pages the load touched) can then go
+        data = np.memmap(tensor.path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(tensor.data.size,)) \
+            if tensor.path else np.asarray(tensor.data)
+        self.tensor = dataclasses.replace(tensor, data=data)
+        self._rows = data.reshape(vocab, hidden // per * size)
 
     @property
     def ggml(self) -> str:

@@ -82,7 +82,7 @@ class Layers:
     kernels' entry points, and per-calling-thread buffers. `run` is one pass through layers first..last-1."""
 
     def __init__(self, kernel: LayerKernel, layers: list, int4, norms, attention, E: int, Hq: int, Hkv: int, D: int,
-                 inter: int, scale: float):
+                 inter: int, scale: float, qk_norms: list | None = None):
         self.kernel, self.int4, self.attention = kernel, int4, attention
         self.dtype = int4.dtype  # bf16 (AMX products) or float32 (vector products)
         self.E, self.Hq, self.Hkv, self.D, self.inter, self.scale = E, Hq, Hkv, D, inter, scale
@@ -97,6 +97,13 @@ class Layers:
         self.weights = torch.tensor([[ln1.weight.data_ptr(), ln2.weight.data_ptr(), *projs[4 * i:4 * i + 4]]
                                      for i, (ln1, qkv, o, ln2, gu, down, _) in enumerate(layers)], dtype=torch.int64)
         self.eps = torch.tensor([[ln1.eps, ln2.eps] for ln1, _, _, ln2, _, _, _ in layers], dtype=torch.float32)
+        if self.dtype == torch.float32:  # [L][9] and [L][3]: the qkv bias and the per-head q/k norms, 0 if none
+            qk = qk_norms or [None] * len(layers)
+            extra = [[qkv.bias.data_ptr() if qkv.bias is not None else 0,
+                      n[0].weight.data_ptr() if n else 0, n[1].weight.data_ptr() if n else 0]
+                     for (_, qkv, *_), n in zip(layers, qk)]
+            self.weights = torch.cat([self.weights, torch.tensor(extra, dtype=torch.int64)], dim=1).contiguous()
+            self.eps = torch.cat([self.eps, torch.tensor([[n[0].eps if n else 0.0] for n in qk])], 1).contiguous()
         addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
         self._norm, self._mm = addr(norms._fns[self.dtype]), addr(int4._mm)
         self._pool = int4.pool_call  # simllm_pool_call: the steps between products split on its workers
@@ -109,14 +116,18 @@ class Layers:
         the C norms, SiLU, no biases, sizes the vector code covers."""
         if runner.int4 is None or runner.kernel is None or runner.dtype != runner.int4.dtype:
             return False
-        if any(n is not None for n in runner.qk_norms):  # Qwen3's per-head q/k norms: the Python layers
+        f32 = runner.int4.dtype == torch.float32  # the float32 layers also take q/k/v biases and per-head q/k norms
+        if any(n is not None for n in runner.qk_norms) and (not f32 or any(
+                n is not None and (n[0].kernel is None or n[1].kernel is None) for n in runner.qk_norms)):
             return False
         if runner.head_dim % 32 or runner.inter % 16 or runner.hidden % 16:
             return False
         for ln1, qkv, o, ln2, gu, down, act in runner.layers:
             if ln1.kernel is None or ln2.kernel is None or type(act).__name__ not in ("SiLUActivation", "SiLU"):
                 return False
-            if any(p.parts is None or p.bias is not None for p in (qkv, o, gu, down)):
+            if any(p.parts is None for p in (qkv, o, gu, down)) or any(p.bias is not None for p in (o, gu, down)):
+                return False
+            if qkv.bias is not None and (not f32 or qkv.bias.dtype != torch.float32 or not qkv.bias.is_contiguous()):
                 return False
             if runner.int4.dtype != torch.float32 and any(p.blob is None for p in (qkv, o, gu, down)):
                 return False  # the bf16 layers take 4-bit blobs only

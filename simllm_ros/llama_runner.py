@@ -492,7 +492,8 @@ class LlamaRunner:
         lk = layer_kernel.load() if self.int4 is not None and self.kernel is not None else None
         if lk is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
             self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
-                                             self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale)
+                                             self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale,
+                                             self.qk_norms)
         if self.file is not None and self.file.embed is not None:  # looked up from the file's blocks
             self.embed = self.file.embed
             if lm.weight is not base.embed_tokens.weight or self.file.head is not None:

@@ -55,6 +55,7 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("answer_threshold", 0.95, "cosine similarity needed for ANSWER reuse", live=True, min=0.0, max=1.0),
     ParamSpec("enable_answer_cache", False, "tier 3, unverified: return a stored answer without running the model (approximate, opt-in; stored answers are always used as verified drafts)", live=True),
     ParamSpec("enable_semantic_reuse", True, "tier 2: approximate KV reuse for similar prompts", live=True),
+    ParamSpec("answer_memo", True, "an identical request (same tokens, scope, temperature, seed, stop strings, schema) gets the stored finished answer without a model pass: exact on a batch-invariant backend (the answer is a function of exactly those)", live=True),
     ParamSpec("enable_drafts", True, "verified decoding: stored answers, recent answers and prompt spans are proposed as draft tokens and checked by the model in one pass (the answer stays the model's own)", live=True),
     ParamSpec("max_draft_tokens", 32, "longest draft checked in one pass", live=True, min=1, max=256),
     ParamSpec("draft_min_similarity", 0.5, "stored answers of cached tasks at least this similar (cosine) are used as drafts", live=True, min=0.0, max=1.0),

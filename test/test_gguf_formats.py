@@ -133,8 +133,14 @@ def test_qwen_files_run_on_their_own_blocks_as_transformers_computes_them(files,
     assert b.semantic_supported
     if name == "qwen3":
         assert all(n is not None for n in b.runner.qk_norms)
+    assert b.layers_kind == "c"  # the float32 C layers take the biases and the q/k norms
     ids = [int(t) for t in range(400, 400 + 17 * 53, 53)]
     ours = b.run(ids, b.new_cache(20), logits="all")
+    b.runner.layers_in_c = False
+    try:  # the Python layers compute the same bits
+        assert torch.equal(b.run(ids, b.new_cache(20), logits="all"), ours)
+    finally:
+        b.runner.layers_in_c = True
     with torch.inference_mode():
         ref = b.hf_model(torch.tensor([ids])).logits[0].float()
     assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()

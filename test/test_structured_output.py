@@ -52,7 +52,7 @@ def _decode(engine, ids, max_new, constraint=None, drafts=None, temperature=0.0,
 
 
 def test_json_schema_answers_validate_from_an_empty_and_a_warm_pool(engine):
-    fresh(engine)
+    fresh(engine, answer_memo=False)  # a repeat through verified drafts (the memo would skip the model)
     req = QueryRequest(prompt=QUESTION, context=BULLETIN, json_schema=json.dumps(SCHEMA), max_new_tokens=48)
     first = engine.handle(req)
     assert first.success, first.error
@@ -67,6 +67,11 @@ def test_json_schema_answers_validate_from_an_empty_and_a_warm_pool(engine):
     assert free.success and not free.answer.startswith("{")
     print(f"\n[structured output] {first.answer}  ({first.generated_tokens} tokens, {first.decode_passes} passes; "
           f"warm: {again.decode_passes} passes, {again.draft_tokens_accepted} draft tokens accepted)")
+    fresh(engine)  # the memo on: the identical schema request gets the stored JSON without a model pass
+    assert engine.handle(req).answer == first.answer
+    memo = engine.handle(req)
+    assert memo.success and memo.decode_passes == 0 and memo.exact and memo.answer == first.answer
+    assert engine.handle(QueryRequest(prompt=QUESTION, context=BULLETIN, max_new_tokens=24)).answer == free.answer
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.8, 7)])

@@ -228,7 +228,8 @@ enum { F_NORM, F_ADD_NORM, F_ROPE, F_SILU };
 typedef struct {
     const pass32_t *P; int op, M, n, i;
     float *h; const float *t; const float *w; float *x; float eps;
-    const float *src; float *dst; const float *cos, *sin;
+    float *src; float *dst; const float *cos, *sin;
+    const float *bias, *qn, *kn; float qk_eps;  /* F_ROPE: Qwen2's q/k/v biases, Qwen3's per-head norms (or 0) */
 } glue32_t;
 
 static void *glue32_rows(void *arg) {
@@ -249,6 +250,17 @@ static void *glue32_rows(void *arg) {
         P->norm(G->h + (long)m0 * E, E, G->w, G->x + (long)m0 * E, m, E, G->eps);
         break;
     case F_ROPE:
+        /* the bias as torch adds it (y + b, one rounding), then each head's norm in place (rows of D), then RoPE:
+           the Python layers' order (llama_runner._Proj, _rotated_rows) */
+        for (int r = m0; r < m1; r++) {
+            float *row = G->src + (long)r * H * D;
+            if (G->bias)
+                for (long j = 0; j < (long)H * D; j++) row[j] = row[j] + G->bias[j];
+            if (G->qn) {
+                P->norm(row, D, G->qn, row, P->Hq, D, G->qk_eps);
+                P->norm(row + (long)P->Hq * D, D, G->kn, row + (long)P->Hq * D, P->Hkv, D, G->qk_eps);
+            }
+        }
         simllm_rope_f32(G->src + (long)m0 * H * D, (long)H * D, m, P->Hq + P->Hkv, D, G->cos + (long)m0 * D,
                         G->sin + (long)m0 * D, G->dst + (long)m0 * (P->Hq + P->Hkv) * D);
         break;
@@ -285,31 +297,35 @@ static void product32(const pass32_t *P, const float *x, const int64_t *proj, fl
     }
 }
 
-/* simllm_layers_bf16's steps in the same order, in float32; weights [L][6] hold the projections as product32's
-   part lists. ws: M * (2E + 2Nqkv + Hq*D + 3I) floats. */
+/* simllm_layers_bf16's steps in the same order, in float32; weights [L][9]: the two norms, the projections as
+   product32's part lists, then the qkv bias, q norm and k norm (0 where the model has none); eps [L][3] (the two
+   norms', the q/k norms'). ws: M * (2E + 2Nqkv + Hq*D + 3I) floats. */
+#define W32 9
 void simllm_layers_f32(const pass32_t *P, float *h, int M, int first, int last, const int64_t *weights,
                        const float *eps, const float *cos, const float *sin, float *ws) {
     const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D, Nqk = (Hq + Hkv) * D;
     float *x = ws, *qkv = x + (long)M * E, *qk = qkv + (long)M * Nqkv, *o = qk + (long)M * Nqk,
           *t = o + (long)M * Hq * D, *gu = t + (long)M * E, *a = gu + (long)M * 2 * I;
     if (first < last)
-        glue32(P, (glue32_t){.op = F_NORM, .M = M, .h = h, .w = (const float *)(intptr_t)weights[(long)first * 6],
-                             .x = x, .eps = eps[2 * first]});
+        glue32(P, (glue32_t){.op = F_NORM, .M = M, .h = h, .w = (const float *)(intptr_t)weights[(long)first * W32],
+                             .x = x, .eps = eps[3 * first]});
     for (int li = first; li < last; li++) {
-        const int64_t *W = weights + (long)li * 6;
+        const int64_t *W = weights + (long)li * W32;
         product32(P, x, (const int64_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
-        glue32(P, (glue32_t){.op = F_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin});
+        glue32(P, (glue32_t){.op = F_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin,
+                             .bias = (const float *)(intptr_t)W[6], .qn = (const float *)(intptr_t)W[7],
+                             .kn = (const float *)(intptr_t)W[8], .qk_eps = eps[3 * li + 2]});
         P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,
                   P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);
         product32(P, o, (const int64_t *)(intptr_t)W[3], t, M, E, Hq * D);
         glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t, .w = (const float *)(intptr_t)W[1], .x = x,
-                             .eps = eps[2 * li + 1]});
+                             .eps = eps[3 * li + 1]});
         product32(P, x, (const int64_t *)(intptr_t)W[4], gu, M, 2 * I, E);
         glue32(P, (glue32_t){.op = F_SILU, .M = M, .src = gu, .dst = a});
         product32(P, a, (const int64_t *)(intptr_t)W[5], t, M, E, I);
         const int more = li + 1 < last;
         glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t,
-                             .w = more ? (const float *)(intptr_t)weights[(long)(li + 1) * 6] : 0, .x = x,
-                             .eps = more ? eps[2 * (li + 1)] : 0.f});
+                             .w = more ? (const float *)(intptr_t)weights[(long)(li + 1) * W32] : 0, .x = x,
+                             .eps = more ? eps[3 * (li + 1)] : 0.f});
     }
 }
