@@ -82,6 +82,17 @@ def task_digest(req: QueryRequest) -> str:
 
 
 @dataclasses.dataclass
+class MemoPlan:
+    """What the decision log records for an answer from the memo: the prompt's own pool entry, exact."""
+
+    source_key: int
+    source_question: str
+    tier: CacheResult = CacheResult.EXACT_PREFIX
+    similarity: float = 1.0
+    reason: str = "identical request: the stored answer (answer_memo)"
+
+
+@dataclasses.dataclass
 class Flight:
     """A request between its plan and its result: the engine's state for it while it is prefilled and decoded
     (alone in execute(), or among others in step())."""
@@ -631,6 +642,7 @@ class Engine:
             AnswerWatcher(self.backend.detokenize, on_progress=on_progress,
                           cache_result=CacheResult.EXACT_PREFIX).progress(res.answer, served.tokens)
         res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
+        self._log_decision(req, task_digest(req), MemoPlan(same.key, req.question), res)
         return res
 
     def _conclude(self, f: Flight, gen: Generation) -> QueryResult:
@@ -1046,6 +1058,7 @@ class Engine:
             return True
 
     def _log_decision(self, req, digest, plan, res) -> None:
+        """One JSON line per answered request (a memo hit too: warmup_queries counts the tasks asked most)."""
         if self.semantic_log is None:
             return
         self.semantic_log.write({

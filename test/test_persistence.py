@@ -95,7 +95,7 @@ def test_round_trip(saved, tmp_path):
         r = e.handle(QueryRequest(prompt=q, context=BULLETIN, cache_scope=scope, max_new_tokens=8))
         assert r.cache_result == CacheResult.EXACT_PREFIX and r.reused_tokens == r.prompt_tokens - 1
         assert r.answer == answer
-        e.apply_settings({"enable_answer_cache": True, "answer_max_age_s": 1e6})
+        e.apply_settings({"enable_answer_cache": True, "answer_max_age_s": 1e6, "answer_memo": False})
         r = e.handle(QueryRequest(prompt=q, context=BULLETIN, cache_scope=scope, max_new_tokens=8))
         assert r.cache_result == CacheResult.ANSWER and r.answer == answer
         # Scopes survive the round trip: the default-scope entry is not visible from "robot".

@@ -25,7 +25,7 @@ def ask(engine, prompt, scope, context="", n=24, **kw):
 
 
 def test_same_request_in_other_scope_is_a_plain_miss(engine):
-    fresh(engine, enable_answer_cache=True, answer_threshold=0.8)
+    fresh(engine, enable_answer_cache=True, answer_threshold=0.8, answer_memo=False)  # the ANSWER tier, not the memo
     a1 = ask(engine, QUESTION, "A", SECRET_CONTEXT)
     assert a1.cache_result == CacheResult.MISS
     # Control: in A itself the repeat is served from the cache (ANSWER), so the scope is what stops B.
@@ -42,7 +42,7 @@ def test_same_request_in_other_scope_is_a_plain_miss(engine):
 
 
 def test_answer_tier_never_crosses_scopes(engine):
-    fresh(engine, enable_answer_cache=True, answer_threshold=0.8, answer_max_age_s=1e6)
+    fresh(engine, enable_answer_cache=True, answer_threshold=0.8, answer_max_age_s=1e6, answer_memo=False)
     # Many scopes, each with the same question: each scope's answer tier returns its own entry only.
     a = ask(engine, QUESTION, "A", SECRET_CONTEXT, n=4)
     for i in range(2):
