@@ -650,10 +650,7 @@ class Engine:
         req, res, backend, watch = f.p.req, f.res, self.backend, f.watch
         res.answer = watch.final_text(gen.text)
         if res.answer == gen.text and gen.tokens:  # the ids the model chose: a draft of this answer re-tokenized
-            self._answer_tokens[res.answer] = list(gen.tokens)  # from its text may differ (token boundaries)
-            self._answer_tokens.move_to_end(res.answer)
-            if len(self._answer_tokens) > 512:
-                self._answer_tokens.popitem(last=False)
+            self._keep_answer_ids(res.answer, list(gen.tokens))  # from its text may differ (token boundaries)
         res.stop_reason = "stop" if watch.stop_hit else gen.stopped
         res.generated_tokens = len(gen.tokens)
         res.ttft_ms = gen.ttft_s * 1000
@@ -1023,10 +1020,15 @@ class Engine:
         ids = self._answer_tokens.get(text)
         if ids is None:
             ids = self.backend.tokenize_answer(text)
-            self._answer_tokens[text] = ids
-            if len(self._answer_tokens) > 512:
-                self._answer_tokens.popitem(last=False)
+            self._keep_answer_ids(text, ids)
         return ids
+
+    def _keep_answer_ids(self, text: str, ids: list[int]) -> None:
+        """An answer's token ids for drafts, the most recent 512 answers."""
+        self._answer_tokens[text] = ids
+        self._answer_tokens.move_to_end(text)
+        if len(self._answer_tokens) > 512:
+            self._answer_tokens.popitem(last=False)
 
     def _remember_answer(self, scope: str, tokens: list[int]) -> None:
         if tokens:

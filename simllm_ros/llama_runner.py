@@ -422,6 +422,7 @@ class LlamaRunner:
         lm = model.lm_head
         self.layers = []
         self.qk_norms: list[tuple[_Norm, _Norm] | None] = []
+        self._hf_released = False  # whether the HF modules' dense weights were given up for the runner's copies
         self._hf_views: list[tuple[_Proj, tuple]] = []  # (projection, the HF linears whose weights it holds)
         # 4-bit products on our own kernel, for every projection or none, so that every pass computes the same way:
         # in bf16 on AMX (int4_kernel: ~2-4x ATen's from a few rows up), in float32 on vector units elsewhere
@@ -506,7 +507,6 @@ class LlamaRunner:
         # Packed or quantized weights are a second copy: the HF modules' dense ones are released (the
         # model's weight memory stays 1x) and, if packed, unpacked again only if something asks for the HF
         # model (`hf_model`). Quantized ones cannot be given back.
-        self._hf_released = getattr(self, "_hf_released", False)
         for proj, linears in self._hf_views:
             if proj.weight is None:  # packed or quantized: the runner holds its own copy
                 for lin in linears:

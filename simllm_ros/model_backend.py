@@ -287,7 +287,8 @@ class ModelBackend:
         # A GGUF whose own blocks were checked against its dequantized weights before (gguf_weights.Rows): the
         # runner takes them from the file again, so the dense projection weights are never read (a model's
         # float32 weights are ~4x its file: they set the peak memory and most of the load time).
-        rows = gguf_weights.load_rows(path, _conversion_stamp(src)) if (
+        stamp = _conversion_stamp(src) if src else None  # read once: it hashes the file's first MB
+        rows = gguf_weights.load_rows(path, stamp) if (
             src and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4)) else None
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -321,7 +322,7 @@ class ModelBackend:
                 if not gguf_weights.ModelFile([], None, self.file_formats, None).only_q4_0_1:
                     self.model_file = gguf_weights.read_model(src, self.model, rows)
                     if rows is None:
-                        checked = gguf_weights.rows_of(self.model_file, _conversion_stamp(src),
+                        checked = gguf_weights.rows_of(self.model_file, stamp,
                                                        "output.weight" if "output" in self.file_formats
                                                        else "token_embd.weight")
                         if checked is not None:
@@ -372,7 +373,7 @@ class ModelBackend:
                          "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits}
         key = (path, device, dtype, weight_bits)  # the same model and settings in this process: the same answer
         if key not in _PROBED:
-            _PROBED[key] = self._load_checks(cache_dir, src)
+            _PROBED[key] = self._load_checks(cache_dir, stamp)
         single, self.exact_chunking, costs, self.numerics = _PROBED[key]
         # What a pass of m rows costs relative to one (m = 0..MAX_PASS_ROWS), where measured: draft lengths
         # are chosen by it (draft_proposer). None for transformers' own forward.
@@ -380,7 +381,7 @@ class ModelBackend:
         if self.runner is not None:
             self.runner.single_rows = single
 
-    def _load_checks(self, cache_dir: str, src: str | None) -> tuple:
+    def _load_checks(self, cache_dir: str, stamp: dict | None) -> tuple:
         """(single rows, invariance probe, pass costs, numerics digest) for this model, these settings and kernels
         on this CPU. Measured once (~15 s at 0.5B) and kept in the cache folder under a key naming everything that
         decides them (model content, settings, kernel builds, torch, CPU model and flags, threads); a later load
@@ -396,7 +397,7 @@ class ModelBackend:
 
         if self.runner is None:
             return measure()
-        ident = json.dumps(_conversion_stamp(src), sort_keys=True) if src else os.path.abspath(self._path)
+        ident = json.dumps(stamp, sort_keys=True) if stamp else os.path.abspath(self._path)
         what = [ident, self.device, self.dtype_name, self.weight_bits, CONTRACT, self.int4_path, self.attention_path,
                 self.layers_path, self.norm_path, torch.__version__, torch.get_num_threads(), _cpu_identity()]
         key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
