@@ -45,6 +45,20 @@ if ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || ! command -v qemu-aarch
   fi
 fi
 
+# The fleet store's tests and benchmark start their own redis-server (Debian's; the node itself needs none unless
+# fleet_store_url is set). Best effort, as above: without it those tests skip and say why.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing redis-server (apt-get) for the fleet store's tests"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } \
+      >/dev/null 2>&1 || say "note: could not install redis-server; the fleet store's tests will skip"
+    # Debian's package starts a system service on 6379; the tests run their own servers on free ports.
+    { service redis-server stop || true; } >/dev/null 2>&1
+  else
+    say "note: redis-server missing (needs root apt-get); the fleet store's tests will skip"
+  fi
+fi
+
 bash "$REPO/scripts/build_interfaces.sh" "$VENV"
 
 # Console commands (simllm-edge, simllm-query, simllm-replay, simllm-bench, simllm_node) point at the

@@ -25,18 +25,19 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import compute_threads, path_checks, persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
+from . import compute_threads, fleet_store, path_checks, persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
 from .answer_memo import AnswerMemo, Memo, Signature
 from .cache_stats import CacheStatsRecorder
 from .decoding import Constraint, Decoder, Generation
 from .draft_proposer import DraftProposer, DraftStats
+from .fleet_store import FleetStore
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
 from .llama_runner import ONEDNN_ISA_CAP
 from .model_backend import ModelBackend, ModelLoadError
 from .request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
 from .safe_io import read_regular
-from .semantic_log import SemanticLog
+from .semantic_log import SemanticLog, request_from_record, request_record
 from .settings import SPECS, SettingError, Settings, parse_size
 from .streaming import AnswerWatcher
 from .structured_output import CompiledSchema, NoValueLeft, SchemaError
@@ -44,6 +45,7 @@ from .thermal import ThermalLevel
 from .validation import check_text_field, is_invisible_only, normalize_text, validate_request
 
 RELOAD_PARAMS = {s.name for s in SPECS if not s.live}
+FLEET_PARAMS = {s.name for s in SPECS if s.name.startswith("fleet_")}  # a fork connects on its own
 
 
 class EngineLoadError(RuntimeError):
@@ -125,6 +127,7 @@ class Flight:
     # which a batched step's attention reads once for both; None: not shared (share_checked: looked already).
     share: tuple | None = None
     share_checked: bool = False
+    fleet_answer: list[int] | None = None  # another node's answer to this prompt (fleet store): a draft
 
 
 @dataclasses.dataclass
@@ -224,6 +227,8 @@ class Engine:
         self.early_starts_used = 0
         # Called with an Observation after every executed request (the benchmark's hook); None: nobody.
         self.observer: Callable[[Observation], None] | None = None
+        self.fleet: FleetStore | None = None  # the shared fleet store (fleet_store_url), None when off
+        self._prefill_s_per_token = 0.0  # measured at load with a fleet store: the fetch-or-prefill estimate
 
     # ---- lifecycle -------------------------------------------------------------
     @property
@@ -268,6 +273,7 @@ class Engine:
                                fingerprint_dim=self.fingerprinter.dim, device=self.backend.device)
             self._apply_pool_knobs()
             self._prime()
+            self._open_fleet(progress)
             if s.semantic_log_path:
                 self.semantic_log = SemanticLog(s.semantic_log_path)
             self.load_report = {"load_s": 0.0, "restored": 0, "snapshot": "", "warmup": 0}
@@ -289,7 +295,7 @@ class Engine:
         (live) settings: for side-by-side runs in one process, one request at a time. Unloading a fork
         leaves the shared models loaded."""
         settings = settings or self.settings
-        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS)
+        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS - FLEET_PARAMS)
         if reload:
             raise SettingError(f"a fork shares the loaded model: {', '.join(reload)} cannot differ")
         other = Engine(settings, log=self.log)
@@ -298,7 +304,32 @@ class Engine:
         other.pool = self.pool.empty_like()
         other._apply_pool_knobs()
         other._owns_models = False
+        other._prefill_s_per_token = self._prefill_s_per_token
+        other._open_fleet(lambda m: other.log.info(m))
         return other
+
+    def _open_fleet(self, progress) -> None:
+        """Connect to the fleet store (fleet_store_url) if one is set. Its digest is this node's arithmetic, so
+        only nodes that compute the same bits share KV; answers are drafts, checked by the model."""
+        s = self.settings
+        if not s.fleet_store_url:
+            return
+        b = self.backend
+        if not self._prefill_s_per_token:
+            ids = list(range(100, 164))
+            t0 = time.perf_counter()
+            b.prefill(ids)
+            self._prefill_s_per_token = (time.perf_counter() - t0) / len(ids)
+        self.fleet = fleet_store.open_store(s, digest=fleet_store.node_digest(b.numerics, b.dtype, b.kv_shape,
+                                                                              self.pool.store_dtype),
+                                            kv_shape=b.kv_shape, dtype=b.dtype, share_kv=self.lossless_reuse,
+                                            log=self.log)
+        up = self.fleet.ping()
+        if up:
+            self.fleet.measure_link()
+        progress(f"fleet store {self.fleet.url}: {'connected' if up else 'not reachable now (retried in the background)'}"
+                 f"; digest {self.fleet.digest}; KV blocks {'shared' if self.fleet.share_kv else 'not shared (KV is not lossless here)'}"
+                 f"; prefill {self._prefill_s_per_token * 1000:.2f} ms/token, link {self.fleet.bytes_per_s / 1e6:.0f} MB/s")
 
     def _prime(self) -> None:
         """One throwaway pass through both models: torch's first call is slow, and no user should pay for it."""
@@ -323,14 +354,25 @@ class Engine:
 
     def _warm_up_most_used(self, n: int, progress) -> int:
         s, restored = self.settings, self.load_report.get("restored", 0)
-        if not s.semantic_log_path:
-            progress(f"warm-up: the {n} most-used tasks need the semantic log (semantic_log_path is empty); "
-                     f"only the {restored} tasks restored from the snapshot are warm")
+        if not s.semantic_log_path and self.fleet is None:
+            progress(f"warm-up: the {n} most-used tasks need the semantic log (semantic_log_path is empty) or a "
+                     f"fleet store; only the {restored} tasks restored from the snapshot are warm")
             return 0
-        tasks = semantic_log_mod.most_used(s.semantic_log_path, n)
+        tasks = semantic_log_mod.most_used(s.semantic_log_path, n) if s.semantic_log_path else []
+        if self.fleet is not None and len(tasks) < n:  # then what the fleet asks most
+            seen = {json.dumps(request_record(r), sort_keys=True) for r in tasks}
+            for rec in self.fleet.most_asked(n):
+                try:
+                    r = request_from_record(rec, f"warmup:fleet:{len(tasks) + 1}")
+                except (ValueError, TypeError, KeyError):
+                    continue
+                if json.dumps(request_record(r), sort_keys=True) not in seen and len(tasks) < n:
+                    seen.add(json.dumps(request_record(r), sort_keys=True))
+                    tasks.append(r)
         todo = [r for r in tasks if self.pool.find(
             r.scope, self.backend.chat_ids(s.system_prompt, r.context, r.turns())) is None]
-        progress(f"warm-up: the {len(tasks)} most-used tasks of {s.semantic_log_path} ({n} asked): "
+        source = " and ".join(x for x in (s.semantic_log_path, "the fleet store" if self.fleet else "") if x)
+        progress(f"warm-up: the {len(tasks)} most-used tasks of {source} ({n} asked): "
                  f"{len(tasks) - len(todo)} already in the pool from the snapshot, computing {len(todo)}")
         return self._run_warm_up(todo, progress)
 
@@ -402,6 +444,9 @@ class Engine:
 
     def unload(self) -> None:
         with self._exec_lock:
+            if self.fleet is not None:
+                self.fleet.close()
+                self.fleet = None
             if self.backend is not None and self._owns_models:
                 self.backend.release()
                 if self.fingerprinter is not None:
@@ -417,7 +462,7 @@ class Engine:
     # ---- settings / thermal ------------------------------------------------
     def update_settings(self, settings: Settings) -> None:
         """Take new settings (valid by construction); while loaded only live parameters may differ."""
-        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS)
+        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS - FLEET_PARAMS)
         if reload and self.loaded:
             raise SettingError(f"{', '.join(reload)} need a reload: deactivate and clean up first")
         self.settings = settings
@@ -588,6 +633,10 @@ class Engine:
         # while it is computed, and what needs it (drafts, reported similarity, pool update) comes after.
         defer = not req.allow_approximate
         early, prefix = self._early_start(p, tokens, poolable, lossless, reserve)
+        fleet_answer = None
+        if self.fleet is not None:
+            prefix, fleet_answer = self._fleet_lookup(req.scope, tokens, prefix, reserve,
+                                                      want_kv=early is None and poolable and lossless)
         t_plan = time.perf_counter()
         plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=None if defer else p.fingerprint,
                                   question=p.question, context_digest=digest,
@@ -618,7 +667,18 @@ class Engine:
                       reserve=reserve, early=early, use_drafts=use_drafts, similarity_pending=defer, watch=watch,
                       on_token=watch.on_token if (req.stop or on_progress) else None,
                       constraint=p.schema.constraint() if p.schema is not None else None,
-                      temperature=temperature, seed=seed, streaming=on_progress is not None)
+                      temperature=temperature, seed=seed, streaming=on_progress is not None, fleet_answer=fleet_answer)
+
+    def _fleet_lookup(self, scope: str, tokens: list[int], prefix, reserve: int, want_kv: bool):
+        """(The longer of this pool's exact prefix and the fleet's, where fetching beats prefilling; another
+        node's answer to this prompt, a draft, or None)."""
+        if want_kv and prefix is reuse_planner.UNREAD:
+            prefix = self.pool.longest_prefix(scope, tokens, len(tokens) - 1, len(tokens) + reserve)
+        have = prefix.n_tokens if want_kv and prefix else 0
+        got, answer = self.fleet.lookup(scope, tokens, have=have, limit=len(tokens) - 1,
+                                        capacity=len(tokens) + reserve,
+                                        prefill_s_per_token=self._prefill_s_per_token, want_kv=want_kv)
+        return (got or prefix), answer
 
     def _memo_answer(self, p: Prepared, tokens: list[int], max_new: int, signature: Signature, now: float,
                      on_progress: Callable[[Progress], None] | None) -> QueryResult | None:
@@ -643,6 +703,9 @@ class Engine:
                           cache_result=CacheResult.EXACT_PREFIX).progress(res.answer, served.tokens)
         res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
         self._log_decision(req, task_digest(req), MemoPlan(same.key, req.question), res)
+        if self.fleet is not None and not self._warming:
+            self.fleet.publish(req.scope, tokens, answer_ids=None, question="", task=request_record(req),
+                               read_kv=None)
         return res
 
     def _conclude(self, f: Flight, gen: Generation) -> QueryResult:
@@ -687,6 +750,8 @@ class Engine:
             if same is not None and same.answer == res.answer:
                 self.memo.remember(same.key, Memo(Signature.of(f.temperature, f.seed, req.stop, req.json_schema),
                                                   res.answer, tuple(gen.tokens), res.stop_reason))
+        if self.fleet is not None and finished and res.success:
+            self._publish(f, gen, exact=res.exact)
         self._keep_live(f)
         insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000
@@ -864,7 +929,7 @@ class Engine:
             f.plan.similarity = f.res.similarity = reuse_planner.reported_similarity(best[0].cosine) if best else 0.0
             f.similarity_pending = False
         if f.use_drafts and f.drafts is None:
-            f.drafts = self._draft_source(f.p.req, f.tokens, fp, f.now)
+            f.drafts = self._draft_source(f.p.req, f.tokens, fp, f.now, f.fleet_answer)
 
     def _start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
         """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
@@ -979,6 +1044,14 @@ class Engine:
             if key is None:
                 self.log.warning(f"request {req.request_id!r}: {len(tokens)} tokens do not fit in the KV pool budget")
 
+    def _publish(self, f: Flight, gen: Generation, exact: bool) -> None:
+        """Share what this request computed exactly (off its path: the fleet's writer does the I/O)."""
+        scope, tokens = f.p.req.scope, f.tokens
+        kv_exact = f.poolable and self.lossless_reuse and f.plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX)
+        self.fleet.publish(scope, tokens, answer_ids=list(gen.tokens) if exact else None, question=f.p.question,
+                           task=None if self._warming else request_record(f.p.req),
+                           read_kv=(lambda n: self.pool.read_prefix(scope, tokens, n)) if kv_exact else None)
+
     def _keep_live(self, f: Flight) -> None:
         """The request's buffer becomes the pool's live prefix (next exact hit in its scope: no copy) when its
         prompt KV is exact and at the pool's precision (a SEMANTIC repair's is not)."""
@@ -999,19 +1072,22 @@ class Engine:
         b = self.backend
         return b is not None and b.exact_chunking and self.pool.store_dtype == b.dtype
 
-    def _draft_source(self, req: QueryRequest, tokens: list[int], fingerprint, now: float) -> DraftProposer:
+    def _draft_source(self, req: QueryRequest, tokens: list[int], fingerprint, now: float,
+                      fleet_answer: list[int] | None = None) -> DraftProposer:
         """Drafts for this request: answers of the same prompt and of similar tasks in its scope (most
         similar first), the scope's recent answers, and the prompt itself."""
         s, pool = self.settings, self.pool
         answers = []
         same = pool.find(req.scope, tokens)
         repeat = same.answer if same is not None and same.answer else ""
+        repeat_ids = self._answer_ids(repeat) if repeat else []
+        repeat_ids = repeat_ids or fleet_answer or []  # else another node's answer to this very prompt
         for m in pool.best_matches(fingerprint, req.scope, now, k=4, recency_weight=0.0,
                                    half_life_s=s.recency_half_life_s):
             if m.cosine >= s.draft_min_similarity and m.entry.answer and m.entry.answer not in answers:
                 answers.append(m.entry.answer)
         return DraftProposer(answers=[self._answer_ids(a) for a in answers],
-                             repeat=self._answer_ids(repeat) if repeat else [],
+                             repeat=repeat_ids,
                              history=list(self._recent_answers.get(req.scope, ())),
                              prompt=tokens, max_tokens=s.max_draft_tokens,
                              costs=self.backend.pass_costs, stats=self._draft_stats)
@@ -1070,8 +1146,7 @@ class Engine:
             "reason": plan.reason, "prompt_tokens": res.prompt_tokens, "reused_tokens": res.reused_tokens,
             "recomputed_tokens": res.recomputed_tokens, "ttft_ms": round(res.ttft_ms, 2),
             # the request itself, so that warmup_queries: N can replay the most-used tasks
-            "prompt": req.prompt, "context": req.context,
-            **({"messages": [[t.role, t.content] for t in req.messages]} if req.messages else {}),
+            **request_record(req),
             **({"warmup": True} if self._warming else {})})
 
     # ---- telemetry -------------------------------------------------------------

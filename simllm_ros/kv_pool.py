@@ -255,6 +255,15 @@ class KVPool:
             question = self._entries[owners[0]].question if owners else ""
             return PrefixHit(k, v, n, owners, question)
 
+    def read_prefix(self, scope: str, tokens: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A copy of the KV of tokens[:n] from the blocks, or None unless all n are cached; unlike
+        longest_prefix it never hands out the live prefix (for readers beside the request path)."""
+        with self._lock:
+            ids, m = self._blocks.longest_prefix(scope, tokens[:n])
+            if m < n:
+                return None
+            return self._store.read(ids, n, self.model_dtype)
+
     def keep_live(self, scope: str, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep a finished request's KV buffer, k, v [L, H, C, D] holding `tokens` in slots 0..len-1, for the
         next exact hit in the same scope: its prefix is then used in place, not copied out of the blocks

@@ -36,6 +36,20 @@ class SemanticLog:
         self._logger.removeHandler(self._handler)
 
 
+def request_record(req: QueryRequest) -> dict:
+    """The task a request asks (scope, context, conversation, prompt), as the log and the fleet store keep it."""
+    return {"scope": req.scope, "prompt": req.prompt, "context": req.context,
+            **({"messages": [[t.role, t.content] for t in req.messages]} if req.messages else {})}
+
+
+def request_from_record(d: dict, request_id: str) -> QueryRequest:
+    """The request back from its record (ValueError, TypeError, KeyError on a malformed one)."""
+    messages = [ChatTurn(str(r), str(c)) for r, c in d.get("messages", [])]
+    scope = str(d.get("scope", ""))
+    return QueryRequest(prompt=str(d["prompt"]), context=str(d.get("context", "")),
+                        cache_scope="" if scope == "default" else scope, messages=messages, request_id=request_id)
+
+
 def most_used(path: str, n: int, backups: int = BACKUPS) -> list[QueryRequest]:
     """The n tasks asked most often in the log at `path` (and its rotated files), most asked first, ties by
     the latest ask; a task is (scope, context, conversation, prompt). Warm-up records do not count; records
@@ -54,14 +68,10 @@ def most_used(path: str, n: int, backups: int = BACKUPS) -> list[QueryRequest]:
                     d = json.loads(line)
                     if d.get("warmup") or "prompt" not in d:
                         continue
-                    messages = [ChatTurn(str(r), str(c)) for r, c in d.get("messages", [])]
                     key = json.dumps([d.get("scope", ""), d.get("context", ""), d.get("messages", []), d["prompt"]],
                                      ensure_ascii=False)
                     if key not in requests:
-                        scope = str(d.get("scope", ""))
-                        requests[key] = QueryRequest(prompt=str(d["prompt"]), context=str(d.get("context", "")),
-                                                     cache_scope="" if scope == "default" else scope,
-                                                     messages=messages, request_id=f"warmup:{len(requests) + 1}")
+                        requests[key] = request_from_record(d, f"warmup:{len(requests) + 1}")
                     counts[key] += 1
                     last[key] = float(d.get("time", 0.0))
                 except (ValueError, TypeError, KeyError, AttributeError):

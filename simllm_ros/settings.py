@@ -48,6 +48,13 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("responses_per_scope", False, "publish topic answers on ~/responses/<scope> (\"\" -> ~/responses/default) instead of the shared ~/responses, so SROS2 policies can separate scopes"),
     ParamSpec("warmup_queries", "", "computed at configure time: a JSON Lines file of requests, or an integer N: the N most-used tasks of the semantic log (those the snapshot did not restore); empty for none"),
     ParamSpec("semantic_log_path", "", "rotating log of every reuse decision; empty disables it"),
+    ParamSpec("fleet_store_url", "", "shared fleet store (Redis): redis://host:6379/0, rediss:// for TLS, unix:///path.sock; empty: off. Nodes with the same numerics digest share answers (as verified drafts), exact-prefix KV blocks and the tasks asked most; nothing shared changes an answer"),
+    ParamSpec("fleet_namespace", "simllm", "first part of every fleet key (one per deployment: Redis ACL key patterns such as ~simllm:* start from it)"),
+    ParamSpec("fleet_password", "", "Redis password (prefer fleet_password_file: a parameter can be read back); never logged"),
+    ParamSpec("fleet_password_file", "", "file holding the Redis password (read at configure); never logged"),
+    ParamSpec("fleet_secret_file", "", "file holding the fleet's shared secret (16+ bytes): scope tags in keys and blob MACs are keyed with it, so only nodes that hold it can read or write a scope's entries; empty: scopes are walled by their names only"),
+    ParamSpec("fleet_timeout_ms", 50.0, "bound on each fleet store call: a slow or dead store costs a request at most this, then is skipped until it answers again (checked in the background with growing pauses)", min=1.0, max=10000.0),
+    ParamSpec("fleet_share_kv", True, "fleet: publish exact-prefix KV blocks and fetch another node's where the fetch is estimated faster than the prefill it replaces (only between nodes with the same numerics digest, lossless KV)"),
     ParamSpec("thermal_root", "/sys/class/thermal", "sysfs thermal root (tests point it at a fake tree)"),
     ParamSpec("thermal_zones", "", "comma-separated zone types to watch (empty: all zones found)"),
     # --- live: validated and applied while active ---
