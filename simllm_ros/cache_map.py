@@ -69,3 +69,10 @@ def spheres(entries, salt: bytes | None = None) -> list[Sphere]:
         ns = scope_tag(e.scope, salt) if salt is not None else str(e.scope or "default")
         out.append(Sphere(ns, float(p[0]), float(p[1]), float(p[2]), d, heat_colour(heat)))
     return out
+
+
+def namespaced_frame(frame: str, namespace: str) -> str:
+    """A frame id prefixed by the node's namespace ('/robot1' -> 'robot1/simllm_cache'), tf2 style (no slash):
+    robots in their own namespaces draw their pools in frames of their own."""
+    ns = namespace.strip("/")
+    return f"{ns}/{frame}" if ns else frame

@@ -3,7 +3,8 @@
 Why it exists: an operator watching /diagnostics needs one level and a sentence that says what to
 do; deciding it is policy, not ROS, so it is a pure function here and the node only publishes it.
 Error and busy counts are judged over a recent window (RateWindow), never since start, so a node
-recovers its OK once a burst is over.
+recovers its OK once a burst is over. ServiceHealth is what the node publishes each telemetry tick:
+assess's level and values plus the model and the kernels it computes with (BackendFacts).
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import collections
 import dataclasses
 import enum
 import math
+import socket
 
-from .thermal import ThermalLevel, ThermalReading
+from .kernels.build import CONTRACT as NUMERICS_CONTRACT
+from .thermal import ThermalLevel, ThermalReading, ThermalState
 
 WINDOW_S = 30.0  # errors and busy refusals are counted over this window
 ERROR_SHARE_FOR_ERROR = 0.5  # this share of recent requests failing ...
@@ -38,14 +41,6 @@ class HealthLevel(enum.IntEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class ThermalState:
-    """The thermal level the service acts on, and why (empty when OK)."""
-
-    level: ThermalLevel = ThermalLevel.OK
-    reason: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
 class RecentCounts:
     """Requests answered, failed and refused as busy within the window."""
 
@@ -59,6 +54,38 @@ class Health:
     level: HealthLevel
     message: str
     values: tuple[tuple[str, str], ...]
+    hardware_id: str = ""  # the robot or computer (ServiceHealth: the hardware_id parameter, else the host name)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendFacts:
+    """What the loaded model computes with, as /diagnostics shows it: an operator comparing two robots sees
+    what dtype / weight_bits "auto" chose, the numerics digest and kernel contract (one digest, the same bits),
+    and which kernels run the passes (the fast path or not). Empty kinds are not shown."""
+
+    precision: str  # "bfloat16, 4-bit weights"
+    numerics: str  # "<digest> (<kernel contract>)"
+    attention: str  # kernel, torch or transformers
+    attention_arithmetic: str = ""  # amx tiles or vector code
+    int4_products: str = ""  # amx, vector or aten
+    layers: str = ""  # a pass's layers in one C call (c) or from Python
+    lossless: bool | None = None  # the load-time batch-invariance probe passed (assess's `lossless`)
+
+    @classmethod
+    def of(cls, backend) -> "BackendFacts | None":
+        """The facts of a ModelBackend (None: no model loaded)."""
+        if backend is None:
+            return None
+        return cls(precision=f"{backend.dtype_name}, {backend.weight_bits}-bit weights",
+                   numerics=f"{getattr(backend, 'numerics', '')} ({NUMERICS_CONTRACT})",
+                   attention=backend.attention_kind, attention_arithmetic=backend.attention_arithmetic,
+                   int4_products=backend.int4_kind, layers=backend.layers_kind, lossless=backend.exact_chunking)
+
+    def values(self) -> tuple[tuple[str, str], ...]:
+        shown = (("precision", self.precision), ("numerics", self.numerics), ("attention", self.attention))
+        kinds = (("attention_arithmetic", self.attention_arithmetic), ("int4_products", self.int4_products),
+                 ("layers", self.layers))
+        return shown + tuple((k, v) for k, v in kinds if v)
 
 
 class RateWindow:
@@ -152,3 +179,28 @@ def _values(stats, thermal, queue_limit, state, reading) -> tuple[tuple[str, str
         kv.append(("hottest_zone", reading.hottest_name))
         kv.append(("hottest_c", "nan" if math.isnan(reading.hottest_c) else f"{reading.hottest_c:.1f}"))
     return tuple((k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in kv)
+
+
+class ServiceHealth:
+    """The node's /diagnostics content, one telemetry tick at a time: keeps the recent window, reads the
+    thresholds from the settings and adds the model's key-values to assess's. Why here: the node only turns
+    the Health into a DiagnosticStatus."""
+
+    def __init__(self, window_s: float = WINDOW_S):
+        self.window = RateWindow(window_s)
+
+    def clear(self) -> None:
+        """Forget the recent counts (a new activation starts its window afresh)."""
+        self.window.clear()
+
+    def report(self, now: float, stats: dict | None, thermal: ThermalState, reading: ThermalReading | None,
+               settings, backend: BackendFacts | None, *, queue_limit: int, state: str) -> Health:
+        """Health from this tick's statistics (None: unavailable) and thermal state; `settings` gives
+        ttft_warn_ms, thermal_no_data_level, model and hardware_id."""
+        recent = self.window.update(now, stats) if stats is not None else None
+        h = assess(stats, thermal, recent, ttft_warn_ms=settings.ttft_warn_ms, queue_limit=queue_limit,
+                   window_s=self.window.window_s, state=state, reading=reading,
+                   no_data_level=HealthLevel.ERROR if settings.thermal_no_data_level == "error" else HealthLevel.WARN,
+                   lossless=backend.lossless if backend is not None else None)
+        values = h.values + (("model", str(settings.model)),) + (backend.values() if backend is not None else ())
+        return Health(h.level, h.message, values, settings.hardware_id or socket.gethostname())

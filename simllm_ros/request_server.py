@@ -118,6 +118,18 @@ class RequestServer:
         self._stopping = False
         self._thread: threading.Thread | None = None
 
+    @classmethod
+    def for_engine(cls, engine, *, state: Callable[[], str], log: logging.Logger | None = None) -> "RequestServer":
+        """A server over an Engine: its prepare, begin/step (execute for a job alone) run the requests, its idle
+        work runs between them, it counts busy refusals, and its settings size the queue and the batch. Why
+        here: a host (the node) wires one engine, not eleven functions and numbers."""
+        return cls(prepare=engine.prepare, state=state,
+                   execute=lambda job: engine.execute(job.prepared, job.on_progress, job.should_stop),
+                   begin=lambda job: engine.begin(job.prepared, job.on_progress, job.should_stop), step=engine.step,
+                   queue_limit=engine.settings.queue_limit, max_batch=engine.settings.max_batch,
+                   has_idle_work=engine.has_idle_work, idle_work=engine.idle_work,
+                   on_busy=engine.record_rejected_busy, log=log)
+
     # ---- state ------------------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:

@@ -20,6 +20,9 @@ hangs).
 
 sysfs layout read here: <root>/thermal_zone*/type (zone name, e.g. 'gpu-thermal')
 and <root>/thermal_zone*/temp (milli-degrees Celsius as an integer).
+
+What the service does with a level is ThermalPolicy: shed load while CRITICAL and act
+once on each change (the node only applies it to its request server, engine and log).
 """
 from __future__ import annotations
 
@@ -270,3 +273,56 @@ class ThermalMonitor:
         limit = self.critical_c if reading.level == ThermalLevel.CRITICAL else self.warn_c
         held = " (its last valid reading: the sensor is unreadable now)" if reading.hottest_name in reading.held else ""
         return f"hottest zone {reading.hottest_name} at {reading.hottest_c:.1f} C{held} (threshold {limit:.1f} C)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ThermalState:
+    """The thermal level the service acts on, and why (empty when OK)."""
+
+    level: ThermalLevel = ThermalLevel.OK
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ThermalChange:
+    """A level change the service acts on: the engine's answer lengths follow it and the log says it."""
+
+    previous: ThermalLevel
+    level: ThermalLevel
+    reason: str
+
+    @property
+    def rising(self) -> bool:
+        """Hotter than before: logged as a warning, a fall as info."""
+        return self.level > self.previous
+
+    @property
+    def message(self) -> str:
+        return f"thermal level {self.previous.name} -> {self.level.name}" + (f": {self.reason}" if self.reason else "")
+
+
+class ThermalPolicy:
+    """The service's thermal policy over a ThermalMonitor, one read at a time: requests are refused while the
+    level is CRITICAL (`overheated` is the refusal's reason) and every level change is reported once (`read`).
+
+    Why a class of its own: deciding this is not ROS; the node only applies it to its request server, engine
+    and logger, and it is tested here against a fake sysfs tree.
+    """
+
+    def __init__(self, monitor: ThermalMonitor):
+        self.monitor = monitor
+        self.state = ThermalState()
+
+    @property
+    def overheated(self) -> str | None:
+        """Why requests are refused now (the level is CRITICAL), else None."""
+        return self.state.reason if self.state.level >= ThermalLevel.CRITICAL else None
+
+    def read(self) -> tuple[ThermalReading, ThermalChange | None]:
+        """A reading, and the change to act on when the level differs from the one acted on (or the monitor's)."""
+        reading = self.monitor.read()
+        previous = self.state.level
+        self.state = ThermalState(reading.level, self.monitor.explain(reading))
+        if reading.level != previous or reading.level_changed:
+            return reading, ThermalChange(previous, reading.level, self.state.reason)
+        return reading, None

@@ -45,3 +45,10 @@ def test_with_a_salt_namespaces_are_tags_not_scope_names():
     assert tags[0] == tags[1] and len(set(tags)) == 3 and all(t.startswith("scope-") for t in tags)
     assert not any(name in t for t in tags for name in ("kiosk", "secret", "default"))
     assert [p.namespace for p in spheres(entries, salt=os.urandom(16))] != tags
+
+
+def test_frames_are_prefixed_by_the_namespace_tf2_style():
+    from simllm_ros.cache_map import namespaced_frame
+    assert namespaced_frame("simllm_cache", "/robot1") == "robot1/simllm_cache"
+    assert namespaced_frame("simllm_cache", "/") == "simllm_cache"
+    assert namespaced_frame("map", "/fleet/robot2/") == "fleet/robot2/map"

@@ -131,3 +131,41 @@ def test_a_failed_invariance_probe_is_a_warning_with_its_value():
     h = judge(lossless=True)
     assert h.level == HealthLevel.OK and h.message == "ok" and dict(h.values)["lossless_reuse"] == "true"
     assert "lossless_reuse" not in dict(judge().values)  # no model loaded: nothing claimed
+
+
+FACTS = health.BackendFacts(precision="bfloat16, 4-bit weights", numerics="abc (contract 3)", attention="kernel",
+                            int4_products="amx", lossless=True)
+
+
+def test_service_health_adds_the_model_and_its_kernels_after_the_policy_values():
+    """/diagnostics as the node publishes it: assess's values, then the model and the backend's facts (kinds
+    that are empty are left out), the hardware_id parameter or else the host name."""
+    import socket
+
+    from simllm_ros.settings import Settings
+    settings = Settings().replace(model="my-model.gguf", hardware_id="robot7")
+    h = health.ServiceHealth().report(0.0, OK_STATS, ThermalState(), None, settings, FACTS, queue_limit=4,
+                                      state="active")
+    keys = [k for k, _ in h.values]
+    assert keys[-6:] == ["lossless_reuse", "model", "precision", "numerics", "attention", "int4_products"]
+    assert dict(h.values)["model"] == "my-model.gguf" and h.hardware_id == "robot7" and h.level == HealthLevel.OK
+    bare = health.ServiceHealth().report(0.0, OK_STATS, ThermalState(), None, Settings(), None, queue_limit=4,
+                                         state="inactive")
+    assert bare.hardware_id == socket.gethostname() and [k for k, _ in bare.values][-1] == "model"
+
+
+def test_service_health_judges_its_own_window_and_the_settings_thresholds():
+    from simllm_ros.settings import Settings
+    settings = Settings().replace(thermal_no_data_level="error", ttft_warn_ms=50.0)
+    sh = health.ServiceHealth()
+    assert sh.report(0.0, OK_STATS, ThermalState(), None, settings, None, queue_limit=4, state="").level == \
+        HealthLevel.WARN  # p95 300 ms above 50
+    failing = {**OK_STATS, "requests_total": 20, "errors_total": 10}
+    h = sh.report(1.0, failing, ThermalState(), None, Settings(), None, queue_limit=4, state="")
+    assert h.level == HealthLevel.ERROR and "10 of 10 requests failed" in h.message
+    sh.clear()
+    assert sh.report(2.0, failing, ThermalState(), None, Settings(), None, queue_limit=4, state="").level == \
+        HealthLevel.OK
+    no_zones = ThermalReading([], "", math.nan, ThermalLevel.OK, False, False)
+    assert sh.report(3.0, failing, ThermalState(), no_zones, settings, None, queue_limit=4, state="").level == \
+        HealthLevel.ERROR  # thermal_no_data_level=error

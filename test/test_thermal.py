@@ -298,3 +298,25 @@ def test_real_sysfs_never_raises():
     for z in r.zones:
         assert z.online == (not math.isnan(z.temp_c))
     assert r.available == any(z.online for z in r.zones)
+
+
+def test_policy_sheds_load_only_while_critical_and_reports_each_change_once(jetson):
+    """ThermalPolicy, what the node applies: a change is reported once (rising as a warning), the refusal reason
+    stands while CRITICAL and goes when the level falls."""
+    from simllm_ros.thermal import ThermalPolicy
+    policy = ThermalPolicy(ThermalMonitor(str(jetson), warn_c=75, critical_c=90, hysteresis_c=5))
+    reading, change = policy.read()
+    assert reading.level == ThermalLevel.OK and change is None and policy.overheated is None
+    set_temp(jetson, 2, 95000)
+    _, change = policy.read()
+    assert (change.previous, change.level, change.rising) == (ThermalLevel.OK, ThermalLevel.CRITICAL, True)
+    assert change.message == ("thermal level OK -> CRITICAL: hottest zone tj-thermal at 95.0 C "
+                              "(threshold 90.0 C)")
+    assert policy.overheated == change.reason == policy.state.reason
+    assert policy.read()[1] is None and policy.overheated  # still critical: no second report, still refusing
+    set_temp(jetson, 2, 80000)
+    _, change = policy.read()
+    assert (change.level, change.rising) == (ThermalLevel.WARN, False) and policy.overheated is None
+    set_temp(jetson, 2, 50000)
+    _, change = policy.read()
+    assert change.level == ThermalLevel.OK and change.message == "thermal level WARN -> OK" and policy.state.reason == ""

@@ -151,3 +151,15 @@ def undeclared_names(node, parameter_list) -> str:
             close = difflib.get_close_matches(p.name, declared, n=1)
             out.append(p.name + (f" (did you mean {close[0]}?)" if close else ""))
     return ", ".join(out)
+
+
+def check_undeclared(node, parameter_list) -> None:
+    """rclpy's Node._check_undeclared_parameters, naming the undeclared parameters in the refusal (rclpy's own
+    message lists none) and where to see the declared ones."""
+    from rclpy.exceptions import ParameterNotDeclaredException
+    if not all(isinstance(p, Parameter) for p in parameter_list):
+        raise TypeError(f"parameter must be instance of type '{Parameter!r}'")
+    names = undeclared_names(node, parameter_list)
+    if names and not node._allow_undeclared_parameters:
+        raise ParameterNotDeclaredException(f"{names}; `ros2 param list {node.get_fully_qualified_name()}` "
+                                            "shows the declared ones")
