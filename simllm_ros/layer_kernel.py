@@ -113,8 +113,13 @@ class Layers:
     @staticmethod
     def applies(runner) -> bool:
         """Whether a runner's layers fit: 4-bit products on our kernel everywhere (AMX in bf16, vector in float32),
-        the C norms, SiLU, no biases, sizes the vector code covers."""
+        the C norms (plain x * w), SiLU, no biases, full attention, sizes the vector code covers."""
         if runner.int4 is None or runner.kernel is None or runner.dtype != runner.int4.dtype:
+            return False
+        # Gemma 3 (norms of x * (1 + w), norms after attention and MLP, GELU, sliding windows, two RoPE tables): the
+        # C layers compute none of these, so its layers run in Python
+        if getattr(runner, "windowed", False) or any(p is not None for p in getattr(runner, "post_norms", ())) \
+                or any(layer[0].offset or layer[3].offset for layer in runner.layers):
             return False
         f32 = runner.int4.dtype == torch.float32  # the float32 layers also take q/k/v biases and per-head q/k norms
         if any(n is not None for n in runner.qk_norms) and (not f32 or any(
@@ -142,7 +147,7 @@ class Layers:
 
     def run(self, h: torch.Tensor, first: int, last: int, plan, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Layers first..last-1 over h [M, E] (contiguous bf16; updated in place) with the attention pass `plan`
-        (attention_kernel.plan: the KV buffers the layers write and read); cos, sin [M, 1, D] (_rope_tables)."""
+        (attention_kernel.plan: the KV buffers the layers write and read); cos, sin [M, 1, D] (_rope_tables' one table)."""
         M = h.shape[0]
         if h.dtype != self.dtype or not h.is_contiguous() or h.shape[1] != self.E:
             raise ValueError(f"layers: contiguous {self.dtype} rows of {self.E}")

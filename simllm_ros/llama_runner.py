@@ -25,8 +25,9 @@ Two reasons it exists:
    row-invariant); RMSNorm is one C call (norm_kernel), and with either kernel a pass's layers are one C call
    (layer_kernel); all row-invariant.
 
-Only for full-attention RoPE models whose HF module layout is Llama's
-(`ModelBackend.fast_path` decides); other models use the HF forward.
+Only for RoPE models whose HF module layout is Llama's (`supports` and `ModelBackend` decide): full attention, or
+Gemma 3's layers (sliding-window layers with their own RoPE base, norms of x * (1 + w), norms after attention and
+MLP, GELU), which run as Python layers; other models use the HF forward.
 """
 from __future__ import annotations
 
@@ -243,15 +244,26 @@ class _Norm:
     the module is a plain RMSNorm (the formula the kernel computes), else the transformers module itself."""
 
     PLAIN = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm")
+    # x * (1 + w), all in float32, rounded once to the rows' dtype: the kernel's float32 form w * (x * r) with the
+    # weight 1 + w (as transformers computes it) is that formula, row by row
+    OFFSET = ("Gemma3RMSNorm",)
 
     def __init__(self, module, kernel: "norm_kernel.NormKernel | None"):
         self.module = module
-        self.weight = module.weight.data
-        self.eps = float(getattr(module, "variance_epsilon", 1e-6))
-        self.kernel = kernel if kernel is not None and type(module).__name__ in self.PLAIN and \
-            hasattr(module, "variance_epsilon") and kernel.takes(self.weight) else None
+        name = type(module).__name__
+        self.offset = name in self.OFFSET
+        if self.offset:
+            self.weight = 1.0 + module.weight.data.float()
+            self.eps = float(module.eps)
+        else:
+            self.weight = module.weight.data
+            self.eps = float(getattr(module, "variance_epsilon", 1e-6))
+        self.kernel = kernel if kernel is not None and (self.offset or name in self.PLAIN and hasattr(
+            module, "variance_epsilon")) and kernel.takes(self.weight) else None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.offset and self.kernel is not None:
+            return self.kernel.rmsnorm(h.float(), self.weight, self.eps).to(h.dtype)
         if self.kernel is None or h.dtype != self.weight.dtype:
             return self.module(h)
         return self.kernel.rmsnorm(h, self.weight, self.eps)
@@ -419,9 +431,22 @@ class LlamaRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
+        # Gemma 3: queries scaled by query_pre_attn_scalar, a RoPE table per layer type (sliding layers have their
+        # own base), a window of keys on sliding layers, norms after attention and MLP, soft-capped logits
+        gemma = _gemma_layout(model)
+        if gemma:
+            self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+        self.layer_types = list(getattr(cfg, "layer_types", None) or []) if gemma else []
+        self.rope_types: list[str | None] = sorted(set(self.layer_types)) or [None]
+        self.rope_of = [self.rope_types.index(t) for t in self.layer_types] or [0] * len(base.layers)
+        self.window = [int(cfg.sliding_window) if t == "sliding_attention" else 0 for t in self.layer_types] \
+            or [0] * len(base.layers)
+        self.windowed = any(self.window)
+        self.softcap = getattr(cfg, "final_logit_softcapping", None) if gemma else None
         lm = model.lm_head
         self.layers = []
         self.qk_norms: list[tuple[_Norm, _Norm] | None] = []
+        self.post_norms: list[tuple[_Norm, _Norm] | None] = []  # Gemma's norms of the attention and MLP outputs
         self._hf_released = False  # whether the HF modules' dense weights were given up for the runner's copies
         self._hf_views: list[tuple[_Proj, tuple]] = []  # (projection, the HF linears whose weights it holds)
         # 4-bit products on our own kernel, for every projection or none, so that every pass computes the same way:
@@ -474,8 +499,14 @@ class LlamaRunner:
             # Qwen3's per-head RMSNorms of q and k (before RoPE): row-invariant on the norm kernel like the others
             self.qk_norms.append((_Norm(att.q_norm, norms), _Norm(att.k_norm, norms)) if hasattr(att, "q_norm")
                                  else None)
-            self.layers.append((_Norm(layer.input_layernorm, norms), qkv, o,
-                                _Norm(layer.post_attention_layernorm, norms), gate_up, down, mlp.act_fn))
+            if gemma:  # the norm before the MLP is pre_feedforward's; post_attention's is of the attention output
+                ln2 = _Norm(layer.pre_feedforward_layernorm, norms)
+                self.post_norms.append((_Norm(layer.post_attention_layernorm, norms),
+                                        _Norm(layer.post_feedforward_layernorm, norms)))
+            else:
+                ln2 = _Norm(layer.post_attention_layernorm, norms)
+                self.post_norms.append(None)
+            self.layers.append((_Norm(layer.input_layernorm, norms), qkv, o, ln2, gate_up, down, mlp.act_fn))
         # Our C attention (attention_kernel) where it applies: ~2.5x faster than the two oneDNN products for a
         # decode step; None: the torch path below. Chosen once per runner, so every pass uses the same one.
         kernel = attention_kernel.load()
@@ -497,6 +528,8 @@ class LlamaRunner:
                                              self.qk_norms)
         if self.file is not None and self.file.embed is not None:  # looked up from the file's blocks
             self.embed = self.file.embed
+            if hasattr(base.embed_tokens, "embed_scale"):  # Gemma's rows times sqrt(hidden), as transformers does
+                self.embed = _ScaledRows(self.file.embed, base.embed_tokens.embed_scale.to(self.dtype))
             if lm.weight is not base.embed_tokens.weight or self.file.head is not None:
                 base.embed_tokens.weight.data = base.embed_tokens.weight.data.new_empty((0, self.hidden))
                 self._hf_released = True
@@ -629,6 +662,15 @@ class LlamaRunner:
         head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         extra = any(getattr(getattr(att, n, None), "weight", torch.empty(head_dim)).shape != (head_dim,)
                     for n in ("q_norm", "k_norm"))
+        # Norms after attention or MLP: Gemma 3's layout only, causal, without attention-score soft-capping (the
+        # attention kernel has none), windows only where its layer types say so
+        cfg = model.config
+        if hasattr(layer, "pre_feedforward_layernorm") or hasattr(layer, "post_feedforward_layernorm"):
+            types = getattr(cfg, "layer_types", None) or []
+            extra = extra or not _gemma_layout(model) or getattr(cfg, "attn_logit_softcapping", None) is not None \
+                or bool(getattr(cfg, "use_bidirectional_attention", False)) or len(types) != len(layers) \
+                or not set(types) <= {"full_attention", "sliding_attention"} \
+                or ("sliding_attention" in types and not getattr(cfg, "sliding_window", None))
         return need_att and need_mlp and not extra
 
     @torch.inference_mode()
@@ -680,14 +722,24 @@ class LlamaRunner:
         in_c = self.fused is not None and self.layers_in_c and plan is not None
         if in_c and first_layer < last:
             h = h[0].clone() if hidden is not None else h[0]  # updated in place: never the caller's rows
-            self.fused.run(h, first_layer, last, plan, cos, sin)
+            self.fused.run(h, first_layer, last, plan, cos[0], sin[0])
             h = h[None]
+        # Sliding-window layers: each row attends the last `window` slots up to its own (keys before stay in the
+        # buffer; only what a row reads changes)
+        wplan = wblocked = None
+        if self.windowed and first_layer < last:
+            if slots is not None:
+                raise ValueError("tokens at their own slots (SEMANTIC repair) are not available with sliding windows")
+            if plan is not None:
+                wplan = self._window_plan([(0, M, start, kv.k, kv.v)])
+            else:
+                wblocked = self._window_mask(start, M)
         layers = [] if in_c else self.layers[first_layer:n_layers]
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers, start=first_layer):
             x = ln1(h)
             if plan is not None:
                 q, k, v = self._rotated_rows(qkv_proj(x)[0], cos, sin, li)  # [M, Hq, D], [M, Hkv, D] x 2
-                o = self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, M, -1)
+                o = self.kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn).view(1, M, -1)
             else:
                 q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, M, D], [Hkv, M, D] x 2
                 at = slice(start, end) if slots is None else slots
@@ -695,9 +747,12 @@ class LlamaRunner:
                 kv.v[li, :, at] = v
                 # [Hq, M, D] -> [Hkv, G*M, D]: query head h uses KV head h // G (HF's repeat_kv order).
                 qg = (q * self.scale).reshape(Hkv, G * M, D)
-                o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked, first)
+                if self.window[li]:
+                    o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], wblocked[self.window[li]], 0)
+                else:
+                    o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked, first)
                 o = o.reshape(Hkv * G, M, D).transpose(0, 1).reshape(1, M, Hkv * G * D)
-            h = self._mlp(h + o_proj(o), ln2, gate_up, down, act)
+            h = self._mlp(self._attended(h, o_proj(o), li), ln2, gate_up, down, act, li)
         kv.length = max(kv.length, end)
         if n_layers is not None:
             return h[0]
@@ -707,10 +762,10 @@ class LlamaRunner:
         # round differently, see the module doc), a padded single token keeps both.
         if M == 1:  # a single row run as one (single_rows): a 16-bit LM head still gets two; ours takes one
             if isinstance(self.lm_head, _Head8):
-                return self.lm_head(self.norm(h[0])).float()
-            return self.lm_head(self.norm(h[0].expand(2, -1))).float()[:1]
+                return self._capped(self.lm_head(self.norm(h[0])).float())
+            return self._capped(self.lm_head(self.norm(h[0].expand(2, -1))).float()[:1])
         h = self.norm(h[0] if logits == "all" or _single else h[0, -2:])
-        out = self.lm_head(h).float()
+        out = self._capped(self.lm_head(h).float())
         return out if logits == "all" or _single else out[-1:]  # [M or 1, vocab]
 
     @torch.inference_mode()
@@ -750,7 +805,8 @@ class LlamaRunner:
         if qkv_proj.parts is not None:
             Hkv, D = self.n_kv, self.head_dim
             kv_rows = qkv_proj.columns(x, self.q_size, self.q_size + 2 * self.kv_size)  # [M', 2 kv]
-            k = self._rotate(self._head_norm(li, 1, kv_rows[:, :self.kv_size].view(-1, Hkv, D)), cos, sin)
+            k = self._rotate(self._head_norm(li, 1, kv_rows[:, :self.kv_size].view(-1, Hkv, D)),
+                             cos[self.rope_of[li]], sin[self.rope_of[li]])
             v = kv_rows[:, self.kv_size:].view(-1, Hkv, D)
         else:
             q, k, v = self._rotated_rows(qkv_proj(x), cos, sin, li)  # [M', Hq, D], [M', Hkv, D] x 2
@@ -769,7 +825,10 @@ class LlamaRunner:
         if int(rows[0]) < start:
             raise ValueError(f"early pass: row {int(rows[0])} is in the {start}-token prefix it did not run")
         li = head.n_layers - 1
+        if self.windowed:
+            raise ValueError("an early pass's chosen rows (SEMANTIC repair) are not available with sliding windows")
         _, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
+        cos, sin = cos[self.rope_of[li]], sin[self.rope_of[li]]
         run = rows - start if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows]) - start  # never alone
         R, D = run.numel(), self.head_dim
         if head.q is None:
@@ -788,7 +847,8 @@ class LlamaRunner:
             qg = (q * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
             o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], self._slot_mask((run + start).to(x.device), M))
             o = o.reshape(self.n_heads, R, D).transpose(0, 1)
-        out = self._mlp(h[:, run] + o_proj(o.reshape(1, R, self.n_heads * D)), ln2, gate_up, down, act)
+        out = self._mlp(self._attended(h[:, run], o_proj(o.reshape(1, R, self.n_heads * D)), li),
+                        ln2, gate_up, down, act, li)
         return out[0, :rows.numel()]
 
     @torch.inference_mode()
@@ -825,13 +885,16 @@ class LlamaRunner:
         if self.kernel is not None:  # one call per layer for every sequence, each over its own buffer
             plan = self.kernel.plan(self._shared_entries(seqs, spans))
             if self.fused is not None and self.layers_in_c:
-                self.fused.run(h[0], 0, len(self.layers), plan, cos, sin)
+                self.fused.run(h[0], 0, len(self.layers), plan, cos[0], sin[0])
             else:
+                wplan = self._window_plan([(a, b - a, s.start, s.kv.k, s.kv.v) for s, (a, b) in zip(seqs, spans)
+                                           if b > a]) if self.windowed else None
                 attn = h.new_empty(total, Hq, D)
                 for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
                     q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin, li)
-                    h = h + o_proj(self.kernel.attend(plan, li, q, k, v, self.scale, attn).view(1, total, Hq * D))
-                    h = self._mlp(h, ln2, gate_up, down, act)
+                    o = self.kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn)
+                    h = self._attended(h, o_proj(o.view(1, total, Hq * D)), li)
+                    h = self._mlp(h, ln2, gate_up, down, act, li)
         else:
             h = self._torch_batch_layers(seqs, spans, h, cos, sin, total)
         rows = []
@@ -847,7 +910,7 @@ class LlamaRunner:
         n_sel = int(sel.shape[0])
         if n_sel == 1:  # never one row alone through lm_head: a throwaway second row
             sel = torch.cat([sel, sel])
-        out = self.lm_head(self.norm(h[0, sel.to(h.device)])).float()
+        out = self._capped(self.lm_head(self.norm(h[0, sel.to(h.device)])).float())
         res, j = [], 0
         for s, (a, b) in zip(seqs, spans):
             n = (b - a) if s.logits == "all" else (1 if s.logits == "last" and b > a else 0)
@@ -859,6 +922,7 @@ class LlamaRunner:
         """forward_batch's layers without the kernel: attention per sequence through `_attention`."""
         G, D, Hkv, Hq = self.group, self.head_dim, self.n_kv, self.n_heads
         blocked = []  # per sequence: True where a query may not attend (later slots, from column s.start on)
+        windows = []  # per sequence, sliding layers: {window: mask over every slot}
         for s, (a, b) in zip(seqs, spans):
             m, end = b - a, s.start + b - a
             if m > 1:  # causal by slot, as `forward` builds it; query heads grouped by KV head
@@ -866,12 +930,13 @@ class LlamaRunner:
                 blocked.append((own[None, :] > own[:, None]).repeat(G, 1))
             else:
                 blocked.append(None)
+            windows.append(self._window_mask(s.start, m) if self.windowed and m else None)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
             x = ln1(h)
             q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, N, D], [Hkv, N, D] x 2
             q = q * self.scale  # once for every sequence (elementwise: the same bits as per sequence)
             attn = h.new_empty(total, Hq, D)  # each sequence's attention output lands in its rows
-            for s, (a, b), seq_blocked in zip(seqs, spans, blocked):
+            for s, (a, b), seq_blocked, seq_windows in zip(seqs, spans, blocked, windows):
                 m = b - a
                 if not m:
                     continue
@@ -879,17 +944,27 @@ class LlamaRunner:
                 s.kv.k[li, :, s.start:end] = k[:, a:b]
                 s.kv.v[li, :, s.start:end] = v[:, a:b]
                 qg = q[:, a:b].reshape(Hkv, G * m, D)
-                o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked, s.start)
+                if self.window[li]:
+                    o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_windows[self.window[li]])
+                else:
+                    o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked, s.start)
                 attn[a:b] = o.view(Hq, m, D).transpose(0, 1)
-            h = self._mlp(h + o_proj(attn.view(1, total, Hq * D)), ln2, gate_up, down, act)
+            h = self._mlp(self._attended(h, o_proj(attn.view(1, total, Hq * D)), li), ln2, gate_up, down, act, li)
         return h
 
-    def _mlp(self, h: torch.Tensor, ln2, gate_up, down, act) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, ln2, gate_up, down, act, li: int) -> torch.Tensor:
         """A layer's second half, residual included: the same ops for every pass (one fused gate/up product)."""
         gu = gate_up(ln2(h))
         if self.fused is not None:  # the C layers' SiLU, so that this layer computes as theirs do
             return h + down(self.fused.kernel.silu_mul(gu, self.inter))
-        return h + down(act(gu[..., :self.inter]) * gu[..., self.inter:])
+        y = down(_act_rows(act, gu[..., :self.inter]) * gu[..., self.inter:])
+        post = self.post_norms[li]
+        return h + (y if post is None else post[1](y))
+
+    def _attended(self, h: torch.Tensor, o: torch.Tensor, li: int) -> torch.Tensor:
+        """The residual after layer li's attention output o (o_proj applied): Gemma normalizes o first."""
+        post = self.post_norms[li]
+        return h + (o if post is None else post[0](o))
 
     @staticmethod
     def _shared_entries(seqs: list["Seq"], spans: list[tuple[int, int]]) -> list[tuple]:
@@ -917,7 +992,7 @@ class LlamaRunner:
         qk = qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D)
         if self.qk_norms[li] is not None:
             qk = torch.cat([self._head_norm(li, 0, qk[:, :Hq]), self._head_norm(li, 1, qk[:, Hq:])], dim=1)
-        qk = self._rotate(qk, cos, sin)
+        qk = self._rotate(qk, cos[self.rope_of[li]], sin[self.rope_of[li]])
         return qk[:, :Hq], qk[:, Hq:], qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D)
 
     @staticmethod
@@ -927,12 +1002,45 @@ class LlamaRunner:
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
     def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [M, 1, D] for the rows' positions, sin with its first half negated: then
-        x * cos + roll(x, D/2) * sin is HF's x * cos + rotate_half(x) * sin, bitwise ((-a) * b == a * (-b))."""
-        cos, sin = self.rotary(h, positions[None])  # [1, M, D]
+        """cos and sin [T, M, 1, D] for the rows' positions, one table per RoPE kind (T = 1 but for Gemma's sliding
+        and full layers; layer li's is [rope_of[li]]), sin with its first half negated: then x * cos + roll(x,
+        D/2) * sin is HF's x * cos + rotate_half(x) * sin, bitwise ((-a) * b == a * (-b))."""
+        tables = [self.rotary(h, positions[None]) if t is None else self.rotary(h, positions[None], t)
+                  for t in self.rope_types]  # each [1, M, D]
+        cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        return cos[0][:, None], sin[0][:, None]
+        return cos[:, :, None], sin[:, :, None]
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma's final soft-capping, cap * tanh(logits / cap), where the config sets one (row by row)."""
+        if self.softcap is None:
+            return logits
+        cap = float(self.softcap)
+        return _act_rows(torch.tanh, logits / cap) * cap
+
+    def _window_plan(self, seqs: list[tuple]) -> "attention_kernel.PassPlan":
+        """The attention kernel's plan for sliding-window layers, seqs (row0, m, start, k, v): a row at slot s
+        reads slots s - window + 1 .. s only. Rows whose window begins at slot 0 run as their sequence's causal
+        rows; each later one as a sequence of its own over a view of its buffer that begins where its window
+        does (its keys in the same order whatever runs with it: row-invariant)."""
+        W = max(self.window)
+        entries = []
+        for row0, m, start, k, v in seqs:
+            head = max(0, min(m, W - start))  # rows at slots < W see every slot up to theirs
+            if head:
+                entries.append((row0, head, start, k, v))
+            for i in range(head, m):
+                lo = start + i - W + 1
+                entries.append((row0 + i, 1, W - 1, k[:, :, lo:], v[:, :, lo:]))
+        return self.kernel.plan(entries)
+
+    def _window_mask(self, start: int, m: int) -> dict[int, torch.Tensor]:
+        """The torch path's masks [G*m, start + m] for sliding layers, per window size: True where a row at slot
+        start + i may not attend (a later slot, or one window or more before its own)."""
+        own = torch.arange(start, start + m, device=self.device)[:, None]
+        keys = torch.arange(start + m, device=self.device)[None, :]
+        return {w: ((keys > own) | (keys <= own - w)).repeat(self.group, 1) for w in set(self.window) if w}
 
     def _head_norm(self, li: int, which: int, x: torch.Tensor) -> torch.Tensor:
         """Layer li's per-head norm of q (which 0) or k (1) on heads x [R, H, D], each head's row on its own (so a
@@ -996,3 +1104,40 @@ def _cat_bias(*linears) -> torch.Tensor | None:
 
 def _bias(linear) -> torch.Tensor | None:
     return linear.bias.data if linear.bias is not None else None
+
+
+def _gemma_layout(model) -> bool:
+    """Whether the model's layers are Gemma 3's (four norms per layer, norms of x * (1 + w))."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and hasattr(layers[0], "pre_feedforward_layernorm") and \
+        type(layers[0].input_layernorm).__name__ in _Norm.OFFSET
+
+
+class _ScaledRows:
+    """A file's embedding rows times Gemma's embed_scale (in the model's dtype, as transformers multiplies)."""
+
+    def __init__(self, rows, scale: torch.Tensor):
+        self.rows, self.scale = rows, scale
+        self.num_embeddings, self.embedding_dim = rows.num_embeddings, rows.embedding_dim
+
+    def __getattr__(self, name):
+        return getattr(self.rows, name)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids) * self.scale
+
+
+# torch's CPU GELU splits a call of more elements than this between threads, at points that need not fall on a
+# row's start, and its vector and scalar code round tanh differently: a row's bits then depended on the rows run
+# with it (measured: float32 rows of 200). Calls of at most this many elements run in one thread, each row alike.
+_ONE_THREAD_ELEMENTS = 16384
+
+
+def _act_rows(act, x: torch.Tensor) -> torch.Tensor:
+    """act(x) for rows x [..., I], in calls small enough to run in one thread: row-invariant."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
+    step = max(1, _ONE_THREAD_ELEMENTS // shape[-1])
+    if rows.shape[0] <= step:
+        return act(x)
+    return torch.cat([act(rows[i:i + step]) for i in range(0, rows.shape[0], step)]).view(shape)

@@ -32,6 +32,10 @@ EMBEDDED_MODELS = {
 # Architectures whose every layer is full attention with standard RoPE: the SEMANTIC tier's
 # key re-rotation and out-of-order recompute are only correct for these.
 SEMANTIC_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+# Architectures the batch-invariant runner also takes, sliding-window layers included (its KV buffer keeps every
+# token; a sliding layer's rows read only their window): exact-prefix reuse and verified drafts stay lossless, but
+# SEMANTIC is off (its key re-rotation assumes one RoPE base and full attention; Gemma 3 has two bases).
+RUNNER_ONLY_ARCHITECTURES = {"gemma3_text"}
 CONVERSION_VERSION = 1
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -311,7 +315,8 @@ class ModelBackend:
             t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
         self.runner = None
-        fast = self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers and LlamaRunner.supports(self.model)
+        fast = (self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers
+                or self.model_type in RUNNER_ONLY_ARCHITECTURES) and LlamaRunner.supports(self.model)
         # A GGUF's own quantized blocks for the float32 vector kernel (gguf_weights), where they are other than
         # Q4_0/Q4_1 (whose grid _int4_codes finds again: the embedded model's path, unchanged).
         self.model_file: gguf_weights.ModelFile | None = None
@@ -365,7 +370,15 @@ class ModelBackend:
                 raise ModelLoadError(str(e)) from e
         self.model_file = self.runner.file if use_file and self.runner is not None else None  # codes dropped
         self.weight_bits = weight_bits
-        self.semantic_supported = self.runner is not None
+        self.semantic_supported = self.runner is not None and self.model_type in SEMANTIC_ARCHITECTURES \
+            and not self.has_sliding_layers
+        if self.runner is not None and self.has_sliding_layers:
+            self.sliding_window = 0  # the runner's KV buffer holds every token's KV: a cache past the window is whole
+        if self.runner is not None and not self.semantic_supported:
+            self.progress(f"{self.model_type} runs on the batch-invariant runner (exact-prefix reuse and verified "
+                          "drafts lossless where the invariance probe passes); SEMANTIC reuse is off for it: its key "
+                          "re-rotation and out-of-order repair assume full attention with one RoPE base, and this "
+                          "model has sliding-window layers with their own RoPE base")
         self.stop_ids = self._stop_ids()
         self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))  # rows of the logits
         self._grammars: StructuredOutput | None = None

@@ -1,0 +1,152 @@
+"""Gemma 3 on the batch-invariant runner (issue 30, item 2): sliding-window layers with their own RoPE base, norms of
+x * (1 + w) in float32, norms after attention and MLP, per-head q/k norms, GELU, the scaled embedding and
+query_pre_attn_scalar. The runner must compute what transformers' own forward computes, a row's bits must not depend
+on the rows beside it, and the engine's cached answers must be its empty-pool answers.
+
+A small random-weight Gemma3ForCausalLM is written here (the embedded SmolLM2's tokenizer, read from its GGUF): no
+download. Its window is 16 tokens, so every prompt below runs past it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from random_gguf import tokenizer_source
+from simllm_ros.llama_runner import KVBuffer, LlamaRunner, Seq
+from simllm_ros.model_backend import ModelBackend
+
+WINDOW = 16
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    d = tmp_path_factory.mktemp("gemma3")
+    src = tokenizer_source()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(src), gguf_file=os.path.basename(src))
+    cfg = Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=WINDOW, layer_types=LAYER_TYPES,
+        query_pre_attn_scalar=48, max_position_embeddings=4096,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # Gemma's norm weights start at 0 (a factor of 1): random ones make each norm matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(d / "model"))
+    tok.save_pretrained(str(d / "model"))
+    return {"model": str(d / "model"), "cache": str(d / "cache")}
+
+
+_BACKENDS: dict[str, ModelBackend] = {}
+
+
+def _backend(gemma_dir, dtype: str) -> ModelBackend:
+    if dtype not in _BACKENDS:
+        _BACKENDS[dtype] = ModelBackend(gemma_dir["model"], dtype=dtype, weight_bits=16, cache_dir=gemma_dir["cache"])
+    return _BACKENDS[dtype]
+
+
+def _ids(n: int, step: int = 37, first: int = 300) -> list[int]:
+    return [first + (i * step) % 40000 for i in range(n)]
+
+
+def test_the_runner_computes_what_transformers_computes(gemma_dir):
+    """float32: the runner's logits are transformers' own to rounding, same argmax, over a prompt 4x the window;
+    without the window (every layer full attention) they are not, so the window is what makes them agree."""
+    b = _backend(gemma_dir, "float32")
+    r = b.runner
+    assert r is not None and LlamaRunner.supports(b.model) and b.model_type == "gemma3_text"
+    assert r.windowed and r.window == [WINDOW, WINDOW, 0, WINDOW] and r.rope_of[0] != r.rope_of[2]
+    assert all(p is not None for p in r.post_norms) and all(n is not None for n in r.qk_norms)
+    assert r.fused is None and b.layers_kind != "c"  # the C layers do not take Gemma: Python layers
+    assert not b.semantic_supported and b.sliding_window == 0  # no SEMANTIC; the KV buffer keeps every token
+    ids = _ids(4 * WINDOW)
+    ours = b.run(ids, b.new_cache(len(ids) + 2), logits="all")
+    with torch.inference_mode():
+        ref = b.hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), (ours - ref).abs().max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    r.window, r.windowed = [0] * len(LAYER_TYPES), False
+    try:
+        full = b.run(ids, b.new_cache(len(ids) + 2), logits="all")
+    finally:
+        r.window, r.windowed = [WINDOW, WINDOW, 0, WINDOW], True
+    assert torch.equal(full[:WINDOW], ours[:WINDOW])  # within the window nothing differs
+    assert (full[WINDOW:] - ref[WINDOW:]).abs().max() > 100 * (ours - ref).abs().max()
+
+
+def test_bf16_is_batch_invariant_and_close_to_transformers(gemma_dir):
+    """bf16 on the attention kernel: the load-time probe passes, a row's bits are the same alone and in a batch of
+    sequences of other lengths (past the window and not), and the runner is as close to float32 transformers as
+    transformers' own bf16 forward is."""
+    b = _backend(gemma_dir, "bfloat16")
+    assert b.runner is not None and b.exact_chunking, "the invariance probe must pass: reuse and drafts lossless"
+    prompts = [_ids(50), _ids(9, 53, 700), _ids(33, 29, 900), _ids(1, 1, 1234)]
+    alone = [b.run(p, b.new_cache(len(p) + 2), logits="all") for p in prompts]
+    caches = [b.new_cache(len(p) + 2) for p in prompts]
+    outs = b.runner.forward_batch([Seq(torch.tensor(p), torch.arange(len(p)), c, 0, "all")
+                                   for p, c in zip(prompts, caches)])
+    for p, a, o, c in zip(prompts, alone, outs, caches):
+        assert torch.equal(a, o), len(p)
+    # decode steps of several sequences together, each at its own length
+    nxt = [[int(o[-1].argmax())] for o in outs]
+    step = b.run_batch([(n, c, "last") for n, c in zip(nxt, caches)])
+    for p, n, s in zip(prompts, nxt, step):
+        kv = b.new_cache(len(p) + 3)
+        b.run(p, kv, logits="none")
+        assert torch.equal(b.run(n, kv, logits="last"), s)
+    f32 = _backend(gemma_dir, "float32")
+    ids = prompts[0]
+    with torch.inference_mode():
+        ref = f32.hf_model(torch.tensor([ids])).logits[0].float()
+        hf16 = b.hf_model(torch.tensor([ids])).logits[0].float()
+    err_ours, err_hf = (alone[0] - ref).abs().max(), (hf16 - ref).abs().max()
+    assert err_ours <= 2 * err_hf + 1e-3 * ref.abs().max(), (err_ours, err_hf)
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.9, 11)])
+def test_engine_cached_answers_are_its_empty_pool_answers(gemma_dir, temperature, seed):
+    """Exact-prefix hits past the window, a repeat served by verified drafts (memo off) and the same with sampling:
+    every answer is bitwise the empty-pool answer, and exact."""
+    from simllm_ros.engine import Engine
+    from simllm_ros.request import CacheResult, QueryRequest
+    from simllm_ros.settings import Settings
+
+    _backend(gemma_dir, "bfloat16")  # loaded and probed once in this process
+    e = Engine(Settings.from_overrides(model=gemma_dir["model"], model_cache_dir=gemma_dir["cache"], dtype="bfloat16",
+                                       weight_bits=16, kv_bits=0, cache_size="256MB", answer_memo=False,
+                                       temperature=temperature, seed=seed))
+    e.load()
+    try:
+        assert e.backend.exact_chunking and not e.backend.semantic_supported
+        ctx = ("Robot R2 is in the east wing. The charging dock is in room 12. Corridor B is closed for cleaning "
+               "until noon. The lift on level 3 is out of service; use the stairs by the kitchen.")
+        qs = ["Where is the charging dock?", "Which corridor is closed?", "Where is robot R2?"]
+        req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=12)  # noqa: E731
+        first = e.handle(req(qs[0]))
+        assert first.success and first.cache_result == CacheResult.MISS and first.exact
+        assert len(e.backend.prompt_ids(e.settings.system_prompt, ctx, qs[0])) > 3 * WINDOW
+        served = []
+        for q in qs[1:]:
+            r = e.handle(req(q))
+            assert r.success and r.cache_result == CacheResult.EXACT_PREFIX and r.reused_tokens > WINDOW, r
+            assert r.exact
+            served.append((q, r))
+        again = e.handle(req(qs[0]))  # the stored answer drafted and verified
+        assert again.success and again.exact and again.draft_tokens_accepted > 0, again
+        served.append((qs[0], again))
+        for q, r in served:
+            e.pool.clear()
+            m = e.handle(req(q))
+            assert m.success and m.cache_result == CacheResult.MISS and m.exact
+            assert m.answer == r.answer and m.answer, (q, r.cache_result)
+    finally:
+        e.unload()
