@@ -10,8 +10,8 @@ Scope walls: every key of a scope sits under a tag that is an HMAC of the scope 
 scope's keys are reachable only by a node that knows both, and Redis ACLs can limit a user to its tags.
 
 The store never makes a node worse: every call is bounded by fleet_timeout_ms (socket timeouts, no retries),
-a failed call opens a breaker (the next calls skip the store at once, then one tries again after a growing
-pause), and writes run on a background thread with a bounded queue (dropped, and counted, when it is full).
+a failed call opens a breaker (the next calls skip the store at once; the writer thread pings it again after
+a pause of 0.25 s growing to 2 s), and writes run on a background thread with a bounded queue (dropped, and counted, when it is full).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ MAC_BYTES = 32
 BLOCK_TOKENS = 32  # tokens per shared KV block: the granularity of shared prefixes across prompts
 DEFAULT_SECRET = b"simllm-fleet-default-secret"  # without fleet_secret_file: scopes are walled by name only
 MAX_QUEUE = 64
-_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+_BACKOFF_S = (0.25, 0.5, 1.0, 2.0)
 
 
 class BlobRefused(ValueError):
@@ -376,10 +376,14 @@ class FleetStore:
             self.counters.writes_dropped += 1
 
     def _write_loop(self) -> None:
+        """The writer; while the store is down it also pings it when the pause is over, so the node sees the
+        store back without waiting for a request."""
         while not self._closing.is_set():
             try:
-                job = self._queue.get(timeout=0.2)
+                job = self._queue.get(timeout=0.05)
             except queue.Empty:
+                if self.breaker.failures and not self.breaker.open():
+                    self._call("ping", self.redis.ping, write=True)
                 continue
             if job is None:
                 self._queue.task_done()

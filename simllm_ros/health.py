@@ -111,13 +111,15 @@ class RateWindow:
 def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | None, *, ttft_warn_ms: float,
            queue_limit: int, window_s: float = WINDOW_S, state: str = "",
            reading: ThermalReading | None = None, no_data_level: HealthLevel = HealthLevel.WARN,
-           lossless: bool | None = None) -> Health:
+           lossless: bool | None = None, fleet: dict | None = None) -> Health:
     """Level and message from the statistics (None: unavailable), thermal state and recent counts.
     A reading with no readable zone (no sensors, or all failing) adds "no thermal data" at no_data_level
     (the thermal_no_data_level parameter): unknown is never reported as fine. `lossless`: whether the
     model's load-time batch-invariance probe passed on this machine (None: no model loaded); where it
     failed, reuse is approximate-only and lossless callers get misses, which is a WARN, not a silent
-    slowdown (measured: a CPU with AMX failed it until oneDNN was capped below AMX)."""
+    slowdown (measured: a CPU with AMX failed it until oneDNN was capped below AMX). `fleet`: the fleet
+    store's status (FleetStore.status), None when there is none; unreachable is a WARN (requests go on
+    without it, each waiting on it at most fleet_timeout_ms)."""
     level, reasons = _judge(stats, thermal, recent, ttft_warn_ms, queue_limit, window_s)
     if lossless is False:
         level = max(level, HealthLevel.WARN)
@@ -128,9 +130,14 @@ def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | Non
                f"{len(reading.zones)} zone(s) found, none readable" if reading.zones else "no thermal zones found")
         level = max(level, no_data_level)
         reasons.append(f"no thermal data ({why})")
+    if fleet is not None and fleet.get("fleet_store") != "connected":
+        level = max(level, HealthLevel.WARN)
+        reasons.append(f"fleet store unreachable ({fleet.get('fleet_last_error', '')}): serving without it")
     values = _values(stats, thermal, queue_limit, state, reading)
     if lossless is not None:
         values += (("lossless_reuse", "true" if lossless else "false"),)
+    if fleet is not None:
+        values += tuple((k, str(v)) for k, v in fleet.items())
     return Health(level, "; ".join(reasons) if reasons else "ok", values)
 
 
@@ -194,13 +201,14 @@ class ServiceHealth:
         self.window.clear()
 
     def report(self, now: float, stats: dict | None, thermal: ThermalState, reading: ThermalReading | None,
-               settings, backend: BackendFacts | None, *, queue_limit: int, state: str) -> Health:
+               settings, backend: BackendFacts | None, *, queue_limit: int, state: str,
+               fleet: dict | None = None) -> Health:
         """Health from this tick's statistics (None: unavailable) and thermal state; `settings` gives
         ttft_warn_ms, thermal_no_data_level, model and hardware_id."""
         recent = self.window.update(now, stats) if stats is not None else None
         h = assess(stats, thermal, recent, ttft_warn_ms=settings.ttft_warn_ms, queue_limit=queue_limit,
                    window_s=self.window.window_s, state=state, reading=reading,
                    no_data_level=HealthLevel.ERROR if settings.thermal_no_data_level == "error" else HealthLevel.WARN,
-                   lossless=backend.lossless if backend is not None else None)
+                   lossless=backend.lossless if backend is not None else None, fleet=fleet)
         values = h.values + (("model", str(settings.model)),) + (backend.values() if backend is not None else ())
         return Health(h.level, h.message, values, settings.hardware_id or socket.gethostname())

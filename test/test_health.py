@@ -169,3 +169,14 @@ def test_service_health_judges_its_own_window_and_the_settings_thresholds():
     no_zones = ThermalReading([], "", math.nan, ThermalLevel.OK, False, False)
     assert sh.report(3.0, failing, ThermalState(), no_zones, settings, None, queue_limit=4, state="").level == \
         HealthLevel.ERROR  # thermal_no_data_level=error
+
+
+def test_an_unreachable_fleet_store_warns_and_its_values_are_shown():
+    up = {"fleet_store": "connected", "fleet_last_error": "", "fleet_kv_fetches": 3}
+    h = judge(fleet=up)
+    assert h.level == HealthLevel.OK and dict(h.values)["fleet_kv_fetches"] == "3"
+    down = {**up, "fleet_store": "unreachable", "fleet_last_error": "ConnectionError: refused"}
+    h = judge(fleet=down)
+    assert h.level == HealthLevel.WARN and "fleet store unreachable (ConnectionError: refused)" in h.message
+    assert dict(h.values)["fleet_store"] == "unreachable"
+    assert "fleet_store" not in dict(judge().values)  # no store: nothing about it
