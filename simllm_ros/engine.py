@@ -1050,7 +1050,8 @@ class Engine:
         kv_exact = f.poolable and self.lossless_reuse and f.plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX)
         self.fleet.publish(scope, tokens, answer_ids=list(gen.tokens) if exact else None, question=f.p.question,
                            task=None if self._warming else request_record(f.p.req),
-                           read_kv=(lambda n: self.pool.read_prefix(scope, tokens, n)) if kv_exact else None)
+                           read_kv=(lambda n: self.pool.read_prefix(scope, tokens, n)) if kv_exact else None,
+                           fingerprint=f.p.fingerprint)
 
     def _keep_live(self, f: Flight) -> None:
         """The request's buffer becomes the pool's live prefix (next exact hit in its scope: no copy) when its
@@ -1086,8 +1087,11 @@ class Engine:
                                    half_life_s=s.recency_half_life_s):
             if m.cosine >= s.draft_min_similarity and m.entry.answer and m.entry.answer not in answers:
                 answers.append(m.entry.answer)
-        return DraftProposer(answers=[self._answer_ids(a) for a in answers],
-                             repeat=repeat_ids,
+        ids = [self._answer_ids(a) for a in answers]
+        if self.fleet is not None:  # then other nodes' answers to similar questions in this scope
+            ids += [a for a in self.fleet.similar_answers(req.scope, fingerprint, s.draft_min_similarity)
+                    if a not in ids and a != repeat_ids]
+        return DraftProposer(answers=ids, repeat=repeat_ids,
                              history=list(self._recent_answers.get(req.scope, ())),
                              prompt=tokens, max_tokens=s.max_draft_tokens,
                              costs=self.backend.pass_costs, stats=self._draft_stats)

@@ -34,6 +34,9 @@ MAC_BYTES = 32
 BLOCK_TOKENS = 32  # tokens per shared KV block: the granularity of shared prefixes across prompts
 DEFAULT_SECRET = b"simllm-fleet-default-secret"  # without fleet_secret_file: scopes are walled by name only
 MAX_QUEUE = 64
+RECENT_PER_SCOPE = 256  # answers with fingerprints listed per scope: other nodes' drafts for similar questions
+MIRROR_REFRESH_S = 2.0  # a scope's listed answers are read again this often while the node asks in it
+MIRROR_SCOPES = 64  # scopes mirrored at most (those asked in most recently)
 _BACKOFF_S = (0.25, 0.5, 1.0, 2.0)
 
 
@@ -181,6 +184,10 @@ class FleetStore:
         self.reconnects: list[float] = []  # seconds down, per recovery
         # Transfer model for the fetch-or-prefill decision: a round trip, and bytes per second (learnt).
         self.rtt_s, self.bytes_per_s = 0.0005, 200e6
+        # Other nodes' answers per scope with their fingerprints, read in the background (no wait on a request).
+        self._mirror: dict[str, tuple[float, np.ndarray, list[list[int]]]] = {}
+        self._wanted: dict[str, float] = {}  # scope -> when this node last asked for its similar answers
+        self._mirror_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUE)
         self._closing = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="fleet-writer", daemon=True)
@@ -300,6 +307,61 @@ class FleetStore:
         self.counters.answers_found += 1
         return ids
 
+    def similar_answers(self, scope: str, fingerprint, min_cosine: float, k: int = 2) -> list[list[int]]:
+        """Token ids of the fleet's answers to the k questions of this scope most similar to this one (cosine
+        at least min_cosine), from the background mirror: no wait on the store. Drafts, checked by the model."""
+        now = time.monotonic()
+        with self._mirror_lock:
+            self._wanted[scope] = now
+            if len(self._wanted) > MIRROR_SCOPES:
+                self._wanted.pop(min(self._wanted, key=self._wanted.get))
+            got = self._mirror.get(scope)
+        if got is None or not len(got[2]):
+            return []
+        fp = np.asarray(fingerprint, dtype=np.float32).reshape(-1)
+        if got[1].shape[1] != fp.shape[0]:
+            return []
+        cos = got[1] @ fp
+        order = np.argsort(-cos)[:k]
+        return [got[2][i] for i in order if cos[i] >= min_cosine]
+
+    def mirrored(self, scope: str) -> int:
+        """How many of the fleet's answers this node holds for a scope's similar-question drafts."""
+        with self._mirror_lock:
+            got = self._mirror.get(scope)
+        return len(got[2]) if got else 0
+
+    def _refresh_mirrors(self) -> None:
+        now = time.monotonic()
+        with self._mirror_lock:
+            todo = [sc for sc, t in self._wanted.items() if now - t < 60.0
+                    and now - self._mirror.get(sc, (0.0,))[0] >= MIRROR_REFRESH_S]
+            for sc in [sc for sc in self._mirror if sc not in self._wanted]:
+                del self._mirror[sc]
+        for scope in todo:
+            lkey = self._scope_key(scope, "recent", self.digest)
+            items = self._call("answers read", lambda: self.redis.lrange(lkey, 0, RECENT_PER_SCOPE - 1), write=True)
+            if items is None:
+                return
+            fps, ids, seen = [], [], set()
+            for item in items:
+                try:
+                    header, payload = unseal(self.secret, lkey, item)
+                    if header.get("kind") != "recent" or header.get("digest") != self.digest:
+                        raise BlobRefused("not an answer of this model")
+                    answer = tuple(int(t) for t in header["ids"])
+                    fp = np.frombuffer(payload, dtype="<f2").astype(np.float32)
+                except (BlobRefused, KeyError, TypeError, ValueError) as e:
+                    self._refuse(lkey, e)
+                    continue
+                if answer in seen or (fps and fp.shape != fps[0].shape):
+                    continue
+                seen.add(answer)
+                fps.append(fp)
+                ids.append(list(answer))
+            with self._mirror_lock:
+                self._mirror[scope] = (time.monotonic(), np.stack(fps) if fps else np.zeros((0, 0), np.float32), ids)
+
     def _fetch_blocks(self, tokens: list[int], keys: list[str], have: int, capacity: int,
                       prefill_s_per_token: float, t0: float) -> FleetPrefix | None:
         """The blocks behind `keys` (a run from the prompt's start), where fetching them is estimated faster than
@@ -363,7 +425,8 @@ class FleetStore:
 
     # ---- writes (background) ------------------------------------------------------------------------
     def publish(self, scope: str, tokens: list[int], *, answer_ids: list[int] | None, question: str,
-                task: dict | None, read_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] | None) -> None:
+                task: dict | None, read_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] | None,
+                fingerprint=None) -> None:
         """After a finished exact answer, off the request's path: the answer (a draft for the fleet), the
         prompt's full KV blocks (read_kv(n) gives this node's exact KV of tokens[:n], or None), and one more ask
         of the task. Dropped (counted) when the writer is behind or the store is down."""
@@ -371,7 +434,7 @@ class FleetStore:
             self.counters.writes_dropped += 1
             return
         try:
-            self._queue.put_nowait((scope, list(tokens), answer_ids, question, task, read_kv))
+            self._queue.put_nowait((scope, list(tokens), answer_ids, question, task, read_kv, fingerprint))
         except queue.Full:
             self.counters.writes_dropped += 1
 
@@ -384,6 +447,8 @@ class FleetStore:
             except queue.Empty:
                 if self.breaker.failures and not self.breaker.open():
                     self._call("ping", self.redis.ping, write=True)
+                elif not self.breaker.failures:
+                    self._refresh_mirrors()
                 continue
             if job is None:
                 self._queue.task_done()
@@ -395,7 +460,7 @@ class FleetStore:
             finally:
                 self._queue.task_done()
 
-    def _write(self, scope, tokens, answer_ids, question, task, read_kv) -> None:
+    def _write(self, scope, tokens, answer_ids, question, task, read_kv, fingerprint) -> None:
         if self.breaker.open():
             self.counters.writes_dropped += 1
             return
@@ -404,7 +469,18 @@ class FleetStore:
             blob = seal(self.secret, key, {"kind": "answer", "digest": self.digest, "ids": list(answer_ids),
                                            "question": question[:500]}, b"")
 
-            if self._call("answer write", lambda: self.redis.set(key, blob), write=True) is not None:
+            lkey = self._scope_key(scope, "recent", self.digest)
+
+            def put():
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.set(key, blob)
+                if fingerprint is not None:
+                    fp = np.asarray(fingerprint, dtype="<f2").reshape(-1).tobytes()
+                    pipe.lpush(lkey, seal(self.secret, lkey, {"kind": "recent", "digest": self.digest,
+                                                              "ids": list(answer_ids)}, fp))
+                    pipe.ltrim(lkey, 0, RECENT_PER_SCOPE - 1)
+                return pipe.execute()
+            if self._call("answer write", put, write=True) is not None:
                 self.counters.published_answers += 1
         if task is not None:
             tid = hashlib.sha256(json.dumps(task, sort_keys=True).encode()).hexdigest()[:24]

@@ -205,3 +205,21 @@ def test_a_new_robot_warms_up_with_what_the_fleet_asks_most(robots, base, redis_
         assert new.pool.find("kiosk", tokens) is not None
     finally:
         new.unload()
+
+
+def test_a_similar_question_gets_the_fleets_answer_as_a_draft_and_the_models_own_answer(robots, alone):
+    robot1, robot2 = robots
+    para = "Instead of Elm Street, which road should I take?"
+    ask(robot1, scope="para")
+    assert robot1.fleet.flush()
+    ask(robot2, "When does the pharmacy open?", scope="para")  # robot2 now asks in this scope: it mirrors it
+    deadline = time.monotonic() + 15
+    while robot2.fleet.mirrored("para") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert robot2.fleet.mirrored("para") == 2
+    first = robot1.pool.find("para", robot1.backend.chat_ids(robot1.settings.system_prompt, BULLETIN,
+                                                             QueryRequest(prompt=Q).turns()))
+    drafts = robot2.fleet.similar_answers("para", robot2.embed([para])[0], robot2.settings.draft_min_similarity)
+    assert drafts and robot1.backend.detokenize(drafts[0]) == first.answer  # robot1's answer to Q, as token ids
+    got = ask(robot2, para, scope="para")  # whether the model takes any of it is the model's business
+    assert got.answer == alone(para, "para") and got.exact
