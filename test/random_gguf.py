@@ -48,18 +48,19 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
 def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 512, heads: int = 4, kv_heads: int = 2,
                 types: dict | None = None, default: str = "Q4_K", embed: str = "Q4_K", output: str | None = "Q6_K",
                 per_layer: dict | None = None, seed: int = 0, truncate: int = 0, arch: str = "llama",
-                head_dim: int | None = None) -> str:
+                head_dim: int | None = None, sliding_window: int = 16) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
-    hidden / heads, as Qwen3's does). `truncate` cuts that many bytes off the end (a broken download)."""
+    hidden / heads, as Qwen3's does), "gemma3" Gemma 3's layers (q/k norms, norms after attention and MLP, every
+    layer but each sixth a `sliding_window` one). `truncate` cuts that many bytes off the end (a broken download)."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer_source())
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
     head_dim = head_dim or hidden // heads
-    if head_dim != hidden // heads or arch == "qwen3":  # Qwen3 configs default to 128 otherwise
+    if head_dim != hidden // heads or arch in ("qwen3", "gemma3"):  # their configs default to other sizes
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
@@ -73,6 +74,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(vocab)
+    if arch == "gemma3":
+        w.add_sliding_window(sliding_window)
     for key, field in src.fields.items():  # the tokenizer as the embedded model has it
         if not key.startswith("tokenizer."):
             continue
@@ -107,8 +110,11 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
             add(f"blk.{i}.{kind}.weight", per_layer.get((i, kind), types.get(kind, default)), n, k)
             if arch == "qwen2" and kind in ("attn_q", "attn_k", "attn_v"):
                 add(f"blk.{i}.{kind}.bias", "BIAS", n, 0)
-            if arch == "qwen3" and kind in ("attn_q", "attn_k"):
+            if arch in ("qwen3", "gemma3") and kind in ("attn_q", "attn_k"):
                 add(f"blk.{i}.{kind}_norm.weight", "F32", head_dim, 0)
+            if arch == "gemma3" and kind in ("attn_output", "ffn_down"):  # norms of the attention and MLP outputs
+                add(f"blk.{i}.{'post_attention_norm' if kind == 'attn_output' else 'post_ffw_norm'}.weight", "F32",
+                    hidden, 0)
     add("output_norm.weight", "F32", hidden, 0)
     if output:
         add("output.weight", output, vocab, hidden)

@@ -58,6 +58,21 @@ def _ids(n: int, step: int = 37, first: int = 300) -> list[int]:
     return [first + (i * step) % 40000 for i in range(n)]
 
 
+def test_gelu_rows_are_the_same_alone_and_together():
+    """Gemma's MLP activation (tanh GELU) on a layer's gate rows: each row's bits alone equal its bits among up to 300
+    rows (torch's own call split a large one between threads where a row's tanh then took other code)."""
+    import torch.nn.functional as F
+
+    from simllm_ros.llama_runner import _act_rows
+
+    act = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
+    for inter in (200, 512):
+        gu = torch.randn(1, 300, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 3
+        alone = torch.cat([act(gu[:, i:i + 1, :inter]) for i in range(300)], dim=1)
+        for m in (2, 17, 64, 65, 129, 300):
+            assert torch.equal(_act_rows(act, gu[:, :m, :inter]), alone[:, :m]), (inter, m)
+
+
 def test_the_runner_computes_what_transformers_computes(gemma_dir):
     """float32: the runner's logits are transformers' own to rounding, same argmax, over a prompt 4x the window;
     without the window (every layer full attention) they are not, so the window is what makes them agree."""
@@ -150,3 +165,32 @@ def test_engine_cached_answers_are_its_empty_pool_answers(gemma_dir, temperature
             assert m.answer == r.answer and m.answer, (q, r.cache_result)
     finally:
         e.unload()
+
+
+def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path):
+    """A Q4_K_M Gemma 3 GGUF (random blocks; every sixth layer full attention, the rest a 16-token window) as a user
+    loads it: the file's own blocks on the vector kernel, the tied Q8_0 embedding looked up from the file and scaled
+    as transformers scales it, the probe passing, transformers' own forward of the same file to rounding; a second
+    load (no dense weights) computes the same bits."""
+    from random_gguf import Q4_K_M, write_llama
+    from simllm_ros.llama_runner import _ScaledRows
+
+    path = write_llama(str(tmp_path / "rand-gemma3.gguf"), arch="gemma3", layers=7, hidden=256, inter=512, heads=4,
+                       kv_heads=1, head_dim=64, types=Q4_K_M, embed="Q8_0", output=None, seed=4,
+                       sliding_window=WINDOW)
+    cache = str(tmp_path / "models")
+    b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=cache)
+    r = b.runner
+    assert b.model_type == "gemma3_text" and b.weight_bits == 4 and r is not None and r.file is not None
+    assert r.window.count(0) == 1 and r.windowed and isinstance(r.embed, _ScaledRows)
+    assert b.exact_chunking and not b.semantic_supported and b.layers_kind != "c"
+    ids = [int(t) for t in range(400, 400 + 3 * WINDOW * 53, 53)]
+    ours = b.run(ids, b.new_cache(len(ids) + 2), logits="all")
+    with torch.inference_mode():
+        ref = b.hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    again = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=cache)
+    assert again.skeleton and isinstance(again.runner.embed, _ScaledRows)
+    assert torch.equal(again.run(ids, again.new_cache(len(ids) + 2), logits="all"), ours)
+    assert again.numerics == b.numerics and again.exact_chunking
