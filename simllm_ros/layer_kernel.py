@@ -147,7 +147,8 @@ class Layers:
 
     def run(self, h: torch.Tensor, first: int, last: int, plan, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Layers first..last-1 over h [M, E] (contiguous bf16; updated in place) with the attention pass `plan`
-        (attention_kernel.plan: the KV buffers the layers write and read); cos, sin [M, 1, D] (_rope_tables' one table)."""
+        (attention_kernel.plan: the KV buffers the layers write and read); cos, sin [M, 1, D] (the runner's one RoPE
+        table)."""
         M = h.shape[0]
         if h.dtype != self.dtype or not h.is_contiguous() or h.shape[1] != self.E:
             raise ValueError(f"layers: contiguous {self.dtype} rows of {self.E}")

@@ -20,29 +20,35 @@ WINDOW = 16
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 
-@pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory):
+def _write_gemma(folder: str, **overrides) -> str:
+    """A random-weight Gemma3ForCausalLM with the SmolLM2 tokenizer saved in `folder`."""
     from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
-    d = tmp_path_factory.mktemp("gemma3")
     src = tokenizer_source()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(src), gguf_file=os.path.basename(src))
-    cfg = Gemma3TextConfig(
+    cfg = Gemma3TextConfig(**{**dict(
         vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=len(LAYER_TYPES),
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=WINDOW, layer_types=LAYER_TYPES,
         query_pre_attn_scalar=48, max_position_embeddings=4096,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0)
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0),
+        **overrides})
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(cfg).eval()
     with torch.no_grad():  # Gemma's norm weights start at 0 (a factor of 1): random ones make each norm matter
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(0, 0.3)
-    model.save_pretrained(str(d / "model"))
-    tok.save_pretrained(str(d / "model"))
-    return {"model": str(d / "model"), "cache": str(d / "cache")}
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gemma3")
+    return {"model": _write_gemma(str(d / "model")), "cache": str(d / "cache")}
 
 
 _BACKENDS: dict[str, ModelBackend] = {}
@@ -194,3 +200,14 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path):
     assert again.skeleton and isinstance(again.runner.embed, _ScaledRows)
     assert torch.equal(again.run(ids, again.new_cache(len(ids) + 2), logits="all"), ours)
     assert again.numerics == b.numerics and again.exact_chunking
+
+
+def test_what_the_runner_cannot_compute_keeps_transformers_forward(tmp_path):
+    """Attention-score soft-capping (Gemma 2's, not Gemma 3's) is not in the attention kernel: such a model loads and
+    answers through transformers' own forward, as an unknown architecture does, reuse approximate."""
+    path = _write_gemma(str(tmp_path / "capped"), attn_logit_softcapping=50.0)
+    b = ModelBackend(path, dtype="bfloat16", weight_bits=16, cache_dir=str(tmp_path / "cache"))
+    assert not LlamaRunner.supports(b.model) and b.runner is None
+    assert not b.exact_chunking and not b.semantic_supported and b.attention_kind == "transformers"
+    logits, cache = b.prefill(_ids(2 * WINDOW))
+    assert logits.shape == (b.vocab_size,) and torch.isfinite(logits).all()
