@@ -20,12 +20,11 @@ compiler targets AMX-BF16 and the kernel grants the tile state; `SIMLLM_INT4=ate
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
-from . import compute_threads, kernel_pool
-from .kernels import build
+from . import compute_threads
+from .product_kernel import Loader, ProductKernel, compare
 
 GROUP = 32  # inputs per 4-bit group (INT4_GROUP in llama_runner)
 BLOB = 320  # bytes per 16 outputs x one group: 256 of codes, 16 steps and 16 zeros in bf16
@@ -34,31 +33,18 @@ BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
 # (the kernel's own workers, kept between products). Measured at 2 threads, one row: 3072x576 57 vs 117 us,
 # 576x1536 33 vs 50 us, 960x576 21 vs 32 us (threads vs alone).
 THREAD_MIN_MACS = 250_000
-_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-
-_loaded: "Int4Kernel | None" = None
-_why_not: str | None = None
 
 
-class Int4Kernel:
+class Int4Kernel(ProductKernel):
     """The compiled kernel, called on torch tensors: `pack` once per weight, `mm` per product."""
 
     kind = "amx"
     dtype = torch.bfloat16
+    label = "kernel"
 
     def __init__(self, path: str):
-        lib = ctypes.CDLL(path)
-        self.path = path
-        self._mm = lib.simllm_int4_mm
-        self._mm.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _P, _L, _I]
-        self._mm.restype = None
-        self.pool_call = ctypes.cast(lib.simllm_pool_call, ctypes.c_void_p).value  # for AttentionKernel.use_pool
-        self._mm8 = lib.simllm_int8_mm
-        self._mm8.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _L, _I]
-        self._mm8.restype = None
-        self._init = lib.simllm_int4_init
-        self._init.restype = _I
-        self._scratch = threading.local()
+        super().__init__(path, mm="simllm_int4_mm", mm8="simllm_int8_mm")
+        self._init = self._entry("simllm_int4_init", [], restype=ctypes.c_int)
 
     def granted(self) -> bool:
         """Whether this process may use AMX (asks Linux once; harmless to repeat)."""
@@ -120,10 +106,7 @@ class Int4Kernel:
     def _prepare(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str):
         """The checks and buffers of a product: (M, K, threads, scratch bytes per thread, group sums buffer,
         64-byte aligned tile scratch); bad input raises ValueError."""
-        m, k = x.shape
-        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or blob.shape != (n // 16, k // GROUP, blob_bytes):
-            raise ValueError(f"{what} kernel: bf16 rows [M, K] with contiguous inputs, and weights packed for them")
-        threads = compute_threads.kernel_threads() if m * n * k >= THREAD_MIN_MACS else 1
+        m, k, threads = self._check(x, blob, n, blob_bytes, what, GROUP, THREAD_MIN_MACS)
         work, aligned, per_thread = self._buffers(m, k, threads)
         return m, k, threads, per_thread, work, aligned
 
@@ -136,24 +119,9 @@ class Int4Kernel:
         return y
 
 
-def load() -> "Int4Kernel | None":
-    """The kernel for this process (built on first use), or None with `why_not()` saying why."""
-    global _loaded, _why_not
-    if _loaded is not None or _why_not is not None:
-        return _loaded
-    kernel, _why_not = build.load_kernel("SIMLLM_INT4", "aten", "int4_amx", Int4Kernel)
-    if kernel is None:
-        return None
-    if not kernel.granted():
-        _why_not = "no AMX-BF16 here (CPU, compiler target or kernel permission)"
-        return None
-    err = _self_check(kernel)
-    if err:
-        _why_not = err
-        return None
-    _loaded = kernel
-    kernel_pool.lend_to_attention(kernel.pool_call)
-    return _loaded
+def _granted(kernel: Int4Kernel) -> str | None:
+    """Checked first: without Linux's grant of the tile state an AMX instruction faults the process."""
+    return None if kernel.granted() else "no AMX-BF16 here (CPU, compiler target or kernel permission)"
 
 
 def _self_check(kernel: Int4Kernel) -> str | None:
@@ -165,15 +133,21 @@ def _self_check(kernel: Int4Kernel) -> str | None:
     step, zero = sz[..., 0].float().t(), sz[..., 1].float().t()  # [N, K/32]
     w = ((codes.float().reshape(48, 3, GROUP) - 8) * step[..., None] + zero[..., None]).reshape(48, 96)
     x = torch.randn(19, 96, generator=g).to(torch.bfloat16)
-    blob = kernel.pack(codes, sz)
-    got = kernel.mm(x, blob, 48).float()
     want = x.float() @ w.t()
-    err = (got - want).abs().max().item()
+    err, alone = compare(kernel.mm, x, kernel.pack(codes, sz), 48, want, rows=((3, 1),))
     bound = 0.02 * want.abs().max().item() + 1e-3
-    if err > bound or not torch.equal(kernel.mm(x[3:4], blob, 48).float(), got[3:4]):
+    if err > bound or not alone:
         return f"the int4 kernel is off by {err:.3g} (allowed {bound:.3g}) or not row-invariant here"
     return None
 
 
+_LOADER = Loader("SIMLLM_INT4", "aten", "int4_amx", Int4Kernel, checks=(_granted, _self_check))
+
+
+def load() -> "Int4Kernel | None":
+    """The kernel for this process (built on first use), or None with `why_not()` saying why."""
+    return _LOADER.load()
+
+
 def why_not() -> str | None:
-    return _why_not
+    return _LOADER.why_not

@@ -20,12 +20,11 @@ C in kernels/int4_vector.c, built by kernels/build.py; `SIMLLM_INT4=aten` turns 
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
-from . import compute_threads, kernel_pool
-from .kernels import build
+from . import compute_threads
+from .product_kernel import MM_ARGS, Loader, ProductKernel, compare
 
 GROUP = 32  # inputs per group (INT4_GROUP in llama_runner)
 BLOB = 384  # bytes per 16 outputs x one group, 4-bit: 256 of codes, 16 steps and 16 bases in float32
@@ -34,39 +33,23 @@ GROUP6 = 16  # inputs per group of the 16-input 8-bit format (GGUF's Q6_K)
 BLOB6 = 320  # 16 outputs x one group of 16: 256 bytes of codes, 16 float32 scales
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
 THREAD_MIN_MACS = 250_000
-_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-
-_loaded: "VectorKernel | None" = None
-_why_not: str | None = None
 
 
-class VectorKernel:
+class VectorKernel(ProductKernel):
     """The compiled kernel, called on torch tensors: `pack`/`pack8` once per weight, `mm`/`mm8` per product. The
     same calls as int4_kernel.Int4Kernel, for float32 rows, so the runner holds either."""
 
     kind = "vector"
     dtype = torch.float32
+    label = "vector kernel"
 
     def __init__(self, path: str):
-        lib = ctypes.CDLL(path)
-        self.path = path
-        self._mm = lib.simllm_vec_int4_mm
-        self._mm.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _P, _L, _I]
-        self._mm.restype = None
-        self._mm8 = lib.simllm_vec_int8_mm
-        self._mm8.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _P, _L, _I]
-        self._mm8.restype = None
-        self._mm6 = lib.simllm_vec_int8g16_mm
-        self._mm6.argtypes = self._mm.argtypes
-        self._mm6.restype = None
+        super().__init__(path, mm="simllm_vec_int4_mm", mm8="simllm_vec_int8_mm")
+        self._mm6 = self._entry("simllm_vec_int8g16_mm", MM_ARGS)
         # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
-        addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-        self.entries = {"q4": addr(lib.simllm_vec_int4_mm), "q8": addr(lib.simllm_vec_int8_mmx),
-                        "q6": addr(lib.simllm_vec_int8g16_mm)}
-        lib.simllm_vec_buffer_floats.restype = _L
-        self._buf_floats = int(lib.simllm_vec_buffer_floats())
-        self.pool_call = ctypes.cast(lib.simllm_pool_call, ctypes.c_void_p).value  # for AttentionKernel.use_pool
-        self._scratch = threading.local()
+        self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
+                        "q6": self._address("simllm_vec_int8g16_mm")}
+        self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
 
     @staticmethod
     def pack(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -125,11 +108,7 @@ class VectorKernel:
         return torch.cat([q.view(torch.uint8), d], dim=-1).contiguous()
 
     def _prepare(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str, group: int = GROUP):
-        m, k = x.shape
-        if x.dtype != torch.float32 or x.stride(1) != 1 or blob.shape != (n // 16, k // group, blob_bytes):
-            raise ValueError(f"{what} vector kernel: float32 rows [M, K] with contiguous inputs, and weights packed "
-                             "for them")
-        threads = max(1, compute_threads.kernel_threads()) if m * n * k >= THREAD_MIN_MACS else 1
+        m, k, threads = self._check(x, blob, n, blob_bytes, what, group, THREAD_MIN_MACS)
         return (m, k, threads, *self._buffers(m, k, threads))
 
     def _buffers(self, m: int, k: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,23 +156,6 @@ class VectorKernel:
         return {"q4": self.mm, "q8": self.mm8, "q6": self.mm6}[kind]
 
 
-def load() -> "VectorKernel | None":
-    """The kernel for this process (built on first use), or None with `why_not()` saying why."""
-    global _loaded, _why_not
-    if _loaded is not None or _why_not is not None:
-        return _loaded
-    kernel, _why_not = build.load_kernel("SIMLLM_INT4", "aten", "int4_vector", VectorKernel)
-    if kernel is None:
-        return None
-    err = _self_check(kernel)
-    if err:
-        _why_not = err
-        return None
-    _loaded = kernel
-    kernel_pool.lend_to_attention(kernel.pool_call)
-    return _loaded
-
-
 def _self_check(kernel: VectorKernel) -> str | None:
     """None if the kernel computes what the weights say (against a float64 product of the same weights, 1-3 and
     19 rows: both paths) and a row's bits do not depend on the rows with it; else why not."""
@@ -208,19 +170,25 @@ def _self_check(kernel: VectorKernel) -> str | None:
     d6 = torch.rand(80, 6, generator=g) * 0.01
     w6 = (q6.double().reshape(80, 6, GROUP6) * d6.double()[..., None]).reshape(80, 96)
     x = torch.randn(19, 96, generator=g)
-    blob, blob8, blob6 = kernel.pack(codes, sz), kernel.pack8(q8, d), kernel.pack6(q6, d6)
-    for got, want, name in ((kernel.mm(x, blob, 80), x.double() @ w.reshape(80, 96).t(), "int4"),
-                            (kernel.mm8(x, blob8, 80), x.double() @ w8.t(), "int8"),
-                            (kernel.mm6(x, blob6, 80), x.double() @ w6.t(), "int8-16")):
-        err = (got.double() - want).abs().max().item()
+    for mm, blob, want, name in ((kernel.mm, kernel.pack(codes, sz), x.double() @ w.reshape(80, 96).t(), "int4"),
+                                 (kernel.mm8, kernel.pack8(q8, d), x.double() @ w8.t(), "int8"),
+                                 (kernel.mm6, kernel.pack6(q6, d6), x.double() @ w6.t(), "int8-16")):
+        err, alone = compare(mm, x, blob, 80, want, rows=((3, 1), (5, 2), (7, 3)))
         bound = 1e-4 * want.abs().max().item() + 1e-5
         if err > bound:
             return f"the {name} vector kernel is off by {err:.3g} (allowed {bound:.3g}) here"
-        f, b = {"int4": (kernel.mm, blob), "int8": (kernel.mm8, blob8), "int8-16": (kernel.mm6, blob6)}[name]
-        if not all(torch.equal(f(x[i:i + r].contiguous(), b, 80), got[i:i + r]) for i, r in ((3, 1), (5, 2), (7, 3))):
+        if not alone:
             return f"the {name} vector kernel is not row-invariant here"
     return None
 
 
+_LOADER = Loader("SIMLLM_INT4", "aten", "int4_vector", VectorKernel, checks=(_self_check,))
+
+
+def load() -> "VectorKernel | None":
+    """The kernel for this process (built on first use), or None with `why_not()` saying why."""
+    return _LOADER.load()
+
+
 def why_not() -> str | None:
-    return _why_not
+    return _LOADER.why_not

@@ -141,3 +141,25 @@ def test_the_portable_c_without_avx2_computes_the_same_way():
     whole = portable.mm(x, blob, 96)
     assert (whole.double() - x.double() @ w.double().t()).abs().max() <= 2e-5 * whole.abs().max()
     assert all(torch.equal(portable.mm(x[a:b].contiguous(), blob, 96), whole[a:b]) for a, b in ((0, 1), (2, 9), (20, 23)))
+
+
+def test_a_kernel_is_loaded_once_and_the_first_complaint_stands(monkeypatch):
+    """product_kernel.Loader (both product kernels load through it): the checks run in order on the built
+    kernel, the first complaint is why_not, and a refused kernel is not built or checked again."""
+    from simllm_ros.product_kernel import Loader
+    seen = []
+
+    def refuse(kernel):
+        seen.append(kernel.path)
+        return "refused on this machine"
+
+    loader = Loader("SIMLLM_INT4", "aten", "int4_vector", int4_vector_kernel.VectorKernel,
+                    checks=(int4_vector_kernel._self_check, refuse))
+    assert loader.load() is None and loader.why_not == "refused on this machine"
+    assert loader.load() is None and seen == [KERNEL.path]
+    ok = Loader("SIMLLM_INT4", "aten", "int4_vector", int4_vector_kernel.VectorKernel,
+                checks=(int4_vector_kernel._self_check,))
+    assert ok.load() is ok.load() is not None and ok.why_not is None
+    monkeypatch.setenv("SIMLLM_INT4", "aten")
+    off = Loader("SIMLLM_INT4", "aten", "int4_vector", int4_vector_kernel.VectorKernel, checks=(refuse,))
+    assert off.load() is None and off.why_not == "SIMLLM_INT4=aten" and len(seen) == 1

@@ -1,0 +1,103 @@
+"""What the two weight-product kernels share: int4_kernel (bf16 on AMX tiles) and int4_vector_kernel (float32
+on vector units) are the same kind of ctypes wrapper over their C library, loaded once per process the same way.
+
+Why one base: the library's entries, the per-thread scratch, the checks and thread count of a product, and
+load-once-then-self-check were written twice and had started to drift. Only plumbing lives here: each kernel
+keeps its own packing, buffer sizes, entry signatures and self-check numbers, so its arithmetic (and the bits
+it computes) is its own.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from . import compute_threads, kernel_pool
+from .kernels import build
+
+P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+# simllm_*_mm: x, x row stride, weight blob, y, y row stride, M, N, K, group sums, scratch, scratch per thread, threads
+MM_ARGS = [P, L, P, P, L, I, I, I, P, P, L, I]
+# simllm_*int8_mm (the LM head): the same without the group sums
+MM8_ARGS = [P, L, P, P, L, I, I, I, P, L, I]
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "float32"}  # as refusals name the rows
+
+
+class ProductKernel:
+    """A compiled product library called on torch tensors: `pack*` once per weight, `mm*` per product.
+
+    Subclasses set `kind`, `dtype` and `label` (how refusals name the kernel), name their 4-bit (`mm`) and
+    8-bit (`mm8`) entries and bind any other with `_entry`; `pool_call` is the library's worker pool entry,
+    lent to AttentionKernel.use_pool."""
+
+    kind = ""
+    dtype = torch.float32
+    label = "product kernel"  # "int4 kernel: ..." / "int4 vector kernel: ..." in refusals
+
+    def __init__(self, path: str, mm: str, mm8: str):
+        self._lib = ctypes.CDLL(path)
+        self.path = path
+        self._mm = self._entry(mm, MM_ARGS)
+        self._mm8 = self._entry(mm8, MM8_ARGS)
+        self.pool_call = self._address("simllm_pool_call")
+        self._scratch = threading.local()  # per calling thread: a product runs without the GIL
+
+    def _entry(self, name: str, argtypes: list, restype=None):
+        """The library's function `name`, typed."""
+        fn = getattr(self._lib, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
+        return fn
+
+    def _address(self, name: str) -> int:
+        """The address of the library's function `name`, for C callers (the C layers, attention's pool)."""
+        return ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
+
+    def _check(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str, group: int,
+               min_macs: int) -> tuple[int, int, int]:
+        """(M, K, threads) of a product of rows x [M, K] with a blob of n outputs in groups of `group` inputs;
+        below `min_macs` multiply-adds it runs in the caller's thread alone. Bad input raises ValueError."""
+        m, k = x.shape
+        if x.dtype != self.dtype or x.stride(1) != 1 or blob.shape != (n // 16, k // group, blob_bytes):
+            raise ValueError(f"{what} {self.label}: {_DTYPE_NAMES[self.dtype]} rows [M, K] with contiguous inputs, "
+                             "and weights packed for them")
+        threads = max(1, compute_threads.kernel_threads()) if m * n * k >= min_macs else 1
+        return m, k, threads
+
+
+def compare(mm: Callable, x: torch.Tensor, blob: torch.Tensor, n: int, want: torch.Tensor,
+            rows: Sequence[tuple[int, int]]) -> tuple[float, bool]:
+    """A self-check's measurements: (the largest error of the product of all rows against `want`, in want's
+    dtype; whether each slice (first row, count) of `rows` computed alone gives the same bits as among all)."""
+    got = mm(x, blob, n)
+    err = (got.to(want.dtype) - want).abs().max().item()
+    return err, all(torch.equal(mm(x[i:i + r].contiguous(), blob, n), got[i:i + r]) for i, r in rows)
+
+
+class Loader:
+    """One kernel per process: built on first use, then every check in order (a new CPU or compiler falls back,
+    it does not answer wrongly); the first check's complaint is `why_not`. A kernel that passes lends its
+    workers to attention."""
+
+    def __init__(self, env: str, off: str, library: str, make: Callable[[str], ProductKernel],
+                 checks: Sequence[Callable[[ProductKernel], str | None]]):
+        self._args = (env, off, library, make)
+        self._checks = checks
+        self.kernel: ProductKernel | None = None
+        self.why_not: str | None = None
+
+    def load(self) -> ProductKernel | None:
+        if self.kernel is not None or self.why_not is not None:
+            return self.kernel
+        kernel, self.why_not = build.load_kernel(*self._args)
+        if kernel is None:
+            return None
+        for check in self._checks:
+            self.why_not = check(kernel)
+            if self.why_not:
+                return None
+        self.kernel = kernel
+        kernel_pool.lend_to_attention(kernel.pool_call)
+        return kernel
