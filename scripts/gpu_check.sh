@@ -29,4 +29,4 @@ export SIMLLM_TEST_DEVICE=cuda
 "$PY" -m pytest -q -s test/test_exact_prefix.py test/test_rope_repair.py test/test_semantic_quality.py \
   test/test_semantic_repair.py test/test_verified_decoding.py test/test_structured_output.py \
   test/test_chat_and_streaming.py test/test_engine_observer.py "$@"
-exec "$PY" benchmark/verified_decoding.py --smoke --device cuda --out "$REPO/benchmark/results/verified_decoding_cuda.md"
+exec "$PY" -m simllm_ros.cli.bench verified_decoding --smoke --device cuda --out "$REPO/benchmark/results/verified_decoding_cuda.md"

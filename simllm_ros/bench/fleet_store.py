@@ -8,23 +8,20 @@ pool emptied before each measured request) and cold (no store, pool emptied: wha
   C. Redis killed, paused (SIGSTOP) and restarted while 4 client threads send requests to robot2: requests lost,
      latency against the quiet run, time to reconnect.
 
-Usage: .venv/bin/python benchmark/fleet_store.py [--questions 6] [--new 24] [--threads 1]"""
+Usage: .venv/bin/simllm-bench fleet_store [--questions 6] [--new 24] [--threads 1]"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "test"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from .shared import REPO_ROOT as ROOT, RESULTS_DIR, offline, use_test_helpers
+
+offline()
+use_test_helpers()  # redis_server: the tests' redis-server launcher
 
 
 def clinc_lines(every: int = 37) -> list[str]:
@@ -48,13 +45,13 @@ def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--questions", type=int, default=6)
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "fleet_store.json"))
-    a = ap.parse_args()
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "fleet_store.json"))
+    a = ap.parse_args(argv)
 
     import torch
 

@@ -8,25 +8,26 @@ Block sharing already stores identical prefixes once; a delta scheme could
 only save on the tokens after the first change, and only if their difference
 is sparse (most tokens or elements below the 8-bit quantisation step).
 
-Run: .venv/bin/python benchmark/delta_storage.py
+Run: .venv/bin/simllm-bench delta_storage
+(the last output is kept in benchmark/results/delta_storage.txt)
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from simllm_ros.model_backend import ModelBackend  # noqa: E402
-from simllm_ros.reuse_planner import align  # noqa: E402
-from simllm_ros.settings import DEFAULT_MODEL  # noqa: E402
+from simllm_ros.model_backend import ModelBackend
+from simllm_ros.reuse_planner import align
+from simllm_ros.settings import DEFAULT_MODEL
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .shared import REPO_ROOT as REPO
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)  # no options; --help
     reqs = [json.loads(line) for line in open(os.path.join(REPO, "config", "demo_workload.jsonl"))]
     b = ModelBackend(DEFAULT_MODEL, dtype="float32")
     system = "You are a helpful assistant on a robot. Answer briefly."

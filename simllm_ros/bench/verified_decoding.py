@@ -14,9 +14,9 @@ no drafts, and its cached answers are compared with those (identical-answer shar
 
 Also measured: the exact-hit overhead over the model's own limit (prefilling only the uncached
 tokens into a KV buffer that already holds the prefix) at 250 / 500 / 1000-token contexts, and the
-matcher at 10k / 100k / 1M fingerprints (benchmark/matcher.py's scan against index).
+matcher at 10k / 100k / 1M fingerprints (simllm-bench matcher's scan against index).
 
-Run: .venv/bin/python benchmark/verified_decoding.py [--threads 1] [--questions 8] [--smoke]
+Run: .venv/bin/simllm-bench verified_decoding [--threads 1] [--questions 8] [--smoke]
 Writes benchmark/results/verified_decoding.md (and prints it).
 """
 from __future__ import annotations
@@ -24,32 +24,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
+from simllm_ros.engine import Engine
+from simllm_ros.model_backend import native_bf16
+from simllm_ros.request import QueryRequest
+from simllm_ros.workloads import find_clinc
 
-from simllm_ros.engine import Engine  # noqa: E402
-from simllm_ros.model_backend import native_bf16  # noqa: E402
-from simllm_ros.request import QueryRequest  # noqa: E402
-from simllm_ros.settings import Settings  # noqa: E402
-from simllm_ros.workloads import find_clinc  # noqa: E402
+from .shared import (BULLETIN, RESULTS_DIR, LlamaCpp, SimSystem, finish_report, matcher_report, matcher_scaling,
+                     offline)
 
-BULLETIN = """Riverside district bulletin, Tuesday 14 May.
-Roads: Elm Street is closed between 3rd Avenue and Mill Road from 09:00 to 17:00 for water main repairs; use Oak Avenue instead. The Harbour Bridge has one lane open until 06:30 tomorrow. Traffic on Route 9 northbound is heavy, with delays of about 25 minutes near exit 14. Cyclists should use the river path, which is lit until midnight.
-Weather: cloudy this morning with a high of 18 C, light rain expected after 15:00, wind from the west at 20 km/h. Tomorrow: sunny, 22 C, pollen count high.
-Fuel: the Shell station on Mill Road sells regular at 1.62 per litre and diesel at 1.71; the station on Oak Avenue is closed for refurbishment until Friday. Electric chargers at the library car park are free until 10:00.
-Transit: bus line 12 runs every 15 minutes until 20:00, then every 40 minutes. Tram line 3 is replaced by buses between Central and Harbour this week. Taxis wait at the station's east exit.
-Services: the pharmacy on Oak Avenue opens at 08:30 and closes at 19:00. The post office at 22 King Street is open 09:00-12:30 today only. The town hall's citizen desk is open 10:00-16:00; bring an ID card. The recycling centre on Quay Road takes electronics on Tuesdays and Thursdays.
-Events: a farmers' market fills Market Square from 07:00 to 13:00; parking there is suspended. The city orchestra plays in Riverside Park at 19:30, free entry; the park's south gate closes at 22:00. The museum of transport has free entry for children under 12.
-Parking: the multi-storey on Bank Street has 140 free spaces, 2.50 per hour. Street parking on Mill Road is limited to two hours. The hospital car park is for patients and visitors only.
-Safety: the footbridge at Pier 4 is closed after storm damage. Report fallen trees on 0800 555 0100.
-"""
+offline()
+
 INTENTS = ("weather", "traffic", "directions", "gas", "distance", "uber", "restaurant_suggestion", "how_busy",
            "timer", "current_location", "calendar", "travel_suggestion")
 
@@ -64,80 +52,6 @@ def questions(n: int) -> list[str]:
             if d["intent"] in INTENTS and d["intent"] not in by:
                 by[d["intent"]] = d["text"]
     return [by[i] for i in INTENTS if i in by][:n]
-
-
-DEVICE = "cpu"  # --device: scripts/gpu_check.sh runs the smoke on cuda
-
-
-class SimSystem:
-    def __init__(self, name: str, **overrides):
-        self.name = name
-        self.engine = Engine(Settings.from_overrides(cache_size="512MB", device=DEVICE, **overrides))
-        self.engine.load(progress=lambda m: None)
-        self.ref: dict[str, str] = {}
-        self.miss: list[float] = []  # the references' totals: a cold request (empty pool, no drafts)
-
-    def reference(self, q: str, max_new: int) -> str:
-        """The answer from an empty pool without drafts: what the cache must not change."""
-        e = self.engine
-        saved = e.settings
-        e.settings = saved.replace(enable_drafts=False)
-        e.clear_pool()
-        r = e.handle(QueryRequest(prompt=q, context=BULLETIN, cache_scope="b", max_new_tokens=max_new,
-                                  allow_approximate=True))
-        e.settings = saved
-        e.clear_pool()
-        self.ref[q] = r.answer
-        self.miss.append(r.total_ms)
-        return r.answer
-
-    def ask(self, q: str, max_new: int) -> dict:
-        r = self.engine.handle(QueryRequest(prompt=q, context=BULLETIN, cache_scope="b", max_new_tokens=max_new,
-                                            allow_approximate=True))
-        assert r.success, r.error
-        return {"ttft": r.ttft_ms, "total": r.total_ms, "n": r.generated_tokens, "answer": r.answer,
-                "tier": r.cache_result.name, "passes": r.decode_passes, "exact": r.exact,
-                "accepted": r.draft_tokens_accepted, "proposed": r.draft_tokens_proposed, "prompt": r.prompt_tokens}
-
-
-class LlamaCpp:
-    name = "llama.cpp + prompt cache"
-
-    def __init__(self, backend, system_prompt: str, threads: int):
-        from llama_cpp import Llama, LlamaRAMCache
-
-        from simllm_ros.bench.systems import gguf_path
-
-        self.backend, self.system_prompt = backend, system_prompt
-        self.llm = Llama(model_path=gguf_path(), n_ctx=2048, n_batch=512, n_threads=threads,
-                         n_threads_batch=threads, seed=0, verbose=False)
-        self.llm.set_cache(LlamaRAMCache(capacity_bytes=512 << 20))
-        self.ref: dict[str, str] = {}
-        self.miss: list[float] = []
-
-    def _run(self, q: str, max_new: int) -> dict:
-        ids = self.backend.prompt_ids(self.system_prompt, BULLETIN, q)
-        t0 = time.perf_counter()
-        first, parts, n = None, [], 0
-        for chunk in self.llm.create_completion(prompt=ids, max_tokens=max_new, temperature=0.0, top_k=1, top_p=1.0,
-                                                min_p=0.0, repeat_penalty=1.0, stream=True):
-            if first is None:
-                first = time.perf_counter()
-            parts.append(chunk["choices"][0]["text"])
-            n += 1
-        t1 = time.perf_counter()
-        return {"ttft": ((first or t1) - t0) * 1000, "total": (t1 - t0) * 1000, "n": n,
-                "answer": "".join(parts).strip(), "tier": "-", "passes": n, "exact": True, "accepted": 0,
-                "proposed": 0, "prompt": len(ids)}
-
-    def reference(self, q: str, max_new: int) -> str:
-        self.llm.reset()
-        r = self._run(q, max_new)
-        self.ref[q], _ = r["answer"], self.miss.append(r["total"])
-        return self.ref[q]
-
-    def ask(self, q: str, max_new: int) -> dict:
-        return self._run(q, max_new)
 
 
 def ms_per_token(rows) -> float:
@@ -188,45 +102,35 @@ def hit_overhead(engine: Engine, sizes=(250, 500, 1000), reps: int = 5,
     return out
 
 
-def finish_report(lines: list[str], t_start: float, path: str | None) -> None:
-    """Prints the report with its wall time and writes it to `path` (None: print only), whole or not at all:
-    a stopped run leaves the previous report."""
-    text = "\n".join(lines + ["", f"Wall time {time.monotonic() - t_start:.0f} s."]) + "\n"
-    print(text)
-    if path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
-
-
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--smoke", action="store_true", help="two questions, 8 tokens, defaults only, no peers")
     ap.add_argument("--device", default="cpu", help="the model's device (cuda: scripts/gpu_check.sh)")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "verified_decoding.md"))
-    args = ap.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "verified_decoding.md"))
+    args = ap.parse_args(argv)
+
+    def sim(name: str, **overrides) -> SimSystem:
+        return SimSystem(name, device=args.device, **overrides)
+
     torch.set_num_threads(args.threads)
     nq, max_new = (2, 8) if args.smoke else (args.questions, args.max_new_tokens)
     qs = questions(nq)
     t_start = time.monotonic()
-    systems = [SimSystem("simllm_ros defaults")]
+    systems = [sim("simllm_ros defaults")]
     b = systems[0].engine.backend
     systems[0].name = f"simllm_ros defaults ({b.dtype_name}, {b.weight_bits}-bit weights, drafts)"
     if not args.smoke:
-        systems += [SimSystem("simllm_ros, drafts off", enable_drafts=False),
-                    SimSystem("simllm_ros, 16-bit weights", weight_bits=16)]
+        systems += [sim("simllm_ros, drafts off", enable_drafts=False),
+                    sim("simllm_ros, 16-bit weights", weight_bits=16)]
         if b.dtype_name != "float32":  # a bf16 default; on a CPU without native bf16 the default is float32 already,
             # and int8 weights need bf16
-            systems += [SimSystem("simllm_ros, int8 weights", weight_bits=8), SimSystem("simllm_ros, float32", dtype="float32")]
+            systems += [sim("simllm_ros, int8 weights", weight_bits=8), sim("simllm_ros, float32", dtype="float32")]
         elif native_bf16():  # float32 chosen over a native bf16 (no AMX): show what bf16 would give here
-            systems += [SimSystem("simllm_ros, bfloat16", dtype="bfloat16", kv_bits=0),
-                        SimSystem("simllm_ros, bfloat16, int8 weights", dtype="bfloat16", kv_bits=0, weight_bits=8)]
+            systems += [sim("simllm_ros, bfloat16", dtype="bfloat16", kv_bits=0),
+                        sim("simllm_ros, bfloat16, int8 weights", dtype="bfloat16", kv_bits=0, weight_bits=8)]
         try:
             systems.append(LlamaCpp(systems[0].engine.backend, systems[0].engine.settings.system_prompt,
                                     args.threads))
@@ -273,7 +177,7 @@ def main() -> None:
     others = [s for s in sims if s.engine.backend.weight_bits != 16]
     if sixteen is not None and others:
         lines += ["", f"Answers with other weights against {sixteen.name}'s (no-cache answers, same questions): a "
-                  "different arithmetic, not a cache effect (benchmark/fidelity.py compares each with float32):", ""]
+                  "different arithmetic, not a cache effect (simllm-bench fidelity compares each with float32):", ""]
         for s in others:
             same16 = sum(s.ref[q] == sixteen.ref[q] for q in qs)
             lines.append(f"- {s.name}: {same16}/{len(qs)} identical")
@@ -291,10 +195,8 @@ def main() -> None:
             who = "approximate allowed (plan waits for the fingerprint)" if approx else "lossless only (ROS default)"
             for n, hit, limit in hit_overhead(e, allow_approximate=approx):
                 lines.append(f"| {who} | {n} | {hit:.1f} ms | {limit:.1f} ms | {hit - limit:.1f} ms |")
-        from matcher import report as matcher_report, scaling as matcher_scaling  # benchmark/matcher.py
-
         lines += [""] + matcher_report(matcher_scaling((10_000, 100_000, 1_000_000)), None)
-        lines += ["", "(The index's recall on real fingerprints: benchmark/matcher.py.)"]
+        lines += ["", "(The index's recall on real fingerprints: simllm-bench matcher.)"]
     finish_report(lines, t_start, None if args.smoke else args.out)
 
 

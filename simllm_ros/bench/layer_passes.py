@@ -6,19 +6,16 @@ each, as a plain decode step runs), a 33-row pass (a verification block), and pr
 each one's fastest round, and the ratio C / Python. Both compute the same bits (test_layer_kernel.py); this
 checks that too on every pass it times.
 
-Run: .venv/bin/python benchmark/layer_passes.py [--threads 1] [--rounds 5]
+Run: .venv/bin/simllm-bench layer_passes [--threads 1] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from .shared import offline
+
+offline()
 
 import torch  # noqa: E402
 
@@ -27,11 +24,11 @@ from simllm_ros.llama_runner import KVBuffer  # noqa: E402
 from simllm_ros.settings import Settings  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.monotonic()
     e = Engine(Settings.from_overrides(cache_size="256MB"))

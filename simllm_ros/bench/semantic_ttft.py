@@ -12,21 +12,18 @@ cleared before each: both compute the question's fingerprint, as a question neve
 request remembered it, which put half a fingerprint (~7 ms) into the hit's median only.
 Also printed: tokens reused and recomputed, and greedy token agreement of the hit with the cold answer.
 
-Run: .venv/bin/python benchmark/semantic_ttft.py [--threads 1] [--pairs 20] [--tokens 8]
+Run: .venv/bin/simllm-bench semantic_ttft [--threads 1] [--pairs 20] [--tokens 8]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "test"))  # the pairs and bulletins of the quality test
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from .shared import offline, use_test_helpers
+
+offline()
+use_test_helpers()  # the pairs and bulletins of the quality test
 
 import torch  # noqa: E402
 
@@ -37,12 +34,12 @@ from simllm_ros.settings import Settings  # noqa: E402
 from test_semantic_quality import select_pairs  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pairs", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=8)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.monotonic()
     e = Engine(Settings.from_overrides(cache_size="512MB"))

@@ -6,28 +6,23 @@ configuration is compared with float32 (and with every other): identical answers
 tokens before the first difference. The questions are the first CLINC150 question of every N-th
 intent (all 150 intents, not the benchmark's robot intents), asked about the same bulletin.
 
-Run: .venv/bin/python benchmark/fidelity.py [--questions 24] [--max-new-tokens 32] [--threads 1] [--smoke]
+Run: .venv/bin/simllm-bench fidelity [--questions 24] [--max-new-tokens 32] [--threads 1] [--smoke]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmark"))
-sys.path.insert(0, REPO)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from simllm_ros.block_pool import common_prefix
+from simllm_ros.workloads import find_clinc
 
-from verified_decoding import LlamaCpp, SimSystem, finish_report  # noqa: E402
+from .shared import RESULTS_DIR, LlamaCpp, SimSystem, finish_report, offline
 
-from simllm_ros.block_pool import common_prefix  # noqa: E402
-from simllm_ros.workloads import find_clinc  # noqa: E402
+offline()
 
 CONFIGS = (("float32", dict(dtype="float32")),
            ("bf16, 16-bit weights", dict(dtype="bfloat16", weight_bits=16)),
@@ -49,15 +44,15 @@ def prefix_share(a: list[int], b: list[int]) -> float:
     return common_prefix(a, b) / max(len(a), len(b), 1)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--questions", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "fidelity.md"))
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "fidelity.md"))
     ap.add_argument("--smoke", action="store_true", help="2 questions, 4 tokens, float32 and defaults, no llama.cpp, "
                     "no report file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.smoke:
         args.questions, args.max_new_tokens = 2, 4

@@ -4,17 +4,16 @@ kernel) against the 16-bit path the same file took before (dequantized float32 w
 side in one process; and llama.cpp (llama-cpp-python) on the same file where it is installed.
 
 Measures a prefill of --prompt tokens and greedy decode ms/token over --new tokens, at --threads threads (1: the
-issue's table). Usage: .venv/bin/python benchmark/gguf_formats.py [--layers 32 --hidden 1024 ...]"""
+issue's table). Usage: .venv/bin/simllm-bench gguf_formats [--layers 32 --hidden 1024 ...]"""
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "test"))
+from .shared import use_test_helpers
+
+use_test_helpers()  # random_gguf: writes the file
 
 import torch  # noqa: E402
 
@@ -74,7 +73,7 @@ def _llama_cpp(path, ids, new, threads):
     return "llama.cpp", best_prefill, best_decode, toks
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "bench-gguf"))
     ap.add_argument("--layers", type=int, default=32)
@@ -86,7 +85,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-16bit", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.makedirs(args.dir, exist_ok=True)
     name = f"rand-llama-{args.layers}x{args.hidden}-{args.inter}-{args.heads}-{args.kv_heads}-q4_k_m.gguf"

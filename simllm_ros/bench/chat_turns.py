@@ -7,7 +7,7 @@ answer and the new question are prefilled. The no-cache run answers the same mes
 (a fork of the same engine: same model, own pool, cleared before every turn). Both run one after the other
 per turn, on the same machine state; answers are compared (they must be identical: lossless reuse).
 
-Run: .venv/bin/python benchmark/chat_turns.py [--turns 8] [--threads 1] [--repeats 3]
+Run: .venv/bin/simllm-bench chat_turns [--turns 8] [--threads 1] [--repeats 3]
 Writes benchmark/results/chat_turns.md (and prints it).
 """
 from __future__ import annotations
@@ -18,11 +18,10 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "test"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from .shared import RESULTS_DIR, offline, use_test_helpers
+
+offline()
+use_test_helpers()  # core_fixtures: the bulletin of the tests
 
 import torch  # noqa: E402
 
@@ -46,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids oversubscription on a shared box)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per turn and system; the median TTFT is reported")
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "chat_turns.md"))
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "chat_turns.md"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cached = Engine(Settings.from_overrides(cache_size="256MB", kv_bits=0, enable_drafts=False))
@@ -80,7 +79,7 @@ def main(argv=None) -> int:
     lines = [
         "# Turn-N TTFT of a conversation: pool vs no cache",
         "",
-        f"`.venv/bin/python benchmark/chat_turns.py --turns {args.turns} --threads {args.threads} "
+        f"`.venv/bin/simllm-bench chat_turns --turns {args.turns} --threads {args.threads} "
         f"--repeats {args.repeats}`; SmolLM2-135M {cached.backend.dtype_name}, lossless KV (kv_bits 0), drafts off "
         f"(prefill only), greedy, {args.max_new_tokens}-token answers, median of {args.repeats} per turn; "
         f"{time.strftime('%Y-%m-%d')}, this project's build machine (2 shared x86_64 cores, no GPU).",
