@@ -25,11 +25,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import compute_threads, fleet_store, path_checks, persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
+from . import approx_gate, compute_threads, fleet_store, path_checks, persistence, reuse_planner, semantic_log as semantic_log_mod, semantic_reuse
 from .answer_memo import AnswerMemo, Memo, Signature
 from .cache_stats import CacheStatsRecorder
 from .decoding import Constraint, Decoder, Generation
 from .draft_proposer import DraftProposer, DraftStats
+from .error_bound import ErrorBound
 from .fleet_store import FleetStore
 from .fingerprint import Fingerprinter, context_digest
 from .kv_pool import KVPool, PrefixHit
@@ -45,7 +46,8 @@ from .thermal import ThermalLevel
 from .validation import check_text_field, is_invisible_only, normalize_text, validate_request
 
 RELOAD_PARAMS = {s.name for s in SPECS if not s.live}
-FLEET_PARAMS = {s.name for s in SPECS if s.name.startswith("fleet_")}  # a fork connects on its own
+# What a fork may set for itself: its own fleet connection and its own snapshot folder (restore() is the caller's).
+FORK_OWN_PARAMS = {s.name for s in SPECS if s.name.startswith("fleet_")} | {"persist_path"}
 
 
 class EngineLoadError(RuntimeError):
@@ -128,6 +130,9 @@ class Flight:
     share: tuple | None = None
     share_checked: bool = False
     fleet_answer: list[int] | None = None  # another node's answer to this prompt (fleet store): a draft
+    candidate: "approx_gate.Candidate | None" = None  # the stored answer the ANSWER tier would have looked at
+    refused: "reuse_planner.ReusePlan | None" = None  # an approximate plan the error bound turned down
+    delta: float = 1.0  # the approx_error_bound this request is served under
 
 
 @dataclasses.dataclass
@@ -228,6 +233,10 @@ class Engine:
         # Called with an Observation after every executed request (the benchmark's hook); None: nobody.
         self.observer: Callable[[Observation], None] | None = None
         self.fleet: FleetStore | None = None  # the shared fleet store (fleet_store_url), None when off
+        # How often approximate answers differ from the model's own (approx_error_bound), and the idle-time
+        # checks that teach it (approx_gate).
+        self.error_bound = ErrorBound()
+        self.audits: collections.deque[approx_gate.Audit] = collections.deque(maxlen=approx_gate.AUDITS_MAX)
         self._prefill_s_per_token = 0.0  # measured at load with a fleet store: the fetch-or-prefill estimate
 
     # ---- lifecycle -------------------------------------------------------------
@@ -295,7 +304,7 @@ class Engine:
         (live) settings: for side-by-side runs in one process, one request at a time. Unloading a fork
         leaves the shared models loaded."""
         settings = settings or self.settings
-        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS - FLEET_PARAMS)
+        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS - FORK_OWN_PARAMS)
         if reload:
             raise SettingError(f"a fork shares the loaded model: {', '.join(reload)} cannot differ")
         other = Engine(settings, log=self.log)
@@ -425,6 +434,12 @@ class Engine:
             self.load_report.update(restored=0, snapshot=reason)
             self.log.warning(f"pool snapshot skipped: {reason}")
         self._saved_mutations = pool.mutations  # what was just loaded needs no checkpoint
+        try:
+            labels = self.error_bound.load(folder, self.backend.numerics)
+            if labels:
+                (progress or self.log.info)(f"restored {labels} error-bound labels from {folder}")
+        except ValueError as e:  # a damaged or foreign file: start without labels (lossless until relearnt)
+            self.log.warning(f"error-bound labels not loaded: {e}")
         return n
 
     def save(self, only_if_changed: bool = False) -> str | None:
@@ -435,10 +450,12 @@ class Engine:
         if pool is None or backend is None or not self.settings.persist_path:
             return None
         mutations = pool.mutations
-        if only_if_changed and mutations == self._saved_mutations:
+        if only_if_changed and mutations == self._saved_mutations and not self.error_bound.changes:
             return None
         ident = persistence.identity(pool, backend.identity, self.settings.embedder, backend.numerics)
         path = persistence.save(pool, self.settings.persist_path, ident)
+        if len(self.error_bound):
+            self.error_bound.save(self.settings.persist_path, backend.numerics)
         self._saved_mutations = mutations
         return path
 
@@ -462,7 +479,7 @@ class Engine:
     # ---- settings / thermal ------------------------------------------------
     def update_settings(self, settings: Settings) -> None:
         """Take new settings (valid by construction); while loaded only live parameters may differ."""
-        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS - FLEET_PARAMS)
+        reload = sorted(self.settings.changed_from(settings) & RELOAD_PARAMS)
         if reload and self.loaded:
             raise SettingError(f"{', '.join(reload)} need a reload: deactivate and clean up first")
         self.settings = settings
@@ -482,6 +499,7 @@ class Engine:
         """Forget every cached task, every deferred exact prefill and the recent answers kept as drafts."""
         with self._exec_lock:
             self.pending_inserts.clear()
+            self.audits.clear()
             self._recent_answers.clear()
             self.memo.clear()
             if self.pool is not None:
@@ -643,11 +661,23 @@ class Engine:
                                   allow_approximate=req.allow_approximate, settings=s,
                                   semantic_supported=backend.semantic_supported, now=now, use_kv=poolable,
                                   lossless_kv=lossless, kv_capacity=len(tokens) + reserve, prefix=prefix)
+        refused, estimate = None, 0.0
+        delta = approx_gate.request_bound(req.approx_error_bound, s.approx_error_bound)
+        if plan.tier in approx_gate.TIER_NAMES:
+            keep, _, est = approx_gate.gate(self.error_bound, plan, req.scope, pool.task_id(plan.source_key), delta)
+            estimate = est.upper if est.n else 0.0
+            if not keep:  # lossless instead: verified drafts; the refused plan is audited at idle time
+                refused, early = plan, None
+                plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=p.fingerprint,
+                                          question=p.question, context_digest=digest, allow_approximate=False,
+                                          settings=s, semantic_supported=backend.semantic_supported, now=now,
+                                          use_kv=poolable, lossless_kv=lossless, kv_capacity=len(tokens) + reserve)
+                estimate = 0.0
         plan_ms = (time.perf_counter() - t_plan) * 1000
         if plan.tier != CacheResult.SEMANTIC:
             early = None
         res = QueryResult(success=True, cache_result=plan.tier, similarity=plan.similarity,
-                          prompt_tokens=len(tokens), request_id=req.request_id)
+                          prompt_tokens=len(tokens), request_id=req.request_id, error_estimate=estimate)
         if plan.tier == CacheResult.ANSWER:  # unverified stored answer (opt-in): approximate
             pool.touch([plan.source_key], now)
             res.answer = plan.answer
@@ -656,6 +686,7 @@ class Engine:
             if on_progress is not None:
                 AnswerWatcher(backend.detokenize, on_progress=on_progress,
                               cache_result=plan.tier).progress(res.answer, 0)
+            self._audit_later(p, tokens, digest, "answer", False, res.answer, max_new, temperature, seed, plan, delta)
             self._log_decision(req, digest, plan, res)
             self._observe(req, plan, plan_ms, 0.0, None)
             return res
@@ -667,7 +698,8 @@ class Engine:
                       reserve=reserve, early=early, use_drafts=use_drafts, similarity_pending=defer, watch=watch,
                       on_token=watch.on_token if (req.stop or on_progress) else None,
                       constraint=p.schema.constraint() if p.schema is not None else None,
-                      temperature=temperature, seed=seed, streaming=on_progress is not None, fleet_answer=fleet_answer)
+                      temperature=temperature, seed=seed, streaming=on_progress is not None, fleet_answer=fleet_answer,
+                      refused=refused, delta=delta)
 
     def _fleet_lookup(self, scope: str, tokens: list[int], prefix, reserve: int, want_kv: bool):
         """(The longer of this pool's exact prefix and the fleet's, where fetching beats prefilling; another
@@ -752,6 +784,15 @@ class Engine:
                                                   res.answer, tuple(gen.tokens), res.stop_reason))
         if self.fleet is not None and finished and res.success:
             self._publish(f, gen, exact=res.exact)
+        if finished and res.success and self._labels_from(f):
+            if f.candidate is not None:  # would the stored answer of the most similar task have been right?
+                approx_gate.label(self.error_bound, req.scope, f.candidate, res.answer)
+            if f.refused is not None and f.refused.tier == CacheResult.SEMANTIC and res.exact:
+                self._audit_later(f.p, f.tokens, f.digest, "semantic", True, res.answer, f.max_new, f.temperature,
+                                  f.seed, f.refused, f.delta)
+            elif f.plan.tier == CacheResult.SEMANTIC:
+                self._audit_later(f.p, f.tokens, f.digest, "semantic", False, res.answer, f.max_new, f.temperature,
+                                  f.seed, f.plan, f.delta)
         self._keep_live(f)
         insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000
@@ -930,6 +971,8 @@ class Engine:
             f.similarity_pending = False
         if f.use_drafts and f.drafts is None:
             f.drafts = self._draft_source(f.p.req, f.tokens, fp, f.now, f.fleet_answer)
+        if self._labels_from(f):
+            f.candidate = approx_gate.answer_candidate(self.pool, fp, f.p.req.scope, f.tokens, f.now, self.settings)
 
     def _start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
         """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
@@ -1053,6 +1096,25 @@ class Engine:
                            read_kv=(lambda n: self.pool.read_prefix(scope, tokens, n)) if kv_exact else None,
                            fingerprint=f.p.fingerprint)
 
+    @staticmethod
+    def _labels_from(f: Flight) -> bool:
+        """Whether this request's answer can label a tier: plain greedy text (no stop strings, schema or
+        sampling, whose answers another request's settings would not reproduce) of a request that allows
+        approximation or could (labels come from everyone's traffic)."""
+        req = f.p.req
+        return f.temperature == 0 and not req.stop and not req.json_schema
+
+    def _audit_later(self, p: Prepared, tokens, digest, tier: str, served_exact: bool, served: str, max_new: int,
+                     temperature: float, seed: int, plan, delta: float) -> None:
+        """An approximate decision to check at idle time (approx_gate.audit), where a bound was asked."""
+        req = p.req
+        if delta >= 1.0 or temperature != 0 or req.stop or req.json_schema:
+            return
+        self.audits.append(approx_gate.Audit(tier, served_exact, req.scope, list(tokens), p.fingerprint, p.question,
+                                             digest, served, max_new, temperature, seed,
+                                             self.pool.task_id(plan.source_key), plan.similarity,
+                                             plan if served_exact else None))
+
     def _keep_live(self, f: Flight) -> None:
         """The request's buffer becomes the pool's live prefix (next exact hit in its scope: no copy) when its
         prompt KV is exact and at the pool's precision (a SEMANTIC repair's is not)."""
@@ -1117,7 +1179,8 @@ class Engine:
                 self._recent_answers.pop(next(iter(self._recent_answers)))
 
     def has_idle_work(self) -> bool:
-        return self.pool is not None and bool(self.pending_inserts) and self.thermal_level == ThermalLevel.OK
+        return self.pool is not None and bool(self.pending_inserts or self.audits) \
+            and self.thermal_level == ThermalLevel.OK
 
     def idle_work(self) -> bool:
         """Compute and pool the exact KV of one prompt that SEMANTIC reuse served; returns whether it did.
@@ -1125,6 +1188,12 @@ class Engine:
         with self._model_turn():
             if not self.has_idle_work():
                 return False
+            if not self.pending_inserts:
+                try:
+                    return approx_gate.audit(self, self.audits.popleft())
+                except Exception:
+                    self.log.exception("idle-time audit failed")
+                    return False
             job = self.pending_inserts.popleft()
             if self.pool.find(job.scope, job.tokens) is not None:
                 return False

@@ -20,6 +20,8 @@ from .thermal import ThermalLevel, ThermalReading, ThermalState
 WINDOW_S = 30.0  # errors and busy refusals are counted over this window
 ERROR_SHARE_FOR_ERROR = 0.5  # this share of recent requests failing ...
 MIN_ERRORS_FOR_ERROR = 3  # ... and at least this many of them: ERROR
+MIN_LABELS_FOR_WARN = 20  # approximate answers checked before their observed rate can raise a WARN
+MAX_APPROX_VALUES = 8  # tier/scope groups shown on /diagnostics
 ERROR_SHARE_FOR_WARN = 0.1  # more than this share failing ...
 MIN_ERRORS_FOR_WARN = 2  # ... and at least this many (one bad request is noise): WARN
 BUDGET_SHARE_FOR_WARN = 0.98  # KV pool bytes above this share of the budget: WARN
@@ -111,7 +113,8 @@ class RateWindow:
 def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | None, *, ttft_warn_ms: float,
            queue_limit: int, window_s: float = WINDOW_S, state: str = "",
            reading: ThermalReading | None = None, no_data_level: HealthLevel = HealthLevel.WARN,
-           lossless: bool | None = None, fleet: dict | None = None) -> Health:
+           lossless: bool | None = None, fleet: dict | None = None, approx: dict | None = None,
+           approx_bound: float = 1.0) -> Health:
     """Level and message from the statistics (None: unavailable), thermal state and recent counts.
     A reading with no readable zone (no sensors, or all failing) adds "no thermal data" at no_data_level
     (the thermal_no_data_level parameter): unknown is never reported as fine. `lossless`: whether the
@@ -119,7 +122,9 @@ def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | Non
     failed, reuse is approximate-only and lossless callers get misses, which is a WARN, not a silent
     slowdown (measured: a CPU with AMX failed it until oneDNN was capped below AMX). `fleet`: the fleet
     store's status (FleetStore.status), None when there is none; unreachable is a WARN (requests go on
-    without it, each waiting on it at most fleet_timeout_ms)."""
+    without it, each waiting on it at most fleet_timeout_ms). `approx`: ErrorBound.summary() per tier and scope;
+    a group whose served approximate answers differ from the model's own more often than approx_bound (the
+    lower end of the 95% interval above it) is a WARN (the bound then keeps the tier back on its own)."""
     level, reasons = _judge(stats, thermal, recent, ttft_warn_ms, queue_limit, window_s)
     if lossless is False:
         level = max(level, HealthLevel.WARN)
@@ -133,7 +138,15 @@ def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | Non
     if fleet is not None and fleet.get("fleet_store") != "connected":
         level = max(level, HealthLevel.WARN)
         reasons.append(f"fleet store unreachable ({fleet.get('fleet_last_error', '')}): serving without it")
+    for group, g in (approx or {}).items():
+        if g["served"] and g["labels"] >= MIN_LABELS_FOR_WARN and g["low"] > approx_bound:
+            level = max(level, HealthLevel.WARN)
+            reasons.append(f"approximate answers ({group}) differ from the model's own in {100 * g['observed']:.0f}% "
+                           f"of checks, above approx_error_bound {approx_bound:g}: the tier holds back")
     values = _values(stats, thermal, queue_limit, state, reading)
+    for group, g in list((approx or {}).items())[:MAX_APPROX_VALUES]:
+        values += ((f"approx[{group}]", f"served {g['served']}, checked {g['labels']}, differ {g['observed']:.3f} "
+                                        f"[{g['low']:.3f}, {g['high']:.3f}]"),)
     if lossless is not None:
         values += (("lossless_reuse", "true" if lossless else "false"),)
     if fleet is not None:
@@ -202,13 +215,14 @@ class ServiceHealth:
 
     def report(self, now: float, stats: dict | None, thermal: ThermalState, reading: ThermalReading | None,
                settings, backend: BackendFacts | None, *, queue_limit: int, state: str,
-               fleet: dict | None = None) -> Health:
+               fleet: dict | None = None, approx: dict | None = None) -> Health:
         """Health from this tick's statistics (None: unavailable) and thermal state; `settings` gives
         ttft_warn_ms, thermal_no_data_level, model and hardware_id."""
         recent = self.window.update(now, stats) if stats is not None else None
         h = assess(stats, thermal, recent, ttft_warn_ms=settings.ttft_warn_ms, queue_limit=queue_limit,
                    window_s=self.window.window_s, state=state, reading=reading,
                    no_data_level=HealthLevel.ERROR if settings.thermal_no_data_level == "error" else HealthLevel.WARN,
-                   lossless=backend.lossless if backend is not None else None, fleet=fleet)
+                   lossless=backend.lossless if backend is not None else None, fleet=fleet, approx=approx,
+                   approx_bound=settings.approx_error_bound)
         values = h.values + (("model", str(settings.model)),) + (backend.values() if backend is not None else ())
         return Health(h.level, h.message, values, settings.hardware_id or socket.gethostname())

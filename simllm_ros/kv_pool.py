@@ -13,6 +13,8 @@ stats, describe_entries, snapshot/restore. Nothing outside reads the parts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +28,10 @@ from .block_store import BlockStore, KVShape
 from .matcher import Matcher
 
 RAW_BLOCK_TENSORS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+
+
+def task_id(scope: str, tokens) -> str:
+    return hashlib.sha256(json.dumps([scope, list(tokens)]).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass
@@ -289,6 +295,13 @@ class KVPool:
         with self._lock:
             e = self._entries[key]
             return self._store.read(e.block_ids, len(e.tokens), self.model_dtype, capacity)
+
+    def task_id(self, key: int | None) -> str:
+        """A name of a cached task that outlives its key (the same after a restart or a re-insert): its scope
+        and tokens hashed; "" for a key not in the pool."""
+        with self._lock:
+            e = self._entries.get(key) if key is not None else None
+            return task_id(e.scope, e.tokens) if e is not None else ""
 
     def find(self, scope: str, tokens: list[int]) -> EntryInfo | None:
         """The task with exactly these tokens in scope, if cached."""

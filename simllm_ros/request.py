@@ -46,6 +46,7 @@ class QueryRequest:
     stop: list[str] = dataclasses.field(default_factory=list)  # the answer ends before the first of these
     temperature: float | None = None  # None: the node's temperature
     seed: int | None = None  # None: the node's seed
+    approx_error_bound: float = -1.0  # δ for this request's approximate answers; negative: the node's
 
     @property
     def scope(self) -> str:
@@ -98,6 +99,9 @@ class QueryResult:
     # Why the answer ended: "eos" (the model ended it), "length" (max_new_tokens), "stop" (a stop string),
     # "cancel" (the caller cancelled), "" (no generation: a refusal or an ANSWER hit).
     stop_reason: str = ""
+    # The 95% upper bound on the chance that this answer differs from the model's own, for an approximate answer
+    # served under approx_error_bound; 0 for an exact one (and for approximate ones served with no bound asked).
+    error_estimate: float = 0.0
 
     @classmethod
     def failure(cls, error: str, request_id: str = "") -> "QueryResult":

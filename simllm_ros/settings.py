@@ -61,6 +61,7 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("cache_threshold", 0.8, "cosine similarity needed for SEMANTIC reuse", live=True, min=0.0, max=1.0),
     ParamSpec("answer_threshold", 0.95, "cosine similarity needed for ANSWER reuse", live=True, min=0.0, max=1.0),
     ParamSpec("enable_answer_cache", False, "tier 3, unverified: return a stored answer without running the model (approximate, opt-in; stored answers are always used as verified drafts)", live=True),
+    ParamSpec("approx_error_bound", 0.02, "δ: an approximate answer (SEMANTIC, ANSWER tier) is served only where the one-sided 95% upper bound on its chance of differing from the model's own answer, learnt from this node's verifications (error_bound.py), is at most this; else the request takes the lossless path. 0: never approximate; 1: no bound (the fixed thresholds alone). A request's own approx_error_bound (>= 0) overrides it", live=True, min=0.0, max=1.0),
     ParamSpec("enable_semantic_reuse", True, "tier 2: approximate KV reuse for similar prompts", live=True),
     ParamSpec("answer_memo", True, "an identical request (same tokens, scope, temperature, seed, stop strings, schema) gets the stored finished answer without a model pass: exact on a batch-invariant backend (the answer is a function of exactly those)", live=True),
     ParamSpec("enable_drafts", True, "verified decoding: stored answers, recent answers and prompt spans are proposed as draft tokens and checked by the model in one pass (the answer stays the model's own)", live=True),

@@ -48,7 +48,8 @@ ROBOT_INTENTS = ("weather", "traffic", "directions", "gas", "gas_type", "distanc
                  "travel_suggestion", "car_rental", "flight_status", "timezone", "jump_start")
 
 # SIMLLM_TEST_DEVICE=cuda runs the core tests on a GPU (scripts/gpu_check.sh); the default is the CPU.
-BASE = dict(cache_size="768MB", dtype="float32", kv_bits=32, device=os.environ.get("SIMLLM_TEST_DEVICE", "cpu"))
+BASE = dict(cache_size="768MB", dtype="float32", kv_bits=32, device=os.environ.get("SIMLLM_TEST_DEVICE", "cpu"),
+            approx_error_bound=1.0)
 # This CPU's lossless default configuration, which the identity tests check: what dtype auto picks for the
 # embedded 4-bit model (bf16 where our AMX kernels run, else float32 on the vector kernel: then the same settings
 # as BASE, one engine).
@@ -82,7 +83,10 @@ def shared_engine(**overrides) -> Engine:
 
 
 def fresh(engine: Engine, **live) -> Engine:
-    """Empty pool and default live settings (plus `live`): a test starts from a known state."""
+    """Empty pool and default live settings (plus `live`): a test starts from a known state. The approximate
+    tiers run on their fixed thresholds (approx_error_bound 1: no bound asked) unless a test asks for one;
+    the bound itself is tested in test_error_bound.py."""
+    live.setdefault("approx_error_bound", 1.0)
     base = engine.settings.as_dict()
     defaults = Settings.from_overrides(**{k: base[k] for k in RELOAD_PARAMS})
     engine.update_settings(defaults.replace(**live))

@@ -180,3 +180,15 @@ def test_an_unreachable_fleet_store_warns_and_its_values_are_shown():
     assert h.level == HealthLevel.WARN and "fleet store unreachable (ConnectionError: refused)" in h.message
     assert dict(h.values)["fleet_store"] == "unreachable"
     assert "fleet_store" not in dict(judge().values)  # no store: nothing about it
+
+
+def test_approximate_answers_differing_above_the_bound_warn_and_each_group_is_shown():
+    fine = {"answer/kiosk": {"labels": 120, "observed": 0.0, "low": 0.0, "high": 0.03, "served": 40, "explored": 4}}
+    h = judge(approx=fine, approx_bound=0.02)
+    assert h.level == HealthLevel.OK
+    assert dict(h.values)["approx[answer/kiosk]"] == "served 40, checked 120, differ 0.000 [0.000, 0.030]"
+    bad = {"semantic/lobby": {"labels": 60, "observed": 0.2, "low": 0.12, "high": 0.31, "served": 9, "explored": 1}}
+    h = judge(approx=bad, approx_bound=0.05)
+    assert h.level == HealthLevel.WARN and "approximate answers (semantic/lobby) differ" in h.message
+    few = {"semantic/lobby": {**bad["semantic/lobby"], "labels": 5}}
+    assert judge(approx=few, approx_bound=0.05).level == HealthLevel.OK  # too few checks to tell

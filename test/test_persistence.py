@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 import hostile_snapshots
 from core_fixtures import BASE, BULLETIN, clinc_by_intent
-from simllm_ros import persistence
+from simllm_ros import error_bound, persistence
 from simllm_ros.block_store import KVShape
 from simllm_ros.engine import Engine
 from simllm_ros.kv_pool import KVPool
@@ -69,7 +69,8 @@ def saved(tmp_path_factory):
     records = entry_records(e.pool)
     path = e.save()
     assert path == persistence.snapshot_path(str(folder)) and os.path.isfile(path)
-    assert not [f for f in os.listdir(folder) if f != persistence.FILENAME], "temp files left after a clean save"
+    assert not [f for f in os.listdir(folder) if f not in (persistence.FILENAME, error_bound.FILE_NAME)], \
+        "temp files left after a clean save"
     e.unload()
     return folder, records, answers
 

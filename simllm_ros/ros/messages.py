@@ -49,6 +49,7 @@ def fill_result(msg, result: QueryResult):
     msg.draft_tokens_accepted = u32(result.draft_tokens_accepted)
     msg.decode_passes = u32(result.decode_passes)
     msg.stop_reason = str(result.stop_reason or "")
+    msg.error_estimate = float(result.error_estimate)
     return msg
 
 
@@ -59,7 +60,8 @@ def request_from(msg, request_id: str = "") -> QueryRequest:
                         request_id=request_id, messages=[ChatTurn(m.role, m.content) for m in msg.messages],
                         json_schema=msg.json_schema, stop=list(msg.stop),
                         temperature=None if msg.temperature < 0 else float(msg.temperature),
-                        seed=None if msg.seed < 0 else int(msg.seed))
+                        seed=None if msg.seed < 0 else int(msg.seed),
+                        approx_error_bound=float(msg.approx_error_bound))
 
 
 def thermal_status(r: ThermalReading, warn_c: float, critical_c: float, stamp) -> ThermalStatus:

@@ -379,7 +379,8 @@ class SimLLMNode(LifecycleNode):
                     time.monotonic(), stats, thermal.state if thermal is not None else ThermalState(), reading,
                     engine.settings, health.BackendFacts.of(engine.backend), state=self.state_label(),
                     queue_limit=server.queue_limit if server is not None else engine.settings.queue_limit,
-                    fleet=engine.fleet.status() if engine.fleet is not None else None)
+                    fleet=engine.fleet.status() if engine.fleet is not None else None,
+                    approx=engine.error_bound.summary())
                 self._pub_diag.publish(messages.diagnostics(h, diagnostic_name(self.get_fully_qualified_name()), now))
         with self._telemetry_part("cache_map"):
             if self._pub_map is not None:

@@ -1,0 +1,158 @@
+"""approx_error_bound against fixed thresholds, side by side in one run on the embedded model.
+
+Workload from ../shared/data/clinc150: phrasings of one intent asked one after another (paraphrases: the
+ANSWER and SEMANTIC tiers' chance), and one-word edits of them (traps: "today" -> "tomorrow", "can" ->
+"cannot", ...), in a shuffled stream asked twice. The model's own answer to every question (empty pool, the
+same settings) is the reference. Each configuration starts with an empty pool and no labels, and the engine
+does its idle work (pending exact prefills, audits) between requests, as a node does when no request waits:
+  lossless         approx_error_bound 0: never approximate
+  fixed 0.90/0.95  approx_error_bound 1 (no bound): the fixed thresholds alone (answer_threshold 0.90/0.95,
+                   cache_threshold 0.8), as before the bound existed
+  bound δ          approx_error_bound δ in 0.01, 0.02, 0.05, 0.1 with loose thresholds (0.6): the bound decides
+Printed per configuration: share served approximately, the observed share of approximate answers that differ
+from the model's own with its 95% interval, the share of all answers that differ, mean and p95 total time.
+
+Usage: .venv/bin/python benchmark/error_bound.py [--intents 8] [--per-intent 4] [--new 16]"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SWAPS = [("today", "tomorrow"), ("tomorrow", "today"), ("morning", "evening"), ("before", "after"),
+         ("after", "before"), ("can", "cannot"), ("open", "closed"), ("my", "your"), ("left", "right"),
+         ("more", "less"), ("cheapest", "most expensive"), ("add", "remove"), ("on", "off"), ("up", "down"),
+         ("first", "last"), ("buy", "sell"), ("increase", "decrease"), ("start", "stop")]
+
+
+def trap_of(text: str) -> str | None:
+    """A one-word edit that changes the meaning, or None where no swap applies."""
+    for a, b in SWAPS:
+        new, n = re.subn(rf"\b{a}\b", b, text, count=1, flags=re.IGNORECASE)
+        if n:
+            return new
+    return None
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    c, s = p + z * z / (2 * n), z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5)
+    d = 1 + z * z / n
+    return max(0.0, (c - s) / d), min(1.0, (c + s) / d)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--intents", type=int, default=8)
+    ap.add_argument("--per-intent", type=int, default=4)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "error_bound.json"))
+    a = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(a.threads)
+    from simllm_ros.engine import Engine
+    from simllm_ros.error_bound import ErrorBound
+    from simllm_ros.model_backend import auto_dtype
+    from simllm_ros.request import CacheResult, QueryRequest
+    from simllm_ros.settings import Settings
+
+    lossless = dict(dtype="bfloat16", kv_bits=0) if auto_dtype("cpu")[0] == "bfloat16" else \
+        dict(dtype="float32", kv_bits=32)
+    path = os.path.join(ROOT, "..", "shared", "data", "clinc150", "train.jsonl")
+    by_intent: dict[str, list[str]] = {}
+    with open(path) as f:
+        for line in f:
+            d = json.loads(line)
+            by_intent.setdefault(d["intent"], []).append(d["text"])
+    rng = random.Random(7)
+    intents = [i for i in sorted(by_intent) if sum(trap_of(t) is not None for t in by_intent[i]) >= 2]
+    rng.shuffle(intents)
+    questions, kinds = [], {}
+    for intent in intents[:a.intents]:
+        phr = [t for t in by_intent[intent] if len(t.split()) >= 4][:a.per_intent]
+        for t in phr:
+            questions.append(t)
+            kinds[t] = "paraphrase"
+        for t in [t for t in by_intent[intent] if trap_of(t)][:2]:
+            trap = trap_of(t)
+            questions.append(trap)
+            kinds[trap] = "trap"
+    stream = questions + rng.sample(questions, len(questions))
+
+    base = Engine(Settings.from_overrides(cache_size="512MB", **lossless))
+    base.load(lambda m: None)
+
+    def req(q):
+        return QueryRequest(prompt=q, cache_scope="kiosk", max_new_tokens=a.new, allow_approximate=True)
+
+    ref_engine = base.fork(base.settings.replace(approx_error_bound=0.0, answer_memo=False))
+    reference = {}
+    for q in sorted(set(stream)):
+        ref_engine.clear_pool()
+        reference[q] = ref_engine.handle(req(q)).answer
+    ref_engine.unload()
+
+    configs = [("lossless", dict(approx_error_bound=0.0))]
+    for t in (0.9, 0.95):
+        configs.append((f"fixed {t:.2f}", dict(approx_error_bound=1.0, answer_threshold=t, cache_threshold=0.8)))
+    for d in (0.01, 0.02, 0.05, 0.1):
+        configs.append((f"bound {d:g}", dict(approx_error_bound=d, answer_threshold=0.6, cache_threshold=0.6)))
+    rows = []
+    for name, kw in configs:
+        e = base.fork(base.settings.replace(enable_answer_cache=True, answer_max_age_s=1e6, **kw))
+        e.error_bound = ErrorBound(seed=1)
+        approx = differ_approx = differ_all = 0
+        trap_wrong = 0
+        times = []
+        for q in stream:
+            r = e.handle(req(q))
+            assert r.success, r.error
+            times.append(r.total_ms)
+            wrong = r.answer != reference[q]
+            differ_all += wrong
+            if r.cache_result in (CacheResult.SEMANTIC, CacheResult.ANSWER):
+                approx += 1
+                differ_approx += wrong
+                trap_wrong += wrong and kinds[q] == "trap"
+            while e.has_idle_work():
+                e.idle_work()
+        lo, hi = wilson(differ_approx, approx)
+        rows.append({"config": name, "requests": len(stream), "approximate": approx,
+                     "approx_share": approx / len(stream), "approx_differ": differ_approx,
+                     "approx_differ_rate": differ_approx / approx if approx else 0.0, "ci95": [lo, hi],
+                     "all_differ": differ_all, "traps_served_wrong": trap_wrong,
+                     "mean_ms": statistics.mean(times), "p95_ms": sorted(times)[int(0.95 * (len(times) - 1))],
+                     "labels": len(e.error_bound)})
+        print(json.dumps(rows[-1]), flush=True)
+        e.unload()
+    base.unload()
+    report = {"questions": len(questions), "traps": sum(k == "trap" for k in kinds.values()),
+              "stream": len(stream), "new_tokens": a.new, "rows": rows}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print("\n| config | approximate | differ among approximate (95% CI) | all answers differing | traps served wrong "
+          "| mean ms | p95 ms |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['approximate']}/{r['requests']} | {r['approx_differ']} "
+              f"({100 * r['approx_differ_rate']:.0f}%, {100 * r['ci95'][0]:.0f}-{100 * r['ci95'][1]:.0f}%) "
+              f"| {r['all_differ']} | {r['traps_served_wrong']} | {r['mean_ms']:.0f} | {r['p95_ms']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""How often an approximate answer differs from the model's own, learnt from the node's own verifications.
+
+A fixed cosine threshold cannot know which neighbours are safe: the same similarity is safe for one cached
+task and wrong for another. The node gets labels for free: every lossless request that had a stored answer
+of a similar task within reach learns whether serving that answer (the ANSWER tier) would have given the
+model's own answer, and idle-time audits learn the same for SEMANTIC reuse. An approximate answer is served
+only where a one-sided 95% upper confidence bound on its chance of differing is at most the caller's bound δ
+(approx_error_bound), estimated where the node has data: the entry itself first (an entry that was wrong at a
+similarity is never served at that similarity or below again), then its scope, then all scopes; with too few
+labels the bound is 1 and the request takes the lossless path (cold start = lossless). A share of the hits
+that pass is still verified (exploration), so the estimate keeps learning.
+
+Labels are a bounded list (newest kept), persisted as JSON with the numerics digest beside the pool snapshot.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import random
+import threading
+
+from .safe_io import read_regular
+
+TIERS = ("answer", "semantic")
+MAX_LABELS = 20000
+MIN_LABELS = 20  # fewer labels at or above a similarity than this: no estimate at that level
+EXPLORE_RATE = 0.1  # share of would-be approximate hits verified anyway (their labels keep the estimate honest)
+Z95 = 1.6449  # one-sided 95%
+FILE_NAME = "error_bound.json"
+FORMAT = 1
+
+
+def wilson_upper(wrong: int, n: int, z: float = Z95) -> float:
+    """One-sided upper confidence bound of a binomial rate (Wilson score); 1.0 without data."""
+    if n <= 0:
+        return 1.0
+    p = wrong / n
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return min(1.0, (centre + spread) / (1 + z * z / n))
+
+
+@dataclasses.dataclass(frozen=True)
+class Label:
+    tier: str
+    scope: str
+    entry: str  # the cached task's id (kv_pool.task_id): the same after a restart
+    similarity: float
+    wrong: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The bound a decision was taken on: `upper` (the 95% upper bound on the chance of a different answer),
+    the rate observed, the labels behind it and where they came from (entry, scope, all, none)."""
+    upper: float
+    observed: float
+    n: int
+    level: str
+
+    def allows(self, delta: float) -> bool:
+        return delta > 0 and self.upper <= delta
+
+
+NO_DATA = Estimate(1.0, 0.0, 0, "none")
+
+
+class ErrorBound:
+    def __init__(self, max_labels: int = MAX_LABELS, seed: int = 0):
+        self._labels: collections.deque[Label] = collections.deque(maxlen=max_labels)
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self.served = collections.Counter()  # (tier, scope) -> approximate answers served
+        self.explored = collections.Counter()  # (tier, scope) -> would-be hits verified instead
+        self.changes = 0  # labels recorded since the last save
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def record(self, tier: str, scope: str, entry: str, similarity: float, wrong: bool) -> None:
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}")
+        with self._lock:
+            self._labels.append(Label(tier, scope, str(entry), float(similarity), bool(wrong)))
+            self.changes += 1
+
+    def estimate(self, tier: str, scope: str, entry: str, similarity: float) -> Estimate:
+        """The bound for serving `entry`'s reuse at `similarity`: from the labels of this tier at this similarity
+        or above, the entry's own (a wrong one refuses), else the scope's, else all scopes'."""
+        with self._lock:
+            above = [lb for lb in self._labels if lb.tier == tier and lb.similarity >= similarity]
+        own = [lb for lb in above if lb.scope == scope and lb.entry == entry]
+        if any(lb.wrong for lb in own):
+            wrong = sum(lb.wrong for lb in own)
+            return Estimate(1.0, wrong / len(own), len(own), "entry")
+        for level, labels in (("scope", [lb for lb in above if lb.scope == scope]), ("all", above)):
+            if len(labels) >= MIN_LABELS:
+                wrong = sum(lb.wrong for lb in labels)
+                return Estimate(wilson_upper(wrong, len(labels)), wrong / len(labels), len(labels), level)
+        return NO_DATA
+
+    def explore(self) -> bool:
+        """Whether to verify this would-be approximate hit anyway."""
+        with self._lock:
+            return self._rng.random() < EXPLORE_RATE
+
+    def summary(self) -> dict[str, dict]:
+        """Per tier and scope: labels, observed rate of different answers with its 95% interval, served."""
+        with self._lock:
+            labels = list(self._labels)
+            served, explored = dict(self.served), dict(self.explored)
+        out: dict[str, dict] = {}
+        groups: dict[tuple[str, str], list[Label]] = collections.defaultdict(list)
+        for lb in labels:
+            groups[lb.tier, lb.scope].append(lb)
+        for key in sorted(set(groups) | set(served)):
+            g = groups.get(key, [])
+            wrong = sum(lb.wrong for lb in g)
+            out[f"{key[0]}/{key[1]}"] = {
+                "labels": len(g), "observed": wrong / len(g) if g else 0.0,
+                "low": 1.0 - wilson_upper(len(g) - wrong, len(g), 1.96) if g else 0.0,
+                "high": wilson_upper(wrong, len(g), 1.96) if g else 1.0,
+                "served": served.get(key, 0), "explored": explored.get(key, 0)}
+        return out
+
+    # ---- persistence --------------------------------------------------------------------------------
+    def save(self, folder: str, digest: str) -> str:
+        """Write the labels atomically beside the pool snapshot; returns the path."""
+        with self._lock:
+            data = {"format": FORMAT, "digest": digest,
+                    "labels": [[lb.tier, lb.scope, lb.entry, round(lb.similarity, 6), int(lb.wrong)]
+                               for lb in self._labels]}
+            self.changes = 0
+        path = os.path.join(folder, FILE_NAME)
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    def load(self, folder: str, digest: str) -> int:
+        """Labels from a saved file of the same numerics digest; returns how many. Raises ValueError with the
+        reason for a file that is not ours, damaged or foreign (and keeps the labels it had)."""
+        path = os.path.join(folder, FILE_NAME)
+        if not os.path.exists(path):
+            return 0
+        try:
+            data = json.loads(read_regular(path, 64 * 2**20).decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{path}: unreadable ({e})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("labels"), list):
+            raise ValueError(f"{path}: not an error-bound file of format {FORMAT}")
+        if data.get("digest") != digest:
+            raise ValueError(f"{path}: written by a process computing other bits (digest {data.get('digest')!r})")
+        got = []
+        for row in data["labels"]:
+            if (not isinstance(row, list) or len(row) != 5 or row[0] not in TIERS or not isinstance(row[1], str)
+                    or not isinstance(row[2], str) or not isinstance(row[3], (int, float))
+                    or not 0.0 <= float(row[3]) <= 1.0 + 1e-6 or row[4] not in (0, 1)):
+                raise ValueError(f"{path}: malformed label {str(row)[:80]}")
+            got.append(Label(row[0], row[1], row[2], float(row[3]), bool(row[4])))
+        with self._lock:
+            self._labels.clear()
+            self._labels.extend(got)
+            self.changes = 0
+        return len(got)
