@@ -44,6 +44,7 @@ BENCHMARKS = {
     "delta_storage": "would storing near-duplicate entries as reference + difference save memory",
     "idle_cpu": "CPU an active node spends while nobody asks it anything",
     "fleet_store": "the Redis fleet store: a new robot against cold, fetch against prefill, Redis faults",
+    "error_bound": "approx_error_bound against fixed thresholds on clinc150 paraphrases and one-word-edit traps",
 }
 
 

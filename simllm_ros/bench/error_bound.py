@@ -12,7 +12,7 @@ does its idle work (pending exact prefills, audits) between requests, as a node 
 Printed per configuration: share served approximately, the observed share of approximate answers that differ
 from the model's own with its 95% interval, the share of all answers that differ, mean and p95 total time.
 
-Usage: .venv/bin/python benchmark/error_bound.py [--intents 8] [--per-intent 4] [--new 16]"""
+Usage: .venv/bin/simllm-bench error_bound [--intents 8] [--per-intent 4] [--new 16]"""
 from __future__ import annotations
 
 import argparse
@@ -21,13 +21,10 @@ import os
 import random
 import re
 import statistics
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from .shared import REPO_ROOT as ROOT, RESULTS_DIR, offline
+
+offline()
 
 SWAPS = [("today", "tomorrow"), ("tomorrow", "today"), ("morning", "evening"), ("before", "after"),
          ("after", "before"), ("can", "cannot"), ("open", "closed"), ("my", "your"), ("left", "right"),
@@ -53,14 +50,14 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, (c - s) / d), min(1.0, (c + s) / d)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="simllm-bench error_bound", description=__doc__.split("\n")[0])
     ap.add_argument("--intents", type=int, default=8)
     ap.add_argument("--per-intent", type=int, default=4)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "error_bound.json"))
-    a = ap.parse_args()
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "error_bound.json"))
+    a = ap.parse_args(argv)
 
     import torch
 
