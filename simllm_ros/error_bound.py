@@ -107,6 +107,12 @@ class ErrorBound:
         with self._lock:
             return self._rng.random() < EXPLORE_RATE
 
+    def totals(self) -> dict:
+        """The kept labels in all tiers and scopes: checks, how many differed, the 95% upper bound of the rate."""
+        with self._lock:
+            n, wrong = len(self._labels), sum(lb.wrong for lb in self._labels)
+        return {"approx_checks": n, "approx_checks_differ": wrong, "approx_differ_high": wilson_upper(wrong, n, 1.96)}
+
     def summary(self) -> dict[str, dict]:
         """Per tier and scope: labels, observed rate of different answers with its 95% interval, served."""
         with self._lock:

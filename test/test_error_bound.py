@@ -189,3 +189,12 @@ def test_a_would_be_semantic_hit_is_answered_exactly_and_audited_at_idle_time(en
     assert len(engine.error_bound) == before + 1
     assert engine.error_bound.summary()["semantic/kiosk"]["labels"] == 1
     engine.error_bound = ErrorBound()
+
+
+def test_totals_for_cache_stats():
+    b = ErrorBound()
+    assert b.totals() == {"approx_checks": 0, "approx_checks_differ": 0, "approx_differ_high": 1.0}
+    for i in range(40):
+        b.record("answer", "s", f"t{i}", 0.9, wrong=i < 4)
+    t = b.totals()
+    assert t["approx_checks"] == 40 and t["approx_checks_differ"] == 4 and 0.1 < t["approx_differ_high"] < 0.25

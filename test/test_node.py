@@ -159,6 +159,7 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
     assert st.hit_rate_any_total > 0 and st.hit_rate_exact_total > 0
     assert st.ttft_miss_mean_ms > 0 and st.ttft_miss_p95_ms >= st.ttft_miss_mean_ms * 0.5
     assert st.queue_depth == 0 and st.stamp.sec > 0
+    assert st.approx_checks >= st.approx_checks_differ and 0.0 < st.approx_differ_high <= 1.0  # error_bound totals
 
     th = h.wait_message(f"{N}/thermal", timeout=10, after=after[f"{N}/thermal"])
     assert list(th.zone_names) == ["cpu-thermal", "gpu-thermal", "cv0-thermal"]

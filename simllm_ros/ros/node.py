@@ -370,7 +370,8 @@ class SimLLMNode(LifecycleNode):
                 self._pub_thermal.publish(messages.thermal_status(reading, thermal.monitor.warn_c,
                                                                   thermal.monitor.critical_c, now))
         with self._telemetry_part("cache_stats"):
-            stats = engine.stats(queue_depth=server.queue_depth if server is not None else 0)
+            stats = {**engine.stats(queue_depth=server.queue_depth if server is not None else 0),
+                     **engine.error_bound.totals()}
             if self._pub_stats is not None:
                 self._pub_stats.publish(messages.cache_stats(stats, now))
         with self._telemetry_part("diagnostics"):
