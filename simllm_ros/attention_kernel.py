@@ -48,10 +48,6 @@ THREAD_MIN_MACS = 30_000_000
 # rows from 0 364 vs 524 (threads started per pass: 440); one row over 10-40 keys the same either way.
 POOL_THREAD_MIN_MACS = 100_000
 
-_loaded: "AttentionKernel | None" = None
-_why_not: str | None = None
-
-
 
 @dataclasses.dataclass
 class PassPlan:
@@ -195,14 +191,13 @@ class AttentionKernel:
         return out
 
 
+_LOADER = build.Loader("SIMLLM_ATTENTION", "torch", "attention", AttentionKernel)
+
+
 def load() -> "AttentionKernel | None":
     """The kernel for this process (built on first use), or None with `why_not()` saying why."""
-    global _loaded, _why_not
-    if _loaded is not None or _why_not is not None:
-        return _loaded
-    _loaded, _why_not = build.load_kernel("SIMLLM_ATTENTION", "torch", "attention", AttentionKernel)
-    return _loaded
+    return _LOADER.load()
 
 
 def why_not() -> str | None:
-    return _why_not
+    return _LOADER.why_not

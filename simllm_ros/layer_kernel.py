@@ -40,10 +40,6 @@ class _Pass(ctypes.Structure):
 GLUE_MIN_ROWS = 8
 
 
-_loaded: "LayerKernel | None" = None
-_why_not: str | None = None
-
-
 class LayerKernel:
     """The compiled library: `silu_mul` for a layer's MLP run in Python, `Layers` for a runner's whole stack."""
 
@@ -164,14 +160,13 @@ class Layers:
                             self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())
 
 
+_LOADER = build.Loader("SIMLLM_LAYERS", "python", "layers", LayerKernel)
+
+
 def load() -> "LayerKernel | None":
     """The library for this process (built on first use), or None with `why_not()` saying why."""
-    global _loaded, _why_not
-    if _loaded is not None or _why_not is not None:
-        return _loaded
-    _loaded, _why_not = build.load_kernel("SIMLLM_LAYERS", "python", "layers", LayerKernel)
-    return _loaded
+    return _LOADER.load()
 
 
 def why_not() -> str | None:
-    return _why_not
+    return _LOADER.why_not

@@ -17,9 +17,6 @@ import torch
 
 from .kernels import build
 
-_loaded: "NormKernel | None" = None
-_why_not: str | None = None
-
 
 class NormKernel:
     def __init__(self, path: str):
@@ -53,14 +50,13 @@ class NormKernel:
         return y.view(x.shape)
 
 
+_LOADER = build.Loader("SIMLLM_NORM", "torch", "rmsnorm", NormKernel)
+
+
 def load() -> "NormKernel | None":
     """The kernel for this process (built on first use), or None with `why_not()` saying why."""
-    global _loaded, _why_not
-    if _loaded is not None or _why_not is not None:
-        return _loaded
-    _loaded, _why_not = build.load_kernel("SIMLLM_NORM", "torch", "rmsnorm", NormKernel)
-    return _loaded
+    return _LOADER.load()
 
 
 def why_not() -> str | None:
-    return _why_not
+    return _LOADER.why_not

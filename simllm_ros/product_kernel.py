@@ -76,28 +76,10 @@ def compare(mm: Callable, x: torch.Tensor, blob: torch.Tensor, n: int, want: tor
     return err, all(torch.equal(mm(x[i:i + r].contiguous(), blob, n), got[i:i + r]) for i, r in rows)
 
 
-class Loader:
-    """One kernel per process: built on first use, then every check in order (a new CPU or compiler falls back,
-    it does not answer wrongly); the first check's complaint is `why_not`. A kernel that passes lends its
-    workers to attention."""
+class Loader(build.Loader):
+    """build.Loader for a product kernel: one that passes its checks lends its workers to attention."""
 
     def __init__(self, env: str, off: str, library: str, make: Callable[[str], ProductKernel],
                  checks: Sequence[Callable[[ProductKernel], str | None]]):
-        self._args = (env, off, library, make)
-        self._checks = checks
-        self.kernel: ProductKernel | None = None
-        self.why_not: str | None = None
-
-    def load(self) -> ProductKernel | None:
-        if self.kernel is not None or self.why_not is not None:
-            return self.kernel
-        kernel, self.why_not = build.load_kernel(*self._args)
-        if kernel is None:
-            return None
-        for check in self._checks:
-            self.why_not = check(kernel)
-            if self.why_not:
-                return None
-        self.kernel = kernel
-        kernel_pool.lend_to_attention(kernel.pool_call)
-        return kernel
+        super().__init__(env, off, library, make, checks,
+                         then=lambda kernel: kernel_pool.lend_to_attention(kernel.pool_call))

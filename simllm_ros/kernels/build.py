@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from typing import Callable, Sequence
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
 # What the kernels' arithmetic promises (module doc): a new value wherever a change gives other bits by design.
@@ -115,3 +116,34 @@ def load_kernel(env: str, off: str, name: str, make):
         return make(build_anywhere(cc, name)), None
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         return None, f"could not build the {name} kernel: {e}"
+
+
+class Loader:
+    """One kernel per process, the same way for every wrapper: built on first use (load_kernel), then every
+    check in order (a new CPU or compiler falls back, it does not answer wrongly); the first complaint is
+    `why_not` and stands, so a refused kernel is not built or checked again. `then(kernel)` runs once on a kernel
+    that passed (the product kernels lend attention their workers)."""
+
+    def __init__(self, env: str, off: str, name: str, make: Callable[[str], object],
+                 checks: Sequence[Callable[[object], str | None]] = (), then: Callable[[object], None] | None = None):
+        self._args = (env, off, name, make)
+        self._checks = checks
+        self._then = then
+        self.kernel = None
+        self.why_not: str | None = None
+
+    def load(self):
+        """The kernel, or None with `why_not` saying why."""
+        if self.kernel is not None or self.why_not is not None:
+            return self.kernel
+        kernel, self.why_not = load_kernel(*self._args)
+        if kernel is None:
+            return None
+        for check in self._checks:
+            self.why_not = check(kernel)
+            if self.why_not:
+                return None
+        self.kernel = kernel
+        if self._then is not None:
+            self._then(kernel)
+        return kernel

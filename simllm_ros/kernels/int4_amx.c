@@ -15,7 +15,7 @@ typedef uint16_t bf16;
 
 typedef struct {
     const bf16 *x; long x_stride; const uint8_t *w; void *y; long y_stride;
-    int M, N, K; const float *xsum; int b0, b1; uint8_t *scratch;
+    int M, K; const float *xsum; int b0, b1; uint8_t *scratch;
 } job_t;
 
 static inline __m512 ld16_bf16(const bf16 *p) {
@@ -156,29 +156,8 @@ DEFINE_PART(part8, BLOB8, DEQUANT8, POST8, STORE8)
 
 int simllm_int4_init(void) { return amx_request(); }
 
-#include "pool.h"
-static job_t pool_jobs[MAXT];
-static void run(void *(*part)(void *), const bf16 *x, long x_stride, const uint8_t *w, void *y, long y_stride,
-                int M, int N, int K, float *xsum, uint8_t *scratch, long scratch_per_thread, int nthreads) {
-    int nb = N / 16;
-    if (nthreads > nb) nthreads = nb;
-    if (nthreads > MAXT) nthreads = MAXT;
-    if (nthreads > 1 && pthread_mutex_trylock(&pool_use) != 0) nthreads = 1;  /* busy: compute alone */
-    if (nthreads < 1) nthreads = 1;
-    job_t alone[1];
-    job_t *jobs = nthreads > 1 ? pool_jobs : alone;
-    for (int i = 0; i < nthreads; i++)
-        jobs[i] = (job_t){x, x_stride, w, y, y_stride, M, N, K, xsum, (int)((long)nb * i / nthreads),
-                          (int)((long)nb * (i + 1) / nthreads), scratch + i * scratch_per_thread};
-    if (nthreads == 1) { part(&jobs[0]); return; }
-    if (!pool_start(nthreads)) {  /* could not start workers: alone, the same bits */
-        job_t one = jobs[0]; one.b1 = nb;
-        part(&one);
-        pthread_mutex_unlock(&pool_use);
-        return;
-    }
-    pool_dispatch(part, jobs, sizeof(job_t), nthreads);
-}
+#include "product_run.h"
+PRODUCT_RUN(bf16, void, float, uint8_t)
 
 /* 4-bit weights, bf16 out. The group sums of x (each in input order, 16 groups to a vector) go first into
    xsum [M, K/32]. */

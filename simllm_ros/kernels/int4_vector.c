@@ -1,6 +1,6 @@
 #include <stdint.h>
 #include <string.h>
-#include "pool.h"
+#include "product_run.h"
 
 #define GROUP 32
 #define BLOB4 384  /* 16 outputs x one group: input k's 16 codes in 8 bytes at 8k (byte j: output j low, j + 8 high
@@ -95,7 +95,7 @@ static inline vw bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 
 typedef struct {
     const float *x; long x_stride; const uint8_t *w; float *y; long y_stride;
-    int M, K; const float *xsum; int b0, b1; float *buf;
+    int M, K; const float *xsum; int b0, b1; float *scratch;
 } job_t;
 
 /* One row, NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used. */
@@ -169,7 +169,7 @@ static void *NAME(void *arg) {                                                  
         }                                                                                                 \
         return 0;                                                                                         \
     }                                                                                                     \
-    float *dq = J->buf, *ob = J->buf + GROUP * 16;  /* decoded group; the chunk's sums [RCHUNK][16] */    \
+    float *dq = J->scratch, *ob = J->scratch + GROUP * 16;  /* decoded group; the chunk's sums [RCHUNK][16] */    \
     for (int r0 = 0; r0 < J->M; r0 += RCHUNK) {                                                           \
         const int R = J->M - r0 < RCHUNK ? J->M - r0 : RCHUNK;                                            \
         for (int b = J->b0; b < J->b1; b++) {                                                             \
@@ -206,29 +206,7 @@ DEFINE_PART(part4, GROUP, BLOB4, CS4, DEC4, qrows4, row4_4, row4_1, 1)
 DEFINE_PART(part8, GROUP, BLOB8, CS8, DEC8, qrows8, row8_4, row8_1, 0)
 DEFINE_PART(part6, GROUP6, BLOB6, CS8, DEC8, qrows6, row6_4, row6_1, 0)
 
-static job_t pool_jobs[MAXT];
-
-static void run(void *(*part)(void *), const float *x, long x_stride, const uint8_t *w, float *y, long y_stride,
-                int M, int N, int K, const float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    const int nb = N / 16;
-    if (nthreads > nb) nthreads = nb;
-    if (nthreads > MAXT) nthreads = MAXT;
-    if (nthreads > 1 && pthread_mutex_trylock(&pool_use) != 0) nthreads = 1;  /* busy: compute alone */
-    if (nthreads < 1) nthreads = 1;
-    job_t alone[1];
-    job_t *jobs = nthreads > 1 ? pool_jobs : alone;
-    for (int i = 0; i < nthreads; i++)
-        jobs[i] = (job_t){x, x_stride, w, y, y_stride, M, K, xsum, (int)((long)nb * i / nthreads),
-                          (int)((long)nb * (i + 1) / nthreads), buf + i * buf_per_thread};
-    if (nthreads == 1) { part(&jobs[0]); return; }
-    if (!pool_start(nthreads)) {  /* could not start workers: alone, the same bits */
-        job_t one = jobs[0]; one.b1 = nb;
-        part(&one);
-        pthread_mutex_unlock(&pool_use);
-        return;
-    }
-    pool_dispatch(part, jobs, sizeof(job_t), nthreads);
-}
+PRODUCT_RUN(float, float, const float, float)
 
 /* Floats per thread for run's buffers: a decoded group and a chunk's sums. */
 long simllm_vec_buffer_floats(void) { return GROUP * 16 + RCHUNK * 16; }
