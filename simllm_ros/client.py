@@ -184,8 +184,9 @@ def _request_fields(fields: dict) -> dict:
                            for m in out["messages"]]
     if "stop" in out:
         out["stop"] = list(out["stop"])
-    if "temperature" in out:
-        out["temperature"] = float(out["temperature"])
+    for name in ("temperature", "approx_error_bound"):
+        if name in out:
+            out[name] = float(out[name])
     return out
 
 

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=-1.0, metavar="T", help="sampling temperature; "
                    "negative: the node's")
     p.add_argument("--seed", type=int, default=-1, help="sampling seed; negative: the node's")
+    p.add_argument("--approx-error-bound", type=float, default=-1.0, metavar="D",
+                   help="δ: an approximate answer only where its learnt chance of differing is <= D; negative: the node's")
     p.add_argument("--stream", action="store_true",
                    help="use the ~/generate action: the answer is printed as it grows (stdout), the result JSON "
                         "goes to stderr; Ctrl-C cancels the goal")
@@ -66,7 +68,8 @@ def _fields(args, parser, context: str) -> dict:
         messages.append(ChatMessage(role=role, content=text))
     return dict(prompt=" ".join(args.prompt), context=context, cache_scope=args.scope,
                 max_new_tokens=args.max_new_tokens, allow_approximate=not args.no_approximate, messages=messages,
-                json_schema=schema, stop=list(args.stop), temperature=float(args.temperature), seed=int(args.seed))
+                json_schema=schema, stop=list(args.stop), temperature=float(args.temperature), seed=int(args.seed),
+                approx_error_bound=float(args.approx_error_bound))
 
 
 def response_to_dict(resp) -> dict:
