@@ -19,30 +19,27 @@ static inline float inv_rms(float acc[16], int E, float eps) {
     return 1.0f / sqrtf(acc[0] / (float)E + eps);
 }
 
-/* y[m] = w * bf16(x[m] / sqrt(mean(x[m]^2) + eps)), E a multiple of 16. x rows at x_stride (0: one row
-   repeated), y rows contiguous. */
-void simllm_rmsnorm_bf16(const bf16 *x, long x_stride, const bf16 *w, bf16 *y, int M, int E, float eps) {
-    for (int m = 0; m < M; m++) {
-        const bf16 *xr = x + (long)m * x_stride;
-        bf16 *yr = y + (long)m * E;
-        float acc[16] = {0};
-        for (int k = 0; k < E; k += 16)
-            for (int l = 0; l < 16; l++) { float v = f32(xr[k + l]); acc[l] = fmaf(v, v, acc[l]); }
-        const float r = inv_rms(acc, E, eps);
-        for (int k = 0; k < E; k++) yr[k] = to_bf16(f32(w[k]) * f32(to_bf16(f32(xr[k]) * r)));
-    }
+/* One row at a time: the squares (as IN gives x's elements in float32) summed by inv_rms, then y = OUT(w, x, r). x
+   rows at x_stride (0: one row repeated), y rows contiguous, E a multiple of 16. */
+#define DEFINE_RMSNORM(NAME, T, IN, OUT)                                                                  \
+void NAME(const T *x, long x_stride, const T *w, T *y, int M, int E, float eps) {                         \
+    for (int m = 0; m < M; m++) {                                                                         \
+        const T *xr = x + (long)m * x_stride;                                                             \
+        T *yr = y + (long)m * E;                                                                          \
+        float acc[16] = {0};                                                                              \
+        for (int k = 0; k < E; k += 16)                                                                   \
+            for (int l = 0; l < 16; l++) { float v = IN(xr[k + l]); acc[l] = fmaf(v, v, acc[l]); }       \
+        const float r = inv_rms(acc, E, eps);                                                             \
+        for (int k = 0; k < E; k++) yr[k] = OUT(w[k], xr[k], r);                                          \
+    }                                                                                                     \
 }
 
-/* The same in float32 (the 4-bit float32 runner: int4_vector_kernel): y[m] = w * (x[m] * r), the sum of squares
-   in the same 16 lanes and tree. */
-void simllm_rmsnorm_f32(const float *x, long x_stride, const float *w, float *y, int M, int E, float eps) {
-    for (int m = 0; m < M; m++) {
-        const float *xr = x + (long)m * x_stride;
-        float *yr = y + (long)m * E;
-        float acc[16] = {0};
-        for (int k = 0; k < E; k += 16)
-            for (int l = 0; l < 16; l++) acc[l] = fmaf(xr[k + l], xr[k + l], acc[l]);
-        const float r = inv_rms(acc, E, eps);
-        for (int k = 0; k < E; k++) yr[k] = w[k] * (xr[k] * r);
-    }
-}
+/* bf16: y[m] = w * bf16(x[m] / sqrt(mean(x[m]^2) + eps)), rounded to bf16 as transformers rounds. */
+#define BF16_OUT(w, x, r) to_bf16(f32(w) * f32(to_bf16(f32(x) * (r))))
+DEFINE_RMSNORM(simllm_rmsnorm_bf16, bf16, f32, BF16_OUT)
+
+/* float32 (the 4-bit float32 runner: int4_vector_kernel): y[m] = w * (x[m] * r), the sum of squares in the same
+   16 lanes and tree. */
+#define F32_IN(x) (x)
+#define F32_OUT(w, x, r) ((w) * ((x) * (r)))
+DEFINE_RMSNORM(simllm_rmsnorm_f32, float, F32_IN, F32_OUT)
