@@ -1,0 +1,442 @@
+"""One request through the pipeline, alone or in a batch: plan -> prefill -> decode -> conclude.
+
+`_plan` turns a prepared request (its fingerprint on the way) into the result at once (an identical request's
+stored answer, the ANSWER tier, a refusal) or a `Flight`: the match and the reuse plan, the error bound's word on
+an approximate plan, and the room its KV buffer needs. `_prefill` builds the prompt's cache as the plan says
+(exact prefix, SEMANTIC repair, or a whole prefill), `_after_prefill` adds what needed the fingerprint (drafts,
+the reported similarity), and `_conclude` turns the generation into the result and lets the pool, the memo, the
+fleet and the error bound learn from it (request_memory). `_execute` runs these in a row for one request alone;
+batching.py runs the same phases for several requests in one forward pass. Mixed into engine.Engine, whose state
+these methods read and write.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from . import approx_gate, compute_threads, reuse_planner, semantic_reuse
+from .answer_memo import Memo, Signature
+from .decoding import Constraint, Decoder, Generation
+from .draft_proposer import DraftProposer
+from .fingerprint import context_digest
+from .kv_pool import PrefixHit
+from .request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
+from .semantic_log import request_record
+from .streaming import AnswerWatcher
+from .structured_output import CompiledSchema
+from .thermal import ThermalLevel
+
+
+@dataclasses.dataclass
+class Prepared:
+    req: QueryRequest
+    fingerprints: concurrent.futures.Future  # [n, dim] of the batch this request was prepared in; row `row`
+    question: str
+    t_arrival: float  # perf_counter when the request reached the engine: TTFT counts from here
+    schema: CompiledSchema | None = None  # the compiled json_schema, when the request has one
+    row: int = 0
+
+    @property
+    def fingerprint(self) -> np.ndarray:
+        """The question's fingerprint. It is computed while the request is planned and prefilled, so the
+        first use may wait for it; an embedder failure raises here and fails this request."""
+        return self.fingerprints.result()[self.row]
+
+
+KV_SLOT_STEP = 128  # a request's KV buffer holds a multiple of this many token slots (<= 3 MB more at 16 bits)
+
+
+def task_digest(req: QueryRequest) -> str:
+    """What must be identical for a stored answer to fit a request (the ANSWER tier): the context, and for a
+    conversation, structured output or stop strings also the earlier turns, the schema and the stops."""
+    history = [[t.role, t.content] for t in req.turns()[:-1]]
+    if not (history or req.json_schema or req.stop):
+        return context_digest(req.context)
+    extra = json.dumps({"history": history, "json_schema": req.json_schema, "stop": list(req.stop)},
+                       ensure_ascii=False, sort_keys=True)
+    return context_digest(req.context + "\x1f" + extra)
+
+
+@dataclasses.dataclass
+class MemoPlan:
+    """What the decision log records for an answer from the memo: the prompt's own pool entry, exact."""
+
+    source_key: int
+    source_question: str
+    tier: CacheResult = CacheResult.EXACT_PREFIX
+    similarity: float = 1.0
+    reason: str = "identical request: the stored answer (answer_memo)"
+
+
+@dataclasses.dataclass
+class Flight:
+    """A request between its plan and its result: the engine's state for it while it is prefilled and decoded
+    (alone in execute(), or among others in step())."""
+
+    p: Prepared
+    plan: reuse_planner.ReusePlan
+    tokens: list[int]
+    res: QueryResult  # filled in as it goes
+    digest: str
+    now: float
+    poolable: bool
+    lossless: bool
+    plan_ms: float
+    max_new: int
+    reserve: int  # KV room beyond the prompt: the answer and a draft
+    early: "semantic_reuse.Ahead | None" = None  # a SEMANTIC plan's early pass, run while the fingerprint was computed
+    use_drafts: bool = False  # drafts are built once the prompt is in (_after_prefill), with the fingerprint
+    similarity_pending: bool = False  # planned without the fingerprint: res.similarity comes after the prefill
+    drafts: DraftProposer | None = None
+    watch: AnswerWatcher | None = None  # stop strings, streaming, cancel
+    on_token: Callable[[list[int]], None] | None = None
+    constraint: Constraint | None = None  # the json_schema's grammar
+    temperature: float = 0.0
+    seed: int = 0
+    streaming: bool = False
+    cache: object = None
+    todo: int = 0  # prompt tokens (the last ones) still to prefill
+    decoder: Decoder | None = None
+    # (lead flight, slots, its cache, ours): our cache's first slots hold the lead's bits (ModelBackend.same_prefix),
+    # which a batched step's attention reads once for both; None: not shared (share_checked: looked already).
+    share: tuple | None = None
+    share_checked: bool = False
+    fleet_answer: list[int] | None = None  # another node's answer to this prompt (fleet store): a draft
+    candidate: "approx_gate.Candidate | None" = None  # the stored answer the ANSWER tier would have looked at
+    refused: "reuse_planner.ReusePlan | None" = None  # an approximate plan the error bound turned down
+    delta: float = 1.0  # the approx_error_bound this request is served under
+
+
+@dataclasses.dataclass
+class Observation:
+    """One executed request as an observer sees it (the benchmark): the plan, where the engine's own time
+    went (ms), and the first-token logits (None for ANSWER)."""
+
+    request_id: str
+    plan: reuse_planner.ReusePlan
+    plan_ms: float  # the whole reuse plan, match included
+    match_ms: float  # matcher lookup inside the plan
+    insert_ms: float  # pool update after generation
+    first_logits: torch.Tensor | None
+
+
+class RequestPipeline:
+    """The phases of one request (see the module docstring); part of engine.Engine."""
+
+    def _execute(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> QueryResult:
+        f = self._plan(p, on_progress, should_stop)
+        if isinstance(f, QueryResult):
+            return f
+        logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve, f.early)
+        self._after_prefill(f)
+        gen = self.backend.decode(logits, f.cache, f.max_new, f.temperature, f.seed, t_start=p.t_arrival,
+                                  drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
+                                  constraint=f.constraint)
+        return self._conclude(f, gen)
+
+    def _plan(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
+        """A request's first phase: its prompt tokens and reuse plan; the result at once for the ANSWER tier
+        or a refusal, else a Flight whose prefill and decoding are still to run."""
+        s, req, backend, pool = self.settings, p.req, self.backend, self.pool
+        tokens = backend.chat_ids(s.system_prompt, req.context, req.turns())
+        if len(tokens) > s.max_prompt_tokens:
+            return QueryResult.failure(f"prompt and context are {len(tokens)} tokens; max_prompt_tokens is "
+                                       f"{s.max_prompt_tokens} (nothing is truncated)", req.request_id)
+        max_new = self._answer_length(req)
+        now = time.time()
+        self._refresh(now)
+        temperature = s.temperature if req.temperature is None else req.temperature
+        seed = s.seed if req.seed is None else req.seed
+        served = self._memo_answer(p, tokens, max_new, Signature.of(temperature, seed, req.stop, req.json_schema),
+                                   now, on_progress)
+        if served is not None:
+            return served
+        digest = task_digest(req)
+        # A sliding-window layer keeps only its window: past it, the cache no longer holds every token's KV.
+        poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
+        lossless = self.lossless_reuse
+        # Room in the KV buffer for the answer and a draft, the buffer sized in steps of KV_SLOT_STEP slots: the
+        # pool keeps it as the live prefix, and the next question on that context (a few tokens longer) fits.
+        reserve = -(-(len(tokens) + max_new + s.max_draft_tokens + 2) // KV_SLOT_STEP) * KV_SLOT_STEP - len(tokens)
+        # A lossless plan (exact prefix or miss) does not use the fingerprint: the plan and the prefill go ahead
+        # while it is computed, and what needs it (drafts, reported similarity, pool update) comes after.
+        defer = not req.allow_approximate
+        early, prefix = self._early_start(p, tokens, poolable, lossless, reserve)
+        fleet_answer = None
+        if self.fleet is not None:
+            prefix, fleet_answer = self._fleet_lookup(req.scope, tokens, prefix, reserve,
+                                                      want_kv=early is None and poolable and lossless)
+        t_plan = time.perf_counter()
+        plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=None if defer else p.fingerprint,
+                                  question=p.question, context_digest=digest,
+                                  allow_approximate=req.allow_approximate, settings=s,
+                                  semantic_supported=backend.semantic_supported, now=now, use_kv=poolable,
+                                  lossless_kv=lossless, kv_capacity=len(tokens) + reserve, prefix=prefix)
+        refused, estimate = None, 0.0
+        delta = approx_gate.request_bound(req.approx_error_bound, s.approx_error_bound)
+        if plan.tier in approx_gate.TIER_NAMES:
+            keep, _, est = approx_gate.gate(self.error_bound, plan, req.scope, pool.task_id(plan.source_key), delta)
+            estimate = est.upper if est.n else 0.0
+            if not keep:  # lossless instead: verified drafts; the refused plan is audited at idle time
+                refused, early = plan, None
+                plan = reuse_planner.plan(pool, tokens=tokens, scope=req.scope, fingerprint=p.fingerprint,
+                                          question=p.question, context_digest=digest, allow_approximate=False,
+                                          settings=s, semantic_supported=backend.semantic_supported, now=now,
+                                          use_kv=poolable, lossless_kv=lossless, kv_capacity=len(tokens) + reserve)
+                estimate = 0.0
+        plan_ms = (time.perf_counter() - t_plan) * 1000
+        if plan.tier != CacheResult.SEMANTIC:
+            early = None
+        res = QueryResult(success=True, cache_result=plan.tier, similarity=plan.similarity,
+                          prompt_tokens=len(tokens), request_id=req.request_id, error_estimate=estimate)
+        if plan.tier == CacheResult.ANSWER:  # unverified stored answer (opt-in): approximate
+            pool.touch([plan.source_key], now)
+            res.answer = plan.answer
+            res.reused_tokens = len(tokens)
+            res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
+            if on_progress is not None:
+                AnswerWatcher(backend.detokenize, on_progress=on_progress,
+                              cache_result=plan.tier).progress(res.answer, 0)
+            self._audit_later(p, tokens, digest, "answer", False, res.answer, max_new, temperature, seed, plan, delta)
+            self._log_decision(req, digest, plan, res)
+            self._observe(req, plan, plan_ms, 0.0, None)
+            return res
+        # Drafts are checked by the model; they keep the answer exact only on a batch-invariant backend.
+        use_drafts = s.enable_drafts and (backend.exact_chunking or req.allow_approximate)
+        watch = AnswerWatcher(backend.detokenize, stop=req.stop, on_progress=on_progress, cancelled=should_stop,
+                              cache_result=plan.tier)
+        return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, max_new,
+                      reserve=reserve, early=early, use_drafts=use_drafts, similarity_pending=defer, watch=watch,
+                      on_token=watch.on_token if (req.stop or on_progress) else None,
+                      constraint=p.schema.constraint() if p.schema is not None else None,
+                      temperature=temperature, seed=seed, streaming=on_progress is not None, fleet_answer=fleet_answer,
+                      refused=refused, delta=delta)
+
+    def _answer_length(self, req: QueryRequest) -> int:
+        """Tokens to generate: the request's, or the default; at most half the default while running hot."""
+        s = self.settings
+        max_new = req.max_new_tokens or s.max_new_tokens
+        if self.thermal_level >= ThermalLevel.WARN:
+            max_new = max(1, min(max_new, s.max_new_tokens // 2))
+        return max_new
+
+    def _refresh(self, now: float) -> None:
+        """Drop entries older than refresh_period_s (their KV or answer may be stale), at most once a second."""
+        period = self.settings.refresh_period_s
+        if period > 0 and now - self._last_refresh > 1.0:
+            self.pool.drop_older_than(period, now)
+            self._last_refresh = now
+
+    def _memo_answer(self, p: Prepared, tokens: list[int], max_new: int, signature: Signature, now: float,
+                     on_progress: Callable[[Progress], None] | None) -> QueryResult | None:
+        """An identical request's stored answer (answer_memo), exact: no prefill, no decode pass. None if there
+        is none for these tokens, this signature and max_new_tokens, or the backend is not batch-invariant."""
+        req = p.req
+        if not (self.settings.answer_memo and self.backend.exact_chunking) or not len(self.memo):
+            return None
+        same = self.pool.find(req.scope, tokens)
+        if same is None or not same.answer:
+            return None
+        served = self.memo.answer(same.key, same.answer, signature, max_new, self.backend.detokenize)
+        if served is None:
+            return None
+        self.pool.touch([same.key], now)
+        res = QueryResult(success=True, cache_result=CacheResult.EXACT_PREFIX, similarity=1.0,
+                          prompt_tokens=len(tokens), request_id=req.request_id, answer=served.text,
+                          reused_tokens=len(tokens), generated_tokens=served.tokens, stop_reason=served.stop_reason,
+                          exact=True)
+        if on_progress is not None:
+            AnswerWatcher(self.backend.detokenize, on_progress=on_progress,
+                          cache_result=CacheResult.EXACT_PREFIX).progress(res.answer, served.tokens)
+        res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
+        self._log_decision(req, task_digest(req), MemoPlan(same.key, req.question), res)
+        if self.fleet is not None and not self._warming:
+            self.fleet.publish(req.scope, tokens, answer_ids=None, question="", task=request_record(req),
+                               read_kv=None)
+        return res
+
+    def _early_start(self, p: Prepared, tokens: list[int], poolable: bool, lossless: bool, reserve: int
+                     ) -> tuple["semantic_reuse.Ahead | None", "PrefixHit | None | object"]:
+        """The early pass of a possible SEMANTIC plan, run while the question's fingerprint is still computed.
+
+        A SEMANTIC plan needs the fingerprint (to find the similar task), and its repair begins with an early
+        pass over the prompt that needs only the tokens. A new question's fingerprint takes the embedder ~10 ms
+        on its own thread, during which the model's thread would wait: it runs the early pass then, on this
+        thread alone (the fingerprint keeps the other cores: at 2 threads a dropped pass cost a miss +7 ms on
+        both cores, nothing measurable on one), and reads the entry the repair will most likely take; a SEMANTIC
+        plan takes both up, any other plan drops them. Only where a SEMANTIC plan can follow and is worth a head
+        start: approximate reuse allowed and possible, the scope holds a prefix of this prompt, and the prompt runs
+        on for at least min_semantic_tokens after it (a new question on a cached context leaves ~15 tokens, cheap to
+        compute: there the pass ahead cost 1.3-2.4 ms at one thread, for nothing). The pass starts after that prefix
+        where the prefix's KV is bitwise what a pass computes (lossless), so that it gives the bits the repair's
+        own early pass would. Returns it and the prefix read (for the planner, which would read it anyway), or
+        (None, reuse_planner.UNREAD). A fault here only costs the head start: the repair then runs its own."""
+        s, req, pool, backend = self.settings, p.req, self.pool, self.backend
+        if not (s.early_pass_ahead and req.allow_approximate and s.enable_semantic_reuse and backend.semantic_supported
+                and poolable and len(tokens) >= s.min_semantic_tokens and not p.fingerprints.done()):
+            return None, reuse_planner.UNREAD
+        prefix = pool.longest_prefix(req.scope, tokens, len(tokens) - 1, len(tokens) + reserve)
+        if prefix is None or len(tokens) - prefix.n_tokens < s.min_semantic_tokens:
+            return None, prefix
+        # The entry most likely to be the source: the newest holding the prefix (right where the scope has one
+        # task on this context; else a guess, read in time the thread would have waited anyway).
+        try:
+            with compute_threads.kernels_alone():
+                early = semantic_reuse.ahead(backend, pool, tokens, strict_layers=s.strict_layers, reserve=reserve,
+                                             prefix=(prefix.k, prefix.v) if lossless else None,
+                                             guess=max(prefix.entry_keys) if prefix.entry_keys else None)
+        except Exception as e:  # noqa: BLE001 - speculative work: the plan goes on without it
+            self.log.warning("early pass ahead failed (%s: %s); the repair runs its own", type(e).__name__, e)
+            return None, prefix
+        self.early_starts += 1
+        return early, prefix
+
+    def _fleet_lookup(self, scope: str, tokens: list[int], prefix, reserve: int, want_kv: bool):
+        """(The longer of this pool's exact prefix and the fleet's, where fetching beats prefilling; another
+        node's answer to this prompt, a draft, or None)."""
+        if want_kv and prefix is reuse_planner.UNREAD:
+            prefix = self.pool.longest_prefix(scope, tokens, len(tokens) - 1, len(tokens) + reserve)
+        have = prefix.n_tokens if want_kv and prefix else 0
+        got, answer = self.fleet.lookup(scope, tokens, have=have, limit=len(tokens) - 1,
+                                        capacity=len(tokens) + reserve,
+                                        prefill_s_per_token=self._prefill_s_per_token, want_kv=want_kv)
+        return (got or prefix), answer
+
+    def _prefill(self, plan: reuse_planner.ReusePlan, tokens: list[int], res: QueryResult, reserve: int,
+                 early: "semantic_reuse.Ahead | None" = None):
+        """Logits of the last prompt token and the prompt's cache (with room for `reserve` more tokens), built
+        as the plan says; counts the reused and recomputed tokens in res. early: see _early_start."""
+        if plan.tier == CacheResult.SEMANTIC:
+            s = self.settings
+            sp = semantic_reuse.run(self.backend, self.pool, plan, tokens, recompute_ratio=s.recompute_ratio,
+                                    gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers,
+                                    reserve=reserve, lossless_kv=self.lossless_reuse, early=early)
+            self.early_starts_used += early is not None
+            res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
+            return sp.logits, sp.cache
+        n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX else 0
+        res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
+        return self._prefill_exact(tokens, plan.prefix if n else None, reserve)
+
+    def _prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0):
+        """Exact prefill, on top of a pooled prefix's KV when there is one (requests and idle work alike)."""
+        if prefix is None:
+            return self.backend.prefill(tokens, reserve=reserve)
+        cache = self.backend.cache_from_tensors(prefix.k, prefix.v, reserve=len(tokens) - prefix.n_tokens + reserve)
+        return self.backend.prefill(tokens[prefix.n_tokens:], cache)
+
+    def _after_prefill(self, f: Flight) -> None:
+        """What needs the fingerprint, which had the plan and prefill's time to arrive: the drafts (answers of
+        similar tasks) and, for a plan made without it, the reported similarity (the most similar task of the
+        scope now, ranked as the planner ranks)."""
+        fp = f.p.fingerprint
+        if f.similarity_pending:
+            best = reuse_planner.ranked_matches(self.pool, fp, f.p.req.scope, f.now, self.settings, k=1)
+            f.plan.similarity = f.res.similarity = reuse_planner.reported_similarity(best[0].cosine) if best else 0.0
+            f.similarity_pending = False
+        if f.use_drafts and f.drafts is None:
+            f.drafts = self._draft_source(f.p.req, f.tokens, fp, f.now, f.fleet_answer)
+        if self._labels_from(f):
+            f.candidate = approx_gate.answer_candidate(self.pool, fp, f.p.req.scope, f.tokens, f.now, self.settings)
+
+    def _start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
+        """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
+        self._after_prefill(f)
+        f.decoder = self.backend.decoder(logits, f.max_new, f.temperature, f.seed, t_start=f.p.t_arrival,
+                                         drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
+                                         constraint=f.constraint)
+        if f.decoder.done:
+            f.decoder.gen.text = self.backend.detokenize(f.decoder.gen.tokens)
+            return self._conclude(f, f.decoder.gen)
+        return None
+
+    def _conclude(self, f: Flight, gen: Generation) -> QueryResult:
+        """A request's last phase: its result from the generation; the pool learns the prompt's KV."""
+        req, res, backend, watch = f.p.req, f.res, self.backend, f.watch
+        res.answer = watch.final_text(gen.text)
+        if res.answer == gen.text and gen.tokens:  # the ids the model chose: a draft of this answer re-tokenized
+            self._keep_answer_ids(res.answer, list(gen.tokens))  # from its text may differ (token boundaries)
+        res.stop_reason = "stop" if watch.stop_hit else gen.stopped
+        res.generated_tokens = len(gen.tokens)
+        res.ttft_ms = gen.ttft_s * 1000
+        res.draft_tokens_proposed, res.draft_tokens_accepted = gen.draft_proposed, gen.draft_accepted
+        res.decode_passes = gen.forward_passes
+        res.decode_passes_saved = max(0, gen.plain_passes - gen.forward_passes)
+        res.exact = (f.plan.tier == CacheResult.MISS or (f.plan.tier == CacheResult.EXACT_PREFIX and f.lossless)) \
+            and (f.drafts is None or backend.exact_chunking)
+        # Only a finished answer is stored (a draft source, an ANSWER candidate): a cancelled one, or JSON that
+        # max_new_tokens cut short, leaves the prompt's KV in the pool and nothing else.
+        finished = True
+        if watch.cancelled:
+            res.success, res.error, finished = False, CANCELLED_ERROR, False
+        elif f.constraint is not None and not f.constraint.is_terminated():
+            res.success, finished = False, False
+            res.error = ("json_schema: a stop string ended the answer before the JSON was complete; drop that stop "
+                         "string for JSON answers" if watch.stop_hit else
+                         f"json_schema: the answer reached max_new_tokens ({f.max_new}) before the JSON was "
+                         "complete; raise max_new_tokens or simplify the schema")
+        elif f.p.schema is not None and (bad := f.p.schema.answer_error(res.answer)) is not None:
+            # the last line: the grammar should make this impossible; never report such an answer a success
+            res.success, finished = False, False
+            res.error = f"json_schema: {bad}"
+            self.log.warning(f"request {req.request_id!r}: a constrained answer failed its schema: {bad}")
+        if f.streaming:
+            watch.progress(res.answer, len(gen.tokens))  # the last word, whatever the throttle held back
+        if finished:
+            self._remember_answer(req.scope, gen.tokens)
+        t_insert = time.perf_counter()
+        self._update_pool(f.p, f.plan, f.tokens, f.cache, f.digest, res.answer if finished else None, f.now,
+                          f.poolable)
+        if finished and res.success and res.exact and backend.exact_chunking and self.settings.answer_memo:
+            same = self.pool.find(req.scope, f.tokens)  # the entry that now holds this answer
+            if same is not None and same.answer == res.answer:
+                self.memo.remember(same.key, Memo(Signature.of(f.temperature, f.seed, req.stop, req.json_schema),
+                                                  res.answer, tuple(gen.tokens), res.stop_reason))
+        if self.fleet is not None and finished and res.success:
+            self._publish(f, gen, exact=res.exact)
+        if finished and res.success and self._labels_from(f):
+            if f.candidate is not None:  # would the stored answer of the most similar task have been right?
+                approx_gate.label(self.error_bound, req.scope, f.candidate, res.answer)
+            if f.refused is not None and f.refused.tier == CacheResult.SEMANTIC and res.exact:
+                self._audit_later(f.p, f.tokens, f.digest, "semantic", True, res.answer, f.max_new, f.temperature,
+                                  f.seed, f.refused, f.delta)
+            elif f.plan.tier == CacheResult.SEMANTIC:
+                self._audit_later(f.p, f.tokens, f.digest, "semantic", False, res.answer, f.max_new, f.temperature,
+                                  f.seed, f.plan, f.delta)
+        self._keep_live(f)
+        insert_ms = (time.perf_counter() - t_insert) * 1000
+        res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000
+        self._log_decision(req, f.digest, f.plan, res)
+        self._observe(req, f.plan, f.plan_ms, insert_ms, gen.first_logits)
+        return res
+
+    @staticmethod
+    def _labels_from(f: Flight) -> bool:
+        """Whether this request's answer can label a tier: plain greedy text (no stop strings, schema or
+        sampling, whose answers another request's settings would not reproduce) of a request that allows
+        approximation or could (labels come from everyone's traffic)."""
+        req = f.p.req
+        return f.temperature == 0 and not req.stop and not req.json_schema
+
+    def _audit_later(self, p: Prepared, tokens, digest, tier: str, served_exact: bool, served: str, max_new: int,
+                     temperature: float, seed: int, plan, delta: float) -> None:
+        """An approximate decision to check at idle time (approx_gate.audit), where a bound was asked."""
+        req = p.req
+        if delta >= 1.0 or temperature != 0 or req.stop or req.json_schema:
+            return
+        self.audits.append(approx_gate.Audit(tier, served_exact, req.scope, list(tokens), p.fingerprint, p.question,
+                                             digest, served, max_new, temperature, seed,
+                                             self.pool.task_id(plan.source_key), plan.similarity,
+                                             plan if served_exact else None))
+
+    def _observe(self, req: QueryRequest, plan, plan_ms: float, insert_ms: float, first_logits) -> None:
+        if self.observer is not None:
+            self.observer(Observation(req.request_id, plan, plan_ms, plan.match_ms, insert_ms, first_logits))
