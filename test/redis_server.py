@@ -78,3 +78,11 @@ class RedisServer:
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A redis-server for the test module (import this name into the module to use it)."""
+    server = RedisServer()
+    yield server
+    server.close()

@@ -8,20 +8,13 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticStatus
 
 from conftest import EDGE_YAML
-from redis_server import RedisServer
+from redis_server import redis_server  # noqa: F401 - the fixture
 from simllm_ros.request import CacheResult
 
 NODE = "simllm_node"
 CONTEXT = ("Depot bulletin: gate 3 is closed for resurfacing until Friday; trucks use gate 5. The charging bays "
            "B1-B4 are reserved for the night shift after 22:00. Forklift inspections run on Tuesday mornings. ") * 3
 Q = "Which gate should trucks use this week?"
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer()
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")

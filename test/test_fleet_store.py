@@ -9,7 +9,7 @@ import time
 import pytest
 
 from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
-from redis_server import RedisServer
+from redis_server import redis_server  # noqa: F401 - the fixture
 from simllm_ros import fleet_store
 from simllm_ros.fleet_store import BlobRefused, seal, unseal
 from simllm_ros.request import CacheResult, QueryRequest
@@ -33,13 +33,6 @@ def test_a_blob_is_refused_when_damaged_truncated_moved_or_keyed_with_another_se
         unseal(b"t" * 32, key, blob)
     assert fleet_store.scope_tag(secret, "a") != fleet_store.scope_tag(secret, "b")
     assert fleet_store.scope_tag(secret, "a") != fleet_store.scope_tag(b"t" * 32, "a")
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer()
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +177,7 @@ def test_a_killed_or_paused_redis_loses_no_request_and_the_node_reconnects(robot
         time.sleep(max(0.0, robot2.fleet.breaker.retry_at - time.monotonic()) + 0.05)
         ask(robot2, scope="k2")
     assert robot2.fleet.state == "connected" and robot2.fleet.reconnects
+    ask(robot2, scope="k3")
     assert robot2.fleet.flush()
     assert robot2.fleet.counters.published_answers >= 1  # writing again after the restart
 
