@@ -20,7 +20,6 @@ import hmac
 import json
 import logging
 import queue
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,58 +28,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-MAGIC = b"SIMLLMF1"
-MAC_BYTES = 32
+from .fleet_blob import DEFAULT_SECRET, BlobRefused, read_secret, scope_tag, seal, unseal
+
 BLOCK_TOKENS = 32  # tokens per shared KV block: the granularity of shared prefixes across prompts
-DEFAULT_SECRET = b"simllm-fleet-default-secret"  # without fleet_secret_file: scopes are walled by name only
 MAX_QUEUE = 64
 RECENT_PER_SCOPE = 256  # answers with fingerprints listed per scope: other nodes' drafts for similar questions
 MIRROR_REFRESH_S = 2.0  # a scope's listed answers are read again this often while the node asks in it
 MIRROR_SCOPES = 64  # scopes mirrored at most (those asked in most recently)
 _BACKOFF_S = (0.25, 0.5, 1.0, 2.0)
-
-
-class BlobRefused(ValueError):
-    """A blob that must not be used: damaged, truncated, foreign digest, wrong key or scope."""
-
-
-def _mac(secret: bytes, key: str, body: bytes) -> bytes:
-    return hmac.new(secret, key.encode() + b"\0" + body, hashlib.sha256).digest()
-
-
-def seal(secret: bytes, key: str, header: dict, payload: bytes) -> bytes:
-    """A blob for `key`: magic, header length, JSON header, payload, then a MAC over the key and all of it."""
-    h = json.dumps(header, separators=(",", ":")).encode()
-    body = MAGIC + struct.pack("<I", len(h)) + h + payload
-    return body + _mac(secret, key, body)
-
-
-def unseal(secret: bytes, key: str, blob: bytes) -> tuple[dict, bytes]:
-    """The header and payload of a blob stored under `key`, or BlobRefused saying why."""
-    if not isinstance(blob, (bytes, bytearray)) or len(blob) < len(MAGIC) + 4 + MAC_BYTES:
-        raise BlobRefused("truncated blob")
-    body, mac = bytes(blob[:-MAC_BYTES]), bytes(blob[-MAC_BYTES:])
-    if body[:len(MAGIC)] != MAGIC:
-        raise BlobRefused("not a simllm fleet blob")
-    if not hmac.compare_digest(mac, _mac(secret, key, body)):
-        raise BlobRefused("MAC mismatch (damaged, truncated, written under another key or scope, or another secret)")
-    (n,) = struct.unpack_from("<I", body, len(MAGIC))
-    start = len(MAGIC) + 4
-    if start + n > len(body):
-        raise BlobRefused("header runs past the blob")
-    try:
-        header = json.loads(body[start:start + n])
-    except ValueError as e:
-        raise BlobRefused(f"unreadable header: {e}") from None
-    if not isinstance(header, dict):
-        raise BlobRefused("header is not an object")
-    return header, body[start + n:]
-
-
-def scope_tag(secret: bytes, scope: str) -> str:
-    """The key tag of a scope: an HMAC of its name, so the name is not in Redis and other scopes' tags cannot be
-    derived from one's own (`simllm-fleet-tag` prints it for an ACL rule)."""
-    return hmac.new(secret, b"scope\0" + scope.encode(), hashlib.sha256).hexdigest()[:20]
 
 
 def _ids_bytes(tokens) -> bytes:
@@ -583,17 +538,6 @@ class FleetStore:
             self.redis.close()
         except Exception:  # noqa: BLE001
             pass
-
-
-def read_secret(path: str) -> bytes:
-    """The fleet secret from a file (its bytes, stripped); the default when no file is given."""
-    if not path:
-        return DEFAULT_SECRET
-    with open(path, "rb") as f:
-        data = f.read().strip()
-    if len(data) < 16:
-        raise ValueError(f"fleet_secret_file {path}: at least 16 bytes of secret expected")
-    return data
 
 
 def read_password(password: str, path: str) -> str | None:

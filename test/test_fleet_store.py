@@ -11,7 +11,7 @@ import pytest
 from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
 from redis_server import redis_server  # noqa: F401 - the fixture
 from simllm_ros import fleet_store
-from simllm_ros.fleet_store import BlobRefused, seal, unseal
+from simllm_ros.fleet_blob import BlobRefused, scope_tag, seal, unseal
 from simllm_ros.request import CacheResult, QueryRequest
 
 Q = "Which road should I take instead of Elm Street?"
@@ -31,8 +31,8 @@ def test_a_blob_is_refused_when_damaged_truncated_moved_or_keyed_with_another_se
         unseal(secret, "simllm:s:other:kv:0123", blob)  # the same bytes under another scope's key
     with pytest.raises(BlobRefused, match="MAC"):
         unseal(b"t" * 32, key, blob)
-    assert fleet_store.scope_tag(secret, "a") != fleet_store.scope_tag(secret, "b")
-    assert fleet_store.scope_tag(secret, "a") != fleet_store.scope_tag(b"t" * 32, "a")
+    assert scope_tag(secret, "a") != scope_tag(secret, "b")
+    assert scope_tag(secret, "a") != scope_tag(b"t" * 32, "a")
 
 
 @pytest.fixture(scope="module")
