@@ -9,6 +9,9 @@ does its idle work (pending exact prefills, audits) between requests, as a node 
   fixed 0.90/0.95  approx_error_bound 1 (no bound): the fixed thresholds alone (answer_threshold 0.90/0.95,
                    cache_threshold 0.8), as before the bound existed
   bound δ          approx_error_bound δ in 0.01, 0.02, 0.05, 0.1 with loose thresholds (0.6): the bound decides
+  per-entry        a vCache-style policy outside the engine: each cached task learns its own threshold from
+                   checks (its answer against the model's answer to a request it was the candidate for), serves
+                   its answer at or above it once 3 checks agreed there, and explores 10% of those hits
 Printed per configuration: share served approximately, the observed share of approximate answers that differ
 from the model's own with its 95% interval, the share of all answers that differ, mean and p95 total time.
 
@@ -50,6 +53,24 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, (c - s) / d), min(1.0, (c + s) / d)
 
 
+class PerEntryThreshold:
+    """A vCache-style decision: a threshold per cached task from its own checks, no error bound across tasks."""
+
+    def __init__(self, seed: int = 1, min_agreed: int = 3, explore: float = 0.1):
+        self.checks: dict[str, list[tuple[float, bool]]] = {}
+        self.rng, self.min_agreed, self.explore = random.Random(seed), min_agreed, explore
+
+    def serve(self, task: str, sim: float) -> bool:
+        got = self.checks.get(task, [])
+        if any(not ok and s >= sim for s, ok in got):  # it was wrong at this similarity or above
+            return False
+        agreed = sum(ok and s <= sim for s, ok in got)  # it was right at this similarity or below
+        return agreed >= self.min_agreed and self.rng.random() >= self.explore
+
+    def record(self, task: str, sim: float, ok: bool) -> None:
+        self.checks.setdefault(task, []).append((sim, ok))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="simllm-bench error_bound", description=__doc__.split("\n")[0])
     ap.add_argument("--intents", type=int, default=8)
@@ -64,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     from simllm_ros.engine import Engine
     from simllm_ros.error_bound import ErrorBound
+    from simllm_ros.kv_pool import task_id
     from simllm_ros.model_backend import auto_dtype
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
@@ -137,6 +159,49 @@ def main(argv: list[str] | None = None) -> None:
                      "labels": len(e.error_bound)})
         print(json.dumps(rows[-1]), flush=True)
         e.unload()
+
+    # the vCache-style per-entry policy: the engine answers exactly (no approximate tier of its own), the policy
+    # serves a candidate's stored answer where its task's own checks allow
+    import time
+
+    e = base.fork(base.settings.replace(approx_error_bound=0.0))
+    policy = PerEntryThreshold()
+    approx = differ_approx = differ_all = trap_wrong = 0
+    times = []
+    for q in stream:
+        t0 = time.perf_counter()
+        fp = e.embed([q])[0]
+        cand = next((m for m in e.pool.best_matches(fp, "kiosk", time.time(), k=3, recency_weight=0.0,
+                                                     half_life_s=600.0)
+                     if m.entry.answer and m.cosine >= 0.6), None)
+        task = task_id(cand.entry.scope, cand.entry.tokens) if cand is not None else ""
+        if cand is not None and policy.serve(task, cand.cosine):
+            answer = cand.entry.answer
+            times.append((time.perf_counter() - t0) * 1000)
+            approx += 1
+            wrong = answer != reference[q]
+            differ_approx += wrong
+            trap_wrong += wrong and kinds[q] == "trap"
+        else:
+            r = e.handle(req(q))
+            assert r.success, r.error
+            times.append((time.perf_counter() - t0) * 1000)  # the policy's fingerprint and match, then the model
+            answer = r.answer
+            wrong = answer != reference[q]
+            if cand is not None:
+                policy.record(task, cand.cosine, cand.entry.answer == r.answer)
+        differ_all += wrong
+        while e.has_idle_work():
+            e.idle_work()
+    lo, hi = wilson(differ_approx, approx)
+    rows.append({"config": "per-entry (vCache-style)", "requests": len(stream), "approximate": approx,
+                 "approx_share": approx / len(stream), "approx_differ": differ_approx,
+                 "approx_differ_rate": differ_approx / approx if approx else 0.0, "ci95": [lo, hi],
+                 "all_differ": differ_all, "traps_served_wrong": trap_wrong,
+                 "mean_ms": statistics.mean(times), "p95_ms": sorted(times)[int(0.95 * (len(times) - 1))],
+                 "labels": sum(len(v) for v in policy.checks.values())})
+    print(json.dumps(rows[-1]), flush=True)
+    e.unload()
     base.unload()
     report = {"questions": len(questions), "traps": sum(k == "trap" for k in kinds.values()),
               "stream": len(stream), "new_tokens": a.new, "rows": rows}
