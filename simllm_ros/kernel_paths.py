@@ -1,0 +1,98 @@
+"""Which code computes each part of a model's passes (attention, 4-bit products, layer sequencing, norms): the
+kinds the engine reports and the lines of the load log; the load-time checks' key names them. KernelPaths is a
+part of ModelBackend (model_backend.py), split off to be read in one sitting.
+"""
+from __future__ import annotations
+
+from . import attention_kernel, gguf_weights, int4_kernel, layer_kernel, norm_kernel
+
+
+class KernelPaths:
+    """ModelBackend's kernel paths (a mixin: self is the backend, with its runner and weight_bits)."""
+
+    @property
+    def attention_kind(self) -> str:
+        """"kernel" (attention_kernel), "torch" (the runner's torch products) or "transformers" (no runner)."""
+        if self.runner is None:
+            return "transformers"
+        return "kernel" if self.runner.kernel is not None else "torch"
+
+    @property
+    def attention_arithmetic(self) -> str:
+        """"amx" (the kernel's AMX tiles, bf16), "vector" (its vector code) or "" (not the kernel)."""
+        r = self.runner
+        if r is None or r.kernel is None:
+            return ""
+        return "amx" if r.kernel.uses_amx(r.dtype, r.head_dim) else "vector"
+
+    @property
+    def attention_path(self) -> str:
+        """Which attention computes this model's passes, for the load log (the two round differently)."""
+        kind = self.attention_kind
+        if kind == "transformers":
+            return "transformers' own forward"
+        if kind == "kernel":
+            return f"simllm_ros C kernel, {self.attention_arithmetic} ({self.runner.kernel.path})"
+        why = attention_kernel.why_not() or "the kernel does not take this dtype, head size or device"
+        return f"torch products ({why})"
+
+    @property
+    def int4_kind(self) -> str:
+        """"amx" (int4_kernel), "vector" (int4_vector_kernel), "aten" (ATen's int4 kernel) or "" (not 4-bit)."""
+        if self.runner is None or self.weight_bits != 4:
+            return ""
+        return self.runner.int4.kind if self.runner.int4 is not None else "aten"
+
+    @property
+    def int4_path(self) -> str:
+        """Which kernel computes the 4-bit products, for the load log (the two round differently)."""
+        kind = self.int4_kind
+        if kind in ("amx", "vector"):
+            what = "AMX kernel, bf16" if kind == "amx" else "vector kernel, float32"
+            ggml = getattr(self.runner.lm_head, "ggml", None)
+            if self.runner.file is not None:  # the GGUF's own blocks, per tensor kind
+                kinds = {"q4": "4-bit step/base per 32", "q8": "8-bit scale per 32", "q6": "8-bit scale per 16"}
+                per = ", ".join(f"{name} {'/'.join(t)} -> {'/'.join(kinds[gguf_weights.KINDS[x]] for x in t)}"
+                                for name, t in self.runner.file.formats.items() if name in gguf_weights.PROJECTIONS)
+                head = f"{ggml} ({kinds[gguf_weights.KINDS[ggml]]})" if ggml else "16-bit"
+                emb = self.runner.file.embed
+                emb = f"{emb.ggml} blocks looked up from the file" if emb is not None else "float32"
+                return (f"simllm_ros {what} ({self.runner.int4.path}) on the file's own blocks: {per}; LM head {head}; "
+                        f"token embedding {emb}")
+            head = "8-bit (the file's Q8_0 codes)" if getattr(self.runner.lm_head, "bits", 16) == 8 else "16-bit"
+            return f"simllm_ros {what} ({self.runner.int4.path}); LM head {head}"
+        if kind == "aten":
+            return f"ATen's int4 kernel ({int4_kernel.why_not() or 'the shapes do not fit ours'})"
+        return "none (weights are not 4-bit)"
+
+    @property
+    def kernels_do_the_work(self) -> bool:
+        """Whether a pass's products and attention are our C kernels (4-bit AMX or vector products, attention
+        kernel): then the model's thread gives the cores to their workers rather than to torch's (compute_threads)."""
+        return self.runner is not None and self.runner.int4 is not None and self.runner.kernel is not None
+
+    @property
+    def layers_kind(self) -> str:
+        """"c" (layer_kernel: each pass's layers in one C call), "python" (layer by layer) or "" (no runner)."""
+        if self.runner is None:
+            return ""
+        return "c" if self.runner.fused is not None else "python"
+
+    @property
+    def layers_path(self) -> str:
+        """How the runner sequences a pass's layers, for the load log."""
+        if self.layers_kind == "c":
+            return f"one C call per pass ({self.runner.fused.kernel.path})"
+        if self.layers_kind == "python":
+            why = layer_kernel.why_not() or "not a 4-bit configuration on our products, norms and attention"
+            return f"Python, layer by layer ({why})"
+        return "transformers' own forward"
+
+    @property
+    def norm_path(self) -> str:
+        """Which code computes the RMSNorms, for the load log."""
+        if self.runner is None:
+            return "transformers' own forward"
+        k = self.runner.norm.kernel
+        return f"simllm_ros C kernel ({k.path})" if k is not None else \
+            f"transformers' module ({norm_kernel.why_not() or 'not a bf16 or float32 CPU model'})"

@@ -1,0 +1,154 @@
+"""The load-time checks and their cache: whether single rows and any cut of a sequence into passes give the
+same bits (the invariance probe), what a pass of m rows costs, and the numerics digest of this model, these
+settings, kernels and CPU. Measured once and kept in the cache folder (LOAD_CHECKS_FILE) under a key naming
+model content, settings, kernel builds, torch, CPU and threads; taken again only where the digest still holds.
+LoadChecks is a part of ModelBackend (model_backend.py), split off to be read in one sitting.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .kernels.build import CONTRACT
+from .model_files import default_cache_dir
+
+LOAD_CHECKS_FILE = "load_checks.json"
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags: what decides which kernel paths run."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.split(":")[0].strip() in ("model name", "flags",
+                                                                                       "Features", "CPU part")]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            got = json.load(f)
+        return got if isinstance(got, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _update_json(path: str, key: str, value, keep: int) -> None:
+    """Sets one key of a small JSON map (the newest `keep` entries), written atomically."""
+    data = _read_json(path)
+    data.pop(key, None)
+    data[key] = value
+    data = dict(list(data.items())[-keep:])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _try(fn, progress) -> None:
+    """A cache write that may fail (read-only folder, full disk) without failing the load."""
+    try:
+        fn()
+    except OSError as e:
+        progress(f"note: could not keep a cache file ({e}); the next load checks again")
+
+
+MAX_PASS_ROWS = 257  # a decode pass: the last token and a draft of up to 256 (max_draft_tokens' range)
+
+
+class LoadChecks:
+    """ModelBackend's load-time checks (a mixin: self is the backend)."""
+
+    def _load_checks(self, cache_dir: str, stamp: dict | None) -> tuple:
+        """(single rows, invariance probe, pass costs, numerics digest) for this model, these settings and kernels
+        on this CPU. Measured once (~15 s at 0.5B) and kept in the cache folder under a key naming everything that
+        decides them (model content, settings, kernel builds, torch, CPU model and flags, threads); a later load
+        takes them only where the numerics digest it computes again (one 16-token pass) is the one they were
+        measured with: same kernels, same CPU, same bits. Otherwise measured again."""
+        import hashlib
+
+        def measure():
+            single = self.runner is not None and self.runner.check_single_rows()
+            exact = self.invariance_probe()  # the probe runs with single rows as decided
+            costs = self.runner.pass_costs(MAX_PASS_ROWS) if self.runner is not None else None
+            return single, exact, costs, self.numerics_digest()
+
+        if self.runner is None:
+            return measure()
+        ident = json.dumps(stamp, sort_keys=True) if stamp else os.path.abspath(self._path)
+        what = [ident, self.device, self.dtype_name, self.weight_bits, CONTRACT, self.int4_path, self.attention_path,
+                self.layers_path, self.norm_path, torch.__version__, torch.get_num_threads(), _cpu_identity()]
+        key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
+        store = os.path.join(cache_dir or default_cache_dir(), LOAD_CHECKS_FILE)
+        kept = _read_json(store).get(key)
+        if isinstance(kept, dict) and kept.get("digest"):
+            self.runner.single_rows = bool(kept.get("single"))
+            if self.numerics_digest() == kept["digest"]:
+                costs = kept.get("costs")
+                return (bool(kept["single"]), bool(kept["exact"]), costs and [float(c) for c in costs],
+                        kept["digest"])
+        got = measure()
+        record = {"single": got[0], "exact": got[1], "costs": got[2], "digest": got[3]}
+        _try(lambda: _update_json(store, key, record, keep=64), self.progress)
+        return got
+
+    def invariance_probe(self) -> bool:
+        """Whether a token's logits and KV are bitwise the same however the sequence is cut into passes.
+
+        This is what makes exact-prefix reuse and draft verification lossless (see llama_runner). Checked
+        on this machine, at load (once per model and settings in a process), on a 48-token probe cut four
+        ways (whole, 17+1+12+18, ...), last-token logits after three prefixes, and a 24-token probe cut after
+        each of its first 16 tokens."""
+        if self.runner is None:
+            return False
+        ids = [int(t) % max(len(self.tokenizer), 1) for t in range(101, 101 + 48 * 97, 97)]
+        whole = self.new_cache(52)
+        ref = self.run(ids, whole, logits="all")
+        for cuts in ((17, 18, 30), (1, 2, 3, 47), (24,), (40, 41, 42, 43, 44, 45, 46, 47)):
+            cache = self.new_cache(52)
+            outs, s = [], 0
+            for c in list(cuts) + [len(ids)]:
+                outs.append(self.run(ids[s:c], cache, logits="all"))
+                s = c
+            if not torch.equal(torch.cat(outs), ref) or not torch.equal(cache.k[:, :, :48], whole.k[:, :, :48]) \
+                    or not torch.equal(cache.v[:, :, :48], whole.v[:, :, :48]):
+                return False
+        # A prefill's last-token logits (what the first answer token is picked from) take the same path.
+        for n in (47, 30, 1):  # the last n tokens in one pass, after the others in another
+            cache = self.new_cache(52)
+            self.run(ids[:48 - n], cache, logits="none")
+            if not torch.equal(self.run(ids[48 - n:], cache, logits="last"), ref[-1]):
+                return False
+        # Every cut of a short sequence after 1..16 tokens: kernels switch paths at small row and key counts.
+        # (A float32 attention passed every check above, yet changed the last logits after 11-15 of 24
+        # tokens here, and after a 2-token prefix of a real prompt.)
+        short = ids[:24]
+        last = self.run(short, self.new_cache(28), logits="last")
+        for p in range(1, 17):
+            cache = self.new_cache(28)
+            self.run(short[:p], cache, logits="none")
+            if not torch.equal(self.run(short[p:], cache, logits="last"), last):
+                return False
+        return True
+
+    def numerics_digest(self) -> str:
+        """A digest of the logits this process computes for a fixed 16-token sequence: the arithmetic of this
+        model, these settings, these kernels and this CPU. The same model gives other bits elsewhere (measured:
+        the same 4-bit model with oneDNN allowed AMX changed it; the thread count did not), and KV cached by
+        one arithmetic is not what another computes: a pool snapshot carries the digest, and a process whose
+        digest differs does not load it (persistence), so a lossless hit never serves another machine's KV. The
+        kernels' numerics contract (kernels/build.py CONTRACT) is hashed in: two machines with one digest run one
+        contract, and may share KV losslessly."""
+        import hashlib
+
+        ids = [int(t) % max(len(self.tokenizer), 1) for t in range(211, 211 + 16 * 89, 89)]
+        logits = self.run(ids, self.new_cache(len(ids) + 2), logits="all")
+        data = CONTRACT.encode() + b"\0" + logits.detach().float().cpu().contiguous().numpy().tobytes()
+        return hashlib.sha256(data).hexdigest()[:16]
