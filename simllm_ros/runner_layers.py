@@ -1,0 +1,190 @@
+"""LlamaRunner's steps inside a layer, shared by its passes (split from llama_runner, whose module doc says why each
+is row-invariant): the torch path's batched layers, attention and masks where the attention kernel does not run,
+the kernel's plans for sliding windows, RoPE tables and rotation, per-head q/k norms, the MLP and the residuals
+(Gemma's norms after attention and MLP), and the final logit soft-capping."""
+from __future__ import annotations
+
+import torch
+
+from . import attention_kernel
+from .kv_buffer import Seq
+
+
+class LayerSteps:
+    """Mixed into LlamaRunner: these methods read the attributes its __init__ sets (heads, RoPE, windows, norms,
+    kernels)."""
+
+    def _torch_batch_layers(self, seqs, spans, h, cos, sin, total):
+        """forward_batch's layers without the kernel: attention per sequence through `_attention`."""
+        G, D, Hkv, Hq = self.group, self.head_dim, self.n_kv, self.n_heads
+        blocked = []  # per sequence: True where a query may not attend (later slots, from column s.start on)
+        windows = []  # per sequence, sliding layers: {window: mask over every slot}
+        for s, (a, b) in zip(seqs, spans):
+            m, end = b - a, s.start + b - a
+            if m > 1:  # causal by slot, as `forward` builds it; query heads grouped by KV head
+                own = torch.arange(s.start, end, device=h.device)
+                blocked.append((own[None, :] > own[:, None]).repeat(G, 1))
+            else:
+                blocked.append(None)
+            windows.append(self._window_mask(s.start, m) if self.windowed and m else None)
+        for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
+            x = ln1(h)
+            q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, N, D], [Hkv, N, D] x 2
+            q = q * self.scale  # once for every sequence (elementwise: the same bits as per sequence)
+            attn = h.new_empty(total, Hq, D)  # each sequence's attention output lands in its rows
+            for s, (a, b), seq_blocked, seq_windows in zip(seqs, spans, blocked, windows):
+                m = b - a
+                if not m:
+                    continue
+                end = s.start + m
+                s.kv.k[li, :, s.start:end] = k[:, a:b]
+                s.kv.v[li, :, s.start:end] = v[:, a:b]
+                qg = q[:, a:b].reshape(Hkv, G * m, D)
+                if self.window[li]:
+                    o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_windows[self.window[li]])
+                else:
+                    o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked, s.start)
+                attn[a:b] = o.view(Hq, m, D).transpose(0, 1)
+            h = self._mlp(self._attended(h, o_proj(attn.view(1, total, Hq * D)), li), ln2, gate_up, down, act, li)
+        return h
+
+    def _mlp(self, h: torch.Tensor, ln2, gate_up, down, act, li: int) -> torch.Tensor:
+        """A layer's second half, residual included: the same ops for every pass (one fused gate/up product)."""
+        gu = gate_up(ln2(h))
+        if self.fused is not None:  # the C layers' SiLU, so that this layer computes as theirs do
+            return h + down(self.fused.kernel.silu_mul(gu, self.inter))
+        y = down(_act_rows(act, gu[..., :self.inter]) * gu[..., self.inter:])
+        post = self.post_norms[li]
+        return h + (y if post is None else post[1](y))
+
+    def _attended(self, h: torch.Tensor, o: torch.Tensor, li: int) -> torch.Tensor:
+        """The residual after layer li's attention output o (o_proj applied): Gemma normalizes o first."""
+        post = self.post_norms[li]
+        return h + (o if post is None else post[0](o))
+
+    @staticmethod
+    def _shared_entries(seqs: list["Seq"], spans: list[tuple[int, int]]) -> list[tuple]:
+        """The attention kernel's sequences of a pass (those with rows), with the shared prefixes that still hold:
+        a sequence shares only with a lead that has rows in the pass and leads itself."""
+        index, entries = {}, []
+        for i, (s, (a, b)) in enumerate(zip(seqs, spans)):
+            if b == a:
+                continue
+            e = (a, b - a, s.start, s.kv.k, s.kv.v)
+            lead = index.get(s.lead) if s.shared and s.lead != i else None
+            if s.shared and s.lead == i:
+                e += (len(entries), s.shared)
+            elif lead is not None and len(entries[lead]) > 5 and entries[lead][6] == s.shared:
+                e += (lead, s.shared)
+            index[i] = len(entries)
+            entries.append(e)
+        return entries
+
+    def _rotated_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, li: int):
+        """q [M, Hq, D], k, v [M, Hkv, D] of layer li's fused qkv product [M, q + 2kv], q and k rotated together (4
+        ops instead of 14 per layer): row-major views, which the kernel reads in place (no transposes). Where the
+        layer has per-head q/k norms (Qwen3), each head's row is normalized first, on its own."""
+        M, D, Hq, Hkv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
+        qk = qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D)
+        if self.qk_norms[li] is not None:
+            qk = torch.cat([self._head_norm(li, 0, qk[:, :Hq]), self._head_norm(li, 1, qk[:, Hq:])], dim=1)
+        qk = self._rotate(qk, cos[self.rope_of[li]], sin[self.rope_of[li]])
+        return qk[:, :Hq], qk[:, Hq:], qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on rows of heads x [M, H, D] with `_rope_tables`' cos, sin [M, 1, D] (per element: a subset of the
+        heads or rows gets the bits it gets with the others)."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+    def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, M, 1, D] for the rows' positions, one table per RoPE kind (T = 1 but for Gemma's sliding
+        and full layers; layer li's is [rope_of[li]]), sin with its first half negated: then x * cos + roll(x,
+        D/2) * sin is HF's x * cos + rotate_half(x) * sin, bitwise ((-a) * b == a * (-b))."""
+        tables = [self.rotary(h, positions[None]) if t is None else self.rotary(h, positions[None], t)
+                  for t in self.rope_types]  # each [1, M, D]
+        cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos[:, :, None], sin[:, :, None]
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma's final soft-capping, cap * tanh(logits / cap), where the config sets one (row by row)."""
+        if self.softcap is None:
+            return logits
+        cap = float(self.softcap)
+        return _act_rows(torch.tanh, logits / cap) * cap
+
+    def _window_plan(self, seqs: list[tuple]) -> "attention_kernel.PassPlan":
+        """The attention kernel's plan for sliding-window layers, seqs (row0, m, start, k, v): a row at slot s
+        reads slots s - window + 1 .. s only. Rows whose window begins at slot 0 run as their sequence's causal
+        rows; each later one as a sequence of its own over a view of its buffer that begins where its window
+        does (its keys in the same order whatever runs with it: row-invariant)."""
+        W = max(self.window)
+        entries = []
+        for row0, m, start, k, v in seqs:
+            head = max(0, min(m, W - start))  # rows at slots < W see every slot up to theirs
+            if head:
+                entries.append((row0, head, start, k, v))
+            for i in range(head, m):
+                lo = start + i - W + 1
+                entries.append((row0 + i, 1, W - 1, k[:, :, lo:], v[:, :, lo:]))
+        return self.kernel.plan(entries)
+
+    def _window_mask(self, start: int, m: int) -> dict[int, torch.Tensor]:
+        """The torch path's masks [G*m, start + m] for sliding layers, per window size: True where a row at slot
+        start + i may not attend (a later slot, or one window or more before its own)."""
+        own = torch.arange(start, start + m, device=self.device)[:, None]
+        keys = torch.arange(start + m, device=self.device)[None, :]
+        return {w: ((keys > own) | (keys <= own - w)).repeat(self.group, 1) for w in set(self.window) if w}
+
+    def _head_norm(self, li: int, which: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer li's per-head norm of q (which 0) or k (1) on heads x [R, H, D], each head's row on its own (so a
+        subset of rows or heads gets the bits it gets with the others); x itself where the layer has none."""
+        norms = self.qk_norms[li]
+        if norms is None:
+            return x
+        R, H, D = x.shape
+        return norms[which](x.reshape(R * H, D)).view(R, H, D)
+
+    def _split_rotated(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, li: int):
+        """The torch path's layout of `_rotated_rows`: q [Hq, M, D], k, v [Hkv, M, D] (head-major views)."""
+        q, k, v = self._rotated_rows(qkv, cos, sin, li)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def _slot_mask(self, slots: torch.Tensor, T: int) -> torch.Tensor:
+        """The torch path's mask [G*M, T] for tokens at their own slots: each attends every slot up to its own."""
+        return (torch.arange(T, device=slots.device)[None, :] > slots[:, None]).repeat(self.group, 1)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                   first: int = 0):
+        """The torch path (no kernel): q [Hkv, G*M, D] (already scaled), k/v [Hkv, T, D] -> [Hkv, G*M, D].
+        Scores and the weighted sum are plain batched products (row-invariant; bmm, not matmul's wrapper); the
+        softmax runs in float32 and a masked key adds an exact zero. `blocked` [G*M, T - first]: True where a
+        query may not attend key first + j."""
+        if q.dtype == torch.float32:  # MKL: k @ q^T would change with the key count below 3 keys
+            s = torch.bmm(q, k.transpose(-1, -2))
+        else:
+            # k @ q^T, transposed: k (a slice of the buffer) is read in place, where as the right operand
+            # k^T it was first copied. Bitwise the same scores; a bf16 decode step ~1.5 ms faster here.
+            s = torch.bmm(k, q.transpose(-1, -2)).transpose(-1, -2).float()
+        if blocked is not None:  # True: may not attend
+            s[..., first:].masked_fill_(blocked, float("-inf"))
+        p = torch.softmax(s, dim=-1).to(v.dtype)
+        return torch.bmm(p, v)
+
+
+# torch's CPU GELU splits a call of more elements than this between threads, at points that need not fall on a
+# row's start, and its vector and scalar code round tanh differently: a row's bits then depended on the rows run
+# with it (measured: float32 rows of 200). Calls of at most this many elements run in one thread, each row alike.
+_ONE_THREAD_ELEMENTS = 16384
+
+
+def _act_rows(act, x: torch.Tensor) -> torch.Tensor:
+    """act(x) for rows x [..., I], in calls small enough to run in one thread: row-invariant."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
+    step = max(1, _ONE_THREAD_ELEMENTS // shape[-1])
+    if rows.shape[0] <= step:
+        return act(x)
+    return torch.cat([act(rows[i:i + step]) for i in range(0, rows.shape[0], step)]).view(shape)
