@@ -148,6 +148,10 @@ def test_engine_cached_answers_are_its_empty_pool_answers(gemma_dir, temperature
     e.load()
     try:
         assert e.backend.exact_chunking and not e.backend.semantic_supported
+        # Draft lengths follow the pass costs timed at load; on a busy machine those can say no draft pays, and the
+        # repeat below would then decode plainly. Flat costs (a pass of m rows ~ one row) keep the drafts offered;
+        # they decide only how many tokens are checked at once, never which tokens are kept.
+        e.backend.pass_costs = (0.0,) + tuple(1.0 + 0.02 * m for m in range(1, 257))
         ctx = ("Robot R2 is in the east wing. The charging dock is in room 12. Corridor B is closed for cleaning "
                "until noon. The lift on level 3 is out of service; use the stairs by the kitchen.")
         qs = ["Where is the charging dock?", "Which corridor is closed?", "Where is robot R2?"]
