@@ -53,6 +53,12 @@ class Audit:
     plan: object = None  # the SEMANTIC plan turned down (served_exact), run again as it was made
 
 
+def comparable(req, temperature: float) -> bool:
+    """Whether an answer to this request can be compared with another's: plain greedy text (stop strings, a
+    schema or sampling make answers that another request's settings would not reproduce)."""
+    return temperature == 0 and not req.stop and not req.json_schema
+
+
 def request_bound(req_bound: float, node_bound: float) -> float:
     """The δ a request is served under: its own (approx_error_bound >= 0), else the node's."""
     return node_bound if req_bound is None or req_bound < 0 else float(req_bound)
@@ -99,8 +105,11 @@ def audit(engine, job: Audit) -> bool:
                                 reserve=job.max_new + 2, lossless_kv=engine.lossless_reuse)
         other = backend.decode(sp.logits, sp.cache, job.max_new, job.temperature, job.seed).text
         task, sim = pool.task_id(plan.source_key), plan.similarity
-    else:
-        logits, cache = backend.prefill(job.tokens, reserve=job.max_new + 2)
+    else:  # the exact answer, on the pool's exact prefix where reusing it is lossless (the pending insert put it there)
+        n = len(job.tokens)
+        prefix = pool.longest_prefix(job.scope, job.tokens, n - 1, n + job.max_new + 2) if engine.lossless_reuse \
+            else None
+        logits, cache = engine._prefill_exact(job.tokens, prefix, reserve=job.max_new + 2)
         other = backend.decode(logits, cache, job.max_new, job.temperature, job.seed).text
         task, sim = job.source_task, job.similarity
     wrong = other != job.served

@@ -344,7 +344,7 @@ class RequestPipeline:
             f.similarity_pending = False
         if f.use_drafts and f.drafts is None:
             f.drafts = self._draft_source(f.p.req, f.tokens, fp, f.now, f.fleet_answer)
-        if self._labels_from(f):
+        if self._labels_from(f) and f.plan.tier != CacheResult.SEMANTIC:  # a SEMANTIC answer is not the model's own
             f.candidate = approx_gate.answer_candidate(self.pool, fp, f.p.req.scope, f.tokens, f.now, self.settings)
 
     def _start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
@@ -403,7 +403,7 @@ class RequestPipeline:
         if self.fleet is not None and finished and res.success:
             self._publish(f, gen, exact=res.exact)
         if finished and res.success and self._labels_from(f):
-            if f.candidate is not None:  # would the stored answer of the most similar task have been right?
+            if f.candidate is not None and res.exact:  # would the most similar task's stored answer have been right?
                 approx_gate.label(self.error_bound, req.scope, f.candidate, res.answer)
             if f.refused is not None and f.refused.tier == CacheResult.SEMANTIC and res.exact:
                 self._audit_later(f.p, f.tokens, f.digest, "semantic", True, res.answer, f.max_new, f.temperature,
@@ -420,17 +420,14 @@ class RequestPipeline:
 
     @staticmethod
     def _labels_from(f: Flight) -> bool:
-        """Whether this request's answer can label a tier: plain greedy text (no stop strings, schema or
-        sampling, whose answers another request's settings would not reproduce) of a request that allows
-        approximation or could (labels come from everyone's traffic)."""
-        req = f.p.req
-        return f.temperature == 0 and not req.stop and not req.json_schema
+        """Whether this request's answer can label a tier (labels come from everyone's traffic)."""
+        return approx_gate.comparable(f.p.req, f.temperature)
 
     def _audit_later(self, p: Prepared, tokens, digest, tier: str, served_exact: bool, served: str, max_new: int,
                      temperature: float, seed: int, plan, delta: float) -> None:
         """An approximate decision to check at idle time (approx_gate.audit), where a bound was asked."""
         req = p.req
-        if delta >= 1.0 or temperature != 0 or req.stop or req.json_schema:
+        if delta >= 1.0 or not approx_gate.comparable(req, temperature):
             return
         self.audits.append(approx_gate.Audit(tier, served_exact, req.scope, list(tokens), p.fingerprint, p.question,
                                              digest, served, max_new, temperature, seed,

@@ -198,3 +198,26 @@ def test_totals_for_cache_stats():
         b.record("answer", "s", f"t{i}", 0.9, wrong=i < 4)
     t = b.totals()
     assert t["approx_checks"] == 40 and t["approx_checks_differ"] == 4 and 0.1 < t["approx_differ_high"] < 0.25
+
+
+def test_a_served_semantic_answer_is_checked_against_the_exact_answer_at_idle_time(engine):
+    """With a history that allows SEMANTIC at this scope, the hit is served approximately; idle time pools its exact
+    KV, then computes the exact answer on it and labels the decision: differed or not, as an empty pool says."""
+    engine.error_bound = ErrorBound(seed=5)  # its first draw (0.62) serves rather than explores
+    for i in range(400):  # clean checks at every similarity up to 1
+        engine.error_bound.record("semantic", "kiosk", f"t{i}", 1.0, wrong=False)
+    fresh(engine, approx_error_bound=0.05)
+    q = dict(cache_scope="kiosk", max_new_tokens=6)
+    engine.handle(QueryRequest(prompt="what is the weather going to be like today", context=BULLETIN, **q))
+    second = QueryRequest(prompt="what will the weather be like today", context=BULLETIN_REVISED, **q)
+    r = engine.handle(second)
+    assert r.cache_result == CacheResult.SEMANTIC and not r.exact and 0 < r.error_estimate <= 0.05
+    assert len(engine.audits) == 1 and not engine.audits[0].served_exact
+    while engine.has_idle_work():
+        engine.idle_work()
+    got = [lb for lb in engine.error_bound._labels if lb.similarity != 1.0]
+    assert [lb.tier for lb in got] == ["semantic"]  # the served answer labels nothing else: it is not the model's
+    fresh(engine, approx_error_bound=0.05)
+    exact = engine.handle(QueryRequest(prompt=second.prompt, context=second.context, allow_approximate=False, **q))
+    assert got[0].wrong == (r.answer != exact.answer)
+    engine.error_bound = ErrorBound()
