@@ -2,7 +2,7 @@
 
 ONE mechanism installs the code, another only the commands:
 
-  1. scripts/build_interfaces.sh          (cmake: msg/srv + every simllm_ros/*.py -> the venv)
+  1. scripts/build_interfaces.sh          (cmake: msg/srv + simllm_ros/ with its sub-packages -> the venv)
      Installs the package into <venv>/lib/python3.X/site-packages/simllm_ros. Rerun it after
      any change to simllm_ros/ (about 1 s when msg/srv are unchanged).
   2. .venv/bin/pip install --no-deps --no-build-isolation .

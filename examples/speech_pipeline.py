@@ -5,7 +5,7 @@ it grows; a new utterance cancels the answer still being spoken (barge-in), as a
     topics: ~/utterances (std_msgs/String, in: recognised speech), ~/say (std_msgs/String, out: one sentence
     per message, for a TTS node)
 
-It uses simllm_ros.client, so nothing here blocks the node's executor: feedback arrives on the client's thread
+It uses simllm_ros.ros.client, so nothing here blocks the node's executor: feedback arrives on the client's thread
 and is published from there.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ class SpeechPipeline:
 def main() -> None:
     import rclpy
 
-    from simllm_ros.client import SimllmClient
+    from simllm_ros.ros.client import SimllmClient
 
     rclpy.init()
     node = rclpy.create_node("speech_pipeline")

@@ -67,7 +67,7 @@ bash "$REPO/scripts/build_interfaces.sh" "$VENV"
   say "note: console commands not installed (run the modules with python -m simllm_ros.cli.<name>)"
 
 say "preparing the embedded model (converted once, then cached)"
-"$PY" -c "from simllm_ros.model_backend import resolve_model; from simllm_ros.settings import DEFAULT_MODEL; resolve_model(DEFAULT_MODEL, '', lambda m: print('[setup]', m, flush=True))"
+"$PY" -c "from simllm_ros.model.model_backend import resolve_model; from simllm_ros.settings import DEFAULT_MODEL; resolve_model(DEFAULT_MODEL, '', lambda m: print('[setup]', m, flush=True))"
 
 if [ "${1:-}" = "--setup-only" ]; then
   say "set-up done"

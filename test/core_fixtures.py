@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from simllm_ros.engine import RELOAD_PARAMS, Engine
-from simllm_ros.model_backend import auto_dtype, native_bf16
+from simllm_ros.serving.engine import RELOAD_PARAMS, Engine
+from simllm_ros.model.model_backend import auto_dtype, native_bf16
 from simllm_ros.settings import Settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -142,12 +142,12 @@ def agreement(ref: list[int], got: list[int], n: int) -> tuple[float, float]:
 
 
 def kernel_in_new_process(module: str, env: dict | None = None) -> tuple[bool, str, str]:
-    """(not loaded, why not, library path) of `simllm_ros.<module>.load()` in a new Python process with `env`
+    """(not loaded, why not, library path) of `simllm_ros.kernels.<module>.load()` in a new Python process with `env`
     added: a kernel switched off by its environment variable, or the library built once per machine."""
     import subprocess
     import sys
 
-    code = (f"from simllm_ros import {module} as k; kern = k.load(); "
+    code = (f"from simllm_ros.kernels import {module} as k; kern = k.load(); "
             "print(kern is None, '|', k.why_not(), '|', kern.path if kern else '')")
     full = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), **(env or {})}
     out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from simllm_ros import persistence
+from simllm_ros.cache import persistence
 
 
 def target(folder) -> str:

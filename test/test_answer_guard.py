@@ -11,7 +11,7 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from simllm_ros.answer_guard import answers_compatible
+from simllm_ros.cache.answer_guard import answers_compatible
 
 from simllm_ros.workloads import find_clinc
 

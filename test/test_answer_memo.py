@@ -93,7 +93,7 @@ def test_a_streamed_repeat_streams_the_answer(engine):
 def test_a_repeat_in_a_batch_is_served_from_the_memo_beside_requests_that_run(engine):
     """Under continuous batching (max_batch 4) a repeat is answered at admission, the others decode together; each
     answer is what it is one at a time."""
-    from simllm_ros.request_server import RequestServer
+    from simllm_ros.serving.request_server import RequestServer
 
     fresh(engine, enable_semantic_reuse=False)
     first = ask(engine)

@@ -1,4 +1,4 @@
-"""Our C attention kernel (simllm_ros.attention_kernel): compiled here with the system compiler, called on real
+"""Our C attention kernel (simllm_ros.kernels.attention_kernel): compiled here with the system compiler, called on real
 tensors, checked against a float64 reference and for what makes reuse lossless: a query row's result is
 bitwise the same whatever other rows, masked keys or buffer layout come with it."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from simllm_ros import attention_kernel
+from simllm_ros.kernels import attention_kernel
 from simllm_ros.kernels import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -296,7 +296,7 @@ def test_bad_shapes_and_dtypes_are_refused():
 
 
 def test_torch_path_when_asked_and_a_cached_build_is_reused():
-    code = ("from simllm_ros import attention_kernel as a; k = a.load(); "
+    code = ("from simllm_ros.kernels import attention_kernel as a; k = a.load(); "
             "print(k is None, a.why_not(), k.path if k else '')")
     env = {**os.environ, "PYTHONPATH": REPO}
     off = subprocess.run([sys.executable, "-c", code], env={**env, "SIMLLM_ATTENTION": "torch"},
@@ -393,7 +393,7 @@ def test_an_unwritable_kernel_dir_falls_back_to_a_temporary_one(tmp_path):
     (The kernel dir lies under a plain file here: unwritable even for root, who ignores permissions.)"""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    code = ("import os; from simllm_ros import attention_kernel as a; k = a.load(); "
+    code = ("import os; from simllm_ros.kernels import attention_kernel as a; k = a.load(); "
             "print(k is not None, a.why_not(), k.path if k else '')")
     env = {**os.environ, "PYTHONPATH": REPO, "SIMLLM_KERNEL_DIR": str(blocker / "kernels")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -408,7 +408,7 @@ def test_passes_split_on_the_4bit_kernels_workers_give_the_bits_of_one_thread():
     calling threads at once (the second finds the workers busy and computes alone)."""
     import threading
 
-    from simllm_ros import int4_kernel
+    from simllm_ros.kernels import int4_kernel
 
     if int4_kernel.load() is None:
         pytest.skip(f"no 4-bit kernel here: {int4_kernel.why_not()}")

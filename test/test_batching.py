@@ -20,10 +20,10 @@ import time
 import pytest
 import torch
 
-from simllm_ros.draft_proposer import DraftProposer
-from simllm_ros.llama_runner import Seq
+from simllm_ros.model.draft_proposer import DraftProposer
+from simllm_ros.model.llama_runner import Seq
 from simllm_ros.request import CacheResult, QueryRequest
-from simllm_ros.request_server import RequestServer
+from simllm_ros.serving.request_server import RequestServer
 
 from core_fixtures import BULLETIN, BULLETIN_REVISED, LOSSLESS, fresh, shared_engine
 from test_verified_decoding import FixedDrafts

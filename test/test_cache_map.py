@@ -3,7 +3,7 @@ import dataclasses
 
 import numpy as np
 
-from simllm_ros.cache_map import MAX_EXTRA_DIAMETER, MIN_DIAMETER, spheres
+from simllm_ros.cache.cache_map import MAX_EXTRA_DIAMETER, MIN_DIAMETER, spheres
 
 
 @dataclasses.dataclass
@@ -48,7 +48,7 @@ def test_with_a_salt_namespaces_are_tags_not_scope_names():
 
 
 def test_frames_are_prefixed_by_the_namespace_tf2_style():
-    from simllm_ros.cache_map import namespaced_frame
+    from simllm_ros.cache.cache_map import namespaced_frame
     assert namespaced_frame("simllm_cache", "/robot1") == "robot1/simllm_cache"
     assert namespaced_frame("simllm_cache", "/") == "simllm_cache"
     assert namespaced_frame("map", "/fleet/robot2/") == "fleet/robot2/map"

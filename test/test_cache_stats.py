@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from simllm_ros.cache_stats import STATS_FIELDS, CacheStatsRecorder
+from simllm_ros.cache.cache_stats import STATS_FIELDS, CacheStatsRecorder
 from simllm_ros.request import CacheResult, QueryResult
 
 POOL = dict(pool_bytes_used=0, pool_bytes_budget=0, entries=0, blocks_used=0, evictions_total=0,

@@ -7,7 +7,7 @@ import concurrent.futures
 import pytest
 import torch
 
-from simllm_ros import compute_threads
+from simllm_ros.kernels import compute_threads
 from simllm_ros.request import QueryRequest
 
 
@@ -104,7 +104,7 @@ def test_the_engine_runs_its_early_pass_on_one_thread_while_the_fingerprint_comp
     """A SEMANTIC hit on a new question at 2 threads: the early pass run ahead uses one kernel worker, the rest of
     the request two (the fingerprinter keeps its threads meanwhile)."""
     from core_fixtures import BULLETIN, BULLETIN_REVISED, LOSSLESS, fresh, shared_engine
-    from simllm_ros import semantic_reuse
+    from simllm_ros.serving import semantic_reuse
     from simllm_ros.request import CacheResult
 
     e = shared_engine(**LOSSLESS)

@@ -2,7 +2,7 @@
 No model: a deterministic toy "model" whose next token is a function of the text so far."""
 import torch
 
-from simllm_ros.decoding import Decoder, DraftSource, Sampler
+from simllm_ros.model.decoding import Decoder, DraftSource, Sampler
 
 VOCAB = 50
 STOP = 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import random
 
-from simllm_ros.draft_proposer import DraftProposer, DraftStats, best_length
-from simllm_ros.model_backend import MAX_PASS_ROWS
+from simllm_ros.model.draft_proposer import DraftProposer, DraftStats, best_length
+from simllm_ros.model.model_backend import MAX_PASS_ROWS
 
 from core_fixtures import LOSSLESS, shared_engine
 

@@ -9,10 +9,10 @@ import os
 import pytest
 
 from core_fixtures import BULLETIN, BULLETIN_REVISED, LOSSLESS, fresh, shared_engine
-from simllm_ros.error_bound import FILE_NAME, MIN_LABELS, ErrorBound, wilson_upper
-from simllm_ros import approx_gate
+from simllm_ros.cache.error_bound import FILE_NAME, MIN_LABELS, ErrorBound, wilson_upper
+from simllm_ros.serving import approx_gate
 from simllm_ros.request import CacheResult, QueryRequest
-from simllm_ros.reuse_planner import ReusePlan
+from simllm_ros.cache.reuse_planner import ReusePlan
 
 
 def test_the_upper_bound_is_conservative_and_tightens_with_data():

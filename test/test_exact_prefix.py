@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from core_fixtures import BULLETIN, capture_generations, clinc_by_intent, fresh, kl_div, shared_engine
-from simllm_ros import kv_quant
-from simllm_ros.kv_pool import KVPool
+from simllm_ros.cache import kv_quant
+from simllm_ros.cache.kv_pool import KVPool
 from simllm_ros.request import CacheResult, QueryRequest
 
 INTENTS = ("weather", "traffic", "directions", "distance", "gas")

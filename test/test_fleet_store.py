@@ -10,8 +10,8 @@ import pytest
 
 from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
 from redis_server import redis_server  # noqa: F401 - the fixture
-from simllm_ros import fleet_store
-from simllm_ros.fleet_blob import BlobRefused, scope_tag, seal, unseal
+from simllm_ros.cache import fleet_store
+from simllm_ros.cache.fleet_blob import BlobRefused, scope_tag, seal, unseal
 from simllm_ros.request import CacheResult, QueryRequest
 
 Q = "Which road should I take instead of Elm Street?"

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from random_gguf import tokenizer_source
-from simllm_ros.llama_runner import KVBuffer, LlamaRunner, Seq
-from simllm_ros.model_backend import ModelBackend
+from simllm_ros.model.llama_runner import KVBuffer, LlamaRunner, Seq
+from simllm_ros.model.model_backend import ModelBackend
 
 WINDOW = 16
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -69,7 +69,7 @@ def test_gelu_rows_are_the_same_alone_and_together():
     rows (torch's own call split a large one between threads where a row's tanh then took other code)."""
     import torch.nn.functional as F
 
-    from simllm_ros.llama_runner import _act_rows
+    from simllm_ros.model.llama_runner import _act_rows
 
     act = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
     for inter in (200, 512):
@@ -137,7 +137,7 @@ def test_bf16_is_batch_invariant_and_close_to_transformers(gemma_dir):
 def test_engine_cached_answers_are_its_empty_pool_answers(gemma_dir, temperature, seed):
     """Exact-prefix hits past the window, a repeat served by verified drafts (memo off) and the same with sampling:
     every answer is bitwise the empty-pool answer, and exact."""
-    from simllm_ros.engine import Engine
+    from simllm_ros.serving.engine import Engine
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
 
@@ -183,7 +183,7 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path):
     as transformers scales it, the probe passing, transformers' own forward of the same file to rounding; a second
     load (no dense weights) computes the same bits."""
     from random_gguf import Q4_K_M, write_llama
-    from simllm_ros.llama_runner import _ScaledRows
+    from simllm_ros.model.llama_runner import _ScaledRows
 
     path = write_llama(str(tmp_path / "rand-gemma3.gguf"), arch="gemma3", layers=7, hidden=256, inter=512, heads=4,
                        kv_heads=1, head_dim=64, types=Q4_K_M, embed="Q8_0", output=None, seed=4,

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from random_gguf import Q4_K_M, blocks, write_llama
-from simllm_ros import gguf_weights, int4_vector_kernel
-from simllm_ros.model_backend import ModelBackend, ModelLoadError
+from simllm_ros.model import gguf_weights
+from simllm_ros.kernels import int4_vector_kernel
+from simllm_ros.model.model_backend import ModelBackend, ModelLoadError
 
 KERNEL = int4_vector_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_vector_kernel.why_not()}")
@@ -55,7 +56,7 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
 
 def test_a_projection_of_mixed_parts_is_each_parts_product():
     """q/k in Q4_K and v in Q6_K fused into one projection: each output block is bitwise its own part's product."""
-    from simllm_ros.llama_runner import _file_parts, _Proj
+    from simllm_ros.model.llama_runner import _file_parts, _Proj
 
     pieces = [_tensor("Q4_K", 64, 512, 1), _tensor("Q4_K", 32, 512, 2), _tensor("Q6_K", 32, 512, 3)]
     proj = _Proj(None, None, 4, KERNEL, parts=_file_parts([fw for fw, _ in pieces], KERNEL))
@@ -149,7 +150,7 @@ def test_qwen_files_run_on_their_own_blocks_as_transformers_computes_them(files,
 
 @pytest.mark.parametrize("name", ["q4_k_m", "qwen3"])
 def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
-    from simllm_ros.engine import Engine
+    from simllm_ros.serving.engine import Engine
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
 
@@ -190,7 +191,7 @@ def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files)
     blocks again: the same bits, at a fraction of the memory."""
     import os
 
-    from simllm_ros.model_backend import _conversion_stamp
+    from simllm_ros.model.model_backend import _conversion_stamp
 
     first = _backend(files, "q4_k_m")
     folder = first._path
@@ -209,7 +210,7 @@ def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files)
 
 
 def test_kept_rows_of_another_or_a_damaged_file_are_not_used(files, tmp_path):
-    from simllm_ros.model_backend import _conversion_stamp
+    from simllm_ros.model.model_backend import _conversion_stamp
 
     b = _backend(files, "q8_0")
     folder = b._path
@@ -232,7 +233,7 @@ def test_load_checks_are_kept_only_for_the_same_numerics(files, monkeypatch):
     import json
     import os
 
-    from simllm_ros import model_backend
+    from simllm_ros.model import model_backend
 
     b = _backend(files, "q8_0")
     store = os.path.join(files["cache"], model_backend.LOAD_CHECKS_FILE)

@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from simllm_ros import health
-from simllm_ros.health import HealthLevel, RateWindow, RecentCounts, ThermalState, assess
-from simllm_ros.thermal import ThermalLevel, ThermalReading, ZoneReading
+from simllm_ros.serving import health
+from simllm_ros.serving.health import HealthLevel, RateWindow, RecentCounts, ThermalState, assess
+from simllm_ros.serving.thermal import ThermalLevel, ThermalReading, ZoneReading
 
 OK_STATS = {"budget_use": 0.5, "requests_total": 10, "errors_total": 0, "rejected_busy_total": 0,
             "ttft_hit_p95_ms": 100.0, "ttft_miss_p95_ms": 300.0, "entries": 3}

@@ -2,7 +2,7 @@
 same (revised) context reuses all of it exactly instead of repairing a stale entry again."""
 from core_fixtures import BULLETIN, BULLETIN_REVISED, fresh, shared_engine
 
-from simllm_ros.block_pool import common_prefix
+from simllm_ros.cache.block_pool import common_prefix
 from simllm_ros.request import CacheResult, QueryRequest
 
 

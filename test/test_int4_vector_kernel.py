@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from simllm_ros import int4_vector_kernel
+from simllm_ros.kernels import int4_vector_kernel
 from simllm_ros.kernels import build
-from simllm_ros.llama_runner import _int4_codes, _Proj, int4_dequantized, q8_codes
+from simllm_ros.model.llama_runner import _int4_codes, _Proj, int4_dequantized, q8_codes
 
 KERNEL = int4_vector_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_vector_kernel.why_not()}")
@@ -114,7 +114,7 @@ def test_the_embedded_model_in_float32_runs_on_it_losslessly():
     """float32 with 4-bit weights: every projection and the LM head (the file's Q8_0 codes) on this kernel, norms
     in C, the invariance probe passes (exact-prefix reuse and drafts are lossless), and one token runs as one row;
     its logits are close to those of the same weights in dense float32 (transformers' forward)."""
-    from simllm_ros.model_backend import ModelBackend
+    from simllm_ros.model.model_backend import ModelBackend
     from simllm_ros.settings import DEFAULT_MODEL
 
     b = ModelBackend(DEFAULT_MODEL, "cpu", "float32", weight_bits=4)
@@ -146,7 +146,7 @@ def test_the_portable_c_without_avx2_computes_the_same_way():
 def test_a_kernel_is_loaded_once_and_the_first_complaint_stands(monkeypatch):
     """product_kernel.Loader (both product kernels load through it): the checks run in order on the built
     kernel, the first complaint is why_not, and a refused kernel is not built or checked again."""
-    from simllm_ros.product_kernel import Loader
+    from simllm_ros.kernels.product_kernel import Loader
     seen = []
 
     def refuse(kernel):

@@ -265,14 +265,14 @@ def test_embed_service(h):
 
 
 def test_the_client_library_answers_inside_a_timer_callback_and_cancels(h):
-    """simllm_ros.client over DDS: blocking on its futures inside another node's timer callback (a single
+    """simllm_ros.ros.client over DDS: blocking on its futures inside another node's timer callback (a single
     threaded executor: the classic deadlock of a blocking service call) returns the node's answers; refusals come
     back as responses with the reason; embed gives unit vectors; a goal streams feedback and cancels; a node that
     is not there fails the future with TimeoutError."""
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
 
-    from simllm_ros.client import SimllmClient
+    from simllm_ros.ros.client import SimllmClient
 
     h.ensure_active()
     client = SimllmClient(f"/{NODE}", context=h.context)
@@ -381,7 +381,7 @@ def test_the_speech_pipeline_speaks_sentences_and_a_new_utterance_cancels_the_ol
     from rclpy.executors import SingleThreadedExecutor
     from std_msgs.msg import String
 
-    from simllm_ros.client import SimllmClient
+    from simllm_ros.ros.client import SimllmClient
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                         "speech_pipeline.py")

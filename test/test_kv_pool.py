@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, settings as hsettings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from simllm_ros import kv_quant
-from simllm_ros.block_store import BlockStore, KVShape
-from simllm_ros.kv_pool import KVPool
-from simllm_ros.matcher import Matcher
+from simllm_ros.cache import kv_quant
+from simllm_ros.cache.block_store import BlockStore, KVShape
+from simllm_ros.cache.kv_pool import KVPool
+from simllm_ros.cache.matcher import Matcher
 from simllm_ros.settings import SettingError, parse_size
 
 SHAPE = KVShape(layers=2, kv_heads=2, head_dim=8)
@@ -393,7 +393,7 @@ def test_concurrent_fingerprints_share_batches():
     """Requests fingerprinted at the same time are embedded together, and each gets its own rows."""
     import threading
 
-    from simllm_ros.fingerprint import Fingerprinter
+    from simllm_ros.cache.fingerprint import Fingerprinter
 
     fp = Fingerprinter(remember=0)  # every call embeds: this test is about the batching
     texts = [f"how long will it take to drive to the park in west county number {i}" for i in range(24)]
@@ -422,7 +422,7 @@ def test_concurrent_fingerprints_share_batches():
 def test_matcher_large_scope_prefilter_finds_the_exact_best():
     """Above PREFILTER_ROWS a scope is searched through an int8 copy first: the answers must still be the
     exact float32 ranking (real-looking data: clustered unit vectors, queries near stored ones)."""
-    from simllm_ros import matcher as matcher_mod
+    from simllm_ros.cache import matcher as matcher_mod
 
     rng = np.random.default_rng(11)
     n = matcher_mod.PREFILTER_ROWS + 3000
@@ -452,7 +452,7 @@ def test_matcher_prefilter_keeps_every_row_recency_can_lift_into_the_top_k():
     One exact duplicate of the query (cosine 1) and 600 rows at cosine 0.86-0.89, where the closest 500 are
     old and the farthest 100 fresh: the 2nd-5th best scores belong to fresh rows 500 places down the cosine
     ranking (a fixed-size candidate list around the best cosine missed them)."""
-    from simllm_ros import matcher as matcher_mod
+    from simllm_ros.cache import matcher as matcher_mod
 
     rng = np.random.default_rng(11)
     dim, n_far, n_near = 384, matcher_mod.PREFILTER_ROWS + 100, 600
@@ -485,7 +485,7 @@ def test_matcher_prefilter_distrusts_a_wrong_int8_kernel(monkeypatch):
     """The int8 kernel is a private op with per-ISA paths (CI once ranked garbage first on another CPU):
     if its cosines disagree with float32 on the rows it picked, the lookup falls back to the exact scan
     and the kernel is not used again in the process."""
-    from simllm_ros import matcher as matcher_mod
+    from simllm_ros.cache import matcher as matcher_mod
 
     rng = np.random.default_rng(5)
     n = matcher_mod.PREFILTER_ROWS + 500
@@ -521,7 +521,7 @@ def test_matcher_prefilter_distrusts_a_wrong_int8_kernel(monkeypatch):
 def test_repeated_texts_skip_the_embedder_and_get_the_same_vector():
     """A text embedded recently is answered from memory: no forward pass, the same vector, and a caller
     changing its array does not change what the next caller gets; the memory is bounded (LRU)."""
-    from simllm_ros.fingerprint import Fingerprinter
+    from simllm_ros.cache.fingerprint import Fingerprinter
 
     fp = Fingerprinter(remember=3)
     first = fp.embed(["where can I park near the market", "is the pharmacy open"])
@@ -546,7 +546,7 @@ def test_repeated_texts_skip_the_embedder_and_get_the_same_vector():
 def test_prefix_read_with_room_is_adopted_by_the_model_buffer_without_a_copy(kv_bits):
     """An exact hit reads the pooled prefix once, into a buffer with room for the answer: the views it returns
     hold the stored KV, and KVBuffer.adopt decodes on in that storage. Tensors without room are copied."""
-    from simllm_ros.llama_runner import KVBuffer
+    from simllm_ros.model.llama_runner import KVBuffer
 
     pool = make_pool(kv_bits=kv_bits)
     tokens = list(range(1, 11))  # 10 tokens: two full blocks and a partial one

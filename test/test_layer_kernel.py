@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simllm_ros import layer_kernel
-from simllm_ros.llama_runner import KVBuffer, Seq
+from simllm_ros.kernels import layer_kernel
+from simllm_ros.model.llama_runner import KVBuffer, Seq
 
 KERNEL = layer_kernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"layer kernel: {layer_kernel.why_not()}")

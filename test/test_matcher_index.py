@@ -6,9 +6,9 @@ import threading
 import numpy as np
 import pytest
 
-from simllm_ros import coarse_index
-from simllm_ros import matcher as matcher_mod
-from simllm_ros.matcher import Matcher
+from simllm_ros.cache import coarse_index
+from simllm_ros.cache import matcher as matcher_mod
+from simllm_ros.cache.matcher import Matcher
 
 pytestmark = pytest.mark.skipif(not coarse_index.available(), reason="faiss not installed")
 

@@ -184,20 +184,20 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
     from simllm_ros.kernels.build import CONTRACT
     digest, contract = kv["numerics"].split()
     assert len(digest) == 16 and contract == f"({CONTRACT})", kv["numerics"]  # which arithmetic, for the fleet
-    from simllm_ros import attention_kernel
+    from simllm_ros.kernels import attention_kernel
     assert kv["attention"] == ("kernel" if attention_kernel.load() is not None else "torch")
     if kv["attention"] == "kernel":  # bf16 on AMX where this CPU and Linux allow it, else the vector code
         amx = attention_kernel.load().amx is not None and kv["precision"].startswith("bfloat16")
         assert kv["attention_arithmetic"] == ("amx" if amx else "vector")
     if kv["precision"].endswith("4-bit weights"):  # bf16: AMX or ATen's kernel; float32: our vector kernel
-        from simllm_ros import int4_kernel
+        from simllm_ros.kernels import int4_kernel
         want = "vector" if kv["precision"].startswith("float32") else \
             "amx" if int4_kernel.load() is not None else "aten"
         assert kv["int4_products"] == want
     else:
         assert "int4_products" not in kv
     # a pass's layers in one C call exactly in the 4-bit configurations on our kernels, else from Python
-    from simllm_ros import layer_kernel
+    from simllm_ros.kernels import layer_kernel
     fused = kv.get("int4_products") in ("amx", "vector") and kv["attention"] == "kernel" and \
         layer_kernel.load() is not None
     assert kv["layers"] == ("c" if fused else "python")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from simllm_ros import norm_kernel
+from simllm_ros.kernels import norm_kernel
 
 KERNEL = norm_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"norm kernel: {norm_kernel.why_not()}")
@@ -54,7 +54,7 @@ def test_bad_input_is_refused_and_the_runner_uses_it_only_where_it_applies():
         KERNEL.rmsnorm(torch.randn(3, 512).to(torch.bfloat16), n.weight.data, 1e-5)  # another size
     assert not KERNEL.takes(torch.ones(72)) and not KERNEL.takes(torch.ones(72, dtype=torch.bfloat16))
     assert not KERNEL.takes(torch.ones(576, dtype=torch.float16))
-    from simllm_ros.llama_runner import _Norm
+    from simllm_ros.model.llama_runner import _Norm
 
     assert _Norm(n, KERNEL).kernel is KERNEL
     assert _Norm(n.float(), KERNEL).kernel is KERNEL  # float32 too (the 4-bit float32 runner)
@@ -62,7 +62,7 @@ def test_bad_input_is_refused_and_the_runner_uses_it_only_where_it_applies():
 
 
 def test_the_module_when_asked():
-    code = "from simllm_ros import norm_kernel as k; kern = k.load(); print(kern is None, k.why_not())"
+    code = "from simllm_ros.kernels import norm_kernel as k; kern = k.load(); print(kern is None, k.why_not())"
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
            "SIMLLM_NORM": "torch"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -22,10 +22,10 @@ from safetensors.torch import load_file, save_file
 
 import hostile_snapshots
 from core_fixtures import BASE, BULLETIN, clinc_by_intent
-from simllm_ros import error_bound, persistence
-from simllm_ros.block_store import KVShape
-from simllm_ros.engine import Engine
-from simllm_ros.kv_pool import KVPool
+from simllm_ros.cache import error_bound, persistence
+from simllm_ros.cache.block_store import KVShape
+from simllm_ros.serving.engine import Engine
+from simllm_ros.cache.kv_pool import KVPool
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.settings import Settings
 
@@ -328,9 +328,9 @@ SAVER = textwrap.dedent("""
     import sys, time
     import numpy as np, torch
     sys.path.insert(0, sys.argv[3])
-    from simllm_ros import persistence
-    from simllm_ros.block_store import KVShape
-    from simllm_ros.kv_pool import KVPool
+    from simllm_ros.cache import persistence
+    from simllm_ros.cache.block_store import KVShape
+    from simllm_ros.cache.kv_pool import KVPool
     folder, gen = sys.argv[1], int(sys.argv[2])
     pool = KVPool(KVShape(30, 3, 64), block_tokens=16, budget_bytes=160 * 2**20, kv_bits=32,
                   model_dtype=torch.float32, fingerprint_dim=8)

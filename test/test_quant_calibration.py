@@ -4,8 +4,8 @@ import os
 
 import torch
 
-from simllm_ros import kv_quant
-from simllm_ros.engine import Engine
+from simllm_ros.cache import kv_quant
+from simllm_ros.serving.engine import Engine
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.settings import Settings
 

@@ -232,7 +232,7 @@ def _damage(snap, kind):
         with safe_open(str(snap), framework="pt") as f:
             manifest = json.loads(f.metadata()["manifest"])
         tensors = load_file(str(snap))
-        from simllm_ros import persistence
+        from simllm_ros.cache import persistence
         manifest["identity"]["model"] = {"name": "some-other-model", "layers": 99}
         meta = {"manifest": json.dumps(manifest)}
         if hasattr(persistence, "checksum"):  # an intact file, as that other node would have written it

@@ -15,7 +15,7 @@ from diagnostic_msgs.msg import DiagnosticStatus
 
 import hostile_snapshots
 from conftest import EDGE_YAML, cpu_gpu_zones, wait_until
-from simllm_ros import persistence
+from simllm_ros.cache import persistence
 
 NODE = "simllm_rel_hostile"
 N = f"/{NODE}"

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from simllm_ros.request import CacheResult, Progress, QueryRequest, QueryResult
-from simllm_ros.request_server import STOPPED_ERROR, RequestServer
+from simllm_ros.serving.request_server import STOPPED_ERROR, RequestServer
 
 WAIT_S = 10.0
 
@@ -434,7 +434,7 @@ def test_max_batch_one_runs_each_job_alone_through_execute():
 def test_topic_ids_must_be_unique_in_flight_and_non_empty(served):
     """Three "dup-1" requests: the first is answered, the two others refused at once; the id is free again
     once the first is answered. An empty id is refused."""
-    from simllm_ros.request_server import EMPTY_ID_ERROR
+    from simllm_ros.serving.request_server import EMPTY_ID_ERROR
     b = Backend(gated=True)
     s = served(b, queue_limit=8)
     s.open()

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from simllm_ros import reuse_planner
-from simllm_ros.block_store import BlockStore, KVShape
-from simllm_ros.kv_pool import KVPool
+from simllm_ros.cache import reuse_planner
+from simllm_ros.cache.block_store import BlockStore, KVShape
+from simllm_ros.cache.kv_pool import KVPool
 from simllm_ros.request import CacheResult
 from simllm_ros.settings import Settings
 

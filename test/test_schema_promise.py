@@ -13,9 +13,9 @@ import time
 import jsonschema
 import pytest
 
-from simllm_ros import schema_check
+from simllm_ros.model import schema_check
 from simllm_ros.request import QueryRequest
-from simllm_ros.structured_output import SchemaError
+from simllm_ros.model.structured_output import SchemaError
 
 from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
 

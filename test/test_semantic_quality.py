@@ -12,9 +12,10 @@ import pytest
 
 from core_fixtures import (BULLETIN, BULLETIN_REVISED, ROBOT_INTENTS, agreement, capture_generations,
                            clinc_by_intent, fresh, kl_div, shared_engine)
-from simllm_ros import reuse_planner, semantic_reuse
-from simllm_ros.fingerprint import context_digest
-from simllm_ros.kv_pool import KVPool
+from simllm_ros.cache import reuse_planner
+from simllm_ros.serving import semantic_reuse
+from simllm_ros.cache.fingerprint import context_digest
+from simllm_ros.cache.kv_pool import KVPool
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.validation import normalize_text
 

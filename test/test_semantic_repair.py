@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from core_fixtures import BULLETIN, LOSSLESS, shared_engine
-from simllm_ros import semantic_reuse
-from simllm_ros.kv_pool import KVPool
+from simllm_ros.serving import semantic_reuse
+from simllm_ros.cache.kv_pool import KVPool
 from simllm_ros.request import CacheResult
-from simllm_ros.reuse_planner import ReusePlan, align
+from simllm_ros.cache.reuse_planner import ReusePlan, align
 
 SYSTEM = "You are a helpful city assistant. Answer briefly."
 QUESTION = "Which road is closed this afternoon, and where can I park?"

@@ -17,9 +17,9 @@ import jsonschema
 import pytest
 import torch
 
-from simllm_ros.draft_proposer import DraftProposer
+from simllm_ros.model.draft_proposer import DraftProposer
 from simllm_ros.request import CacheResult, QueryRequest
-from simllm_ros.structured_output import SchemaError
+from simllm_ros.model.structured_output import SchemaError
 
 from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
 from test_verified_decoding import FixedDrafts

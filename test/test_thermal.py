@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from simllm_ros.thermal import ThermalLevel, ThermalMonitor, parse_zone_filter, scan_zones
+from simllm_ros.serving.thermal import ThermalLevel, ThermalMonitor, parse_zone_filter, scan_zones
 
 
 def write_zone(root, index, zone_type, temp=None):
@@ -303,7 +303,7 @@ def test_real_sysfs_never_raises():
 def test_policy_sheds_load_only_while_critical_and_reports_each_change_once(jetson):
     """ThermalPolicy, what the node applies: a change is reported once (rising as a warning), the refusal reason
     stands while CRITICAL and goes when the level falls."""
-    from simllm_ros.thermal import ThermalPolicy
+    from simllm_ros.serving.thermal import ThermalPolicy
     policy = ThermalPolicy(ThermalMonitor(str(jetson), warn_c=75, critical_c=90, hysteresis_c=5))
     reading, change = policy.read()
     assert reading.level == ThermalLevel.OK and change is None and policy.overheated is None

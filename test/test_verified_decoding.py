@@ -18,8 +18,8 @@ import random
 import pytest
 import torch
 
-from simllm_ros.decoding import DraftSource, Sampler
-from simllm_ros.draft_proposer import DraftProposer, DraftStats
+from simllm_ros.model.decoding import DraftSource, Sampler
+from simllm_ros.model.draft_proposer import DraftProposer, DraftStats
 from simllm_ros.request import CacheResult, QueryRequest
 
 from core_fixtures import BULLETIN, BULLETIN_REVISED, LOSSLESS, NATIVE_BF16, clinc_by_intent, fresh, shared_engine
@@ -88,7 +88,7 @@ def test_probe_rejects_an_attention_whose_rounding_follows_the_cut(engine, monke
     """The load-time probe is what keeps reuse lossless on hardware nobody tested. A float32 attention for a
     bf16 model (faster here, tried and dropped) changes a real prompt's last logits after some prefixes;
     the probe must then say no. On a CPU where it changes nothing, the probe must say yes."""
-    from simllm_ros.llama_runner import LlamaRunner
+    from simllm_ros.model.llama_runner import LlamaRunner
 
     def float32_attention(self, q, k, v, blocked, first=0, causal_m=0):
         assert not causal_m  # the runner builds masks for this path (no kernel, below)
@@ -330,7 +330,7 @@ def test_packed_weights_are_the_model_bitwise_and_held_once():
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from simllm_ros.model_backend import resolve_model
+    from simllm_ros.model.model_backend import resolve_model
 
     engine = shared_engine(dtype="bfloat16", kv_bits=0, weight_bits=16)
     b = engine.backend
@@ -367,10 +367,10 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
     equal the same configuration's empty-pool answers, drafts included."""
     from transformers import AutoModelForCausalLM
 
-    from simllm_ros.llama_runner import INT4_GROUP, _int4_codes, int4_dequantized, int4_kernel_error, on_int4_grid
-    from simllm_ros.model_backend import resolve_model
+    from simllm_ros.model.llama_runner import INT4_GROUP, _int4_codes, int4_dequantized, int4_kernel_error, on_int4_grid
+    from simllm_ros.model.model_backend import resolve_model
 
-    from simllm_ros import int4_vector_kernel
+    from simllm_ros.kernels import int4_vector_kernel
 
     f32 = shared_engine().backend
     assert f32.weight_bits == (4 if int4_vector_kernel.load() is not None else 16), "float32 auto weight bits"
@@ -425,7 +425,7 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
 
 
 def test_four_bit_weights_refuse_what_the_kernel_cannot_run():
-    from simllm_ros.model_backend import ModelBackend, ModelLoadError, default_cache_dir
+    from simllm_ros.model.model_backend import ModelBackend, ModelLoadError, default_cache_dir
     from simllm_ros.settings import DEFAULT_MODEL
 
     with pytest.raises(ModelLoadError, match="weight_bits=4 .*bfloat16"):
@@ -474,7 +474,7 @@ def test_a_lone_token_runs_as_one_row_only_where_that_is_bitwise_the_padded_pass
     """A plain decode step is one token. 16-bit oneDNN products round one row differently, so there it is
     padded to two rows; with 4-bit weights the load-time check found one row bitwise the same, and runs it
     alone. Checked here again on a real prompt, at positions the load check did not use."""
-    from simllm_ros.llama_runner import KVBuffer
+    from simllm_ros.model.llama_runner import KVBuffer
 
     if NATIVE_BF16:
         e16 = shared_engine(dtype="bfloat16", kv_bits=0, weight_bits=16)
@@ -508,7 +508,7 @@ def test_onednn_is_capped_below_amx_unless_the_user_chose():
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = "import os, simllm_ros.llama_runner as r; print(os.environ.get('ONEDNN_MAX_CPU_ISA'), r.ONEDNN_ISA_CAP)"
+    code = "import os, simllm_ros.model.llama_runner as r; print(os.environ.get('ONEDNN_MAX_CPU_ISA'), r.ONEDNN_ISA_CAP)"
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
     got, cap = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                               check=True, cwd=repo).stdout.split()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from simllm_ros import semantic_log
-from simllm_ros.engine import Engine
+from simllm_ros.cache import semantic_log
+from simllm_ros.serving.engine import Engine
 from simllm_ros.request import CacheResult, ChatTurn, QueryRequest
 from simllm_ros.settings import Settings
 

@@ -25,7 +25,7 @@ use_test_helpers()  # core_fixtures: the bulletin of the tests
 
 import torch  # noqa: E402
 
-from simllm_ros.engine import Engine  # noqa: E402
+from simllm_ros.serving.engine import Engine  # noqa: E402
 from simllm_ros.request import ChatTurn, QueryRequest  # noqa: E402
 from simllm_ros.settings import Settings  # noqa: E402
 

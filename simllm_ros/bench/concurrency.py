@@ -66,7 +66,7 @@ class Served:
 
 
 def _engine_system(name: str, engine, max_batch: int) -> Served:
-    from ..request_server import RequestServer
+    from ..serving.request_server import RequestServer
 
     e = engine.fork(engine.settings.replace(max_batch=max_batch))
     server = RequestServer(prepare=e.prepare, execute=lambda job: e.execute(job.prepared), state=lambda: "bench",
@@ -78,7 +78,7 @@ def _engine_system(name: str, engine, max_batch: int) -> Served:
 def _serial_system(name: str, generate, backend, system_prompt: str) -> Served:
     """A one-at-a-time peer: generate(ids, row) -> (text, ms from its start to the first token)."""
     from ..request import QueryResult
-    from ..request_server import RequestServer
+    from ..serving.request_server import RequestServer
 
     def prepare(req):
         return time.perf_counter()
@@ -281,7 +281,7 @@ def identity(runs: list[dict], four: dict | None) -> dict:
 
 def run(args) -> dict:
     from .. import workloads as wl
-    from ..engine import Engine
+    from ..serving.engine import Engine
     from ..settings import Settings
     from .runner import machine_info, set_threads
 

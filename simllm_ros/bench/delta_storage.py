@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from simllm_ros.model_backend import ModelBackend
-from simllm_ros.reuse_planner import align
+from simllm_ros.model.model_backend import ModelBackend
+from simllm_ros.cache.reuse_planner import align
 from simllm_ros.settings import DEFAULT_MODEL
 
 from .shared import REPO_ROOT as REPO

@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    from simllm_ros.engine import Engine
-    from simllm_ros.error_bound import ErrorBound
-    from simllm_ros.kv_pool import task_id
-    from simllm_ros.model_backend import auto_dtype
+    from simllm_ros.serving.engine import Engine
+    from simllm_ros.cache.error_bound import ErrorBound
+    from simllm_ros.cache.kv_pool import task_id
+    from simllm_ros.model.model_backend import auto_dtype
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
 

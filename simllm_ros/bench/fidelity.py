@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from simllm_ros.block_pool import common_prefix
+from simllm_ros.cache.block_pool import common_prefix
 from simllm_ros.workloads import find_clinc
 
 from .shared import RESULTS_DIR, LlamaCpp, SimSystem, finish_report, offline

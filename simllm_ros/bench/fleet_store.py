@@ -57,9 +57,9 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(a.threads)
     from redis_server import RedisServer
-    from simllm_ros import fleet_store
-    from simllm_ros.engine import Engine
-    from simllm_ros.model_backend import auto_dtype
+    from simllm_ros.cache import fleet_store
+    from simllm_ros.serving.engine import Engine
+    from simllm_ros.model.model_backend import auto_dtype
     from simllm_ros.request import QueryRequest
     from simllm_ros.settings import Settings
 

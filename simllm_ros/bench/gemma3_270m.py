@@ -34,8 +34,8 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from simllm_ros import model_backend
-    from simllm_ros.engine import Engine
+    from simllm_ros.model import model_backend
+    from simllm_ros.serving.engine import Engine
     from simllm_ros.request import QueryRequest
     from simllm_ros.settings import Settings
 

@@ -21,7 +21,7 @@ from random_gguf import Q4_K_M, write_llama  # noqa: E402
 
 
 def _ours(path, cache_dir, weight_bits, ids, new):
-    from simllm_ros.model_backend import ModelBackend
+    from simllm_ros.model.model_backend import ModelBackend
 
     t0 = time.perf_counter()
     b = ModelBackend(path, dtype="float32", weight_bits=weight_bits, cache_dir=cache_dir, progress=print)

@@ -86,7 +86,7 @@ def worker_ours(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from simllm_ros.engine import Engine
+    from simllm_ros.serving.engine import Engine
     from simllm_ros.request import QueryRequest
     from simllm_ros.settings import Settings
 

@@ -19,8 +19,8 @@ offline()
 
 import torch  # noqa: E402
 
-from simllm_ros.engine import Engine  # noqa: E402
-from simllm_ros.llama_runner import KVBuffer  # noqa: E402
+from simllm_ros.serving.engine import Engine  # noqa: E402
+from simllm_ros.model.llama_runner import KVBuffer  # noqa: E402
 from simllm_ros.settings import Settings  # noqa: E402
 
 

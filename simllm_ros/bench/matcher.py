@@ -27,7 +27,7 @@ offline()
 
 def real_recall(queries: int, threshold: float = 0.8) -> dict:
     """The index over MiniLM fingerprints of CLINC150 (forced on at this size) against the exact best."""
-    from simllm_ros.fingerprint import Fingerprinter
+    from simllm_ros.cache.fingerprint import Fingerprinter
     from simllm_ros.workloads import find_clinc
 
     folder = os.path.dirname(find_clinc())

@@ -109,7 +109,7 @@ def build_plan(args) -> Plan:
 
 
 def matcher_scaling(sizes, reps: dict, dim: int, seed: int) -> list[dict]:
-    from ..matcher import Matcher
+    from ..cache.matcher import Matcher
 
     rng = np.random.default_rng(seed)
     out = []
@@ -177,8 +177,8 @@ def set_threads(n: int | None):
 def run(args) -> dict:
     from tqdm import tqdm
 
-    from ..engine import Engine
-    from ..model_backend import resolve_model
+    from ..serving.engine import Engine
+    from ..model.model_backend import resolve_model
     from ..settings import SPEC_BY_NAME, Settings, parse_size
 
     t_start = time.monotonic()

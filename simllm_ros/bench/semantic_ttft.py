@@ -28,7 +28,7 @@ use_test_helpers()  # the pairs and bulletins of the quality test
 import torch  # noqa: E402
 
 from core_fixtures import BULLETIN, BULLETIN_REVISED  # noqa: E402
-from simllm_ros.engine import Engine  # noqa: E402
+from simllm_ros.serving.engine import Engine  # noqa: E402
 from simllm_ros.request import CacheResult, QueryRequest  # noqa: E402
 from simllm_ros.settings import Settings  # noqa: E402
 from test_semantic_quality import select_pairs  # noqa: E402

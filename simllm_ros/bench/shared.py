@@ -62,7 +62,7 @@ class SimSystem:
     """simllm_ros on the embedded model (512 MB pool) asked about BULLETIN in one scope."""
 
     def __init__(self, name: str, device: str = "cpu", **overrides):
-        from simllm_ros.engine import Engine
+        from simllm_ros.serving.engine import Engine
         from simllm_ros.settings import Settings
 
         self.name = name
@@ -159,7 +159,7 @@ RECENCY, HALF_LIFE, NOW = 0.05, 600.0, 1000.0
 def loaded_matcher(fps: np.ndarray, last_used: np.ndarray, index_rows: int):
     """A matcher whose one scope "s" holds `fps`, loaded straight into its arrays: filling 1M through add()
     would take hours (each add is O(N) for the neighbour bookkeeping), and only lookups are measured."""
-    from simllm_ros.matcher import Matcher
+    from simllm_ros.cache.matcher import Matcher
 
     m = Matcher(fps.shape[1], index_rows=index_rows)
     m.load_scope("s", fps, last_used)
@@ -171,7 +171,7 @@ def exact_best(fps, last_used, q) -> int:
 
 
 def matcher_scaling(sizes, dim: int = 384, queries: int = 20) -> list[dict]:
-    from simllm_ros.matcher import INDEX_ROWS
+    from simllm_ros.cache.matcher import INDEX_ROWS
 
     rng = np.random.default_rng(0)
     out = []
@@ -221,7 +221,7 @@ def matcher_scaling(sizes, dim: int = 384, queries: int = 20) -> list[dict]:
 
 
 def matcher_report(rows: list[dict], real: dict | None) -> list[str]:
-    from simllm_ros.matcher import INDEX_ROWS
+    from simllm_ros.cache.matcher import INDEX_ROWS
 
     lines = ["Matcher (best 4 of N clustered fingerprints, 384-d, one scope, recency on; scan = int8 prefilter + "
              f"exact ranking, index = coarse index, the default above {INDEX_ROWS:,} rows):", "",

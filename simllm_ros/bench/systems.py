@@ -23,8 +23,8 @@ import warnings
 
 import numpy as np
 
-from ..block_pool import common_prefix
-from ..block_store import BlockStore
+from ..cache.block_pool import common_prefix
+from ..cache.block_store import BlockStore
 from .metrics import Rec, mean
 
 ENGINE_SYSTEMS = ("exact-prefix", "simllm", "simllm+answer")

@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from simllm_ros.engine import Engine
-from simllm_ros.model_backend import native_bf16
+from simllm_ros.serving.engine import Engine
+from simllm_ros.model.model_backend import native_bf16
 from simllm_ros.request import QueryRequest
 from simllm_ros.workloads import find_clinc
 

@@ -17,10 +17,10 @@ from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
 
 from simllm_ros.action import Generate
-from simllm_ros.engine import Engine
+from simllm_ros.serving.engine import Engine
 from simllm_ros.msg import QueryRequest as QueryRequestMsg, QueryResponse
 from simllm_ros.request import Progress, QueryResult
-from simllm_ros.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
+from simllm_ros.serving.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
 from simllm_ros.ros.messages import fill_result, request_from, u32
 from simllm_ros.ros.qos import REQUEST_QOS, RESPONSE_QOS
 from simllm_ros.srv import Embed, Query

@@ -13,11 +13,11 @@ from geometry_msgs.msg import Point
 from std_msgs.msg import ColorRGBA
 from visualization_msgs.msg import Marker, MarkerArray
 
-from simllm_ros.cache_map import Sphere
-from simllm_ros.health import Health
+from simllm_ros.cache.cache_map import Sphere
+from simllm_ros.serving.health import Health
 from simllm_ros.msg import CacheStats, ThermalStatus
 from simllm_ros.request import CacheResult, ChatTurn, QueryRequest, QueryResult
-from simllm_ros.thermal import ThermalReading
+from simllm_ros.serving.thermal import ThermalReading
 
 _U32, _U64 = 2**32 - 1, 2**64 - 1
 

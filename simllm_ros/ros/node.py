@@ -48,17 +48,18 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.qos import DurabilityPolicy, QoSProfile
 from visualization_msgs.msg import MarkerArray
 
-from simllm_ros import cache_map, health
-from simllm_ros.cache_map import namespaced_frame
-from simllm_ros.checkpoint import Checkpointer
-from simllm_ros.engine import Engine, EngineLoadError
+from simllm_ros.cache import cache_map
+from simllm_ros.serving import health
+from simllm_ros.cache.cache_map import namespaced_frame
+from simllm_ros.cache.checkpoint import Checkpointer
+from simllm_ros.serving.engine import Engine, EngineLoadError
 from simllm_ros.msg import CacheStats, ThermalStatus
-from simllm_ros.request_server import RequestServer
+from simllm_ros.serving.request_server import RequestServer
 from simllm_ros.ros import messages
 from simllm_ros.ros.endpoints import RequestEndpoints
 from simllm_ros.ros.params import ParameterGate, check_undeclared, declare_all, settings_from_node
 from simllm_ros.settings import SettingError, Settings
-from simllm_ros.thermal import ThermalMonitor, ThermalPolicy, ThermalReading, ThermalState
+from simllm_ros.serving.thermal import ThermalMonitor, ThermalPolicy, ThermalReading, ThermalState
 
 NODE_NAME = "simllm_node"
 DIAGNOSTIC_TASK = "LLM service"  # the status is "<node's full name without the leading slash>: LLM service"

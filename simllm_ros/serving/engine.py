@@ -30,27 +30,30 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import approx_gate, compute_threads, fleet_store, path_checks
-from .answer_memo import AnswerMemo
+from . import approx_gate
+from ..kernels import compute_threads
+from ..cache import fleet_store
+from .. import path_checks
+from ..cache.answer_memo import AnswerMemo
 from .batching import Batching
-from .cache_stats import CacheStatsRecorder
-from .draft_proposer import DraftStats
-from .error_bound import ErrorBound
-from .fleet_store import FleetStore
-from .fingerprint import Fingerprinter
-from .kv_pool import KVPool
-from .llama_runner import ONEDNN_ISA_CAP
-from .model_backend import ModelBackend, ModelLoadError
-from .request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
+from ..cache.cache_stats import CacheStatsRecorder
+from ..model.draft_proposer import DraftStats
+from ..cache.error_bound import ErrorBound
+from ..cache.fleet_store import FleetStore
+from ..cache.fingerprint import Fingerprinter
+from ..cache.kv_pool import KVPool
+from ..model.llama_runner import ONEDNN_ISA_CAP
+from ..model.model_backend import ModelBackend, ModelLoadError
+from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
 from .request_memory import PENDING_INSERTS_MAX, PendingInsert, RequestMemory
 from .request_pipeline import Observation, Prepared, RequestPipeline
-# Re-exported: what `from simllm_ros.engine import ...` has always given.
+# Re-exported: what `from simllm_ros.serving.engine import ...` has always given.
 from .request_pipeline import KV_SLOT_STEP, Flight, MemoPlan, task_digest  # noqa: F401
-from .semantic_log import SemanticLog, request_record
-from .settings import SPECS, SettingError, Settings, parse_size
-from .structured_output import NoValueLeft, SchemaError
+from ..cache.semantic_log import SemanticLog, request_record
+from ..settings import SPECS, SettingError, Settings, parse_size
+from ..model.structured_output import NoValueLeft, SchemaError
 from .thermal import ThermalLevel
-from .validation import check_text_field, is_invisible_only, normalize_text, validate_request
+from ..validation import check_text_field, is_invisible_only, normalize_text, validate_request
 from .warm_start import WarmStart, read_requests_jsonl  # noqa: F401 (read_requests_jsonl: re-exported)
 
 RELOAD_PARAMS = {s.name for s in SPECS if not s.live}

@@ -25,9 +25,9 @@ import dataclasses
 
 import torch
 
-from .kv_pool import KVPool
-from .model_backend import EarlyStart, ModelBackend
-from .reuse_planner import ReusePlan
+from ..cache.kv_pool import KVPool
+from ..model.model_backend import EarlyStart, ModelBackend
+from ..cache.reuse_planner import ReusePlan
 
 
 @dataclasses.dataclass

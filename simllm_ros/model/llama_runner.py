@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
+from ..kernels import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
 from .kv_buffer import KVBuffer, Seq
 from .runner_layers import _ONE_THREAD_ELEMENTS, LayerSteps, _act_rows  # noqa: F401 (importable from here)
 from .runner_weights import (  # noqa: F401 (the packing helpers stay importable from here)

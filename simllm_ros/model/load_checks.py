@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .kernels.build import CONTRACT
+from ..kernels.build import CONTRACT
 from .model_files import default_cache_dir
 
 LOAD_CHECKS_FILE = "load_checks.json"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .request import CacheResult, Progress
+from ..request import CacheResult, Progress
 
 FEEDBACK_INTERVAL_S = 0.05  # at most one progress message per 50 ms
 

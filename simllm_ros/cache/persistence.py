@@ -44,7 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .kv_pool import KVPool, PoolSnapshot
-from .safe_io import describe_error, open_regular
+from ..safe_io import describe_error, open_regular
 
 FORMAT = "simllm_ros.kv_pool"
 FORMAT_VERSION = 1
@@ -182,7 +182,7 @@ def _reject_constant(name: str):
 
 def _read_header(fd: int, size: int) -> tuple[int, dict]:
     """safetensors layout: u64 little-endian header length N, N bytes of JSON, then the raw data."""
-    from .safe_io import pread_exact
+    from ..safe_io import pread_exact
 
     if size < 8:
         raise _Bad(f"{size} bytes: too short for a safetensors file")

@@ -13,11 +13,11 @@ import dataclasses
 
 import numpy as np
 
-from .decoding import Generation
-from .draft_proposer import DraftProposer
-from .request import CacheResult, QueryRequest
+from ..model.decoding import Generation
+from ..model.draft_proposer import DraftProposer
+from ..request import CacheResult, QueryRequest
 from .request_pipeline import Flight, Prepared
-from .semantic_log import request_record
+from ..cache.semantic_log import request_record
 
 
 @dataclasses.dataclass

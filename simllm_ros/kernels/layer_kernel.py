@@ -23,7 +23,7 @@ import threading
 import torch
 
 from . import int4_kernel
-from .kernels import build
+from . import build
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 

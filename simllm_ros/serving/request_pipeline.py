@@ -20,16 +20,18 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import approx_gate, compute_threads, reuse_planner, semantic_reuse
-from .answer_memo import Memo, Signature
-from .decoding import Constraint, Decoder, Generation
-from .draft_proposer import DraftProposer
-from .fingerprint import context_digest
-from .kv_pool import PrefixHit
-from .request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
-from .semantic_log import request_record
+from . import approx_gate, semantic_reuse
+from ..kernels import compute_threads
+from ..cache import reuse_planner
+from ..cache.answer_memo import Memo, Signature
+from ..model.decoding import Constraint, Decoder, Generation
+from ..model.draft_proposer import DraftProposer
+from ..cache.fingerprint import context_digest
+from ..cache.kv_pool import PrefixHit
+from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
+from ..cache.semantic_log import request_record
 from .streaming import AnswerWatcher
-from .structured_output import CompiledSchema
+from ..model.structured_output import CompiledSchema
 from .thermal import ThermalLevel
 
 

@@ -17,7 +17,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from . import int4_kernel, norm_kernel
+from ..kernels import int4_kernel, norm_kernel
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:

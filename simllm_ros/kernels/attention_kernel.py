@@ -34,7 +34,7 @@ import threading
 import torch
 
 from . import compute_threads
-from .kernels import build
+from . import build
 
 MAX_HEAD_DIM = 256  # the kernel's per-row buffers
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int

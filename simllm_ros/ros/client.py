@@ -5,7 +5,7 @@ by the executor that is busy running that very callback, so the call never retur
 its own spun by its own executor thread: the node's responses, feedback and cancels are processed there, so a
 caller may wait on a result from any thread, a timer or subscription callback of another node included.
 
-    from simllm_ros.client import SimllmClient
+    from simllm_ros.ros.client import SimllmClient
     client = SimllmClient()                              # rclpy.init() first; target /simllm_node
     future = client.query("Is Elm Street closed?", context=bulletin)     # a concurrent.futures.Future
     answer = future.result(timeout=60).answer            # blocking is safe, even inside a callback

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention_kernel
+from ..kernels import attention_kernel
 from .kv_buffer import Seq
 
 

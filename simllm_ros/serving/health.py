@@ -14,7 +14,7 @@ import enum
 import math
 import socket
 
-from .kernels.build import CONTRACT as NUMERICS_CONTRACT
+from ..kernels.build import CONTRACT as NUMERICS_CONTRACT
 from .thermal import ThermalLevel, ThermalReading, ThermalState
 
 WINDOW_S = 30.0  # errors and busy refusals are counted over this window

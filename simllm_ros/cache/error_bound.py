@@ -22,7 +22,7 @@ import os
 import random
 import threading
 
-from .safe_io import read_regular
+from ..safe_io import read_regular
 
 TIERS = ("answer", "semantic")
 MAX_LABELS = 20000

@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from .kernels import build
+from . import build
 
 
 class NormKernel:

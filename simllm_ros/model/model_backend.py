@@ -15,17 +15,18 @@ from collections.abc import Callable
 
 import torch
 
-from . import gguf_weights, int4_kernel, int4_vector_kernel
-from .block_store import KVShape
+from . import gguf_weights
+from ..kernels import int4_kernel, int4_vector_kernel
+from ..cache.block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .kernel_paths import KernelPaths
 from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
 from .load_checks import LoadChecks, _try
 from .model_files import ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, gguf_source, \
     resolve_model
-from .request import ChatTurn
+from ..request import ChatTurn
 from .structured_output import StructuredOutput
-# Re-exported: what `from simllm_ros.model_backend import ...` has always given.
+# Re-exported: what `from simllm_ros.model.model_backend import ...` has always given.
 from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_json, _update_json  # noqa: F401
 from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, default_cache_dir  # noqa: F401
 

@@ -34,7 +34,7 @@ import re
 import threading
 from typing import Iterable, NamedTuple
 
-from .safe_io import read_regular
+from ..safe_io import read_regular
 
 # Readings outside this range are sensor placeholders, not temperatures: Jetson
 # reports -256000 for powered-down zones (e.g. cv0-thermal on Orin).

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .request import CANCELLED_ERROR, Progress, QueryRequest, QueryResult
+from ..request import CANCELLED_ERROR, Progress, QueryRequest, QueryResult
 
 DRAIN_TIMEOUT_S = 300.0  # drain and stop wait at most this long for in-flight requests
 IDLE_POLL_S = 1.0  # the worker re-checks for idle work at least this often

@@ -12,7 +12,7 @@ import logging.handlers
 import os
 import time
 
-from .request import ChatTurn, QueryRequest
+from ..request import ChatTurn, QueryRequest
 
 BACKUPS = 3
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import compute_threads, kernel_pool
-from .kernels import build
+from . import build
 
 P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 # simllm_*_mm: x, x row stride, weight blob, y, y row stride, M, N, K, group sums, scratch, scratch per thread, threads

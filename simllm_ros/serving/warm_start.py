@@ -10,10 +10,11 @@ from collections.abc import Callable
 
 import torch
 
-from . import path_checks, persistence, semantic_log as semantic_log_mod
-from .request import QueryRequest
-from .safe_io import read_regular
-from .semantic_log import request_from_record, request_record
+from .. import path_checks
+from ..cache import persistence, semantic_log as semantic_log_mod
+from ..request import QueryRequest
+from ..safe_io import read_regular
+from ..cache.semantic_log import request_from_record, request_record
 from .thermal import ThermalLevel
 
 

@@ -15,10 +15,11 @@ import dataclasses
 
 import numpy as np
 
-from . import reuse_planner, semantic_reuse
-from .error_bound import NO_DATA, ErrorBound, Estimate
-from .kv_pool import task_id
-from .request import CacheResult
+from ..cache import reuse_planner
+from . import semantic_reuse
+from ..cache.error_bound import NO_DATA, ErrorBound, Estimate
+from ..cache.kv_pool import task_id
+from ..request import CacheResult
 
 TIER_NAMES = {CacheResult.ANSWER: "answer", CacheResult.SEMANTIC: "semantic"}
 LABEL_MIN_SIMILARITY = 0.5  # candidates less similar than this are too far for any tier to consider

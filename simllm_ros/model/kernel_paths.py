@@ -4,7 +4,8 @@ part of ModelBackend (model_backend.py), split off to be read in one sitting.
 """
 from __future__ import annotations
 
-from . import attention_kernel, gguf_weights, int4_kernel, layer_kernel, norm_kernel
+from ..kernels import attention_kernel, int4_kernel, layer_kernel, norm_kernel
+from . import gguf_weights
 
 
 class KernelPaths:

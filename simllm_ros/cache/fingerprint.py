@@ -16,8 +16,8 @@ import threading
 
 import numpy as np
 
-from .settings import DEFAULT_EMBEDDER
-from .validation import normalize_text
+from ..settings import DEFAULT_EMBEDDER
+from ..validation import normalize_text
 
 
 def resolve_embedder_path(ref: str) -> str:
@@ -91,7 +91,7 @@ class Fingerprinter:
             return done
         with self._queue_lock:
             if self._workers is None:
-                from . import compute_threads  # imports torch: here, not when the module is imported
+                from ..kernels import compute_threads  # imports torch: here, not when the module is imported
 
                 # Two workers: a second request's texts join the batch the first one is embedding. They run
                 # torch with the count it had at load: a model turn meanwhile sets it to one (compute_threads).
