@@ -261,3 +261,41 @@ def test_the_file_embedding_is_the_files_rows(files):
     assert torch.equal(emb(ids), w[ids])  # bit for bit, any shape of ids
     with pytest.raises(IndexError, match="out of range"):
         emb(torch.tensor([w.shape[0]]))
+
+
+def test_later_loads_map_the_packed_blocks_and_refuse_a_damaged_file(files, monkeypatch):
+    """The first load packs the file's blocks for the kernel and keeps them (packed_weights); a later load maps them
+    instead of packing again, with the same bits; a damaged file, or one packed for another kernel layout, is
+    packed again, never run."""
+    import os
+
+    from simllm_ros.model import packed_weights
+
+    first = _backend(files, "q4_k_m")
+    path = os.path.join(first._path, packed_weights.PACKED_FILE)
+    assert os.path.isfile(path)
+    ids = [int(t) for t in range(700, 700 + 19 * 41, 41)]
+    ref = first.run(ids, first.new_cache(22), logits="all")
+
+    def load():
+        said: list[str] = []
+        b = ModelBackend(files["q4_k_m"], dtype="float32", weight_bits=0, cache_dir=files["cache"],
+                         progress=said.append)
+        assert torch.equal(b.run(ids, b.new_cache(22), logits="all"), ref)
+        return " | ".join(said)
+
+    assert "mapped as packed at an earlier load" in load()
+    good = open(path, "rb").read()
+    damaged = bytearray(good)
+    damaged[-100] ^= 0x40  # one bit of the last blob
+    with open(path, "wb") as f:
+        f.write(damaged)
+    said = load()
+    assert "damaged" in said and "packed for our kernel" in said and "mapped" not in said
+    assert "mapped as packed at an earlier load" in load()  # written again, whole
+    with open(path, "wb") as f:
+        f.write(good[: len(good) // 2])
+    assert "unreadable" in load() and "mapped as packed at an earlier load" in load()
+    monkeypatch.setattr(packed_weights, "layout_id", lambda: "another-layout")
+    said = load()
+    assert "another file or kernel layout" in said and "mapped" not in said

@@ -355,12 +355,12 @@ def formats(path: str, tensors: list[Tensor] | None = None) -> dict[str, list[st
     return out
 
 
-def read_model(path: str, model, rows: "Rows | None" = None) -> ModelFile:
+def read_model(path: str, model, rows: "Rows | None" = None, listed: list[Tensor] | None = None) -> ModelFile:
     """The file's own weights for a Llama-family model. Without `rows`: each checked bit for bit against the loaded
     model's weights (float32, dequantized from this file) and its row order found. With `rows` (what that check
     found for this very file before, load_rows): the recorded row orders, and the model may be a skeleton whose
-    projection weights were never loaded (load_skeleton)."""
-    listed = check_file(path)
+    projection weights were never loaded (load_skeleton). `listed`: check_file(path) where the caller has it."""
+    listed = listed if listed is not None else check_file(path)
     tensors = {t.name: t for t in listed}
     fmts = formats(path, listed)
     layers: list[dict[str, FileWeight]] = []

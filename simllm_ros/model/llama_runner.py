@@ -81,9 +81,10 @@ class EarlyHead:
 
 
 class LlamaRunner(LayerSteps):
-    def __init__(self, model, weight_bits: int = 16, file=None):
+    def __init__(self, model, weight_bits: int = 16, file=None, packed=None):
         """`file` (gguf_weights.ModelFile, float32 with weight_bits 4 only): the projections and LM head run on the
-        GGUF's own blocks on the vector kernel instead of 4-bit codes found again from the weights."""
+        GGUF's own blocks on the vector kernel instead of 4-bit codes found again from the weights. `packed`
+        (packed_weights.PackedStore): those blocks as packed at an earlier load, mapped instead of packed again."""
         base = model.model
         cfg = model.config
         self.model = model
@@ -136,11 +137,12 @@ class LlamaRunner(LayerSteps):
         # bits (SmolLM2's Q4_1 file: Q8_0, 32 distinct values in a group of 32), so 4 bits would re-quantize it.
         # Where that embedding is Q8_0 and our kernel runs, its own 8-bit codes; else 16-bit.
         lm_w = lm.weight.data
+        packs = packed.parts if packed is not None else (lambda key, build: build())
         self.file = file if self.int4 is not None and self.int4.dtype == torch.float32 else None
         if file is not None and self.file is None:
             raise ValueError("a GGUF's own blocks run on the float32 vector kernel only")
         if self.file is not None and self.file.head is not None and lm_w.shape[0] % 16 == 0:
-            kind, blob, n = self.file.head.pack(self.int4)
+            [(kind, blob, n)] = packs("head", lambda: [self.file.head.pack(self.int4)])
             self.lm_head = _Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
             self.lm_head.ggml, self.lm_head.bits = self.file.head.ggml, {"q4": 4, "q8": 8, "q6": 6}[kind]
         elif self.int4 is not None and lm.bias is None and lm_w.shape[0] % 16 == 0 and on_q8_grid(lm_w):
@@ -152,12 +154,14 @@ class LlamaRunner(LayerSteps):
             att, mlp = layer.self_attn, layer.mlp
             if self.file is not None:
                 fw = self.file.layers[li]
+                def file_parts(name, *projs):
+                    return packs(f"{li}.{name}", lambda: _file_parts([fw[p] for p in projs], self.int4))
+
                 qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, self.int4,
-                            parts=_file_parts([fw["q_proj"], fw["k_proj"], fw["v_proj"]], self.int4))
-                gate_up = _Proj(None, None, 4, self.int4,
-                                parts=_file_parts([fw["gate_proj"], fw["up_proj"]], self.int4))
-                o = _Proj(None, _bias(att.o_proj), 4, self.int4, parts=_file_parts([fw["o_proj"]], self.int4))
-                down = _Proj(None, _bias(mlp.down_proj), 4, self.int4, parts=_file_parts([fw["down_proj"]], self.int4))
+                            parts=file_parts("qkv", "q_proj", "k_proj", "v_proj"))
+                gate_up = _Proj(None, None, 4, self.int4, parts=file_parts("gate_up", "gate_proj", "up_proj"))
+                o = _Proj(None, _bias(att.o_proj), 4, self.int4, parts=file_parts("o", "o_proj"))
+                down = _Proj(None, _bias(mlp.down_proj), 4, self.int4, parts=file_parts("down", "down_proj"))
             else:
                 qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, self.int4)
                 gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, self.int4)

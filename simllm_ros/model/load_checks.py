@@ -52,12 +52,13 @@ def _update_json(path: str, key: str, value, keep: int) -> None:
     os.replace(tmp, path)
 
 
-def _try(fn, progress) -> None:
-    """A cache write that may fail (read-only folder, full disk) without failing the load."""
+def _try(fn, progress):
+    """A cache write that may fail (read-only folder, full disk) without failing the load: fn's result, else None."""
     try:
-        fn()
+        return fn()
     except OSError as e:
         progress(f"note: could not keep a cache file ({e}); the next load checks again")
+        return None
 
 
 MAX_PASS_ROWS = 257  # a decode pass: the last token and a draft of up to 256 (max_draft_tokens' range)

@@ -24,6 +24,7 @@ from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_err
 from .load_checks import LoadChecks, _try
 from .model_files import ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, gguf_source, \
     resolve_model
+from .packed_weights import PackedStore
 from ..request import ChatTurn
 from .structured_output import StructuredOutput
 # Re-exported: what `from simllm_ros.model.model_backend import ...` has always given.
@@ -138,9 +139,10 @@ class ModelBackend(KernelPaths, LoadChecks):
         self.file_formats: dict[str, list[str]] = {}
         if src and fast and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4):
             try:
-                self.file_formats = gguf_weights.formats(src)
+                listed = gguf_weights.check_file(src)  # its header read once (a large vocabulary: ~0.3 s)
+                self.file_formats = gguf_weights.formats(src, listed)
                 if not gguf_weights.ModelFile([], None, self.file_formats, None).only_q4_0_1:
-                    self.model_file = gguf_weights.read_model(src, self.model, rows)
+                    self.model_file = gguf_weights.read_model(src, self.model, rows, listed)
                     if rows is None:
                         checked = gguf_weights.rows_of(self.model_file, stamp,
                                                        "output.weight" if "output" in self.file_formats
@@ -178,11 +180,21 @@ class ModelBackend(KernelPaths, LoadChecks):
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
+        # The file's blocks as packed at an earlier load of this GGUF (packed_weights): mapped, not packed again
+        packed = PackedStore(path, stamp) if use_file and stamp is not None else None
+        if packed is not None and packed.why_not:
+            self.progress(packed.why_not)
         if fast:
             try:
-                self.runner = LlamaRunner(self.model, weight_bits, file=self.model_file if use_file else None)
+                self.runner = LlamaRunner(self.model, weight_bits, file=self.model_file if use_file else None,
+                                          packed=packed)
             except ValueError as e:  # a shape the quantized kernels cannot take
                 raise ModelLoadError(str(e)) from e
+            if packed is not None:
+                self.progress("the file's blocks mapped as packed at an earlier load" if packed.complete else
+                              "the file's blocks packed for our kernel")
+                if _try(packed.save, self.progress):
+                    self.progress(f"packed blocks kept for later loads in {packed.path}")
         self.model_file = self.runner.file if use_file and self.runner is not None else None  # codes dropped
         self.weight_bits = weight_bits
         self.semantic_supported = self.runner is not None and self.model_type in SEMANTIC_ARCHITECTURES \

@@ -136,7 +136,7 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
         skip.add("model.embed_tokens.weight")
     state = {}
     for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        if os.path.basename(shard) == gguf_weights.ROWS_FILE:
+        if os.path.basename(shard).startswith("simllm_"):  # our own files beside the model (checked rows, packed)
             continue
         with safe_open(shard, "pt") as f:
             for key in f.keys():

@@ -1,0 +1,121 @@
+"""A GGUF's projections as the vector kernel reads them (its packed blobs), written once beside the converted model
+and memory-mapped at later loads.
+
+Why: packing decodes every K-quant block in numpy and lays the codes out for the kernel: about 7 s of a 1.5B model's
+12 s load, and a transient second copy of the codes that set the load's peak memory. Mapped from a file, the blobs
+are read in no time and live in the page cache, as llama.cpp's memory-mapped GGUF does: shared between processes on
+one robot and evictable under pressure. The blobs are the bytes the kernel would have packed (the packing code and
+the kernel's source name the file's layout: change either and the file is written again), and the file is bound to
+its GGUF by the same content stamp as the converted copy; each blob's CRC-32 is checked at load (~0.3 s a GB), so
+a damaged file is packed again rather than run. The format is safetensors (a JSON header, raw bytes), read here
+without copying: nothing in it is executed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+PACKED_FILE = "simllm_packed.safetensors"
+_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "F32": torch.float32}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_weights._file_parts returns
+
+
+def layout_id() -> str:
+    """What the blobs' layout depends on: the packing code and the kernel that reads it."""
+    kernels = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    h = hashlib.sha256()
+    for name in ("int4_vector_kernel.py", "int4_vector.c"):
+        with open(os.path.join(kernels, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+class PackedStore:
+    """The packed parts of one GGUF's projections by key ("3.qkv", "head", ...): those found in the file are
+    memory-mapped; the others are built and kept, and `save` writes the whole set once."""
+
+    def __init__(self, folder: str, stamp: dict):
+        self.path = os.path.join(folder, PACKED_FILE)
+        self.meta = {"stamp": json.dumps(stamp, sort_keys=True), "layout": layout_id()}
+        self.mapped: dict[str, Parts] = {}
+        self.built: dict[str, Parts] = {}
+        self.why_not = ""  # why the file on disk was not used ("" where it was, or none was there)
+        self._map = None
+        if os.path.isfile(self.path):
+            try:
+                self.mapped = self._open()
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+                self.mapped, self.why_not = {}, f"{PACKED_FILE} unreadable ({e}); packing again"
+
+    def parts(self, key: str, build: Callable[[], Parts]) -> Parts:
+        got = self.mapped.get(key)
+        if got is None:
+            got = self.built[key] = build()
+        return got
+
+    @property
+    def complete(self) -> bool:
+        """Whether every part came from the file (nothing was packed at this load)."""
+        return bool(self.mapped) and not self.built
+
+    def save(self) -> bool:
+        """Writes every part (mapped and built) atomically where anything was built; False if nothing was."""
+        if not self.built:
+            return False
+        from safetensors.torch import save_file
+
+        tensors, index = {}, {}
+        for key, parts in {**self.mapped, **self.built}.items():
+            index[key] = [[kind, n, zlib.crc32(blob.contiguous().view(torch.uint8).numpy())]
+                          for kind, blob, n in parts]
+            for i, (_, blob, _) in enumerate(parts):
+                tensors[f"{key}/{i}"] = blob.contiguous()
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            save_file(tensors, tmp, metadata={**self.meta, "index": json.dumps(index)})
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return True
+
+    def _open(self) -> dict[str, Parts]:
+        """The file's parts as views of one private mapping (copy-on-write: pages stay the file's unless written,
+        which nothing does); ValueError if it is another file's, another layout's, damaged, or does not add up."""
+        size = os.path.getsize(self.path)
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(size - 8, 64 << 20):
+                raise ValueError("header size past the end")
+            header = json.loads(f.read(n))
+            meta = header.pop("__metadata__", {}) or {}
+            if any(meta.get(k) != v for k, v in self.meta.items()):
+                raise ValueError("written for another file or kernel layout")
+            index = json.loads(meta["index"])
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        data = np.frombuffer(self._map, dtype=np.uint8, offset=8 + n)
+        out: dict[str, Parts] = {}
+        for key, kinds in index.items():
+            parts = []
+            for i, (kind, outputs, crc) in enumerate(kinds):
+                t = header[f"{key}/{i}"]
+                dtype, shape, (a, b) = _DTYPES[t["dtype"]], t["shape"], t["data_offsets"]
+                count = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+                if not 0 <= a <= b <= data.size or b - a != count:
+                    raise ValueError(f"tensor {key}/{i} does not fit the file")
+                if zlib.crc32(data[a:b]) != crc:
+                    raise ValueError(f"tensor {key}/{i} is damaged (CRC-32)")
+                blob = torch.from_numpy(data[a:b]).view(dtype).reshape(shape)
+                parts.append((str(kind), blob, int(outputs)))
+            out[key] = parts
+        return out
