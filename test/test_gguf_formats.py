@@ -299,3 +299,25 @@ def test_later_loads_map_the_packed_blocks_and_refuse_a_damaged_file(files, monk
     monkeypatch.setattr(packed_weights, "layout_id", lambda: "another-layout")
     said = load()
     assert "another file or kernel layout" in said and "mapped" not in said
+
+
+def test_a_long_prompt_runs_in_passes_of_pass_rows_with_the_same_bits(files, monkeypatch):
+    """Past PASS_ROWS tokens a prompt is run in several passes (the layers' work buffers then hold PASS_ROWS rows,
+    not the prompt): logits and KV bitwise those of one pass, as the invariance probe promises."""
+    from simllm_ros import model_backend
+
+    b = _backend(files, "q4_k_m")
+    assert b.exact_chunking
+    ids = [int(t) for t in range(300, 300 + 45 * 53, 53)]
+    passes, forward = [], b.runner.forward
+    monkeypatch.setattr(b.runner, "forward", lambda ids, *a, **k: passes.append(len(ids)) or forward(ids, *a, **k))
+    out = {}
+    for rows in (10 ** 6, 7):
+        monkeypatch.setattr(model_backend, "PASS_ROWS", rows)
+        cache = b.new_cache(48)
+        passes.clear()
+        out[rows] = (b.run(ids, cache, logits="all"), b.run(ids[:30], b.new_cache(48), logits="last"), cache)
+        assert passes == ([45, 30] if rows > 45 else [7] * 6 + [3] + [7] * 4 + [2])
+    (whole, last, c1), (cut, last_cut, c2) = out[10 ** 6], out[7]
+    assert whole.shape == cut.shape and torch.equal(whole, cut) and torch.equal(last, last_cut)
+    assert torch.equal(c1.k[:, :, :45], c2.k[:, :, :45]) and torch.equal(c1.v[:, :, :45], c2.v[:, :, :45])

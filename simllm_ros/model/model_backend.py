@@ -39,6 +39,8 @@ SEMANTIC_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 # SEMANTIC is off (its key re-rotation assumes one RoPE base and full attention; Gemma 3 has two bases).
 RUNNER_ONLY_ARCHITECTURES = {"gemma3_text"}
 
+# Rows of one forward pass at most where passes are exact however cut (run): a longer prompt takes several
+PASS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -383,6 +385,15 @@ class ModelBackend(KernelPaths, LoadChecks):
         """
         past = self.cache_len(cache)
         n = len(ids)
+        if n > PASS_ROWS and positions is None and isinstance(cache, KVBuffer) and getattr(self, "exact_chunking", False):
+            # A long prompt in passes of PASS_ROWS: the same bits (what the invariance probe checked), and the
+            # layers' work buffers sized for PASS_ROWS rows, not the prompt (139 KB a row at 1.5B)
+            outs = []
+            for a in range(0, n, PASS_ROWS):
+                end = a + PASS_ROWS >= n
+                out = self.run(ids[a:a + PASS_ROWS], cache, logits=logits if end or logits == "all" else "none")
+                outs.append(out)
+            return torch.cat(outs) if logits == "all" else outs[-1]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions if positions is not None else list(range(past, past + n)), device=self.device)
         mode = "all" if logits == "all" else "last" if logits == "last" else "none"
