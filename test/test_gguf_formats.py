@@ -321,3 +321,33 @@ def test_a_long_prompt_runs_in_passes_of_pass_rows_with_the_same_bits(files, mon
     (whole, last, c1), (cut, last_cut, c2) = out[10 ** 6], out[7]
     assert whole.shape == cut.shape and torch.equal(whole, cut) and torch.equal(last, last_cut)
     assert torch.equal(c1.k[:, :, :45], c2.k[:, :, :45]) and torch.equal(c1.v[:, :, :45], c2.v[:, :, :45])
+
+
+def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(files):
+    """Checked and packed, a GGUF's converted copy keeps only what skeleton loads read (its dense float32
+    projections are ~4x the file); a load that needs them again (bfloat16 here) converts the file again, and the
+    float32 load after it checks, packs and drops them again, with the same bits."""
+    import os
+
+    from safetensors import safe_open
+
+    from simllm_ros.model_files import SLIM_FILE
+
+    first = _backend(files, "q8_0")
+    folder = first._path
+    shard = os.path.join(folder, "model.safetensors")
+    assert os.path.isfile(os.path.join(folder, SLIM_FILE))
+    with safe_open(shard, "pt") as f:
+        assert not any(".self_attn." in k and k.endswith("proj.weight") for k in f.keys())
+        assert "model.norm.weight" in f.keys()
+    ids = [int(t) for t in range(900, 900 + 17 * 43, 43)]
+    ref = first.run(ids, first.new_cache(20), logits="all")
+    dense = ModelBackend(files["q8_0"], dtype="bfloat16", weight_bits=16, cache_dir=files["cache"])
+    assert not os.path.isfile(os.path.join(folder, SLIM_FILE)) and dense.runner is not None
+    with safe_open(shard, "pt") as f:  # converted again, whole
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").abs().sum() > 0
+    said: list[str] = []
+    again = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"], progress=said.append)
+    assert torch.equal(again.run(ids, again.new_cache(20), logits="all"), ref)
+    assert any("dropped the converted copy's dense projections" in m for m in said)
+    assert os.path.isfile(os.path.join(folder, SLIM_FILE))

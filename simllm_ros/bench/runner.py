@@ -197,7 +197,7 @@ def run(args) -> dict:
     ctx = {"engine": engine, "plain": plain, "max_new": plan.max_new, "workdir": workdir,
            "default_threshold": float(SPEC_BY_NAME["cache_threshold"].default), "system_prompt": settings.system_prompt,
            "budget": parse_size(CACHE_SIZE, None), "threads": threads,
-           "model_dir": resolve_model(settings.model, settings.model_cache_dir, lambda m: None)}
+           "model_dir": resolve_model(settings.model, settings.model_cache_dir, lambda m: None, dense=True)}
 
     systems, status = {}, {}
     for name in plan.systems:

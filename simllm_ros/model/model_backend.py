@@ -11,6 +11,7 @@ which kernels compute a pass in kernel_paths.py.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -22,8 +23,8 @@ from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, gen
 from .kernel_paths import KernelPaths
 from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
 from .load_checks import LoadChecks, _try
-from .model_files import ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, gguf_source, \
-    resolve_model
+from .model_files import SLIM_FILE, ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, \
+    gguf_source, resolve_model, slim_conversion
 from .packed_weights import PackedStore
 from ..request import ChatTurn
 from .structured_output import StructuredOutput
@@ -112,6 +113,10 @@ class ModelBackend(KernelPaths, LoadChecks):
         stamp = _conversion_stamp(src) if src else None  # read once: it hashes the file's first MB
         rows = gguf_weights.load_rows(path, stamp) if (
             src and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4)) else None
+        if rows is None and os.path.exists(os.path.join(path, SLIM_FILE)):  # this load needs the dense weights
+            path = resolve_model(ref, cache_dir, self.progress, dense=True)
+            self._path = path
+        self._cache_dir = cache_dir
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             self.skeleton = rows is not None  # the dense projection weights were never loaded
@@ -197,6 +202,12 @@ class ModelBackend(KernelPaths, LoadChecks):
                               "the file's blocks packed for our kernel")
                 if _try(packed.save, self.progress):
                     self.progress(f"packed blocks kept for later loads in {packed.path}")
+                kept = gguf_weights.load_rows(path, stamp) if rows is None else rows
+                if kept is not None and os.path.isfile(packed.path):  # later loads read neither dense projection
+                    freed = _try(lambda: slim_conversion(path, kept.head, kept.embed), self.progress)
+                    if freed:
+                        self.progress(f"dropped the converted copy's dense projections ({freed / 2**30:.1f} GB): "
+                                      "checked and packed, later loads do not read them")
         self.model_file = self.runner.file if use_file and self.runner is not None else None  # codes dropped
         self.weight_bits = weight_bits
         self.semantic_supported = self.runner is not None and self.model_type in SEMANTIC_ARCHITECTURES \
@@ -267,6 +278,8 @@ class ModelBackend(KernelPaths, LoadChecks):
             from transformers import AutoModelForCausalLM
 
             self.progress("loading a dense copy of the model for transformers' own forward (reference runs)")
+            if os.path.exists(os.path.join(self._path, SLIM_FILE)):  # its dense weights were dropped: convert again
+                self._path = resolve_model(self.ref, self._cache_dir, self.progress, dense=True)
             self._dense_model = AutoModelForCausalLM.from_pretrained(
                 self._path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(self.device).eval()
         return self._dense_model

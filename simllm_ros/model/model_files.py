@@ -47,8 +47,9 @@ def gguf_source(ref: str) -> str | None:
     return os.path.abspath(ref) if ref.endswith(".gguf") and os.path.isfile(ref) else None
 
 
-def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> str:
-    """Local directory holding a transformers checkpoint for `ref`, converting a GGUF once if needed."""
+def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], dense: bool = False) -> str:
+    """Local directory holding a transformers checkpoint for `ref`, converting a GGUF once if needed. `dense`: the
+    load needs the dense projection weights, so a slimmed copy (slim_conversion) is converted again."""
     gguf_dir = gguf_name = None
     if ref in EMBEDDED_MODELS:
         pkg, gguf_name, slug = EMBEDDED_MODELS[ref]
@@ -73,7 +74,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None]) -> 
     want = _conversion_stamp(src)  # content, not path: every venv shares one converted copy
     try:
         with open(stamp) as f:
-            if json.load(f) == want:
+            if json.load(f) == want and not (dense and os.path.exists(os.path.join(target, SLIM_FILE))):
                 return target
     except (OSError, ValueError):
         pass
@@ -114,12 +115,59 @@ def _conversion_stamp(src: str) -> dict:
             "version": CONVERSION_VERSION}
 
 
+def _skeleton_skips(cfg, skip_head: bool, skip_embed: bool) -> set[str]:
+    """The converted model's tensors a skeleton load does without: every projection weight, the LM head if
+    `skip_head`, the token embedding if `skip_embed` and nothing else needs it."""
+    skip = {f"model.layers.{i}.{sub}.{attr}.weight" for i in range(cfg.num_hidden_layers)
+            for sub, attr in gguf_weights.PROJECTIONS.values()}
+    if skip_head:
+        skip.add("lm_head.weight")
+    if skip_embed and (skip_head or not getattr(cfg, "tie_word_embeddings", False)):
+        skip.add("model.embed_tokens.weight")
+    return skip
+
+
+def _model_shards(path: str) -> list[str]:
+    import glob
+
+    # not our own files beside the model (checked rows, packed blocks)
+    return [p for p in sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            if not os.path.basename(p).startswith("simllm_")]
+
+
+SLIM_FILE = "simllm_slim.json"
+
+
+def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
+    """Drops from a converted GGUF's copy what skeleton loads never read (the dense float32 projections: ~4x the
+    file, 5.8 GB for a 1.5B model), once its blocks are checked and packed beside it. A load that needs the dense
+    weights again (another dtype, a lost rows file) converts again (resolve_model's `dense`). Bytes freed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    if os.path.exists(os.path.join(path, SLIM_FILE)):
+        return 0
+    skip = _skeleton_skips(AutoConfig.from_pretrained(path, local_files_only=True), skip_head, skip_embed)
+    freed = 0
+    for shard in _model_shards(path):
+        before = os.path.getsize(shard)
+        with safe_open(shard, "pt") as f:
+            meta = f.metadata()
+            keep = {k: f.get_tensor(k) for k in f.keys() if k not in skip}
+        tmp = f"{shard}.{os.getpid()}.tmp"
+        save_file(keep, tmp, metadata=meta)
+        os.replace(tmp, shard)  # a process reading the old copy keeps its open file
+        freed += before - os.path.getsize(shard)
+    with open(os.path.join(path, SLIM_FILE), "w") as f:
+        json.dump({"dropped": sorted(skip)[:3] + ["..."], "head": skip_head, "embed": skip_embed}, f)
+    return freed
+
+
 def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
     """A converted GGUF's model (float32) without its projection weights (and LM head if `skip_head`, token
     embedding if `skip_embed` and nothing else needs it): those are allocated, never written (so never resident) and
     released by the runner, which takes the file's blocks."""
-    import glob
-
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -127,17 +175,9 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    skip = {f"{layer}.{sub}.{attr}.weight" for layer, _ in model.model.layers.named_children()
-            for sub, attr in gguf_weights.PROJECTIONS.values()}
-    skip = {f"model.layers.{k}" for k in skip}
-    if skip_head:
-        skip.add("lm_head.weight")
-    if skip_embed and (skip_head or not getattr(cfg, "tie_word_embeddings", False)):
-        skip.add("model.embed_tokens.weight")
+    skip = _skeleton_skips(cfg, skip_head, skip_embed)
     state = {}
-    for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        if os.path.basename(shard).startswith("simllm_"):  # our own files beside the model (checked rows, packed)
-            continue
+    for shard in _model_shards(path):
         with safe_open(shard, "pt") as f:
             for key in f.keys():
                 if key not in skip:
