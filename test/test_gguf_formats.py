@@ -304,7 +304,7 @@ def test_later_loads_map_the_packed_blocks_and_refuse_a_damaged_file(files, monk
 def test_a_long_prompt_runs_in_passes_of_pass_rows_with_the_same_bits(files, monkeypatch):
     """Past PASS_ROWS tokens a prompt is run in several passes (the layers' work buffers then hold PASS_ROWS rows,
     not the prompt): logits and KV bitwise those of one pass, as the invariance probe promises."""
-    from simllm_ros import model_backend
+    from simllm_ros.model import model_backend
 
     b = _backend(files, "q4_k_m")
     assert b.exact_chunking
@@ -331,7 +331,7 @@ def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(
 
     from safetensors import safe_open
 
-    from simllm_ros.model_files import SLIM_FILE
+    from simllm_ros.model.model_files import SLIM_FILE
 
     first = _backend(files, "q8_0")
     folder = first._path
