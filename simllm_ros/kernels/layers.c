@@ -5,6 +5,7 @@
 #include <immintrin.h>
 #endif
 #include "exp_poly.h"
+#include "layer_stack.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 typedef uint16_t bf16;
 
@@ -86,9 +87,7 @@ typedef struct {
     pool_fn pool; int glue_min_rows;  /* the 4-bit kernel's kept workers (or 0), for the steps between products */
 } pass_t;
 
-/* The steps between products (norms, residual adds, RoPE, SiLU) are per row: from glue_min_rows rows they are
-   split by rows over the kept workers (a row's bits do not depend on which thread computes it). */
-enum { G_NORM, G_ADD_NORM, G_ROPE, G_SILU };
+/* The steps between products (norms, residual adds, RoPE, SiLU; layer_stack.h) are per row. */
 typedef struct {
     const pass_t *P; int op, M, n, i;
     bf16 *h; const bf16 *t; const bf16 *w; bf16 *x; float eps;  /* G_NORM: x = norm(h); G_ADD_NORM: h += t first
@@ -121,52 +120,17 @@ static void *glue_rows(void *arg) {
     return 0;
 }
 
-static void glue(const pass_t *P, glue_t g) {
-    int n = P->pool && g.M >= P->glue_min_rows ? P->threads : 1;
-    if (n > g.M) n = g.M;
-    if (n > 64) n = 64;
-    g.P = P;
-    if (n <= 1) { g.n = 1; g.i = 0; glue_rows(&g); return; }
-    glue_t jobs[64];
-    for (int i = 0; i < n; i++) { jobs[i] = g; jobs[i].n = n; jobs[i].i = i; }
-    P->pool(glue_rows, jobs, sizeof(glue_t), n);
-}
+DEFINE_GLUE(glue, pass_t, glue_t, glue_rows)
 
-static void product(const pass_t *P, const bf16 *x, const uint8_t *w, bf16 *y, int M, int N, int K) {
+static void product(const pass_t *P, const bf16 *x, int64_t w, bf16 *y, int M, int N, int K) {
     int threads = (long)M * N * K >= P->thread_min_macs ? P->threads : 1;
-    P->mm(x, K, w, y, N, M, N, K, P->xsum, P->scratch, P->per_thread, threads);
+    P->mm(x, K, (const uint8_t *)(intptr_t)w, y, N, M, N, K, P->xsum, P->scratch, P->per_thread, threads);
 }
 
 /* Layers first..last-1 over h [M, E] (in place). weights [L][6]: ln1, ln2 (bf16 [E]), then the 4-bit blobs of
-   qkv, o, gate_up and down; eps [L][2]. ws: bf16 workspace of M * (2E + 2Nqkv + Hq*D + 3I) elements. The same
-   order of operations as LlamaRunner.forward's layer loop. */
-void simllm_layers_bf16(const pass_t *P, bf16 *h, int M, int first, int last, const int64_t *weights,
-                        const float *eps, const bf16 *cos, const bf16 *sin, bf16 *ws) {
-    const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D, Nqk = (Hq + Hkv) * D;
-    bf16 *x = ws, *qkv = x + (long)M * E, *qk = qkv + (long)M * Nqkv, *o = qk + (long)M * Nqk,
-         *t = o + (long)M * Hq * D, *gu = t + (long)M * E, *a = gu + (long)M * 2 * I;
-    if (first < last)
-        glue(P, (glue_t){.op = G_NORM, .M = M, .h = h, .w = (const bf16 *)(intptr_t)weights[(long)first * 6],
-                         .x = x, .eps = eps[2 * first]});
-    for (int li = first; li < last; li++) {
-        const int64_t *W = weights + (long)li * 6;
-        product(P, x, (const uint8_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
-        glue(P, (glue_t){.op = G_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin});
-        P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,
-                  P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);
-        product(P, o, (const uint8_t *)(intptr_t)W[3], t, M, E, Hq * D);
-        glue(P, (glue_t){.op = G_ADD_NORM, .M = M, .h = h, .t = t, .w = (const bf16 *)(intptr_t)W[1], .x = x,
-                         .eps = eps[2 * li + 1]});
-        product(P, x, (const uint8_t *)(intptr_t)W[4], gu, M, 2 * I, E);
-        glue(P, (glue_t){.op = G_SILU, .M = M, .src = gu, .dst = a});
-        product(P, a, (const uint8_t *)(intptr_t)W[5], t, M, E, I);
-        /* the residual add, and the next layer's input norm (the same rows, the same ops as at its top) */
-        const int more = li + 1 < last;
-        glue(P, (glue_t){.op = G_ADD_NORM, .M = M, .h = h, .t = t,
-                         .w = more ? (const bf16 *)(intptr_t)weights[(long)(li + 1) * 6] : 0, .x = x,
-                         .eps = more ? eps[2 * (li + 1)] : 0.f});
-    }
-}
+   qkv, o, gate_up and down; eps [L][2]. ws: bf16 workspace of M * (2E + 2Nqkv + Hq*D + 3I) elements. */
+#define ROPE_EXTRA_NONE(W, eps, li)
+DEFINE_STACK(simllm_layers_bf16, bf16, pass_t, glue_t, glue, product, 6, 2, ROPE_EXTRA_NONE)
 int simllm_layers_available(void) { return 1; }
 #else
 int simllm_layers_available(void) { return 0; }
@@ -224,12 +188,11 @@ void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a
     }
 }
 
-enum { F_NORM, F_ADD_NORM, F_ROPE, F_SILU };
 typedef struct {
     const pass32_t *P; int op, M, n, i;
     float *h; const float *t; const float *w; float *x; float eps;
     float *src; float *dst; const float *cos, *sin;
-    const float *bias, *qn, *kn; float qk_eps;  /* F_ROPE: Qwen2's q/k/v biases, Qwen3's per-head norms (or 0) */
+    const float *bias, *qn, *kn; float qk_eps;  /* G_ROPE: Qwen2's q/k/v biases, Qwen3's per-head norms (or 0) */
 } glue32_t;
 
 static void *glue32_rows(void *arg) {
@@ -239,17 +202,17 @@ static void *glue32_rows(void *arg) {
     const int E = P->E, D = P->D, H = P->Hq + 2 * P->Hkv, I = P->I;
     if (m <= 0) return 0;
     switch (G->op) {
-    case F_ADD_NORM: {
+    case G_ADD_NORM: {
         float *h = G->h + (long)m0 * E;
         const float *t = G->t + (long)m0 * E;
         for (long j = 0; j < (long)m * E; j++) h[j] = h[j] + t[j];
         if (!G->w) break;
     }
         /* fall through */
-    case F_NORM:
+    case G_NORM:
         P->norm(G->h + (long)m0 * E, E, G->w, G->x + (long)m0 * E, m, E, G->eps);
         break;
-    case F_ROPE:
+    case G_ROPE:
         /* the bias as torch adds it (y + b, one rounding), then each head's norm in place (rows of D), then RoPE:
            the Python layers' order (llama_runner._Proj, _rotated_rows) */
         for (int r = m0; r < m1; r++) {
@@ -264,28 +227,20 @@ static void *glue32_rows(void *arg) {
         simllm_rope_f32(G->src + (long)m0 * H * D, (long)H * D, m, P->Hq + P->Hkv, D, G->cos + (long)m0 * D,
                         G->sin + (long)m0 * D, G->dst + (long)m0 * (P->Hq + P->Hkv) * D);
         break;
-    case F_SILU:
+    case G_SILU:
         simllm_silu_mul_f32(G->src + (long)m0 * 2 * I, 2 * I, m, I, G->dst + (long)m0 * I, I);
         break;
     }
     return 0;
 }
 
-static void glue32(const pass32_t *P, glue32_t g) {
-    int n = P->pool && g.M >= P->glue_min_rows ? P->threads : 1;
-    if (n > g.M) n = g.M;
-    if (n > 64) n = 64;
-    g.P = P;
-    if (n <= 1) { g.n = 1; g.i = 0; glue32_rows(&g); return; }
-    glue32_t jobs[64];
-    for (int i = 0; i < n; i++) { jobs[i] = g; jobs[i].n = n; jobs[i].i = i; }
-    P->pool(glue32_rows, jobs, sizeof(glue32_t), n);
-}
+DEFINE_GLUE(glue32, pass32_t, glue32_t, glue32_rows)
 
 /* A projection of N outputs as parts of consecutive outputs, each its own weight format (a GGUF file's Q4_K_M keeps
    attn_v in Q6_K beside Q4_K q and k): int64 [parts, then per part its product (mm32_fn), blob, outputs]. Each
    part writes its columns of y; every output's operations are its part's kernel's, whatever parts are beside it. */
-static void product32(const pass32_t *P, const float *x, const int64_t *proj, float *y, int M, int N, int K) {
+static void product32(const pass32_t *P, const float *x, int64_t parts, float *y, int M, int N, int K) {
+    const int64_t *proj = (const int64_t *)(intptr_t)parts;
     long col = 0;
     for (int64_t i = 0; i < proj[0]; i++) {
         const mm32_fn mm = (mm32_fn)(intptr_t)proj[1 + 3 * i];
@@ -300,32 +255,6 @@ static void product32(const pass32_t *P, const float *x, const int64_t *proj, fl
 /* simllm_layers_bf16's steps in the same order, in float32; weights [L][9]: the two norms, the projections as
    product32's part lists, then the qkv bias, q norm and k norm (0 where the model has none); eps [L][3] (the two
    norms', the q/k norms'). ws: M * (2E + 2Nqkv + Hq*D + 3I) floats. */
-#define W32 9
-void simllm_layers_f32(const pass32_t *P, float *h, int M, int first, int last, const int64_t *weights,
-                       const float *eps, const float *cos, const float *sin, float *ws) {
-    const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D, Nqk = (Hq + Hkv) * D;
-    float *x = ws, *qkv = x + (long)M * E, *qk = qkv + (long)M * Nqkv, *o = qk + (long)M * Nqk,
-          *t = o + (long)M * Hq * D, *gu = t + (long)M * E, *a = gu + (long)M * 2 * I;
-    if (first < last)
-        glue32(P, (glue32_t){.op = F_NORM, .M = M, .h = h, .w = (const float *)(intptr_t)weights[(long)first * W32],
-                             .x = x, .eps = eps[3 * first]});
-    for (int li = first; li < last; li++) {
-        const int64_t *W = weights + (long)li * W32;
-        product32(P, x, (const int64_t *)(intptr_t)W[2], qkv, M, Nqkv, E);
-        glue32(P, (glue32_t){.op = F_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin,
-                             .bias = (const float *)(intptr_t)W[6], .qn = (const float *)(intptr_t)W[7],
-                             .kn = (const float *)(intptr_t)W[8], .qk_eps = eps[3 * li + 2]});
-        P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,
-                  P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);
-        product32(P, o, (const int64_t *)(intptr_t)W[3], t, M, E, Hq * D);
-        glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t, .w = (const float *)(intptr_t)W[1], .x = x,
-                             .eps = eps[3 * li + 1]});
-        product32(P, x, (const int64_t *)(intptr_t)W[4], gu, M, 2 * I, E);
-        glue32(P, (glue32_t){.op = F_SILU, .M = M, .src = gu, .dst = a});
-        product32(P, a, (const int64_t *)(intptr_t)W[5], t, M, E, I);
-        const int more = li + 1 < last;
-        glue32(P, (glue32_t){.op = F_ADD_NORM, .M = M, .h = h, .t = t,
-                             .w = more ? (const float *)(intptr_t)weights[(long)(li + 1) * W32] : 0, .x = x,
-                             .eps = more ? eps[3 * (li + 1)] : 0.f});
-    }
-}
+#define ROPE_EXTRA_F32(W, eps, li) , .bias = (const float *)(intptr_t)(W)[6], .qn = (const float *)(intptr_t)(W)[7], \
+    .kn = (const float *)(intptr_t)(W)[8], .qk_eps = (eps)[3 * (li) + 2]
+DEFINE_STACK(simllm_layers_f32, float, pass32_t, glue32_t, glue32, product32, 9, 3, ROPE_EXTRA_F32)

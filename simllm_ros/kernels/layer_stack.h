@@ -1,0 +1,58 @@
+/* The layer loop and the row-split dispatch of the steps between products, written once for the bf16 and the
+   float32 layers (layers.c): each instantiation runs the same steps in the same order on its own types. */
+#ifndef SIMLLM_LAYER_STACK_H
+#define SIMLLM_LAYER_STACK_H
+
+/* The steps between products (norms, residual adds, RoPE, SiLU), per row */
+enum { G_NORM, G_ADD_NORM, G_ROPE, G_SILU };
+
+/* NAME(P, g): ROWS over g.M rows, split by rows over the pass's kept workers from glue_min_rows rows (a row's bits
+   do not depend on which thread computes it), at most 64 parts. */
+#define DEFINE_GLUE(NAME, PASS, GLUE, ROWS)                                                                   \
+static void NAME(const PASS *P, GLUE g) {                                                                 \
+    int n = P->pool && g.M >= P->glue_min_rows ? P->threads : 1;                                          \
+    if (n > g.M) n = g.M;                                                                                 \
+    if (n > 64) n = 64;                                                                                   \
+    g.P = P;                                                                                              \
+    if (n <= 1) { g.n = 1; g.i = 0; ROWS(&g); return; }                                                   \
+    GLUE jobs[64];                                                                                        \
+    for (int i = 0; i < n; i++) { jobs[i] = g; jobs[i].n = n; jobs[i].i = i; }                            \
+    P->pool(ROWS, jobs, sizeof(GLUE), n);                                                                 \
+}
+
+/* Layers first..last-1 over h [M, E] (in place), the order of LlamaRunner.forward's layer loop. weights [L][NW]:
+   ln1, ln2, then the projections qkv, o, gate_up, down (as PRODUCT takes them), then ROPE_EXTRA's; eps [L][NE]:
+   ln1's, ln2's, then ROPE_EXTRA's. ws: M * (2E + 2Nqkv + Hq*D + 3I) elements of T. ROPE_EXTRA(W, eps, li): more
+   fields of the RoPE step (", .name = value, ..."; empty for none). */
+#define DEFINE_STACK(NAME, T, PASS, GLUE_T, GLUE, PRODUCT, NW, NE, ROPE_EXTRA)                                \
+void NAME(const PASS *P, T *h, int M, int first, int last, const int64_t *weights, const float *eps,         \
+          const T *cos, const T *sin, T *ws) {                                                              \
+    const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D,            \
+              Nqk = (Hq + Hkv) * D;                                                                         \
+    T *x = ws, *qkv = x + (long)M * E, *qk = qkv + (long)M * Nqkv, *o = qk + (long)M * Nqk,                 \
+      *t = o + (long)M * Hq * D, *gu = t + (long)M * E, *a = gu + (long)M * 2 * I;                          \
+    if (first < last)                                                                                     \
+        GLUE(P, (GLUE_T){.op = G_NORM, .M = M, .h = h, .w = (const T *)(intptr_t)weights[(long)first * NW],   \
+                         .x = x, .eps = eps[NE * first]});                                                  \
+    for (int li = first; li < last; li++) {                                                               \
+        const int64_t *W = weights + (long)li * NW;                                                       \
+        PRODUCT(P, x, W[2], qkv, M, Nqkv, E);                                                             \
+        GLUE(P, (GLUE_T){.op = G_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin               \
+                         ROPE_EXTRA(W, eps, li)});                                                          \
+        P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,     \
+                  P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);                        \
+        PRODUCT(P, o, W[3], t, M, E, Hq * D);                                                             \
+        GLUE(P, (GLUE_T){.op = G_ADD_NORM, .M = M, .h = h, .t = t, .w = (const T *)(intptr_t)W[1], .x = x, \
+                         .eps = eps[NE * li + 1]});                                                         \
+        PRODUCT(P, x, W[4], gu, M, 2 * I, E);                                                             \
+        GLUE(P, (GLUE_T){.op = G_SILU, .M = M, .src = gu, .dst = a});                                     \
+        PRODUCT(P, a, W[5], t, M, E, I);                                                                  \
+        /* the residual add, and the next layer's input norm (the same rows, the same ops as at its top) */ \
+        const int more = li + 1 < last;                                                                   \
+        GLUE(P, (GLUE_T){.op = G_ADD_NORM, .M = M, .h = h, .t = t,                                         \
+                         .w = more ? (const T *)(intptr_t)weights[(long)(li + 1) * NW] : 0, .x = x,         \
+                         .eps = more ? eps[NE * (li + 1)] : 0.f});                                          \
+    }                                                                                                     \
+}
+
+#endif
