@@ -100,6 +100,12 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
         json.dump(want, f)
     import shutil
 
+    for name in KEPT_FILES:  # what a slim copy kept of this very file (each checks its own stamp when read)
+        if dense and os.path.isfile(os.path.join(target, name)):
+            try:
+                os.link(os.path.join(target, name), os.path.join(tmp, name))
+            except OSError:
+                shutil.copy2(os.path.join(target, name), os.path.join(tmp, name))
     old = f"{target}.old-{os.getpid()}"
     if os.path.isdir(target):
         os.rename(target, old)  # a process loading the old copy keeps its open files
@@ -136,6 +142,8 @@ def _model_shards(path: str) -> list[str]:
 
 
 SLIM_FILE = "simllm_slim.json"
+# Our files beside a converted copy that a conversion for the dense weights again carries over
+KEPT_FILES = (gguf_weights.ROWS_FILE, "simllm_packed.safetensors")
 
 
 def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
