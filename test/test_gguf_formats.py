@@ -52,6 +52,9 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
     assert (whole.double() - want).abs().max() <= 2e-5 * want.abs().max()  # float32 sums of ~800 terms
     for r0, r1 in ((0, 1), (1, 3), (3, 7), (7, 30), (30, 37), (5, 6)):  # one-row and buffered paths
         assert torch.equal(mm(x[r0:r1].contiguous(), blob, outs), whole[r0:r1]), (ggml, r0, r1)
+    if ggml == "Q4_K":  # its own layout (4.75 bits a weight) computes the bits of the 4-bit blob of its steps and bases
+        assert kind == "q4k" and blob.numel() * 8 / (n * k) == 4.75
+        assert torch.equal(whole, KERNEL.mm(x, KERNEL.pack_affine(fw.codes, fw.step, fw.base), outs))
 
 
 def test_a_projection_of_mixed_parts_is_each_parts_product():
@@ -60,7 +63,7 @@ def test_a_projection_of_mixed_parts_is_each_parts_product():
 
     pieces = [_tensor("Q4_K", 64, 512, 1), _tensor("Q4_K", 32, 512, 2), _tensor("Q6_K", 32, 512, 3)]
     proj = _Proj(None, None, 4, KERNEL, parts=_file_parts([fw for fw, _ in pieces], KERNEL))
-    assert proj.kinds == "q4+q6" and len(proj.parts) == 2 and proj.n == 128
+    assert proj.kinds == "q4k+q6" and len(proj.parts) == 2 and proj.n == 128
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
     y = proj(x)
     alone = torch.cat([KERNEL.product(fw.kind)(x, fw.pack(KERNEL)[1], fw.codes.shape[0]) for fw, _ in pieces], 1)
@@ -90,7 +93,7 @@ def _backend(files, name) -> ModelBackend:
 
 
 @pytest.mark.parametrize("name,layer_kinds,head", [
-    ("q4_k_m", [["q4+q6", "q4", "q4", "q6"], ["q4", "q4", "q4", "q6"]], "Q6_K"),
+    ("q4_k_m", [["q4k+q6", "q4k", "q4k", "q6"], ["q4k", "q4k", "q4k", "q6"]], "Q6_K"),
     ("q8_0", [["q8", "q8", "q8", "q8"]] * 2, "Q8_0"),
 ])
 def test_the_file_runs_on_its_own_blocks_losslessly(files, name, layer_kinds, head):
@@ -326,7 +329,8 @@ def test_a_long_prompt_runs_in_passes_of_pass_rows_with_the_same_bits(files, mon
 def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(files):
     """Checked and packed, a GGUF's converted copy keeps only what skeleton loads read (its dense float32
     projections are ~4x the file); a load that needs them again (bfloat16 here) converts the file again, and the
-    float32 load after it checks, packs and drops them again, with the same bits."""
+    float32 load after it maps the packed blocks kept through that conversion and drops them again, with the same
+    bits."""
     import os
 
     from safetensors import safe_open

@@ -75,7 +75,7 @@ def _bf16_bits(t: torch.Tensor) -> bytes:
 def _case(path, seed=0):
     """Inputs for the driver (test/native/bitcheck.c): real packed weights from the package's own packers."""
     g = torch.Generator().manual_seed(seed)
-    m, n, k, e, inter, h, d = 11, 96, 576, 576, 1536, 3, 64
+    m, n, k, e, inter, h, d = 11, 96, 768, 576, 1536, 3, 64  # k in 256s: a Q4_K super-block
     w = torch.randn(n, k, generator=g) * 0.05
     codes, sz = _int4_codes(w)
     kernel = int4_vector_kernel.VectorKernel  # packing is plain torch: no library needed
@@ -86,6 +86,11 @@ def _case(path, seed=0):
         "w8.u8": kernel.pack8(*q8_codes(int4_dequantized(codes, sz))).numpy().tobytes(),
         "w6.u8": kernel.pack6(torch.randint(-32, 32, (n, k), generator=g),  # Q6_K's codes, a scale per 16
                               torch.rand(n, k // 16, generator=g) * 0.01).numpy().tobytes(),
+        "w4k.u8": kernel.pack_q4k(torch.randint(0, 16, (n, k), generator=g),  # Q4_K's own layout
+                                  torch.randint(0, 64, (n, k // 32), generator=g),
+                                  torch.randint(0, 64, (n, k // 32), generator=g),
+                                  (torch.rand(n, k // 256, generator=g) * 0.01).half().float(),
+                                  (torch.rand(n, k // 256, generator=g) * 0.01).half().float()).numpy().tobytes(),
         "nx.f32": (torch.randn(m, e, generator=g) * 3).numpy().tobytes(),
         "nw.f32": torch.randn(e, generator=g).numpy().tobytes(),
         "nx.bf16": _bf16_bits(torch.randn(m, e, generator=g) * 3),
@@ -105,7 +110,7 @@ def _case(path, seed=0):
 def _outputs(path) -> dict[str, bytes]:
     out = {}
     for name in os.listdir(path):
-        if name.startswith(("mm4_", "mm6_", "mm8_", "norm_", "silu_", "rope_")):
+        if name.startswith(("mm4_", "mm4k_", "mm6_", "mm8_", "norm_", "silu_", "rope_")):
             with open(os.path.join(path, name), "rb") as f:
                 out[name] = f.read()
     return out
@@ -130,10 +135,10 @@ def _run(tmp_path, label, cc, target_flags, runner=()):
 
 def _rows_do_not_depend_on_their_neighbours(out, m, n):
     """The driver ran row cuts at 1 and 2 threads: each cut equals those rows of the whole product."""
-    for kind in ("mm4", "mm6", "mm8"):
+    for kind in ("mm4", "mm4k", "mm6", "mm8"):
         whole = np.frombuffer(out[f"{kind}_t1_0_{m}.f32"], dtype=np.float32).reshape(m, n)
         for name, data in out.items():
-            if name.startswith(kind):
+            if name.startswith(kind + "_"):
                 r0, r1 = (int(v) for v in name[:-4].split("_")[2:])
                 assert np.array_equal(np.frombuffer(data, dtype=np.float32).reshape(-1, n), whole[r0:r1]), name
 
@@ -155,6 +160,6 @@ def test_aarch64_under_qemu_gives_this_machines_bits(tmp_path):
     native, m, n = _run(tmp_path, "native", CC, ("-march=native",) if IS_X86 else AARCH64)
     arm, _, _ = _run(tmp_path, "aarch64", CROSS, AARCH64, runner=(QEMU, "-L", SYSROOT))
     _rows_do_not_depend_on_their_neighbours(arm, m, n)
-    assert arm.keys() == native.keys() and len(arm) == 34
+    assert arm.keys() == native.keys() and len(arm) == 44
     differ = [k for k in native if arm[k] != native[k]]
     assert not differ, f"aarch64 differs from this machine in {differ}"

@@ -8,6 +8,10 @@
 #define BLOB8 576  /* input k's 16 signed codes at 16k, then 16 scales */
 #define GROUP6 16  /* inputs per group of the 16-input 8-bit format (GGUF's Q6_K: a scale per 16 weights) */
 #define BLOB6 320  /* 16 outputs x one group of 16: input k's 16 signed codes at 16k, then 16 scales */
+#define SB4K 8     /* groups of 32 per GGUF Q4_K super-block (256 inputs), which share d and dmin */
+#define HEAD4K 128 /* a super-block's head for 16 outputs: 16 d, then 16 dmin, float32 */
+#define GRP4K 288  /* a Q4_K group for 16 outputs: BLOB4's 256 bytes of codes, then 16 sub-scales and 16 sub-mins */
+#define BLOB4K (HEAD4K + SB4K * GRP4K)  /* 2432 bytes per 16 outputs x super-block: 4.75 bits a weight (BLOB4: 6) */
 #define RCHUNK 36  /* rows per chunk in the buffered path: their inputs stay in L2 while the blocks pass */
 #define PREFETCH 8  /* groups ahead in the one-row path: the weights stream from memory while it computes */
 
@@ -39,6 +43,8 @@ static inline vw bc(float f) { return _mm512_set1_ps(f); }
 #define DEC8(p, w) do {                                                                                   \
         (w)[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)))); \
     } while (0)
+/* VL unsigned bytes -> floats (Q4_K's sub-scales and sub-mins) */
+#define CVTU8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
 #else
 #define VL 8
 typedef v8 vw;
@@ -78,6 +84,7 @@ static inline vw bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 #define U8X8(p) __builtin_convertvector(*(const u8x8 *)(p), v8i)
 #define I8X8(p) __builtin_convertvector(*(const i8x8 *)(p), v8i)
 #endif
+#define CVTU8(p) __builtin_convertvector(U8X8(p), v8)
 #define DEC4(p, w) do { const v8i c_ = U8X8(p);                                                           \
         (w)[0] = __builtin_convertvector(c_ & 15, v8); (w)[1] = __builtin_convertvector(c_ >> 4, v8); } while (0)
 #define DEC8(p, w) do { (w)[0] = __builtin_convertvector(I8X8(p), v8);                                    \
@@ -93,13 +100,39 @@ static inline vw bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 #define POST8(s, a, xs, o) do { (void)(xs);                                                                \
         for (int h_ = 0; h_ < NH; h_++) (o)[h_] = FMA(ld((s) + VL * h_), (a)[h_], (o)[h_]); } while (0)
 
+/* Where group g starts in a block of 16 outputs (AT_*), and its 16 steps then 16 bases (4-bit) or 16 scales
+   (8-bit) (SC_*: in the blob, or worked out into t). Q4_K's are d * sub-scale and -(dmin * sub-min): exact in
+   float32 (11-bit significands times 6 bits), so bitwise the steps and bases BLOB4 would hold for the same file. */
+static inline long at_4(int g) { return (long)g * BLOB4; }
+static inline long at_8(int g) { return (long)g * BLOB8; }
+static inline long at_6(int g) { return (long)g * BLOB6; }
+static inline long at_4k(int g) { return (long)(g / SB4K) * BLOB4K + HEAD4K + (long)(g % SB4K) * GRP4K; }
+static inline const float *sc_4(const uint8_t *blk, int g, const uint8_t *wg, float *t) {
+    (void)blk; (void)g; (void)t; return (const float *)(const void *)(wg + GROUP * CS4);
+}
+static inline const float *sc_8(const uint8_t *blk, int g, const uint8_t *wg, float *t) {
+    (void)blk; (void)g; (void)t; return (const float *)(const void *)(wg + GROUP * CS8);
+}
+static inline const float *sc_6(const uint8_t *blk, int g, const uint8_t *wg, float *t) {
+    (void)blk; (void)g; (void)t; return (const float *)(const void *)(wg + GROUP6 * CS8);
+}
+static inline const float *sc_4k(const uint8_t *blk, int g, const uint8_t *wg, float *t) {
+    const float *d = (const float *)(const void *)(blk + (long)(g / SB4K) * BLOB4K);
+    const uint8_t *sc = wg + GROUP * CS4;
+    for (int h = 0; h < NH; h++) {
+        st(t + VL * h, ld(d + VL * h) * CVTU8(sc + VL * h));
+        st(t + 16 + VL * h, -(ld(d + 16 + VL * h) * CVTU8(sc + 16 + VL * h)));
+    }
+    return t;
+}
+
 typedef struct {
     const float *x; long x_stride; const uint8_t *w; float *y; long y_stride;
     int M, K; const float *xsum; int b0, b1; float *scratch;
 } job_t;
 
 /* One row, NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used. */
-#define DEFINE_ROW(NAME, NB, GK, BLOB, CS, DEC, POST)                                                         \
+#define DEFINE_ROW(NAME, NB, GK, AT, BLOB, CS, DEC, RPOST)                                                    \
 static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, const float *xs, float *y) {  \
     vw o[NB][NH];                                                                                         \
     for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) o[j][h] = bc(0.f);                          \
@@ -107,7 +140,7 @@ static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, co
         vw a[NB][NH];                                                                                     \
         for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) a[j][h] = bc(0.f);                      \
         const float *xg = x + g * GK;                                                                     \
-        const uint8_t *wg = w + (long)g * BLOB;                                                           \
+        const uint8_t *wg = w + AT(g);                                                                    \
         for (int j = 0; j < NB; j++)  /* no fault past the end: a prefetch is a hint */                   \
             for (int l = 0; l < BLOB; l += 64) __builtin_prefetch(wg + j * bbytes + PREFETCH * BLOB + l);  \
         for (int k = 0; k < GK; k++) {                                                                    \
@@ -119,8 +152,7 @@ static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, co
             }                                                                                             \
         }                                                                                                 \
         for (int j = 0; j < NB; j++) {                                                                    \
-            const float *s = (const float *)(wg + j * bbytes + GK * CS);                                  \
-            POST(s, a[j], xs ? xs[g] : 0.f, o[j]);                                                        \
+            RPOST(w + j * bbytes, g, wg + j * bbytes, a[j], xs ? xs[g] : 0.f, o[j]);                      \
         }                                                                                                 \
     }                                                                                                     \
     for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) st(y + 16 * j + VL * h, o[j][h]);           \
@@ -153,11 +185,12 @@ static inline __attribute__((always_inline)) void NAME(const job_t *J, const flo
 
 /* Rows in chunks; per chunk, block and group the weights are decoded once into buf [32][16], then 6, 3 and 1 rows
    at a time (DEFINE_QROWS) take the same operations as above. */
-#define DEFINE_PART(NAME, GK, BLOB, CS, DEC, QROWS, ROW4, ROW1, HAS_XSUM)                                      \
+#define DEFINE_PART(NAME, GK, AT, CS, DEC, QROWS, ROW4, ROW1, HAS_XSUM, SC)                                  \
 static void *NAME(void *arg) {                                                                            \
     const job_t *J = arg;                                                                                 \
     const int G = J->K / GK;                                                                              \
-    const long bbytes = (long)G * BLOB;                                                                   \
+    const long bbytes = AT(G) - AT(0);                                                                    \
+    float t_[32];                                                                                         \
     if (J->M < 4) {                                                                                       \
         for (int m = 0; m < J->M; m++) {                                                                  \
             const float *x = J->x + (long)m * J->x_stride;                                                \
@@ -175,13 +208,13 @@ static void *NAME(void *arg) {                                                  
         for (int b = J->b0; b < J->b1; b++) {                                                             \
             for (int i = 0; i < R * 16; i++) ob[i] = 0.f;                                                 \
             for (int g = 0; g < G; g++) {                                                                 \
-                const uint8_t *wg = J->w + b * bbytes + (long)g * BLOB;                                   \
+                const uint8_t *wg = J->w + b * bbytes + AT(g);                                            \
                 for (int k = 0; k < GK; k++) {                                                            \
                     vw wk[NH];                                                                            \
                     DEC(wg + k * CS, wk);                                                                 \
                     for (int h = 0; h < NH; h++) st(dq + 16 * k + VL * h, wk[h]);                         \
                 }                                                                                         \
-                const float *s = (const float *)(wg + GK * CS);                                           \
+                const float *s = SC(J->w + b * bbytes, g, wg, t_);                                        \
                 int r = 0;                                                                                \
                 for (; r + 6 <= R; r += 6) QROWS(J, dq, s, ob, r0, r, g, G, 6);                           \
                 for (; r + 3 <= R; r += 3) QROWS(J, dq, s, ob, r0, r, g, G, 3);                           \
@@ -193,18 +226,35 @@ static void *NAME(void *arg) {                                                  
     return 0;                                                                                             \
 }
 
-DEFINE_ROW(row4_4, 4, GROUP, BLOB4, CS4, DEC4, POST4)
-DEFINE_ROW(row4_1, 1, GROUP, BLOB4, CS4, DEC4, POST4)
-DEFINE_ROW(row8_4, 4, GROUP, BLOB8, CS8, DEC8, POST8)
-DEFINE_ROW(row8_1, 1, GROUP, BLOB8, CS8, DEC8, POST8)
-DEFINE_ROW(row6_4, 4, GROUP6, BLOB6, CS8, DEC8, POST8)
-DEFINE_ROW(row6_1, 1, GROUP6, BLOB6, CS8, DEC8, POST8)
+/* The one-row path's end of a group (RPOST): its blob's steps (and bases); Q4_K's worked out in registers, the
+   same products as sc_4k's. */
+#define RP4(blk, g, wg, a, xs, o) POST4(sc_4(blk, g, wg, 0), a, xs, o)
+#define RP8(blk, g, wg, a, xs, o) POST8(sc_8(blk, g, wg, 0), a, xs, o)
+#define RP6(blk, g, wg, a, xs, o) POST8(sc_6(blk, g, wg, 0), a, xs, o)
+#define RP4K(blk, g, wg, a, xs, o) do {                                                                   \
+        const float *d_ = (const float *)(const void *)((blk) + (long)((g) / SB4K) * BLOB4K);             \
+        const uint8_t *sc_ = (wg) + GROUP * CS4;                                                          \
+        for (int h_ = 0; h_ < NH; h_++) {                                                                 \
+            const vw st_ = ld(d_ + VL * h_) * CVTU8(sc_ + VL * h_);                                       \
+            const vw bs_ = -(ld(d_ + 16 + VL * h_) * CVTU8(sc_ + 16 + VL * h_));                          \
+            (o)[h_] = FMA(st_, (a)[h_], (o)[h_]); (o)[h_] = FMA(bs_, bc(xs), (o)[h_]);                    \
+        }                                                                                                 \
+    } while (0)
+DEFINE_ROW(row4_4, 4, GROUP, at_4, BLOB4, CS4, DEC4, RP4)
+DEFINE_ROW(row4_1, 1, GROUP, at_4, BLOB4, CS4, DEC4, RP4)
+DEFINE_ROW(row4k_4, 4, GROUP, at_4k, GRP4K, CS4, DEC4, RP4K)
+DEFINE_ROW(row4k_1, 1, GROUP, at_4k, GRP4K, CS4, DEC4, RP4K)
+DEFINE_ROW(row8_4, 4, GROUP, at_8, BLOB8, CS8, DEC8, RP8)
+DEFINE_ROW(row8_1, 1, GROUP, at_8, BLOB8, CS8, DEC8, RP8)
+DEFINE_ROW(row6_4, 4, GROUP6, at_6, BLOB6, CS8, DEC8, RP6)
+DEFINE_ROW(row6_1, 1, GROUP6, at_6, BLOB6, CS8, DEC8, RP6)
 DEFINE_QROWS(qrows4, GROUP, POST4, 1)
 DEFINE_QROWS(qrows8, GROUP, POST8, 0)
 DEFINE_QROWS(qrows6, GROUP6, POST8, 0)
-DEFINE_PART(part4, GROUP, BLOB4, CS4, DEC4, qrows4, row4_4, row4_1, 1)
-DEFINE_PART(part8, GROUP, BLOB8, CS8, DEC8, qrows8, row8_4, row8_1, 0)
-DEFINE_PART(part6, GROUP6, BLOB6, CS8, DEC8, qrows6, row6_4, row6_1, 0)
+DEFINE_PART(part4, GROUP, at_4, CS4, DEC4, qrows4, row4_4, row4_1, 1, sc_4)
+DEFINE_PART(part4k, GROUP, at_4k, CS4, DEC4, qrows4, row4k_4, row4k_1, 1, sc_4k)
+DEFINE_PART(part8, GROUP, at_8, CS8, DEC8, qrows8, row8_4, row8_1, 0, sc_8)
+DEFINE_PART(part6, GROUP6, at_6, CS8, DEC8, qrows6, row6_4, row6_1, 0, sc_6)
 
 PRODUCT_RUN(float, float, const float, float)
 
@@ -213,8 +263,7 @@ long simllm_vec_buffer_floats(void) { return GROUP * 16 + RCHUNK * 16; }
 
 /* 4-bit weights, float32 in and out. Each row's group sums go first into xsum [M, K/32]: the group's 32 inputs
    in four vectors of 8, added in order, then the 8 lanes in a fixed tree. */
-void simllm_vec_int4_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+static void group_sums(const float *x, long x_stride, int M, int K, float *xsum) {
     const int G = K / GROUP;
     for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
@@ -222,7 +271,21 @@ void simllm_vec_int4_mm(const float *x, long x_stride, const uint8_t *w, float *
             const v8 s = ((ld8(p) + ld8(p + 8)) + ld8(p + 16)) + ld8(p + 24);
             xsum[(long)m * G + g] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
         }
+}
+
+void simllm_vec_int4_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    group_sums(x, x_stride, M, K, xsum);
     run(part4, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
+/* GGUF Q4_K's own layout (BLOB4K: the codes of BLOB4, the sub-scales and sub-mins as bytes, d and dmin per
+   super-block): the same operations as simllm_vec_int4_mm on the same numbers, so the same bits, from 4.75 bits
+   a weight instead of 6 (a decode step streams every weight once: fewer bytes, faster). K in 256s. */
+void simllm_vec_int4k_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N,
+                         int K, float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    group_sums(x, x_stride, M, K, xsum);
+    run(part4k, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
 }
 
 /* 8-bit weights (one scale per group of 32): the LM head's logits. */

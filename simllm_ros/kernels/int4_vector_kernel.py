@@ -11,7 +11,8 @@ for the 16-bit weights). ATen's int4 kernel needs bf16 activations, which such C
 Arithmetic, per output and group of 32 inputs (the grid of the file's Q4 codes): acc = sum of x[k] * code[k] in
 input order, one fused multiply-add at a time from zero; then out = fma(step, acc, out) and
 out = fma(base, sum of the group's x, out), groups in order from out = 0 (8-bit: out = fma(scale, acc, out)). The
-weights are step * code + base (base = zero - 8 * step), float32 out. Every path (one row with four 16-output
+weights are step * code + base (base = zero - 8 * step), float32 out; GGUF's Q4_K keeps its own layout (`pack_q4k`:
+sub-scales, sub-mins, d and dmin), from which the kernel works out the same steps and bases exactly. Every path (one row with four 16-output
 blocks in registers, or blocks of rows over a group decoded once into a float buffer) performs exactly these
 operations for each output, and threads split output blocks, never a sum: a row's bits depend on its inputs only,
 whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
@@ -31,6 +32,9 @@ BLOB = 384  # bytes per 16 outputs x one group, 4-bit: 256 of codes, 16 steps an
 BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
 GROUP6 = 16  # inputs per group of the 16-input 8-bit format (GGUF's Q6_K)
 BLOB6 = 320  # 16 outputs x one group of 16: 256 bytes of codes, 16 float32 scales
+SB4K = 256  # inputs per GGUF Q4_K super-block: 8 groups of 32 sharing d and dmin
+BLOB4K = 2432  # 16 outputs x one super-block: 16 d and 16 dmin (float32), then per group BLOB's 256 bytes of codes,
+#                16 sub-scales and 16 sub-mins (bytes): 4.75 bits a weight
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
 THREAD_MIN_MACS = 250_000
 
@@ -46,9 +50,10 @@ class VectorKernel(ProductKernel):
     def __init__(self, path: str):
         super().__init__(path, mm="simllm_vec_int4_mm", mm8="simllm_vec_int8_mm")
         self._mm6 = self._entry("simllm_vec_int8g16_mm", MM_ARGS)
+        self._mm4k = self._entry("simllm_vec_int4k_mm", MM_ARGS)
         # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
-                        "q6": self._address("simllm_vec_int8g16_mm")}
+                        "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
 
     @staticmethod
@@ -81,6 +86,27 @@ class VectorKernel(ProductKernel):
         sb = torch.cat([step.float().reshape(n // 16, 16, g), base.float().reshape(n // 16, 16, g)], dim=1)
         sb = sb.permute(0, 2, 1).contiguous().view(torch.uint8)
         return torch.cat([byte, sb], dim=-1).contiguous()
+
+    @staticmethod
+    def pack_q4k(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+                 ) -> torch.Tensor:
+        """GGUF Q4_K as its file holds it: codes [N, K] (0..15), sub-scales and sub-mins [N, K/32] (0..63), d and
+        dmin [N, K/256] float32 (weight = d * sc * code - dmin * mn) -> [N/16, K/256, 2432] uint8: per 16 outputs
+        and super-block, the 16 d then 16 dmin, then per group the codes as `pack_affine` lays them out, the 16
+        sub-scales and the 16 sub-mins. The kernel works out d * sc and -(dmin * mn) exactly: the same numbers,
+        and the same bits, as `pack_affine` of the dequantized steps and bases."""
+        n, k = codes.shape
+        if n % 16 or k % SB4K:
+            raise ValueError(f"Q4_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
+        g, sb = k // GROUP, k // SB4K
+        q = codes.to(torch.uint8).reshape(n // 16, 2, 8, g, GROUP)
+        byte = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, g, 256)  # [b, g, k, lane]
+        small = torch.cat([sc.to(torch.uint8).reshape(n // 16, 16, g), mn.to(torch.uint8).reshape(n // 16, 16, g)],
+                          dim=1).permute(0, 2, 1)  # [b, g, 32]
+        groups = torch.cat([byte, small], dim=-1).reshape(n // 16, sb, 8 * 288)
+        head = torch.cat([d.float().reshape(n // 16, 16, sb), dmin.float().reshape(n // 16, 16, sb)], dim=1)
+        head = head.permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 128]
+        return torch.cat([head, groups], dim=-1).contiguous()
 
     @staticmethod
     def pack6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -151,9 +177,18 @@ class VectorKernel(ProductKernel):
                   buf.data_ptr(), self._buf_floats, threads)
         return y
 
+    def mm4k(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous) times GGUF Q4_K weights packed by `pack_q4k` -> [M, n] float32."""
+        m, k, threads, xsum, buf = self._prepare(x, blob, n, BLOB4K, "Q4_K", SB4K)
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._mm4k(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, xsum.data_ptr(),
+                   buf.data_ptr(), self._buf_floats, threads)
+        return y
+
     def product(self, kind: str):
-        """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q8" (`pack8`) or "q6" (`pack6`)."""
-        return {"q4": self.mm, "q8": self.mm8, "q6": self.mm6}[kind]
+        """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`) or "q6"
+        (`pack6`)."""
+        return {"q4": self.mm, "q4k": self.mm4k, "q8": self.mm8, "q6": self.mm6}[kind]
 
 
 def _self_check(kernel: VectorKernel) -> str | None:
@@ -170,6 +205,18 @@ def _self_check(kernel: VectorKernel) -> str | None:
     d6 = torch.rand(80, 6, generator=g) * 0.01
     w6 = (q6.double().reshape(80, 6, GROUP6) * d6.double()[..., None]).reshape(80, 96)
     x = torch.randn(19, 96, generator=g)
+    # Q4_K's layout: bitwise the 4-bit product of the same steps and bases (2 super-blocks of 256 inputs)
+    ck = torch.randint(0, 16, (32, 512), generator=g, dtype=torch.int32)
+    sc, mn = (torch.randint(0, 64, (32, 16), generator=g, dtype=torch.int32) for _ in range(2))
+    dk = (torch.rand(32, 2, generator=g) * 0.01).half().float()
+    dmk = (torch.rand(32, 2, generator=g) * 0.01).half().float()
+    step = dk.repeat_interleave(8, dim=1) * sc.float()
+    base = -(dmk.repeat_interleave(8, dim=1) * mn.float())
+    xk = torch.randn(7, 512, generator=g)
+    got = kernel.mm4k(xk, kernel.pack_q4k(ck, sc, mn, dk, dmk), 32)
+    if not torch.equal(got, kernel.mm(xk, kernel.pack_affine(ck, step, base), 32)) or \
+            not torch.equal(kernel.mm4k(xk[2:3].contiguous(), kernel.pack_q4k(ck, sc, mn, dk, dmk), 32), got[2:3]):
+        return "the Q4_K vector kernel does not compute the 4-bit kernel's bits here"
     for mm, blob, want, name in ((kernel.mm, kernel.pack(codes, sz), x.double() @ w.reshape(80, 96).t(), "int4"),
                                  (kernel.mm8, kernel.pack8(q8, d), x.double() @ w8.t(), "int8"),
                                  (kernel.mm6, kernel.pack6(q6, d6), x.double() @ w6.t(), "int8-16")):

@@ -6,7 +6,8 @@ levels need not include its minimum or maximum, so the min/max grid search that 
 (llama_runner._int4_codes) would re-quantize them. Read from the blocks, the codes and scales are the file's, and
 each format maps onto a vector kernel product that computes with exactly those numbers:
 - Q4_K, Q4_1, Q4_0: per group of 32, weight = step * code + base with code 0..15 (Q4_K: step = d * sub-scale,
-  base = -dmin * sub-min): the 4-bit blob ("q4").
+  base = -dmin * sub-min): the 4-bit blob ("q4"); Q4_K in its own layout ("q4k": the sub-scales and sub-mins
+  as bytes, d and dmin per 256, worked out by the kernel: the same numbers and bits in 4.75 bits a weight, not 6).
 - Q8_0: int8 codes, one scale per 32: the 8-bit blob ("q8", as the LM head of the embedded model).
 - Q6_K: codes -32..31, a scale per 16 (d * int8 sub-scale): the 16-input 8-bit blob ("q6"); Q5_0 (codes -16..15,
   d per 32) too, its scale given to both halves of a block.
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 # GGUF types each kind of our products takes
-KINDS = {"Q4_K": "q4", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6"}
+KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6"}
 # The projections of a Llama-family layer: GGUF name -> transformers module path within the layer
 PROJECTIONS = {"attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),
                "attn_v": ("self_attn", "v_proj"), "attn_output": ("self_attn", "o_proj"),
@@ -45,6 +46,7 @@ class FileWeight:
     step: torch.Tensor
     base: torch.Tensor | None
     perm: torch.Tensor | None = None  # the file's row for each of the model's rows, where the loader permuted them
+    k4: tuple | None = None  # kind "q4k" (Q4_K): its sub-scales, sub-mins [N, K/32], d and dmin [N, K/256]
 
     @property
     def group(self) -> int:
@@ -62,11 +64,14 @@ class FileWeight:
 
     def rows(self, perm: torch.Tensor) -> "FileWeight":
         return FileWeight(self.ggml, self.kind, self.codes[perm], self.step[perm],
-                          None if self.base is None else self.base[perm], perm)
+                          None if self.base is None else self.base[perm], perm,
+                          None if self.k4 is None else tuple(t[perm] for t in self.k4))
 
     def pack(self, kernel) -> tuple[str, torch.Tensor, int]:
         """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel)."""
-        if self.kind == "q4":
+        if self.kind == "q4k":  # the file's Q4_K layout (4.75 bits a weight): the q4 product's bits
+            blob = kernel.pack_q4k(self.codes, *self.k4)
+        elif self.kind == "q4":
             blob = kernel.pack_affine(self.codes, self.step, self.base)
         elif self.kind == "q8":
             blob = kernel.pack8(self.codes, self.step)
@@ -94,7 +99,8 @@ def _q4_k(blocks: np.ndarray):
     codes = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(nb, 256)
     step = d * sc.astype(np.float32)  # exact: an 11-bit significand times 6 bits
     base = -(dmin * mn.astype(np.float32))
-    return torch.from_numpy(codes), torch.from_numpy(step), torch.from_numpy(base)
+    raw = (torch.from_numpy(sc), torch.from_numpy(mn), torch.from_numpy(d[:, 0]), torch.from_numpy(dmin[:, 0]))
+    return torch.from_numpy(codes), torch.from_numpy(step), torch.from_numpy(base), raw
 
 
 def _q6_k(blocks: np.ndarray):
@@ -154,11 +160,16 @@ def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
     n, k = shape
     if k % per or np.asarray(data).size != n * (k // per) * size:
         raise GGUFError(f"a {ggml} tensor of shape [{n}, {k}] with {np.asarray(data).size} bytes")
-    codes, step, base = fn(np.asarray(data).reshape(-1, size))
+    codes, step, base, *raw = fn(np.asarray(data).reshape(-1, size))
     g = 16 if KINDS[ggml] == "q6" else 32
-    dtype = torch.uint8 if KINDS[ggml] == "q4" else torch.int8
+    dtype = torch.uint8 if KINDS[ggml] in ("q4", "q4k") else torch.int8
+    k4 = None
+    if raw:  # Q4_K: sub-scales and sub-mins per 32, d and dmin per 256
+        sc, mn, d, dmin = raw[0]
+        k4 = (sc.reshape(n, k // 32).contiguous(), mn.reshape(n, k // 32).contiguous(), d.reshape(n, k // 256),
+              dmin.reshape(n, k // 256))
     return FileWeight(ggml, KINDS[ggml], codes.reshape(n, k).to(dtype), step.reshape(n, k // g).contiguous(),
-                      None if base is None else base.reshape(n, k // g).contiguous())
+                      None if base is None else base.reshape(n, k // g).contiguous(), k4=k4)
 
 
 def match(fw: FileWeight, weight: torch.Tensor) -> FileWeight | None:

@@ -52,7 +52,8 @@ class KernelPaths:
             what = "AMX kernel, bf16" if kind == "amx" else "vector kernel, float32"
             ggml = getattr(self.runner.lm_head, "ggml", None)
             if self.runner.file is not None:  # the GGUF's own blocks, per tensor kind
-                kinds = {"q4": "4-bit step/base per 32", "q8": "8-bit scale per 32", "q6": "8-bit scale per 16"}
+                kinds = {"q4": "4-bit step/base per 32", "q4k": "4-bit Q4_K layout", "q8": "8-bit scale per 32",
+                         "q6": "8-bit scale per 16"}
                 per = ", ".join(f"{name} {'/'.join(t)} -> {'/'.join(kinds[gguf_weights.KINDS[x]] for x in t)}"
                                 for name, t in self.runner.file.formats.items() if name in gguf_weights.PROJECTIONS)
                 head = f"{ggml} ({kinds[gguf_weights.KINDS[ggml]]})" if ggml else "16-bit"
