@@ -153,13 +153,18 @@ class VectorKernel(ProductKernel):
         xsum, buf = self._buffers(m, k, threads)
         return xsum.data_ptr(), buf.data_ptr(), self._buf_floats, threads
 
+    def _grouped(self, fn, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str,
+                 group: int = GROUP) -> torch.Tensor:
+        """A product whose C entry takes simllm_vec_int4_mm's arguments (the group sums too)."""
+        m, k, threads, xsum, buf = self._prepare(x, blob, n, blob_bytes, what, group)
+        y = torch.empty((m, n), dtype=torch.float32)
+        fn(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, xsum.data_ptr(), buf.data_ptr(),
+           self._buf_floats, threads)
+        return y
+
     def mm(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous) times 4-bit weights packed by `pack` -> [M, n] float32."""
-        m, k, threads, xsum, buf = self._prepare(x, blob, n, BLOB, "int4")
-        y = torch.empty((m, n), dtype=torch.float32)
-        self._mm(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, xsum.data_ptr(),
-                 buf.data_ptr(), self._buf_floats, threads)
-        return y
+        return self._grouped(self._mm, x, blob, n, BLOB, "int4")
 
     def mm8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous) times 8-bit weights packed by `pack8` -> [M, n] float32."""
@@ -171,19 +176,11 @@ class VectorKernel(ProductKernel):
 
     def mm6(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous) times 8-bit weights in groups of 16 packed by `pack6` -> [M, n]."""
-        m, k, threads, xsum, buf = self._prepare(x, blob, n, BLOB6, "16-input 8-bit", GROUP6)
-        y = torch.empty((m, n), dtype=torch.float32)
-        self._mm6(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, xsum.data_ptr(),
-                  buf.data_ptr(), self._buf_floats, threads)
-        return y
+        return self._grouped(self._mm6, x, blob, n, BLOB6, "16-input 8-bit", GROUP6)
 
     def mm4k(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous) times GGUF Q4_K weights packed by `pack_q4k` -> [M, n] float32."""
-        m, k, threads, xsum, buf = self._prepare(x, blob, n, BLOB4K, "Q4_K", SB4K)
-        y = torch.empty((m, n), dtype=torch.float32)
-        self._mm4k(x.data_ptr(), x.stride(0), blob.data_ptr(), y.data_ptr(), n, m, n, k, xsum.data_ptr(),
-                   buf.data_ptr(), self._buf_floats, threads)
-        return y
+        return self._grouped(self._mm4k, x, blob, n, BLOB4K, "Q4_K", SB4K)
 
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`) or "q6"

@@ -31,12 +31,18 @@ Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_
 
 
 def layout_id() -> str:
-    """What the blobs' layout depends on: the packing code and the kernel that reads it."""
-    kernels = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    """What the blobs' layout depends on: the packing functions' code and the kernel's C source that reads them
+    (not the rest of the module: a comment elsewhere must not repack every model)."""
+    import inspect
+
+    from ..kernels import int4_vector_kernel as ivk
+
     h = hashlib.sha256()
-    for name in ("int4_vector_kernel.py", "int4_vector.c"):
-        with open(os.path.join(kernels, name), "rb") as f:
-            h.update(f.read())
+    for fn in (ivk.VectorKernel.pack_affine, ivk.VectorKernel.pack_q4k, ivk.VectorKernel.pack6,
+               ivk.VectorKernel.pack8):
+        h.update(inspect.getsource(fn).encode())
+    with open(os.path.join(os.path.dirname(os.path.abspath(ivk.__file__)), "int4_vector.c"), "rb") as f:
+        h.update(f.read())
     return h.hexdigest()[:16]
 
 
