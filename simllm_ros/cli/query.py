@@ -110,6 +110,10 @@ def _call_service(node, srv_type, name: str, request, timeout: float) -> tuple[o
 
 def _stream(node, name: str, fields: dict, timeout: float) -> int:
     """The Generate action: the answer printed as it grows, the result as JSON on stderr; Ctrl-C cancels."""
+    import signal
+    import threading
+
+    import rclpy
     from rclpy.action import ActionClient
 
     from simllm_ros.action import Generate
@@ -131,24 +135,32 @@ def _stream(node, name: str, fields: dict, timeout: float) -> int:
             sys.stdout.flush()
             shown[0] = text
 
-    sent = client.send_goal_async(Generate.Goal(**fields), feedback_callback=feedback)
-    if not _spin_until(node, sent, deadline):
-        print(json.dumps({"success": False, "error": f"timeout: {name} took no goal within {timeout:g} s"}),
-              file=sys.stderr)
-        return 1
-    handle = sent.result()
+    # Ctrl-C as a flag the loops read: a KeyboardInterrupt raised inside an executor callback (the feedback being
+    # printed) is caught by rclpy's task and lost, and the answer then ran to its end
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
+        sent = client.send_goal_async(Generate.Goal(**fields), feedback_callback=feedback)
+        if not _spin_until(node, sent, deadline):
+            print(json.dumps({"success": False, "error": f"timeout: {name} took no goal within {timeout:g} s"}),
+                  file=sys.stderr)
+            return 1
+        handle = sent.result()
         done = handle.get_result_async()
-        if not _spin_until(node, done, deadline):
+        while not done.done() and not interrupted.is_set() and time.monotonic() < deadline:
+            rclpy.spin_until_future_complete(node, done, timeout_sec=0.1)
+        if interrupted.is_set():
+            cancel = handle.cancel_goal_async()
+            _spin_until(node, cancel, time.monotonic() + 5)
+            print(file=sys.stdout)
+            print(json.dumps({"success": False, "error": "cancelled (Ctrl-C)"}), file=sys.stderr)
+            return 130
+        if not done.done() or done.result() is None:
             handle.cancel_goal_async()
             print(json.dumps({"success": False, "error": f"timeout: no result within {timeout:g} s"}), file=sys.stderr)
             return 1
-    except KeyboardInterrupt:
-        cancel = handle.cancel_goal_async()
-        _spin_until(node, cancel, time.monotonic() + 5)
-        print(file=sys.stdout)
-        print(json.dumps({"success": False, "error": "cancelled (Ctrl-C)"}), file=sys.stderr)
-        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     result = done.result().result
     rest = result.answer[len(shown[0]):] if result.answer.startswith(shown[0]) else ""
     sys.stdout.write(rest + "\n")
