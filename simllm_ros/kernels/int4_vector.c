@@ -116,12 +116,19 @@ static inline const float *sc_8(const uint8_t *blk, int g, const uint8_t *wg, fl
 static inline const float *sc_6(const uint8_t *blk, int g, const uint8_t *wg, float *t) {
     (void)blk; (void)g; (void)t; return (const float *)(const void *)(wg + GROUP6 * CS8);
 }
-static inline const float *sc_4k(const uint8_t *blk, int g, const uint8_t *wg, float *t) {
+/* Q4_K group g's steps and bases for outputs VL*h.. (its block at blk, the group at wg) */
+static inline void steps_4k(const uint8_t *blk, int g, const uint8_t *wg, int h, vw *step, vw *base) {
     const float *d = (const float *)(const void *)(blk + (long)(g / SB4K) * BLOB4K);
     const uint8_t *sc = wg + GROUP * CS4;
+    *step = ld(d + VL * h) * CVTU8(sc + VL * h);
+    *base = -(ld(d + 16 + VL * h) * CVTU8(sc + 16 + VL * h));
+}
+static inline const float *sc_4k(const uint8_t *blk, int g, const uint8_t *wg, float *t) {
     for (int h = 0; h < NH; h++) {
-        st(t + VL * h, ld(d + VL * h) * CVTU8(sc + VL * h));
-        st(t + 16 + VL * h, -(ld(d + 16 + VL * h) * CVTU8(sc + 16 + VL * h)));
+        vw step, base;
+        steps_4k(blk, g, wg, h, &step, &base);
+        st(t + VL * h, step);
+        st(t + 16 + VL * h, base);
     }
     return t;
 }
@@ -227,16 +234,14 @@ static void *NAME(void *arg) {                                                  
 }
 
 /* The one-row path's end of a group (RPOST): its blob's steps (and bases); Q4_K's worked out in registers, the
-   same products as sc_4k's. */
+   same products as sc_4k's (steps_4k). */
 #define RP4(blk, g, wg, a, xs, o) POST4(sc_4(blk, g, wg, 0), a, xs, o)
 #define RP8(blk, g, wg, a, xs, o) POST8(sc_8(blk, g, wg, 0), a, xs, o)
 #define RP6(blk, g, wg, a, xs, o) POST8(sc_6(blk, g, wg, 0), a, xs, o)
 #define RP4K(blk, g, wg, a, xs, o) do {                                                                   \
-        const float *d_ = (const float *)(const void *)((blk) + (long)((g) / SB4K) * BLOB4K);             \
-        const uint8_t *sc_ = (wg) + GROUP * CS4;                                                          \
         for (int h_ = 0; h_ < NH; h_++) {                                                                 \
-            const vw st_ = ld(d_ + VL * h_) * CVTU8(sc_ + VL * h_);                                       \
-            const vw bs_ = -(ld(d_ + 16 + VL * h_) * CVTU8(sc_ + 16 + VL * h_));                          \
+            vw st_, bs_;                                                                                  \
+            steps_4k(blk, g, wg, h_, &st_, &bs_);                                                         \
             (o)[h_] = FMA(st_, (a)[h_], (o)[h_]); (o)[h_] = FMA(bs_, bc(xs), (o)[h_]);                    \
         }                                                                                                 \
     } while (0)

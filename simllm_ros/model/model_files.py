@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import gguf_weights
+from . import gguf_weights, packed_weights
 from ..settings import DEFAULT_MODEL
 
 EMBEDDED_MODELS = {
@@ -143,7 +143,7 @@ def _model_shards(path: str) -> list[str]:
 
 SLIM_FILE = "simllm_slim.json"
 # Our files beside a converted copy that a conversion for the dense weights again carries over
-KEPT_FILES = (gguf_weights.ROWS_FILE, "simllm_packed.safetensors")
+KEPT_FILES = (gguf_weights.ROWS_FILE, packed_weights.PACKED_FILE)
 
 
 def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
