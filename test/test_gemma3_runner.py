@@ -177,11 +177,13 @@ def test_engine_cached_answers_are_its_empty_pool_answers(gemma_dir, temperature
         e.unload()
 
 
-def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path):
+@pytest.mark.parametrize("activation_bits", [32, 8])
+def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path, activation_bits):
     """A Q4_K_M Gemma 3 GGUF (random blocks; every sixth layer full attention, the rest a 16-token window) as a user
     loads it: the file's own blocks on the vector kernel, the tied Q8_0 embedding looked up from the file and scaled
-    as transformers scales it, the probe passing, transformers' own forward of the same file to rounding; a second
-    load (no dense weights) computes the same bits."""
+    as transformers scales it, the probe passing, transformers' own forward of the same file to rounding (float32
+    rows; 8-bit rows into the Q4_K products: close, not to rounding: this random model amplifies their rounding at
+    a few positions); a second load (no dense weights) computes the same bits."""
     from random_gguf import Q4_K_M, write_llama
     from simllm_ros.model.llama_runner import _ScaledRows
 
@@ -189,18 +191,23 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path):
                        kv_heads=1, head_dim=64, types=Q4_K_M, embed="Q8_0", output=None, seed=4,
                        sliding_window=WINDOW)
     cache = str(tmp_path / "models")
-    b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=cache)
+    b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=cache, activation_bits=activation_bits)
     r = b.runner
     assert b.model_type == "gemma3_text" and b.weight_bits == 4 and r is not None and r.file is not None
+    assert b.activation_bits == activation_bits
     assert r.window.count(0) == 1 and r.windowed and isinstance(r.embed, _ScaledRows)
     assert b.exact_chunking and not b.semantic_supported and b.layers_kind != "c"
     ids = [int(t) for t in range(400, 400 + 3 * WINDOW * 53, 53)]
     ours = b.run(ids, b.new_cache(len(ids) + 2), logits="all")
     with torch.inference_mode():
         ref = b.hf_model(torch.tensor([ids])).logits[0].float()
-    assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    again = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=cache)
+    if activation_bits == 32:
+        assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    else:
+        assert (ours - ref).abs().median() <= 1e-2 * ref.abs().max(), (ours - ref).abs().median()
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+    again = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=cache, activation_bits=activation_bits)
     assert again.skeleton and isinstance(again.runner.embed, _ScaledRows)
     assert torch.equal(again.run(ids, again.new_cache(len(ids) + 2), logits="all"), ours)
     assert again.numerics == b.numerics and again.exact_chunking

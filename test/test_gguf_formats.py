@@ -57,6 +57,28 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
         assert torch.equal(whole, KERNEL.mm(x, KERNEL.pack_affine(fw.codes, fw.step, fw.base), outs))
 
 
+def test_q4_k_on_8bit_rows_is_the_files_weights_times_the_quantized_rows_and_row_invariant():
+    """activation_bits 8: the integer product is exactly (to float32 rounding of its few float steps) the file's
+    weights times the rows as quantized (int4_vector_kernel.rows_as_8bit), one row alone or among others; against
+    float32 rows it differs by the rows' rounding to 8 bits, about a percent of the largest output here."""
+    n, k = 96, 768
+    fw, w = _tensor("Q4_K", n, k, seed=3)
+    kind, blob, outs = fw.pack(KERNEL, int8_rows=True)
+    assert kind == "q4k8" and blob.numel() * 8 / (n * k) == 4.75
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(5))
+    x[4] = 0  # a row of zeros: scale 0, codes 0
+    x[6, 5] = 1e4  # an outlier takes its block's range
+    whole = KERNEL.mm4k8(x, blob, outs)
+    want = int4_vector_kernel.rows_as_8bit(x) @ w.double().t()
+    assert (whole.double() - want).abs().max() <= 2e-6 * want.abs().max()
+    assert torch.equal(whole[4], torch.zeros(n))
+    for r0, r1 in ((0, 1), (1, 3), (3, 7), (7, 30), (30, 37), (5, 6), (6, 11)):
+        assert torch.equal(KERNEL.mm4k8(x[r0:r1].contiguous(), blob, outs), whole[r0:r1]), (r0, r1)
+    exact = x.double() @ w.double().t()
+    rows = [r for r in range(37) if r != 6]
+    assert (whole.double() - exact)[rows].abs().max() <= 0.03 * exact[rows].abs().max()
+
+
 def test_a_projection_of_mixed_parts_is_each_parts_product():
     """q/k in Q4_K and v in Q6_K fused into one projection: each output block is bitwise its own part's product."""
     from simllm_ros.model.llama_runner import _file_parts, _Proj
@@ -83,23 +105,30 @@ def files(tmp_path_factory):
             "cache": str(d / "models")}
 
 
-_BACKENDS: dict[str, ModelBackend] = {}
+_BACKENDS: dict[tuple[str, int], ModelBackend] = {}
 
 
-def _backend(files, name) -> ModelBackend:
-    if name not in _BACKENDS:
-        _BACKENDS[name] = ModelBackend(files[name], dtype="float32", weight_bits=0, cache_dir=files["cache"])
-    return _BACKENDS[name]
+def _backend(files, name, activation_bits=0) -> ModelBackend:
+    """One backend per file and activation_bits in this process; float32 rows (32) keep their converted copy and
+    packed blocks apart (the packed file follows the rows' format, so sharing it would repack at every switch)."""
+    if (name, activation_bits) not in _BACKENDS:
+        cache = files["cache"] + ("-f32" if activation_bits == 32 else "")
+        _BACKENDS[name, activation_bits] = ModelBackend(files[name], dtype="float32", weight_bits=0, cache_dir=cache,
+                                                        activation_bits=activation_bits)
+    return _BACKENDS[name, activation_bits]
 
 
-@pytest.mark.parametrize("name,layer_kinds,head", [
-    ("q4_k_m", [["q4k+q6", "q4k", "q4k", "q6"], ["q4k", "q4k", "q4k", "q6"]], "Q6_K"),
-    ("q8_0", [["q8", "q8", "q8", "q8"]] * 2, "Q8_0"),
+@pytest.mark.parametrize("name,activation_bits,layer_kinds,head", [
+    ("q4_k_m", 0, [["q4k8+q6", "q4k8", "q4k8", "q6"], ["q4k8", "q4k8", "q4k8", "q6"]], "Q6_K"),
+    ("q4_k_m", 32, [["q4k+q6", "q4k", "q4k", "q6"], ["q4k", "q4k", "q4k", "q6"]], "Q6_K"),
+    ("q8_0", 0, [["q8", "q8", "q8", "q8"]] * 2, "Q8_0"),
 ])
-def test_the_file_runs_on_its_own_blocks_losslessly(files, name, layer_kinds, head):
-    b = _backend(files, name)
+def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits, layer_kinds, head):
+    b = _backend(files, name, activation_bits)
     r = b.runner
     assert b.weight_bits == 4 and b.int4_kind == "vector" and r.file is not None  # weight_bits auto picked it
+    assert b.activation_bits == (8 if "q4k8" in layer_kinds[0][1] else 32)
+    assert ("integer dot products" in b.int4_path) == (b.activation_bits == 8)
     assert [[p.kinds for p in (qkv, o, gu, down)] for _, qkv, o, _, gu, down, _ in r.layers] == layer_kinds
     assert r.lm_head.ggml == head and head in b.int4_path and "on the file's own blocks" in b.int4_path
     assert b.layers_kind == "c"
@@ -131,8 +160,8 @@ def test_the_head_is_the_files_weights(files):
 def test_qwen_files_run_on_their_own_blocks_as_transformers_computes_them(files, name):
     """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms before RoPE, head_dim 128 beside a hidden size of 256): the
     runner at the file's own bits, lossless, and what it computes is what transformers' own forward of the same
-    file computes (float32, to rounding: the arithmetic is ours, the model the same)."""
-    b = _backend(files, name)
+    file computes (float32 rows, to rounding: the arithmetic is ours, the model the same)."""
+    b = _backend(files, name, activation_bits=32)
     assert b.model_type == name and b.weight_bits == 4 and b.runner.file is not None and b.exact_chunking
     assert b.semantic_supported
     if name == "qwen3":

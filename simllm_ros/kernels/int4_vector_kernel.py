@@ -51,9 +51,11 @@ class VectorKernel(ProductKernel):
         super().__init__(path, mm="simllm_vec_int4_mm", mm8="simllm_vec_int8_mm")
         self._mm6 = self._entry("simllm_vec_int8g16_mm", MM_ARGS)
         self._mm4k = self._entry("simllm_vec_int4k_mm", MM_ARGS)
+        self._mm4k8 = self._entry("simllm_vec_q4k8_mm", MM_ARGS)
         # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
-                        "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm")}
+                        "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
+                        "q4k8": self._address("simllm_vec_q4k8_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
 
     @staticmethod
@@ -109,6 +111,26 @@ class VectorKernel(ProductKernel):
         return torch.cat([head, groups], dim=-1).contiguous()
 
     @staticmethod
+    def pack_q4k8(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+                  ) -> torch.Tensor:
+        """GGUF Q4_K for the integer product with 8-bit rows (`mm4k8`): `pack_q4k`'s sizes and head, the codes of
+        each group in 4 chunks of 64 bytes, chunk p's byte 4j + i holding output j's codes of inputs 8p + i (low
+        nibble) and 8p + 4 + i (high): four inputs of one output side by side, as a dot-product instruction
+        (VNNI's vpdpbusd, NEON's sdot, AVX2's pmaddubsw) takes them."""
+        n, k = codes.shape
+        if n % 16 or k % SB4K:
+            raise ValueError(f"Q4_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
+        g, sb = k // GROUP, k // SB4K
+        q = codes.to(torch.uint8).reshape(n // 16, 16, g, 4, 2, 4)  # block, output j, group, chunk p, high?, i
+        byte = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
+        small = torch.cat([sc.to(torch.uint8).reshape(n // 16, 16, g), mn.to(torch.uint8).reshape(n // 16, 16, g)],
+                          dim=1).permute(0, 2, 1)  # [b, g, 32]
+        groups = torch.cat([byte, small], dim=-1).reshape(n // 16, sb, 8 * 288)
+        head = torch.cat([d.float().reshape(n // 16, 16, sb), dmin.float().reshape(n // 16, 16, sb)], dim=1)
+        head = head.permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 128]
+        return torch.cat([head, groups], dim=-1).contiguous()
+
+    @staticmethod
     def pack6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """codes [N, K] (int8; GGUF's Q6_K: -32..31) and scales [N, K/16] float32 -> [N/16, K/16, 320] uint8: per
         16 outputs and group of 16 inputs, byte 16k + j holds input k's code of output j, then the 16 scales."""
@@ -140,9 +162,9 @@ class VectorKernel(ProductKernel):
     def _buffers(self, m: int, k: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This thread's group sums and work buffers, grown to fit (the call runs without the GIL)."""
         s = self._scratch
-        if getattr(s, "xsum", None) is None or s.xsum.numel() < m * (k // GROUP) or \
-                s.buf.numel() < threads * self._buf_floats:
-            s.xsum = torch.empty(max(m * (k // GROUP), 4096), dtype=torch.float32)
+        need = m * (k // 4 + k // 16)  # the group sums, or the rows quantized to 8 bits (simllm_vec_qrow_bytes)
+        if getattr(s, "xsum", None) is None or s.xsum.numel() < need or s.buf.numel() < threads * self._buf_floats:
+            s.xsum = torch.empty(max(need, 4096), dtype=torch.float32)
             s.buf = torch.empty(max(threads, 2) * self._buf_floats, dtype=torch.float32)
         return s.xsum, s.buf
 
@@ -182,10 +204,33 @@ class VectorKernel(ProductKernel):
         """x [M, K] float32 (rows contiguous) times GGUF Q4_K weights packed by `pack_q4k` -> [M, n] float32."""
         return self._grouped(self._mm4k, x, blob, n, BLOB4K, "Q4_K", SB4K)
 
+    def mm4k8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous), quantized to 8 bits per 256 inputs, times GGUF Q4_K weights packed by
+        `pack_q4k8` (integer dot products) -> [M, n] float32."""
+        return self._grouped(self._mm4k8, x, blob, n, BLOB4K, "Q4_K", SB4K)
+
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`) or "q6"
         (`pack6`)."""
-        return {"q4": self.mm, "q4k": self.mm4k, "q8": self.mm8, "q6": self.mm6}[kind]
+        return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q8": self.mm8, "q6": self.mm6}[kind]
+
+
+def rows_as_8bit(x: torch.Tensor) -> torch.Tensor:
+    """The rows [M, K] as `mm4k8` takes them, in float64: per 256 inputs, codes round-to-even(x * (127 / amax))
+    clamped to +-127, times the scale amax / 127 (both float32, as the kernel computes them)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // SB4K, SB4K)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round((xb * inv).clamp(-127, 127)).nan_to_num(0.0)
+    return (codes.double() * (amax / 127).double()).reshape(m, k)
+
+
+def q4k_dequantized(codes, sc, mn, d, dmin) -> torch.Tensor:
+    """Q4_K weights [N, K] in float64: d * sub-scale * code - dmin * sub-min."""
+    step = (d.double().repeat_interleave(8, dim=1) * sc.double()).repeat_interleave(GROUP, dim=1)
+    base = (dmin.double().repeat_interleave(8, dim=1) * mn.double()).repeat_interleave(GROUP, dim=1)
+    return step * codes.double() - base
 
 
 def _self_check(kernel: VectorKernel) -> str | None:
@@ -214,6 +259,12 @@ def _self_check(kernel: VectorKernel) -> str | None:
     if not torch.equal(got, kernel.mm(xk, kernel.pack_affine(ck, step, base), 32)) or \
             not torch.equal(kernel.mm4k(xk[2:3].contiguous(), kernel.pack_q4k(ck, sc, mn, dk, dmk), 32), got[2:3]):
         return "the Q4_K vector kernel does not compute the 4-bit kernel's bits here"
+    # Q4_K on 8-bit rows: the float64 product of the same quantized rows, and a row's bits alone and among others
+    want = rows_as_8bit(xk) @ q4k_dequantized(ck, sc, mn, dk, dmk).t()
+    err, alone = compare(kernel.mm4k8, xk, kernel.pack_q4k8(ck, sc, mn, dk, dmk), 32, want,
+                         rows=((2, 1), (1, 4), (6, 1)))
+    if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
+        return f"the Q4_K x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
     for mm, blob, want, name in ((kernel.mm, kernel.pack(codes, sz), x.double() @ w.reshape(80, 96).t(), "int4"),
                                  (kernel.mm8, kernel.pack8(q8, d), x.double() @ w8.t(), "int8"),
                                  (kernel.mm6, kernel.pack6(q6, d6), x.double() @ w6.t(), "int8-16")):

@@ -67,8 +67,11 @@ class FileWeight:
                           None if self.base is None else self.base[perm], perm,
                           None if self.k4 is None else tuple(t[perm] for t in self.k4))
 
-    def pack(self, kernel) -> tuple[str, torch.Tensor, int]:
-        """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel)."""
+    def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
+        """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel); `int8_rows`: Q4_K on rows
+        quantized to 8 bits (kind "q4k8", integer dot products)."""
+        if self.kind == "q4k" and int8_rows:
+            return "q4k8", kernel.pack_q4k8(self.codes, *self.k4), self.codes.shape[0]
         if self.kind == "q4k":  # the file's Q4_K layout (4.75 bits a weight): the q4 product's bits
             blob = kernel.pack_q4k(self.codes, *self.k4)
         elif self.kind == "q4":
@@ -294,8 +297,8 @@ class PendingWeight:
         fw = decode(self.tensor.ggml, self.tensor.data, self.shape)
         return fw if self.perm is None else fw.rows(self.perm)
 
-    def pack(self, kernel) -> tuple[str, torch.Tensor, int]:
-        return self.decoded().pack(kernel)
+    def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
+        return self.decoded().pack(kernel, int8_rows)
 
 
 class FileEmbedding:

@@ -52,11 +52,16 @@ class KernelPaths:
             what = "AMX kernel, bf16" if kind == "amx" else "vector kernel, float32"
             ggml = getattr(self.runner.lm_head, "ggml", None)
             if self.runner.file is not None:  # the GGUF's own blocks, per tensor kind
-                kinds = {"q4": "4-bit step/base per 32", "q4k": "4-bit Q4_K layout", "q8": "8-bit scale per 32",
+                kinds = {"q4": "4-bit step/base per 32", "q4k": "4-bit Q4_K layout",
+                         "q4k8": "4-bit Q4_K layout x 8-bit rows, integer dot products", "q8": "8-bit scale per 32",
                          "q6": "8-bit scale per 16"}
-                per = ", ".join(f"{name} {'/'.join(t)} -> {'/'.join(kinds[gguf_weights.KINDS[x]] for x in t)}"
+
+                def kind(ggml_type: str) -> str:
+                    k = gguf_weights.KINDS[ggml_type]
+                    return kinds["q4k8" if k == "q4k" and getattr(self, "activation_bits", 32) == 8 else k]
+                per = ", ".join(f"{name} {'/'.join(t)} -> {'/'.join(kind(x) for x in t)}"
                                 for name, t in self.runner.file.formats.items() if name in gguf_weights.PROJECTIONS)
-                head = f"{ggml} ({kinds[gguf_weights.KINDS[ggml]]})" if ggml else "16-bit"
+                head = f"{ggml} ({kind(ggml)})" if ggml else "16-bit"
                 emb = self.runner.file.embed
                 emb = f"{emb.ggml} blocks looked up from the file" if emb is not None else "float32"
                 return (f"simllm_ros {what} ({self.runner.int4.path}) on the file's own blocks: {per}; LM head {head}; "

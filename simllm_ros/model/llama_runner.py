@@ -81,10 +81,11 @@ class EarlyHead:
 
 
 class LlamaRunner(LayerSteps):
-    def __init__(self, model, weight_bits: int = 16, file=None, packed=None):
+    def __init__(self, model, weight_bits: int = 16, file=None, packed=None, int8_rows: bool = False):
         """`file` (gguf_weights.ModelFile, float32 with weight_bits 4 only): the projections and LM head run on the
         GGUF's own blocks on the vector kernel instead of 4-bit codes found again from the weights. `packed`
-        (packed_weights.PackedStore): those blocks as packed at an earlier load, mapped instead of packed again."""
+        (packed_weights.PackedStore): those blocks as packed at an earlier load, mapped instead of packed again.
+        `int8_rows`: the file's Q4_K blocks take 8-bit rows (integer dot products, kind "q4k8")."""
         base = model.model
         cfg = model.config
         self.model = model
@@ -142,9 +143,9 @@ class LlamaRunner(LayerSteps):
         if file is not None and self.file is None:
             raise ValueError("a GGUF's own blocks run on the float32 vector kernel only")
         if self.file is not None and self.file.head is not None and lm_w.shape[0] % 16 == 0:
-            [(kind, blob, n)] = packs("head", lambda: [self.file.head.pack(self.int4)])
+            [(kind, blob, n)] = packs("head", lambda: [self.file.head.pack(self.int4, int8_rows)])
             self.lm_head = _Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
-            self.lm_head.ggml, self.lm_head.bits = self.file.head.ggml, {"q4": 4, "q4k": 4, "q8": 8, "q6": 6}[kind]
+            self.lm_head.ggml, self.lm_head.bits = self.file.head.ggml, {"q4": 4, "q4k": 4, "q4k8": 4, "q8": 8, "q6": 6}[kind]
         elif self.int4 is not None and lm.bias is None and lm_w.shape[0] % 16 == 0 and on_q8_grid(lm_w):
             self.lm_head = _Head8(lm_w, self.int4)
         else:
@@ -155,7 +156,7 @@ class LlamaRunner(LayerSteps):
             if self.file is not None:
                 fw = self.file.layers[li]
                 def file_parts(name, *projs):
-                    return packs(f"{li}.{name}", lambda: _file_parts([fw[p] for p in projs], self.int4))
+                    return packs(f"{li}.{name}", lambda: _file_parts([fw[p] for p in projs], self.int4, int8_rows))
 
                 qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, self.int4,
                             parts=file_parts("qkv", "q_proj", "k_proj", "v_proj"))

@@ -84,7 +84,7 @@ class LoadChecks:
         if self.runner is None:
             return measure()
         ident = json.dumps(stamp, sort_keys=True) if stamp else os.path.abspath(self._path)
-        what = [ident, self.device, self.dtype_name, self.weight_bits, CONTRACT, self.int4_path, self.attention_path,
+        what = [ident, self.device, self.dtype_name, self.weight_bits, self.activation_bits, CONTRACT, self.int4_path, self.attention_path,
                 self.layers_path, self.norm_path, torch.__version__, torch.get_num_threads(), _cpu_identity()]
         key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
         store = os.path.join(cache_dir or default_cache_dir(), LOAD_CHECKS_FILE)

@@ -85,7 +85,8 @@ _PROBED: dict[tuple, tuple] = {}
 
 class ModelBackend(KernelPaths, LoadChecks):
     def __init__(self, ref: str, device: str = "cpu", dtype: str = "bfloat16", cache_dir: str = "",
-                 progress: Callable[[str], None] | None = None, weight_bits: int = 16):
+                 progress: Callable[[str], None] | None = None, weight_bits: int = 16,
+                 activation_bits: int = 0):
         self.ref = ref
         self.progress = progress or (lambda msg: None)
         if device == "auto":
@@ -187,14 +188,21 @@ class ModelBackend(KernelPaths, LoadChecks):
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
+        # Q4_K blocks of the file on 8-bit rows (integer dot products) unless float32 rows were asked for
+        int8_rows = use_file and activation_bits != 32 and any("Q4_K" in t for t in self.model_file.formats.values())
+        if activation_bits == 8 and not int8_rows:
+            raise ModelLoadError("activation_bits=8 applies to a GGUF's Q4_K blocks on our float32 vector kernel; "
+                                 f"this model has none there (model {ref}, {dtype}, weight_bits {weight_bits}): use 0 "
+                                 "or 32")
+        self.activation_bits = 8 if int8_rows else 32
         # The file's blocks as packed at an earlier load of this GGUF (packed_weights): mapped, not packed again
-        packed = PackedStore(path, stamp) if use_file and stamp is not None else None
+        packed = PackedStore(path, stamp, int8_rows) if use_file and stamp is not None else None
         if packed is not None and packed.why_not:
             self.progress(packed.why_not)
         if fast:
             try:
                 self.runner = LlamaRunner(self.model, weight_bits, file=self.model_file if use_file else None,
-                                          packed=packed)
+                                          packed=packed, int8_rows=int8_rows)
             except ValueError as e:  # a shape the quantized kernels cannot take
                 raise ModelLoadError(str(e)) from e
             if packed is not None:
@@ -223,8 +231,9 @@ class ModelBackend(KernelPaths, LoadChecks):
         self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))  # rows of the logits
         self._grammars: StructuredOutput | None = None
         self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
-                         "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits}
-        key = (path, device, dtype, weight_bits)  # the same model and settings in this process: the same answer
+                         "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits,
+                         "activation_bits": self.activation_bits}
+        key = (path, device, dtype, weight_bits, self.activation_bits)  # the same model and settings in this process: the same answer
         if key not in _PROBED:
             _PROBED[key] = self._load_checks(cache_dir, stamp)
         single, self.exact_chunking, costs, self.numerics = _PROBED[key]

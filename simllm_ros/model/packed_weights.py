@@ -38,7 +38,7 @@ def layout_id() -> str:
     from ..kernels import int4_vector_kernel as ivk
 
     h = hashlib.sha256()
-    for fn in (ivk.VectorKernel.pack_affine, ivk.VectorKernel.pack_q4k, ivk.VectorKernel.pack6,
+    for fn in (ivk.VectorKernel.pack_affine, ivk.VectorKernel.pack_q4k, ivk.VectorKernel.pack_q4k8, ivk.VectorKernel.pack6,
                ivk.VectorKernel.pack8):
         h.update(inspect.getsource(fn).encode())
     with open(os.path.join(os.path.dirname(os.path.abspath(ivk.__file__)), "int4_vector.c"), "rb") as f:
@@ -50,9 +50,10 @@ class PackedStore:
     """The packed parts of one GGUF's projections by key ("3.qkv", "head", ...): those found in the file are
     memory-mapped; the others are built and kept, and `save` writes the whole set once."""
 
-    def __init__(self, folder: str, stamp: dict):
+    def __init__(self, folder: str, stamp: dict, int8_rows: bool = False):
         self.path = os.path.join(folder, PACKED_FILE)
-        self.meta = {"stamp": json.dumps(stamp, sort_keys=True), "layout": layout_id()}
+        self.meta = {"stamp": json.dumps(stamp, sort_keys=True), "layout": layout_id(),
+                     "rows": "int8" if int8_rows else "float32"}  # Q4_K's blob kind follows it
         self.mapped: dict[str, Parts] = {}
         self.built: dict[str, Parts] = {}
         self.why_not = ""  # why the file on disk was not used ("" where it was, or none was there)

@@ -270,12 +270,12 @@ class _Proj:
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
-def _file_parts(weights: list, kernel) -> list[tuple[str, torch.Tensor, int]]:
+def _file_parts(weights: list, kernel, int8_rows: bool = False) -> list[tuple[str, torch.Tensor, int]]:
     """A fused projection's parts from its pieces' file weights (gguf_weights.FileWeight): neighbours of one kind
     share a blob, so an all-Q4_K q/k/v stays one product."""
     parts: list[tuple[str, torch.Tensor, int]] = []
     for fw in weights:
-        kind, blob, n = fw.pack(kernel)
+        kind, blob, n = fw.pack(kernel, int8_rows)
         if parts and parts[-1][0] == kind:
             parts[-1] = (kind, torch.cat([parts[-1][1], blob]), parts[-1][2] + n)
         else:

@@ -148,8 +148,10 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             t0 = time.monotonic()
             path_checks.check_all(s, create=True)  # before the model: a path that cannot work fails now
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
-            self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits)
-            progress(f"model in {self.backend.dtype_name}, weights at {self.backend.weight_bits} bits; batch-invariant "
+            self.backend = ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits,
+                                       s.activation_bits)
+            progress(f"model in {self.backend.dtype_name}, weights at {self.backend.weight_bits} bits, rows at "
+                     f"{self.backend.activation_bits} bits into the products; batch-invariant "
                      f"execution {'verified: exact-prefix reuse and drafts are lossless' if self.backend.exact_chunking else f'NOT verified on this machine: reuse and drafts are approximate (a oneDNN ISA above {ONEDNN_ISA_CAP}, e.g. ONEDNN_MAX_CPU_ISA=ALL, causes this on AMX CPUs)'}")
             progress(f"dtype {self.backend.dtype_name}: {self.backend.dtype_why}")
             progress(f"attention: {self.backend.attention_path}")
