@@ -57,23 +57,25 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
         assert torch.equal(whole, KERNEL.mm(x, KERNEL.pack_affine(fw.codes, fw.step, fw.base), outs))
 
 
-def test_q4_k_on_8bit_rows_is_the_files_weights_times_the_quantized_rows_and_row_invariant():
+@pytest.mark.parametrize("ggml,kind,bits", [("Q4_K", "q4k8", 4.75), ("Q6_K", "q6k8", 8.625)])
+def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_and_row_invariant(ggml, kind, bits):
     """activation_bits 8: the integer product is exactly (to float32 rounding of its few float steps) the file's
     weights times the rows as quantized (int4_vector_kernel.rows_as_8bit), one row alone or among others; against
     float32 rows it differs by the rows' rounding to 8 bits, about a percent of the largest output here."""
     n, k = 96, 768
-    fw, w = _tensor("Q4_K", n, k, seed=3)
-    kind, blob, outs = fw.pack(KERNEL, int8_rows=True)
-    assert kind == "q4k8" and blob.numel() * 8 / (n * k) == 4.75
+    fw, w = _tensor(ggml, n, k, seed=3)
+    got_kind, blob, outs = fw.pack(KERNEL, int8_rows=True)
+    assert got_kind == kind and blob.numel() * 8 / (n * k) == bits
+    mm = KERNEL.product(kind)
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(5))
     x[4] = 0  # a row of zeros: scale 0, codes 0
     x[6, 5] = 1e4  # an outlier takes its block's range
-    whole = KERNEL.mm4k8(x, blob, outs)
+    whole = mm(x, blob, outs)
     want = int4_vector_kernel.rows_as_8bit(x) @ w.double().t()
     assert (whole.double() - want).abs().max() <= 2e-6 * want.abs().max()
     assert torch.equal(whole[4], torch.zeros(n))
     for r0, r1 in ((0, 1), (1, 3), (3, 7), (7, 30), (30, 37), (5, 6), (6, 11)):
-        assert torch.equal(KERNEL.mm4k8(x[r0:r1].contiguous(), blob, outs), whole[r0:r1]), (r0, r1)
+        assert torch.equal(mm(x[r0:r1].contiguous(), blob, outs), whole[r0:r1]), (r0, r1)
     exact = x.double() @ w.double().t()
     rows = [r for r in range(37) if r != 6]
     assert (whole.double() - exact)[rows].abs().max() <= 0.03 * exact[rows].abs().max()
@@ -119,7 +121,7 @@ def _backend(files, name, activation_bits=0) -> ModelBackend:
 
 
 @pytest.mark.parametrize("name,activation_bits,layer_kinds,head", [
-    ("q4_k_m", 0, [["q4k8+q6", "q4k8", "q4k8", "q6"], ["q4k8", "q4k8", "q4k8", "q6"]], "Q6_K"),
+    ("q4_k_m", 0, [["q4k8+q6k8", "q4k8", "q4k8", "q6k8"], ["q4k8", "q4k8", "q4k8", "q6k8"]], "Q6_K"),
     ("q4_k_m", 32, [["q4k+q6", "q4k", "q4k", "q6"], ["q4k", "q4k", "q4k", "q6"]], "Q6_K"),
     ("q8_0", 0, [["q8", "q8", "q8", "q8"]] * 2, "Q8_0"),
 ])
@@ -145,14 +147,18 @@ def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits
     assert torch.isfinite(c).all()
 
 
-def test_the_head_is_the_files_weights(files):
-    """The Q6_K LM head's logits against a float64 product of gguf's dequantized output.weight."""
-    b = _backend(files, "q4_k_m")
+@pytest.mark.parametrize("activation_bits", [0, 32])
+def test_the_head_is_the_files_weights(files, activation_bits):
+    """The Q6_K LM head's logits against a float64 product of gguf's dequantized output.weight (and of the rows as
+    quantized to 8 bits, where they are)."""
+    b = _backend(files, "q4_k_m", activation_bits)
     t = next(t for t in gguf.GGUFReader(files["q4_k_m"]).tensors if t.name == "output.weight")
     w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
     x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(2))
     got = b.runner.lm_head(x).double()
-    want = x.double() @ w.double().t()
+    rows = int4_vector_kernel.rows_as_8bit(x) if b.activation_bits == 8 else x.double()
+    assert b.activation_bits == (32 if activation_bits == 32 else 8)
+    want = rows @ w.double().t()
     assert (got - want).abs().max() <= 2e-5 * want.abs().max()
 
 

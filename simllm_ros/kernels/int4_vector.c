@@ -329,8 +329,15 @@ void simllm_vec_int8g16_mm(const float *x, long x_stride, const uint8_t *w, floa
 #define QBLK 256
 #define QROWS 4  /* rows at a time over a block's weights */
 
-/* A row's quantized inputs: K codes, then K/256 float32 scales, then K/32 int32 group sums. */
-static inline long qrow_bytes(int K) { return (long)K + (long)(K / QBLK) * 4 + (long)(K / GROUP) * 4; }
+/* A row's quantized inputs: K codes, then K/256 float32 scales, then the codes' sums per 32 and per 16 (int32). */
+static inline long qrow_bytes(int K) {
+    return (long)K + (long)(K / QBLK) * 4 + (long)(K / GROUP) * 4 + (long)(K / 16) * 4;
+}
+static inline const float *qrow_scales(const uint8_t *row, int K) { return (const float *)(const void *)(row + K); }
+static inline const int32_t *qrow_sums32(const uint8_t *row, int K) {
+    return (const int32_t *)(const void *)(row + K + (long)(K / QBLK) * 4);
+}
+static inline const int32_t *qrow_sums16(const uint8_t *row, int K) { return qrow_sums32(row, K) + K / GROUP; }
 long simllm_vec_qrow_bytes(int K) { return qrow_bytes(K); }
 
 static void quantize_rows(const float *x, long x_stride, int M, int K, uint8_t *q) {
@@ -355,11 +362,12 @@ static void quantize_rows(const float *x, long x_stride, int M, int K, uint8_t *
                 c[b * QBLK + i] = f == f ? (int8_t)__builtin_rintf(f) : 0;
             }
         }
-        for (int g = 0; g < K / GROUP; g++) {
+        for (int g = 0; g < K / 16; g++) {
             int32_t s = 0;
-            for (int i = 0; i < GROUP; i++) s += c[g * GROUP + i];
-            bs[g] = s;
+            for (int i = 0; i < 16; i++) s += c[g * 16 + i];
+            bs[K / GROUP + g] = s;
         }
+        for (int g = 0; g < K / GROUP; g++) bs[g] = bs[K / GROUP + 2 * g] + bs[K / GROUP + 2 * g + 1];
     }
 }
 
@@ -470,7 +478,7 @@ static inline __attribute__((always_inline)) void sb4k8(const uint8_t *blk, cons
         }
         for (int r = 0; r < NR; r++) {
             const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * GROUP;
-            const int32_t *bs = (const int32_t *)(const void *)(xr[r] + K + (long)(K / QBLK) * 4);
+            const int32_t *bs = qrow_sums32(xr[r], K);
             vi is[NH];
             for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
             gdot(wg, xg, is);
@@ -482,7 +490,7 @@ static inline __attribute__((always_inline)) void sb4k8(const uint8_t *blk, cons
     }
     const float *d = (const float *)(const void *)blk;
     for (int r = 0; r < NR; r++) {
-        const float dx = ((const float *)(const void *)(xr[r] + K))[s];
+        const float dx = qrow_scales(xr[r], K)[s];
         for (int h = 0; h < NH; h++) {
             const vw dd = ld(d + VL * h) * bc(dx), dm = -(ld(d + 16 + VL * h) * bc(dx));
             o[r][h] = FMA(dd, VI_F(acc[r][h]), o[r][h]);
@@ -491,37 +499,40 @@ static inline __attribute__((always_inline)) void sb4k8(const uint8_t *blk, cons
     }
 }
 
-/* Output blocks b0..b1-1 for every row: per block, rows in QROWS over its weights (which stay in cache). */
-static void *part4k8(void *arg) {
-    const job_t *J = arg;
-    const int S = J->K / QBLK;
-    const long bbytes = (long)S * BLOB4K, qb = qrow_bytes(J->K);
-    const uint8_t *q = (const uint8_t *)(const void *)J->xsum;
-    for (int b = J->b0; b < J->b1; b++) {
-        const uint8_t *wb = J->w + b * bbytes;
-        for (int r0 = 0; r0 < J->M; r0 += QROWS) {
-            const int R = J->M - r0 < QROWS ? J->M - r0 : QROWS;
-            const uint8_t *xr[QROWS];
-            vw o[QROWS][NH];
-            for (int r = 0; r < QROWS; r++) {
-                xr[r] = q + (long)(r0 + (r < R ? r : 0)) * qb;
-                for (int h = 0; h < NH; h++) o[r][h] = bc(0.f);
-            }
-            for (int s = 0; s < S; s++) {
-                const uint8_t *blk = wb + (long)s * BLOB4K;
-                switch (R) {
-                case 4: sb4k8(blk, xr, s, J->K, o, 4); break;
-                case 3: sb4k8(blk, xr, s, J->K, o, 3); break;
-                case 2: sb4k8(blk, xr, s, J->K, o, 2); break;
-                default: sb4k8(blk, xr, s, J->K, o, 1); break;
-                }
-            }
-            for (int r = 0; r < R; r++)
-                for (int h = 0; h < NH; h++) st(J->y + (long)(r0 + r) * J->y_stride + 16 * b + VL * h, o[r][h]);
-        }
-    }
-    return 0;
+/* Output blocks b0..b1-1 for every row: per block, rows in QROWS over its weights (which stay in cache); SB: a
+   super-block's function (sb4k8, sb6k8), SBBYTES its bytes per 16 outputs. */
+#define DEFINE_PART8(NAME, SB, SBBYTES)                                                                       \
+static void *NAME(void *arg) {                                                                            \
+    const job_t *J = arg;                                                                                 \
+    const int S = J->K / QBLK;                                                                            \
+    const long bbytes = (long)S * (SBBYTES), qb = qrow_bytes(J->K);                                       \
+    const uint8_t *q = (const uint8_t *)(const void *)J->xsum;                                            \
+    for (int b = J->b0; b < J->b1; b++) {                                                                 \
+        const uint8_t *wb = J->w + b * bbytes;                                                            \
+        for (int r0 = 0; r0 < J->M; r0 += QROWS) {                                                        \
+            const int R = J->M - r0 < QROWS ? J->M - r0 : QROWS;                                          \
+            const uint8_t *xr[QROWS];                                                                     \
+            vw o[QROWS][NH];                                                                              \
+            for (int r = 0; r < QROWS; r++) {                                                             \
+                xr[r] = q + (long)(r0 + (r < R ? r : 0)) * qb;                                            \
+                for (int h = 0; h < NH; h++) o[r][h] = bc(0.f);                                           \
+            }                                                                                             \
+            for (int s = 0; s < S; s++) {                                                                 \
+                const uint8_t *blk = wb + (long)s * (SBBYTES);                                            \
+                switch (R) {                                                                              \
+                case 4: SB(blk, xr, s, J->K, o, 4); break;                                                \
+                case 3: SB(blk, xr, s, J->K, o, 3); break;                                                \
+                case 2: SB(blk, xr, s, J->K, o, 2); break;                                                \
+                default: SB(blk, xr, s, J->K, o, 1); break;                                               \
+                }                                                                                         \
+            }                                                                                             \
+            for (int r = 0; r < R; r++)                                                                   \
+                for (int h = 0; h < NH; h++) st(J->y + (long)(r0 + r) * J->y_stride + 16 * b + VL * h, o[r][h]); \
+        }                                                                                                 \
+    }                                                                                                     \
+    return 0;                                                                                             \
 }
+DEFINE_PART8(part4k8, sb4k8, BLOB4K)
 
 /* Q4_K weights (layout above) times float32 rows quantized to 8 bits per 256 inputs; xsum: the rows' quantized
    inputs (simllm_vec_qrow_bytes(K) bytes each, 4-byte aligned). K in 256s. */
@@ -529,4 +540,99 @@ void simllm_vec_q4k8_mm(const float *x, long x_stride, const uint8_t *w, float *
                         float *xsum, float *buf, long buf_per_thread, int nthreads) {
     quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum);
     run(part4k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
+/* ---- Q6_K weights times 8-bit rows ("q6k8") ----
+   The rows as for q4k8, with their group sums per 16 inputs too. Per output and super-block of 256 inputs: for each
+   group g of 16, isum_g = sum of (code_w + 32) * code_x minus 32 * xsum16_g (the file's codes -32..31 stored as
+   0..63), acc = sum_g sub-scale_g * isum_g (int8 sub-scales), exact in int32 (at most 16 * 127 * 16 * 95 * 127);
+   then out = fma(d * dx, (float)acc, out), super-blocks in order from 0. Weights (BLOB6K bytes per 16 outputs x
+   super-block, 8.625 bits a weight): the 16 d (float32), then per group 4 chunks of 64 bytes (chunk t, byte 4j + i:
+   output j's code of input 4t + i, plus 32) and the 16 sub-scales. */
+#define GRP6K 272
+#define HEAD6K 64
+#define BLOB6K (HEAD6K + 16 * GRP6K)
+
+#if defined(__AVX512F__)
+#define VI_I8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#else
+#define VI_I8(p) I8X8(p)
+#endif
+
+/* Adds a group of 16 inputs' sums into is[NH]: c its 256 code bytes (0..63), xg the row's 16 input codes. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+    for (int t = 0; t < 4; t++)
+        is[0] = DPB(is[0], _mm512_loadu_si512((const void *)(c + 64 * t)), _mm512_set1_epi32(rd32(xg + 4 * t)));
+}
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+    for (int h = 0; h < 2; h++)  /* int16 pair sums: at most 2 * 2 * 63 * 127 */
+        for (int t = 0; t < 4; t += 2) {
+            const __m256i a = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * t + 32 * h)),
+                                                   _mm256_set1_epi32(rd32(xg + 4 * t)));
+            const __m256i b = _mm256_maddubs_epi16(
+                _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * (t + 1) + 32 * h)),
+                _mm256_set1_epi32(rd32(xg + 4 * t + 4)));
+            is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1)));
+        }
+}
+#elif !defined(__AVX512F__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+    for (int t = 0; t < 4; t++) {
+        const int8x16_t xa = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 4 * t)));
+        for (int q = 0; q < 4; q++) a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vld1q_u8(c + 64 * t + 16 * q)), xa);
+    }
+    for (int h = 0; h < 2; h++) {
+        v8iq u = {is[h]};
+        u.q[0] = vaddq_s32(u.q[0], a[2 * h]);
+        u.q[1] = vaddq_s32(u.q[1], a[2 * h + 1]);
+        is[h] = u.v;
+    }
+}
+#else
+static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+    int32_t t[16] = {0};
+    for (int q = 0; q < 4; q++)
+        for (int j = 0; j < 16; j++)
+            for (int i = 0; i < 4; i++) t[j] += c[64 * q + 4 * j + i] * xg[4 * q + i];
+#if defined(__AVX512F__)
+    is[0] = _mm512_add_epi32(is[0], _mm512_loadu_si512((const void *)t));
+#else
+    for (int h = 0; h < NH; h++)
+        for (int l = 0; l < VL; l++) is[h][l] += t[VL * h + l];
+#endif
+}
+#endif
+
+static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    vi acc[QROWS][NH];
+    for (int r = 0; r < NR; r++) for (int h = 0; h < NH; h++) acc[r][h] = VI_ZERO;
+    for (int g = 0; g < 16; g++) {
+        const uint8_t *wg = blk + HEAD6K + g * GRP6K;
+        vi scv[NH];
+        for (int h = 0; h < NH; h++) scv[h] = VI_I8(wg + 256 + VL * h);
+        for (int r = 0; r < NR; r++) {
+            const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * 16;
+            vi is[NH];
+            for (int h = 0; h < NH; h++) is[h] = VI_BC(-32 * qrow_sums16(xr[r], K)[s * 16 + g]);
+            gdot6(wg, xg, is);
+            for (int h = 0; h < NH; h++) acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
+        }
+    }
+    const float *d = (const float *)(const void *)blk;
+    for (int r = 0; r < NR; r++) {
+        const float dx = qrow_scales(xr[r], K)[s];
+        for (int h = 0; h < NH; h++) o[r][h] = FMA(ld(d + VL * h) * bc(dx), VI_F(acc[r][h]), o[r][h]);
+    }
+}
+DEFINE_PART8(part6k8, sb6k8, BLOB6K)
+
+/* Q6_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
+void simllm_vec_q6k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum);
+    run(part6k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
 }

@@ -33,6 +33,8 @@ BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
 GROUP6 = 16  # inputs per group of the 16-input 8-bit format (GGUF's Q6_K)
 BLOB6 = 320  # 16 outputs x one group of 16: 256 bytes of codes, 16 float32 scales
 SB4K = 256  # inputs per GGUF Q4_K super-block: 8 groups of 32 sharing d and dmin
+BLOB6K = 4416  # 16 outputs x one Q6_K super-block for 8-bit rows: 16 d (float32), then per group of 16 inputs 256
+#                bytes of codes (+32) and 16 int8 sub-scales: 8.625 bits a weight
 BLOB4K = 2432  # 16 outputs x one super-block: 16 d and 16 dmin (float32), then per group BLOB's 256 bytes of codes,
 #                16 sub-scales and 16 sub-mins (bytes): 4.75 bits a weight
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
@@ -52,10 +54,11 @@ class VectorKernel(ProductKernel):
         self._mm6 = self._entry("simllm_vec_int8g16_mm", MM_ARGS)
         self._mm4k = self._entry("simllm_vec_int4k_mm", MM_ARGS)
         self._mm4k8 = self._entry("simllm_vec_q4k8_mm", MM_ARGS)
+        self._mm6k8 = self._entry("simllm_vec_q6k8_mm", MM_ARGS)
         # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
                         "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
-                        "q4k8": self._address("simllm_vec_q4k8_mm")}
+                        "q4k8": self._address("simllm_vec_q4k8_mm"), "q6k8": self._address("simllm_vec_q6k8_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
 
     @staticmethod
@@ -131,6 +134,23 @@ class VectorKernel(ProductKernel):
         return torch.cat([head, groups], dim=-1).contiguous()
 
     @staticmethod
+    def pack_q6k8(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """GGUF Q6_K for the integer product with 8-bit rows (`mm6k8`): codes [N, K] (-32..31), int8 sub-scales
+        [N, K/16], d [N, K/256] float32 (weight = d * sub-scale * code) -> [N/16, K/256, 4416] uint8: per 16 outputs
+        and super-block the 16 d, then per group of 16 inputs 4 chunks of 64 bytes (chunk t, byte 4j + i: output j's
+        code of input 4t + i, plus 32) and the 16 sub-scales."""
+        n, k = codes.shape
+        if n % 16 or k % SB4K:
+            raise ValueError(f"Q6_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
+        g, sb = k // GROUP6, k // SB4K
+        q = (codes.to(torch.int16) + 32).to(torch.uint8).reshape(n // 16, 16, g, 4, 4)  # block, j, group, t, i
+        byte = q.permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
+        scales = sc.to(torch.int8).view(torch.uint8).reshape(n // 16, 16, g).permute(0, 2, 1)  # [b, g, 16]
+        groups = torch.cat([byte, scales], dim=-1).reshape(n // 16, sb, 16 * 272)
+        head = d.float().reshape(n // 16, 16, sb).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 64]
+        return torch.cat([head, groups], dim=-1).contiguous()
+
+    @staticmethod
     def pack6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """codes [N, K] (int8; GGUF's Q6_K: -32..31) and scales [N, K/16] float32 -> [N/16, K/16, 320] uint8: per
         16 outputs and group of 16 inputs, byte 16k + j holds input k's code of output j, then the 16 scales."""
@@ -162,7 +182,7 @@ class VectorKernel(ProductKernel):
     def _buffers(self, m: int, k: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This thread's group sums and work buffers, grown to fit (the call runs without the GIL)."""
         s = self._scratch
-        need = m * (k // 4 + k // 16)  # the group sums, or the rows quantized to 8 bits (simllm_vec_qrow_bytes)
+        need = m * (k // 4 + k // 8)  # the group sums, or the rows quantized to 8 bits (simllm_vec_qrow_bytes)
         if getattr(s, "xsum", None) is None or s.xsum.numel() < need or s.buf.numel() < threads * self._buf_floats:
             s.xsum = torch.empty(max(need, 4096), dtype=torch.float32)
             s.buf = torch.empty(max(threads, 2) * self._buf_floats, dtype=torch.float32)
@@ -209,10 +229,16 @@ class VectorKernel(ProductKernel):
         `pack_q4k8` (integer dot products) -> [M, n] float32."""
         return self._grouped(self._mm4k8, x, blob, n, BLOB4K, "Q4_K", SB4K)
 
+    def mm6k8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous), quantized to 8 bits per 256 inputs, times GGUF Q6_K weights packed by
+        `pack_q6k8` (integer dot products) -> [M, n] float32."""
+        return self._grouped(self._mm6k8, x, blob, n, BLOB6K, "Q6_K", SB4K)
+
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`) or "q6"
         (`pack6`)."""
-        return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q8": self.mm8, "q6": self.mm6}[kind]
+        return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q8": self.mm8, "q6": self.mm6,
+                "q6k8": self.mm6k8}[kind]
 
 
 def rows_as_8bit(x: torch.Tensor) -> torch.Tensor:
@@ -231,6 +257,11 @@ def q4k_dequantized(codes, sc, mn, d, dmin) -> torch.Tensor:
     step = (d.double().repeat_interleave(8, dim=1) * sc.double()).repeat_interleave(GROUP, dim=1)
     base = (dmin.double().repeat_interleave(8, dim=1) * mn.double()).repeat_interleave(GROUP, dim=1)
     return step * codes.double() - base
+
+
+def q6k_dequantized(codes, sc, d) -> torch.Tensor:
+    """Q6_K weights [N, K] in float64: d * sub-scale * code."""
+    return (d.double().repeat_interleave(16, dim=1) * sc.double()).repeat_interleave(GROUP6, dim=1) * codes.double()
 
 
 def _self_check(kernel: VectorKernel) -> str | None:
@@ -265,6 +296,12 @@ def _self_check(kernel: VectorKernel) -> str | None:
                          rows=((2, 1), (1, 4), (6, 1)))
     if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
         return f"the Q4_K x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
+    c6 = torch.randint(-32, 32, (32, 512), generator=g, dtype=torch.int32)
+    s6 = torch.randint(-128, 128, (32, 32), generator=g, dtype=torch.int32)
+    want = rows_as_8bit(xk) @ q6k_dequantized(c6, s6, dk).t()
+    err, alone = compare(kernel.mm6k8, xk, kernel.pack_q6k8(c6, s6, dk), 32, want, rows=((2, 1), (1, 4), (6, 1)))
+    if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
+        return f"the Q6_K x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
     for mm, blob, want, name in ((kernel.mm, kernel.pack(codes, sz), x.double() @ w.reshape(80, 96).t(), "int4"),
                                  (kernel.mm8, kernel.pack8(q8, d), x.double() @ w8.t(), "int8"),
                                  (kernel.mm6, kernel.pack6(q6, d6), x.double() @ w6.t(), "int8-16")):

@@ -46,7 +46,7 @@ class FileWeight:
     step: torch.Tensor
     base: torch.Tensor | None
     perm: torch.Tensor | None = None  # the file's row for each of the model's rows, where the loader permuted them
-    k4: tuple | None = None  # kind "q4k" (Q4_K): its sub-scales, sub-mins [N, K/32], d and dmin [N, K/256]
+    raw: tuple | None = None  # Q4_K: sub-scales, sub-mins [N, K/32], d, dmin [N, K/256]; Q6_K: sub-scales [N, K/16], d
 
     @property
     def group(self) -> int:
@@ -65,15 +65,17 @@ class FileWeight:
     def rows(self, perm: torch.Tensor) -> "FileWeight":
         return FileWeight(self.ggml, self.kind, self.codes[perm], self.step[perm],
                           None if self.base is None else self.base[perm], perm,
-                          None if self.k4 is None else tuple(t[perm] for t in self.k4))
+                          None if self.raw is None else tuple(t[perm] for t in self.raw))
 
     def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
         """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel); `int8_rows`: Q4_K on rows
-        quantized to 8 bits (kind "q4k8", integer dot products)."""
+        quantized to 8 bits (kinds "q4k8", "q6k8": integer dot products)."""
         if self.kind == "q4k" and int8_rows:
-            return "q4k8", kernel.pack_q4k8(self.codes, *self.k4), self.codes.shape[0]
+            return "q4k8", kernel.pack_q4k8(self.codes, *self.raw), self.codes.shape[0]
+        if self.ggml == "Q6_K" and int8_rows:
+            return "q6k8", kernel.pack_q6k8(self.codes, *self.raw), self.codes.shape[0]
         if self.kind == "q4k":  # the file's Q4_K layout (4.75 bits a weight): the q4 product's bits
-            blob = kernel.pack_q4k(self.codes, *self.k4)
+            blob = kernel.pack_q4k(self.codes, *self.raw)
         elif self.kind == "q4":
             blob = kernel.pack_affine(self.codes, self.step, self.base)
         elif self.kind == "q8":
@@ -115,9 +117,11 @@ def _q6_k(blocks: np.ndarray):
     low = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(nb, 2, 4, 32)  # half, quarter, position
     high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)  # [nb, 2, 4, 32]
     codes = ((low | (high << 4)).view(np.int8) - np.int8(32)).reshape(nb, 256)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    sc8 = b[:, 192:208].view(np.int8)
+    sc = sc8.astype(np.float32)
     d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
-    return torch.from_numpy(codes), torch.from_numpy(d * sc), None  # exact: 11 bits times 7, times 6 still in 24
+    step = d * sc  # exact: 11 bits times 7, times 6 still in 24
+    return torch.from_numpy(codes), torch.from_numpy(step), None, (torch.from_numpy(sc8.copy()), torch.from_numpy(d[:, 0]))
 
 
 def _q8_0(blocks: np.ndarray):
@@ -166,13 +170,16 @@ def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
     codes, step, base, *raw = fn(np.asarray(data).reshape(-1, size))
     g = 16 if KINDS[ggml] == "q6" else 32
     dtype = torch.uint8 if KINDS[ggml] in ("q4", "q4k") else torch.int8
-    k4 = None
-    if raw:  # Q4_K: sub-scales and sub-mins per 32, d and dmin per 256
+    kept = None
+    if raw and ggml == "Q4_K":  # sub-scales and sub-mins per 32, d and dmin per 256
         sc, mn, d, dmin = raw[0]
-        k4 = (sc.reshape(n, k // 32).contiguous(), mn.reshape(n, k // 32).contiguous(), d.reshape(n, k // 256),
-              dmin.reshape(n, k // 256))
+        kept = (sc.reshape(n, k // 32).contiguous(), mn.reshape(n, k // 32).contiguous(), d.reshape(n, k // 256),
+                dmin.reshape(n, k // 256))
+    elif raw:  # Q6_K: int8 sub-scales per 16, d per 256
+        sc, d = raw[0]
+        kept = (sc.reshape(n, k // 16).contiguous(), d.reshape(n, k // 256))
     return FileWeight(ggml, KINDS[ggml], codes.reshape(n, k).to(dtype), step.reshape(n, k // g).contiguous(),
-                      None if base is None else base.reshape(n, k // g).contiguous(), k4=k4)
+                      None if base is None else base.reshape(n, k // g).contiguous(), raw=kept)
 
 
 def match(fw: FileWeight, weight: torch.Tensor) -> FileWeight | None:

@@ -188,10 +188,12 @@ class ModelBackend(KernelPaths, LoadChecks):
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
-        # Q4_K blocks of the file on 8-bit rows (integer dot products) unless float32 rows were asked for
-        int8_rows = use_file and activation_bits != 32 and any("Q4_K" in t for t in self.model_file.formats.values())
+        # Q4_K and Q6_K blocks of the file on 8-bit rows (integer dot products) unless float32 rows were asked for
+        int8_rows = use_file and activation_bits != 32 and any(
+            x in ("Q4_K", "Q6_K") for t in self.model_file.formats.values() for x in t)
         if activation_bits == 8 and not int8_rows:
-            raise ModelLoadError("activation_bits=8 applies to a GGUF's Q4_K blocks on our float32 vector kernel; "
+            raise ModelLoadError("activation_bits=8 applies to a GGUF's Q4_K and Q6_K blocks on our float32 vector "
+                                 "kernel; "
                                  f"this model has none there (model {ref}, {dtype}, weight_bits {weight_bits}): use 0 "
                                  "or 32")
         self.activation_bits = 8 if int8_rows else 32

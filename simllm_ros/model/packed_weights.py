@@ -38,7 +38,8 @@ def layout_id() -> str:
     from ..kernels import int4_vector_kernel as ivk
 
     h = hashlib.sha256()
-    for fn in (ivk.VectorKernel.pack_affine, ivk.VectorKernel.pack_q4k, ivk.VectorKernel.pack_q4k8, ivk.VectorKernel.pack6,
+    for fn in (ivk.VectorKernel.pack_affine, ivk.VectorKernel.pack_q4k, ivk.VectorKernel.pack_q4k8,
+               ivk.VectorKernel.pack_q6k8, ivk.VectorKernel.pack6,
                ivk.VectorKernel.pack8):
         h.update(inspect.getsource(fn).encode())
     with open(os.path.join(os.path.dirname(os.path.abspath(ivk.__file__)), "int4_vector.c"), "rb") as f:
