@@ -16,7 +16,14 @@ sub-scales, sub-mins, d and dmin), from which the kernel works out the same step
 blocks in registers, or blocks of rows over a group decoded once into a float buffer) performs exactly these
 operations for each output, and threads split output blocks, never a sum: a row's bits depend on its inputs only,
 whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
-C in kernels/int4_vector.c, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off with the AMX one.
+
+GGUF's Q4_K and Q6_K can also take their rows quantized to 8 bits (activation_bits 8, the default on such files:
+`mm4k8`, `mm6k8`): per row and 256 inputs one float32 scale and int8 codes (`rows_as_8bit`), integer dot products
+with the file's codes as llama.cpp computes K-quants times Q8_K (VNNI, AVX2, NEON's sdot or plain C: exact int32
+sums, so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32
+rows here, and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
+C in kernels/int4_vector.c and int8_rows.h, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off with the AMX
+one.
 """
 from __future__ import annotations
 
@@ -33,8 +40,8 @@ BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
 GROUP6 = 16  # inputs per group of the 16-input 8-bit format (GGUF's Q6_K)
 BLOB6 = 320  # 16 outputs x one group of 16: 256 bytes of codes, 16 float32 scales
 SB4K = 256  # inputs per GGUF Q4_K super-block: 8 groups of 32 sharing d and dmin
-BLOB6K = 4416  # 16 outputs x one Q6_K super-block for 8-bit rows: 16 d (float32), then per group of 16 inputs 256
-#                bytes of codes (+32) and 16 int8 sub-scales: 8.625 bits a weight
+BLOB6K = 3392  # 16 outputs x one Q6_K super-block for 8-bit rows: 16 d (float32), then per group of 16 inputs 128
+#                bytes of low nibbles, 64 of top bits and 16 int8 sub-scales: 6.625 bits a weight
 BLOB4K = 2432  # 16 outputs x one super-block: 16 d and 16 dmin (float32), then per group BLOB's 256 bytes of codes,
 #                16 sub-scales and 16 sub-mins (bytes): 4.75 bits a weight
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
@@ -136,17 +143,22 @@ class VectorKernel(ProductKernel):
     @staticmethod
     def pack_q6k8(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """GGUF Q6_K for the integer product with 8-bit rows (`mm6k8`): codes [N, K] (-32..31), int8 sub-scales
-        [N, K/16], d [N, K/256] float32 (weight = d * sub-scale * code) -> [N/16, K/256, 4416] uint8: per 16 outputs
-        and super-block the 16 d, then per group of 16 inputs 4 chunks of 64 bytes (chunk t, byte 4j + i: output j's
-        code of input 4t + i, plus 32) and the 16 sub-scales."""
+        [N, K/16], d [N, K/256] float32 (weight = d * sub-scale * code) -> [N/16, K/256, 3392] uint8: per 16 outputs
+        and super-block the 16 d, then per group of 16 inputs (u = code + 32) u's low 4 bits in 2 chunks of 64 bytes
+        (chunk p, byte 4j + i: output j's input 8p + i low, 8p + 4 + i high nibble), u's top 2 bits in 64 bytes
+        (byte 4j + i, bits 2t..2t+1: output j's input 4t + i) and the 16 sub-scales: 6.625 bits a weight."""
         n, k = codes.shape
         if n % 16 or k % SB4K:
             raise ValueError(f"Q6_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
         g, sb = k // GROUP6, k // SB4K
-        q = (codes.to(torch.int16) + 32).to(torch.uint8).reshape(n // 16, 16, g, 4, 4)  # block, j, group, t, i
-        byte = q.permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
+        u = (codes.to(torch.int16) + 32).to(torch.uint8).reshape(n // 16, 16, g, 4, 4)  # block, j, group, quad, i
+        low = (u & 15).reshape(n // 16, 16, g, 2, 2, 4)  # block, j, group, chunk p, high nibble?, i
+        nib = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 128)
+        top = u >> 4
+        bits = (top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6))
+        bits = bits.permute(0, 2, 1, 3).reshape(n // 16, g, 64)  # [b, g, j, i]
         scales = sc.to(torch.int8).view(torch.uint8).reshape(n // 16, 16, g).permute(0, 2, 1)  # [b, g, 16]
-        groups = torch.cat([byte, scales], dim=-1).reshape(n // 16, sb, 16 * 272)
+        groups = torch.cat([nib, bits, scales], dim=-1).reshape(n // 16, sb, 16 * 208)
         head = d.float().reshape(n // 16, 16, sb).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 64]
         return torch.cat([head, groups], dim=-1).contiguous()
 

@@ -31,7 +31,7 @@ Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_
 
 
 def layout_id() -> str:
-    """What the blobs' layout depends on: the packing functions' code and the kernel's C source that reads them
+    """What the blobs' layout depends on: the packing functions' code and the kernel's C sources that read them
     (not the rest of the module: a comment elsewhere must not repack every model)."""
     import inspect
 
@@ -42,8 +42,9 @@ def layout_id() -> str:
                ivk.VectorKernel.pack_q6k8, ivk.VectorKernel.pack6,
                ivk.VectorKernel.pack8):
         h.update(inspect.getsource(fn).encode())
-    with open(os.path.join(os.path.dirname(os.path.abspath(ivk.__file__)), "int4_vector.c"), "rb") as f:
-        h.update(f.read())
+    for source in ("int4_vector.c", "int8_rows.h"):
+        with open(os.path.join(os.path.dirname(os.path.abspath(ivk.__file__)), source), "rb") as f:
+            h.update(f.read())
     return h.hexdigest()[:16]
 
 

@@ -1,0 +1,364 @@
+/* Part of int4_vector.c's library (included at its end, after its vector types, FMA, job_t and run): GGUF's
+   K-quants times rows quantized to 8 bits, with integer dot products, as llama.cpp multiplies them by Q8_K.
+   Not a header to include elsewhere. */
+#ifndef SIMLLM_INT8_ROWS_H
+#define SIMLLM_INT8_ROWS_H
+#ifdef SIMLLM_INT4_VECTOR_C
+
+/* ---- Q4_K weights times 8-bit rows ("q4k8"): integer dot products, as llama.cpp multiplies Q4_K by Q8_K ----
+   Each row's inputs are quantized per block of 256 (QBLK): scale dx = amax / 127, code = round-to-even of
+   x * (127 / amax), clamped to -127..127 (NaN to 0). Per output and super-block of 256 inputs: isum_g = sum of
+   code_w * code_x over group g's 32 inputs, acc = sum_g sub-scale_g * isum_g, ms = sum_g sub-min_g * xsum_g (xsum_g:
+   the group's input codes added), all exact in int32 (at most 8 * 63 * 32 * 15 * 127 < 2^31); then
+   out = fma(d * dx, (float)acc, out) and out = fma(-(dmin * dx), (float)ms, out), super-blocks in order from 0.
+   Integer sums are exact in any order, so VNNI, AVX2, NEON's sdot and plain C compute the same bits; only the
+   float steps above are fixed. Weights (BLOB4K bytes per 16 outputs x super-block, 4.75 bits a weight): the 16 d,
+   16 dmin, then per group 4 chunks of 64 bytes (chunk p, byte 4j + i: output j's code of input 8p + i in the low
+   nibble, of 8p + 4 + i in the high), 16 sub-scales, 16 sub-mins. */
+#define QBLK 256
+#define QROWS 4  /* rows at a time over a block's weights */
+
+/* A row's quantized inputs: K codes, then K/256 float32 scales, then the codes' sums per 32 and per 16 (int32). */
+static inline long qrow_bytes(int K) {
+    return (long)K + (long)(K / QBLK) * 4 + (long)(K / GROUP) * 4 + (long)(K / 16) * 4;
+}
+static inline const float *qrow_scales(const uint8_t *row, int K) { return (const float *)(const void *)(row + K); }
+static inline const int32_t *qrow_sums32(const uint8_t *row, int K) {
+    return (const int32_t *)(const void *)(row + K + (long)(K / QBLK) * 4);
+}
+static inline const int32_t *qrow_sums16(const uint8_t *row, int K) { return qrow_sums32(row, K) + K / GROUP; }
+long simllm_vec_qrow_bytes(int K) { return qrow_bytes(K); }
+
+static void quantize_rows(const float *x, long x_stride, int M, int K, uint8_t *q) {
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (long)m * x_stride;
+        uint8_t *row = q + (long)m * qrow_bytes(K);
+        int8_t *c = (int8_t *)row;
+        float *dx = (float *)(void *)(row + K);
+        int32_t *bs = (int32_t *)(void *)(dx + K / QBLK);
+        for (int b = 0; b < K / QBLK; b++) {
+            const float *p = xr + b * QBLK;
+            float amax = 0.f;
+            for (int i = 0; i < QBLK; i++) {
+                const float a = __builtin_fabsf(p[i]);
+                amax = a > amax ? a : amax;
+            }
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            dx[b] = amax / 127.f;
+            for (int i = 0; i < QBLK; i++) {
+                float f = p[i] * inv;
+                f = f > 127.f ? 127.f : (f < -127.f ? -127.f : f);
+                c[b * QBLK + i] = f == f ? (int8_t)__builtin_rintf(f) : 0;
+            }
+        }
+        for (int g = 0; g < K / 16; g++) {
+            int32_t s = 0;
+            for (int i = 0; i < 16; i++) s += c[g * 16 + i];
+            bs[K / GROUP + g] = s;
+        }
+        for (int g = 0; g < K / GROUP; g++) bs[g] = bs[K / GROUP + 2 * g] + bs[K / GROUP + 2 * g + 1];
+    }
+}
+
+static inline int32_t rd32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* vi: VL int32 lanes (an output each), as vw. GDOT(c, xg, is) adds group sums into is[NH]: c a group's 256 code
+   bytes, xg the row's 32 input codes. */
+#if defined(__AVX512F__)
+typedef __m512i vi;
+#define VI_ZERO _mm512_setzero_si512()
+#define VI_ADD(a, b) _mm512_add_epi32((a), (b))
+#define VI_MUL(a, b) _mm512_mullo_epi32((a), (b))
+#define VI_BC(i) _mm512_set1_epi32(i)
+#define VI_F(a) _mm512_cvtepi32_ps(a)
+#define VI_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#if defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
+#define DPB(acc, u, s) _mm512_dpbusd_epi32((acc), (u), (s))
+#else
+#define DPB(acc, u, s) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((u), (s)), _mm512_set1_epi16(1)))
+#endif
+static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int p = 0; p < 4; p++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
+        is[0] = DPB(is[0], _mm512_and_si512(v, m4), _mm512_set1_epi32(rd32(xg + 8 * p)));
+        is[0] = DPB(is[0], _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_set1_epi32(rd32(xg + 8 * p + 4)));
+    }
+}
+#define HAVE_GDOT
+#endif
+#else
+typedef v8i vi;
+#define VI_ZERO ((v8i){0, 0, 0, 0, 0, 0, 0, 0})
+#define VI_ADD(a, b) ((a) + (b))
+#define VI_MUL(a, b) ((a) * (b))
+#define VI_BC(i) (VI_ZERO + (int32_t)(i))
+#define VI_F(a) __builtin_convertvector((a), v8)
+#define VI_U8(p) U8X8(p)
+#if defined(__AVX2__)
+static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {  /* int16 sums: at most 8 pairs of 2 * 15 * 127 */
+        __m256i s = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * p + 32 * h));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(v, m4), _mm256_set1_epi32(rd32(xg + 8 * p))));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                                         _mm256_set1_epi32(rd32(xg + 8 * p + 4))));
+        }
+        is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+    }
+}
+#define HAVE_GDOT
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+typedef union { v8i v; int32x4_t q[2]; } v8iq;
+static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
+    const uint8x16_t m4 = vdupq_n_u8(15);
+    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+    for (int p = 0; p < 4; p++) {
+        const int8x16_t xa = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p)));
+        const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p + 4)));
+        for (int t = 0; t < 4; t++) {
+            const uint8x16_t v = vld1q_u8(c + 64 * p + 16 * t);
+            a[t] = vdotq_s32(a[t], vreinterpretq_s8_u8(vandq_u8(v, m4)), xa);
+            a[t] = vdotq_s32(a[t], vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), xb);
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        v8iq u = {is[h]};
+        u.q[0] = vaddq_s32(u.q[0], a[2 * h]);
+        u.q[1] = vaddq_s32(u.q[1], a[2 * h + 1]);
+        is[h] = u.v;
+    }
+}
+#define HAVE_GDOT
+#endif
+#endif
+#if !defined(HAVE_GDOT)  /* plain C: the same integer sums */
+static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
+    int32_t t[16] = {0};
+    for (int p = 0; p < 4; p++)
+        for (int j = 0; j < 16; j++)
+            for (int i = 0; i < 4; i++) {
+                const int u = c[64 * p + 4 * j + i];
+                t[j] += (u & 15) * xg[8 * p + i] + (u >> 4) * xg[8 * p + 4 + i];
+            }
+#if defined(__AVX512F__)
+    is[0] = _mm512_add_epi32(is[0], _mm512_loadu_si512((const void *)t));
+#else
+    for (int h = 0; h < NH; h++)
+        for (int l = 0; l < VL; l++) is[h][l] += t[VL * h + l];
+#endif
+}
+#endif
+
+/* NR rows (quantized, at xr[r]) times one block of 16 outputs over super-block s: their outputs o[r] updated. */
+static inline __attribute__((always_inline)) void sb4k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    vi acc[QROWS][NH], ms[QROWS][NH];
+    for (int r = 0; r < NR; r++) for (int h = 0; h < NH; h++) acc[r][h] = ms[r][h] = VI_ZERO;
+    for (int g = 0; g < SB4K; g++) {
+        const uint8_t *wg = blk + HEAD4K + g * GRP4K;
+        vi scv[NH], mnv[NH];
+        for (int h = 0; h < NH; h++) {
+            scv[h] = VI_U8(wg + 256 + VL * h);
+            mnv[h] = VI_U8(wg + 272 + VL * h);
+        }
+        for (int r = 0; r < NR; r++) {
+            const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * GROUP;
+            const int32_t *bs = qrow_sums32(xr[r], K);
+            vi is[NH];
+            for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
+            gdot(wg, xg, is);
+            for (int h = 0; h < NH; h++) {
+                acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
+                ms[r][h] = VI_ADD(ms[r][h], VI_MUL(mnv[h], VI_BC(bs[s * SB4K + g])));
+            }
+        }
+    }
+    const float *d = (const float *)(const void *)blk;
+    for (int r = 0; r < NR; r++) {
+        const float dx = qrow_scales(xr[r], K)[s];
+        for (int h = 0; h < NH; h++) {
+            const vw dd = ld(d + VL * h) * bc(dx), dm = -(ld(d + 16 + VL * h) * bc(dx));
+            o[r][h] = FMA(dd, VI_F(acc[r][h]), o[r][h]);
+            o[r][h] = FMA(dm, VI_F(ms[r][h]), o[r][h]);
+        }
+    }
+}
+
+/* Output blocks b0..b1-1 for every row: per block, rows in QROWS over its weights (which stay in cache); SB: a
+   super-block's function (sb4k8, sb6k8), SBBYTES its bytes per 16 outputs. */
+#define DEFINE_PART8(NAME, SB, SBBYTES)                                                                       \
+static void *NAME(void *arg) {                                                                            \
+    const job_t *J = arg;                                                                                 \
+    const int S = J->K / QBLK;                                                                            \
+    const long bbytes = (long)S * (SBBYTES), qb = qrow_bytes(J->K);                                       \
+    const uint8_t *q = (const uint8_t *)(const void *)J->xsum;                                            \
+    for (int b = J->b0; b < J->b1; b++) {                                                                 \
+        const uint8_t *wb = J->w + b * bbytes;                                                            \
+        for (int r0 = 0; r0 < J->M; r0 += QROWS) {                                                        \
+            const int R = J->M - r0 < QROWS ? J->M - r0 : QROWS;                                          \
+            const uint8_t *xr[QROWS];                                                                     \
+            vw o[QROWS][NH];                                                                              \
+            for (int r = 0; r < QROWS; r++) {                                                             \
+                xr[r] = q + (long)(r0 + (r < R ? r : 0)) * qb;                                            \
+                for (int h = 0; h < NH; h++) o[r][h] = bc(0.f);                                           \
+            }                                                                                             \
+            for (int s = 0; s < S; s++) {                                                                 \
+                const uint8_t *blk = wb + (long)s * (SBBYTES);                                            \
+                switch (R) {                                                                              \
+                case 4: SB(blk, xr, s, J->K, o, 4); break;                                                \
+                case 3: SB(blk, xr, s, J->K, o, 3); break;                                                \
+                case 2: SB(blk, xr, s, J->K, o, 2); break;                                                \
+                default: SB(blk, xr, s, J->K, o, 1); break;                                               \
+                }                                                                                         \
+            }                                                                                             \
+            for (int r = 0; r < R; r++)                                                                   \
+                for (int h = 0; h < NH; h++) st(J->y + (long)(r0 + r) * J->y_stride + 16 * b + VL * h, o[r][h]); \
+        }                                                                                                 \
+    }                                                                                                     \
+    return 0;                                                                                             \
+}
+DEFINE_PART8(part4k8, sb4k8, BLOB4K)
+
+/* Q4_K weights (layout above) times float32 rows quantized to 8 bits per 256 inputs; xsum: the rows' quantized
+   inputs (simllm_vec_qrow_bytes(K) bytes each, 4-byte aligned). K in 256s. */
+void simllm_vec_q4k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum);
+    run(part4k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
+/* ---- Q6_K weights times 8-bit rows ("q6k8") ----
+   The rows as for q4k8, with their group sums per 16 inputs too. Per output and super-block of 256 inputs: for each
+   group g of 16, isum_g = sum of u * code_x minus 32 * xsum16_g (u = the file's code -32..31 plus 32, 0..63),
+   acc = sum_g sub-scale_g * isum_g (int8 sub-scales), exact in int32 (at most 16 * 127 * 16 * 95 * 127); then
+   out = fma(d * dx, (float)acc, out), super-blocks in order from 0. Weights (BLOB6K bytes per 16 outputs x
+   super-block, 6.625 bits a weight, as the file's 6.5625 nearly): the 16 d (float32), then per group u's low 4 bits
+   in 2 chunks of 64 bytes (chunk p, byte 4j + i: output j's input 8p + i in the low nibble, 8p + 4 + i in the high),
+   u's top 2 bits in 64 bytes (byte 4j + i, bits 2t..2t+1: output j's input 4t + i), and the 16 sub-scales. */
+#define GRP6K 208
+#define HEAD6K 64
+#define BLOB6K (HEAD6K + 16 * GRP6K)
+
+#if defined(__AVX512F__)
+#define VI_I8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#else
+#define VI_I8(p) I8X8(p)
+#endif
+
+/* Adds a group of 16 inputs' sums into is[NH]: c its 192 code bytes (low nibbles, then top bits), xg the row's
+   16 input codes. The top bits of quad t are (H >> 2t) & 3, put at bits 4-5 by one shift and a mask. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512i top6(__m512i H, int t) {
+    const __m512i m = _mm512_set1_epi8(0x30);
+    return t == 0 ? _mm512_and_si512(_mm512_slli_epi16(H, 4), m) : t == 1 ? _mm512_and_si512(_mm512_slli_epi16(H, 2), m)
+         : t == 2 ? _mm512_and_si512(H, m) : _mm512_and_si512(_mm512_srli_epi16(H, 2), m);
+}
+static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+    const __m512i m4 = _mm512_set1_epi8(15), H = _mm512_loadu_si512((const void *)(c + 128));
+    for (int p = 0; p < 2; p++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, m4), top6(H, 2 * p));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), top6(H, 2 * p + 1));
+        is[0] = DPB(is[0], lo, _mm512_set1_epi32(rd32(xg + 8 * p)));
+        is[0] = DPB(is[0], hi, _mm512_set1_epi32(rd32(xg + 8 * p + 4)));
+    }
+}
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+static inline __m256i top6(__m256i H, int t) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    return t == 0 ? _mm256_and_si256(_mm256_slli_epi16(H, 4), m) : t == 1 ? _mm256_and_si256(_mm256_slli_epi16(H, 2), m)
+         : t == 2 ? _mm256_and_si256(H, m) : _mm256_and_si256(_mm256_srli_epi16(H, 2), m);
+}
+static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {  /* int16 pair sums: at most 2 * 2 * 63 * 127 */
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(const void *)(c + 128 + 32 * h));
+        for (int p = 0; p < 2; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * p + 32 * h));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), top6(H, 2 * p));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), top6(H, 2 * p + 1));
+            const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(rd32(xg + 8 * p)));
+            const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(rd32(xg + 8 * p + 4)));
+            is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1)));
+        }
+    }
+}
+#elif !defined(__AVX512F__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+    const uint8x16_t m4 = vdupq_n_u8(15), m = vdupq_n_u8(0x30);
+    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+    for (int q = 0; q < 4; q++) {
+        const uint8x16_t H = vld1q_u8(c + 128 + 16 * q);
+        const uint8x16_t top[4] = {vandq_u8(vshlq_n_u8(H, 4), m), vandq_u8(vshlq_n_u8(H, 2), m), vandq_u8(H, m),
+                                   vandq_u8(vshrq_n_u8(H, 2), m)};
+        for (int p = 0; p < 2; p++) {
+            const uint8x16_t v = vld1q_u8(c + 64 * p + 16 * q);
+            const int8x16_t xa = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p)));
+            const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p + 4)));
+            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v, m4), top[2 * p])), xa);
+            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v, 4), top[2 * p + 1])), xb);
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        v8iq u = {is[h]};
+        u.q[0] = vaddq_s32(u.q[0], a[2 * h]);
+        u.q[1] = vaddq_s32(u.q[1], a[2 * h + 1]);
+        is[h] = u.v;
+    }
+}
+#else
+static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+    int32_t t[16] = {0};
+    for (int p = 0; p < 2; p++)
+        for (int j = 0; j < 16; j++)
+            for (int i = 0; i < 4; i++) {
+                const int v = c[64 * p + 4 * j + i], H = c[128 + 4 * j + i];
+                t[j] += ((v & 15) | (((H >> (4 * p)) & 3) << 4)) * xg[8 * p + i]
+                      + ((v >> 4) | (((H >> (4 * p + 2)) & 3) << 4)) * xg[8 * p + 4 + i];
+            }
+#if defined(__AVX512F__)
+    is[0] = _mm512_add_epi32(is[0], _mm512_loadu_si512((const void *)t));
+#else
+    for (int h = 0; h < NH; h++)
+        for (int l = 0; l < VL; l++) is[h][l] += t[VL * h + l];
+#endif
+}
+#endif
+
+static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    vi acc[QROWS][NH];
+    for (int r = 0; r < NR; r++) for (int h = 0; h < NH; h++) acc[r][h] = VI_ZERO;
+    for (int g = 0; g < 16; g++) {
+        const uint8_t *wg = blk + HEAD6K + g * GRP6K;
+        vi scv[NH];
+        for (int h = 0; h < NH; h++) scv[h] = VI_I8(wg + 192 + VL * h);
+        for (int r = 0; r < NR; r++) {
+            const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * 16;
+            vi is[NH];
+            for (int h = 0; h < NH; h++) is[h] = VI_BC(-32 * qrow_sums16(xr[r], K)[s * 16 + g]);
+            gdot6(wg, xg, is);
+            for (int h = 0; h < NH; h++) acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
+        }
+    }
+    const float *d = (const float *)(const void *)blk;
+    for (int r = 0; r < NR; r++) {
+        const float dx = qrow_scales(xr[r], K)[s];
+        for (int h = 0; h < NH; h++) o[r][h] = FMA(ld(d + VL * h) * bc(dx), VI_F(acc[r][h]), o[r][h]);
+    }
+}
+DEFINE_PART8(part6k8, sb6k8, BLOB6K)
+
+/* Q6_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
+void simllm_vec_q6k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum);
+    run(part6k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
+#endif
+#endif
