@@ -48,6 +48,20 @@ BLOB4K = 2432  # 16 outputs x one super-block: 16 d and 16 dmin (float32), then 
 THREAD_MIN_MACS = 250_000
 
 
+def _q4k_blob(byte: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+              ) -> torch.Tensor:
+    """A Q4_K blob from its groups' code bytes [N/16, K/32, 256] in either code layout: per 16 outputs and
+    super-block, the 16 d and 16 dmin (float32), then per group the codes, 16 sub-scales and 16 sub-mins."""
+    nb, g, _ = byte.shape
+    sb = g // 8
+    small = torch.cat([sc.to(torch.uint8).reshape(nb, 16, g), mn.to(torch.uint8).reshape(nb, 16, g)],
+                      dim=1).permute(0, 2, 1)  # [b, g, 32]
+    groups = torch.cat([byte, small], dim=-1).reshape(nb, sb, 8 * 288)
+    head = torch.cat([d.float().reshape(nb, 16, sb), dmin.float().reshape(nb, 16, sb)], dim=1)
+    head = head.permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 128]
+    return torch.cat([head, groups], dim=-1).contiguous()
+
+
 class VectorKernel(ProductKernel):
     """The compiled kernel, called on torch tensors: `pack`/`pack8` once per weight, `mm`/`mm8` per product. The
     same calls as int4_kernel.Int4Kernel, for float32 rows, so the runner holds either."""
@@ -110,15 +124,9 @@ class VectorKernel(ProductKernel):
         n, k = codes.shape
         if n % 16 or k % SB4K:
             raise ValueError(f"Q4_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
-        g, sb = k // GROUP, k // SB4K
-        q = codes.to(torch.uint8).reshape(n // 16, 2, 8, g, GROUP)
-        byte = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, g, 256)  # [b, g, k, lane]
-        small = torch.cat([sc.to(torch.uint8).reshape(n // 16, 16, g), mn.to(torch.uint8).reshape(n // 16, 16, g)],
-                          dim=1).permute(0, 2, 1)  # [b, g, 32]
-        groups = torch.cat([byte, small], dim=-1).reshape(n // 16, sb, 8 * 288)
-        head = torch.cat([d.float().reshape(n // 16, 16, sb), dmin.float().reshape(n // 16, 16, sb)], dim=1)
-        head = head.permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 128]
-        return torch.cat([head, groups], dim=-1).contiguous()
+        q = codes.to(torch.uint8).reshape(n // 16, 2, 8, k // GROUP, GROUP)
+        byte = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, k // GROUP, 256)  # [b, g, k, lane]
+        return _q4k_blob(byte, sc, mn, d, dmin)
 
     @staticmethod
     def pack_q4k8(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
@@ -130,15 +138,9 @@ class VectorKernel(ProductKernel):
         n, k = codes.shape
         if n % 16 or k % SB4K:
             raise ValueError(f"Q4_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
-        g, sb = k // GROUP, k // SB4K
-        q = codes.to(torch.uint8).reshape(n // 16, 16, g, 4, 2, 4)  # block, output j, group, chunk p, high?, i
-        byte = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
-        small = torch.cat([sc.to(torch.uint8).reshape(n // 16, 16, g), mn.to(torch.uint8).reshape(n // 16, 16, g)],
-                          dim=1).permute(0, 2, 1)  # [b, g, 32]
-        groups = torch.cat([byte, small], dim=-1).reshape(n // 16, sb, 8 * 288)
-        head = torch.cat([d.float().reshape(n // 16, 16, sb), dmin.float().reshape(n // 16, 16, sb)], dim=1)
-        head = head.permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 128]
-        return torch.cat([head, groups], dim=-1).contiguous()
+        q = codes.to(torch.uint8).reshape(n // 16, 16, k // GROUP, 4, 2, 4)  # block, j, group, chunk, high?, i
+        byte = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, k // GROUP, 256)
+        return _q4k_blob(byte, sc, mn, d, dmin)
 
     @staticmethod
     def pack_q6k8(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

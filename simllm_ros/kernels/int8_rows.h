@@ -135,6 +135,16 @@ static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
 #define HAVE_GDOT
 #endif
 #endif
+/* is[NH] += 16 int32 sums in output order (the plain C paths') */
+static inline __attribute__((unused)) void add16(vi *is, const int32_t *t) {
+#if defined(__AVX512F__)
+    is[0] = _mm512_add_epi32(is[0], _mm512_loadu_si512((const void *)t));
+#else
+    for (int h = 0; h < NH; h++)
+        for (int l = 0; l < VL; l++) is[h][l] += t[VL * h + l];
+#endif
+}
+
 #if !defined(HAVE_GDOT)  /* plain C: the same integer sums */
 static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
     int32_t t[16] = {0};
@@ -144,12 +154,7 @@ static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
                 const int u = c[64 * p + 4 * j + i];
                 t[j] += (u & 15) * xg[8 * p + i] + (u >> 4) * xg[8 * p + 4 + i];
             }
-#if defined(__AVX512F__)
-    is[0] = _mm512_add_epi32(is[0], _mm512_loadu_si512((const void *)t));
-#else
-    for (int h = 0; h < NH; h++)
-        for (int l = 0; l < VL; l++) is[h][l] += t[VL * h + l];
-#endif
+    add16(is, t);
 }
 #endif
 
@@ -320,12 +325,7 @@ static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
                 t[j] += ((v & 15) | (((H >> (4 * p)) & 3) << 4)) * xg[8 * p + i]
                       + ((v >> 4) | (((H >> (4 * p + 2)) & 3) << 4)) * xg[8 * p + 4 + i];
             }
-#if defined(__AVX512F__)
-    is[0] = _mm512_add_epi32(is[0], _mm512_loadu_si512((const void *)t));
-#else
-    for (int h = 0; h < NH; h++)
-        for (int l = 0; l < VL; l++) is[h][l] += t[VL * h + l];
-#endif
+    add16(is, t);
 }
 #endif
 

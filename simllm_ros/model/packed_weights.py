@@ -38,7 +38,7 @@ def layout_id() -> str:
     from ..kernels import int4_vector_kernel as ivk
 
     h = hashlib.sha256()
-    for fn in (ivk.VectorKernel.pack_affine, ivk.VectorKernel.pack_q4k, ivk.VectorKernel.pack_q4k8,
+    for fn in (ivk._q4k_blob, ivk.VectorKernel.pack_affine, ivk.VectorKernel.pack_q4k, ivk.VectorKernel.pack_q4k8,
                ivk.VectorKernel.pack_q6k8, ivk.VectorKernel.pack6,
                ivk.VectorKernel.pack8):
         h.update(inspect.getsource(fn).encode())
