@@ -57,7 +57,8 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
         assert torch.equal(whole, KERNEL.mm(x, KERNEL.pack_affine(fw.codes, fw.step, fw.base), outs))
 
 
-@pytest.mark.parametrize("ggml,kind,bits", [("Q4_K", "q4k8", 4.75), ("Q6_K", "q6k8", 6.625)])
+@pytest.mark.parametrize("ggml,kind,bits", [("Q4_K", "q4k8", 4.75), ("Q6_K", "q6k8", 6.625), ("Q8_0", "q8r", 9),
+                                           ("Q5_0", "q8r", 9)])
 def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_and_row_invariant(ggml, kind, bits):
     """activation_bits 8: the integer product is exactly (to float32 rounding of its few float steps) the file's
     weights times the rows as quantized (int4_vector_kernel.rows_as_8bit), one row alone or among others; against
@@ -71,7 +72,7 @@ def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_an
     x[4] = 0  # a row of zeros: scale 0, codes 0
     x[6, 5] = 1e4  # an outlier takes its block's range
     whole = mm(x, blob, outs)
-    want = int4_vector_kernel.rows_as_8bit(x) @ w.double().t()
+    want = int4_vector_kernel.rows_as_8bit(x, 32 if kind == "q8r" else 256) @ w.double().t()
     assert (whole.double() - want).abs().max() <= 2e-6 * want.abs().max()
     assert torch.equal(whole[4], torch.zeros(n))
     for r0, r1 in ((0, 1), (1, 3), (3, 7), (7, 30), (30, 37), (5, 6), (6, 11)):
@@ -123,13 +124,14 @@ def _backend(files, name, activation_bits=0) -> ModelBackend:
 @pytest.mark.parametrize("name,activation_bits,layer_kinds,head", [
     ("q4_k_m", 0, [["q4k8+q6k8", "q4k8", "q4k8", "q6k8"], ["q4k8", "q4k8", "q4k8", "q6k8"]], "Q6_K"),
     ("q4_k_m", 32, [["q4k+q6", "q4k", "q4k", "q6"], ["q4k", "q4k", "q4k", "q6"]], "Q6_K"),
-    ("q8_0", 0, [["q8", "q8", "q8", "q8"]] * 2, "Q8_0"),
+    ("q8_0", 0, [["q8r", "q8r", "q8r", "q8r"]] * 2, "Q8_0"),
+    ("q8_0", 32, [["q8", "q8", "q8", "q8"]] * 2, "Q8_0"),
 ])
 def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits, layer_kinds, head):
     b = _backend(files, name, activation_bits)
     r = b.runner
     assert b.weight_bits == 4 and b.int4_kind == "vector" and r.file is not None  # weight_bits auto picked it
-    assert b.activation_bits == (8 if "q4k8" in layer_kinds[0][1] else 32)
+    assert b.activation_bits == (8 if layer_kinds[0][1] in ("q4k8", "q8r") else 32)
     assert ("integer dot products" in b.int4_path) == (b.activation_bits == 8)
     assert [[p.kinds for p in (qkv, o, gu, down)] for _, qkv, o, _, gu, down, _ in r.layers] == layer_kinds
     assert r.lm_head.ggml == head and head in b.int4_path and "on the file's own blocks" in b.int4_path

@@ -26,7 +26,8 @@ CROSS = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64")
 SYSROOT = "/usr/aarch64-linux-gnu"
 AARCH64 = ("-march=armv8.2-a+fp16+dotprod",)  # Jetson Orin's Cortex-A78AE; a Raspberry Pi 5's A76 too
-X86 = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3",), "no-fma": ("-march=x86-64",)}
+X86 = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3",), "no-fma": ("-march=x86-64",),
+       "avx512-no-vnni": ("-march=skylake-avx512",)}  # AVX-512 with byte ops but not VNNI's dot products
 CHECKED = ("int4_vector", "rmsnorm", "layers")  # the float32 path's entry points the driver runs
 IS_X86 = os.uname().machine in ("x86_64", "AMD64")
 
@@ -99,6 +100,8 @@ def _case(path, seed=0):
         "w6k8.u8": kernel.pack_q6k8(torch.randint(-32, 32, (n, k), generator=g),  # Q6_K for 8-bit rows
                                     torch.randint(-128, 128, (n, k // 16), generator=g),
                                     (torch.rand(n, k // 256, generator=g) * 0.01).half().float()).numpy().tobytes(),
+        "w8r.u8": kernel.pack_q8r(torch.randint(-127, 128, (n, k), generator=g),  # Q8_0 for 8-bit rows per 32
+                                  torch.rand(n, k // 32, generator=g) * 0.01).numpy().tobytes(),
         "nx.f32": (torch.randn(m, e, generator=g) * 3).numpy().tobytes(),
         "nw.f32": torch.randn(e, generator=g).numpy().tobytes(),
         "nx.bf16": _bf16_bits(torch.randn(m, e, generator=g) * 3),
@@ -118,7 +121,7 @@ def _case(path, seed=0):
 def _outputs(path) -> dict[str, bytes]:
     out = {}
     for name in os.listdir(path):
-        if name.startswith(("mm4_", "mm4k_", "mm4k8_", "mm6_", "mm6k8_", "mm8_", "norm_", "silu_", "rope_")):
+        if name.startswith(("mm4_", "mm4k_", "mm4k8_", "mm6_", "mm6k8_", "mm8r_", "mm8_", "norm_", "silu_", "rope_")):
             with open(os.path.join(path, name), "rb") as f:
                 out[name] = f.read()
     return out
@@ -143,7 +146,7 @@ def _run(tmp_path, label, cc, target_flags, runner=()):
 
 def _rows_do_not_depend_on_their_neighbours(out, m, n):
     """The driver ran row cuts at 1 and 2 threads: each cut equals those rows of the whole product."""
-    for kind in ("mm4", "mm4k", "mm4k8", "mm6", "mm6k8", "mm8"):
+    for kind in ("mm4", "mm4k", "mm4k8", "mm6", "mm6k8", "mm8", "mm8r"):
         whole = np.frombuffer(out[f"{kind}_t1_0_{m}.f32"], dtype=np.float32).reshape(m, n)
         for name, data in out.items():
             if name.startswith(kind + "_"):
@@ -153,10 +156,13 @@ def _rows_do_not_depend_on_their_neighbours(out, m, n):
 
 @pytest.mark.skipif(not IS_X86, reason="x86 targets")
 def test_x86_with_and_without_vector_fma_gives_the_same_bits(tmp_path):
-    """AVX-512 (where the CPU has it), AVX2+FMA and baseline x86-64 (SSE2, fmaf from libm) compute alike."""
+    """AVX-512 (where the CPU has it, and without VNNI where it has AVX512BW), AVX2+FMA and baseline x86-64 (SSE2,
+    fmaf from libm) compute alike."""
     native, m, n = _run(tmp_path, "native", CC, X86["native"])
     _rows_do_not_depend_on_their_neighbours(native, m, n)
-    for label in ("avx2", "no-fma"):
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = f.read()
+    for label in ("avx2", "no-fma") + (("avx512-no-vnni",) if " avx512bw" in flags else ()):
         other, _, _ = _run(tmp_path, label, CC, X86[label])
         assert other.keys() == native.keys()
         differ = [k for k in native if other[k] != native[k]]
@@ -168,6 +174,6 @@ def test_aarch64_under_qemu_gives_this_machines_bits(tmp_path):
     native, m, n = _run(tmp_path, "native", CC, ("-march=native",) if IS_X86 else AARCH64)
     arm, _, _ = _run(tmp_path, "aarch64", CROSS, AARCH64, runner=(QEMU, "-L", SYSROOT))
     _rows_do_not_depend_on_their_neighbours(arm, m, n)
-    assert arm.keys() == native.keys() and len(arm) == 64
+    assert arm.keys() == native.keys() and len(arm) == 74
     differ = [k for k in native if arm[k] != native[k]]
     assert not differ, f"aarch64 differs from this machine in {differ}"

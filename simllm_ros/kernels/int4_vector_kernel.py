@@ -17,9 +17,9 @@ blocks in registers, or blocks of rows over a group decoded once into a float bu
 operations for each output, and threads split output blocks, never a sum: a row's bits depend on its inputs only,
 whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
 
-GGUF's Q4_K and Q6_K can also take their rows quantized to 8 bits (activation_bits 8, the default on such files:
-`mm4k8`, `mm6k8`): per row and 256 inputs one float32 scale and int8 codes (`rows_as_8bit`), integer dot products
-with the file's codes as llama.cpp computes K-quants times Q8_K (VNNI, AVX2, NEON's sdot or plain C: exact int32
+GGUF's Q4_K, Q6_K, Q8_0 and Q5_0 can also take their rows quantized to 8 bits (activation_bits 8, the default on
+such files: `mm4k8`, `mm6k8`, `mm8r`): per row and 256 inputs (32 for Q8_0/Q5_0) one float32 scale and int8 codes
+(`rows_as_8bit`), integer dot products with the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32
 sums, so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32
 rows here, and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
 C in kernels/int4_vector.c and int8_rows.h, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off with the AMX
@@ -76,10 +76,12 @@ class VectorKernel(ProductKernel):
         self._mm4k = self._entry("simllm_vec_int4k_mm", MM_ARGS)
         self._mm4k8 = self._entry("simllm_vec_q4k8_mm", MM_ARGS)
         self._mm6k8 = self._entry("simllm_vec_q6k8_mm", MM_ARGS)
+        self._mm8r = self._entry("simllm_vec_q8r_mm", MM_ARGS)
         # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
                         "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
-                        "q4k8": self._address("simllm_vec_q4k8_mm"), "q6k8": self._address("simllm_vec_q6k8_mm")}
+                        "q4k8": self._address("simllm_vec_q4k8_mm"), "q6k8": self._address("simllm_vec_q6k8_mm"),
+                        "q8r": self._address("simllm_vec_q8r_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
 
     @staticmethod
@@ -165,6 +167,19 @@ class VectorKernel(ProductKernel):
         return torch.cat([head, groups], dim=-1).contiguous()
 
     @staticmethod
+    def pack_q8r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """8-bit codes [N, K] (-127..127: Q8_0; Q5_0's -16..15) with a scale per 32 [N, K/32] for the integer product
+        with 8-bit rows (`mm8r`) -> [N/16, K/32, 576] uint8: per 16 outputs and group, 8 chunks of 64 bytes (chunk t,
+        byte 4j + i: output j's code of input 4t + i), then the 16 scales (float32)."""
+        n, k = codes.shape
+        if n % 16 or k % GROUP:
+            raise ValueError(f"8-bit rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+        g = k // GROUP
+        q = codes.to(torch.int8).reshape(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 512)
+        scales = d.float().reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, g, 64]
+        return torch.cat([q.view(torch.uint8), scales], dim=-1).contiguous()
+
+    @staticmethod
     def pack6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """codes [N, K] (int8; GGUF's Q6_K: -32..31) and scales [N, K/16] float32 -> [N/16, K/16, 320] uint8: per
         16 outputs and group of 16 inputs, byte 16k + j holds input k's code of output j, then the 16 scales."""
@@ -248,18 +263,24 @@ class VectorKernel(ProductKernel):
         `pack_q6k8` (integer dot products) -> [M, n] float32."""
         return self._grouped(self._mm6k8, x, blob, n, BLOB6K, "Q6_K", SB4K)
 
+    def mm8r(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous), quantized to 8 bits per 32 inputs, times 8-bit codes packed by
+        `pack_q8r` (integer dot products) -> [M, n] float32."""
+        return self._grouped(self._mm8r, x, blob, n, BLOB8, "8-bit", GROUP)
+
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`) or "q6"
         (`pack6`)."""
         return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q8": self.mm8, "q6": self.mm6,
-                "q6k8": self.mm6k8}[kind]
+                "q6k8": self.mm6k8, "q8r": self.mm8r}[kind]
 
 
-def rows_as_8bit(x: torch.Tensor) -> torch.Tensor:
-    """The rows [M, K] as `mm4k8` takes them, in float64: per 256 inputs, codes round-to-even(x * (127 / amax))
-    clamped to +-127, times the scale amax / 127 (both float32, as the kernel computes them)."""
+def rows_as_8bit(x: torch.Tensor, block: int = SB4K) -> torch.Tensor:
+    """The rows [M, K] as `mm4k8`/`mm6k8` (block 256) or `mm8r` (block 32) take them, in float64: per block, codes
+    round-to-even(x * (127 / amax)) clamped to +-127, times the scale amax / 127 (both float32, as the kernel
+    computes them)."""
     m, k = x.shape
-    xb = x.float().reshape(m, k // SB4K, SB4K)
+    xb = x.float().reshape(m, k // block, block)
     amax = xb.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     codes = torch.round((xb * inv).clamp(-127, 127)).nan_to_num(0.0)
@@ -316,6 +337,10 @@ def _self_check(kernel: VectorKernel) -> str | None:
     err, alone = compare(kernel.mm6k8, xk, kernel.pack_q6k8(c6, s6, dk), 32, want, rows=((2, 1), (1, 4), (6, 1)))
     if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
         return f"the Q6_K x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
+    want = rows_as_8bit(x, GROUP) @ w8.t()
+    err, alone = compare(kernel.mm8r, x, kernel.pack_q8r(q8, d), 80, want, rows=((3, 1), (5, 2), (7, 3)))
+    if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
+        return f"the 8-bit x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
     for mm, blob, want, name in ((kernel.mm, kernel.pack(codes, sz), x.double() @ w.reshape(80, 96).t(), "int4"),
                                  (kernel.mm8, kernel.pack8(q8, d), x.double() @ w8.t(), "int8"),
                                  (kernel.mm6, kernel.pack6(q6, d6), x.double() @ w6.t(), "int8-16")):

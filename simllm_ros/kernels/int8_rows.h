@@ -18,37 +18,39 @@
 #define QBLK 256
 #define QROWS 4  /* rows at a time over a block's weights */
 
-/* A row's quantized inputs: K codes, then K/256 float32 scales, then the codes' sums per 32 and per 16 (int32). */
-static inline long qrow_bytes(int K) {
-    return (long)K + (long)(K / QBLK) * 4 + (long)(K / GROUP) * 4 + (long)(K / 16) * 4;
+/* A row's quantized inputs, in blocks of BLK (256, or 32 for Q8_0-style products): K codes, then K/BLK float32
+   scales, then the codes' sums per 32 and per 16 (int32). At most 1.5 K bytes. */
+static inline long qrow_bytes(int K, int BLK) {
+    return (long)K + (long)(K / BLK) * 4 + (long)(K / GROUP) * 4 + (long)(K / 16) * 4;
 }
 static inline const float *qrow_scales(const uint8_t *row, int K) { return (const float *)(const void *)(row + K); }
-static inline const int32_t *qrow_sums32(const uint8_t *row, int K) {
-    return (const int32_t *)(const void *)(row + K + (long)(K / QBLK) * 4);
+static inline const int32_t *qrow_sums32(const uint8_t *row, int K, int BLK) {
+    return (const int32_t *)(const void *)(row + K + (long)(K / BLK) * 4);
 }
-static inline const int32_t *qrow_sums16(const uint8_t *row, int K) { return qrow_sums32(row, K) + K / GROUP; }
-long simllm_vec_qrow_bytes(int K) { return qrow_bytes(K); }
+static inline const int32_t *qrow_sums16(const uint8_t *row, int K, int BLK) {
+    return qrow_sums32(row, K, BLK) + K / GROUP;
+}
 
-static void quantize_rows(const float *x, long x_stride, int M, int K, uint8_t *q) {
+static void quantize_rows(const float *x, long x_stride, int M, int K, uint8_t *q, const int BLK) {
     for (int m = 0; m < M; m++) {
         const float *xr = x + (long)m * x_stride;
-        uint8_t *row = q + (long)m * qrow_bytes(K);
+        uint8_t *row = q + (long)m * qrow_bytes(K, BLK);
         int8_t *c = (int8_t *)row;
         float *dx = (float *)(void *)(row + K);
-        int32_t *bs = (int32_t *)(void *)(dx + K / QBLK);
-        for (int b = 0; b < K / QBLK; b++) {
-            const float *p = xr + b * QBLK;
+        int32_t *bs = (int32_t *)(void *)(dx + K / BLK);
+        for (int b = 0; b < K / BLK; b++) {
+            const float *p = xr + b * BLK;
             float amax = 0.f;
-            for (int i = 0; i < QBLK; i++) {
+            for (int i = 0; i < BLK; i++) {
                 const float a = __builtin_fabsf(p[i]);
                 amax = a > amax ? a : amax;
             }
             const float inv = amax > 0.f ? 127.f / amax : 0.f;
             dx[b] = amax / 127.f;
-            for (int i = 0; i < QBLK; i++) {
+            for (int i = 0; i < BLK; i++) {
                 float f = p[i] * inv;
                 f = f > 127.f ? 127.f : (f < -127.f ? -127.f : f);
-                c[b * QBLK + i] = f == f ? (int8_t)__builtin_rintf(f) : 0;
+                c[b * BLK + i] = f == f ? (int8_t)__builtin_rintf(f) : 0;
             }
         }
         for (int g = 0; g < K / 16; g++) {
@@ -172,7 +174,7 @@ static inline __attribute__((always_inline)) void sb4k8(const uint8_t *blk, cons
         }
         for (int r = 0; r < NR; r++) {
             const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * GROUP;
-            const int32_t *bs = qrow_sums32(xr[r], K);
+            const int32_t *bs = qrow_sums32(xr[r], K, QBLK);
             vi is[NH];
             for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
             gdot(wg, xg, is);
@@ -193,13 +195,14 @@ static inline __attribute__((always_inline)) void sb4k8(const uint8_t *blk, cons
     }
 }
 
-/* Output blocks b0..b1-1 for every row: per block, rows in QROWS over its weights (which stay in cache); SB: a
-   super-block's function (sb4k8, sb6k8), SBBYTES its bytes per 16 outputs. */
-#define DEFINE_PART8(NAME, SB, SBBYTES)                                                                       \
+/* Output blocks b0..b1-1 for every row: per block, rows in QROWS over its weights (which stay in cache); SB: the
+   function of UNIT inputs (sb4k8, sb6k8: a super-block of 256; sb8r: a group of 32), SBBYTES their bytes per 16
+   outputs; BLK: the rows' block. */
+#define DEFINE_PART8(NAME, SB, SBBYTES, UNIT, BLK)                                                            \
 static void *NAME(void *arg) {                                                                            \
     const job_t *J = arg;                                                                                 \
-    const int S = J->K / QBLK;                                                                            \
-    const long bbytes = (long)S * (SBBYTES), qb = qrow_bytes(J->K);                                       \
+    const int S = J->K / (UNIT);                                                                          \
+    const long bbytes = (long)S * (SBBYTES), qb = qrow_bytes(J->K, BLK);                                  \
     const uint8_t *q = (const uint8_t *)(const void *)J->xsum;                                            \
     for (int b = J->b0; b < J->b1; b++) {                                                                 \
         const uint8_t *wb = J->w + b * bbytes;                                                            \
@@ -226,13 +229,13 @@ static void *NAME(void *arg) {                                                  
     }                                                                                                     \
     return 0;                                                                                             \
 }
-DEFINE_PART8(part4k8, sb4k8, BLOB4K)
+DEFINE_PART8(part4k8, sb4k8, BLOB4K, QBLK, QBLK)
 
 /* Q4_K weights (layout above) times float32 rows quantized to 8 bits per 256 inputs; xsum: the rows' quantized
-   inputs (simllm_vec_qrow_bytes(K) bytes each, 4-byte aligned). K in 256s. */
+   inputs (qrow_bytes each, 4-byte aligned). K in 256s. */
 void simllm_vec_q4k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
                         float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum);
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
     run(part4k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
 }
 
@@ -340,7 +343,7 @@ static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, cons
         for (int r = 0; r < NR; r++) {
             const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * 16;
             vi is[NH];
-            for (int h = 0; h < NH; h++) is[h] = VI_BC(-32 * qrow_sums16(xr[r], K)[s * 16 + g]);
+            for (int h = 0; h < NH; h++) is[h] = VI_BC(-32 * qrow_sums16(xr[r], K, QBLK)[s * 16 + g]);
             gdot6(wg, xg, is);
             for (int h = 0; h < NH; h++) acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
         }
@@ -351,13 +354,96 @@ static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, cons
         for (int h = 0; h < NH; h++) o[r][h] = FMA(ld(d + VL * h) * bc(dx), VI_F(acc[r][h]), o[r][h]);
     }
 }
-DEFINE_PART8(part6k8, sb6k8, BLOB6K)
+DEFINE_PART8(part6k8, sb6k8, BLOB6K, QBLK, QBLK)
 
 /* Q6_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
 void simllm_vec_q6k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
                         float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum);
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
     run(part6k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
+/* ---- 8-bit codes with a scale per 32 times 8-bit rows ("q8r": GGUF's Q8_0, and Q5_0 as codes -16..15) ----
+   The rows quantized per 32 inputs (as llama.cpp's Q8_0 rows). Per output and group of 32: isum = sum of code_w *
+   code_x, exact in int32; then out = fma(d * dx, (float)isum, out), groups in order from 0. Weights (BLOB8R bytes per
+   16 outputs x group, 9 bits a weight): 8 chunks of 64 bytes (chunk t, byte 4j + i: output j's code of input 4t + i,
+   signed), then the 16 d (float32). VNNI takes unsigned weights: it adds 128 to each (xor 0x80) and takes 128 times
+   the row's code sum back, the same integer. */
+#define BLOB8R 576
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
+#if defined(__AVX512VNNI__)
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i a = _mm512_set1_epi32(-128 * xs);
+    for (int t = 0; t < 8; t++)
+        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(_mm512_loadu_si512((const void *)(c + 64 * t)), flip),
+                                _mm512_set1_epi32(rd32(xg + 4 * t)));
+    is[0] = _mm512_add_epi32(is[0], a);
+#else
+    (void)xs;
+    for (int t = 0; t < 8; t++) {  /* |w| * sign(x, w): int16 pairs at most 2 * 128 * 127 */
+        const __m512i w = _mm512_loadu_si512((const void *)(c + 64 * t)), x = _mm512_set1_epi32(rd32(xg + 4 * t));
+        const __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+        is[0] = _mm512_add_epi32(is[0], _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx),
+                                                          _mm512_set1_epi16(1)));
+    }
+#endif
+}
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
+    (void)xs;
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 8; t++) {  /* |w| * sign(x, w): int16 pairs at most 2 * 128 * 127 */
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * t + 32 * h));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(rd32(xg + 4 * t)), w));
+            is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+        }
+}
+#elif !defined(__AVX512F__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
+    (void)xs;
+    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+    for (int t = 0; t < 8; t++) {
+        const int8x16_t x = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 4 * t)));
+        for (int q = 0; q < 4; q++) a[q] = vdotq_s32(a[q], vld1q_s8((const int8_t *)(c + 64 * t + 16 * q)), x);
+    }
+    for (int h = 0; h < 2; h++) {
+        v8iq u = {is[h]};
+        u.q[0] = vaddq_s32(u.q[0], a[2 * h]);
+        u.q[1] = vaddq_s32(u.q[1], a[2 * h + 1]);
+        is[h] = u.v;
+    }
+}
+#else
+static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
+    (void)xs;
+    int32_t t[16] = {0};
+    for (int q = 0; q < 8; q++)
+        for (int j = 0; j < 16; j++)
+            for (int i = 0; i < 4; i++) t[j] += (int8_t)c[64 * q + 4 * j + i] * xg[4 * q + i];
+    add16(is, t);
+}
+#endif
+
+static inline __attribute__((always_inline)) void sb8r(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                        vw o[QROWS][NH], const int NR) {
+    const float *d = (const float *)(const void *)(blk + 512);
+    for (int r = 0; r < NR; r++) {
+        vi is[NH];
+        for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
+        gdot8(blk, (const int8_t *)xr[r] + (long)s * GROUP, qrow_sums32(xr[r], K, GROUP)[s], is);
+        const float dx = qrow_scales(xr[r], K)[s];
+        for (int h = 0; h < NH; h++) o[r][h] = FMA(ld(d + VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
+    }
+}
+DEFINE_PART8(part8r, sb8r, BLOB8R, GROUP, GROUP)
+
+/* 8-bit codes with a scale per 32 (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
+void simllm_vec_q8r_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                       float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, GROUP);
+    run(part8r, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
 }
 
 #endif

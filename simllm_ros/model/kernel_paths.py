@@ -54,12 +54,13 @@ class KernelPaths:
             if self.runner.file is not None:  # the GGUF's own blocks, per tensor kind
                 kinds = {"q4": "4-bit step/base per 32", "q4k": "4-bit Q4_K layout",
                          "q4k8": "4-bit Q4_K layout x 8-bit rows, integer dot products", "q8": "8-bit scale per 32",
-                         "q6": "8-bit scale per 16", "q6k8": "Q6_K x 8-bit rows, integer dot products"}
+                         "q6": "8-bit scale per 16", "q6k8": "Q6_K x 8-bit rows, integer dot products",
+                         "q8r": "8-bit scale per 32 x 8-bit rows, integer dot products"}
 
                 def kind(ggml_type: str) -> str:
                     k = gguf_weights.KINDS[ggml_type]
-                    if getattr(self, "activation_bits", 32) == 8 and ggml_type in ("Q4_K", "Q6_K"):
-                        k = {"Q4_K": "q4k8", "Q6_K": "q6k8"}[ggml_type]
+                    if getattr(self, "activation_bits", 32) == 8 and ggml_type in gguf_weights.INT8_ROW_KINDS:
+                        k = gguf_weights.INT8_ROW_KINDS[ggml_type]
                     return kinds[k]
                 per = ", ".join(f"{name} {'/'.join(t)} -> {'/'.join(kind(x) for x in t)}"
                                 for name, t in self.runner.file.formats.items() if name in gguf_weights.PROJECTIONS)

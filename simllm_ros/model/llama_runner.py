@@ -85,7 +85,7 @@ class LlamaRunner(LayerSteps):
         """`file` (gguf_weights.ModelFile, float32 with weight_bits 4 only): the projections and LM head run on the
         GGUF's own blocks on the vector kernel instead of 4-bit codes found again from the weights. `packed`
         (packed_weights.PackedStore): those blocks as packed at an earlier load, mapped instead of packed again.
-        `int8_rows`: the file's Q4_K and Q6_K blocks take 8-bit rows (integer dot products, kinds "q4k8", "q6k8")."""
+        `int8_rows`: the file's Q4_K, Q6_K, Q8_0 and Q5_0 blocks take 8-bit rows (integer dot products)."""
         base = model.model
         cfg = model.config
         self.model = model
@@ -145,7 +145,7 @@ class LlamaRunner(LayerSteps):
         if self.file is not None and self.file.head is not None and lm_w.shape[0] % 16 == 0:
             [(kind, blob, n)] = packs("head", lambda: [self.file.head.pack(self.int4, int8_rows)])
             self.lm_head = _Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
-            self.lm_head.ggml, self.lm_head.bits = self.file.head.ggml, {"q4": 4, "q4k": 4, "q4k8": 4, "q8": 8, "q6": 6, "q6k8": 6}[kind]
+            self.lm_head.ggml, self.lm_head.bits = self.file.head.ggml, {"q4": 4, "q4k": 4, "q4k8": 4, "q8": 8, "q6": 6, "q6k8": 6, "q8r": 8}[kind]
         elif self.int4 is not None and lm.bias is None and lm_w.shape[0] % 16 == 0 and on_q8_grid(lm_w):
             self.lm_head = _Head8(lm_w, self.int4)
         else:
