@@ -188,12 +188,12 @@ class ModelBackend(KernelPaths, LoadChecks):
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
-        # Q4_K, Q6_K, Q8_0 and Q5_0 blocks of the file on 8-bit rows (integer dot products) unless float32 rows were asked for
+        # Q4_K/Q6_K/Q8_0/Q5_0 blocks take 8-bit rows (integer dot products) unless float32 rows were asked for
         int8_rows = use_file and activation_bits != 32 and any(
             x in gguf_weights.INT8_ROW_KINDS for t in self.model_file.formats.values() for x in t)
         if activation_bits == 8 and not int8_rows:
             raise ModelLoadError(f"activation_bits=8 applies to a GGUF's Q4_K/Q6_K/Q8_0/Q5_0 blocks on our float32 "
-                                 f"vector kernel; model {ref} ({dtype}, weight_bits {weight_bits}) has none there: use 0 or 32")
+                                 f"vector kernel; {ref} ({dtype}, weight_bits {weight_bits}) has none there: use 0 or 32")
         self.activation_bits = 8 if int8_rows else 32
         # The file's blocks as packed at an earlier load of this GGUF (packed_weights): mapped, not packed again
         packed = PackedStore(path, stamp, int8_rows) if use_file and stamp is not None else None
