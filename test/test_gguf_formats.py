@@ -262,6 +262,13 @@ def test_kept_rows_of_another_or_a_damaged_file_are_not_used(files, tmp_path):
     damaged = tmp_path / "copy"
     shutil.copytree(folder, damaged)
     p = damaged / gguf_weights.ROWS_FILE
+    kept = gguf_weights.load_rows(folder, stamp)
+    assert kept.perms, "the Llama file's q and k rows are permuted"
+    name, perm = next(iter(kept.perms.items()))
+    broken = perm.clone()
+    broken[1] = broken[0]  # a whole, readable file whose row order is not one
+    gguf_weights.save_rows(str(damaged), gguf_weights.Rows(stamp, {**kept.perms, name: broken}, kept.head, kept.embed))
+    assert gguf_weights.load_rows(str(damaged), stamp) is None
     p.write_bytes(p.read_bytes()[:40])
     assert gguf_weights.load_rows(str(damaged), stamp) is None
 

@@ -489,6 +489,8 @@ def load_rows(folder: str, stamp: dict) -> Rows | None:
                     or "embed" not in meta:  # another file's, or written before embeddings were checked
                 return None
             perms = {k: f.get_tensor(k).long() for k in f.keys()}
+        if not all(p.dim() == 1 and torch.equal(p.sort().values, torch.arange(p.numel())) for p in perms.values()):
+            return None  # not a row order (a damaged value): check again
         return Rows(stamp, perms, meta.get("head") == "1", meta.get("embed") == "1")
     except Exception:  # noqa: BLE001 - a damaged file: check again rather than trust it
         return None
