@@ -42,6 +42,7 @@ BLOB6 = 320  # 16 outputs x one group of 16: 256 bytes of codes, 16 float32 scal
 SB4K = 256  # inputs per GGUF Q4_K super-block: 8 groups of 32 sharing d and dmin
 BLOB6K = 3392  # 16 outputs x one Q6_K super-block for 8-bit rows: 16 d (float32), then per group of 16 inputs 128
 #                bytes of low nibbles, 64 of top bits and 16 int8 sub-scales: 6.625 bits a weight
+BLOB4K8 = 2304  # the same for 8-bit rows (`pack_q4k8`): float16 d and dmin, 6-bit sub-scales and sub-mins: 4.5 bits
 BLOB4K = 2432  # 16 outputs x one super-block: 16 d and 16 dmin (float32), then per group BLOB's 256 bytes of codes,
 #                16 sub-scales and 16 sub-mins (bytes): 4.75 bits a weight
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
@@ -133,16 +134,30 @@ class VectorKernel(ProductKernel):
     @staticmethod
     def pack_q4k8(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
                   ) -> torch.Tensor:
-        """GGUF Q4_K for the integer product with 8-bit rows (`mm4k8`): `pack_q4k`'s sizes and head, the codes of
-        each group in 4 chunks of 64 bytes, chunk p's byte 4j + i holding output j's codes of inputs 8p + i (low
-        nibble) and 8p + 4 + i (high): four inputs of one output side by side, as a dot-product instruction
-        (VNNI's vpdpbusd, NEON's sdot, AVX2's pmaddubsw) takes them."""
+        """GGUF Q4_K for the integer product with 8-bit rows (`mm4k8`), 4.5 bits a weight as in the file -> [N/16, K/256,
+        2304] uint8: per 16 outputs and super-block the 16 d and 16 dmin (float16: the file's values, exact), the
+        sub-scales' and sub-mins' low 4 bits (per group 16 bytes, byte j: output j's sub-scale low nibble, sub-min
+        high), their top 2 bits (per group two 32-bit words, bits 2j..2j+1: output j's), then per group the codes in 4
+        chunks of 64 bytes, chunk p's byte 4j + i holding output j's codes of inputs 8p + i (low nibble) and
+        8p + 4 + i (high): four inputs of one output side by side, as a dot-product instruction (VNNI's vpdpbusd,
+        NEON's sdot, AVX2's pmaddubsw) takes them."""
         n, k = codes.shape
         if n % 16 or k % SB4K:
             raise ValueError(f"Q4_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
-        q = codes.to(torch.uint8).reshape(n // 16, 16, k // GROUP, 4, 2, 4)  # block, j, group, chunk, high?, i
-        byte = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, k // GROUP, 256)
-        return _q4k_blob(byte, sc, mn, d, dmin)
+        nb, g, sb = n // 16, k // GROUP, k // SB4K
+        q = codes.to(torch.uint8).reshape(nb, 16, sb, 8, 4, 2, 4)  # block, j, super-block, group, chunk, high?, i
+        byte = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 4, 1, 5).reshape(nb, sb, 2048)
+        s6 = sc.to(torch.int32).reshape(nb, 16, sb, 8).permute(0, 2, 3, 1)  # [b, sb, group, j]
+        m6 = mn.to(torch.int32).reshape(nb, 16, sb, 8).permute(0, 2, 3, 1)
+        low = ((s6 & 15) | ((m6 & 15) << 4)).to(torch.uint8).reshape(nb, sb, 128)
+        shift = 2 * torch.arange(16, dtype=torch.int64)
+        words = torch.stack([((s6 >> 4).to(torch.int64) << shift).sum(-1), ((m6 >> 4).to(torch.int64) << shift).sum(-1)],
+                            dim=-1)  # [b, sb, group, 2]: 32 bits each, as signed int32
+        words = (words - ((words >> 31) << 32)).to(torch.int32)
+        top = words.contiguous().view(torch.uint8).reshape(nb, sb, 64)
+        head = torch.cat([d.half().reshape(nb, 16, sb), dmin.half().reshape(nb, 16, sb)], dim=1)
+        head = head.permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 64]
+        return torch.cat([head, low, top, byte], dim=-1).contiguous()
 
     @staticmethod
     def pack_q6k8(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -256,7 +271,7 @@ class VectorKernel(ProductKernel):
     def mm4k8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous), quantized to 8 bits per 256 inputs, times GGUF Q4_K weights packed by
         `pack_q4k8` (integer dot products) -> [M, n] float32."""
-        return self._grouped(self._mm4k8, x, blob, n, BLOB4K, "Q4_K", SB4K)
+        return self._grouped(self._mm4k8, x, blob, n, BLOB4K8, "Q4_K", SB4K)
 
     def mm6k8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous), quantized to 8 bits per 256 inputs, times GGUF Q6_K weights packed by

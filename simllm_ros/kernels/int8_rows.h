@@ -12,9 +12,8 @@
    the group's input codes added), all exact in int32 (at most 8 * 63 * 32 * 15 * 127 < 2^31); then
    out = fma(d * dx, (float)acc, out) and out = fma(-(dmin * dx), (float)ms, out), super-blocks in order from 0.
    Integer sums are exact in any order, so VNNI, AVX2, NEON's sdot and plain C compute the same bits; only the
-   float steps above are fixed. Weights (BLOB4K bytes per 16 outputs x super-block, 4.75 bits a weight): the 16 d,
-   16 dmin, then per group 4 chunks of 64 bytes (chunk p, byte 4j + i: output j's code of input 8p + i in the low
-   nibble, of 8p + 4 + i in the high), 16 sub-scales, 16 sub-mins. */
+   float steps above are fixed. Weights: BLOB4K8 below; a group's codes in 4 chunks of 64 bytes (chunk p, byte
+   4j + i: output j's code of input 8p + i in the low nibble, of 8p + 4 + i in the high). */
 #define QBLK 256
 #define QROWS 4  /* rows at a time over a block's weights */
 
@@ -63,6 +62,32 @@ static void quantize_rows(const float *x, long x_stride, int M, int K, uint8_t *
 }
 
 static inline int32_t rd32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+/* float16 -> float32, exact (normals, subnormals as m * 2^-24, inf and NaN) */
+static inline __attribute__((unused)) float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t b;
+    if (e == 0) {
+        const float f = (float)m * 5.9604644775390625e-8f;
+        memcpy(&b, &f, 4);
+        b |= sign;
+    } else {
+        b = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    }
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+static inline __attribute__((unused)) v8 f16x8(const uint8_t *p) {
+    v8 v;
+    for (int l = 0; l < 8; l++) {
+        uint16_t h;
+        memcpy(&h, p + 2 * l, 2);
+        v[l] = f16_to_f32(h);
+    }
+    return v;
+}
 
 /* vi: VL int32 lanes (an output each), as vw. GDOT(c, xg, is) adds group sums into is[NH]: c a group's 256 code
    bytes, xg the row's 32 input codes. */
@@ -74,6 +99,14 @@ typedef __m512i vi;
 #define VI_BC(i) _mm512_set1_epi32(i)
 #define VI_F(a) _mm512_cvtepi32_ps(a)
 #define VI_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#define VI_AND(a, i) _mm512_and_si512((a), _mm512_set1_epi32(i))
+#define VI_OR(a, b) _mm512_or_si512((a), (b))
+#define VI_SHL(a, n) _mm512_slli_epi32((a), (n))
+#define VI_SRL(a, n) _mm512_srli_epi32((a), (n))
+#define VI_SRLV(a, s) _mm512_srlv_epi32((a), (s))
+#define VI_LANES(h) _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+/* 16 float16 values -> float32 (exact) */
+#define VW_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
 #if defined(__AVX512BW__)
 #if defined(__AVX512VNNI__)
 #define DPB(acc, u, s) _mm512_dpbusd_epi32((acc), (u), (s))
@@ -98,6 +131,17 @@ typedef v8i vi;
 #define VI_BC(i) (VI_ZERO + (int32_t)(i))
 #define VI_F(a) __builtin_convertvector((a), v8)
 #define VI_U8(p) U8X8(p)
+#define VI_AND(a, i) ((a) & (int32_t)(i))
+#define VI_OR(a, b) ((a) | (b))
+#define VI_SHL(a, n) ((a) << (n))
+#define VI_SRL(a, n) ((v8i)((v8u32)(a) >> (n)))
+#define VI_SRLV(a, s) ((v8i)((v8u32)(a) >> (v8u32)(s)))
+#define VI_LANES(h) ((v8i){0, 1, 2, 3, 4, 5, 6, 7} + 8 * (h))
+#if defined(__AVX2__) && defined(__F16C__)
+#define VW_F16(p) ((v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p))))
+#else
+#define VW_F16(p) f16x8(p)
+#endif
 #if defined(__AVX2__)
 static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -160,35 +204,46 @@ static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
 }
 #endif
 
+/* Q4_K for 8-bit rows, BLOB4K8 bytes per 16 outputs x super-block (4.5 bits a weight, as the file): the 16 d and 16
+   dmin (float16, as the file), then per group the 16 sub-scales' and sub-mins' low 4 bits (byte j: output j's
+   sub-scale low, sub-min high), then per group their top 2 bits (a 32-bit word each: bits 2j..2j+1 output j's),
+   then per group the codes (4 chunks of 64 bytes, as above). */
+#define SC4K8 64
+#define TOP4K8 192
+#define CODES4K8 256
+#define BLOB4K8 2304
+
 /* NR rows (quantized, at xr[r]) times one block of 16 outputs over super-block s: their outputs o[r] updated. */
 static inline __attribute__((always_inline)) void sb4k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
                                                          vw o[QROWS][NH], const int NR) {
-    vi acc[QROWS][NH], ms[QROWS][NH];
+    vi acc[QROWS][NH], ms[QROWS][NH], lane2[NH];
     for (int r = 0; r < NR; r++) for (int h = 0; h < NH; h++) acc[r][h] = ms[r][h] = VI_ZERO;
+    for (int h = 0; h < NH; h++) lane2[h] = VI_SHL(VI_LANES(h), 1);
     for (int g = 0; g < SB4K; g++) {
-        const uint8_t *wg = blk + HEAD4K + g * GRP4K;
+        const uint8_t *lo = blk + SC4K8 + 16 * g, *top = blk + TOP4K8 + 8 * g;
+        const int32_t tsc = rd32((const int8_t *)top), tmn = rd32((const int8_t *)(top + 4));
         vi scv[NH], mnv[NH];
         for (int h = 0; h < NH; h++) {
-            scv[h] = VI_U8(wg + 256 + VL * h);
-            mnv[h] = VI_U8(wg + 272 + VL * h);
+            const vi b = VI_U8(lo + VL * h);
+            scv[h] = VI_OR(VI_AND(b, 15), VI_SHL(VI_AND(VI_SRLV(VI_BC(tsc), lane2[h]), 3), 4));
+            mnv[h] = VI_OR(VI_SRL(b, 4), VI_SHL(VI_AND(VI_SRLV(VI_BC(tmn), lane2[h]), 3), 4));
         }
         for (int r = 0; r < NR; r++) {
             const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * GROUP;
             const int32_t *bs = qrow_sums32(xr[r], K, QBLK);
             vi is[NH];
             for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
-            gdot(wg, xg, is);
+            gdot(blk + CODES4K8 + 256 * g, xg, is);
             for (int h = 0; h < NH; h++) {
                 acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
                 ms[r][h] = VI_ADD(ms[r][h], VI_MUL(mnv[h], VI_BC(bs[s * SB4K + g])));
             }
         }
     }
-    const float *d = (const float *)(const void *)blk;
     for (int r = 0; r < NR; r++) {
         const float dx = qrow_scales(xr[r], K)[s];
         for (int h = 0; h < NH; h++) {
-            const vw dd = ld(d + VL * h) * bc(dx), dm = -(ld(d + 16 + VL * h) * bc(dx));
+            const vw dd = VW_F16(blk + 2 * VL * h) * bc(dx), dm = -(VW_F16(blk + 32 + 2 * VL * h) * bc(dx));
             o[r][h] = FMA(dd, VI_F(acc[r][h]), o[r][h]);
             o[r][h] = FMA(dm, VI_F(ms[r][h]), o[r][h]);
         }
@@ -229,7 +284,7 @@ static void *NAME(void *arg) {                                                  
     }                                                                                                     \
     return 0;                                                                                             \
 }
-DEFINE_PART8(part4k8, sb4k8, BLOB4K, QBLK, QBLK)
+DEFINE_PART8(part4k8, sb4k8, BLOB4K8, QBLK, QBLK)
 
 /* Q4_K weights (layout above) times float32 rows quantized to 8 bits per 256 inputs; xsum: the rows' quantized
    inputs (qrow_bytes each, 4-byte aligned). K in 256s. */
