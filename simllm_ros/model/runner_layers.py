@@ -159,11 +159,14 @@ class LayerSteps:
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
                    first: int = 0):
         """The torch path (no kernel): q [Hkv, G*M, D] (already scaled), k/v [Hkv, T, D] -> [Hkv, G*M, D].
-        Scores and the weighted sum are plain batched products (row-invariant; bmm, not matmul's wrapper); the
-        softmax runs in float32 and a masked key adds an exact zero. `blocked` [G*M, T - first]: True where a
-        query may not attend key first + j."""
-        if q.dtype == torch.float32:  # MKL: k @ q^T would change with the key count below 3 keys
-            s = torch.bmm(q, k.transpose(-1, -2))
+        Scores and the weighted sum are plain batched products (bmm, not matmul's wrapper); the softmax runs in
+        float32 and a masked key adds an exact zero. In float32 both products run in float64 and are rounded once:
+        MKL's float32 kernels are chosen by row count on some CPUs (an AMD EPYC: the scattered rows of a repair
+        differed from the whole pass), while float32 products are exact in float64 and the sums' order then
+        matters only at a float32 rounding tie. `blocked` [G*M, T - first]: True where a query may not attend key
+        first + j."""
+        if q.dtype == torch.float32:  # (k @ q^T in MKL would also change with the key count below 3 keys)
+            s = torch.bmm(q.double(), k.transpose(-1, -2).double()).float()
         else:
             # k @ q^T, transposed: k (a slice of the buffer) is read in place, where as the right operand
             # k^T it was first copied. Bitwise the same scores; a bf16 decode step ~1.5 ms faster here.
@@ -171,6 +174,8 @@ class LayerSteps:
         if blocked is not None:  # True: may not attend
             s[..., first:].masked_fill_(blocked, float("-inf"))
         p = torch.softmax(s, dim=-1).to(v.dtype)
+        if p.dtype == torch.float32:
+            return torch.bmm(p.double(), v.double()).float()
         return torch.bmm(p, v)
 
 
