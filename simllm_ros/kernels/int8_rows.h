@@ -159,6 +159,15 @@ static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
 #define HAVE_GDOT
 #elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
 typedef union { v8i v; int32x4_t q[2]; } v8iq;
+/* is[2] (16 lanes as two v8i) += a[4] (four NEON vectors of 4 sums, outputs in order) */
+static inline void add4q(vi *is, const int32x4_t *a) {
+    for (int h = 0; h < 2; h++) {
+        v8iq u = {is[h]};
+        u.q[0] = vaddq_s32(u.q[0], a[2 * h]);
+        u.q[1] = vaddq_s32(u.q[1], a[2 * h + 1]);
+        is[h] = u.v;
+    }
+}
 static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
     const uint8x16_t m4 = vdupq_n_u8(15);
     int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
@@ -171,12 +180,7 @@ static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
             a[t] = vdotq_s32(a[t], vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), xb);
         }
     }
-    for (int h = 0; h < 2; h++) {
-        v8iq u = {is[h]};
-        u.q[0] = vaddq_s32(u.q[0], a[2 * h]);
-        u.q[1] = vaddq_s32(u.q[1], a[2 * h + 1]);
-        is[h] = u.v;
-    }
+    add4q(is, a);
 }
 #define HAVE_GDOT
 #endif
@@ -366,12 +370,7 @@ static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
             a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v, 4), top[2 * p + 1])), xb);
         }
     }
-    for (int h = 0; h < 2; h++) {
-        v8iq u = {is[h]};
-        u.q[0] = vaddq_s32(u.q[0], a[2 * h]);
-        u.q[1] = vaddq_s32(u.q[1], a[2 * h + 1]);
-        is[h] = u.v;
-    }
+    add4q(is, a);
 }
 #else
 static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
@@ -463,12 +462,7 @@ static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is)
         const int8x16_t x = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 4 * t)));
         for (int q = 0; q < 4; q++) a[q] = vdotq_s32(a[q], vld1q_s8((const int8_t *)(c + 64 * t + 16 * q)), x);
     }
-    for (int h = 0; h < 2; h++) {
-        v8iq u = {is[h]};
-        u.q[0] = vaddq_s32(u.q[0], a[2 * h]);
-        u.q[1] = vaddq_s32(u.q[1], a[2 * h + 1]);
-        is[h] = u.v;
-    }
+    add4q(is, a);
 }
 #else
 static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
