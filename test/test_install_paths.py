@@ -38,3 +38,12 @@ def test_pins_agree_with_the_constraints():
     for name in ("requirements.txt", "requirements-ros.txt"):
         for pkg, version in _pins(name).items():
             assert constraints.get(pkg, version) == version, (name, pkg, version, constraints.get(pkg))
+
+
+def test_triton_stays_out_of_the_node():
+    """xgrammar installs without its declared triton (requirements-models.txt): with triton installed, transformers'
+    import of torch._dynamo loads it into every node (~65 MB resident) though nothing here runs it."""
+    import importlib.util
+
+    assert "xgrammar" in _pins("requirements-models.txt") and "xgrammar" not in _pins("requirements.txt")
+    assert importlib.util.find_spec("triton") is None, "triton is installed: run scripts/setup.sh again"
