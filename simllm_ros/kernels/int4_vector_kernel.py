@@ -37,6 +37,8 @@ from .product_kernel import MM_ARGS, Loader, ProductKernel, compare
 GROUP = 32  # inputs per group (INT4_GROUP in llama_runner)
 BLOB = 384  # bytes per 16 outputs x one group, 4-bit: 256 of codes, 16 steps and 16 bases in float32
 BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
+BLOB8R = 544  # 8-bit for 8-bit rows (`pack_q8r`): 512 bytes of codes, 16 float16 scales: 8.5 bits, as GGUF's Q8_0
+BLOB5R = 352  # GGUF's Q5_0 for 8-bit rows (`pack_q5r`): 256 bytes of low nibbles, 64 of top bits, 16 float16 scales
 GROUP6 = 16  # inputs per group of the 16-input 8-bit format (GGUF's Q6_K)
 BLOB6 = 320  # 16 outputs x one group of 16: 256 bytes of codes, 16 float32 scales
 SB4K = 256  # inputs per GGUF Q4_K super-block: 8 groups of 32 sharing d and dmin
@@ -47,6 +49,15 @@ BLOB4K = 2432  # 16 outputs x one super-block: 16 d and 16 dmin (float32), then 
 #                16 sub-scales and 16 sub-mins (bytes): 4.75 bits a weight
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
 THREAD_MIN_MACS = 250_000
+
+
+def _f16_scales(d: torch.Tensor, n: int, g: int) -> torch.Tensor:
+    """Scales [N, G] as float16 per 16 outputs and group -> [N/16, G, 32] uint8; a scale float16 cannot hold exactly
+    (not a GGUF file's) is refused, since the kernel would compute with another number."""
+    d16 = d.to(torch.float16)
+    if not torch.equal(d16.float(), d.float()):
+        raise ValueError("8-bit rows kernel: the scales must be float16 values (a GGUF block's d)")
+    return d16.reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)
 
 
 def _q4k_blob(byte: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
@@ -78,11 +89,12 @@ class VectorKernel(ProductKernel):
         self._mm4k8 = self._entry("simllm_vec_q4k8_mm", MM_ARGS)
         self._mm6k8 = self._entry("simllm_vec_q6k8_mm", MM_ARGS)
         self._mm8r = self._entry("simllm_vec_q8r_mm", MM_ARGS)
+        self._mm5r = self._entry("simllm_vec_q5r_mm", MM_ARGS)
         # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
                         "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
                         "q4k8": self._address("simllm_vec_q4k8_mm"), "q6k8": self._address("simllm_vec_q6k8_mm"),
-                        "q8r": self._address("simllm_vec_q8r_mm")}
+                        "q8r": self._address("simllm_vec_q8r_mm"), "q5r": self._address("simllm_vec_q5r_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
 
     @staticmethod
@@ -183,16 +195,38 @@ class VectorKernel(ProductKernel):
 
     @staticmethod
     def pack_q8r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """8-bit codes [N, K] (-127..127: Q8_0; Q5_0's -16..15) with a scale per 32 [N, K/32] for the integer product
-        with 8-bit rows (`mm8r`) -> [N/16, K/32, 576] uint8: per 16 outputs and group, 8 chunks of 64 bytes (chunk t,
-        byte 4j + i: output j's code of input 4t + i), then the 16 scales (float32)."""
+        """GGUF Q8_0 for the integer product with 8-bit rows (`mm8r`): codes [N, K] (-127..127) with a scale per 32
+        [N, K/32] (float16 values: the file's) -> [N/16, K/32, 544] uint8: per 16 outputs and group, 8 chunks of 64
+        bytes (chunk t, byte 4j + i: output j's code of input 4t + i), then the 16 scales (float16): 8.5 bits a
+        weight, as the file."""
         n, k = codes.shape
         if n % 16 or k % GROUP:
             raise ValueError(f"8-bit rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
         g = k // GROUP
         q = codes.to(torch.int8).reshape(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 512)
-        scales = d.float().reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, g, 64]
-        return torch.cat([q.view(torch.uint8), scales], dim=-1).contiguous()
+        return torch.cat([q.view(torch.uint8), _f16_scales(d, n, g)], dim=-1).contiguous()
+
+    @staticmethod
+    def pack_q5r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """GGUF Q5_0 for the integer product with 8-bit rows (`mm5r`): codes [N, K] (-16..15) with a scale per 32
+        [N, K/32] (float16 values: the file's) -> [N/16, K/32, 352] uint8: per 16 outputs and group (u = code + 16)
+        u's low 4 bits in 4 chunks of 64 bytes (chunk p, byte 4j + i: output j's input 8p + i low, 8p + 4 + i high
+        nibble), u's top bits in 64 bytes (byte 4j + i, bit 2p: output j's input 8p + i, bit 2p + 1: 8p + 4 + i),
+        then the 16 scales (float16): 5.5 bits a weight, as the file."""
+        n, k = codes.shape
+        if n % 16 or k % GROUP:
+            raise ValueError(f"Q5_0 rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+        if codes.numel() and (int(codes.min()) < -16 or int(codes.max()) > 15):
+            raise ValueError("Q5_0 rows kernel: codes must lie in -16..15")
+        g = k // GROUP
+        u = (codes.to(torch.int16) + 16).to(torch.uint8).reshape(n // 16, 16, g, 4, 2, 4)  # b, j, group, p, high?, i
+        low = u & 15
+        nib = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
+        top = (u >> 4).to(torch.int32)  # [b, j, g, p, high?, i]
+        shift = (2 * torch.arange(4, dtype=torch.int32)[:, None] + torch.arange(2, dtype=torch.int32))[..., None]
+        bits = (top << shift).sum(dim=(3, 4)).to(torch.uint8)  # [b, j, g, i]
+        bits = bits.permute(0, 2, 1, 3).reshape(n // 16, g, 64)
+        return torch.cat([nib, bits, _f16_scales(d, n, g)], dim=-1).contiguous()
 
     @staticmethod
     def pack6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -281,17 +315,22 @@ class VectorKernel(ProductKernel):
     def mm8r(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous), quantized to 8 bits per 32 inputs, times 8-bit codes packed by
         `pack_q8r` (integer dot products) -> [M, n] float32."""
-        return self._grouped(self._mm8r, x, blob, n, BLOB8, "8-bit", GROUP)
+        return self._grouped(self._mm8r, x, blob, n, BLOB8R, "8-bit", GROUP)
+
+    def mm5r(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous), quantized to 8 bits per 32 inputs, times GGUF Q5_0 weights packed by
+        `pack_q5r` (integer dot products; the same bits as `mm8r` of the same codes) -> [M, n] float32."""
+        return self._grouped(self._mm5r, x, blob, n, BLOB5R, "Q5_0", GROUP)
 
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`) or "q6"
         (`pack6`)."""
         return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q8": self.mm8, "q6": self.mm6,
-                "q6k8": self.mm6k8, "q8r": self.mm8r}[kind]
+                "q6k8": self.mm6k8, "q8r": self.mm8r, "q5r": self.mm5r}[kind]
 
 
 def rows_as_8bit(x: torch.Tensor, block: int = SB4K) -> torch.Tensor:
-    """The rows [M, K] as `mm4k8`/`mm6k8` (block 256) or `mm8r` (block 32) take them, in float64: per block, codes
+    """The rows [M, K] as `mm4k8`/`mm6k8` (block 256) or `mm8r`/`mm5r` (block 32) take them, in float64: per block, codes
     round-to-even(x * (127 / amax)) clamped to +-127, times the scale amax / 127 (both float32, as the kernel
     computes them)."""
     m, k = x.shape
@@ -352,10 +391,14 @@ def _self_check(kernel: VectorKernel) -> str | None:
     err, alone = compare(kernel.mm6k8, xk, kernel.pack_q6k8(c6, s6, dk), 32, want, rows=((2, 1), (1, 4), (6, 1)))
     if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
         return f"the Q6_K x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
-    want = rows_as_8bit(x, GROUP) @ w8.t()
-    err, alone = compare(kernel.mm8r, x, kernel.pack_q8r(q8, d), 80, want, rows=((3, 1), (5, 2), (7, 3)))
+    d16 = d.half().float()
+    want = rows_as_8bit(x, GROUP) @ (q8.double().reshape(80, 3, GROUP) * d16.double()[..., None]).reshape(80, 96).t()
+    err, alone = compare(kernel.mm8r, x, kernel.pack_q8r(q8, d16), 80, want, rows=((3, 1), (5, 2), (7, 3)))
     if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
         return f"the 8-bit x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
+    q5 = q8.div(8, rounding_mode="floor").clamp(-16, 15)
+    if not torch.equal(kernel.mm5r(x, kernel.pack_q5r(q5, d16), 80), kernel.mm8r(x, kernel.pack_q8r(q5, d16), 80)):
+        return "the Q5_0 x 8-bit rows kernel does not compute the 8-bit kernel's bits here"
     for mm, blob, want, name in ((kernel.mm, kernel.pack(codes, sz), x.double() @ w.reshape(80, 96).t(), "int4"),
                                  (kernel.mm8, kernel.pack8(q8, d), x.double() @ w8.t(), "int8"),
                                  (kernel.mm6, kernel.pack6(q6, d6), x.double() @ w6.t(), "int8-16")):

@@ -417,13 +417,13 @@ void simllm_vec_q6k8_mm(const float *x, long x_stride, const uint8_t *w, float *
     run(part6k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
 }
 
-/* ---- 8-bit codes with a scale per 32 times 8-bit rows ("q8r": GGUF's Q8_0, and Q5_0 as codes -16..15) ----
+/* ---- 8-bit codes with a scale per 32 times 8-bit rows ("q8r": GGUF's Q8_0) ----
    The rows quantized per 32 inputs (as llama.cpp's Q8_0 rows). Per output and group of 32: isum = sum of code_w *
    code_x, exact in int32; then out = fma(d * dx, (float)isum, out), groups in order from 0. Weights (BLOB8R bytes per
-   16 outputs x group, 9 bits a weight): 8 chunks of 64 bytes (chunk t, byte 4j + i: output j's code of input 4t + i,
-   signed), then the 16 d (float32). VNNI takes unsigned weights: it adds 128 to each (xor 0x80) and takes 128 times
+   16 outputs x group, 8.5 bits a weight, as the file): 8 chunks of 64 bytes (chunk t, byte 4j + i: output j's code of input 4t + i,
+   signed), then the 16 d (float16: the file's). VNNI takes unsigned weights: it adds 128 to each (xor 0x80) and takes 128 times
    the row's code sum back, the same integer. */
-#define BLOB8R 576
+#define BLOB8R 544
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
@@ -477,13 +477,12 @@ static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is)
 
 static inline __attribute__((always_inline)) void sb8r(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
                                                         vw o[QROWS][NH], const int NR) {
-    const float *d = (const float *)(const void *)(blk + 512);
     for (int r = 0; r < NR; r++) {
         vi is[NH];
         for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
         gdot8(blk, (const int8_t *)xr[r] + (long)s * GROUP, qrow_sums32(xr[r], K, GROUP)[s], is);
         const float dx = qrow_scales(xr[r], K)[s];
-        for (int h = 0; h < NH; h++) o[r][h] = FMA(ld(d + VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
+        for (int h = 0; h < NH; h++) o[r][h] = FMA(VW_F16(blk + 512 + 2 * VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
     }
 }
 DEFINE_PART8(part8r, sb8r, BLOB8R, GROUP, GROUP)
@@ -493,6 +492,110 @@ void simllm_vec_q8r_mm(const float *x, long x_stride, const uint8_t *w, float *y
                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
     quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, GROUP);
     run(part8r, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
+/* ---- Q5_0 weights times 8-bit rows ("q5r") ----
+   The rows as for q8r (per 32 inputs). Per output and group of 32: isum = sum of u * code_x minus 16 * xsum_g
+   (u = the file's code -16..15 plus 16, 0..31), exact in int32 and equal to q8r's sum of code_w * code_x; then
+   out = fma(d * dx, (float)isum, out), groups in order from 0: q8r's bits for the same codes. Weights (BLOB5R bytes
+   per 16 outputs x group, 5.5 bits a weight, as the file): u's low 4 bits in 4 chunks of 64 bytes (chunk p, byte
+   4j + i: output j's input 8p + i in the low nibble, 8p + 4 + i in the high), u's top bits in 64 bytes (byte 4j + i,
+   bit 2p: output j's input 8p + i, bit 2p + 1: its input 8p + 4 + i), then the 16 d (float16: the file's). */
+#define BLOB5R 352
+
+/* Top bit t of each byte of H at bit 4 (one shift within 16-bit lanes: what crosses a byte lands below bit 4 or
+   above it, and the mask drops it). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512i top5(__m512i H, int t) {
+    const __m512i m = _mm512_set1_epi8(0x10);
+    return _mm512_and_si512(t == 0 ? _mm512_slli_epi16(H, 4) : t == 1 ? _mm512_slli_epi16(H, 3)
+                          : t == 2 ? _mm512_slli_epi16(H, 2) : t == 3 ? _mm512_slli_epi16(H, 1) : t == 4 ? H
+                          : t == 5 ? _mm512_srli_epi16(H, 1) : t == 6 ? _mm512_srli_epi16(H, 2)
+                          : _mm512_srli_epi16(H, 3), m);
+}
+static inline void gdot5(const uint8_t *c, const int8_t *xg, vi *is) {  /* pmaddubsw pairs: at most 2 * 31 * 127 */
+    const __m512i m4 = _mm512_set1_epi8(15), H = _mm512_loadu_si512((const void *)(c + 256));
+    for (int p = 0; p < 4; p++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
+        is[0] = DPB(is[0], _mm512_or_si512(_mm512_and_si512(v, m4), top5(H, 2 * p)),
+                    _mm512_set1_epi32(rd32(xg + 8 * p)));
+        is[0] = DPB(is[0], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), top5(H, 2 * p + 1)),
+                    _mm512_set1_epi32(rd32(xg + 8 * p + 4)));
+    }
+}
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+static inline __m256i top5(__m256i H, int t) {
+    const __m256i m = _mm256_set1_epi8(0x10);
+    return _mm256_and_si256(t == 0 ? _mm256_slli_epi16(H, 4) : t == 1 ? _mm256_slli_epi16(H, 3)
+                          : t == 2 ? _mm256_slli_epi16(H, 2) : t == 3 ? _mm256_slli_epi16(H, 1) : t == 4 ? H
+                          : t == 5 ? _mm256_srli_epi16(H, 1) : t == 6 ? _mm256_srli_epi16(H, 2)
+                          : _mm256_srli_epi16(H, 3), m);
+}
+static inline void gdot5(const uint8_t *c, const int8_t *xg, vi *is) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {  /* int16 sums of two pairs: at most 4 * 31 * 127 */
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(const void *)(c + 256 + 32 * h));
+        for (int p = 0; p < 4; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * p + 32 * h));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), top5(H, 2 * p));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), top5(H, 2 * p + 1));
+            const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(rd32(xg + 8 * p)));
+            const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(rd32(xg + 8 * p + 4)));
+            is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1)));
+        }
+    }
+}
+#elif !defined(__AVX512F__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+static inline void gdot5(const uint8_t *c, const int8_t *xg, vi *is) {
+    const uint8x16_t m4 = vdupq_n_u8(15), m = vdupq_n_u8(0x10);
+    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+    for (int q = 0; q < 4; q++) {
+        const uint8x16_t H = vld1q_u8(c + 256 + 16 * q);
+        const uint8x16_t top[8] = {vandq_u8(vshlq_n_u8(H, 4), m), vandq_u8(vshlq_n_u8(H, 3), m),
+                                   vandq_u8(vshlq_n_u8(H, 2), m), vandq_u8(vshlq_n_u8(H, 1), m), vandq_u8(H, m),
+                                   vandq_u8(vshrq_n_u8(H, 1), m), vandq_u8(vshrq_n_u8(H, 2), m),
+                                   vandq_u8(vshrq_n_u8(H, 3), m)};
+        for (int p = 0; p < 4; p++) {
+            const uint8x16_t v = vld1q_u8(c + 64 * p + 16 * q);
+            const int8x16_t xa = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p)));
+            const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p + 4)));
+            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v, m4), top[2 * p])), xa);
+            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v, 4), top[2 * p + 1])), xb);
+        }
+    }
+    add4q(is, a);
+}
+#else
+static inline void gdot5(const uint8_t *c, const int8_t *xg, vi *is) {
+    int32_t t[16] = {0};
+    for (int p = 0; p < 4; p++)
+        for (int j = 0; j < 16; j++)
+            for (int i = 0; i < 4; i++) {
+                const int v = c[64 * p + 4 * j + i], H = c[256 + 4 * j + i];
+                t[j] += ((v & 15) | (((H >> (2 * p)) & 1) << 4)) * xg[8 * p + i]
+                      + ((v >> 4) | (((H >> (2 * p + 1)) & 1) << 4)) * xg[8 * p + 4 + i];
+            }
+    add16(is, t);
+}
+#endif
+
+static inline __attribute__((always_inline)) void sb5r(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                        vw o[QROWS][NH], const int NR) {
+    for (int r = 0; r < NR; r++) {
+        vi is[NH];
+        for (int h = 0; h < NH; h++) is[h] = VI_BC(-16 * qrow_sums32(xr[r], K, GROUP)[s]);
+        gdot5(blk, (const int8_t *)xr[r] + (long)s * GROUP, is);
+        const float dx = qrow_scales(xr[r], K)[s];
+        for (int h = 0; h < NH; h++) o[r][h] = FMA(VW_F16(blk + 320 + 2 * VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
+    }
+}
+DEFINE_PART8(part5r, sb5r, BLOB5R, GROUP, GROUP)
+
+/* Q5_0 weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
+void simllm_vec_q5r_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                       float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, GROUP);
+    run(part5r, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
 }
 
 #endif
