@@ -1,0 +1,78 @@
+"""The embedder without sentence-transformers (cache/sentence_encoder.py): the same bits as SentenceTransformer.encode
+on the embedded MiniLM, a folder of another shape left to sentence-transformers, and a node's Fingerprinter that
+never imports it."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from simllm_ros.cache.fingerprint import Fingerprinter, resolve_embedder_path
+from simllm_ros.cache.sentence_encoder import SentenceEncoder
+from simllm_ros.settings import DEFAULT_EMBEDDER
+from simllm_ros.workloads import load_clinc
+
+PATH = resolve_embedder_path(DEFAULT_EMBEDDER)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    by_intent = load_clinc()
+    picked = [phrases[i] for n, phrases in enumerate(by_intent.values()) for i in (0, n % 7) if n % 3 == 0]
+    # an empty text, one character, one past the 256-token cut, and ties in length (their order sets the batches)
+    return picked + ["", "a", "traffic " * 300, "where to park", "when do we eat"]
+
+
+def test_the_embedded_folder_gives_sentence_transformers_bits(texts):
+    from sentence_transformers import SentenceTransformer
+
+    ours = SentenceEncoder.open(PATH)
+    assert ours is not None and ours.mean and ours.normalize_module and ours.max_seq_length == 256 and ours.dim == 384
+    st = SentenceTransformer(PATH, device="cpu", local_files_only=True)
+    want = st.encode(texts, batch_size=32, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False)
+    got = ours.encode(texts, batch_size=32)
+    assert got.dtype == np.float32 and got.shape == (len(texts), 384) and len(texts) > 64  # several batches
+    assert np.array_equal(got, want)
+    for one in (texts[:1], texts[-3:-2], []):
+        assert np.array_equal(ours.encode(one), st.encode(one, convert_to_numpy=True, normalize_embeddings=True,
+                                                          show_progress_bar=False).reshape(len(one), 384))
+
+
+def test_another_folder_shape_goes_to_sentence_transformers(tmp_path):
+    folder = tmp_path / "dense"
+    shutil.copytree(PATH, folder)
+    with open(folder / "modules.json", encoding="utf-8") as f:
+        modules = json.load(f)
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    with open(folder / "modules.json", "w", encoding="utf-8") as f:
+        json.dump(modules, f)
+    assert SentenceEncoder.open(str(folder)) is None
+    cls_folder = tmp_path / "cls"
+    shutil.copytree(PATH, cls_folder)
+    with open(cls_folder / "1_Pooling" / "config.json", "w", encoding="utf-8") as f:
+        json.dump({"word_embedding_dimension": 384, "pooling_mode_cls_token": True,
+                   "pooling_mode_mean_tokens": True}, f)  # two modes at once: not this module's shape
+    assert SentenceEncoder.open(str(cls_folder)) is None
+
+
+def test_a_node_fingerprinter_does_not_import_sentence_transformers():
+    code = ("import sys; from simllm_ros.cache.fingerprint import Fingerprinter; f = Fingerprinter(); "
+            "v = f.embed(['nearest parking lot', 'parking spaces nearby']); "
+            "print(v.shape, float(v[0] @ v[1]) > 0.5, 'sentence_transformers' in sys.modules, 'sklearn' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "(2, 384) True False False", done.stdout
+
+
+def test_the_fingerprinter_embeds_through_it():
+    fp = Fingerprinter(remember=0)
+    assert isinstance(fp.model, SentenceEncoder) and fp.dim == 384 and fp.max_tokens == 256
+    v = fp.embed(["nearest parking lot", "parking spaces nearby", "nearest parking lot"])
+    assert np.array_equal(v[0], v[2]) and np.allclose(np.linalg.norm(v, axis=1), 1, atol=1e-6)
+    assert fp.count_tokens("nearest parking lot") == 5  # [CLS] nearest parking lot [SEP]
