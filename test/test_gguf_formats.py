@@ -374,31 +374,38 @@ def test_a_long_prompt_runs_in_passes_of_pass_rows_with_the_same_bits(files, mon
     assert torch.equal(c1.k[:, :, :45], c2.k[:, :, :45]) and torch.equal(c1.v[:, :, :45], c2.v[:, :, :45])
 
 
-def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(files):
-    """Checked and packed, a GGUF's converted copy keeps only what skeleton loads read (its dense float32
-    projections are ~4x the file); a load that needs them again (bfloat16 here) converts the file again, and the
-    float32 load after it maps the packed blocks kept through that conversion and drops them again, with the same
-    bits."""
+def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(files, monkeypatch):
+    """Checked and packed, a GGUF's converted copy over KEEP_DENSE_BELOW keeps only what skeleton loads read (its
+    dense float32 projections are ~4x the file); a load that needs them again (bfloat16 here) converts the file
+    again, and the float32 load after it maps the packed blocks kept through that conversion and drops them again,
+    with the same bits. A copy under it (the embedded model's) stays whole: switching paths converts nothing."""
     import os
 
     from safetensors import safe_open
 
+    from simllm_ros.model import model_files
     from simllm_ros.model.model_files import SLIM_FILE
 
     first = _backend(files, "q8_0")
     folder = first._path
     shard = os.path.join(folder, "model.safetensors")
+    assert not os.path.isfile(os.path.join(folder, SLIM_FILE))  # this small copy is kept whole
+    ids = [int(t) for t in range(900, 900 + 17 * 43, 43)]
+    ref = first.run(ids, first.new_cache(20), logits="all")
+    monkeypatch.setattr(model_files, "KEEP_DENSE_BELOW", 0)  # as for a model over 1 GiB converted
+    said: list[str] = []
+    slim = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"], progress=said.append)
+    assert any("dropped the converted copy's dense projections" in m for m in said)
     assert os.path.isfile(os.path.join(folder, SLIM_FILE))
     with safe_open(shard, "pt") as f:
         assert not any(".self_attn." in k and k.endswith("proj.weight") for k in f.keys())
         assert "model.norm.weight" in f.keys()
-    ids = [int(t) for t in range(900, 900 + 17 * 43, 43)]
-    ref = first.run(ids, first.new_cache(20), logits="all")
+    assert torch.equal(slim.run(ids, slim.new_cache(20), logits="all"), ref)
     dense = ModelBackend(files["q8_0"], dtype="bfloat16", weight_bits=16, cache_dir=files["cache"])
     assert not os.path.isfile(os.path.join(folder, SLIM_FILE)) and dense.runner is not None
     with safe_open(shard, "pt") as f:  # converted again, whole
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").abs().sum() > 0
-    said: list[str] = []
+    said.clear()
     again = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"], progress=said.append)
     assert torch.equal(again.run(ids, again.new_cache(20), logits="all"), ref)
     assert any("dropped the converted copy's dense projections" in m for m in said)

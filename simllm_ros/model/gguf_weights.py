@@ -353,13 +353,6 @@ class ModelFile:
     why_not: str | None
     embed: "FileEmbedding | None" = None  # token_embd looked up from the file's blocks, where checked
 
-    @property
-    def only_q4_0_1(self) -> bool:
-        """Whether every projection is Q4_0/Q4_1: the grid llama_runner._int4_codes finds again from the weights
-        (the embedded model's path, kept as it is)."""
-        return all(t in ("Q4_0", "Q4_1") for kind, types in self.formats.items() if kind in PROJECTIONS
-                   for t in types)
-
     def formats_only(self) -> "ModelFile":
         """This without the codes (the runner keeps its packed copy): what the load log needs."""
         return ModelFile([], None, self.formats, self.why_not, self.embed)

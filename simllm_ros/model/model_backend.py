@@ -141,22 +141,21 @@ class ModelBackend(KernelPaths, LoadChecks):
         self.runner = None
         fast = (self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers
                 or self.model_type in RUNNER_ONLY_ARCHITECTURES) and LlamaRunner.supports(self.model)
-        # A GGUF's own quantized blocks for the float32 vector kernel (gguf_weights), where they are other than
-        # Q4_0/Q4_1 (whose grid _int4_codes finds again: the embedded model's path, unchanged).
+        # A GGUF's own quantized blocks for the float32 vector kernel (gguf_weights): every supported format,
+        # the embedded model's Q4_1 too (its dense float32 copy is then never read: ~0.6 GB less resident).
         self.model_file: gguf_weights.ModelFile | None = None
         self.file_formats: dict[str, list[str]] = {}
         if src and fast and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4):
             try:
                 listed = gguf_weights.check_file(src)  # its header read once (a large vocabulary: ~0.3 s)
                 self.file_formats = gguf_weights.formats(src, listed)
-                if not gguf_weights.ModelFile([], None, self.file_formats, None).only_q4_0_1:
-                    self.model_file = gguf_weights.read_model(src, self.model, rows, listed)
-                    if rows is None:
-                        checked = gguf_weights.rows_of(self.model_file, stamp,
-                                                       "output.weight" if "output" in self.file_formats
-                                                       else "token_embd.weight")
-                        if checked is not None:
-                            _try(lambda: gguf_weights.save_rows(path, checked), self.progress)
+                self.model_file = gguf_weights.read_model(src, self.model, rows, listed)
+                if rows is None:
+                    checked = gguf_weights.rows_of(self.model_file, stamp,
+                                                   "output.weight" if "output" in self.file_formats
+                                                   else "token_embd.weight")
+                    if checked is not None:
+                        _try(lambda: gguf_weights.save_rows(path, checked), self.progress)
             except gguf_weights.GGUFError as e:
                 raise ModelLoadError(f"model '{ref}': {e}") from e
         elif rows is not None:
@@ -188,9 +187,12 @@ class ModelBackend(KernelPaths, LoadChecks):
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
-        # Q4_K/Q6_K/Q8_0/Q5_0 blocks take 8-bit rows (integer dot products) unless float32 rows were asked for
+        # Q4_K/Q6_K/Q8_0/Q5_0 blocks take 8-bit rows (integer dot products) unless float32 rows were asked for. Auto
+        # asks a projection in one of them: where every layer is Q4_0/Q4_1 (float32 rows: the embedded model), an
+        # 8-bit LM head alone would save little and make the logits a step function of the last hidden state.
         int8_rows = use_file and activation_bits != 32 and any(
-            x in gguf_weights.INT8_ROW_KINDS for t in self.model_file.formats.values() for x in t)
+            x in gguf_weights.INT8_ROW_KINDS for kind, t in self.model_file.formats.items() for x in t
+            if activation_bits == 8 or kind in gguf_weights.PROJECTIONS)
         if activation_bits == 8 and not int8_rows:
             raise ModelLoadError(f"activation_bits=8 applies to a GGUF's Q4_K/Q6_K/Q8_0/Q5_0 blocks on our float32 "
                                  f"vector kernel; {ref} ({dtype}, weight_bits {weight_bits}) has none there: use 0 or 32")

@@ -142,6 +142,7 @@ def _model_shards(path: str) -> list[str]:
 
 
 SLIM_FILE = "simllm_slim.json"
+KEEP_DENSE_BELOW = 2**30  # bytes of converted weights under which slim_conversion keeps them
 # Our files beside a converted copy that a conversion for the dense weights again carries over
 KEPT_FILES = (gguf_weights.ROWS_FILE, packed_weights.PACKED_FILE)
 
@@ -156,6 +157,8 @@ def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
 
     if os.path.exists(os.path.join(path, SLIM_FILE)):
         return 0
+    if sum(os.path.getsize(p) for p in _model_shards(path)) < KEEP_DENSE_BELOW:
+        return 0  # small (the embedded model's 0.5 GB): a later dense load (bf16, a reference run) need not convert
     skip = _skeleton_skips(AutoConfig.from_pretrained(path, local_files_only=True), skip_head, skip_embed)
     freed = 0
     for shard in _model_shards(path):
