@@ -36,7 +36,7 @@ def _both(r, fn):
 
 
 def _buffer(r, capacity):
-    return KVBuffer.allocate(len(r.layers), r.n_kv, r.head_dim, capacity, r.embed.weight.dtype, "cpu")
+    return KVBuffer.allocate(len(r.layers), r.n_kv, r.head_dim, capacity, r.dtype, "cpu")
 
 
 def _ids(n, seed=0):

@@ -382,7 +382,10 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
     assert e4.settings.weight_bits == 0 and e4.backend.weight_bits == 4, "auto did not pick the file's 4 bits"
     r = e4.backend.runner
     assert all(layer[i].four_bit for layer in r.layers for i in (1, 2, 4, 5))
-    assert not getattr(r.lm_head, "four_bit", False) and getattr(r.lm_head, "w8", None) is None  # 16-bit or the file's Q8_0
+    if r.file is not None:  # float32 on the file's own blocks: its LM head is the file's Q8_0 codes
+        assert r.lm_head.ggml == "Q8_0" and r.lm_head.bits == 8
+    else:  # 16-bit, or the file's Q8_0 codes found again from the dense weights
+        assert not getattr(r.lm_head, "four_bit", False) and getattr(r.lm_head, "w8", None) is None
     att = e4.backend.model.model.layers[0].self_attn
     assert att.q_proj.weight.numel() == 0, "the dense weights are still held next to the 4-bit ones"
     with pytest.raises(RuntimeError, match="4-bit"):
@@ -485,7 +488,7 @@ def test_a_lone_token_runs_as_one_row_only_where_that_is_bitwise_the_padded_pass
     assert r.single_rows, "the 4-bit int4 kernel is row-invariant on this CPU: a lone token should run alone"
     ids = torch.tensor(_prompt(engine, "is the pharmacy open now"))
     n = len(ids)
-    kv = KVBuffer.allocate(len(r.layers), r.n_kv, r.head_dim, n + 4, r.embed.weight.dtype, "cpu")
+    kv = KVBuffer.allocate(len(r.layers), r.n_kv, r.head_dim, n + 4, r.dtype, "cpu")
     r.forward(ids[:n - 8], torch.arange(n - 8), kv, 0, logits="none")
     try:
         for p in range(n - 8, n):
