@@ -62,7 +62,9 @@ def test_robot2_gives_robot1s_answer_through_the_store_and_diagnostics_follow_re
     b = r2.query(Q, context=CONTEXT, max_new_tokens=16)
     assert b.success and b.exact and b.answer == a.answer
     assert b.cache_result == CacheResult.EXACT_PREFIX and b.reused_tokens >= 32  # robot1's context KV
-    assert b.draft_tokens_accepted >= b.generated_tokens - 1 > 0  # robot1's answer, checked by the model
+    # robot1's answer, checked by the model as drafts: every one proposed is accepted, and they carry most of the
+    # answer (how many a pass verifies follows the pass costs measured at load, so not an exact count)
+    assert b.draft_tokens_proposed == b.draft_tokens_accepted >= b.generated_tokens // 2 > 0
     value, _ = fleet_value(r2, "fleet_store", "connected")
     assert value == "connected"
 
