@@ -58,6 +58,10 @@ def test_another_folder_shape_goes_to_sentence_transformers(tmp_path):
         json.dump({"word_embedding_dimension": 384, "pooling_mode_cls_token": True,
                    "pooling_mode_mean_tokens": True}, f)  # two modes at once: not this module's shape
     assert SentenceEncoder.open(str(cls_folder)) is None
+    fp = Fingerprinter(str(cls_folder), remember=0)  # sentence-transformers takes it: CLS and mean side by side
+    assert not isinstance(fp.model, SentenceEncoder) and fp.dim == 768 and fp.max_tokens == 256
+    v = fp.embed(["nearest parking lot"])
+    assert v.shape == (1, 768) and abs(float(np.linalg.norm(v[0])) - 1) < 1e-5
 
 
 def test_a_node_fingerprinter_does_not_import_sentence_transformers():

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..settings import DEFAULT_EMBEDDER
 from ..validation import normalize_text
-from .sentence_encoder import SentenceEncoder
+from .sentence_encoder import open_encoder
 
 
 def resolve_embedder_path(ref: str) -> str:
@@ -39,15 +39,8 @@ class Fingerprinter:
     def __init__(self, ref: str = DEFAULT_EMBEDDER, device: str = "cpu", remember: int = REMEMBER_TEXTS):
         path = resolve_embedder_path(ref)
         # The common folder shape on transformers directly (sentence_encoder); any other through sentence-transformers
-        self.model = SentenceEncoder.open(path, device)
-        if self.model is not None:
-            self.dim = self.model.dim
-        else:
-            from sentence_transformers import SentenceTransformer
-
-            self.model = SentenceTransformer(path, device=device, local_files_only=True)
-            self.dim = int(self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension")
-                           else self.model.get_sentence_embedding_dimension())
+        self.model = open_encoder(path, device)
+        self.dim = self.model.dim
         self.name = ref
         self._lock = threading.Lock()  # one embedding batch at a time
         self._queue_lock = threading.Lock()
@@ -71,7 +64,7 @@ class Fingerprinter:
     @property
     def max_tokens(self) -> int:
         """Longest input the embedder reads (sentence-transformers cuts longer ones)."""
-        return int(getattr(self.model, "max_seq_length", 0) or 256)
+        return self.model.max_seq_length
 
     def count_tokens(self, text: str) -> int:
         """Tokens of a text as the embedder reads it (special tokens included)."""
@@ -163,11 +156,7 @@ class Fingerprinter:
                 flat = [t for w in batch for t in w.texts]
                 try:
                     with self._stream_context():
-                        if isinstance(self.model, SentenceEncoder):
-                            v = self.model.encode(flat, batch_size=32)
-                        else:
-                            v = self.model.encode(flat, batch_size=32, convert_to_numpy=True,
-                                                  normalize_embeddings=True, show_progress_bar=False)
+                        v = self.model.encode(flat, batch_size=32)
                     v = v.astype(np.float32)
                 except BaseException as e:  # every waiter of this batch gets the error, none hangs
                     for w in batch:

@@ -87,3 +87,25 @@ class SentenceEncoder:
         if not rows:
             return np.zeros((0, self.dim), dtype=np.float32)
         return torch.stack(rows).numpy()
+
+
+class _SentenceTransformerEncoder:
+    """Any other folder, through sentence-transformers itself, behind the same small API (imported only here)."""
+
+    def __init__(self, path: str, device: str):
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(path, device=device, local_files_only=True)
+        self.tokenizer = self.model.tokenizer
+        self.max_seq_length = int(getattr(self.model, "max_seq_length", 0) or 256)
+        self.dim = int(self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension")
+                       else self.model.get_sentence_embedding_dimension())
+
+    def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+        return self.model.encode(texts, batch_size=batch_size, convert_to_numpy=True, normalize_embeddings=True,
+                                 show_progress_bar=False)
+
+
+def open_encoder(path: str, device: str = "cpu") -> "SentenceEncoder | _SentenceTransformerEncoder":
+    """The encoder for an embedder folder: SentenceEncoder where the folder has its shape, else sentence-transformers."""
+    return SentenceEncoder.open(path, device) or _SentenceTransformerEncoder(path, device)
