@@ -209,6 +209,7 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path, activation_bi
         assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
     again = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=cache, activation_bits=activation_bits)
     assert again.skeleton and isinstance(again.runner.embed, _ScaledRows)
+    assert type(again.model).__module__ == "simllm_ros.model.skeleton"  # built without transformers' model classes
     assert torch.equal(again.run(ids, again.new_cache(len(ids) + 2), logits="all"), ours)
     assert again.numerics == b.numerics and again.exact_chunking
 

@@ -244,6 +244,7 @@ def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files)
     assert rows is not None and rows.head and any(k.endswith("attn_q.weight") for k in rows.perms)  # q/k permuted
     second = ModelBackend(files["q4_k_m"], dtype="float32", weight_bits=0, cache_dir=files["cache"])
     assert second.skeleton and second.runner.file is not None and second.weight_bits == 4
+    assert type(second.model).__module__ == "simllm_ros.model.skeleton"  # built without transformers' model classes
     # the token embedding is looked up from the file's Q4_K blocks; its float32 copy was never loaded
     assert rows.embed and isinstance(second.runner.embed, gguf_weights.FileEmbedding)
     assert second.model.model.embed_tokens.weight.numel() == 0 and "token embedding Q4_K" in second.int4_path
@@ -251,6 +252,28 @@ def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files)
     assert torch.equal(first.run(ids, first.new_cache(24), logits="all"),
                        second.run(ids, second.new_cache(24), logits="all"))
     assert second.numerics == first.numerics and second.exact_chunking
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_a_second_load_of_qwen_files_computes_the_first_loads_bits(files, name):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms on the skeleton (skeleton.py, not transformers' classes):
+    the same logits as the first load's transformers model, and the same RoPE re-rotation SEMANTIC reuse uses."""
+    first = _backend(files, name)
+    second = ModelBackend(files[name], dtype="float32", weight_bits=0, cache_dir=files["cache"])
+    assert second.skeleton and type(second.model).__module__ == "simllm_ros.model.skeleton"
+    assert type(first.model).__module__.startswith("transformers.")
+    if name == "qwen2":
+        assert second.model.model.layers[0].self_attn.q_proj.bias is not None
+        assert second.model.model.layers[0].self_attn.o_proj.bias is None
+    else:
+        assert second.runner.qk_norms[0] is not None
+    ids = [int(t) for t in range(300, 300 + 19 * 41, 41)]
+    assert torch.equal(first.run(ids, first.new_cache(24), logits="all"),
+                       second.run(ids, second.new_cache(24), logits="all"))
+    k = torch.randn(2, 2, 5, second.kv_shape.head_dim, generator=torch.Generator().manual_seed(3))
+    delta = torch.tensor([1, 7, -3, 40, 0])
+    assert torch.equal(first.rotate_keys(k, delta), second.rotate_keys(k, delta))
+    assert second.numerics == first.numerics and second.stop_ids == first.stop_ids
 
 
 def test_kept_rows_of_another_or_a_damaged_file_are_not_used(files, tmp_path):
@@ -410,3 +433,29 @@ def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(
     assert torch.equal(again.run(ids, again.new_cache(20), logits="all"), ref)
     assert any("dropped the converted copy's dense projections" in m for m in said)
     assert os.path.isfile(os.path.join(folder, SLIM_FILE))
+
+
+def test_a_node_on_the_embedded_model_starts_without_transformers_model_classes():
+    """Once converted, the embedded model loads on the skeleton (skeleton.py) and the fingerprint's MiniLM runs on
+    bert_encoder: the engine process never imports transformers' modeling code (~1.5 s and ~100 MB of a start),
+    and answers the same as the shared engine of the same settings."""
+    import os
+    import subprocess
+    import sys
+
+    from core_fixtures import BASE, shared_engine
+    from simllm_ros.request import QueryRequest
+
+    want = shared_engine().handle(QueryRequest(prompt="Where can I park near the station?", max_new_tokens=8))
+    code = ("import sys; from simllm_ros.serving.engine import Engine; from simllm_ros.settings import Settings; "
+            "from simllm_ros.request import QueryRequest; "
+            f"e = Engine(Settings.from_overrides(**{BASE!r})); e.load(); "
+            "r = e.handle(QueryRequest(prompt='Where can I park near the station?', max_new_tokens=8)); "
+            "print(r.success, type(e.backend.model).__module__, 'transformers.modeling_utils' in sys.modules); "
+            "print(repr(r.answer))")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().split("\n")
+    assert lines[-2] == "True simllm_ros.model.skeleton False", done.stdout[-2000:]
+    assert want.success and lines[-1] == repr(want.answer)

@@ -33,6 +33,7 @@ def test_the_embedded_folder_gives_sentence_transformers_bits(texts):
 
     ours = SentenceEncoder.open(PATH)
     assert ours is not None and ours.mean and ours.normalize_module and ours.max_seq_length == 256 and ours.dim == 384
+    assert ours.bert is not None and ours.model is None  # MiniLM runs on our BERT forward (bert_encoder)
     st = SentenceTransformer(PATH, device="cpu", local_files_only=True)
     want = st.encode(texts, batch_size=32, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False)
     got = ours.encode(texts, batch_size=32)
@@ -41,6 +42,27 @@ def test_the_embedded_folder_gives_sentence_transformers_bits(texts):
     for one in (texts[:1], texts[-3:-2], []):
         assert np.array_equal(ours.encode(one), st.encode(one, convert_to_numpy=True, normalize_embeddings=True,
                                                           show_progress_bar=False).reshape(len(one), 384))
+
+
+def test_a_bert_variant_runs_on_transformers_with_the_same_bits(tmp_path, texts):
+    """A BERT our forward does not compute (another activation) goes to transformers' AutoModel, still with
+    sentence-transformers' bits: the fallback inside SentenceEncoder is checked too."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "relu"
+    shutil.copytree(PATH, folder)
+    with open(folder / "config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    with open(folder / "config.json", "w", encoding="utf-8") as f:
+        json.dump({**cfg, "hidden_act": "relu"}, f)
+    ours = SentenceEncoder.open(str(folder))
+    assert ours is not None and ours.bert is None and ours.model is not None
+    st = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    some = texts[:40] + texts[-5:]
+    want = st.encode(some, batch_size=16, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False)
+    got = ours.encode(some, batch_size=16)
+    assert np.array_equal(got, want)
+    assert not np.array_equal(got, SentenceEncoder.open(PATH).encode(some, batch_size=16))  # relu: other vectors
 
 
 def test_another_folder_shape_goes_to_sentence_transformers(tmp_path):
@@ -64,14 +86,15 @@ def test_another_folder_shape_goes_to_sentence_transformers(tmp_path):
     assert v.shape == (1, 768) and abs(float(np.linalg.norm(v[0])) - 1) < 1e-5
 
 
-def test_a_node_fingerprinter_does_not_import_sentence_transformers():
+def test_a_node_fingerprinter_does_not_import_sentence_transformers_or_modeling_code():
     code = ("import sys; from simllm_ros.cache.fingerprint import Fingerprinter; f = Fingerprinter(); "
             "v = f.embed(['nearest parking lot', 'parking spaces nearby']); "
-            "print(v.shape, float(v[0] @ v[1]) > 0.5, 'sentence_transformers' in sys.modules, 'sklearn' in sys.modules)")
+            "print(v.shape, float(v[0] @ v[1]) > 0.5, 'sentence_transformers' in sys.modules, 'sklearn' in sys.modules, "
+            "'transformers.modeling_utils' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[-2] == "(2, 384) True False False", done.stdout
+    assert done.stdout.split("\n")[-2] == "(2, 384) True False False False", done.stdout
 
 
 def test_the_fingerprinter_embeds_through_it():

@@ -1,5 +1,5 @@
 """A sentence-transformers folder of the common shape (Transformer -> mean or CLS Pooling -> Normalize) run on
-transformers' AutoModel directly: the same tokenizer call, batches sorted by length as SentenceTransformer.encode
+our BERT forward (bert_encoder) or, for other models, transformers' AutoModel directly: the same tokenizer call, batches sorted by length as SentenceTransformer.encode
 sorts them, the same pooling and normalisation steps, so the same bits (test_fingerprint checks it against
 sentence-transformers). Why: importing sentence_transformers pulls scikit-learn and more, ~1.5 s and ~60 MB of
 every node's start; the node only ever encodes text. Any other folder shape returns None and the caller falls
@@ -10,6 +10,8 @@ import json
 import os
 
 import numpy as np
+
+from .bert_encoder import BertEncoder
 
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"
@@ -51,16 +53,22 @@ class SentenceEncoder:
         return cls(path, device, modes[0] == "pooling_mode_mean_tokens", len(types) == 3, config.get("max_seq_length"))
 
     def __init__(self, path: str, device: str, mean: bool, normalize_module: bool, max_seq_length: int | None):
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModel.from_pretrained(path, local_files_only=True).to(device).eval()
+        # A plain BERT (MiniLM) on torch alone (bert_encoder); any other model on transformers' AutoModel
+        self.bert = BertEncoder.open(path) if device == "cpu" else None
+        if self.bert is not None:
+            self.model, positions, self.dim = None, self.bert.max_positions, self.bert.hidden
+        else:
+            from transformers import AutoModel
+
+            self.model = AutoModel.from_pretrained(path, local_files_only=True).to(device).eval()
+            positions, self.dim = self.model.config.max_position_embeddings, int(self.model.config.hidden_size)
         self.device = device
         self.mean = mean
         self.normalize_module = normalize_module  # the folder's Normalize, before encode's own normalisation
-        self.max_seq_length = int(max_seq_length or min(self.tokenizer.model_max_length,
-                                                        self.model.config.max_position_embeddings))
-        self.dim = int(self.model.config.hidden_size)
+        self.max_seq_length = int(max_seq_length or min(self.tokenizer.model_max_length, positions))
 
     def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
         import torch
@@ -73,7 +81,7 @@ class SentenceEncoder:
             feats = self.tokenizer([texts[i] for i in idx], padding=True, truncation="longest_first",
                                    max_length=self.max_seq_length, return_tensors="pt").to(self.device)
             with torch.inference_mode():
-                h = self.model(**feats).last_hidden_state
+                h = self.bert(**feats) if self.bert is not None else self.model(**feats).last_hidden_state
             if self.mean:
                 mask = feats["attention_mask"].unsqueeze(-1).to(h.dtype)
                 v = (h * mask).sum(dim=1, dtype=h.dtype) / torch.clamp(mask.sum(dim=1, dtype=h.dtype), min=1e-9)

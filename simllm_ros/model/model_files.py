@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import gguf_weights, packed_weights
+from . import gguf_weights, packed_weights, skeleton
 from ..settings import DEFAULT_MODEL
 
 EMBEDDED_MODELS = {
@@ -180,19 +180,24 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
     embedding if `skip_embed` and nothing else needs it): those are allocated, never written (so never resident) and
     released by the runner, which takes the file's blocks."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+    from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     skip = _skeleton_skips(cfg, skip_head, skip_embed)
-    state = {}
+    state, keys = {}, set()
     for shard in _model_shards(path):
         with safe_open(shard, "pt") as f:
             for key in f.keys():
+                keys.add(key)
                 if key not in skip:
                     state[key] = f.get_tensor(key)
+    model = skeleton.build(cfg, keys)  # without transformers' modeling code, where it knows the architecture
+    if model is None:
+        from transformers import AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     left = [k for k in missing if k not in skip and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if left or unexpected:

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
-import struct
 import zlib
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
+from ..mapped_safetensors import MappedSafetensors
+
 PACKED_FILE = "simllm_packed.safetensors"
-_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "F32": torch.float32}
-_NAMES = {v: k for k, v in _DTYPES.items()}
 
 Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_weights._file_parts returns
 
@@ -64,7 +61,7 @@ class PackedStore:
         if os.path.isfile(self.path):
             try:
                 self.mapped = self._open()
-            except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 self.mapped, self.why_not = {}, f"{PACKED_FILE} unreadable ({e}); packing again"
 
     def parts(self, key: str, build: Callable[[], Parts]) -> Parts:
@@ -102,30 +99,18 @@ class PackedStore:
     def _open(self) -> dict[str, Parts]:
         """The file's parts as views of one private mapping (copy-on-write: pages stay the file's unless written,
         which nothing does); ValueError if it is another file's, another layout's, damaged, or does not add up."""
-        size = os.path.getsize(self.path)
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(size - 8, 64 << 20):
-                raise ValueError("header size past the end")
-            header = json.loads(f.read(n))
-            meta = header.pop("__metadata__", {}) or {}
-            if any(meta.get(k) != v for k, v in self.meta.items()):
-                raise ValueError("written for another file or kernel layout")
-            index = json.loads(meta["index"])
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        data = np.frombuffer(self._map, dtype=np.uint8, offset=8 + n)
+        mapped = MappedSafetensors(self.path)
+        if any(mapped.meta.get(k) != v for k, v in self.meta.items()):
+            raise ValueError("written for another file or kernel layout")
+        index = json.loads(mapped.meta["index"])
+        self._map = mapped
         out: dict[str, Parts] = {}
         for key, kinds in index.items():
             parts = []
             for i, (kind, outputs, crc) in enumerate(kinds):
-                t = header[f"{key}/{i}"]
-                dtype, shape, (a, b) = _DTYPES[t["dtype"]], t["shape"], t["data_offsets"]
-                count = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-                if not 0 <= a <= b <= data.size or b - a != count:
-                    raise ValueError(f"tensor {key}/{i} does not fit the file")
-                if zlib.crc32(data[a:b]) != crc:
-                    raise ValueError(f"tensor {key}/{i} is damaged (CRC-32)")
-                blob = torch.from_numpy(data[a:b]).view(dtype).reshape(shape)
-                parts.append((str(kind), blob, int(outputs)))
+                name = f"{key}/{i}"
+                if zlib.crc32(mapped.raw(name)) != crc:
+                    raise ValueError(f"tensor {name} is damaged (CRC-32)")
+                parts.append((str(kind), mapped.tensor(name), int(outputs)))
             out[key] = parts
         return out

@@ -1,0 +1,203 @@
+"""The module tree of a converted GGUF for the runner, built without transformers' modeling code.
+
+A load that takes a GGUF's checked blocks (gguf_weights.Rows) needs from the model only its shapes, norms, biases,
+RoPE tables and activation: the runner packs or maps the projections itself. transformers' model classes cost
+that load ~1.5 s and ~100 MB resident just to import (modeling_utils pulls in torch.distributed, scipy and
+quantizer integrations), more than everything else the load does for a 0.5B model. This tree has the same names
+(`model.layers[i].self_attn.q_proj`, `model.norm`, `lm_head`, ...) and computes what transformers' modules compute
+for the pieces the runner calls (RMSNorm, the RoPE tables, the scaled embedding), with the same operations in the
+same order, so a model runs to the same bits on either. Architectures or RoPE kinds it does not know return None
+from `build`, and the load takes transformers' classes as before.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The runner's architectures (model_backend.SEMANTIC_ARCHITECTURES | RUNNER_ONLY_ARCHITECTURES)
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+class Linear(nn.Module):
+    """A projection's shape, bias and (where loaded) weight. The weight is allocated, never written, until a state
+    dict assigns it: the runner takes the file's blocks instead, so a skipped weight is never resident."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = n_in, n_out
+        self.weight = nn.Parameter(torch.empty(n_out, n_in), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(n_out), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Llama's, Mistral's and Qwen's RMSNorm: the float32 row normalised, cast back, times the weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.variance_epsilon = eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma 3's RMSNorm: x * (1 + w), all in float32, cast back once."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.float()
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(h)
+
+
+class Embedding(nn.Module):
+    """The token embedding; Gemma's rows are scaled by sqrt(hidden) in the weight's dtype, as transformers does."""
+
+    def __init__(self, vocab: int, dim: int, scale: float | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = vocab, dim
+        self.weight = nn.Parameter(torch.empty(vocab, dim), requires_grad=False)
+        if scale is not None:
+            self.embed_scale = torch.tensor(scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.weight)
+        return rows * self.embed_scale.to(self.weight.dtype) if hasattr(self, "embed_scale") else rows
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of RoPE for positions: one inverse-frequency table, or one per layer type (Gemma 3's sliding
+    and full layers have their own bases). Static RoPE kinds only (default, linear, llama3, yarn): `build` declines
+    the dynamic ones, whose tables change with the sequence length."""
+
+    def __init__(self, config, layer_types: list[str] | None):
+        super().__init__()
+        self.tables: dict[str | None, tuple[torch.Tensor, float]] = {}
+        for t in layer_types or [None]:
+            self.tables[t] = _inv_freq(config, t)
+        if None in self.tables:
+            self.inv_freq, self.attention_scaling = self.tables[None]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
+        inv_freq, scaling = self.tables[layer_type]
+        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scaling).to(dtype=x.dtype), (emb.sin() * scaling).to(dtype=x.dtype)
+
+
+def _rope_parameters(config, layer_type: str | None) -> dict | None:
+    params = getattr(config, "rope_parameters", None)
+    if layer_type is not None and isinstance(params, dict):
+        params = params.get(layer_type)
+    return params
+
+
+def _inv_freq(config, layer_type: str | None) -> tuple[torch.Tensor, float]:
+    params = _rope_parameters(config, layer_type)
+    kind = params["rope_type"]
+    if kind == "default":
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # no modeling code imported
+
+    if layer_type is None:
+        return ROPE_INIT_FUNCTIONS[kind](config)
+    return ROPE_INIT_FUNCTIONS[kind](config, None, layer_type=layer_type)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, head_dim: int, biases: set[str], norm):
+        super().__init__()
+        h, q, kv = cfg.hidden_size, cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+        self.q_proj = Linear(h, q, "q_proj" in biases)
+        self.k_proj = Linear(h, kv, "k_proj" in biases)
+        self.v_proj = Linear(h, kv, "v_proj" in biases)
+        self.o_proj = Linear(q, h, "o_proj" in biases)
+        if norm is not None:  # Qwen3's and Gemma 3's per-head norms of q and k
+            self.q_norm, self.k_norm = norm(head_dim), norm(head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, biases: set[str], act):
+        super().__init__()
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(h, inter, "gate_proj" in biases)
+        self.up_proj = Linear(h, inter, "up_proj" in biases)
+        self.down_proj = Linear(inter, h, "down_proj" in biases)
+        self.act_fn = act
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg, head_dim: int, biases: set[str], norm, qk_norm: bool, gemma: bool, act):
+        super().__init__()
+        h = cfg.hidden_size
+        self.self_attn = Attention(cfg, head_dim, biases, norm if qk_norm else None)
+        self.mlp = MLP(cfg, biases, act)
+        self.input_layernorm = norm(h)
+        self.post_attention_layernorm = norm(h)
+        if gemma:
+            self.pre_feedforward_layernorm = norm(h)
+            self.post_feedforward_layernorm = norm(h)
+
+
+class Body(nn.Module):
+    def __init__(self, cfg, layers: list[Layer], gemma: bool, norm):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size ** 0.5 if gemma else None)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm(cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg, sorted(set(cfg.layer_types)) if gemma else None)
+
+
+class CausalLM(nn.Module):
+    """`model` (embedding, layers, final norm, RoPE) and `lm_head`, with the config and generation config."""
+
+    def __init__(self, cfg, body: Body):
+        super().__init__()
+        self.config = cfg
+        self.model = body
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False)
+        from transformers import GenerationConfig  # configuration code only
+
+        self.generation_config = GenerationConfig.from_model_config(cfg)
+
+
+def build(cfg, keys: set[str]) -> CausalLM | None:
+    """The tree for config `cfg` whose checkpoint holds tensors `keys` (which biases and q/k norms exist), or None
+    where this module does not know the architecture or its RoPE."""
+    kind = getattr(cfg, "model_type", None)
+    if kind not in ARCHITECTURES:
+        return None
+    gemma = kind == "gemma3_text"
+    types = sorted(set(getattr(cfg, "layer_types", None) or [])) if gemma else [None]
+    for t in types:
+        params = _rope_parameters(cfg, t)
+        if not isinstance(params, dict) or "dynamic" in params.get("rope_type", "") or \
+                params.get("rope_type") == "longrope":
+            return None
+    act_name = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", None)
+    from transformers.activations import ACT2FN  # activation functions only, no modeling code
+
+    act = ACT2FN[act_name]
+    eps = float(cfg.rms_norm_eps)
+
+    def norm(dim: int) -> nn.Module:
+        return OffsetRMSNorm(dim, eps) if gemma else RMSNorm(dim, eps)
+
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    biases = {k.split(".")[-2] for k in keys if k.startswith("model.layers.0.") and k.endswith(".bias")}
+    qk_norm = "model.layers.0.self_attn.q_norm.weight" in keys
+    layers = [Layer(cfg, head_dim, biases, norm, qk_norm, gemma, act) for _ in range(cfg.num_hidden_layers)]
+    return CausalLM(cfg, Body(cfg, layers, gemma, norm))
