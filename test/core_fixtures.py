@@ -141,16 +141,22 @@ def agreement(ref: list[int], got: list[int], n: int) -> tuple[float, float]:
     return prefix / width, overall
 
 
-def kernel_in_new_process(module: str, env: dict | None = None) -> tuple[bool, str, str]:
-    """(not loaded, why not, library path) of `simllm_ros.kernels.<module>.load()` in a new Python process with `env`
-    added: a kernel switched off by its environment variable, or the library built once per machine."""
+def python_in_new_process(code: str, env: dict | None = None, timeout: float = 300) -> list[str]:
+    """The stdout lines of `code` run by this Python in a new process (this checkout's simllm_ros, `env` added):
+    what a fresh process imports, loads or builds, apart from what this test process already holds."""
     import subprocess
     import sys
 
+    full = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), **(env or {})}
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().split("\n")
+
+
+def kernel_in_new_process(module: str, env: dict | None = None) -> tuple[bool, str, str]:
+    """(not loaded, why not, library path) of `simllm_ros.kernels.<module>.load()` in a new Python process with `env`
+    added: a kernel switched off by its environment variable, or the library built once per machine."""
     code = (f"from simllm_ros.kernels import {module} as k; kern = k.load(); "
             "print(kern is None, '|', k.why_not(), '|', kern.path if kern else '')")
-    full = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), **(env or {})}
-    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    off, why, path = (x.strip() for x in out.stdout.strip().split("|"))
+    off, why, path = (x.strip() for x in "\n".join(python_in_new_process(code, env, timeout=120)).split("|"))
     return off == "True", why, path

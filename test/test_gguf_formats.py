@@ -312,7 +312,7 @@ def test_load_checks_are_kept_only_for_the_same_numerics(files, monkeypatch):
     b = _backend(files, "q8_0")
     store = os.path.join(files["cache"], model_backend.LOAD_CHECKS_FILE)
     data = json.loads(open(store).read())
-    key = next(k for k, v in data.items() if v["digest"] == b.numerics)
+    key = next(k for k, v in data.items() if v["digest"] == b.numerics and "exact" in v)
     for digest, want_exact in (("0" * 16, True), (b.numerics, False)):
         data[key] = dict(data[key], exact=False, digest=digest)
         with open(store, "w") as f:
@@ -321,6 +321,20 @@ def test_load_checks_are_kept_only_for_the_same_numerics(files, monkeypatch):
         again = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"])
         assert again.exact_chunking is want_exact, digest
         data = json.loads(open(store).read())
+    # Another thread count: the bits are the kernels' whatever the threads (the doctored record, same digest, is
+    # taken), and only the pass costs are timed again, kept under their own key.
+    threads = torch.get_num_threads()
+    other = 1 if threads > 1 else 2
+    monkeypatch.setattr(model_backend, "_PROBED", {})
+    torch.set_num_threads(other)
+    try:
+        again = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"])
+    finally:
+        torch.set_num_threads(threads)
+    assert again.exact_chunking is False and again.numerics == b.numerics and again.pass_costs
+    data = json.loads(open(store).read())
+    assert data[f"{key}/threads={other}"] == {"digest": b.numerics, "costs": list(again.pass_costs)}
+    assert data[f"{key}/threads={threads}"]["digest"] == b.numerics  # each thread count's costs apart
     data[key] = dict(data[key], exact=True)  # leave the true record for later loads
     with open(store, "w") as f:
         json.dump(data, f)
@@ -439,11 +453,7 @@ def test_a_node_on_the_embedded_model_starts_without_transformers_model_classes(
     """Once converted, the embedded model loads on the skeleton (skeleton.py) and the fingerprint's MiniLM runs on
     bert_encoder: the engine process never imports transformers' modeling code (~1.5 s and ~100 MB of a start),
     and answers the same as the shared engine of the same settings."""
-    import os
-    import subprocess
-    import sys
-
-    from core_fixtures import BASE, shared_engine
+    from core_fixtures import BASE, python_in_new_process, shared_engine
     from simllm_ros.request import QueryRequest
 
     want = shared_engine().handle(QueryRequest(prompt="Where can I park near the station?", max_new_tokens=8))
@@ -451,11 +461,64 @@ def test_a_node_on_the_embedded_model_starts_without_transformers_model_classes(
             "from simllm_ros.request import QueryRequest; "
             f"e = Engine(Settings.from_overrides(**{BASE!r})); e.load(); "
             "r = e.handle(QueryRequest(prompt='Where can I park near the station?', max_new_tokens=8)); "
-            "print(r.success, type(e.backend.model).__module__, 'transformers.modeling_utils' in sys.modules); "
+            "import gc; print(r.success, type(e.backend.model).__module__, 'transformers.modeling_utils' in sys.modules, "
+            "gc.get_freeze_count() > 100000); "
             "print(repr(r.answer))")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.strip().split("\n")
-    assert lines[-2] == "True simllm_ros.model.skeleton False", done.stdout[-2000:]
+    lines = python_in_new_process(code, timeout=600)
+    # and what the load made is out of the cyclic collector's walks (Engine.load's gc.freeze)
+    assert lines[-2] == "True simllm_ros.model.skeleton False True", lines
     assert want.success and lines[-1] == repr(want.answer)
+
+
+def test_the_converted_tokenizer_keeps_its_added_tokens_and_encodes_the_same(files, tmp_path):
+    """The converted copy's tokenizer_config.json lists the added tokens (model_files.keep_added_tokens), so a load
+    does not parse the whole tokenizer.json again to find them; a copy converted before this is given them at its
+    next load; and the tokenizer is the one transformers' own path builds: same ids, specials and decoding."""
+    import json
+    import os
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from simllm_ros.model.model_files import resolve_model
+    from simllm_ros.workloads import load_clinc
+
+    folder = _backend(files, "q4_k_m")._path
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        assert json.load(f)["added_tokens_decoder"]
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(os.path.join(folder, name), legacy / name)
+    with open(legacy / "tokenizer_config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    del cfg["added_tokens_decoder"]
+    with open(legacy / "tokenizer_config.json", "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    a, b = AutoTokenizer.from_pretrained(str(legacy)), AutoTokenizer.from_pretrained(folder)
+    texts = [p for phrases in list(load_clinc().values())[:40] for p in phrases[:3]]
+    texts += ["<|im_start|>system\nbulletin<|im_end|>\n<|im_start|>user\nwhere?<|im_end|>", "<|endoftext|> x"]
+    for t in texts:
+        assert a(t)["input_ids"] == b(t)["input_ids"], t
+        ids = a(t, add_special_tokens=False)["input_ids"]
+        assert a.decode(ids, skip_special_tokens=True) == b.decode(ids, skip_special_tokens=True)
+    assert a.get_added_vocab() == b.get_added_vocab() and len(a.get_added_vocab()) > 3
+    assert (a.eos_token_id, a.pad_token_id, a.unk_token_id, a.all_special_ids) == \
+        (b.eos_token_id, b.pad_token_id, b.unk_token_id, b.all_special_ids)
+    # a copy converted before: its next resolve writes them, and only once
+    shutil.copy(legacy / "tokenizer_config.json", os.path.join(folder, "tokenizer_config.json"))
+    said = []
+    assert resolve_model(files["q4_k_m"], files["cache"], said.append) == folder
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        assert json.load(f)["added_tokens_decoder"] == _added_tokens_of(folder)
+    assert len(said) == 1 and "added tokens" in said[0]
+    resolve_model(files["q4_k_m"], files["cache"], said.append)
+    assert len(said) == 1
+
+
+def _added_tokens_of(folder: str) -> dict:
+    import json
+    import os
+
+    with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+        return {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in json.load(f)["added_tokens"]}

@@ -4,14 +4,12 @@ never imports it."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from core_fixtures import python_in_new_process
 from simllm_ros.cache.fingerprint import Fingerprinter, resolve_embedder_path
 from simllm_ros.cache.sentence_encoder import SentenceEncoder
 from simllm_ros.settings import DEFAULT_EMBEDDER
@@ -91,10 +89,7 @@ def test_a_node_fingerprinter_does_not_import_sentence_transformers_or_modeling_
             "v = f.embed(['nearest parking lot', 'parking spaces nearby']); "
             "print(v.shape, float(v[0] @ v[1]) > 0.5, 'sentence_transformers' in sys.modules, 'sklearn' in sys.modules, "
             "'transformers.modeling_utils' in sys.modules)")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[-2] == "(2, 384) True False False False", done.stdout
+    assert python_in_new_process(code)[-1] == "(2, 384) True False False False"
 
 
 def test_the_fingerprinter_embeds_through_it():

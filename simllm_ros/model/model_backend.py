@@ -26,8 +26,7 @@ from .load_checks import LoadChecks, _try
 from .model_files import SLIM_FILE, ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, \
     gguf_source, resolve_model, slim_conversion
 from .packed_weights import PackedStore
-from ..request import ChatTurn
-from .structured_output import StructuredOutput
+from .chat_prompts import ChatPrompts
 # Re-exported: what `from simllm_ros.model.model_backend import ...` has always given.
 from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_json, _update_json  # noqa: F401
 from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, default_cache_dir  # noqa: F401
@@ -83,7 +82,7 @@ def auto_dtype(device: str) -> tuple[str, str]:
 _PROBED: dict[tuple, tuple] = {}
 
 
-class ModelBackend(KernelPaths, LoadChecks):
+class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
     def __init__(self, ref: str, device: str = "cpu", dtype: str = "bfloat16", cache_dir: str = "",
                  progress: Callable[[str], None] | None = None, weight_bits: int = 16,
                  activation_bits: int = 0):
@@ -231,7 +230,7 @@ class ModelBackend(KernelPaths, LoadChecks):
                           "model has sliding-window layers with their own RoPE base")
         self.stop_ids = self._stop_ids()
         self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))  # rows of the logits
-        self._grammars: StructuredOutput | None = None
+        self._grammars = None  # built at the first schema (ChatPrompts.grammars)
         self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
                          "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits,
                          "activation_bits": self.activation_bits}
@@ -294,56 +293,6 @@ class ModelBackend(KernelPaths, LoadChecks):
             self._dense_model = AutoModelForCausalLM.from_pretrained(
                 self._path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(self.device).eval()
         return self._dense_model
-
-    def _stop_ids(self) -> set[int]:
-        ids = set()
-        gen = getattr(self.model, "generation_config", None)
-        for src in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
-            if isinstance(src, int):
-                ids.add(src)
-            elif src:
-                ids.update(int(x) for x in src)
-        for tok in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>"):
-            tid = self.tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(tid, int) and tid >= 0 and tid != self.tokenizer.unk_token_id:
-                ids.add(tid)
-        return ids
-
-    # ---- prompts ---------------------------------------------------------
-    def prompt_ids(self, system: str, context: str, prompt: str) -> list[int]:
-        """Token ids of the chat prompt: system + context first, so requests sharing them share a prefix."""
-        return self.chat_ids(system, context, [ChatTurn("user", prompt)])
-
-    def chat_ids(self, system: str, context: str, turns: list[ChatTurn]) -> list[int]:
-        """Token ids of a conversation in the model's chat template, ready for the assistant's next turn.
-
-        One system message first: the conversation's own (a leading system turn) or `system`, then the
-        context; then the turns in order. Turn N's prompt is then a token prefix of turn N+1's."""
-        turns = list(turns)
-        if turns and turns[0].role == "system":
-            system = turns.pop(0).content
-        sys_text = system if not context else (f"{system}\n\n{context}" if system else context)
-        if self.tokenizer.chat_template:
-            messages = ([{"role": "system", "content": sys_text}] if sys_text else []) + [
-                {"role": t.role, "content": t.content} for t in turns]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        names = {"user": "Question", "assistant": "Answer"}
-        text = (sys_text + "\n\n" if sys_text else "") + "".join(
-            f"{names.get(t.role, t.role)}: {t.content}\n" for t in turns) + "Answer:"
-        return self.tokenizer(text)["input_ids"]
-
-    @property
-    def grammars(self) -> StructuredOutput:
-        """JSON-schema grammars for this tokenizer (built at the first schema)."""
-        if self._grammars is None:
-            self._grammars = StructuredOutput(self.tokenizer, self.vocab_size, self.stop_ids)
-        return self._grammars
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ---- caches ------------------------------------------------------------
     # A cache is a KVBuffer (Llama-family models, through LlamaRunner) or a transformers DynamicCache
@@ -592,13 +541,6 @@ class ModelBackend(KernelPaths, LoadChecks):
         self.truncate(cache, base + dec.kept)
         if dec.done:
             dec.gen.text = self.detokenize(dec.gen.tokens)
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-
-    def tokenize_answer(self, text: str) -> list[int]:
-        """Token ids of an answer text (drafts from stored answers)."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def release(self) -> None:
         self.model = self._dense_model = None

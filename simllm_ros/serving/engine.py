@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import logging
 import os
 import threading
@@ -180,6 +181,11 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
                 self.restore(progress)
             if s.warmup_queries:
                 self.load_report["warmup"] = self._warm_up(s.warmup_queries, progress)
+            # What is loaded now lives as long as the engine: out of the cyclic collector's sight, a full collection
+            # no longer walks it (~320k objects: a ~150 ms pause at a random decode step, measured on the embedded
+            # model), only what requests create.
+            gc.collect()
+            gc.freeze()
             self.load_report["load_s"] = time.monotonic() - t0
             if not self.backend.semantic_supported:
                 self.log.warning(f"model type '{self.backend.model_type}' is not supported by SEMANTIC reuse: "
@@ -246,6 +252,7 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
                 self.backend.release()
                 if self.fingerprinter is not None:
                     self.fingerprinter.close()
+                gc.unfreeze()  # what the load froze can be collected again (another engine's next load refreezes)
             self.backend = None
             self.fingerprinter = None
             self.pool = None

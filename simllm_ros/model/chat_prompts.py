@@ -1,0 +1,69 @@
+"""The chat side of a model backend: prompts in the model's chat template (system and context first, so requests
+that share them share a token prefix), the tokens that end an answer, token counts, grammars for structured output,
+and answers back to text. A mixin of ModelBackend, which holds `tokenizer`, `model` and `vocab_size`.
+"""
+from __future__ import annotations
+
+from ..request import ChatTurn
+from .structured_output import StructuredOutput
+
+
+class ChatPrompts:
+    _grammars: StructuredOutput | None = None
+
+    def _stop_ids(self) -> set[int]:
+        ids = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(int(x) for x in src)
+        for tok in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid >= 0 and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        return ids
+
+    # ---- prompts ---------------------------------------------------------
+    def prompt_ids(self, system: str, context: str, prompt: str) -> list[int]:
+        """Token ids of the chat prompt: system + context first, so requests sharing them share a prefix."""
+        return self.chat_ids(system, context, [ChatTurn("user", prompt)])
+
+    def chat_ids(self, system: str, context: str, turns: list[ChatTurn]) -> list[int]:
+        """Token ids of a conversation in the model's chat template, ready for the assistant's next turn.
+
+        One system message first: the conversation's own (a leading system turn) or `system`, then the
+        context; then the turns in order. Turn N's prompt is then a token prefix of turn N+1's."""
+        turns = list(turns)
+        if turns and turns[0].role == "system":
+            system = turns.pop(0).content
+        sys_text = system if not context else (f"{system}\n\n{context}" if system else context)
+        if self.tokenizer.chat_template:
+            messages = ([{"role": "system", "content": sys_text}] if sys_text else []) + [
+                {"role": t.role, "content": t.content} for t in turns]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        names = {"user": "Question", "assistant": "Answer"}
+        text = (sys_text + "\n\n" if sys_text else "") + "".join(
+            f"{names.get(t.role, t.role)}: {t.content}\n" for t in turns) + "Answer:"
+        return self.tokenizer(text)["input_ids"]
+
+    @property
+    def grammars(self) -> StructuredOutput:
+        """JSON-schema grammars for this tokenizer (built at the first schema)."""
+        if self._grammars is None:
+            self._grammars = StructuredOutput(self.tokenizer, self.vocab_size, self.stop_ids)
+        return self._grammars
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    def tokenize_answer(self, text: str) -> list[int]:
+        """Token ids of an answer text (drafts from stored answers)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
