@@ -1,0 +1,49 @@
+"""skeleton.build: the module tree a converted model's later loads run on without transformers' model classes.
+Its bits against transformers' classes are checked where files load twice (test_gguf_formats: Qwen2, Qwen3, the
+embedded Llama; test_gemma3_runner: Gemma 3); here, what it declines and what it builds from a config."""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, Qwen2Config
+
+from simllm_ros.model import skeleton
+
+
+def _llama(**kw) -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=100, **kw)
+
+
+def test_it_declines_what_it_does_not_compute():
+    assert skeleton.build(_llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), set()) is None
+    cfg = _llama()
+    cfg.model_type = "phi3"
+    assert skeleton.build(cfg, set()) is None
+
+
+def test_it_builds_the_names_and_biases_the_checkpoint_has():
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100)
+    keys = {f"model.layers.0.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")}
+    m = skeleton.build(cfg, keys)
+    att = m.model.layers[1].self_attn
+    assert att.q_proj.bias is not None and att.o_proj.bias is None and not hasattr(att, "q_norm")
+    assert (att.k_proj.out_features, att.k_proj.in_features) == (32, 64) and m.lm_head.out_features == 100
+    assert m.generation_config is not None and m.config is cfg
+    names = {n for n, _ in m.named_parameters()}
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+            "model.layers.1.mlp.down_proj.weight", "model.layers.1.post_attention_layernorm.weight"} <= names
+
+
+def test_rope_and_norm_compute_what_their_formulas_say():
+    m = skeleton.build(_llama(rope_theta=10000.0), set())
+    rot = m.model.rotary_emb
+    pos = torch.arange(5)[None]
+    cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
+    f = pos[..., None].float() * inv
+    assert torch.equal(cos, torch.cat((f, f), -1).cos()) and torch.equal(sin, torch.cat((f, f), -1).sin())
+    norm = skeleton.RMSNorm(8, 1e-6)
+    norm.weight.data = torch.linspace(0.5, 2, 8)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(norm(x), norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
