@@ -5,11 +5,14 @@ temperatures, a warm-up file, an existing log). A FIFO in their place would bloc
 open() forever, a symlink loop raises odd errors, a device may have side effects on open.
 Every such read goes through `open_regular`: the path is stat-ed first (a non-regular file
 is refused without being opened), then opened with O_NONBLOCK | O_NOCTTY, and fstat-ed
-again (it may have been swapped in between). Only a regular file is ever read.
+again (it may have been swapped in between). Only a regular file is ever read. Small JSON files the node keeps
+are written with `write_json` (a temporary file beside it, flushed, then renamed over it): a reader sees the old
+file or the new one, never half of one.
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 
@@ -80,3 +83,17 @@ def read_regular(path: str, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise ValueError(f"{path} is larger than {max_bytes} bytes")
     return data
+
+
+def write_json(path: str, data, **dump_args) -> None:
+    """`data` as JSON at `path`, atomically (written beside it, fsync-ed, renamed over it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, **dump_args)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -22,7 +22,7 @@ import os
 import random
 import threading
 
-from ..safe_io import read_regular
+from ..safe_io import read_regular, write_json
 
 TIERS = ("answer", "semantic")
 MAX_LABELS = 20000
@@ -142,12 +142,7 @@ class ErrorBound:
             self.changes = 0
         path = os.path.join(folder, FILE_NAME)
         os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_json(path, data, separators=(",", ":"))
         return path
 
     def load(self, folder: str, digest: str) -> int:

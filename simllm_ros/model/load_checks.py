@@ -13,7 +13,8 @@ import os
 import torch
 
 from ..kernels.build import CONTRACT
-from .model_files import default_cache_dir
+from ..safe_io import write_json
+from .model_files import _try, default_cache_dir
 
 LOAD_CHECKS_FILE = "load_checks.json"
 
@@ -47,19 +48,7 @@ def _update_json(path: str, key: str, value, keep: int) -> None:
     data[key] = value
     data = dict(list(data.items())[-keep:])
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
-def _try(fn, progress):
-    """A cache write that may fail (read-only folder, full disk) without failing the load: fn's result, else None."""
-    try:
-        return fn()
-    except OSError as e:
-        progress(f"note: could not keep a cache file ({e}); the next load checks again")
-        return None
+    write_json(path, data)
 
 
 MAX_PASS_ROWS = 257  # a decode pass: the last token and a draft of up to 256 (max_draft_tokens' range)

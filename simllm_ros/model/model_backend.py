@@ -22,8 +22,8 @@ from ..cache.block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .kernel_paths import KernelPaths
 from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
-from .load_checks import LoadChecks, _try
-from .model_files import SLIM_FILE, ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, \
+from .load_checks import LoadChecks
+from .model_files import SLIM_FILE, ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, _try, \
     gguf_source, resolve_model, slim_conversion
 from .packed_weights import PackedStore
 from .chat_prompts import ChatPrompts
@@ -230,7 +230,6 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
                           "model has sliding-window layers with their own RoPE base")
         self.stop_ids = self._stop_ids()
         self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))  # rows of the logits
-        self._grammars = None  # built at the first schema (ChatPrompts.grammars)
         self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
                          "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits,
                          "activation_bits": self.activation_bits}

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from . import gguf_weights, packed_weights, skeleton
+from ..safe_io import write_json
 from ..settings import DEFAULT_MODEL
 
 EMBEDDED_MODELS = {
@@ -75,7 +76,8 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     try:
         with open(stamp) as f:
             if json.load(f) == want and not (dense and os.path.exists(os.path.join(target, SLIM_FILE))):
-                _try_keep_added_tokens(target, progress)  # a copy converted before this was kept
+                if _try(lambda: keep_added_tokens(target), progress):  # a copy converted before this was kept
+                    progress(f"kept the tokenizer's added tokens in {target}/tokenizer_config.json (faster loads)")
                 return target
     except (OSError, ValueError):
         pass
@@ -125,26 +127,27 @@ def keep_added_tokens(folder: str) -> bool:
     cfg_path, tok_path = os.path.join(folder, "tokenizer_config.json"), os.path.join(folder, "tokenizer.json")
     if not (os.path.isfile(cfg_path) and os.path.isfile(tok_path)):
         return False
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    if not isinstance(cfg, dict) or "added_tokens_decoder" in cfg:
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        if not isinstance(cfg, dict) or "added_tokens_decoder" in cfg:
+            return False
+        with open(tok_path, encoding="utf-8") as f:
+            added = json.load(f).get("added_tokens") or []
+        cfg["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    except (ValueError, KeyError, TypeError, AttributeError):  # odd files: left as they are, for transformers to judge
         return False
-    with open(tok_path, encoding="utf-8") as f:
-        added = json.load(f).get("added_tokens") or []
-    cfg["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
-    tmp = f"{cfg_path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, ensure_ascii=False)
-    os.replace(tmp, cfg_path)
+    write_json(cfg_path, cfg, indent=2, ensure_ascii=False)
     return True
 
 
-def _try_keep_added_tokens(folder: str, progress: Callable[[str], None]) -> None:
+def _try(fn, progress):
+    """A cache write that may fail (read-only folder, full disk) without failing the load: fn's result, else None."""
     try:
-        if keep_added_tokens(folder):
-            progress(f"kept the tokenizer's added tokens in {folder}/tokenizer_config.json (faster later loads)")
-    except (OSError, ValueError, KeyError, TypeError) as e:  # a read-only or odd folder loads as it is
-        progress(f"tokenizer_config.json left as it is: {type(e).__name__}: {e}")
+        return fn()
+    except OSError as e:
+        progress(f"note: could not keep a cache file ({e}); the next load checks again")
+        return None
 
 
 def _conversion_stamp(src: str) -> dict:
