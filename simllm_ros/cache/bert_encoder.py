@@ -84,12 +84,14 @@ class BertEncoder:
         x = self._norm(x, self.embed_norm)
         # bidirectional: a key is masked only where it is padding; no mask at all where nothing is
         mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)
+        def heads(y: torch.Tensor) -> torch.Tensor:  # [B, T, hidden] -> [B, heads, T, head_dim]
+            return y.view(B, T, -1, self.head_dim).transpose(1, 2)
+
         for L in self.layers:
-            heads = lambda y: y.view(B, T, -1, self.head_dim).transpose(1, 2)  # noqa: E731
             q, k, v = heads(F.linear(x, *L["q"])), heads(F.linear(x, *L["k"])), heads(F.linear(x, *L["v"]))
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling,
                                                is_causal=False)
-            a = a.reshape(B, -1, T, self.head_dim).transpose(1, 2).contiguous().reshape(B, T, -1).contiguous()
+            a = a.transpose(1, 2).reshape(B, T, -1)
             x = self._norm(F.linear(a, *L["o"]) + x, L["ln1"])
             x = self._norm(F.linear(F.gelu(F.linear(x, *L["up"])), *L["down"]) + x, L["ln2"])
         return x
