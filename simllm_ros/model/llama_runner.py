@@ -151,6 +151,9 @@ class LlamaRunner(LayerSteps):
         else:
             self.lm_head = _Proj(lm_w, lm.bias.data if lm.bias is not None else None,
                                  16 if weight_bits == 4 else weight_bits)
+        # Rows the LM head takes at least: one on our kernels (a row's bits do not depend on the rows beside it,
+        # test_numerics_contract; a second row would stream the whole head again), two on torch's 16-bit products.
+        self._head_rows = 1 if isinstance(self.lm_head, _Head8) or self.lm_head.parts is not None else 2
         for li, layer in enumerate(base.layers):
             att, mlp = layer.self_attn, layer.mlp
             if self.file is not None:
@@ -435,10 +438,10 @@ class LlamaRunner(LayerSteps):
         # Never one row alone through lm_head either: "last" keeps the last two rows (one-row products
         # round differently, see the module doc), a padded single token keeps both.
         if M == 1:  # a single row run as one (single_rows): a 16-bit LM head still gets two; ours takes one
-            if isinstance(self.lm_head, _Head8):
+            if self._head_rows == 1:
                 return self._capped(self.lm_head(self.norm(h[0])).float())
             return self._capped(self.lm_head(self.norm(h[0].expand(2, -1))).float()[:1])
-        h = self.norm(h[0] if logits == "all" or _single else h[0, -2:])
+        h = self.norm(h[0] if logits == "all" or _single else h[0, -self._head_rows:])
         out = self._capped(self.lm_head(h).float())
         return out if logits == "all" or _single else out[-1:]  # [M or 1, vocab]
 
@@ -582,7 +585,7 @@ class LlamaRunner(LayerSteps):
             return [None] * len(seqs)
         sel = torch.cat(rows)
         n_sel = int(sel.shape[0])
-        if n_sel == 1:  # never one row alone through lm_head: a throwaway second row
+        if n_sel < self._head_rows:  # a 16-bit lm_head never takes one row alone: a throwaway second row
             sel = torch.cat([sel, sel])
         out = self._capped(self.lm_head(self.norm(h[0, sel.to(h.device)])).float())
         res, j = [], 0
