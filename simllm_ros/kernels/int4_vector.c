@@ -4,8 +4,8 @@
 #define SIMLLM_INT4_VECTOR_C
 
 #define GROUP 32
-#define BLOB4 384  /* 16 outputs x one group: input k's 16 codes in 8 bytes at 8k (byte j: output j low, j + 8 high
-                      nibble), then 16 steps and 16 bases, float32 */
+#define BLOB4 384  /* 16 outputs x one group: inputs 2i and 2i + 1 in 16 bytes at 16i (byte j: output j's code of
+                      input 2i in the low nibble, of 2i + 1 in the high), then 16 steps and 16 bases, float32 */
 #define BLOB8 576  /* input k's 16 signed codes at 16k, then 16 scales */
 #define GROUP6 16  /* inputs per group of the 16-input 8-bit format (GGUF's Q6_K: a scale per 16 weights) */
 #define BLOB6 320  /* 16 outputs x one group of 16: input k's 16 signed codes at 16k, then 16 scales */
@@ -27,8 +27,9 @@ static inline v8 ld8(const float *p) { return *(const v8u *)p; }
    one output, so the width decides how many outputs an instruction computes, never an output's operations:
    every build computes the same bits (test_numerics_contract). FMA(a, b, c) is c + a * b with one rounding on
    every CPU (the build turns contraction off, so it is written out): vfmadd, NEON's fmla, else fmaf lane by lane
-   (a correctly rounded libm call where the CPU has no FMA: slow, the same bits). DEC4/DEC8 give input k's 16
-   weights as floats, outputs 0-15 in order across the NH vectors: 4-bit codes 0..15, or 8-bit codes -127..127. */
+   (a correctly rounded libm call where the CPU has no FMA: slow, the same bits). DEC4/DEC8 give the 16 weights of
+   KS4 = 2 inputs (4-bit codes 0..15: a pair shares 16 bytes, one widening for both) or KS8 = 1 input (8-bit codes
+   -127..127) as floats, w[t][h]: input t, outputs VL*h.. in order. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VL 16
@@ -37,12 +38,12 @@ typedef __m512 vw;
 static inline vw ld(const float *p) { return _mm512_loadu_ps(p); }
 static inline void st(float *p, vw v) { _mm512_storeu_ps(p, v); }
 static inline vw bc(float f) { return _mm512_set1_ps(f); }
-/* 8 bytes (byte j: output j low nibble, j + 8 high) -> 16 codes in output order -> 16 floats */
-#define DEC4(p, w) do { const __m128i b_ = _mm_loadl_epi64((const __m128i *)(const void *)(p));                \
-        const __m128i c_ = _mm_and_si128(_mm_unpacklo_epi64(b_, _mm_srli_epi16(b_, 4)), _mm_set1_epi8(15));   \
-        (w)[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c_)); } while (0)
+/* 16 bytes (byte j: output j's two codes) -> 16 int32 -> the low nibbles (first input) and high (second) */
+#define DEC4(p, w) do { const __m512i i_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))); \
+        (w)[0][0] = _mm512_cvtepi32_ps(_mm512_and_si512(i_, _mm512_set1_epi32(15)));                     \
+        (w)[1][0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(i_, 4)); } while (0)
 #define DEC8(p, w) do {                                                                                   \
-        (w)[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)))); \
+        (w)[0][0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)))); \
     } while (0)
 /* VL unsigned bytes -> floats (Q4_K's sub-scales and sub-mins) */
 #define CVTU8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
@@ -86,14 +87,17 @@ static inline vw bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 #define I8X8(p) __builtin_convertvector(*(const i8x8 *)(p), v8i)
 #endif
 #define CVTU8(p) __builtin_convertvector(U8X8(p), v8)
-#define DEC4(p, w) do { const v8i c_ = U8X8(p);                                                           \
-        (w)[0] = __builtin_convertvector(c_ & 15, v8); (w)[1] = __builtin_convertvector(c_ >> 4, v8); } while (0)
-#define DEC8(p, w) do { (w)[0] = __builtin_convertvector(I8X8(p), v8);                                    \
-        (w)[1] = __builtin_convertvector(I8X8((p) + 8), v8); } while (0)
+#define DEC4(p, w) do { const v8i c_ = U8X8(p), d_ = U8X8((p) + 8);                                      \
+        (w)[0][0] = __builtin_convertvector(c_ & 15, v8); (w)[0][1] = __builtin_convertvector(d_ & 15, v8); \
+        (w)[1][0] = __builtin_convertvector(c_ >> 4, v8); (w)[1][1] = __builtin_convertvector(d_ >> 4, v8); } while (0)
+#define DEC8(p, w) do { (w)[0][0] = __builtin_convertvector(I8X8(p), v8);                                 \
+        (w)[0][1] = __builtin_convertvector(I8X8((p) + 8), v8); } while (0)
 #endif
 #define NH (16 / VL)
-#define CS4 8
+#define CS4 8   /* code bytes per input */
 #define CS8 16
+#define KS4 2   /* inputs per decode */
+#define KS8 1
 /* A group's sums a[NH] into out o[NH]; s: its 16 steps, then 16 bases (4-bit) or 16 scales (8-bit). */
 #define POST4(s, a, xs, o) do { for (int h_ = 0; h_ < NH; h_++) {                                          \
         (o)[h_] = FMA(ld((s) + VL * h_), (a)[h_], (o)[h_]); (o)[h_] = FMA(ld((s) + 16 + VL * h_), bc(xs), (o)[h_]); } \
@@ -140,7 +144,7 @@ typedef struct {
 } job_t;
 
 /* One row, NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used. */
-#define DEFINE_ROW(NAME, NB, GK, AT, BLOB, CS, DEC, RPOST)                                                    \
+#define DEFINE_ROW(NAME, NB, GK, AT, BLOB, CS, KS, DEC, RPOST)                                                \
 static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, const float *xs, float *y) {  \
     vw o[NB][NH];                                                                                         \
     for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) o[j][h] = bc(0.f);                          \
@@ -151,12 +155,12 @@ static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, co
         const uint8_t *wg = w + AT(g);                                                                    \
         for (int j = 0; j < NB; j++)  /* no fault past the end: a prefetch is a hint */                   \
             for (int l = 0; l < BLOB; l += 64) __builtin_prefetch(wg + j * bbytes + PREFETCH * BLOB + l);  \
-        for (int k = 0; k < GK; k++) {                                                                    \
-            const vw xb = bc(xg[k]);                                                                      \
+        for (int k = 0; k < GK; k += KS) {                                                                \
             for (int j = 0; j < NB; j++) {                                                                \
-                vw wk[NH];                                                                                \
+                vw wk[KS][NH];                                                                            \
                 DEC(wg + j * bbytes + k * CS, wk);                                                        \
-                for (int h = 0; h < NH; h++) a[j][h] = FMA(xb, wk[h], a[j][h]);                           \
+                for (int t = 0; t < KS; t++)                                                              \
+                    for (int h = 0; h < NH; h++) a[j][h] = FMA(bc(xg[k + t]), wk[t][h], a[j][h]);         \
             }                                                                                             \
         }                                                                                                 \
         for (int j = 0; j < NB; j++) {                                                                    \
@@ -193,7 +197,7 @@ static inline __attribute__((always_inline)) void NAME(const job_t *J, const flo
 
 /* Rows in chunks; per chunk, block and group the weights are decoded once into buf [32][16], then 6, 3 and 1 rows
    at a time (DEFINE_QROWS) take the same operations as above. */
-#define DEFINE_PART(NAME, GK, AT, CS, DEC, QROWS, ROW4, ROW1, HAS_XSUM, SC)                                  \
+#define DEFINE_PART(NAME, GK, AT, CS, KS, DEC, QROWS, ROW4, ROW1, HAS_XSUM, SC)                              \
 static void *NAME(void *arg) {                                                                            \
     const job_t *J = arg;                                                                                 \
     const int G = J->K / GK;                                                                              \
@@ -217,10 +221,11 @@ static void *NAME(void *arg) {                                                  
             for (int i = 0; i < R * 16; i++) ob[i] = 0.f;                                                 \
             for (int g = 0; g < G; g++) {                                                                 \
                 const uint8_t *wg = J->w + b * bbytes + AT(g);                                            \
-                for (int k = 0; k < GK; k++) {                                                            \
-                    vw wk[NH];                                                                            \
+                for (int k = 0; k < GK; k += KS) {                                                        \
+                    vw wk[KS][NH];                                                                        \
                     DEC(wg + k * CS, wk);                                                                 \
-                    for (int h = 0; h < NH; h++) st(dq + 16 * k + VL * h, wk[h]);                         \
+                    for (int t = 0; t < KS; t++)                                                          \
+                        for (int h = 0; h < NH; h++) st(dq + 16 * (k + t) + VL * h, wk[t][h]);            \
                 }                                                                                         \
                 const float *s = SC(J->w + b * bbytes, g, wg, t_);                                        \
                 int r = 0;                                                                                \
@@ -246,21 +251,21 @@ static void *NAME(void *arg) {                                                  
             (o)[h_] = FMA(st_, (a)[h_], (o)[h_]); (o)[h_] = FMA(bs_, bc(xs), (o)[h_]);                    \
         }                                                                                                 \
     } while (0)
-DEFINE_ROW(row4_4, 4, GROUP, at_4, BLOB4, CS4, DEC4, RP4)
-DEFINE_ROW(row4_1, 1, GROUP, at_4, BLOB4, CS4, DEC4, RP4)
-DEFINE_ROW(row4k_4, 4, GROUP, at_4k, GRP4K, CS4, DEC4, RP4K)
-DEFINE_ROW(row4k_1, 1, GROUP, at_4k, GRP4K, CS4, DEC4, RP4K)
-DEFINE_ROW(row8_4, 4, GROUP, at_8, BLOB8, CS8, DEC8, RP8)
-DEFINE_ROW(row8_1, 1, GROUP, at_8, BLOB8, CS8, DEC8, RP8)
-DEFINE_ROW(row6_4, 4, GROUP6, at_6, BLOB6, CS8, DEC8, RP6)
-DEFINE_ROW(row6_1, 1, GROUP6, at_6, BLOB6, CS8, DEC8, RP6)
+DEFINE_ROW(row4_4, 4, GROUP, at_4, BLOB4, CS4, KS4, DEC4, RP4)
+DEFINE_ROW(row4_1, 1, GROUP, at_4, BLOB4, CS4, KS4, DEC4, RP4)
+DEFINE_ROW(row4k_4, 4, GROUP, at_4k, GRP4K, CS4, KS4, DEC4, RP4K)
+DEFINE_ROW(row4k_1, 1, GROUP, at_4k, GRP4K, CS4, KS4, DEC4, RP4K)
+DEFINE_ROW(row8_4, 4, GROUP, at_8, BLOB8, CS8, KS8, DEC8, RP8)
+DEFINE_ROW(row8_1, 1, GROUP, at_8, BLOB8, CS8, KS8, DEC8, RP8)
+DEFINE_ROW(row6_4, 4, GROUP6, at_6, BLOB6, CS8, KS8, DEC8, RP6)
+DEFINE_ROW(row6_1, 1, GROUP6, at_6, BLOB6, CS8, KS8, DEC8, RP6)
 DEFINE_QROWS(qrows4, GROUP, POST4, 1)
 DEFINE_QROWS(qrows8, GROUP, POST8, 0)
 DEFINE_QROWS(qrows6, GROUP6, POST8, 0)
-DEFINE_PART(part4, GROUP, at_4, CS4, DEC4, qrows4, row4_4, row4_1, 1, sc_4)
-DEFINE_PART(part4k, GROUP, at_4k, CS4, DEC4, qrows4, row4k_4, row4k_1, 1, sc_4k)
-DEFINE_PART(part8, GROUP, at_8, CS8, DEC8, qrows8, row8_4, row8_1, 0, sc_8)
-DEFINE_PART(part6, GROUP6, at_6, CS8, DEC8, qrows6, row6_4, row6_1, 0, sc_6)
+DEFINE_PART(part4, GROUP, at_4, CS4, KS4, DEC4, qrows4, row4_4, row4_1, 1, sc_4)
+DEFINE_PART(part4k, GROUP, at_4k, CS4, KS4, DEC4, qrows4, row4k_4, row4k_1, 1, sc_4k)
+DEFINE_PART(part8, GROUP, at_8, CS8, KS8, DEC8, qrows8, row8_4, row8_1, 0, sc_8)
+DEFINE_PART(part6, GROUP6, at_6, CS8, KS8, DEC8, qrows6, row6_4, row6_1, 0, sc_6)
 
 PRODUCT_RUN(float, float, const float, float)
 

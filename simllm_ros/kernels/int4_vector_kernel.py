@@ -60,6 +60,15 @@ def _f16_scales(d: torch.Tensor, n: int, g: int) -> torch.Tensor:
     return d16.reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)
 
 
+def _code_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (0..15) -> [N/16, K/32, 256] uint8, the code bytes of `pack`'s groups: per 16 outputs,
+    group and pair of inputs (2i, 2i + 1), 16 bytes at 16i, byte j holding output j's code of input 2i in its low
+    nibble and of 2i + 1 in its high (the kernel widens the 16 bytes once and takes both inputs from them)."""
+    n, k = codes.shape
+    q = codes.to(torch.uint8).reshape(n // 16, 16, k // GROUP, GROUP // 2, 2)  # block, j, group, pair, which
+    return (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, k // GROUP, 256)
+
+
 def _q4k_blob(byte: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
               ) -> torch.Tensor:
     """A Q4_K blob from its groups' code bytes [N/16, K/32, 256] in either code layout: per 16 outputs and
@@ -100,14 +109,13 @@ class VectorKernel(ProductKernel):
     @staticmethod
     def pack(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
         """codes [N, K] (0..15) and scales_and_zeros [K/32, N, 2] (step, zero: weight = (code - 8) * step + zero)
-        -> [N/16, K/32, 384] uint8: per 16 outputs and group, byte 8k + j holds input k's codes of outputs j (low
-        nibble) and j + 8 (high), then the 16 steps and 16 bases (zero - 8 * step), float32."""
+        -> [N/16, K/32, 384] uint8: per 16 outputs and group, the codes (`_code_pairs`), then the 16 steps and 16
+        bases (zero - 8 * step), float32."""
         n, k = codes.shape
         if n % 16 or k % GROUP:
             raise ValueError(f"int4 vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
         g = k // GROUP
-        q = codes.to(torch.uint8).reshape(n // 16, 2, 8, g, GROUP)  # block, high?, lane, group, input
-        byte = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, g, 256)  # [b, g, k, lane]
+        byte = _code_pairs(codes)
         step = scales_and_zeros[..., 0].float()  # [g, N]
         base = scales_and_zeros[..., 1].float() - 8 * step
         sb = torch.cat([step.t().reshape(n // 16, 16, g), base.t().reshape(n // 16, 16, g)], dim=1)
@@ -122,8 +130,7 @@ class VectorKernel(ProductKernel):
         if n % 16 or k % GROUP:
             raise ValueError(f"int4 vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
         g = k // GROUP
-        q = codes.to(torch.uint8).reshape(n // 16, 2, 8, g, GROUP)
-        byte = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, g, 256)
+        byte = _code_pairs(codes)
         sb = torch.cat([step.float().reshape(n // 16, 16, g), base.float().reshape(n // 16, 16, g)], dim=1)
         sb = sb.permute(0, 2, 1).contiguous().view(torch.uint8)
         return torch.cat([byte, sb], dim=-1).contiguous()
@@ -139,9 +146,7 @@ class VectorKernel(ProductKernel):
         n, k = codes.shape
         if n % 16 or k % SB4K:
             raise ValueError(f"Q4_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
-        q = codes.to(torch.uint8).reshape(n // 16, 2, 8, k // GROUP, GROUP)
-        byte = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, k // GROUP, 256)  # [b, g, k, lane]
-        return _q4k_blob(byte, sc, mn, d, dmin)
+        return _q4k_blob(_code_pairs(codes), sc, mn, d, dmin)
 
     @staticmethod
     def pack_q4k8(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
