@@ -29,6 +29,9 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
         nb = n * k // 32
         b = np.concatenate([_f16(rng, nb, 2e-4, 6e-4), rng.integers(-127, 128, (nb, 32), dtype=np.int8).view(np.uint8)],
                            axis=1)
+    elif ggml == "Q4_0":
+        nb = n * k // 32
+        b = np.concatenate([_f16(rng, nb, 3e-3, 1e-2), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
     elif ggml == "Q5_0":
         nb = n * k // 32
         b = np.concatenate([_f16(rng, nb, 2e-4, 6e-4), rng.integers(0, 256, (nb, 20), dtype=np.uint8)], axis=1)

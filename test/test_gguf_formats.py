@@ -58,7 +58,7 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
 
 
 @pytest.mark.parametrize("ggml,kind,bits", [("Q4_K", "q4k8", 4.5), ("Q6_K", "q6k8", 6.625), ("Q8_0", "q8r", 8.5),
-                                           ("Q5_0", "q5r", 5.5)])
+                                           ("Q5_0", "q5r", 5.5), ("Q4_0", "q4r", 4.5)])
 def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_and_row_invariant(ggml, kind, bits):
     """activation_bits 8: the integer product is exactly (to float32 rounding of its few float steps) the file's
     weights times the rows as quantized (int4_vector_kernel.rows_as_8bit), one row alone or among others; against
@@ -72,7 +72,7 @@ def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_an
     x[4] = 0  # a row of zeros: scale 0, codes 0
     x[6, 5] = 1e4  # an outlier takes its block's range
     whole = mm(x, blob, outs)
-    want = int4_vector_kernel.rows_as_8bit(x, 32 if kind in ("q8r", "q5r") else 256) @ w.double().t()
+    want = int4_vector_kernel.rows_as_8bit(x, 32 if kind in ("q8r", "q5r", "q4r") else 256) @ w.double().t()
     assert (whole.double() - want).abs().max() <= 2e-6 * want.abs().max()
     assert torch.equal(whole[4], torch.zeros(n))
     for r0, r1 in ((0, 1), (1, 3), (3, 7), (7, 30), (30, 37), (5, 6), (6, 11)):
@@ -106,6 +106,8 @@ def files(tmp_path_factory):
             # what llama.cpp's Q4_K_M falls back to where rows are not in 256s (Qwen2.5-0.5B's 896, Gemma 3 270M's 640)
             "q5_0": write_llama(str(d / "rand-q5_0.gguf"), default="Q5_0", embed="Q5_0", output="Q8_0", seed=4,
                                 types={"attn_v": "Q8_0", "ffn_down": "Q6_K"}),
+            # Q4_0 throughout (quantization-aware releases ship it), its head in Q8_0
+            "q4_0": write_llama(str(d / "rand-q4_0.gguf"), default="Q4_0", embed="Q4_0", output="Q8_0", seed=5),
             "qwen2": write_llama(str(d / "rand-qwen2.gguf"), arch="qwen2", types=Q4_K_M, seed=2),
             "qwen3": write_llama(str(d / "rand-qwen3.gguf"), arch="qwen3", head_dim=128, types=Q4_K_M, seed=3),
             "cache": str(d / "models")}
@@ -130,12 +132,13 @@ def _backend(files, name, activation_bits=0) -> ModelBackend:
     ("q8_0", 0, [["q8r", "q8r", "q8r", "q8r"]] * 2, "Q8_0"),
     ("q8_0", 32, [["q8", "q8", "q8", "q8"]] * 2, "Q8_0"),
     ("q5_0", 0, [["q5r+q8r", "q5r", "q5r", "q6k8"]] * 2, "Q8_0"),
+    ("q4_0", 0, [["q4r", "q4r", "q4r", "q4r"]] * 2, "Q8_0"),
 ])
 def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits, layer_kinds, head):
     b = _backend(files, name, activation_bits)
     r = b.runner
     assert b.weight_bits == 4 and b.int4_kind == "vector" and r.file is not None  # weight_bits auto picked it
-    assert b.activation_bits == (8 if layer_kinds[0][1] in ("q4k8", "q8r", "q5r") else 32)
+    assert b.activation_bits == (8 if layer_kinds[0][1] in ("q4k8", "q8r", "q5r", "q4r") else 32)
     assert ("integer dot products" in b.int4_path) == (b.activation_bits == 8)
     assert [[p.kinds for p in (qkv, o, gu, down)] for _, qkv, o, _, gu, down, _ in r.layers] == layer_kinds
     assert r.lm_head.ggml == head and head in b.int4_path and "on the file's own blocks" in b.int4_path

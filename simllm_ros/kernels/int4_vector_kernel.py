@@ -39,6 +39,7 @@ BLOB = 384  # bytes per 16 outputs x one group, 4-bit: 256 of codes, 16 steps an
 BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
 BLOB8R = 544  # 8-bit for 8-bit rows (`pack_q8r`): 512 bytes of codes, 16 float16 scales: 8.5 bits, as GGUF's Q8_0
 BLOB5R = 352  # GGUF's Q5_0 for 8-bit rows (`pack_q5r`): 256 bytes of low nibbles, 64 of top bits, 16 float16 scales
+BLOB4R = 288  # GGUF's Q4_0 for 8-bit rows (`pack_q4r`): the 256 bytes of nibbles, 16 float16 scales: 4.5 bits
 GROUP6 = 16  # inputs per group of the 16-input 8-bit format (GGUF's Q6_K)
 BLOB6 = 320  # 16 outputs x one group of 16: 256 bytes of codes, 16 float32 scales
 SB4K = 256  # inputs per GGUF Q4_K super-block: 8 groups of 32 sharing d and dmin
@@ -67,6 +68,15 @@ def _code_pairs(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     q = codes.to(torch.uint8).reshape(n // 16, 16, k // GROUP, GROUP // 2, 2)  # block, j, group, pair, which
     return (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, k // GROUP, 256)
+
+
+def _nibble_chunks(u: torch.Tensor) -> torch.Tensor:
+    """4-bit values [N, K] (uint8 0..15) -> [N/16, K/32, 256] uint8 as the 8-bit-row kernels of groups of 32 take
+    them: per 16 outputs and group, 4 chunks of 64 bytes, chunk p's byte 4j + i holding output j's value of input
+    8p + i (low nibble) and 8p + 4 + i (high): four inputs of one output side by side for a dot-product instruction."""
+    n, k = u.shape
+    q = u.reshape(n // 16, 16, k // GROUP, 4, 2, 4)  # block, j, group, p, high?, i
+    return (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, k // GROUP, 256)
 
 
 def _q4k_blob(byte: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
@@ -99,11 +109,13 @@ class VectorKernel(ProductKernel):
         self._mm6k8 = self._entry("simllm_vec_q6k8_mm", MM_ARGS)
         self._mm8r = self._entry("simllm_vec_q8r_mm", MM_ARGS)
         self._mm5r = self._entry("simllm_vec_q5r_mm", MM_ARGS)
+        self._mm4r = self._entry("simllm_vec_q4r_mm", MM_ARGS)
         # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
                         "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
                         "q4k8": self._address("simllm_vec_q4k8_mm"), "q6k8": self._address("simllm_vec_q6k8_mm"),
-                        "q8r": self._address("simllm_vec_q8r_mm"), "q5r": self._address("simllm_vec_q5r_mm")}
+                        "q8r": self._address("simllm_vec_q8r_mm"), "q5r": self._address("simllm_vec_q5r_mm"),
+                        "q4r": self._address("simllm_vec_q4r_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
 
     @staticmethod
@@ -224,14 +236,25 @@ class VectorKernel(ProductKernel):
         if codes.numel() and (int(codes.min()) < -16 or int(codes.max()) > 15):
             raise ValueError("Q5_0 rows kernel: codes must lie in -16..15")
         g = k // GROUP
-        u = (codes.to(torch.int16) + 16).to(torch.uint8).reshape(n // 16, 16, g, 4, 2, 4)  # b, j, group, p, high?, i
-        low = u & 15
-        nib = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
-        top = (u >> 4).to(torch.int32)  # [b, j, g, p, high?, i]
+        u = (codes.to(torch.int16) + 16).to(torch.uint8)
+        nib = _nibble_chunks(u & 15)
+        top = (u >> 4).reshape(n // 16, 16, g, 4, 2, 4).to(torch.int32)  # [b, j, g, p, high?, i]
         shift = (2 * torch.arange(4, dtype=torch.int32)[:, None] + torch.arange(2, dtype=torch.int32))[..., None]
         bits = (top << shift).sum(dim=(3, 4)).to(torch.uint8)  # [b, j, g, i]
         bits = bits.permute(0, 2, 1, 3).reshape(n // 16, g, 64)
         return torch.cat([nib, bits, _f16_scales(d, n, g)], dim=-1).contiguous()
+
+    @staticmethod
+    def pack_q4r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """GGUF Q4_0 for the integer product with 8-bit rows (`mm4r`): codes [N, K] (0..15: the file's, weight d *
+        (code - 8)) with a scale per 32 [N, K/32] (float16 values: the file's) -> [N/16, K/32, 288] uint8: `pack_q5r`'s
+        nibbles of the codes, then the 16 scales (float16): 4.5 bits a weight, as the file."""
+        n, k = codes.shape
+        if n % 16 or k % GROUP:
+            raise ValueError(f"Q4_0 rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+            raise ValueError("Q4_0 rows kernel: codes must lie in 0..15")
+        return torch.cat([_nibble_chunks(codes.to(torch.uint8)), _f16_scales(d, n, k // GROUP)], dim=-1).contiguous()
 
     @staticmethod
     def pack6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -327,11 +350,16 @@ class VectorKernel(ProductKernel):
         `pack_q5r` (integer dot products; the same bits as `mm8r` of the same codes) -> [M, n] float32."""
         return self._grouped(self._mm5r, x, blob, n, BLOB5R, "Q5_0", GROUP)
 
+    def mm4r(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous), quantized to 8 bits per 32 inputs, times GGUF Q4_0 weights packed by
+        `pack_q4r` (integer dot products; the bits of `mm8r` of the same codes less 8) -> [M, n] float32."""
+        return self._grouped(self._mm4r, x, blob, n, BLOB4R, "Q4_0", GROUP)
+
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`) or "q6"
         (`pack6`)."""
         return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q8": self.mm8, "q6": self.mm6,
-                "q6k8": self.mm6k8, "q8r": self.mm8r, "q5r": self.mm5r}[kind]
+                "q6k8": self.mm6k8, "q8r": self.mm8r, "q5r": self.mm5r, "q4r": self.mm4r}[kind]
 
 
 def rows_as_8bit(x: torch.Tensor, block: int = SB4K) -> torch.Tensor:
@@ -404,6 +432,9 @@ def _self_check(kernel: VectorKernel) -> str | None:
     q5 = q8.div(8, rounding_mode="floor").clamp(-16, 15)
     if not torch.equal(kernel.mm5r(x, kernel.pack_q5r(q5, d16), 80), kernel.mm8r(x, kernel.pack_q8r(q5, d16), 80)):
         return "the Q5_0 x 8-bit rows kernel does not compute the 8-bit kernel's bits here"
+    q4 = q8.div(16, rounding_mode="floor").clamp(-8, 7)
+    if not torch.equal(kernel.mm4r(x, kernel.pack_q4r(q4 + 8, d16), 80), kernel.mm8r(x, kernel.pack_q8r(q4, d16), 80)):
+        return "the Q4_0 x 8-bit rows kernel does not compute the 8-bit kernel's bits here"
     for mm, blob, want, name in ((kernel.mm, kernel.pack(codes, sz), x.double() @ w.reshape(80, 96).t(), "int4"),
                                  (kernel.mm8, kernel.pack8(q8, d), x.double() @ w8.t(), "int8"),
                                  (kernel.mm6, kernel.pack6(q6, d6), x.double() @ w6.t(), "int8-16")):

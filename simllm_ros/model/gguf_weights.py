@@ -26,7 +26,7 @@ import torch
 # GGUF types each kind of our products takes
 KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6"}
 # ... and the kinds of those that take rows quantized to 8 bits (activation_bits 8)
-INT8_ROW_KINDS = {"Q4_K": "q4k8", "Q6_K": "q6k8", "Q8_0": "q8r", "Q5_0": "q5r"}
+INT8_ROW_KINDS = {"Q4_K": "q4k8", "Q6_K": "q6k8", "Q8_0": "q8r", "Q5_0": "q5r", "Q4_0": "q4r"}
 # The projections of a Llama-family layer: GGUF name -> transformers module path within the layer
 PROJECTIONS = {"attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),
                "attn_v": ("self_attn", "v_proj"), "attn_output": ("self_attn", "o_proj"),
@@ -71,7 +71,7 @@ class FileWeight:
 
     def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
         """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel); `int8_rows`: Q4_K on rows
-        quantized to 8 bits (kinds "q4k8", "q6k8", "q8r", "q5r": integer dot products, at the file's bits)."""
+        quantized to 8 bits (kinds "q4k8", "q6k8", "q8r", "q5r", "q4r": integer dot products, at the file's bits)."""
         if self.kind == "q4k" and int8_rows:
             return "q4k8", kernel.pack_q4k8(self.codes, *self.raw), self.codes.shape[0]
         if self.ggml == "Q6_K" and int8_rows:
@@ -80,6 +80,8 @@ class FileWeight:
             return "q8r", kernel.pack_q8r(self.codes, self.step), self.codes.shape[0]
         if self.ggml == "Q5_0" and int8_rows:  # Q5_0's scale is kept per 16, the same for both halves
             return "q5r", kernel.pack_q5r(self.codes, self.step[:, ::2]), self.codes.shape[0]
+        if self.ggml == "Q4_0" and int8_rows:  # codes 0..15, step d, base -8d: the file's d and codes as they are
+            return "q4r", kernel.pack_q4r(self.codes, self.step), self.codes.shape[0]
         if self.kind == "q4k":  # the file's Q4_K layout (4.75 bits a weight): the q4 product's bits
             blob = kernel.pack_q4k(self.codes, *self.raw)
         elif self.kind == "q4":

@@ -186,15 +186,15 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
-        # Q4_K/Q6_K/Q8_0/Q5_0 blocks take 8-bit rows (integer dot products) unless float32 rows were asked for. Auto
-        # asks a projection in one of them: where every layer is Q4_0/Q4_1 (float32 rows: the embedded model), an
+        # Q4_K/Q6_K/Q8_0/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless float32 rows were asked for.
+        # Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows: the embedded model), an
         # 8-bit LM head alone would save little and make the logits a step function of the last hidden state.
         int8_rows = use_file and activation_bits != 32 and any(
             x in gguf_weights.INT8_ROW_KINDS for kind, t in self.model_file.formats.items() for x in t
             if activation_bits == 8 or kind in gguf_weights.PROJECTIONS)
         if activation_bits == 8 and not int8_rows:
-            raise ModelLoadError(f"activation_bits=8 applies to a GGUF's Q4_K/Q6_K/Q8_0/Q5_0 blocks on our float32 "
-                                 f"vector kernel; {ref} ({dtype}, weight_bits {weight_bits}) has none there: use 0 or 32")
+            raise ModelLoadError(f"activation_bits=8 applies to a GGUF's Q4_K/Q6_K/Q8_0/Q5_0/Q4_0 blocks on our "
+                                 f"float32 vector kernel; {ref} ({dtype}, weight_bits {weight_bits}) has none there: use 0 or 32")
         self.activation_bits = 8 if int8_rows else 32
         # The file's blocks as packed at an earlier load of this GGUF (packed_weights): mapped, not packed again
         packed = PackedStore(path, stamp, int8_rows) if use_file and stamp is not None else None

@@ -37,7 +37,8 @@ def layout_id() -> str:
     h = hashlib.sha256()
     for fn in (ivk._code_pairs, ivk._q4k_blob, ivk.VectorKernel.pack_affine, ivk.VectorKernel.pack_q4k,
                ivk.VectorKernel.pack_q4k8, ivk.VectorKernel.pack_q6k8, ivk.VectorKernel.pack_q8r,
-               ivk.VectorKernel.pack_q5r, ivk._f16_scales, ivk.VectorKernel.pack6, ivk.VectorKernel.pack8):
+               ivk.VectorKernel.pack_q5r, ivk.VectorKernel.pack_q4r, ivk._nibble_chunks, ivk._f16_scales,
+               ivk.VectorKernel.pack6, ivk.VectorKernel.pack8):
         h.update(inspect.getsource(fn).encode())
     for source in ("int4_vector.c", "int8_rows.h"):
         with open(os.path.join(os.path.dirname(os.path.abspath(ivk.__file__)), source), "rb") as f:
