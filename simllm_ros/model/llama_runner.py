@@ -436,8 +436,8 @@ class LlamaRunner(LayerSteps):
             return h[0]
         if logits == "none":
             return None
-        # Never one row alone through lm_head either: "last" keeps the last two rows (one-row products
-        # round differently, see the module doc), a padded single token keeps both.
+        # A 16-bit lm_head never takes one row alone either: "last" keeps the last two rows (one-row products
+        # round differently, see the module doc), a padded single token keeps both; ours takes one (_head_rows).
         if M == 1:  # a single row run as one (single_rows): a 16-bit LM head still gets two; ours takes one
             if self._head_rows == 1:
                 return self._capped(self.lm_head(self.norm(h[0])).float())
@@ -538,7 +538,7 @@ class LlamaRunner(LayerSteps):
         RoPE is per row, and attention runs per sequence over its own buffer, causal by slot. Each
         sequence gets what `forward` gives it alone, bitwise, on a batch-invariant platform (products of
         >= 2 rows are row-invariant; attention is per sequence anyway): a lone row in the whole pass takes
-        `forward`'s padded path, and lm_head always runs >= 2 rows. Returns, per sequence, logits
+        `forward`'s padded path, and a 16-bit lm_head always runs >= 2 rows. Returns, per sequence, logits
         [M, vocab] ("all"), [1, vocab] ("last") or None ("none").
         """
         if not seqs:
