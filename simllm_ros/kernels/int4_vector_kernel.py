@@ -17,9 +17,9 @@ blocks in registers, or blocks of rows over a group decoded once into a float bu
 operations for each output, and threads split output blocks, never a sum: a row's bits depend on its inputs only,
 whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
 
-GGUF's Q4_K, Q6_K, Q8_0 and Q5_0 can also take their rows quantized to 8 bits (activation_bits 8, the default on
-such files: `mm4k8`, `mm6k8`, `mm8r`): per row and 256 inputs (32 for Q8_0/Q5_0) one float32 scale and int8 codes
-(`rows_as_8bit`), integer dot products with the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32
+GGUF's Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 can also take their rows quantized to 8 bits (activation_bits 8, the default
+on such files: `mm4k8`, `mm6k8`, `mm8r`, `mm5r`, `mm4r`): per row and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32
+scale and int8 codes (`rows_as_8bit`), integer dot products with the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32
 sums, so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32
 rows here, and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
 C in kernels/int4_vector.c and int8_rows.h, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off with the AMX
@@ -356,8 +356,8 @@ class VectorKernel(ProductKernel):
         return self._grouped(self._mm4r, x, blob, n, BLOB4R, "Q4_0", GROUP)
 
     def product(self, kind: str):
-        """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`) or "q6"
-        (`pack6`)."""
+        """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`), "q6"
+        (`pack6`), or one of the 8-bit-row kinds "q4k8", "q6k8", "q8r", "q5r", "q4r" (`pack_<kind>`)."""
         return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q8": self.mm8, "q6": self.mm6,
                 "q6k8": self.mm6k8, "q8r": self.mm8r, "q5r": self.mm5r, "q4r": self.mm4r}[kind]
 

@@ -11,6 +11,8 @@ each format maps onto a vector kernel product that computes with exactly those n
 - Q8_0: int8 codes, one scale per 32: the 8-bit blob ("q8", as the LM head of the embedded model).
 - Q6_K: codes -32..31, a scale per 16 (d * int8 sub-scale): the 16-input 8-bit blob ("q6"); Q5_0 (codes -16..15,
   d per 32) too, its scale given to both halves of a block.
+With rows quantized to 8 bits (activation_bits 8) Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 take their own integer-product
+layouts instead, at the file's bits (INT8_ROW_KINDS; `FileWeight.pack`).
 `match` then checks, bit for bit, that step * code + base (one float32 rounding, as gguf's dequantize computes
 it) is the float32 weight the model loaded (transformers dequantizes the same file), permuting rows where the
 loader did (Llama's q and k): nothing runs on numbers other than the file's.
