@@ -22,7 +22,7 @@ on such files: `mm4k8`, `mm6k8`, `mm8r`, `mm5r`, `mm4r`): per row and 256 inputs
 scale and int8 codes (`rows_as_8bit`), integer dot products with the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32
 sums, so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32
 rows here, and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
-C in kernels/int4_vector.c and int8_rows.h, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off with the AMX
+C in kernels/int4_vector.c, int8_rows.h and int8_rows32.h, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off with the AMX
 one.
 """
 from __future__ import annotations

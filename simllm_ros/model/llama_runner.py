@@ -85,7 +85,7 @@ class LlamaRunner(LayerSteps):
         """`file` (gguf_weights.ModelFile, float32 with weight_bits 4 only): the projections and LM head run on the
         GGUF's own blocks on the vector kernel instead of 4-bit codes found again from the weights. `packed`
         (packed_weights.PackedStore): those blocks as packed at an earlier load, mapped instead of packed again.
-        `int8_rows`: the file's Q4_K, Q6_K, Q8_0 and Q5_0 blocks take 8-bit rows (integer dot products)."""
+        `int8_rows`: the file's Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 blocks take 8-bit rows (integer dot products)."""
         base = model.model
         cfg = model.config
         self.model = model

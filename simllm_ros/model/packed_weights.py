@@ -40,7 +40,7 @@ def layout_id() -> str:
                ivk.VectorKernel.pack_q5r, ivk.VectorKernel.pack_q4r, ivk._nibble_chunks, ivk._f16_scales,
                ivk.VectorKernel.pack6, ivk.VectorKernel.pack8):
         h.update(inspect.getsource(fn).encode())
-    for source in ("int4_vector.c", "int8_rows.h"):
+    for source in ("int4_vector.c", "int8_rows.h", "int8_rows32.h"):
         with open(os.path.join(os.path.dirname(os.path.abspath(ivk.__file__)), source), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
