@@ -111,8 +111,12 @@ class Client:
         except ExternalShutdownException:
             pass
 
-    def ask_async(self, prompt: str, scope: str, max_new_tokens: int, on_answer):
+    def ask_async(self, prompt: str, scope: str, max_new_tokens: int, on_answer, wait_s: float = 60.0):
         from simllm_ros.srv import Query
+        # Each trial starts a new node: a request sent before discovery has matched its server is lost (DDS
+        # delivers nothing to a reader it does not know yet), and the answer it waits for never comes.
+        if not self.cli.service_is_ready() and not self.cli.wait_for_service(timeout_sec=wait_s):
+            raise TimeoutError(f"/{NODE}/query not discovered within {wait_s} s")
         fut = self.cli.call_async(Query.Request(prompt=prompt, cache_scope=scope, max_new_tokens=max_new_tokens,
                                                 allow_approximate=True))
         fut.add_done_callback(lambda f: on_answer(f.result(), time.monotonic()))
