@@ -3,61 +3,22 @@ x * (1 + w) in float32, norms after attention and MLP, per-head q/k norms, GELU,
 query_pre_attn_scalar. The runner must compute what transformers' own forward computes, a row's bits must not depend
 on the rows beside it, and the engine's cached answers must be its empty-pool answers.
 
-A small random-weight Gemma3ForCausalLM is written here (the embedded SmolLM2's tokenizer, read from its GGUF): no
-download. Its window is 16 tokens, so every prompt below runs past it."""
+A small random-weight Gemma3ForCausalLM written by the tests (random_gemma: the embedded SmolLM2's tokenizer, read from
+its GGUF; no download). Its window is 16 tokens, so every prompt below runs past it."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from random_gguf import tokenizer_source
-from simllm_ros.model.llama_runner import KVBuffer, LlamaRunner, Seq
+import random_gemma
+from random_gemma import LAYER_TYPES, WINDOW, gemma_backend, write_gemma
+from simllm_ros.model.llama_runner import LlamaRunner, Seq
 from simllm_ros.model.model_backend import ModelBackend
-
-WINDOW = 16
-LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-
-
-def _write_gemma(folder: str, **overrides) -> str:
-    """A random-weight Gemma3ForCausalLM with the SmolLM2 tokenizer saved in `folder`."""
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
-
-    src = tokenizer_source()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(src), gguf_file=os.path.basename(src))
-    cfg = Gemma3TextConfig(**{**dict(
-        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=len(LAYER_TYPES),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=WINDOW, layer_types=LAYER_TYPES,
-        query_pre_attn_scalar=48, max_position_embeddings=4096,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0),
-        **overrides})
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # Gemma's norm weights start at 0 (a factor of 1): random ones make each norm matter
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0, 0.3)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gemma3")
-    return {"model": _write_gemma(str(d / "model")), "cache": str(d / "cache")}
-
-
-_BACKENDS: dict[str, ModelBackend] = {}
-
-
-def _backend(gemma_dir, dtype: str) -> ModelBackend:
-    if dtype not in _BACKENDS:
-        _BACKENDS[dtype] = ModelBackend(gemma_dir["model"], dtype=dtype, weight_bits=16, cache_dir=gemma_dir["cache"])
-    return _BACKENDS[dtype]
+def gemma_dir():
+    return random_gemma.gemma_dir()
 
 
 def _ids(n: int, step: int = 37, first: int = 300) -> list[int]:
@@ -79,16 +40,16 @@ def test_gelu_rows_are_the_same_alone_and_together():
             assert torch.equal(_act_rows(act, gu[:, :m, :inter]), alone[:, :m]), (inter, m)
 
 
-def test_the_runner_computes_what_transformers_computes(gemma_dir):
+def test_the_runner_computes_what_transformers_computes():
     """float32: the runner's logits are transformers' own to rounding, same argmax, over a prompt 4x the window;
     without the window (every layer full attention) they are not, so the window is what makes them agree."""
-    b = _backend(gemma_dir, "float32")
+    b = gemma_backend("float32")
     r = b.runner
     assert r is not None and LlamaRunner.supports(b.model) and b.model_type == "gemma3_text"
     assert r.windowed and r.window == [WINDOW, WINDOW, 0, WINDOW] and r.rope_of[0] != r.rope_of[2]
     assert all(p is not None for p in r.post_norms) and all(n is not None for n in r.qk_norms)
     assert r.fused is None and b.layers_kind != "c"  # the C layers do not take Gemma: Python layers
-    assert not b.semantic_supported and b.sliding_window == 0  # no SEMANTIC; the KV buffer keeps every token
+    assert b.semantic_supported and b.sliding_window == 0  # SEMANTIC too; the KV buffer keeps every token
     ids = _ids(4 * WINDOW)
     ours = b.run(ids, b.new_cache(len(ids) + 2), logits="all")
     with torch.inference_mode():
@@ -104,11 +65,11 @@ def test_the_runner_computes_what_transformers_computes(gemma_dir):
     assert (full[WINDOW:] - ref[WINDOW:]).abs().max() > 100 * (ours - ref).abs().max()
 
 
-def test_bf16_is_batch_invariant_and_close_to_transformers(gemma_dir):
+def test_bf16_is_batch_invariant_and_close_to_transformers():
     """bf16 on the attention kernel: the load-time probe passes, a row's bits are the same alone and in a batch of
     sequences of other lengths (past the window and not), and the runner is as close to float32 transformers as
     transformers' own bf16 forward is."""
-    b = _backend(gemma_dir, "bfloat16")
+    b = gemma_backend("bfloat16")
     assert b.runner is not None and b.exact_chunking, "the invariance probe must pass: reuse and drafts lossless"
     prompts = [_ids(50), _ids(9, 53, 700), _ids(33, 29, 900), _ids(1, 1, 1234)]
     alone = [b.run(p, b.new_cache(len(p) + 2), logits="all") for p in prompts]
@@ -124,13 +85,74 @@ def test_bf16_is_batch_invariant_and_close_to_transformers(gemma_dir):
         kv = b.new_cache(len(p) + 3)
         b.run(p, kv, logits="none")
         assert torch.equal(b.run(n, kv, logits="last"), s)
-    f32 = _backend(gemma_dir, "float32")
+    f32 = gemma_backend("float32")
     ids = prompts[0]
     with torch.inference_mode():
         ref = f32.hf_model(torch.tensor([ids])).logits[0].float()
         hf16 = b.hf_model(torch.tensor([ids])).logits[0].float()
     err_ours, err_hf = (alone[0] - ref).abs().max(), (hf16 - ref).abs().max()
     assert err_ours <= 2 * err_hf + 1e-3 * ref.abs().max(), (err_ours, err_hf)
+
+
+def test_key_rotation_takes_each_layers_own_rope_table():
+    """SEMANTIC repair moves stored keys with R(d): on Gemma 3 a full-attention layer's keys were rotated with the
+    full layers' base and a sliding layer's with theirs, so rotate_keys must take each layer's table (first_layer
+    says which layers it is given). Keys encoded by the runner's own RoPE at positions p, moved by d, equal the keys
+    encoded at p + d under the right table, and not under the other."""
+    b = gemma_backend("float32")
+    r = b.runner
+    full, sliding = LAYER_TYPES.index("full_attention"), LAYER_TYPES.index("sliding_attention")
+    n, d = 40, 173
+    x = torch.randn(n, r.n_kv, r.head_dim, generator=torch.Generator().manual_seed(5))  # keys before RoPE
+    pos = torch.arange(30, 30 + n)
+    h = torch.zeros(1, n, r.hidden)
+    for li in (full, sliding):
+        t = r.rope_of[li]
+        at = [r._rope_tables(h, p) for p in (pos, pos + d)]
+        k_p, k_pd = (r._rotate(x, cos[t], sin[t]).transpose(0, 1)[None] for cos, sin in at)  # [1, Hkv, n, D]
+        delta = torch.full((n,), d, dtype=torch.long)
+        right = b.rotate_keys(k_p, delta, first_layer=li)
+        wrong = b.rotate_keys(k_p, delta, first_layer=sliding if li == full else full)
+        assert (right - k_pd).abs().max() < 1e-4, li
+        assert (wrong - k_pd).abs().max() > 1e-2, li
+    # Several layers in one call, each on its own table
+    k2 = torch.stack([r._rotate(x, *(c[r.rope_of[li]] for c in r._rope_tables(h, pos))).transpose(0, 1)
+                      for li in range(len(LAYER_TYPES))])
+    want = torch.stack([r._rotate(x, *(c[r.rope_of[li]] for c in r._rope_tables(h, pos + d))).transpose(0, 1)
+                        for li in range(len(LAYER_TYPES))])
+    assert (b.rotate_keys(k2[1:], delta, first_layer=1) - want[1:]).abs().max() < 1e-4
+
+
+def test_semantic_answers_on_gemma3_are_approximate_and_reported(gemma_dir):
+    """A paraphrased question over an edited context (words inserted: the later tokens move) takes the SEMANTIC tier
+    when the caller allows approximate reuse: its answer is reported `exact: false` with the reused and recomputed
+    counts; the same request without that permission is a lossless miss, exact. The pool stays consistent."""
+    from simllm_ros.request import CacheResult, QueryRequest
+    from simllm_ros.serving.engine import Engine
+    from simllm_ros.settings import Settings
+
+    gemma_backend("bfloat16")
+    e = Engine(Settings.from_overrides(model=gemma_dir["model"], model_cache_dir=gemma_dir["cache"], dtype="bfloat16",
+                                       weight_bits=16, kv_bits=0, cache_size="256MB", answer_memo=False,
+                                       approx_error_bound=1.0, cache_threshold=0.5))
+    e.load()
+    try:
+        ctx = ("Robot R2 is in the east wing. The charging dock is in room 12. Corridor B is closed for cleaning "
+               "until noon. The lift on level 3 is out of service; use the stairs by the kitchen. Deliveries arrive "
+               "at the north gate at nine and at four.")
+        edited = ctx.replace("The charging dock", "Since Monday, the new charging dock")
+        first = e.handle(QueryRequest(prompt="Where is the charging dock?", context=ctx, max_new_tokens=8))
+        assert first.success and first.cache_result == CacheResult.MISS and first.exact
+        ask = lambda approx: QueryRequest(prompt="Where can I find the charging dock?", context=edited,  # noqa: E731
+                                          max_new_tokens=8, allow_approximate=approx)
+        r = e.handle(ask(True))
+        assert r.success and r.cache_result == CacheResult.SEMANTIC, r
+        assert not r.exact and r.reused_tokens > 2 * WINDOW and r.recomputed_tokens > 0, r
+        e.pool.check_consistency()
+        lossless = e.handle(ask(False))
+        assert lossless.success and lossless.exact and lossless.cache_result != CacheResult.SEMANTIC
+    finally:
+        e.unload()
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.9, 11)])
@@ -141,13 +163,13 @@ def test_engine_cached_answers_are_its_empty_pool_answers(gemma_dir, temperature
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
 
-    _backend(gemma_dir, "bfloat16")  # loaded and probed once in this process
+    gemma_backend("bfloat16")  # loaded and probed once in this process
     e = Engine(Settings.from_overrides(model=gemma_dir["model"], model_cache_dir=gemma_dir["cache"], dtype="bfloat16",
                                        weight_bits=16, kv_bits=0, cache_size="256MB", answer_memo=False,
                                        temperature=temperature, seed=seed))
     e.load()
     try:
-        assert e.backend.exact_chunking and not e.backend.semantic_supported
+        assert e.backend.exact_chunking and e.backend.semantic_supported
         # Draft lengths follow the pass costs timed at load; on a busy machine those can say no draft pays, and the
         # repeat below would then decode plainly. Flat costs (a pass of m rows ~ one row) keep the drafts offered;
         # they decide only how many tokens are checked at once, never which tokens are kept.
@@ -196,7 +218,7 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path, activation_bi
     assert b.model_type == "gemma3_text" and b.weight_bits == 4 and r is not None and r.file is not None
     assert b.activation_bits == activation_bits
     assert r.window.count(0) == 1 and r.windowed and isinstance(r.embed, _ScaledRows)
-    assert b.exact_chunking and not b.semantic_supported and b.layers_kind != "c"
+    assert b.exact_chunking and b.semantic_supported and b.layers_kind != "c"
     ids = [int(t) for t in range(400, 400 + 3 * WINDOW * 53, 53)]
     ours = b.run(ids, b.new_cache(len(ids) + 2), logits="all")
     with torch.inference_mode():
@@ -217,7 +239,7 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path, activation_bi
 def test_what_the_runner_cannot_compute_keeps_transformers_forward(tmp_path):
     """Attention-score soft-capping (Gemma 2's, not Gemma 3's) is not in the attention kernel: such a model loads and
     answers through transformers' own forward, as an unknown architecture does, reuse approximate."""
-    path = _write_gemma(str(tmp_path / "capped"), attn_logit_softcapping=50.0)
+    path = write_gemma(str(tmp_path / "capped"), attn_logit_softcapping=50.0)
     b = ModelBackend(path, dtype="bfloat16", weight_bits=16, cache_dir=str(tmp_path / "cache"))
     assert not LlamaRunner.supports(b.model) and b.runner is None
     assert not b.exact_chunking and not b.semantic_supported and b.attention_kind == "transformers"

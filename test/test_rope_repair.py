@@ -1,19 +1,28 @@
 """RoPE repair is exact for layer 0: a moved token's re-rotated key equals a fresh computation at its new place.
 
 A layer-0 key depends only on the token and its position (no attention before it), so a token moved by d
-positions must have key R(d)·k_old exactly; without the rotation the stored key is wrong.
+positions must have key R(d)·k_old exactly; without the rotation the stored key is wrong. The embedded model and a
+random Gemma 3 (sliding-window layers with their own RoPE base) both; the repair's passes on both too.
 """
 import pytest
 import torch
 
 from core_fixtures import BULLETIN, BULLETIN_REVISED, shared_backend, shared_engine
+from random_gemma import gemma_backend
 
 MOVED = "Is Elm Street open between 3rd Avenue and Mill Road this afternoon?"
 
 
-@pytest.fixture(scope="module")
-def backend():
-    return shared_backend()
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def backend(request):
+    """float32: the embedded model, and a random Gemma 3 (its layer 0 is a sliding layer, on its own RoPE base)."""
+    return gemma_backend("float32") if request.param == "gemma3" else shared_backend()
+
+
+def _model_backend(model: str, dtype: str):
+    if model == "gemma3":
+        return gemma_backend(dtype)
+    return shared_backend() if dtype == "float32" else shared_engine(dtype="bfloat16", kv_bits=0).backend
 
 
 def _layer0_keys(backend, ids):
@@ -64,13 +73,14 @@ def test_rotation_per_token_deltas(backend):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_resuming_above_the_early_layers_equals_running_them_again(dtype, path):
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_resuming_above_the_early_layers_equals_running_them_again(model, dtype, path):
     """Semantic repair's recomputed tokens run at the slots of their positions, among the other tokens' KV,
     starting above the strict layers from the early pass's hidden rows and KV. With every other token's KV
     fresh, that is the same computation as a full pass: scattered tokens, run from the bottom or resumed,
     give the whole pass's last-token logits and KV (bitwise where the runner is batch-invariant), and the same
     next token."""
-    backend = shared_backend() if dtype == "float32" else shared_engine(dtype="bfloat16", kv_bits=0).backend
+    backend = _model_backend(model, dtype)
     runner, kernel = backend.runner, backend.runner.kernel
     if path == "torch":
         runner.kernel = None
@@ -116,13 +126,14 @@ def _resume_and_rerun(backend):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_an_early_pass_finished_for_some_tokens_gives_their_rows_bitwise(dtype, path):
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_an_early_pass_finished_for_some_tokens_gives_their_rows_bitwise(model, dtype, path):
     """Semantic repair picks its recomputed tokens from the last early layer's KV and finishes that layer for
     them alone: their hidden rows and every token's KV must be those of the whole early pass (the recompute
     starts from them), for scattered picks, one token, and none: bitwise where the runner is batch-invariant
     (the default 4-bit models, with our attention kernel), else to float32 rounding (the torch path's float32
     attention products, MKL's, change with row count; the load-time probe checked the kernel path)."""
-    backend = shared_backend() if dtype == "float32" else shared_engine(dtype="bfloat16", kv_bits=0).backend
+    backend = _model_backend(model, dtype)
     exact = backend.exact_chunking and not (path == "torch" and dtype == "float32")
     ids = backend.tokenizer(BULLETIN[:900] + " " + MOVED, add_special_tokens=False)["input_ids"]
     n = len(ids)

@@ -1,6 +1,7 @@
 """semantic_reuse.run builds its cache where the entry was read (slot = position) and recomputes tokens at their
 slots: what it keeps must be the entry's KV moved with its tokens, and what it recomputes must be what a cold
-prefill computes. Real model (bf16 4-bit, KV stored at the model's precision), real pool."""
+prefill computes. Real models (the embedded one at bf16 4-bit; a random Gemma 3 with sliding-window layers, whose
+recomputed tokens read only their window there), KV stored at the model's precision, real pool."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from core_fixtures import BULLETIN, LOSSLESS, shared_engine
+from random_gemma import gemma_backend
 from simllm_ros.serving import semantic_reuse
 from simllm_ros.cache.kv_pool import KVPool
 from simllm_ros.request import CacheResult
@@ -17,8 +19,12 @@ SYSTEM = "You are a helpful city assistant. Answer briefly."
 QUESTION = "Which road is closed this afternoon, and where can I park?"
 
 
-@pytest.fixture(scope="module")
-def backend():
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def backend(request):
+    """The embedded model (full attention) and a random Gemma 3 (sliding-window layers with their own RoPE base,
+    bf16 on the attention kernel: batch-invariant), each repair checked on both."""
+    if request.param == "gemma3":
+        return gemma_backend("bfloat16")
     return shared_engine(**LOSSLESS).backend
 
 
@@ -77,7 +83,7 @@ def test_kept_tokens_hold_the_entry_kv_moved_with_them(backend, edit):
     new = torch.tensor([p for p, _ in kept])
     old = torch.tensor([q for _, q in kept])
     assert torch.equal(v[2:, :, new], src_v[2:, :, old])
-    want = backend.rotate_keys(src_k[2:, :, old], new - old)
+    want = backend.rotate_keys(src_k[2:, :, old], new - old, first_layer=2)
     assert torch.allclose(k[2:, :, new].float(), want.float(), atol=1e-2, rtol=1e-2)
     same = new == old
     assert torch.equal(k[2:, :, new[same]], src_k[2:, :, old[same]])  # unmoved keys: the stored bits

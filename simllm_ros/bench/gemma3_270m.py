@@ -72,9 +72,9 @@ def main(argv=None) -> None:
     out["vs_transformers"] = {"tokens": len(ids), "max_rel_diff": float((ours - ref).abs().max() / ref.abs().max()),
                               "argmax_agree": float((ours.argmax(-1) == ref.argmax(-1)).float().mean())}
     e.unload()
-    model_backend.RUNNER_ONLY_ARCHITECTURES, runner_only = set(), model_backend.RUNNER_ONLY_ARCHITECTURES
+    model_backend.SLIDING_WINDOW_ARCHITECTURES, sliding_archs = set(), model_backend.SLIDING_WINDOW_ARCHITECTURES
     before = model_backend.ModelBackend(path, dtype="auto", weight_bits=0, cache_dir=cache + "-before")
-    model_backend.RUNNER_ONLY_ARCHITECTURES = runner_only
+    model_backend.SLIDING_WINDOW_ARCHITECTURES = sliding_archs
     after = model_backend.ModelBackend(path, dtype="auto", weight_bits=0, cache_dir=cache)
     ids = ids[:400]
     speed = {"before": ([], []), "after": ([], [])}

@@ -406,12 +406,11 @@ class LlamaRunner(LayerSteps):
         # buffer; only what a row reads changes)
         wplan = wblocked = None
         if self.windowed and first_layer < last:
-            if slots is not None:
-                raise ValueError("tokens at their own slots (SEMANTIC repair) are not available with sliding windows")
             if plan is not None:
-                wplan = self._window_plan([(0, M, start, kv.k, kv.v)])
+                wplan = self._window_plan([(0, M, start, kv.k, kv.v)]) if slots is None else \
+                    self._window_plan_at(slots, kv.k, kv.v)
             else:
-                wblocked = self._window_mask(start, M)
+                wblocked = self._window_mask(start, M, slots)
         layers = [] if in_c else self.layers[first_layer:n_layers]
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers, start=first_layer):
             x = ln1(h)
@@ -503,8 +502,6 @@ class LlamaRunner(LayerSteps):
         if int(rows[0]) < start:
             raise ValueError(f"early pass: row {int(rows[0])} is in the {start}-token prefix it did not run")
         li = head.n_layers - 1
-        if self.windowed:
-            raise ValueError("an early pass's chosen rows (SEMANTIC repair) are not available with sliding windows")
         _, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
         cos, sin = cos[self.rope_of[li]], sin[self.rope_of[li]]
         run = rows - start if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows]) - start  # never alone
@@ -518,12 +515,16 @@ class LlamaRunner(LayerSteps):
             # The rows at their own slots (their new KV is what the slots hold: the same bits written again),
             # each attending the slots up to its own: the keys and values it attends in the whole pass, read once
             # for all rows rather than once per row, the same bits.
-            plan = self.kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
+            # On a sliding layer each row reads its window, as in the whole pass.
+            plan = self._window_plan_at(run + start, kv.k, kv.v) if self.window[li] else \
+                self.kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
             o = self.kernel.attend(plan, li, q, head.k[run], head.v[run], self.scale)
         else:
-            G = self.group
+            G, at = self.group, (run + start).to(x.device)
             qg = (q * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
-            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], self._slot_mask((run + start).to(x.device), M))
+            # (over the whole pass's M keys, as it reads them; a sliding layer's rows their window of them)
+            blocked = self._window_mask(0, R, at, M)[self.window[li]] if self.window[li] else self._slot_mask(at, M)
+            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], blocked)
             o = o.reshape(self.n_heads, R, D).transpose(0, 1)
         out = self._mlp(self._attended(h[:, run], o_proj(o.reshape(1, R, self.n_heads * D)), li),
                         ln2, gate_up, down, act, li)

@@ -31,13 +31,12 @@ from .chat_prompts import ChatPrompts
 from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_json, _update_json  # noqa: F401
 from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, default_cache_dir  # noqa: F401
 
-# Architectures whose every layer is full attention with standard RoPE: the SEMANTIC tier's
-# key re-rotation and out-of-order recompute are only correct for these.
-SEMANTIC_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
-# Architectures the batch-invariant runner also takes, sliding-window layers included (its KV buffer keeps every
-# token; a sliding layer's rows read only their window): exact-prefix reuse and verified drafts stay lossless, but
-# SEMANTIC is off (its key re-rotation assumes one RoPE base and full attention; Gemma 3 has two bases).
-RUNNER_ONLY_ARCHITECTURES = {"gemma3_text"}
+# Architectures the batch-invariant runner takes where every layer is full attention with one RoPE table.
+FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+# Architectures it also takes with sliding-window layers (its KV buffer keeps every token; a sliding layer's rows
+# read only their window) and a RoPE table per layer type. Both kinds get every tier: exact-prefix reuse and verified
+# drafts lossless, SEMANTIC repair with each layer's own rotation and windows.
+SLIDING_WINDOW_ARCHITECTURES = {"gemma3_text"}
 
 # Rows of one forward pass at most where passes are exact however cut (run): a longer prompt takes several
 PASS_ROWS = 256
@@ -138,8 +137,8 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
             t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
         self.runner = None
-        fast = (self.model_type in SEMANTIC_ARCHITECTURES and not self.has_sliding_layers
-                or self.model_type in RUNNER_ONLY_ARCHITECTURES) and LlamaRunner.supports(self.model)
+        fast = (self.model_type in FULL_ATTENTION_ARCHITECTURES and not self.has_sliding_layers
+                or self.model_type in SLIDING_WINDOW_ARCHITECTURES) and LlamaRunner.supports(self.model)
         # A GGUF's own quantized blocks for the float32 vector kernel (gguf_weights): every supported format,
         # the embedded model's Q4_1 too (its dense float32 copy is then never read: ~0.6 GB less resident).
         self.model_file: gguf_weights.ModelFile | None = None
@@ -219,15 +218,11 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
                                       "checked and packed, later loads do not read them")
         self.model_file = self.runner.file if use_file and self.runner is not None else None  # codes dropped
         self.weight_bits = weight_bits
-        self.semantic_supported = self.runner is not None and self.model_type in SEMANTIC_ARCHITECTURES \
-            and not self.has_sliding_layers
+        # SEMANTIC repair re-rotates each layer's keys with that layer's RoPE table and recomputes tokens at their
+        # own slots, each reading its window on a sliding layer: every architecture the runner takes
+        self.semantic_supported = self.runner is not None
         if self.runner is not None and self.has_sliding_layers:
             self.sliding_window = 0  # the runner's KV buffer holds every token's KV: a cache past the window is whole
-        if self.runner is not None and not self.semantic_supported:
-            self.progress(f"{self.model_type} runs on the batch-invariant runner (exact-prefix reuse and verified "
-                          "drafts lossless where the invariance probe passes); SEMANTIC reuse is off for it: its key "
-                          "re-rotation and out-of-order repair assume full attention with one RoPE base, and this "
-                          "model has sliding-window layers with their own RoPE base")
         self.stop_ids = self._stop_ids()
         self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))  # rows of the logits
         self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
@@ -497,19 +492,41 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
                                   logits="last", hidden=hidden, first_layer=first_layer)
         return out[-1]
 
-    def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Move post-RoPE keys [L, H, n, D] by `delta` positions each ([n] ints): R(p+d) = R(d) R(p)."""
-        rot = self.model.model.rotary_emb
-        inv_freq = rot.inv_freq.to(k.device, torch.float32)
-        freqs = delta.to(k.device, torch.float32)[:, None] * inv_freq[None, :]  # [n, D/2]: every tensor on k's device
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+    def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
+        """Move post-RoPE keys [L, H, n, D] of layers first_layer.. by `delta` positions each ([n] ints):
+        R(p+d) = R(d) R(p), each layer with its own RoPE table (Gemma 3's sliding and full layers have their own
+        bases)."""
+        tables = self._rope_inv_freqs()
+        of = self.runner.rope_of[first_layer:first_layer + k.shape[0]] if self.runner is not None else [0] * k.shape[0]
         kf = k.float()
         half = kf.shape[-1] // 2
         rotated_half = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
-        # No attention_scaling here: it multiplied cos/sin once at encoding, and a relative rotation
-        # of an already-encoded key must not apply it a second time.
-        return (kf * cos + rotated_half * sin).to(k.dtype)
+        out = None
+        for t, inv_freq in enumerate(tables):
+            layers = [i for i, r in enumerate(of) if r == t]
+            if not layers:
+                continue
+            freqs = delta.to(k.device, torch.float32)[:, None] * inv_freq.to(k.device, torch.float32)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]: every tensor on k's device
+            cos, sin = emb.cos(), emb.sin()
+            # No attention_scaling here: it multiplied cos/sin once at encoding, and a relative rotation
+            # of an already-encoded key must not apply it a second time.
+            if len(layers) == len(of):
+                return (kf * cos + rotated_half * sin).to(k.dtype)
+            if out is None:
+                out = torch.empty_like(k)
+            at = torch.tensor(layers, device=k.device)
+            out[at] = (kf[at] * cos + rotated_half[at] * sin).to(k.dtype)
+        return out
+
+    def _rope_inv_freqs(self) -> list[torch.Tensor]:
+        """The inverse frequencies of each RoPE table, in the runner's order (rope_types; one without a runner)."""
+        rot = self.model.model.rotary_emb
+        types = self.runner.rope_types if self.runner is not None else [None]
+        if types == [None]:
+            return [rot.inv_freq]
+        tables = getattr(rot, "tables", None)  # our skeleton's, else transformers' per-type buffers
+        return [tables[t][0] if tables is not None else getattr(rot, f"{t}_inv_freq") for t in types]
 
     # ---- decoding ------------------------------------------------------------
     def decode(self, first_logits: torch.Tensor, cache, max_new_tokens: int, temperature: float = 0.0,

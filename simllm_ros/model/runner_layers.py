@@ -126,16 +126,31 @@ class LayerSteps:
             head = max(0, min(m, W - start))  # rows at slots < W see every slot up to theirs
             if head:
                 entries.append((row0, head, start, k, v))
-            for i in range(head, m):
-                lo = start + i - W + 1
-                entries.append((row0 + i, 1, W - 1, k[:, :, lo:], v[:, :, lo:]))
+            entries += [self._window_row(row0 + i, start + i, k, v) for i in range(head, m)]
         return self.kernel.plan(entries)
 
-    def _window_mask(self, start: int, m: int) -> dict[int, torch.Tensor]:
-        """The torch path's masks [G*m, start + m] for sliding layers, per window size: True where a row at slot
-        start + i may not attend (a later slot, or one window or more before its own)."""
-        own = torch.arange(start, start + m, device=self.device)[:, None]
-        keys = torch.arange(start + m, device=self.device)[None, :]
+    def _window_plan_at(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "attention_kernel.PassPlan":
+        """`_window_plan` for rows at their own slots (ascending; semantic repair's recomputed tokens): each row a
+        sequence of its own, its window read as the whole pass reads it (the kernel writes every row's KV before
+        any row attends, so a row sees the rows below it in this pass too)."""
+        return self.kernel.plan([self._window_row(i, int(s), k, v) for i, s in enumerate(slots.tolist())])
+
+    def _window_row(self, row: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """One row at `slot` as a kernel sequence that attends its window only: below the window's size, the
+        buffer's slots up to its own; past it, a view that begins where its window does."""
+        W = max(self.window)
+        if slot < W:
+            return (row, 1, slot, k, v)
+        lo = slot - W + 1
+        return (row, 1, W - 1, k[:, :, lo:], v[:, :, lo:])
+
+    def _window_mask(self, start: int, m: int, slots: torch.Tensor | None = None, T: int | None = None
+                     ) -> dict[int, torch.Tensor]:
+        """The torch path's masks [G*m, T] for sliding layers, per window size: True where a row at slot start + i
+        (or at its own `slots`[i]) may not attend (a later slot, or one window or more before its own). T: the
+        keys the attention reads, by default up to the last row's slot."""
+        own = (torch.arange(start, start + m, device=self.device) if slots is None else slots.to(self.device))[:, None]
+        keys = torch.arange(int(own[-1, 0]) + 1 if T is None else T, device=self.device)[None, :]
         return {w: ((keys > own) | (keys <= own - w)).repeat(self.group, 1) for w in set(self.window) if w}
 
     def _head_norm(self, li: int, which: int, x: torch.Tensor) -> torch.Tensor:

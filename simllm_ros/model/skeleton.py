@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The runner's architectures (model_backend.SEMANTIC_ARCHITECTURES | RUNNER_ONLY_ARCHITECTURES)
+# The runner's architectures (model_backend.FULL_ATTENTION_ARCHITECTURES | SLIDING_WINDOW_ARCHITECTURES)
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 

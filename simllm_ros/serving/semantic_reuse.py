@@ -138,7 +138,8 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     cache = backend.cache_from_tensors(src_k, src_v, reserve=max(capacity - src_k.shape[2], 2))  # no copy: adopted
     ck, cv = backend.cache_storage(cache)
     for a, b, m, k_run, v_run in moved:  # every run's source read before any is written
-        ck[strict:, :, a:a + m] = backend.rotate_keys(k_run, torch.full((m,), a - b, dtype=torch.long, device=device))
+        ck[strict:, :, a:a + m] = backend.rotate_keys(k_run, torch.full((m,), a - b, dtype=torch.long, device=device),
+                                                  first_layer=strict)
         cv[strict:, :, a:a + m] = v_run
     ck[:strict, :, :n] = fk[:strict]
     cv[:strict, :, :n] = fv[:strict]
