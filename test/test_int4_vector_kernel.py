@@ -40,8 +40,9 @@ def test_products_are_what_the_weights_say(n, k, m):
 
 @pytest.mark.parametrize("eight", [False, True])
 def test_a_row_gets_the_same_bits_whatever_rows_paths_and_threads_come_with_it(monkeypatch, eight):
-    """Fewer than 4 rows take the register path, more the decoded-group path in chunks of 32 rows, 4 at a time
-    and the rest one by one: every cut below mixes them, and must not change a row."""
+    """Fewer than 12 rows take the register path (3 at a time, then 2 or 1, each block's weights decoded once for
+    them), more the decoded-group path in chunks of 36 rows, 6 or 3 at a time and the rest one by one: every cut
+    below mixes them, and must not change a row."""
     codes, sz, w = _weights(1344, 576, seed=3)
     if eight:
         blob, mm = KERNEL.pack8(*q8_codes(w)), KERNEL.mm8
@@ -49,7 +50,8 @@ def test_a_row_gets_the_same_bits_whatever_rows_paths_and_threads_come_with_it(m
         blob, mm = KERNEL.pack(codes, sz), KERNEL.mm
     x = torch.randn(75, 576, generator=torch.Generator().manual_seed(1))
     whole = mm(x, blob, 1344)
-    for a, b in ((0, 1), (7, 9), (3, 6), (10, 14), (16, 33), (40, 73), (74, 75), (0, 32), (1, 36)):
+    for a, b in ((0, 1), (7, 9), (3, 6), (10, 14), (20, 25), (30, 41), (50, 62), (16, 33), (40, 73), (74, 75), (0, 32),
+                 (1, 36)):
         assert torch.equal(mm(x[a:b], blob, 1344), whole[a:b]), (a, b)
     strided = torch.randn(75, 700)
     strided[:, :576] = x

@@ -76,7 +76,7 @@ def _bf16_bits(t: torch.Tensor) -> bytes:
 def _case(path, seed=0):
     """Inputs for the driver (test/native/bitcheck.c): real packed weights from the package's own packers."""
     g = torch.Generator().manual_seed(seed)
-    m, n, k, e, inter, h, d = 11, 96, 768, 576, 1536, 3, 64  # k in 256s: a Q4_K super-block
+    m, n, k, e, inter, h, d = 14, 96, 768, 576, 1536, 3, 64  # k in 256s: a Q4_K super-block; m past ROWS_AT_ONCE
     w = torch.randn(n, k, generator=g) * 0.05
     codes, sz = _int4_codes(w)
     kernel = int4_vector_kernel.VectorKernel  # packing is plain torch: no library needed
@@ -179,6 +179,6 @@ def test_aarch64_under_qemu_gives_this_machines_bits(tmp_path):
     native, m, n = _run(tmp_path, "native", CC, ("-march=native",) if IS_X86 else AARCH64)
     arm, _, _ = _run(tmp_path, "aarch64", CROSS, AARCH64, runner=(QEMU, "-L", SYSROOT))
     _rows_do_not_depend_on_their_neighbours(arm, m, n)
-    assert arm.keys() == native.keys() and len(arm) == 94
+    assert arm.keys() == native.keys() and len(arm) == 112
     differ = [k for k in native if arm[k] != native[k]]
     assert not differ, f"aarch64 differs from this machine in {differ}"

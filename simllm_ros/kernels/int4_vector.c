@@ -15,6 +15,19 @@
 #define BLOB4K (HEAD4K + SB4K * GRP4K)  /* 2432 bytes per 16 outputs x super-block: 4.75 bits a weight (BLOB4: 6) */
 #define RCHUNK 36  /* rows per chunk in the buffered path: their inputs stay in L2 while the blocks pass */
 #define PREFETCH 8  /* groups ahead in the one-row path: the weights stream from memory while it computes */
+/* Fewer rows than ROWS_AT_ONCE take the register path, 3 at a time (then 2 or 1), each block's weights decoded once
+   for them; more take the buffered path (a group decoded into a buffer, then 6 rows at a time). Measured on an AVX-512
+   EPYC, one thread, a 1536 x 576 product: 42, 57, 72, 105 us for 1-4 rows (75, 108, 184 us for 2-4 before: the
+   one-row path per row below 4 rows, the buffered one from 4), even with the buffered path at 12. NB2, NB3: blocks of
+   16 outputs at once with 2 and 3 rows (their sums stay in registers: fewer with AVX2's two vectors per block). */
+#define ROWS_AT_ONCE 12
+#if defined(__AVX512F__)
+#define NB2 4
+#define NB3 4
+#else
+#define NB2 2
+#define NB3 2
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -143,15 +156,17 @@ typedef struct {
     int M, K; const float *xsum; int b0, b1; float *scratch;
 } job_t;
 
-/* One row, NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used. */
-#define DEFINE_ROW(NAME, NB, GK, AT, BLOB, CS, KS, DEC, RPOST)                                                \
-static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, const float *xs, float *y) {  \
-    vw o[NB][NH];                                                                                         \
-    for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) o[j][h] = bc(0.f);                          \
+/* NR rows (1-3), NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used:
+   once for all NR rows, each row taking the same operations as it does alone (x: row r at x + r * xst, its group
+   sums at xs + r * G, its outputs at y + r * yst). */
+#define DEFINE_ROW(NAME, NB, NR, GK, AT, BLOB, CS, KS, DEC, RPOST)                                            \
+static inline void NAME(const float *x, long xst, const uint8_t *w, long bbytes, int G, const float *xs,   \
+                        float *y, long yst) {                                                             \
+    vw o[NR][NB][NH];                                                                                     \
+    for (int r = 0; r < NR; r++) for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) o[r][j][h] = bc(0.f); \
     for (int g = 0; g < G; g++) {                                                                         \
-        vw a[NB][NH];                                                                                     \
-        for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) a[j][h] = bc(0.f);                      \
-        const float *xg = x + g * GK;                                                                     \
+        vw a[NR][NB][NH];                                                                                 \
+        for (int r = 0; r < NR; r++) for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) a[r][j][h] = bc(0.f); \
         const uint8_t *wg = w + AT(g);                                                                    \
         for (int j = 0; j < NB; j++)  /* no fault past the end: a prefetch is a hint */                   \
             for (int l = 0; l < BLOB; l += 64) __builtin_prefetch(wg + j * bbytes + PREFETCH * BLOB + l);  \
@@ -159,15 +174,19 @@ static inline void NAME(const float *x, const uint8_t *w, long bbytes, int G, co
             for (int j = 0; j < NB; j++) {                                                                \
                 vw wk[KS][NH];                                                                            \
                 DEC(wg + j * bbytes + k * CS, wk);                                                        \
-                for (int t = 0; t < KS; t++)                                                              \
-                    for (int h = 0; h < NH; h++) a[j][h] = FMA(bc(xg[k + t]), wk[t][h], a[j][h]);         \
+                for (int r = 0; r < NR; r++) {                                                            \
+                    const float *xg = x + r * xst + g * GK;                                               \
+                    for (int t = 0; t < KS; t++)                                                          \
+                        for (int h = 0; h < NH; h++) a[r][j][h] = FMA(bc(xg[k + t]), wk[t][h], a[r][j][h]); \
+                }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
-        for (int j = 0; j < NB; j++) {                                                                    \
-            RPOST(w + j * bbytes, g, wg + j * bbytes, a[j], xs ? xs[g] : 0.f, o[j]);                      \
-        }                                                                                                 \
+        for (int r = 0; r < NR; r++)                                                                      \
+            for (int j = 0; j < NB; j++)                                                                  \
+                RPOST(w + j * bbytes, g, wg + j * bbytes, a[r][j], xs ? xs[r * G + g] : 0.f, o[r][j]);    \
     }                                                                                                     \
-    for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) st(y + 16 * j + VL * h, o[j][h]);           \
+    for (int r = 0; r < NR; r++)                                                                          \
+        for (int j = 0; j < NB; j++) for (int h = 0; h < NH; h++) st(y + r * yst + 16 * j + VL * h, o[r][j][h]); \
 }
 
 /* NQ rows (6, 3 or 1) over a group decoded into dq [32][16]: the same operations for each row as the one-row
@@ -197,20 +216,31 @@ static inline __attribute__((always_inline)) void NAME(const job_t *J, const flo
 
 /* Rows in chunks; per chunk, block and group the weights are decoded once into buf [32][16], then 6, 3 and 1 rows
    at a time (DEFINE_QROWS) take the same operations as above. */
-#define DEFINE_PART(NAME, GK, AT, CS, KS, DEC, QROWS, ROW4, ROW1, HAS_XSUM, SC)                              \
+#define DEFINE_PART(NAME, GK, AT, CS, KS, DEC, QROWS, ROW, HAS_XSUM, SC)                              \
 static void *NAME(void *arg) {                                                                            \
     const job_t *J = arg;                                                                                 \
     const int G = J->K / GK;                                                                              \
     const long bbytes = AT(G) - AT(0);                                                                    \
     float t_[32];                                                                                         \
-    if (J->M < 4) {                                                                                       \
-        for (int m = 0; m < J->M; m++) {                                                                  \
+    if (J->M < ROWS_AT_ONCE) {  /* rows 3, then 2 or 1, at a time, the weights decoded once for them */     \
+        for (int m = 0; m < J->M;) {                                                                      \
+            const int nr = J->M - m >= 3 ? 3 : J->M - m;                                                  \
             const float *x = J->x + (long)m * J->x_stride;                                                \
             const float *xs = HAS_XSUM ? J->xsum + (long)m * G : 0;                                       \
             float *y = J->y + (long)m * J->y_stride;                                                      \
+            const long xst = J->x_stride, yst = J->y_stride;                                              \
             int b = J->b0;                                                                                \
-            for (; b + 4 <= J->b1; b += 4) ROW4(x, J->w + b * bbytes, bbytes, G, xs, y + 16 * b);         \
-            for (; b < J->b1; b++) ROW1(x, J->w + b * bbytes, bbytes, G, xs, y + 16 * b);                 \
+            if (nr == 3) {                                                                                \
+                for (; b + NB3 <= J->b1; b += NB3) ROW##_3(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
+                for (; b < J->b1; b++) ROW##_3x1(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
+            } else if (nr == 2) {                                                                         \
+                for (; b + NB2 <= J->b1; b += NB2) ROW##_2(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
+                for (; b < J->b1; b++) ROW##_2x1(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
+            } else {                                                                                      \
+                for (; b + 4 <= J->b1; b += 4) ROW##_1(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
+                for (; b < J->b1; b++) ROW##_1x1(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
+            }                                                                                             \
+            m += nr;                                                                                      \
         }                                                                                                 \
         return 0;                                                                                         \
     }                                                                                                     \
@@ -251,21 +281,25 @@ static void *NAME(void *arg) {                                                  
             (o)[h_] = FMA(st_, (a)[h_], (o)[h_]); (o)[h_] = FMA(bs_, bc(xs), (o)[h_]);                    \
         }                                                                                                 \
     } while (0)
-DEFINE_ROW(row4_4, 4, GROUP, at_4, BLOB4, CS4, KS4, DEC4, RP4)
-DEFINE_ROW(row4_1, 1, GROUP, at_4, BLOB4, CS4, KS4, DEC4, RP4)
-DEFINE_ROW(row4k_4, 4, GROUP, at_4k, GRP4K, CS4, KS4, DEC4, RP4K)
-DEFINE_ROW(row4k_1, 1, GROUP, at_4k, GRP4K, CS4, KS4, DEC4, RP4K)
-DEFINE_ROW(row8_4, 4, GROUP, at_8, BLOB8, CS8, KS8, DEC8, RP8)
-DEFINE_ROW(row8_1, 1, GROUP, at_8, BLOB8, CS8, KS8, DEC8, RP8)
-DEFINE_ROW(row6_4, 4, GROUP6, at_6, BLOB6, CS8, KS8, DEC8, RP6)
-DEFINE_ROW(row6_1, 1, GROUP6, at_6, BLOB6, CS8, KS8, DEC8, RP6)
+/* Per format: 1, 2 and 3 rows over 4, NB2 and NB3 blocks at once, and over one block (the rest of a thread's). */
+#define DEFINE_ROWS(NAME, GK, AT, BLOB, CS, KS, DEC, RPOST)                                                 \
+    DEFINE_ROW(NAME##_1, 4, 1, GK, AT, BLOB, CS, KS, DEC, RPOST)                                          \
+    DEFINE_ROW(NAME##_1x1, 1, 1, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
+    DEFINE_ROW(NAME##_2, NB2, 2, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
+    DEFINE_ROW(NAME##_2x1, 1, 2, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
+    DEFINE_ROW(NAME##_3, NB3, 3, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
+    DEFINE_ROW(NAME##_3x1, 1, 3, GK, AT, BLOB, CS, KS, DEC, RPOST)
+DEFINE_ROWS(row4, GROUP, at_4, BLOB4, CS4, KS4, DEC4, RP4)
+DEFINE_ROWS(row4k, GROUP, at_4k, GRP4K, CS4, KS4, DEC4, RP4K)
+DEFINE_ROWS(row8, GROUP, at_8, BLOB8, CS8, KS8, DEC8, RP8)
+DEFINE_ROWS(row6, GROUP6, at_6, BLOB6, CS8, KS8, DEC8, RP6)
 DEFINE_QROWS(qrows4, GROUP, POST4, 1)
 DEFINE_QROWS(qrows8, GROUP, POST8, 0)
 DEFINE_QROWS(qrows6, GROUP6, POST8, 0)
-DEFINE_PART(part4, GROUP, at_4, CS4, KS4, DEC4, qrows4, row4_4, row4_1, 1, sc_4)
-DEFINE_PART(part4k, GROUP, at_4k, CS4, KS4, DEC4, qrows4, row4k_4, row4k_1, 1, sc_4k)
-DEFINE_PART(part8, GROUP, at_8, CS8, KS8, DEC8, qrows8, row8_4, row8_1, 0, sc_8)
-DEFINE_PART(part6, GROUP6, at_6, CS8, KS8, DEC8, qrows6, row6_4, row6_1, 0, sc_6)
+DEFINE_PART(part4, GROUP, at_4, CS4, KS4, DEC4, qrows4, row4, 1, sc_4)
+DEFINE_PART(part4k, GROUP, at_4k, CS4, KS4, DEC4, qrows4, row4k, 1, sc_4k)
+DEFINE_PART(part8, GROUP, at_8, CS8, KS8, DEC8, qrows8, row8, 0, sc_8)
+DEFINE_PART(part6, GROUP6, at_6, CS8, KS8, DEC8, qrows6, row6, 0, sc_6)
 
 PRODUCT_RUN(float, float, const float, float)
 

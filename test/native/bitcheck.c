@@ -77,9 +77,10 @@ int main(int argc, char **argv) {
     const uint8_t *w8r = slurp(dir, "w8r.u8", 0), *w5r = slurp(dir, "w5r.u8", 0), *w4r = slurp(dir, "w4r.u8", 0);
     float *y = calloc((size_t)M * N, 4), *xsum = calloc((size_t)M * (K / 4 + K / 8) + 1, 4);
     float *buf = calloc((size_t)per_thread * 2, 4);
-    static const int cuts[][2] = {{0, -1}, {0, 1}, {2, 5}, {3, 10}, {7, 8}};
+    /* the whole (the buffered path of the float-row kernel), 1, 3, 7 and 2 rows (its register path) */
+    static const int cuts[][2] = {{0, -1}, {0, 1}, {2, 5}, {3, 10}, {7, 8}, {5, 7}};
     for (int t = 1; t <= 2; t++)
-        for (int c = 0; c < 5; c++) {
+        for (int c = 0; c < 6; c++) {
             const int r0 = cuts[c][0], r1 = cuts[c][1] < 0 ? M : cuts[c][1];
             char name[64];
             mm4(x + (long)r0 * K, K, w4, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
