@@ -30,7 +30,9 @@ use_test_helpers()  # random_gguf: writes the files
 
 # layers, hidden, intermediate, heads, kv heads, architecture, head_dim: the published configs of these models (the
 # vocabulary is SmolLM2's 49,152 tokens here, not Qwen's 151,936 or Llama 3's 128,256: embeddings and LM head are
-# smaller than the originals). qwen2 files carry Qwen2's q/k/v biases, qwen3 files its per-head q/k norms.
+# smaller than the originals). qwen2 files carry Qwen2's q/k/v biases, qwen3 files its per-head q/k norms, gemma3 files
+# Gemma 3's layers (q/k norms, norms after attention and MLP, a 512-token window on five layers in six; one RoPE base
+# for both kinds here) and Gemma 3's own tokenizer, tied embedding of 262,144 tokens (from the gemma3-270m package).
 SHAPES = {
     "smollm2-360m": (32, 960, 2560, 15, 5, "llama", None),
     "qwen2.5-0.5b": (24, 896, 4864, 14, 2, "qwen2", None),
@@ -38,6 +40,7 @@ SHAPES = {
     "llama-3.2-1b": (16, 2048, 8192, 32, 8, "llama", None),
     "qwen2.5-1.5b": (28, 1536, 8960, 12, 2, "qwen2", None),
     "qwen2.5-3b": (36, 2048, 11008, 16, 2, "qwen2", None),
+    "gemma3-1b": (26, 1152, 6912, 4, 1, "gemma3", 256),  # five sliding layers (a 512-token window) to one full
 }
 QUESTIONS = ["Which road is closed this afternoon and why?", "Where can I park near the stadium tonight?"]
 
@@ -92,8 +95,12 @@ def make_file(shape: str, quant: str, folder: str) -> str:
     f16 = os.path.join(folder, f"rand-{shape}-{arch}-f16.gguf")
     t0 = time.perf_counter()
     if not os.path.exists(f16):
+        # Gemma 3's own tokenizer (262,144 tokens, from the 270M file): transformers reads a gemma3 file's
+        # tokenizer as Gemma's, so SmolLM2's BPE vocabulary there would tokenize differently from llama.cpp
         write_llama(f16 + ".tmp", layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv,
-                    default="F16", embed="F16", output="F16", arch=arch, head_dim=head_dim)
+                    default="F16", embed="F16", output=None if arch == "gemma3" else "F16", arch=arch,
+                    head_dim=head_dim, sliding_window=512,
+                    tokenizer=real_file("gemma3-270m") if arch == "gemma3" else None)
         os.replace(f16 + ".tmp", f16)
     quantize_llama_cpp(f16, path + ".tmp", quant)
     os.replace(path + ".tmp", path)
