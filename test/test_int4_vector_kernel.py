@@ -40,7 +40,7 @@ def test_products_are_what_the_weights_say(n, k, m):
 
 @pytest.mark.parametrize("eight", [False, True])
 def test_a_row_gets_the_same_bits_whatever_rows_paths_and_threads_come_with_it(monkeypatch, eight):
-    """Fewer than 12 rows take the register path (3 at a time, then 2 or 1, each block's weights decoded once for
+    """Fewer than 12 rows take the register path (6 or 3 at a time, then 2 or 1, each block's weights decoded once for
     them), more the decoded-group path in chunks of 36 rows, 6 or 3 at a time and the rest one by one: every cut
     below mixes them, and must not change a row."""
     codes, sz, w = _weights(1344, 576, seed=3)

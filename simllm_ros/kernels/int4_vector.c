@@ -15,18 +15,22 @@
 #define BLOB4K (HEAD4K + SB4K * GRP4K)  /* 2432 bytes per 16 outputs x super-block: 4.75 bits a weight (BLOB4: 6) */
 #define RCHUNK 36  /* rows per chunk in the buffered path: their inputs stay in L2 while the blocks pass */
 #define PREFETCH 8  /* groups ahead in the one-row path: the weights stream from memory while it computes */
-/* Fewer rows than ROWS_AT_ONCE take the register path, 3 at a time (then 2 or 1), each block's weights decoded once
-   for them; more take the buffered path (a group decoded into a buffer, then 6 rows at a time). Measured on an AVX-512
-   EPYC, one thread, a 1536 x 576 product: 42, 57, 72, 105 us for 1-4 rows (75, 108, 184 us for 2-4 before: the
-   one-row path per row below 4 rows, the buffered one from 4), even with the buffered path at 12. NB2, NB3: blocks of
-   16 outputs at once with 2 and 3 rows (their sums stay in registers: fewer with AVX2's two vectors per block). */
+/* Fewer rows than ROWS_AT_ONCE take the register path, 6 or 3 at a time (then 2 or 1), each block's weights decoded
+   once for them; more take the buffered path (a group decoded into a buffer, then 6 rows at a time, in chunks whose
+   inputs stay in L2 while a large matrix streams). Measured on an AVX-512 EPYC, one thread, a 1536 x 576 product:
+   42, 57, 72, 105, 123, 172, 235 us for 1, 2, 3, 4, 6, 8, 11 rows (75, 108, 184, 155, 223 us for 2, 3, 4, 6, 8 before:
+   the one-row path per row below 4 rows, the buffered one from 4), about even with the buffered path at 12 and, for
+   a matrix that fits L2, beyond. NB2, NB3, NB6: blocks of 16 outputs at once with 2, 3 and 6 rows (their sums stay in
+   registers: fewer with AVX2's two vectors per block). */
 #define ROWS_AT_ONCE 12
 #if defined(__AVX512F__)
 #define NB2 4
 #define NB3 4
+#define NB6 2
 #else
 #define NB2 2
 #define NB3 2
+#define NB6 1
 #endif
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -222,15 +226,18 @@ static void *NAME(void *arg) {                                                  
     const int G = J->K / GK;                                                                              \
     const long bbytes = AT(G) - AT(0);                                                                    \
     float t_[32];                                                                                         \
-    if (J->M < ROWS_AT_ONCE) {  /* rows 3, then 2 or 1, at a time, the weights decoded once for them */     \
+    if (J->M < ROWS_AT_ONCE) {  /* rows 6 or 3, then 2 or 1, at a time, the weights decoded once for them */ \
         for (int m = 0; m < J->M;) {                                                                      \
-            const int nr = J->M - m >= 3 ? 3 : J->M - m;                                                  \
+            const int nr = J->M - m >= 6 ? 6 : J->M - m >= 3 ? 3 : J->M - m;                              \
             const float *x = J->x + (long)m * J->x_stride;                                                \
             const float *xs = HAS_XSUM ? J->xsum + (long)m * G : 0;                                       \
             float *y = J->y + (long)m * J->y_stride;                                                      \
             const long xst = J->x_stride, yst = J->y_stride;                                              \
             int b = J->b0;                                                                                \
-            if (nr == 3) {                                                                                \
+            if (nr == 6) {                                                                                \
+                for (; b + NB6 <= J->b1; b += NB6) ROW##_6(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
+                for (; b < J->b1; b++) ROW##_6x1(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
+            } else if (nr == 3) {                                                                         \
                 for (; b + NB3 <= J->b1; b += NB3) ROW##_3(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
                 for (; b < J->b1; b++) ROW##_3x1(x, xst, J->w + b * bbytes, bbytes, G, xs, y + 16 * b, yst); \
             } else if (nr == 2) {                                                                         \
@@ -281,14 +288,17 @@ static void *NAME(void *arg) {                                                  
             (o)[h_] = FMA(st_, (a)[h_], (o)[h_]); (o)[h_] = FMA(bs_, bc(xs), (o)[h_]);                    \
         }                                                                                                 \
     } while (0)
-/* Per format: 1, 2 and 3 rows over 4, NB2 and NB3 blocks at once, and over one block (the rest of a thread's). */
+/* Per format: 1, 2, 3 and 6 rows over 4, NB2, NB3 and NB6 blocks at once, and over one block (the rest of a
+   thread's). */
 #define DEFINE_ROWS(NAME, GK, AT, BLOB, CS, KS, DEC, RPOST)                                                 \
     DEFINE_ROW(NAME##_1, 4, 1, GK, AT, BLOB, CS, KS, DEC, RPOST)                                          \
     DEFINE_ROW(NAME##_1x1, 1, 1, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
     DEFINE_ROW(NAME##_2, NB2, 2, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
     DEFINE_ROW(NAME##_2x1, 1, 2, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
     DEFINE_ROW(NAME##_3, NB3, 3, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
-    DEFINE_ROW(NAME##_3x1, 1, 3, GK, AT, BLOB, CS, KS, DEC, RPOST)
+    DEFINE_ROW(NAME##_3x1, 1, 3, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
+    DEFINE_ROW(NAME##_6, NB6, 6, GK, AT, BLOB, CS, KS, DEC, RPOST)                                        \
+    DEFINE_ROW(NAME##_6x1, 1, 6, GK, AT, BLOB, CS, KS, DEC, RPOST)
 DEFINE_ROWS(row4, GROUP, at_4, BLOB4, CS4, KS4, DEC4, RP4)
 DEFINE_ROWS(row4k, GROUP, at_4k, GRP4K, CS4, KS4, DEC4, RP4K)
 DEFINE_ROWS(row8, GROUP, at_8, BLOB8, CS8, KS8, DEC8, RP8)

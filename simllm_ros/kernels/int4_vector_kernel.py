@@ -12,7 +12,7 @@ Arithmetic, per output and group of 32 inputs (the grid of the file's Q4 codes):
 input order, one fused multiply-add at a time from zero; then out = fma(step, acc, out) and
 out = fma(base, sum of the group's x, out), groups in order from out = 0 (8-bit: out = fma(scale, acc, out)). The
 weights are step * code + base (base = zero - 8 * step), float32 out; GGUF's Q4_K keeps its own layout (`pack_q4k`:
-sub-scales, sub-mins, d and dmin), from which the kernel works out the same steps and bases exactly. Every path (1-3
+sub-scales, sub-mins, d and dmin), from which the kernel works out the same steps and bases exactly. Every path (1-6
 rows with up to four 16-output blocks in registers, the weights decoded once for them, or blocks of rows over a group
 decoded once into a float buffer) performs exactly these operations for each output, and threads split output
 blocks, never a sum: a row's bits depend on its inputs only, whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
