@@ -122,17 +122,27 @@ class Client:
         fut.add_done_callback(lambda f: on_answer(f.result(), time.monotonic()))
         return fut
 
-    def ask(self, prompt: str, scope: str, max_new_tokens: int, timeout: float = 120.0):
+    def ask(self, prompt: str, scope: str, max_new_tokens: int, timeout: float = 120.0, retry_s: float = 15.0):
+        """The answer and when it came; the request is sent again after each `retry_s` without one. Fast DDS
+        drops a response when the server has not matched the client's response reader within 100 ms (the rmw's
+        "client will not receive response", only a warning in the node): with a node started a moment ago on a
+        busy machine, a first request can be answered and never arrive. Sending a question again is harmless (a
+        repeat); the first answer to arrive is taken."""
         done = threading.Event()
         box = {}
 
         def got(res, t):
-            box["res"], box["t"] = res, t
-            done.set()
-        self.ask_async(prompt, scope, max_new_tokens, got)
-        if not done.wait(timeout):
-            raise TimeoutError(f"no answer to {prompt!r} within {timeout} s")
-        return box["res"], box["t"]
+            if not done.is_set():
+                box["res"], box["t"] = res, t
+                done.set()
+        deadline = time.monotonic() + timeout
+        while True:
+            self.ask_async(prompt, scope, max_new_tokens, got)
+            if done.wait(min(retry_s, max(0.0, deadline - time.monotonic()))):
+                return box["res"], box["t"]
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer to {prompt!r} within {timeout} s")
+            say(f"  (no answer to {prompt!r} within {retry_s:g} s: asking again)")
 
     def close(self):
         import rclpy
