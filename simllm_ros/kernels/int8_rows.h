@@ -316,38 +316,48 @@ void simllm_vec_q4k8_mm(const float *x, long x_stride, const uint8_t *w, float *
 #define VI_I8(p) I8X8(p)
 #endif
 
-/* Adds a group of 16 inputs' sums into is[NH]: c its 192 code bytes (low nibbles, then top bits), xg the row's
-   16 input codes. The top bits of quad t are (H >> 2t) & 3, put at bits 4-5 by one shift and a mask. */
+/* gdotn adds one group's sums into is[NH] for codes stored as nibbles plus a plane of top bits (Q6_K's groups of 16,
+   Q5_0's and Q4_0's of 32): c its code bytes, P chunks of 64 bytes of nibbles (chunk p, byte 4j + i: output j's input
+   8p + i in the low nibble, 8p + 4 + i in the high), then, where B > 0, 64 bytes of top bits (byte 4j + i, bits
+   Bt..Bt+B-1: output j's input 4t + i); xg the row's 8P input codes. P and B are constants at every call (Q6_K: 2, 2;
+   Q5_0: 4, 1; Q4_0: 4, 0), so the compiler drops what a format does not use. Quad t's top bits go to bit 4 by one
+   shift of 4 - Bt within 16-bit lanes and a mask: a bit that crosses a byte lands below bit 4 or above bit 3 + B,
+   where the mask drops it. */
+#define TOPMASK(B) ((char)(((1 << (B)) - 1) << 4))
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-static inline __m512i top6(__m512i H, int t) {
-    const __m512i m = _mm512_set1_epi8(0x30);
-    return t == 0 ? _mm512_and_si512(_mm512_slli_epi16(H, 4), m) : t == 1 ? _mm512_and_si512(_mm512_slli_epi16(H, 2), m)
-         : t == 2 ? _mm512_and_si512(H, m) : _mm512_and_si512(_mm512_srli_epi16(H, 2), m);
+static inline __m512i topn(__m512i H, int t, const int B) {
+    const int sh = 4 - B * t;
+    const __m512i v = sh >= 0 ? _mm512_sll_epi16(H, _mm_cvtsi32_si128(sh)) : _mm512_srl_epi16(H, _mm_cvtsi32_si128(-sh));
+    return _mm512_and_si512(v, _mm512_set1_epi8(TOPMASK(B)));
 }
-static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
-    const __m512i m4 = _mm512_set1_epi8(15), H = _mm512_loadu_si512((const void *)(c + 128));
-    for (int p = 0; p < 2; p++) {
+static inline __attribute__((always_inline)) void gdotn(const uint8_t *c, const int8_t *xg, vi *is, const int P,
+                                                         const int B) {
+    const __m512i m4 = _mm512_set1_epi8(15);  /* pmaddubsw pairs: at most 2 * 63 * 127 */
+    const __m512i H = B ? _mm512_loadu_si512((const void *)(c + 64 * P)) : _mm512_setzero_si512();
+    for (int p = 0; p < P; p++) {
         const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
-        const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, m4), top6(H, 2 * p));
-        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), top6(H, 2 * p + 1));
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if (B) { lo = _mm512_or_si512(lo, topn(H, 2 * p, B)); hi = _mm512_or_si512(hi, topn(H, 2 * p + 1, B)); }
         is[0] = DPB(is[0], lo, _mm512_set1_epi32(rd32(xg + 8 * p)));
         is[0] = DPB(is[0], hi, _mm512_set1_epi32(rd32(xg + 8 * p + 4)));
     }
 }
 #elif !defined(__AVX512F__) && defined(__AVX2__)
-static inline __m256i top6(__m256i H, int t) {
-    const __m256i m = _mm256_set1_epi8(0x30);
-    return t == 0 ? _mm256_and_si256(_mm256_slli_epi16(H, 4), m) : t == 1 ? _mm256_and_si256(_mm256_slli_epi16(H, 2), m)
-         : t == 2 ? _mm256_and_si256(H, m) : _mm256_and_si256(_mm256_srli_epi16(H, 2), m);
+static inline __m256i topn(__m256i H, int t, const int B) {
+    const int sh = 4 - B * t;
+    const __m256i v = sh >= 0 ? _mm256_sll_epi16(H, _mm_cvtsi32_si128(sh)) : _mm256_srl_epi16(H, _mm_cvtsi32_si128(-sh));
+    return _mm256_and_si256(v, _mm256_set1_epi8(TOPMASK(B)));
 }
-static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+static inline __attribute__((always_inline)) void gdotn(const uint8_t *c, const int8_t *xg, vi *is, const int P,
+                                                         const int B) {
     const __m256i m4 = _mm256_set1_epi8(15);
-    for (int h = 0; h < 2; h++) {  /* int16 pair sums: at most 2 * 2 * 63 * 127 */
-        const __m256i H = _mm256_loadu_si256((const __m256i *)(const void *)(c + 128 + 32 * h));
-        for (int p = 0; p < 2; p++) {
+    for (int h = 0; h < 2; h++) {  /* int16 sums of two pairs: at most 4 * 63 * 127 */
+        const __m256i H = B ? _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * P + 32 * h))
+                            : _mm256_setzero_si256();
+        for (int p = 0; p < P; p++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * p + 32 * h));
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), top6(H, 2 * p));
-            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), top6(H, 2 * p + 1));
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (B) { lo = _mm256_or_si256(lo, topn(H, 2 * p, B)); hi = _mm256_or_si256(hi, topn(H, 2 * p + 1, B)); }
             const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(rd32(xg + 8 * p)));
             const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(rd32(xg + 8 * p + 4)));
             is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1)));
@@ -355,32 +365,35 @@ static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
     }
 }
 #elif !defined(__AVX512F__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
-static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
-    const uint8x16_t m4 = vdupq_n_u8(15), m = vdupq_n_u8(0x30);
+static inline __attribute__((always_inline)) void gdotn(const uint8_t *c, const int8_t *xg, vi *is, const int P,
+                                                         const int B) {
+    const uint8x16_t m4 = vdupq_n_u8(15), m = vdupq_n_u8((uint8_t)TOPMASK(B));
     int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
     for (int q = 0; q < 4; q++) {
-        const uint8x16_t H = vld1q_u8(c + 128 + 16 * q);
-        const uint8x16_t top[4] = {vandq_u8(vshlq_n_u8(H, 4), m), vandq_u8(vshlq_n_u8(H, 2), m), vandq_u8(H, m),
-                                   vandq_u8(vshrq_n_u8(H, 2), m)};
-        for (int p = 0; p < 2; p++) {
+        const uint8x16_t H = B ? vld1q_u8(c + 64 * P + 16 * q) : vdupq_n_u8(0);
+        for (int p = 0; p < P; p++) {  /* quad t's top bits to bit 4: a byte shift by 4 - Bt (right where < 0) */
             const uint8x16_t v = vld1q_u8(c + 64 * p + 16 * q);
+            const uint8x16_t tl = vandq_u8(vshlq_u8(H, vdupq_n_s8((int8_t)(4 - B * 2 * p))), m);
+            const uint8x16_t th = vandq_u8(vshlq_u8(H, vdupq_n_s8((int8_t)(4 - B * (2 * p + 1)))), m);
             const int8x16_t xa = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p)));
             const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p + 4)));
-            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v, m4), top[2 * p])), xa);
-            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v, 4), top[2 * p + 1])), xb);
+            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v, m4), tl)), xa);
+            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v, 4), th)), xb);
         }
     }
     add4q(is, a);
 }
 #else
-static inline void gdot6(const uint8_t *c, const int8_t *xg, vi *is) {
+static inline __attribute__((always_inline)) void gdotn(const uint8_t *c, const int8_t *xg, vi *is, const int P,
+                                                         const int B) {
     int32_t t[16] = {0};
-    for (int p = 0; p < 2; p++)
+    const int mask = (1 << B) - 1;
+    for (int p = 0; p < P; p++)
         for (int j = 0; j < 16; j++)
             for (int i = 0; i < 4; i++) {
-                const int v = c[64 * p + 4 * j + i], H = c[128 + 4 * j + i];
-                t[j] += ((v & 15) | (((H >> (4 * p)) & 3) << 4)) * xg[8 * p + i]
-                      + ((v >> 4) | (((H >> (4 * p + 2)) & 3) << 4)) * xg[8 * p + 4 + i];
+                const int v = c[64 * p + 4 * j + i], H = B ? c[64 * P + 4 * j + i] : 0;
+                t[j] += ((v & 15) | (((H >> (B * 2 * p)) & mask) << 4)) * xg[8 * p + i]
+                      + ((v >> 4) | (((H >> (B * (2 * p + 1))) & mask) << 4)) * xg[8 * p + 4 + i];
             }
     add16(is, t);
 }
@@ -398,7 +411,7 @@ static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, cons
             const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * 16;
             vi is[NH];
             for (int h = 0; h < NH; h++) is[h] = VI_BC(-32 * qrow_sums16(xr[r], K, QBLK)[s * 16 + g]);
-            gdot6(wg, xg, is);
+            gdotn(wg, xg, is, 2, 2);  /* 16 inputs: 2 chunks, 2 top bits */
             for (int h = 0; h < NH; h++) acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
         }
     }

@@ -94,93 +94,13 @@ void simllm_vec_q8r_mm(const float *x, long x_stride, const uint8_t *w, float *y
 #define BLOB5R 352
 #define BLOB4R 288
 
-/* gdot5 adds a group of 32 inputs' sums into is[NH]: c its code bytes (nibbles, then the top bits where `top`: Q5_0;
-   none: Q4_0), xg the row's 32 input codes; `top` is a constant at every call, so the compiler drops what it does not
-   use. One per build below. top5 puts top bit t of each byte of H at bit 4 (one shift within 16-bit lanes: what
-   crosses a byte lands below bit 4 or above it, and the mask drops it). */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-static inline __m512i top5(__m512i H, int t) {
-    const __m512i m = _mm512_set1_epi8(0x10);
-    return _mm512_and_si512(t == 0 ? _mm512_slli_epi16(H, 4) : t == 1 ? _mm512_slli_epi16(H, 3)
-                          : t == 2 ? _mm512_slli_epi16(H, 2) : t == 3 ? _mm512_slli_epi16(H, 1) : t == 4 ? H
-                          : t == 5 ? _mm512_srli_epi16(H, 1) : t == 6 ? _mm512_srli_epi16(H, 2)
-                          : _mm512_srli_epi16(H, 3), m);
-}
-static inline __attribute__((always_inline)) void gdot5(const uint8_t *c, const int8_t *xg, vi *is, const int top) {
-    const __m512i m4 = _mm512_set1_epi8(15);  /* pmaddubsw pairs: at most 2 * 31 * 127 */
-    const __m512i H = top ? _mm512_loadu_si512((const void *)(c + 256)) : _mm512_setzero_si512();
-    for (int p = 0; p < 4; p++) {
-        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
-        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        if (top) { lo = _mm512_or_si512(lo, top5(H, 2 * p)); hi = _mm512_or_si512(hi, top5(H, 2 * p + 1)); }
-        is[0] = DPB(is[0], lo, _mm512_set1_epi32(rd32(xg + 8 * p)));
-        is[0] = DPB(is[0], hi, _mm512_set1_epi32(rd32(xg + 8 * p + 4)));
-    }
-}
-#elif !defined(__AVX512F__) && defined(__AVX2__)
-static inline __m256i top5(__m256i H, int t) {
-    const __m256i m = _mm256_set1_epi8(0x10);
-    return _mm256_and_si256(t == 0 ? _mm256_slli_epi16(H, 4) : t == 1 ? _mm256_slli_epi16(H, 3)
-                          : t == 2 ? _mm256_slli_epi16(H, 2) : t == 3 ? _mm256_slli_epi16(H, 1) : t == 4 ? H
-                          : t == 5 ? _mm256_srli_epi16(H, 1) : t == 6 ? _mm256_srli_epi16(H, 2)
-                          : _mm256_srli_epi16(H, 3), m);
-}
-static inline __attribute__((always_inline)) void gdot5(const uint8_t *c, const int8_t *xg, vi *is, const int top) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    for (int h = 0; h < 2; h++) {  /* int16 sums of two pairs: at most 4 * 31 * 127 */
-        const __m256i H = top ? _mm256_loadu_si256((const __m256i *)(const void *)(c + 256 + 32 * h))
-                              : _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * p + 32 * h));
-            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            if (top) { lo = _mm256_or_si256(lo, top5(H, 2 * p)); hi = _mm256_or_si256(hi, top5(H, 2 * p + 1)); }
-            const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(rd32(xg + 8 * p)));
-            const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(rd32(xg + 8 * p + 4)));
-            is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1)));
-        }
-    }
-}
-#elif !defined(__AVX512F__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
-static inline __attribute__((always_inline)) void gdot5(const uint8_t *c, const int8_t *xg, vi *is, const int top) {
-    const uint8x16_t m4 = vdupq_n_u8(15), m = vdupq_n_u8(top ? 0x10 : 0);  /* no top bits: every mask empty */
-    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
-    for (int q = 0; q < 4; q++) {
-        const uint8x16_t H = top ? vld1q_u8(c + 256 + 16 * q) : vdupq_n_u8(0);
-        const uint8x16_t top[8] = {vandq_u8(vshlq_n_u8(H, 4), m), vandq_u8(vshlq_n_u8(H, 3), m),
-                                   vandq_u8(vshlq_n_u8(H, 2), m), vandq_u8(vshlq_n_u8(H, 1), m), vandq_u8(H, m),
-                                   vandq_u8(vshrq_n_u8(H, 1), m), vandq_u8(vshrq_n_u8(H, 2), m),
-                                   vandq_u8(vshrq_n_u8(H, 3), m)};
-        for (int p = 0; p < 4; p++) {
-            const uint8x16_t v = vld1q_u8(c + 64 * p + 16 * q);
-            const int8x16_t xa = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p)));
-            const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p + 4)));
-            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v, m4), top[2 * p])), xa);
-            a[q] = vdotq_s32(a[q], vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v, 4), top[2 * p + 1])), xb);
-        }
-    }
-    add4q(is, a);
-}
-#else
-static inline __attribute__((always_inline)) void gdot5(const uint8_t *c, const int8_t *xg, vi *is, const int top) {
-    int32_t t[16] = {0};
-    for (int p = 0; p < 4; p++)
-        for (int j = 0; j < 16; j++)
-            for (int i = 0; i < 4; i++) {
-                const int v = c[64 * p + 4 * j + i], H = top ? c[256 + 4 * j + i] : 0;
-                t[j] += ((v & 15) | (((H >> (2 * p)) & 1) << 4)) * xg[8 * p + i]
-                      + ((v >> 4) | (((H >> (2 * p + 1)) & 1) << 4)) * xg[8 * p + 4 + i];
-            }
-    add16(is, t);
-}
-#endif
-
 /* Q5_0 (top) or Q4_0: the group's unsigned codes' sums, less 16 (8) times the row's code sum, then one fma. */
 static inline __attribute__((always_inline)) void sb5r4r(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
                                                           vw o[QROWS][NH], const int NR, const int top) {
     for (int r = 0; r < NR; r++) {
         vi is[NH];
         for (int h = 0; h < NH; h++) is[h] = VI_BC(-(top ? 16 : 8) * qrow_sums32(xr[r], K, GROUP)[s]);
-        gdot5(blk, (const int8_t *)xr[r] + (long)s * GROUP, is, top);
+        gdotn(blk, (const int8_t *)xr[r] + (long)s * GROUP, is, 4, top);  /* 32 inputs: 4 chunks, 1 top bit or none */
         const float dx = qrow_scales(xr[r], K)[s];
         const uint8_t *d = blk + (top ? BLOB5R : BLOB4R) - 32;
         for (int h = 0; h < NH; h++) o[r][h] = FMA(VW_F16(d + 2 * VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
