@@ -519,6 +519,47 @@ def test_the_converted_tokenizer_keeps_its_added_tokens_and_encodes_the_same(fil
     assert len(said) == 1
 
 
+def test_the_served_tokenizer_keeps_no_python_tables_and_encodes_the_same(files, tmp_path):
+    """The backend loads its tokenizer without the Python vocabulary dict and merge list that transformers' model
+    tokenizer classes (Qwen2's, Llama's, Gemma's) keep after building the Rust tokenizer (model_files.load_tokenizer:
+    ~180 MB resident for Gemma 3's 262,144 tokens); ids, chat prompts and decoding equal the tokenizer as
+    transformers leaves it. The converted folder is loaded here as a Qwen2Tokenizer (what a Qwen GGUF converts to:
+    the same byte-level BPE as the test files' SmolLM2 tokenizer)."""
+    import json
+    import os
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from simllm_ros.model.model_files import load_tokenizer
+    from simllm_ros.workloads import load_clinc
+
+    backend = _backend(files, "q4_k_m")
+    for name in os.listdir(backend._path):
+        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(os.path.join(backend._path, name), tmp_path / name)
+    with open(tmp_path / "tokenizer_config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    with open(tmp_path / "tokenizer_config.json", "w", encoding="utf-8") as f:
+        json.dump({**cfg, "tokenizer_class": "Qwen2Tokenizer"}, f)
+    served, full = load_tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert type(served).__name__ == type(full).__name__ == "Qwen2Tokenizer"
+    assert len(full._merges) > 1000 and len(full._vocab) == len(backend.tokenizer.get_vocab())
+    assert not served._merges and not served._vocab
+    texts = [p for phrases in list(load_clinc().values())[:40] for p in phrases[:3]]
+    texts += ["<|im_start|>system\nbulletin<|im_end|>\n<|im_start|>user\nwhere?<|im_end|>", "<|endoftext|> x \u00e9\u4e2d"]
+    for t in texts:
+        assert served(t)["input_ids"] == full(t)["input_ids"] == backend.tokenizer(t)["input_ids"], t
+        ids = full(t, add_special_tokens=False)["input_ids"]
+        assert served.decode(ids, skip_special_tokens=True) == full.decode(ids, skip_special_tokens=True)
+        assert served.convert_ids_to_tokens(ids) == full.convert_ids_to_tokens(ids)
+    msgs = [{"role": "system", "content": "bulletin"}, {"role": "user", "content": texts[0]}]
+    assert served.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True) == \
+        full.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    assert len(served) == len(full) and served.get_vocab() == full.get_vocab()
+    assert served.all_special_ids == full.all_special_ids and served.eos_token_id == full.eos_token_id
+
+
 def _added_tokens_of(folder: str) -> dict:
     import json
     import os

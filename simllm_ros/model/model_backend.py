@@ -24,7 +24,7 @@ from .kernel_paths import KernelPaths
 from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
 from .load_checks import LoadChecks
 from .model_files import SLIM_FILE, ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, _try, \
-    gguf_source, resolve_model, slim_conversion
+    gguf_source, load_tokenizer, resolve_model, slim_conversion
 from .packed_weights import PackedStore
 from .chat_prompts import ChatPrompts
 # Re-exported: what `from simllm_ros.model.model_backend import ...` has always given.
@@ -101,7 +101,7 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         self.dtype = _DTYPES[dtype]
         self.dtype_name = dtype
         _quiet_transformers()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         path = resolve_model(ref, cache_dir, self.progress)
         self._path, self._dense_model = path, None
@@ -117,7 +117,7 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
             self._path = path
         self._cache_dir = cache_dir
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.tokenizer = load_tokenizer(path)
             self.skeleton = rows is not None  # the dense projection weights were never loaded
             if rows is not None:
                 self.progress("loading the GGUF's checked blocks (no dense projection weights)")

@@ -119,6 +119,28 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     return target
 
 
+def load_tokenizer(path: str):
+    """The folder's tokenizer, without the Python copies of its tables. transformers 5's tokenizer classes build
+    the Rust tokenizer from a vocabulary dict and a merge list read in Python and keep both (`_vocab`,
+    `_merges`), which only their constructors read: for Gemma 3's 262,144 tokens and 514,906 merges that is
+    ~180 MB resident for as long as the model is loaded, more than the Rust tokenizer itself. Encoding and
+    decoding go through the Rust tokenizer only, so the tokens do not change (test_gguf_formats checks)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    dropped = False
+    for name in ("_vocab", "_merges"):
+        table = getattr(tok, name, None)
+        if isinstance(table, (dict, list)) and getattr(tok, "_tokenizer", None) is not None:
+            setattr(tok, name, type(table)())
+            dropped = True
+    if dropped:
+        from .runner_weights import _return_freed_heap
+
+        _return_freed_heap()
+    return tok
+
+
 def keep_added_tokens(folder: str) -> bool:
     """Writes tokenizer.json's added tokens into tokenizer_config.json (`added_tokens_decoder`, as transformers 4
     saved them) where it lacks them; whether it wrote. transformers 5 drops them on save and then, at every load,
