@@ -317,6 +317,35 @@ def test_the_client_library_answers_inside_a_timer_callback_and_cancels(h):
         client.close()
 
 
+def test_the_client_asks_again_only_until_a_service_has_answered_it(h):
+    """A request left unanswered for resend_s is sent again, but only before the service has answered this client
+    once (Fast DDS may drop a new client's first responses unseen) and at most twice; each future settles once with
+    the node's answer, the resent question is answered the same, and once an answer came nothing is sent twice."""
+    from simllm_ros.ros.client import SimllmClient
+
+    h.ensure_active()
+    client = SimllmClient(f"/{NODE}", context=h.context, resend_s=0.02)
+    try:
+        question = dict(context=BULLETIN, max_new_tokens=24, cache_scope=f"resend-{uuid.uuid4().hex[:6]}")
+        first = client.query("Which roads are closed this week, and why?", **question).result(120)
+        assert first.success and first.answer, first.error
+        assert client.resends == 2, "a 24-token answer takes longer than 40 ms: the question was not sent twice more"
+        after = client.resends
+        again = client.query("Which roads are closed this week, and why?", **question).result(120)
+        other = client.query("Is the bus on time?", **question).result(120)
+        assert again.success and again.answer == first.answer and other.success, (again.error, other.error)
+        assert client.resends == after, "sent again after the service had answered"
+        # another client's first question: asked again as well; both answered alike
+        late = SimllmClient(f"/{NODE}", context=h.context, resend_s=0.02)
+        try:
+            assert late.query("Is the bus on time?", **question).result(120).answer == other.answer
+            assert late.resends <= 2
+        finally:
+            late.close()
+    finally:
+        client.close()
+
+
 def test_the_readme_client_examples_run_as_written(h):
     """The README's client examples (marked 'client example'), run in order as written against a live node,
     with `bulletin` and `speak` given."""

@@ -422,7 +422,8 @@ def _cli_options_reach_the_node(env):
 
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
     q = _cli(env, "What is two plus two? Answer in JSON.", "--json-schema", json.dumps(schema), "--max-new-tokens",
-             "12")
+             "12", "--resend", "0.01")
+    assert "asking again (1/2)" in q.stderr and "(3/2)" not in q.stderr, q.stderr  # a schema's answer takes > 10 ms
     d = json.loads(q.stdout)
     if d["success"]:
         jsonschema.validate(json.loads(d["answer"]), schema)

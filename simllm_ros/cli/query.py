@@ -2,7 +2,8 @@
 
     simllm-query "prompt" [--context TEXT | --context-file F] [--scope S] [--max-new-tokens N]
                  [--no-approximate] [--json-schema SCHEMA|@FILE] [--message ROLE:TEXT ...] [--stop S ...]
-                 [--temperature T] [--seed N] [--stream] [--timeout S] [--node /simllm_node] [--ros-args ...]
+                 [--temperature T] [--seed N] [--stream] [--timeout S] [--resend S] [--node /simllm_node]
+                 [--ros-args ...]
     simllm-query --embed "text" ["text" ...]
 
 The Query service by default; --stream uses the Generate action (text on stdout as it grows, the result JSON
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embed", action="store_true", help="embed the texts with the node's embedder (~/embed)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="seconds to wait for the service and the answer (default 60)")
+    p.add_argument("--resend", type=float, default=None, metavar="S",
+                   help="send the question again (at most twice) after S seconds without an answer (default 10): "
+                        "Fast DDS can drop the first answer to a client the node has only just seen")
     p.add_argument("--node", default="/simllm_node", help="node name (default /simllm_node)")
     return p
 
@@ -94,18 +98,36 @@ def _spin_until(node, future, deadline: float) -> bool:
     return future.done() and future.result() is not None
 
 
-def _call_service(node, srv_type, name: str, request, timeout: float) -> tuple[object | None, str]:
-    """(response, "") or (None, why not) for one service call within `timeout` seconds."""
+def _call_service(node, srv_type, name: str, request, timeout: float,
+                  resend_s: float | None = None) -> tuple[object | None, str]:
+    """(response, "") or (None, why not) for one service call within `timeout` seconds. The request is sent again
+    (at most twice) after each `resend_s` (RESEND_S) without an answer: this process's client is new, and Fast DDS drops a
+    response to a client whose response reader the node has not matched yet (simllm_ros.ros.client)."""
+    import rclpy
+
+    from simllm_ros.ros.client import MAX_RESENDS, RESEND_S
     from simllm_ros.ros.qos import CLIENT_QOS
 
+    resend_s = RESEND_S if resend_s is None else resend_s
     client = node.create_client(srv_type, name, qos_profile=CLIENT_QOS)
     deadline = time.monotonic() + timeout
     if not client.wait_for_service(timeout_sec=timeout):
         return None, f"timeout: service {name} not available after {timeout:g} s (is the node active?)"
-    future = client.call_async(request)
-    if not _spin_until(node, future, deadline):
-        return None, f"timeout: no answer from {name} within {timeout:g} s"
-    return future.result(), ""
+    sent, last_sent = [client.call_async(request)], time.monotonic()
+    while True:
+        answered = [f for f in sent if f.done() and f.result() is not None]
+        if answered:
+            return answered[0].result(), ""
+        now = time.monotonic()
+        if now >= deadline:
+            return None, f"timeout: no answer from {name} within {timeout:g} s"
+        if len(sent) <= MAX_RESENDS and now - last_sent >= resend_s:
+            print(f"no answer from {name} after {now - last_sent:.2f} s: asking again ({len(sent)}/{MAX_RESENDS})",
+                  file=sys.stderr)
+            sent.append(client.call_async(request))
+            last_sent = now
+        wait = min(0.1, deadline - now, resend_s - (now - last_sent) if len(sent) <= MAX_RESENDS else 0.1)
+        rclpy.spin_once(node, timeout_sec=max(0.0, wait))
 
 
 def _stream(node, name: str, fields: dict, timeout: float) -> int:
@@ -206,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
             return _stream(node, f"{node_name}/generate", fields, args.timeout)
         if args.embed:
             resp, why = _call_service(node, Embed, f"{node_name}/embed", Embed.Request(texts=list(args.prompt)),
-                                      args.timeout)
+                                      args.timeout, args.resend)
             out = {"success": False, "error": why} if resp is None else {
                 "success": resp.success, "error": resp.error, "dim": resp.dim,
                 "vectors": [[round(float(v), 6) for v in resp.vectors[i * resp.dim:(i + 1) * resp.dim]]
                             for i in range(len(args.prompt))] if resp.success else []}
         else:
-            resp, why = _call_service(node, Query, f"{node_name}/query", Query.Request(**fields), args.timeout)
+            resp, why = _call_service(node, Query, f"{node_name}/query", Query.Request(**fields), args.timeout,
+                                      args.resend)
             out = {"success": False, "error": why} if resp is None else response_to_dict(resp)
         print(json.dumps(out, ensure_ascii=False, indent=2))
         code = 0 if out["success"] else 1

@@ -15,7 +15,11 @@ caller may wait on a result from any thread, a timer or subscription callback of
     client.close()
 
 Each call takes the node's request fields as keywords (srv/Query.srv) and a timeout: past it the future fails with
-TimeoutError. A request the node refuses comes back as a response with success=false and the reason in error,
+TimeoutError. Until a service has answered this client once, a request it leaves unanswered for `resend_s` is sent
+again, at most twice (the first answer settles the future): Fast DDS drops a service response when the node has not yet matched a
+new client's response reader (rmw_fastrtps' "client will not receive response"), and neither side can see that.
+After the first answer the path is known to work and nothing is sent twice; a resent question costs the node at
+most a repeat of its work (an identical request: answered from its answer memo once the first is done). A request the node refuses comes back as a response with success=false and the reason in error,
 exactly as from the service. Futures complete on the client's thread: keep done-callbacks short.
 """
 from __future__ import annotations
@@ -26,6 +30,8 @@ import os
 import threading
 
 _COUNT = itertools.count()
+MAX_RESENDS = 2  # a dropped first response is the rmw's matching race: once matched, one more send arrives
+RESEND_S = 10.0  # how long a first request waits for its answer before it is sent again
 
 
 class GenerateRun:
@@ -58,7 +64,7 @@ class GenerateRun:
 class SimllmClient:
     """Futures over a simllm_node's ~/query, ~/generate and ~/embed, with the node's QoS."""
 
-    def __init__(self, target: str = "/simllm_node", context=None, wait_s: float = 30.0):
+    def __init__(self, target: str = "/simllm_node", context=None, wait_s: float = 30.0, resend_s: float = RESEND_S):
         import rclpy
         from rclpy.action import ActionClient
         from rclpy.executors import SingleThreadedExecutor
@@ -70,6 +76,9 @@ class SimllmClient:
         self._Query, self._Embed, self._Generate = Query, Embed, Generate
         self.target = "/" + target.strip("/")
         self.wait_s = wait_s
+        self.resend_s = resend_s
+        self.resends = 0  # requests sent again (see the module's docstring)
+        self._answered: set[str] = set()  # services that have answered this client
         self._node = rclpy.create_node(f"simllm_client_{os.getpid()}_{next(_COUNT)}", context=context)
         self._query = self._node.create_client(Query, f"{self.target}/query", qos_profile=CLIENT_QOS)
         self._embed = self._node.create_client(Embed, f"{self.target}/embed", qos_profile=CLIENT_QOS)
@@ -156,11 +165,38 @@ class SimllmClient:
     def _service(self, client, request, timeout: float) -> concurrent.futures.Future:
         out: concurrent.futures.Future = concurrent.futures.Future()
 
+        sent: list = []
+
+        def answered(f):
+            if f.cancelled():
+                return
+            self._answered.add(client.srv_name)
+            _settle(out, f.result())
+
+        def forget_unanswered(_):  # a late answer to one of these is dropped by rclpy, not kept pending
+            remove = getattr(client, "remove_pending_request", None)
+            for f in list(sent):
+                if not f.done() and remove is not None:
+                    remove(f)
+
         def call():
             if not client.service_is_ready() and not client.wait_for_service(timeout_sec=min(self.wait_s, timeout)):
-                out.set_exception(TimeoutError(f"{client.srv_name} not available (is the node active?)"))
+                _fail(out, TimeoutError(f"{client.srv_name} not available (is the node active?)"))
                 return
-            client.call_async(request).add_done_callback(lambda f: _settle(out, f.result()))
+            sent.append(client.call_async(request))
+            sent[-1].add_done_callback(answered)
+            # before this service has answered once, a response may be dropped unseen: ask again
+            while client.srv_name not in self._answered and not self._closed.is_set() and len(sent) <= MAX_RESENDS:
+                try:
+                    out.exception(timeout=self.resend_s)
+                    break  # settled: answered, or timed out
+                except concurrent.futures.TimeoutError:
+                    if client.srv_name in self._answered or self._closed.is_set():
+                        break
+                    self.resends += 1
+                    sent.append(client.call_async(request))
+                    sent[-1].add_done_callback(answered)
+            out.add_done_callback(forget_unanswered)
 
         threading.Thread(target=call, daemon=True).start()  # waiting for the service must not block the caller
         self._expire(out, timeout, client.srv_name)
