@@ -51,13 +51,15 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
 def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 512, heads: int = 4, kv_heads: int = 2,
                 types: dict | None = None, default: str = "Q4_K", embed: str = "Q4_K", output: str | None = "Q6_K",
                 per_layer: dict | None = None, seed: int = 0, truncate: int = 0, arch: str = "llama",
-                head_dim: int | None = None, sliding_window: int = 16, tokenizer: str | None = None) -> str:
+                head_dim: int | None = None, sliding_window: int = 16, tokenizer: str | None = None,
+                rope_base: float = 10000.0) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
     hidden / heads, as Qwen3's does), "gemma3" Gemma 3's layers (q/k norms, norms after attention and MLP, every
     layer but each sixth a `sliding_window` one). `truncate` cuts that many bytes off the end (a broken download).
-    `tokenizer`: a GGUF whose tokenizer (and so vocabulary) the file takes, by default the embedded model's."""
+    `tokenizer`: a GGUF whose tokenizer (and so vocabulary) the file takes, by default the embedded model's;
+    `rope_base`: RoPE's base (Gemma 3: its full layers'; its sliding layers keep 10,000)."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer or tokenizer_source())
@@ -74,7 +76,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     w.add_feed_forward_length(inter)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(vocab)

@@ -1,8 +1,11 @@
 """A pass's layers in one C call (layer_kernel): bitwise what the same layers give run one by one from Python,
 for every kind of pass the engine makes (prefill, decode steps, tokens at their own slots, resumed rows,
 several sequences at once), on this CPU's lossless default where it runs (bf16 on 4-bit AMX products; float32 on
-the 4-bit vector kernel, portable C)."""
+the 4-bit vector kernel, portable C), and on a Gemma 3 GGUF's own blocks (float32: norms of x * (1 + w), norms of
+the attention and MLP outputs, tanh GELU, 16-token windows on most layers, a RoPE table per layer type)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -14,13 +17,44 @@ KERNEL = layer_kernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"layer kernel: {layer_kernel.why_not()}")
 
 
-def _runner():
+_GEMMA = {}
+
+
+def _gemma_runner():
+    """A random Gemma 3 GGUF (7 layers, the sixth full attention, the rest 16-token windows; the full layers' RoPE
+    base 1,000,000 as Gemma 3's, the sliding ones' 10,000) on its own Q4_K_M blocks in float32, once per process."""
+    if not _GEMMA:
+        import atexit
+        import shutil
+        import tempfile
+
+        from random_gguf import Q4_K_M, write_llama
+        from simllm_ros.model.model_backend import ModelBackend
+
+        root = tempfile.mkdtemp(prefix="simllm-gemma3-layers-")
+        atexit.register(shutil.rmtree, root, True)
+        path = write_llama(os.path.join(root, "rand-gemma3.gguf"), arch="gemma3", layers=7, hidden=256, inter=512,
+                           heads=4, kv_heads=1, head_dim=64, types=Q4_K_M, embed="Q8_0", output=None, seed=9,
+                           sliding_window=16, rope_base=1e6)
+        _GEMMA["backend"] = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=os.path.join(root, "models"))
+    return _GEMMA["backend"].runner
+
+
+def _runner(model="embedded"):
+    if model == "gemma3":
+        r = _gemma_runner()
+        assert r.fused is not None, "the C layers take Gemma 3 in float32"
+        assert r.windowed and 0 in r.window and len(r.rope_types) == 2
+        return r
     from core_fixtures import LOSSLESS, shared_engine
 
     r = shared_engine(**LOSSLESS).backend.runner
     if r is None or r.fused is None:
         pytest.skip("the default model does not run its layers in C here (not a 4-bit configuration on our kernels)")
     return r
+
+
+MODELS = pytest.mark.parametrize("model", ["embedded", "gemma3"])
 
 
 def _both(r, fn):
@@ -44,9 +78,10 @@ def _ids(n, seed=0):
 
 
 @needs_kernel
+@MODELS
 @pytest.mark.parametrize("n", [1, 2, 17, 57, 130])
-def test_prefill_and_decode_steps_equal_the_python_layers(n):
-    r = _runner()
+def test_prefill_and_decode_steps_equal_the_python_layers(model, n):
+    r = _runner(model)
     ids = _ids(n + 3, n)
 
     def run():
@@ -62,8 +97,9 @@ def test_prefill_and_decode_steps_equal_the_python_layers(n):
 
 
 @needs_kernel
-def test_own_slots_resumed_rows_and_batches_equal_the_python_layers():
-    r = _runner()
+@MODELS
+def test_own_slots_resumed_rows_and_batches_equal_the_python_layers(model):
+    r = _runner(model)
     n = 60
     ids = _ids(n, 3)
     slots = torch.tensor([5, 6, 19, 33, 34, 35, 59])
@@ -87,10 +123,11 @@ def test_own_slots_resumed_rows_and_batches_equal_the_python_layers():
 
 
 @needs_kernel
-def test_the_early_pass_finishes_its_last_layer_as_the_c_layers_do():
-    """The early pass runs its last layer's MLP from Python: with the C layers' SiLU, its rows are bitwise a
+@MODELS
+def test_the_early_pass_finishes_its_last_layer_as_the_c_layers_do(model):
+    """The early pass runs its last layer's MLP from Python: with the C layers' SiLU (GELU), its rows are bitwise a
     whole pass's (the semantic repair resumes from them)."""
-    r = _runner()
+    r = _runner(model)
     n = 50
     ids = _ids(n, 5)
     whole = _buffer(r, n + 2)
@@ -153,11 +190,12 @@ def test_the_python_layers_can_be_chosen():
 
 
 @needs_kernel
+@MODELS
 @pytest.mark.parametrize("n", [7, 8, 9, 57, 130])
-def test_the_steps_between_products_split_over_threads_change_no_bit(n):
+def test_the_steps_between_products_split_over_threads_change_no_bit(model, n):
     """From GLUE_MIN_ROWS rows the norms, residual adds, RoPE and SiLU run split by rows over the 4-bit kernel's
     kept workers: at 2 and 3 threads the C layers give the bits of one thread and of the Python layers."""
-    r = _runner()
+    r = _runner(model)
     ids = _ids(n, 40 + n)
     before = torch.get_num_threads()
 

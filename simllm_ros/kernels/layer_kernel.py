@@ -32,7 +32,14 @@ class _Pass(ctypes.Structure):
     _fields_ = [("norm", _P), ("mm", _P), ("attend", _P), ("E", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("I", _I),
                 ("scale", _F), ("nseq", _I), ("table", _P), ("awork", _P), ("astride", _L), ("athreads", _I),
                 ("xsum", _P), ("scratch", _P), ("per_thread", _L), ("threads", _I), ("thread_min_macs", _L),
-                ("pool", _P), ("glue_min_rows", _I)]
+                ("pool", _P), ("glue_min_rows", _I),
+                ("wnseq", _I), ("wtable", _P), ("wawork", _P), ("wastride", _L), ("wathreads", _I), ("act", _I)]
+
+
+ACT_SILU, ACT_GELU_TANH = 0, 1  # layers.c's activations of the MLP's gate
+# the activation modules each computes in their place (tanh GELU: Gemma 3's)
+_ACTS = {"SiLUActivation": ACT_SILU, "SiLU": ACT_SILU, "GELUTanh": ACT_GELU_TANH,
+         "NewGELUActivation": ACT_GELU_TANH}
 
 
 # From this many rows a pass's norms, residual adds, RoPE and SiLU are split by rows over the 4-bit kernel's kept
@@ -47,6 +54,8 @@ class LayerKernel:
         lib = ctypes.CDLL(path)
         self.path = path
         self._silu = {torch.float32: lib.simllm_silu_mul_f32}
+        self._gelu = lib.simllm_gelu_tanh_mul_f32
+        self._gelu.argtypes, self._gelu.restype = [_P, _L, _I, _I, _P, _L], None
         self._stack = {torch.float32: lib.simllm_layers_f32}
         if lib.simllm_layers_available():  # the bf16 layers (AVX-512); float32 always
             self._silu[torch.bfloat16] = lib.simllm_silu_mul_bf16
@@ -60,11 +69,12 @@ class LayerKernel:
         """Whether this build runs layers of this dtype: float32 anywhere, bf16 where it targets AVX-512."""
         return dtype in self._stack
 
-    def silu_mul(self, gu: torch.Tensor, inter: int) -> torch.Tensor:
-        """gu [..., 2 * inter] (bf16 or float32) -> silu(gate) * up [..., inter], as the C layers compute it."""
-        fn = self._silu.get(gu.dtype)
+    def silu_mul(self, gu: torch.Tensor, inter: int, act: int = ACT_SILU) -> torch.Tensor:
+        """gu [..., 2 * inter] (bf16 or float32) -> silu(gate) * up [..., inter], as the C layers compute it; with
+        act ACT_GELU_TANH (float32 only) tanh GELU(gate) * up instead."""
+        fn = self._silu.get(gu.dtype) if act == ACT_SILU else self._gelu if gu.dtype == torch.float32 else None
         if fn is None or gu.shape[-1] != 2 * inter or inter % 16:
-            raise ValueError(f"silu_mul: bf16 or float32 rows of 2 x {inter} (a multiple of 16)")
+            raise ValueError(f"silu_mul: bf16 or float32 rows of 2 x {inter} (a multiple of 16; GELU: float32)")
         rows = gu.reshape(-1, 2 * inter)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
@@ -78,8 +88,10 @@ class Layers:
     kernels' entry points, and per-calling-thread buffers. `run` is one pass through layers first..last-1."""
 
     def __init__(self, kernel: LayerKernel, layers: list, int4, norms, attention, E: int, Hq: int, Hkv: int, D: int,
-                 inter: int, scale: float, qk_norms: list | None = None):
+                 inter: int, scale: float, qk_norms: list | None = None, post_norms: list | None = None,
+                 rope_of: list[int] | None = None, window: list[int] | None = None):
         self.kernel, self.int4, self.attention = kernel, int4, attention
+        self.act = _ACTS[type(layers[0][6]).__name__]
         self.dtype = int4.dtype  # bf16 (AMX products) or float32 (vector products)
         self.E, self.Hq, self.Hkv, self.D, self.inter, self.scale = E, Hq, Hkv, D, inter, scale
         if self.dtype == torch.float32:  # each projection as a list of parts (layers.c, product32)
@@ -93,38 +105,57 @@ class Layers:
         self.weights = torch.tensor([[ln1.weight.data_ptr(), ln2.weight.data_ptr(), *projs[4 * i:4 * i + 4]]
                                      for i, (ln1, qkv, o, ln2, gu, down, _) in enumerate(layers)], dtype=torch.int64)
         self.eps = torch.tensor([[ln1.eps, ln2.eps] for ln1, _, _, ln2, _, _, _ in layers], dtype=torch.float32)
-        if self.dtype == torch.float32:  # [L][9] and [L][3]: the qkv bias and the per-head q/k norms, 0 if none
-            qk = qk_norms or [None] * len(layers)
+        if self.dtype == torch.float32:  # [L][13] and [L][5] (layers.c): the qkv bias and the per-head q/k norms,
+            # the RoPE table, Gemma 3's norms of the attention and MLP outputs and its sliding layers (0 if none)
+            L = len(layers)
+            qk, post = qk_norms or [None] * L, post_norms or [None] * L
+            rope, win = rope_of or [0] * L, window or [0] * L
+            self.tables, self.windowed = max(rope) + 1, any(win)
             extra = [[qkv.bias.data_ptr() if qkv.bias is not None else 0,
-                      n[0].weight.data_ptr() if n else 0, n[1].weight.data_ptr() if n else 0]
-                     for (_, qkv, *_), n in zip(layers, qk)]
+                      n[0].weight.data_ptr() if n else 0, n[1].weight.data_ptr() if n else 0, rope[li],
+                      pn[0].weight.data_ptr() if pn else 0, pn[1].weight.data_ptr() if pn else 0, int(bool(win[li]))]
+                     for li, ((_, qkv, *_), n, pn) in enumerate(zip(layers, qk, post))]
             self.weights = torch.cat([self.weights, torch.tensor(extra, dtype=torch.int64)], dim=1).contiguous()
-            self.eps = torch.cat([self.eps, torch.tensor([[n[0].eps if n else 0.0] for n in qk])], 1).contiguous()
+            self.eps = torch.cat([self.eps, torch.tensor([[n[0].eps if n else 0.0, pn[0].eps if pn else 0.0,
+                                                           pn[1].eps if pn else 0.0] for n, pn in zip(qk, post)])],
+                                 1).contiguous()
+        elif self.act != ACT_SILU:
+            raise ValueError("the bf16 C layers compute SiLU only")
+        else:
+            self.tables, self.windowed = 1, False
         addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
         self._norm, self._mm = addr(norms._fns[self.dtype]), addr(int4._mm)
         self._pool = int4.pool_call  # simllm_pool_call: the steps between products split on its workers
         self._ws = threading.local()
         self.widest = max(E, Hq * D, inter)  # the longest input row of a product
 
+    def act_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """The MLP's activation times up, as these layers compute it, for a layer's MLP run from Python."""
+        return self.kernel.silu_mul(gu, self.inter, self.act)
+
     @staticmethod
     def applies(runner) -> bool:
         """Whether a runner's layers fit: 4-bit products on our kernel everywhere (AMX in bf16, vector in float32),
-        the C norms (plain x * w), SiLU, no biases, full attention, sizes the vector code covers."""
+        the C norms, SiLU, no biases, full attention, sizes the vector code covers. The float32 layers also take
+        q/k/v biases (Qwen2), per-head q/k norms (Qwen3) and Gemma 3's layers: norms of x * (1 + w), norms of the
+        attention and MLP outputs, tanh GELU, sliding windows and a RoPE table per layer type."""
         if runner.int4 is None or runner.kernel is None or runner.dtype != runner.int4.dtype:
             return False
-        # Gemma 3 (norms of x * (1 + w), norms after attention and MLP, GELU, sliding windows, two RoPE tables): the
-        # C layers compute none of these, so its layers run in Python
-        if getattr(runner, "windowed", False) or any(p is not None for p in getattr(runner, "post_norms", ())) \
-                or any(layer[0].offset or layer[3].offset for layer in runner.layers):
+        f32 = runner.int4.dtype == torch.float32
+        gemma = getattr(runner, "windowed", False) or any(p is not None for p in getattr(runner, "post_norms", ())) \
+            or any(layer[0].offset or layer[3].offset for layer in runner.layers) \
+            or len(getattr(runner, "rope_types", ())) > 1
+        if gemma and (not f32 or any(p is not None and (p[0].kernel is None or p[1].kernel is None)
+                                     for p in runner.post_norms)):
             return False
-        f32 = runner.int4.dtype == torch.float32  # the float32 layers also take q/k/v biases and per-head q/k norms
         if any(n is not None for n in runner.qk_norms) and (not f32 or any(
                 n is not None and (n[0].kernel is None or n[1].kernel is None) for n in runner.qk_norms)):
             return False
         if runner.head_dim % 32 or runner.inter % 16 or runner.hidden % 16:
             return False
         for ln1, qkv, o, ln2, gu, down, act in runner.layers:
-            if ln1.kernel is None or ln2.kernel is None or type(act).__name__ not in ("SiLUActivation", "SiLU"):
+            kind = _ACTS.get(type(act).__name__)
+            if ln1.kernel is None or ln2.kernel is None or kind is None or (kind != ACT_SILU and not f32):
                 return False
             if any(p.parts is None for p in (qkv, o, gu, down)) or any(p.bias is not None for p in (o, gu, down)):
                 return False
@@ -141,20 +172,31 @@ class Layers:
             ws = self._ws.buf = torch.empty(need, dtype=self.dtype)
         return ws
 
-    def run(self, h: torch.Tensor, first: int, last: int, plan, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Layers first..last-1 over h [M, E] (contiguous bf16; updated in place) with the attention pass `plan`
-        (attention_kernel.plan: the KV buffers the layers write and read); cos, sin [M, 1, D] (the runner's one RoPE
-        table)."""
+    def run(self, h: torch.Tensor, first: int, last: int, plan, cos: torch.Tensor, sin: torch.Tensor,
+            window_plan=None) -> None:
+        """Layers first..last-1 over h [M, E] (contiguous; updated in place) with the attention pass `plan`
+        (attention_kernel.plan: the KV buffers the layers write and read), and `window_plan` for sliding-window
+        layers (the runner's `_window_plan`; needed where a layer has a window); cos, sin [T, M, 1, D] (the
+        runner's RoPE tables: layer li rotates by its rope_of[li])."""
         M = h.shape[0]
         if h.dtype != self.dtype or not h.is_contiguous() or h.shape[1] != self.E:
             raise ValueError(f"layers: contiguous {self.dtype} rows of {self.E}")
-        c, s = cos.reshape(M, self.D).contiguous(), sin.reshape(M, self.D).contiguous()
+        if cos.numel() < self.tables * M * self.D or sin.numel() != cos.numel():
+            raise ValueError(f"layers: {self.tables} RoPE tables of {M} rows needed")
+        if window_plan is None and self.windowed:
+            raise ValueError("layers: sliding-window layers need the window plan")
+        c, s = cos.reshape(-1, M, self.D).contiguous(), sin.reshape(-1, M, self.D).contiguous()
+        # the window plan's arguments first: both share the calling thread's work buffer, which the second call
+        # leaves large enough for both
+        _, _, wstride, wthreads = self.attention.pass_args(window_plan or plan, self.Hq, self.D)
         fn, work, stride, athreads = self.attention.pass_args(plan, self.Hq, self.D)
+        wp = window_plan or plan
         xsum, tiles, per_thread, threads = self.int4.buffers(M, self.widest)
         P = _Pass(self._norm, self._mm, ctypes.cast(fn, ctypes.c_void_p).value, self.E, self.Hq, self.Hkv, self.D,
                   self.inter, self.scale, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(), stride,
                   athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS,
-                  self._pool, GLUE_MIN_ROWS)
+                  self._pool, GLUE_MIN_ROWS, wp.table.shape[0], wp.table.data_ptr(), work.data_ptr(), wstride,
+                  wthreads, self.act)
         ws = self._workspace(M)
         self.kernel._stack[self.dtype](ctypes.byref(P), h.data_ptr(), M, first, last, self.weights.data_ptr(),
                             self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())

@@ -3,7 +3,7 @@
 #ifndef SIMLLM_LAYER_STACK_H
 #define SIMLLM_LAYER_STACK_H
 
-/* The steps between products (norms, residual adds, RoPE, SiLU), per row */
+/* The steps between products (norms, residual adds, RoPE, SiLU or GELU), per row */
 enum { G_NORM, G_ADD_NORM, G_ROPE, G_SILU };
 
 /* NAME(P, g): ROWS over g.M rows, split by rows over the pass's kept workers from glue_min_rows rows (a row's bits
@@ -23,8 +23,11 @@ static void NAME(const PASS *P, GLUE g) {                                       
 /* Layers first..last-1 over h [M, E] (in place), the order of LlamaRunner.forward's layer loop. weights [L][NW]:
    ln1, ln2, then the projections qkv, o, gate_up, down (as PRODUCT takes them), then ROPE_EXTRA's; eps [L][NE]:
    ln1's, ln2's, then ROPE_EXTRA's. ws: M * (2E + 2Nqkv + Hq*D + 3I) elements of T. ROPE_EXTRA(W, eps, li): more
-   fields of the RoPE step (", .name = value, ..."; empty for none). */
-#define DEFINE_STACK(NAME, T, PASS, GLUE_T, GLUE, PRODUCT, NW, NE, ROPE_EXTRA)                                \
+   fields of the RoPE step (", .name = value, ..."; empty for none). Per layer (Gemma 3): ROPE_TABLE(W) which of the
+   RoPE tables cos, sin [tables][M][D] it rotates by; WINDOWED(W) whether it attends with the pass's window plan
+   (PASS's w* fields) instead of its causal one; POST_NORM(W, eps, li, which) more fields of the residual adds (a
+   norm of the attention output, which 0, or of the MLP's, which 1, before it is added; empty for none). */
+#define DEFINE_STACK(NAME, T, PASS, GLUE_T, GLUE, PRODUCT, NW, NE, ROPE_EXTRA, ROPE_TABLE, WINDOWED, POST_NORM)  \
 void NAME(const PASS *P, T *h, int M, int first, int last, const int64_t *weights, const float *eps,         \
           const T *cos, const T *sin, T *ws) {                                                              \
     const int E = P->E, D = P->D, Hq = P->Hq, Hkv = P->Hkv, I = P->I, Nqkv = (Hq + 2 * Hkv) * D,            \
@@ -36,14 +39,17 @@ void NAME(const PASS *P, T *h, int M, int first, int last, const int64_t *weight
                          .x = x, .eps = eps[NE * first]});                                                  \
     for (int li = first; li < last; li++) {                                                               \
         const int64_t *W = weights + (long)li * NW;                                                       \
+        const long table = (long)(ROPE_TABLE(W)) * M * D;                                                 \
+        const int win = WINDOWED(W);                                                                      \
         PRODUCT(P, x, W[2], qkv, M, Nqkv, E);                                                             \
-        GLUE(P, (GLUE_T){.op = G_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos, .sin = sin               \
-                         ROPE_EXTRA(W, eps, li)});                                                          \
+        GLUE(P, (GLUE_T){.op = G_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos + table,                 \
+                         .sin = sin + table ROPE_EXTRA(W, eps, li)});                                       \
         P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,     \
-                  P->nseq, P->table, li, 0, 0, P->awork, P->astride, P->athreads);                        \
+                  win ? P->wnseq : P->nseq, win ? P->wtable : P->table, li, 0, 0, win ? P->wawork : P->awork, \
+                  win ? P->wastride : P->astride, win ? P->wathreads : P->athreads);                      \
         PRODUCT(P, o, W[3], t, M, E, Hq * D);                                                             \
         GLUE(P, (GLUE_T){.op = G_ADD_NORM, .M = M, .h = h, .t = t, .w = (const T *)(intptr_t)W[1], .x = x, \
-                         .eps = eps[NE * li + 1]});                                                         \
+                         .eps = eps[NE * li + 1] POST_NORM(W, eps, li, 0)});                                \
         PRODUCT(P, x, W[4], gu, M, 2 * I, E);                                                             \
         GLUE(P, (GLUE_T){.op = G_SILU, .M = M, .src = gu, .dst = a});                                     \
         PRODUCT(P, a, W[5], t, M, E, I);                                                                  \
@@ -51,7 +57,7 @@ void NAME(const PASS *P, T *h, int M, int first, int last, const int64_t *weight
         const int more = li + 1 < last;                                                                   \
         GLUE(P, (GLUE_T){.op = G_ADD_NORM, .M = M, .h = h, .t = t,                                         \
                          .w = more ? (const T *)(intptr_t)weights[(long)(li + 1) * NW] : 0, .x = x,         \
-                         .eps = more ? eps[NE * (li + 1)] : 0.f});                                          \
+                         .eps = more ? eps[NE * (li + 1)] : 0.f POST_NORM(W, eps, li, 1)});                 \
     }                                                                                                     \
 }
 

@@ -85,6 +85,8 @@ typedef struct {
     int nseq; const int64_t *table; float *awork; long astride; int athreads;   /* the pass's attention */
     float *xsum; uint8_t *scratch; long per_thread; int threads; long thread_min_macs;  /* the products' */
     pool_fn pool; int glue_min_rows;  /* the 4-bit kernel's kept workers (or 0), for the steps between products */
+    int wnseq; const int64_t *wtable; float *wawork; long wastride; int wathreads;  /* (float32 layers only) */
+    int act;
 } pass_t;
 
 /* The steps between products (norms, residual adds, RoPE, SiLU; layer_stack.h) are per row. */
@@ -130,7 +132,10 @@ static void product(const pass_t *P, const bf16 *x, int64_t w, bf16 *y, int M, i
 /* Layers first..last-1 over h [M, E] (in place). weights [L][6]: ln1, ln2 (bf16 [E]), then the 4-bit blobs of
    qkv, o, gate_up and down; eps [L][2]. ws: bf16 workspace of M * (2E + 2Nqkv + Hq*D + 3I) elements. */
 #define ROPE_EXTRA_NONE(W, eps, li)
-DEFINE_STACK(simllm_layers_bf16, bf16, pass_t, glue_t, glue, product, 6, 2, ROPE_EXTRA_NONE)
+#define NO_TABLE(W) 0
+#define NO_POST_NORM(W, eps, li, which)
+DEFINE_STACK(simllm_layers_bf16, bf16, pass_t, glue_t, glue, product, 6, 2, ROPE_EXTRA_NONE, NO_TABLE, NO_TABLE,
+             NO_POST_NORM)
 int simllm_layers_available(void) { return 1; }
 #else
 int simllm_layers_available(void) { return 0; }
@@ -157,7 +162,10 @@ typedef struct {  /* the layout of pass_t (the _Pass structure), float32 entry p
     int nseq; const int64_t *table; float *awork; long astride; int athreads;
     float *xsum; float *buf; long per_thread; int threads; long thread_min_macs;
     pool32_fn pool; int glue_min_rows;
+    int wnseq; const int64_t *wtable; float *wawork; long wastride; int wathreads;  /* sliding layers' attention */
+    int act;  /* the MLP's activation: ACT_SILU or ACT_GELU_TANH */
 } pass32_t;
+enum { ACT_SILU, ACT_GELU_TANH };
 
 void simllm_rope_f32(const float *x, long row_stride, int M, int H, int D, const float *cos, const float *sin,
                      float *out) {
@@ -188,9 +196,28 @@ void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a
     }
 }
 
+/* a [M, I] = gelu(g) * u with tanh's approximation, gelu(x) = 0.5 x (1 + tanh(c (x + 0.044715 x^3))) written as
+   x / (1 + exp(-2 c (x + 0.044715 x^3))) (the same function: 0.5 (1 + tanh(z)) = 1 / (1 + exp(-2z))), with
+   exp_poly.h's polynomial and SiLU's clamp and fused 1 + y * s: ours, not torch's or libm's tanh, so its bits are
+   the same on every CPU and C library; the Python layers use it too where the C layers run (Gemma 3's MLP). */
+void simllm_gelu_tanh_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride) {
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + (long)m * gu_stride, *u = g + I;
+        float *o = a + (long)m * a_stride;
+        for (int j = 0; j < I; j++) {
+            float s;
+            const float x = g[j], z = 0.7978845608028654f * (x + 0.044715f * (x * x * x)), e = -2.0f * z;
+            const float t = e < -87.0f ? -87.0f : (e > 88.0f ? 88.0f : e);
+            const float y = exp_poly1_parts(t, &s);
+            o[j] = (x / fmaf(y, s, 1.0f)) * u[j];
+        }
+    }
+}
+
 typedef struct {
     const pass32_t *P; int op, M, n, i;
-    float *h; const float *t; const float *w; float *x; float eps;
+    float *h; float *t; const float *w; float *x; float eps;
+    const float *pw; float peps;  /* G_ADD_NORM: a norm of t (in place) before it is added (Gemma 3), or 0 */
     float *src; float *dst; const float *cos, *sin;
     const float *bias, *qn, *kn; float qk_eps;  /* G_ROPE: Qwen2's q/k/v biases, Qwen3's per-head norms (or 0) */
 } glue32_t;
@@ -203,8 +230,8 @@ static void *glue32_rows(void *arg) {
     if (m <= 0) return 0;
     switch (G->op) {
     case G_ADD_NORM: {
-        float *h = G->h + (long)m0 * E;
-        const float *t = G->t + (long)m0 * E;
+        float *h = G->h + (long)m0 * E, *t = G->t + (long)m0 * E;
+        if (G->pw) P->norm(t, E, G->pw, t, m, E, G->peps);
         for (long j = 0; j < (long)m * E; j++) h[j] = h[j] + t[j];
         if (!G->w) break;
     }
@@ -228,7 +255,8 @@ static void *glue32_rows(void *arg) {
                         G->sin + (long)m0 * D, G->dst + (long)m0 * (P->Hq + P->Hkv) * D);
         break;
     case G_SILU:
-        simllm_silu_mul_f32(G->src + (long)m0 * 2 * I, 2 * I, m, I, G->dst + (long)m0 * I, I);
+        (P->act == ACT_GELU_TANH ? simllm_gelu_tanh_mul_f32 : simllm_silu_mul_f32)(
+            G->src + (long)m0 * 2 * I, 2 * I, m, I, G->dst + (long)m0 * I, I);
         break;
     }
     return 0;
@@ -252,9 +280,16 @@ static void product32(const pass32_t *P, const float *x, int64_t parts, float *y
     }
 }
 
-/* simllm_layers_bf16's steps in the same order, in float32; weights [L][9]: the two norms, the projections as
-   product32's part lists, then the qkv bias, q norm and k norm (0 where the model has none); eps [L][3] (the two
-   norms', the q/k norms'). ws: M * (2E + 2Nqkv + Hq*D + 3I) floats. */
+/* simllm_layers_bf16's steps in the same order, in float32; weights [L][13]: the two norms, the projections as
+   product32's part lists, then the qkv bias, q norm and k norm (0 where the model has none), the RoPE table's index,
+   the norms of the attention and the MLP outputs (Gemma 3's; 0 for none) and whether the layer attends a sliding
+   window; eps [L][5] (the two norms', the q/k norms', the two output norms'). ws: M * (2E + 2Nqkv + Hq*D + 3I)
+   floats. */
 #define ROPE_EXTRA_F32(W, eps, li) , .bias = (const float *)(intptr_t)(W)[6], .qn = (const float *)(intptr_t)(W)[7], \
-    .kn = (const float *)(intptr_t)(W)[8], .qk_eps = (eps)[3 * (li) + 2]
-DEFINE_STACK(simllm_layers_f32, float, pass32_t, glue32_t, glue32, product32, 9, 3, ROPE_EXTRA_F32)
+    .kn = (const float *)(intptr_t)(W)[8], .qk_eps = (eps)[5 * (li) + 2]
+#define TABLE_F32(W) ((W)[9])
+#define WINDOWED_F32(W) ((W)[12] != 0)
+#define POST_NORM_F32(W, eps, li, which) , .pw = (const float *)(intptr_t)(W)[10 + (which)], \
+    .peps = (eps)[5 * (li) + 3 + (which)]
+DEFINE_STACK(simllm_layers_f32, float, pass32_t, glue32_t, glue32, product32, 13, 5, ROPE_EXTRA_F32, TABLE_F32,
+             WINDOWED_F32, POST_NORM_F32)

@@ -203,7 +203,7 @@ class LlamaRunner(LayerSteps):
         if lk is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
             self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
                                              self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale,
-                                             self.qk_norms)
+                                             self.qk_norms, self.post_norms, self.rope_of, self.window)
         if self.file is not None and self.file.embed is not None:  # looked up from the file's blocks
             self.embed = self.file.embed
             if hasattr(base.embed_tokens, "embed_scale"):  # Gemma's rows times sqrt(hidden), as transformers does
@@ -397,11 +397,6 @@ class LlamaRunner(LayerSteps):
             own = torch.arange(start, end, device=ids.device)
             blocked, first = (own[None, :] > own[:, None]).repeat(G, 1), start
         last = len(self.layers) if n_layers is None else min(n_layers, len(self.layers))
-        in_c = self.fused is not None and self.layers_in_c and plan is not None
-        if in_c and first_layer < last:
-            h = h[0].clone() if hidden is not None else h[0]  # updated in place: never the caller's rows
-            self.fused.run(h, first_layer, last, plan, cos[0], sin[0])
-            h = h[None]
         # Sliding-window layers: each row attends the last `window` slots up to its own (keys before stay in the
         # buffer; only what a row reads changes)
         wplan = wblocked = None
@@ -411,6 +406,11 @@ class LlamaRunner(LayerSteps):
                     self._window_plan_at(slots, kv.k, kv.v)
             else:
                 wblocked = self._window_mask(start, M, slots)
+        in_c = self.fused is not None and self.layers_in_c and plan is not None
+        if in_c and first_layer < last:
+            h = h[0].clone() if hidden is not None else h[0]  # updated in place: never the caller's rows
+            self.fused.run(h, first_layer, last, plan, cos, sin, wplan)
+            h = h[None]
         layers = [] if in_c else self.layers[first_layer:n_layers]
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers, start=first_layer):
             x = ln1(h)
@@ -563,11 +563,11 @@ class LlamaRunner(LayerSteps):
         D, Hq = self.head_dim, self.n_heads
         if self.kernel is not None:  # one call per layer for every sequence, each over its own buffer
             plan = self.kernel.plan(self._shared_entries(seqs, spans))
+            wplan = self._window_plan([(a, b - a, s.start, s.kv.k, s.kv.v) for s, (a, b) in zip(seqs, spans)
+                                       if b > a]) if self.windowed else None
             if self.fused is not None and self.layers_in_c:
-                self.fused.run(h[0], 0, len(self.layers), plan, cos[0], sin[0])
+                self.fused.run(h[0], 0, len(self.layers), plan, cos, sin, wplan)
             else:
-                wplan = self._window_plan([(a, b - a, s.start, s.kv.k, s.kv.v) for s, (a, b) in zip(seqs, spans)
-                                           if b > a]) if self.windowed else None
                 attn = h.new_empty(total, Hq, D)
                 for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
                     q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin, li)

@@ -51,9 +51,10 @@ class LayerSteps:
     def _mlp(self, h: torch.Tensor, ln2, gate_up, down, act, li: int) -> torch.Tensor:
         """A layer's second half, residual included: the same ops for every pass (one fused gate/up product)."""
         gu = gate_up(ln2(h))
-        if self.fused is not None:  # the C layers' SiLU, so that this layer computes as theirs do
-            return h + down(self.fused.kernel.silu_mul(gu, self.inter))
-        y = down(_act_rows(act, gu[..., :self.inter]) * gu[..., self.inter:])
+        if self.fused is not None:  # the C layers' SiLU (or GELU), so that this layer computes as theirs do
+            y = down(self.fused.act_mul(gu))
+        else:
+            y = down(_act_rows(act, gu[..., :self.inter]) * gu[..., self.inter:])
         post = self.post_norms[li]
         return h + (y if post is None else post[1](y))
 
