@@ -12,7 +12,9 @@ the tensor expressions of llama_runner). SiLU is ours (x / (1 + exp(-x)), exp by
 torch's code, so the runner's 4-bit AMX configuration uses `silu_mul` below wherever a layer's MLP runs in
 Python too (the early pass's last layer): every pass computes alike whatever torch does. After the bf16
 rounding it gave torch's bits on every one of 11.9M real activations (a 290-token prefill), and the numerics
-digest stayed the same. All of it is elementwise or per row: a row's bits do not depend on the other rows
+digest stayed the same. Gemma 3's tanh GELU (float32 layers) is ours likewise: gelu(x) = x / (1 + exp(-2z)),
+z = sqrt(2/pi) (x + 0.044715 x^3), the same polynomial; as close to the exact function as torch's float32 GELU,
+the same bits on every CPU. All of it is elementwise or per row: a row's bits do not depend on the other rows
 (row-invariant, as the products and attention are).
 """
 from __future__ import annotations

@@ -127,6 +127,8 @@ int main(int argc, char **argv) {
     float *a = calloc((size_t)M * I, 4);
     ((silu_fn)sym(layers, "simllm_silu_mul_f32"))(gu, 2L * I, M, I, a, I);
     spill(dir, "silu_f32.f32", a, (long)M * I * 4);
+    ((silu_fn)sym(layers, "simllm_gelu_tanh_mul_f32"))(gu, 2L * I, M, I, a, I);  /* Gemma 3's GELU, same shape */
+    spill(dir, "gelu_f32.f32", a, (long)M * I * 4);
     const float *rx = slurp(dir, "rx.f32", 0), *cs = slurp(dir, "cos.f32", 0), *sn = slurp(dir, "sin.f32", 0);
     float *ro = calloc((size_t)M * H * D, 4);
     ((rope_fn)sym(layers, "simllm_rope_f32"))(rx, (long)H * D, M, H, D, cs, sn, ro);
