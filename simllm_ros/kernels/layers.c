@@ -183,16 +183,19 @@ void simllm_rope_f32(const float *x, long row_stride, int M, int H, int D, const
     }
 }
 
+/* x / (1 + exp(e)), e clamped to [-87, 88]: SiLU's and GELU's shared form */
+static inline float over_one_plus_exp(float x, float e) {
+    float s;
+    const float t = e < -87.0f ? -87.0f : (e > 88.0f ? 88.0f : e);
+    const float y = exp_poly1_parts(t, &s);
+    return x / fmaf(y, s, 1.0f);
+}
+
 void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride) {
     for (int m = 0; m < M; m++) {
         const float *g = gu + (long)m * gu_stride, *u = g + I;
         float *o = a + (long)m * a_stride;
-        for (int j = 0; j < I; j++) {
-            float s;
-            const float t = -g[j] < -87.0f ? -87.0f : (-g[j] > 88.0f ? 88.0f : -g[j]);
-            const float y = exp_poly1_parts(t, &s);
-            o[j] = (g[j] / fmaf(y, s, 1.0f)) * u[j];
-        }
+        for (int j = 0; j < I; j++) o[j] = over_one_plus_exp(g[j], -g[j]) * u[j];
     }
 }
 
@@ -205,11 +208,8 @@ void simllm_gelu_tanh_mul_f32(const float *gu, long gu_stride, int M, int I, flo
         const float *g = gu + (long)m * gu_stride, *u = g + I;
         float *o = a + (long)m * a_stride;
         for (int j = 0; j < I; j++) {
-            float s;
-            const float x = g[j], z = 0.7978845608028654f * (x + 0.044715f * (x * x * x)), e = -2.0f * z;
-            const float t = e < -87.0f ? -87.0f : (e > 88.0f ? 88.0f : e);
-            const float y = exp_poly1_parts(t, &s);
-            o[j] = (x / fmaf(y, s, 1.0f)) * u[j];
+            const float x = g[j], z = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+            o[j] = over_one_plus_exp(x, -2.0f * z) * u[j];
         }
     }
 }
