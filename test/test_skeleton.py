@@ -47,3 +47,28 @@ def test_rope_and_norm_compute_what_their_formulas_say():
     norm.weight.data = torch.linspace(0.5, 2, 8)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     assert torch.equal(norm(x), norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
+
+
+def test_its_activations_are_transformers_and_building_imports_no_sympy(tmp_path):
+    """The skeleton's SiLU and tanh GELU compute what transformers' ACT2FN entries compute, bitwise; a fresh process
+    that reads a Qwen2's and a Gemma 3's config.json and builds their skeletons (as a load does) imports neither
+    transformers.activations nor what it pulls in (torch.distributed.tensor, sympy: ~50 MB resident). (Llama's
+    configuration module imports transformers.activations itself.)"""
+    from core_fixtures import python_in_new_process
+    from transformers import Gemma3TextConfig
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(0)) * 5
+    for name, ours in skeleton.ACTIVATIONS.items():
+        assert torch.equal(ours()(x), ACT2FN[name](x)), name
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=100)
+    Qwen2Config(**kw).save_pretrained(tmp_path / "qwen2")
+    Gemma3TextConfig(**kw, head_dim=16, layer_types=["sliding_attention", "full_attention"]).save_pretrained(
+        tmp_path / "gemma")
+    code = ("import sys; from transformers import AutoConfig; from simllm_ros.model import skeleton; "
+            f"a = skeleton.build(AutoConfig.from_pretrained({str(tmp_path / 'qwen2')!r}), set()); "
+            f"g = skeleton.build(AutoConfig.from_pretrained({str(tmp_path / 'gemma')!r}), set()); "
+            "print(type(a.model.layers[0].mlp.act_fn).__name__, type(g.model.layers[0].mlp.act_fn).__name__, "
+            "*(m in sys.modules for m in ('transformers.activations', 'torch.distributed.tensor', 'sympy')))")
+    assert python_in_new_process(code)[-1].split() == ["SiLU", "GELUTanh", "False", "False", "False"]

@@ -48,6 +48,24 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+class SiLU(nn.Module):
+    """transformers' SiLUActivation ("silu"): F.silu. Ours, as the activations below, because importing
+    transformers.activations pulls in its weight-loading stack, torch.distributed and sympy (~50 MB resident)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+
+class GELUTanh(nn.Module):
+    """transformers' GELUTanh ("gelu_pytorch_tanh", Gemma 3's): F.gelu with tanh's approximation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": SiLU, "swish": SiLU, "gelu_pytorch_tanh": GELUTanh}
+
+
 class OffsetRMSNorm(nn.Module):
     """Gemma 3's RMSNorm: x * (1 + w), all in float32, cast back once."""
 
@@ -188,9 +206,12 @@ def build(cfg, keys: set[str]) -> CausalLM | None:
                 params.get("rope_type") == "longrope":
             return None
     act_name = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", None)
-    from transformers.activations import ACT2FN  # activation functions only, no modeling code
+    if act_name in ACTIVATIONS:
+        act = ACTIVATIONS[act_name]()
+    else:  # transformers' own, for the rest (its module imports torch.distributed and sympy: ~50 MB resident)
+        from transformers.activations import ACT2FN
 
-    act = ACT2FN[act_name]
+        act = ACT2FN[act_name]
     eps = float(cfg.rms_norm_eps)
 
     def norm(dim: int) -> nn.Module:
