@@ -547,7 +547,8 @@ def test_the_served_tokenizer_keeps_no_python_tables_and_encodes_the_same(files,
     assert len(full._merges) > 1000 and len(full._vocab) == len(backend.tokenizer.get_vocab())
     assert not served._merges and not served._vocab
     texts = [p for phrases in list(load_clinc().values())[:40] for p in phrases[:3]]
-    texts += ["<|im_start|>system\nbulletin<|im_end|>\n<|im_start|>user\nwhere?<|im_end|>", "<|endoftext|> x \u00e9\u4e2d"]
+    texts += ["<|im_start|>system\nbulletin<|im_end|>\n<|im_start|>user\nwhere?<|im_end|>",
+              "<|endoftext|> x \u00e9\u4e2d"]
     for t in texts:
         assert served(t)["input_ids"] == full(t)["input_ids"] == backend.tokenizer(t)["input_ids"], t
         ids = full(t, add_special_tokens=False)["input_ids"]

@@ -101,8 +101,8 @@ def _spin_until(node, future, deadline: float) -> bool:
 def _call_service(node, srv_type, name: str, request, timeout: float,
                   resend_s: float | None = None) -> tuple[object | None, str]:
     """(response, "") or (None, why not) for one service call within `timeout` seconds. The request is sent again
-    (at most twice) after each `resend_s` (RESEND_S) without an answer: this process's client is new, and Fast DDS drops a
-    response to a client whose response reader the node has not matched yet (simllm_ros.ros.client)."""
+    (at most twice) after each `resend_s` (RESEND_S) without an answer: this process's client is new, and Fast DDS
+    drops a response to a client whose response reader the node has not matched yet (simllm_ros.ros.client)."""
     import rclpy
 
     from simllm_ros.ros.client import MAX_RESENDS, RESEND_S

@@ -190,9 +190,9 @@ class Layers:
         c, s = cos.reshape(-1, M, self.D).contiguous(), sin.reshape(-1, M, self.D).contiguous()
         # the window plan's arguments first: both share the calling thread's work buffer, which the second call
         # leaves large enough for both
-        _, _, wstride, wthreads = self.attention.pass_args(window_plan or plan, self.Hq, self.D)
-        fn, work, stride, athreads = self.attention.pass_args(plan, self.Hq, self.D)
-        wp = window_plan or plan
+        wargs = self.attention.pass_args(window_plan, self.Hq, self.D) if window_plan is not None else None
+        fn, work, stride, athreads = args = self.attention.pass_args(plan, self.Hq, self.D)
+        wp, (_, _, wstride, wthreads) = (window_plan, wargs) if wargs else (plan, args)
         xsum, tiles, per_thread, threads = self.int4.buffers(M, self.widest)
         P = _Pass(self._norm, self._mm, ctypes.cast(fn, ctypes.c_void_p).value, self.E, self.Hq, self.Hkv, self.D,
                   self.inter, self.scale, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(), stride,

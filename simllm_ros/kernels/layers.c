@@ -85,8 +85,8 @@ typedef struct {
     int nseq; const int64_t *table; float *awork; long astride; int athreads;   /* the pass's attention */
     float *xsum; uint8_t *scratch; long per_thread; int threads; long thread_min_macs;  /* the products' */
     pool_fn pool; int glue_min_rows;  /* the 4-bit kernel's kept workers (or 0), for the steps between products */
-    int wnseq; const int64_t *wtable; float *wawork; long wastride; int wathreads;  /* (float32 layers only) */
-    int act;
+    int wnseq; const int64_t *wtable; float *wawork; long wastride; int wathreads;  /* unused here: pass32_t's */
+    int act;                                                                          /* layout is _Pass's too */
 } pass_t;
 
 /* The steps between products (norms, residual adds, RoPE, SiLU; layer_stack.h) are per row. */
@@ -132,10 +132,9 @@ static void product(const pass_t *P, const bf16 *x, int64_t w, bf16 *y, int M, i
 /* Layers first..last-1 over h [M, E] (in place). weights [L][6]: ln1, ln2 (bf16 [E]), then the 4-bit blobs of
    qkv, o, gate_up and down; eps [L][2]. ws: bf16 workspace of M * (2E + 2Nqkv + Hq*D + 3I) elements. */
 #define ROPE_EXTRA_NONE(W, eps, li)
-#define NO_TABLE(W) 0
+#define ZERO(W) 0  /* one RoPE table, no windowed layers */
 #define NO_POST_NORM(W, eps, li, which)
-DEFINE_STACK(simllm_layers_bf16, bf16, pass_t, glue_t, glue, product, 6, 2, ROPE_EXTRA_NONE, NO_TABLE, NO_TABLE,
-             NO_POST_NORM)
+DEFINE_STACK(simllm_layers_bf16, bf16, pass_t, glue_t, glue, product, 6, 2, ROPE_EXTRA_NONE, ZERO, ZERO, NO_POST_NORM)
 int simllm_layers_available(void) { return 1; }
 #else
 int simllm_layers_available(void) { return 0; }

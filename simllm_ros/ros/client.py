@@ -16,10 +16,11 @@ caller may wait on a result from any thread, a timer or subscription callback of
 
 Each call takes the node's request fields as keywords (srv/Query.srv) and a timeout: past it the future fails with
 TimeoutError. Until a service has answered this client once, a request it leaves unanswered for `resend_s` is sent
-again, at most twice (the first answer settles the future): Fast DDS drops a service response when the node has not yet matched a
-new client's response reader (rmw_fastrtps' "client will not receive response"), and neither side can see that.
-After the first answer the path is known to work and nothing is sent twice; a resent question costs the node at
-most a repeat of its work (an identical request: answered from its answer memo once the first is done). A request the node refuses comes back as a response with success=false and the reason in error,
+again, at most twice (the first answer settles the future): Fast DDS drops a service response when the node has not
+yet matched a new client's response reader (rmw_fastrtps' "client will not receive response"), and neither side can
+see that. After the first answer the path is known to work and nothing is sent twice; a resent question costs the
+node at most a repeat of its work (an identical request: answered from its answer memo once the first is done). A
+request the node refuses comes back as a response with success=false and the reason in error,
 exactly as from the service. Futures complete on the client's thread: keep done-callbacks short.
 """
 from __future__ import annotations
@@ -175,16 +176,19 @@ class SimllmClient:
 
         def forget_unanswered(_):  # a late answer to one of these is dropped by rclpy, not kept pending
             remove = getattr(client, "remove_pending_request", None)
-            for f in list(sent):
-                if not f.done() and remove is not None:
+            for f in list(sent) if remove is not None else ():
+                if not f.done():
                     remove(f)
+
+        def send():
+            sent.append(client.call_async(request))
+            sent[-1].add_done_callback(answered)
 
         def call():
             if not client.service_is_ready() and not client.wait_for_service(timeout_sec=min(self.wait_s, timeout)):
                 _fail(out, TimeoutError(f"{client.srv_name} not available (is the node active?)"))
                 return
-            sent.append(client.call_async(request))
-            sent[-1].add_done_callback(answered)
+            send()
             # before this service has answered once, a response may be dropped unseen: ask again
             while client.srv_name not in self._answered and not self._closed.is_set() and len(sent) <= MAX_RESENDS:
                 try:
@@ -194,8 +198,7 @@ class SimllmClient:
                     if client.srv_name in self._answered or self._closed.is_set():
                         break
                     self.resends += 1
-                    sent.append(client.call_async(request))
-                    sent[-1].add_done_callback(answered)
+                    send()
             out.add_done_callback(forget_unanswered)
 
         threading.Thread(target=call, daemon=True).start()  # waiting for the service must not block the caller
