@@ -3,6 +3,9 @@ Its bits against transformers' classes are checked where files load twice (test_
 embedded Llama; test_gemma3_runner: Gemma 3); here, what it declines and what it builds from a config."""
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
@@ -10,8 +13,8 @@ from simllm_ros.model import skeleton
 
 
 def _llama(**kw) -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=100, **kw)
+    return LlamaConfig(**{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, **kw})
 
 
 def test_it_declines_what_it_does_not_compute():
@@ -51,9 +54,9 @@ def test_rope_and_norm_compute_what_their_formulas_say():
 
 def test_its_activations_are_transformers_and_building_imports_no_sympy(tmp_path):
     """The skeleton's SiLU and tanh GELU compute what transformers' ACT2FN entries compute, bitwise; a fresh process
-    that reads a Qwen2's and a Gemma 3's config.json and builds their skeletons (as a load does) imports neither
-    transformers.activations nor what it pulls in (torch.distributed.tensor, sympy: ~50 MB resident). (Llama's
-    configuration module imports transformers.activations itself.)"""
+    that reads a Llama's, a Qwen2's and a Gemma 3's config.json (model_config.load_config) and builds their
+    skeletons, as a load does, imports neither transformers.activations nor what it pulls in
+    (torch.distributed.tensor, sympy: ~50 MB resident)."""
     from core_fixtures import python_in_new_process
     from transformers import Gemma3TextConfig
     from transformers.activations import ACT2FN
@@ -63,12 +66,49 @@ def test_its_activations_are_transformers_and_building_imports_no_sympy(tmp_path
         assert torch.equal(ours()(x), ACT2FN[name](x)), name
     kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=100)
+    _llama().save_pretrained(tmp_path / "llama")
     Qwen2Config(**kw).save_pretrained(tmp_path / "qwen2")
     Gemma3TextConfig(**kw, head_dim=16, layer_types=["sliding_attention", "full_attention"]).save_pretrained(
         tmp_path / "gemma")
-    code = ("import sys; from transformers import AutoConfig; from simllm_ros.model import skeleton; "
-            f"a = skeleton.build(AutoConfig.from_pretrained({str(tmp_path / 'qwen2')!r}), set()); "
-            f"g = skeleton.build(AutoConfig.from_pretrained({str(tmp_path / 'gemma')!r}), set()); "
-            "print(type(a.model.layers[0].mlp.act_fn).__name__, type(g.model.layers[0].mlp.act_fn).__name__, "
+    paths = [str(tmp_path / n) for n in ("llama", "qwen2", "gemma")]
+    code = ("import sys; from simllm_ros.model import skeleton; from simllm_ros.model.model_config import load_config; "
+            f"b = [skeleton.build(load_config(p), set()) for p in {paths!r}]; "
+            "print(*(type(m.model.layers[0].mlp.act_fn).__name__ for m in b), "
             "*(m in sys.modules for m in ('transformers.activations', 'torch.distributed.tensor', 'sympy')))")
-    assert python_in_new_process(code)[-1].split() == ["SiLU", "GELUTanh", "False", "False", "False"]
+    got = python_in_new_process(code)[-1].split()
+    assert got == ["SiLU", "SiLU", "GELUTanh", "False", "False", "False"]
+
+
+@pytest.mark.parametrize("variant", [
+    None,  # a hand-written config.json of the few keys a Llama needs: every other value a default
+    {},
+    {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "bos_token_id": 0},
+    {"head_dim": 32, "num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True, "eos_token_id": [2, 7],
+     "max_position_embeddings": 131072, "pad_token_id": 5},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}, "rope_theta": 500000.0},
+])
+def test_a_llama_config_reads_as_transformers_reads_it(tmp_path, variant):
+    """model_config's Llama fields (LlamaFields, read without LlamaConfig's module) against transformers' own
+    LlamaConfig on the same config.json: every value alike, the RoPE parameters standardized alike, and the same
+    skeleton and generation defaults built from either."""
+    from transformers import AutoConfig
+
+    from simllm_ros.model.model_config import LlamaFields, load_config
+
+    if variant is None:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                           "num_attention_heads": 4, "vocab_size": 100}))
+    else:
+        _llama(**variant).save_pretrained(tmp_path)
+    ours, theirs = load_config(str(tmp_path)), AutoConfig.from_pretrained(tmp_path)
+    assert type(ours) is LlamaFields and type(theirs) is LlamaConfig
+    assert ours.to_dict() == theirs.to_dict()
+    for name in ("head_dim", "num_key_value_heads", "rope_parameters", "tie_word_embeddings", "eos_token_id"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    a, b = skeleton.build(ours, set()), skeleton.build(theirs, set())
+    assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()]
+    assert a.generation_config.to_dict() == b.generation_config.to_dict()
+    pos = torch.arange(9)[None]
+    x = torch.zeros(1, dtype=torch.float32)
+    assert all(torch.equal(u, v) for u, v in zip(a.model.rotary_emb(x, pos), b.model.rotary_emb(x, pos)))

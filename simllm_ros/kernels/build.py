@@ -12,6 +12,7 @@ compiler's contraction default. CONTRACT names this arithmetic; the model's nume
 """
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -65,16 +66,22 @@ def command(name: str, cc: str, output: str, extra_flags: tuple[str, ...] = (), 
     return [cc, *FLAGS, *target_flags, *extra_flags, f"-I{SOURCE_DIR}", source_path(name), "-o", output, "-lm"]
 
 
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cc: str) -> str:
+    """`cc --version`, asked once a process (a model's load builds or finds ~6 kernels: a process each)."""
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def build(name: str, cc: str | None = None, extra_flags: tuple[str, ...] = (), tag: str = "") -> str:
     """The shared library for this kernel, compiler, flags and machine: built once, atomically, then reused.
     `extra_flags` (tests): e.g. ("-mno-avx512f",) builds the portable C on an AVX-512 machine; `tag` names it."""
     cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) found")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
+    version = _compiler_version(cc)
     flags = " ".join(command(name, "cc", "out", extra_flags))
     key = hashlib.sha256("\0".join([source_text(name), flags, version, platform.machine(),
                                     platform.node()]).encode()).hexdigest()[:16]

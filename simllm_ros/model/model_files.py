@@ -127,7 +127,10 @@ def load_tokenizer(path: str):
     decoding go through the Rust tokenizer only, so the tokens do not change (test_gguf_formats checks)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    from .model_config import own_config
+
+    cfg = own_config(path)  # a Llama's config ours (model_config): AutoTokenizer would read it through AutoConfig
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **({"config": cfg} if cfg is not None else {}))
     dropped = False
     for name in ("_vocab", "_merges"):
         table = getattr(tok, name, None)
@@ -210,13 +213,13 @@ def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
     weights again (another dtype, a lost rows file) converts again (resolve_model's `dense`). Bytes freed."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-    from transformers import AutoConfig
+    from .model_config import load_config
 
     if os.path.exists(os.path.join(path, SLIM_FILE)):
         return 0
     if sum(os.path.getsize(p) for p in _model_shards(path)) < KEEP_DENSE_BELOW:
         return 0  # small (the embedded model's 0.5 GB): a later dense load (bf16, a reference run) need not convert
-    skip = _skeleton_skips(AutoConfig.from_pretrained(path, local_files_only=True), skip_head, skip_embed)
+    skip = _skeleton_skips(load_config(path), skip_head, skip_embed)
     freed = 0
     for shard in _model_shards(path):
         before = os.path.getsize(shard)
@@ -237,9 +240,10 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
     embedding if `skip_embed` and nothing else needs it): those are allocated, never written (so never resident) and
     released by the runner, which takes the file's blocks."""
     from safetensors import safe_open
-    from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    from .model_config import load_config
+
+    cfg = load_config(path)
     skip = _skeleton_skips(cfg, skip_head, skip_embed)
     state, keys = {}, set()
     for shard in _model_shards(path):
@@ -250,9 +254,10 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
                     state[key] = f.get_tensor(key)
     model = skeleton.build(cfg, keys)  # without transformers' modeling code, where it knows the architecture
     if model is None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.initialization import no_init_weights
 
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)  # transformers' own class, for its model
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

@@ -1,0 +1,77 @@
+"""A converted model's config, read without the import that costs a Llama-family model ~52 MB resident.
+
+transformers' LlamaConfig module validates `initializer_range` with a helper whose module imports
+transformers.activations, which imports the hub-kernel integration, its weight-loading stack, torch.distributed
+and sympy (~52 MB resident for the model's lifetime, none of it used by a skeleton load: the skeleton has its own
+activations). SmolLM2 and Llama 3.x files are Llama-family, the embedded model too, so every such load paid it.
+`LlamaFields` declares the same fields and defaults as transformers' LlamaConfig (a config.json saved by
+transformers lists only the values that differ from them), with model_type "llama"; the base class does the rest
+(RoPE parameters, generation defaults) as for transformers' own. test_skeleton checks that the two read every
+field of a Llama config alike. The other architectures' configs import nothing heavy and come from AutoConfig.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+
+@strict
+class LlamaFields(PreTrainedConfig):
+    """A Llama-family config.json's fields with transformers' defaults (LlamaConfig's, without its import)."""
+
+    model_type = "llama"
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pretraining_tp: int | None = 1
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: int | float | None = 0.0
+    mlp_bias: bool = False
+
+    def __post_init__(self, **kwargs):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        super().__post_init__(**kwargs)
+
+
+def own_config(path: str) -> LlamaFields | None:
+    """The config of the checkpoint folder `path` where it is Llama-family (read as `LlamaFields`), else None."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            kind = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # no config, or not ours to judge: transformers says what is wrong with the folder
+    if kind != LlamaFields.model_type:
+        return None
+    cfg = LlamaFields.from_pretrained(path, local_files_only=True)
+    cfg._name_or_path = path  # as AutoConfig names it
+    return cfg
+
+
+def load_config(path: str):
+    """The config of the checkpoint folder `path`: a Llama-family one as `LlamaFields`, others from AutoConfig."""
+    cfg = own_config(path)
+    if cfg is not None:
+        return cfg
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
