@@ -99,6 +99,8 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     os.makedirs(tmp, exist_ok=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    del model, tok
+    _release_heap()  # the dense float32 model just saved: ~4x the file, else resident for the rest of the load
     keep_added_tokens(tmp)
     with open(os.path.join(tmp, "simllm_conversion.json"), "w") as f:
         json.dump(want, f)
@@ -117,6 +119,17 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     shutil.rmtree(old, ignore_errors=True)
     progress(f"converted in {time.monotonic() - t0:.1f} s")
     return target
+
+
+def _release_heap() -> None:
+    """What a load just dropped (a converted model, a tokenizer's tables) handed back to the system: collected now
+    (transformers' modules hold reference cycles) and glibc's freed heap pages returned (runner_weights)."""
+    import gc
+
+    from .runner_weights import _return_freed_heap
+
+    gc.collect()
+    _return_freed_heap()
 
 
 def load_tokenizer(path: str):
@@ -138,9 +151,7 @@ def load_tokenizer(path: str):
             setattr(tok, name, type(table)())
             dropped = True
     if dropped:
-        from .runner_weights import _return_freed_heap
-
-        _return_freed_heap()
+        _release_heap()
     return tok
 
 
