@@ -226,6 +226,33 @@ def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
         e.unload()
 
 
+def test_an_engines_first_load_of_a_gguf_ends_as_a_later_load(files, tmp_path):
+    """A GGUF's first load reads the converted copy's dense weights (to check the file's blocks against them and
+    pack them); the engine then loads again from the blocks it kept, so the node runs at a later load's footprint
+    (0.5B Q4_K_M: 0.86 GB resident after the first load, 3.0 GB before): on the skeleton, computing the bits of a
+    first-load backend. A later engine load converts, checks and reloads nothing."""
+    from simllm_ros.serving.engine import Engine
+    from simllm_ros.settings import Settings
+
+    settings = Settings.from_overrides(model=files["qwen2"], model_cache_dir=str(tmp_path / "models"),
+                                       dtype="float32", weight_bits=0, cache_size="64MB")
+    for first in (True, False):
+        said: list[str] = []
+        e = Engine(settings)
+        e.load(progress=said.append)
+        try:
+            assert any(m.startswith("converting") for m in said) == first, said
+            assert any(m.startswith("loading again") for m in said) == first, said
+            b = e.backend
+            assert b.skeleton and not b.reload_lighter and type(b.model).__module__ == "simllm_ros.model.skeleton"
+            ref = _backend(files, "qwen2")
+            ids = b.prompt_ids("", "The charging dock is in room 12.", "Where is the charging dock?")
+            ours, theirs = (x.run(ids, x.new_cache(len(ids) + 2), logits="all") for x in (b, ref))
+            assert torch.equal(ours, theirs)
+        finally:
+            e.unload()
+
+
 def test_a_truncated_gguf_is_a_clear_load_error(tmp_path):
     path = write_llama(str(tmp_path / "cut.gguf"), layers=1, truncate=4096)
     with pytest.raises(ModelLoadError, match="truncated"):

@@ -137,6 +137,7 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
             t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
         self.runner = None
+        self.reload_lighter = False
         fast = (self.model_type in FULL_ATTENTION_ARCHITECTURES and not self.has_sliding_layers
                 or self.model_type in SLIDING_WINDOW_ARCHITECTURES) and LlamaRunner.supports(self.model)
         # A GGUF's own quantized blocks for the float32 vector kernel (gguf_weights): every supported format,
@@ -211,6 +212,8 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
                 if _try(packed.save, self.progress):
                     self.progress(f"packed blocks kept for later loads in {packed.path}")
                 kept = gguf_weights.load_rows(path, stamp) if rows is None else rows
+                # this load read the dense weights (a first load: converted, checked, packed); one now would not
+                self.reload_lighter = rows is None and kept is not None and os.path.isfile(packed.path)
                 if kept is not None and os.path.isfile(packed.path):  # later loads read neither dense projection
                     freed = _try(lambda: slim_conversion(path, kept.head, kept.embed), self.progress)
                     if freed:

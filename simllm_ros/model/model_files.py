@@ -100,7 +100,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     del model, tok
-    _release_heap()  # the dense float32 model just saved: ~4x the file, else resident for the rest of the load
+    release_heap()  # the dense float32 model just saved: ~4x the file, else resident for the rest of the load
     keep_added_tokens(tmp)
     with open(os.path.join(tmp, "simllm_conversion.json"), "w") as f:
         json.dump(want, f)
@@ -121,7 +121,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     return target
 
 
-def _release_heap() -> None:
+def release_heap() -> None:
     """What a load just dropped (a converted model, a tokenizer's tables) handed back to the system: collected now
     (transformers' modules hold reference cycles) and glibc's freed heap pages returned (runner_weights)."""
     import gc
@@ -151,7 +151,7 @@ def load_tokenizer(path: str):
             setattr(tok, name, type(table)())
             dropped = True
     if dropped:
-        _release_heap()
+        release_heap()
     return tok
 
 
