@@ -479,6 +479,59 @@ def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(
     assert os.path.isfile(os.path.join(folder, SLIM_FILE))
 
 
+@pytest.mark.parametrize("name", ["q4_k_m", "q8_0", "qwen2", "qwen3", "gemma3"])
+def test_a_large_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_path, monkeypatch, name):
+    """A GGUF whose dense float32 copy would reach KEEP_DENSE_BELOW (0 here, as for a 0.5B model) is converted
+    without the dense model (gguf_conversion): each projection checked against gguf's dequantization as
+    transformers processes it (Llama's q/k row order, Gemma's norm offset), the embedding and LM head a slice of rows
+    at a time. The copy equals what the whole conversion, its check and slimming give (row orders, head and embedding
+    flags, every tensor kept), and the backend on it computes a whole-converted backend's bits."""
+    import os
+
+    from safetensors import safe_open
+
+    from random_gguf import write_llama
+    from simllm_ros.model import model_files
+
+    if name == "gemma3":
+        path = write_llama(str(tmp_path / "rand-gemma3.gguf"), arch="gemma3", layers=7, heads=4, kv_heads=1,
+                           head_dim=64, types=Q4_K_M, embed="Q8_0", output=None, seed=4, sliding_window=16)
+        ref = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "whole"))
+    else:
+        path, ref = files[name], _backend(files, name)
+    whole = gguf_weights.load_rows(ref._path, model_files._conversion_stamp(path))
+    monkeypatch.setattr(model_files, "KEEP_DENSE_BELOW", 0)
+    said: list[str] = []
+    b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "streamed"), progress=said.append)
+    assert any("one tensor at a time into" in m for m in said) and not any("safetensors once" in m for m in said), said
+    assert b.skeleton and b.runner is not None and b.runner.file is not None and not b.reload_lighter
+    rows = gguf_weights.load_rows(b._path, model_files._conversion_stamp(path))
+    assert whole is not None and rows is not None and (rows.head, rows.embed) == (whole.head, whole.embed)
+    assert rows.perms.keys() == whole.perms.keys() and all(torch.equal(rows.perms[k], whole.perms[k]) for k in rows.perms)
+    if name == "q4_k_m":
+        assert len(rows.perms) == 4  # Llama's q and k of both layers: rows in transformers' order
+    with safe_open(os.path.join(b._path, "model.safetensors"), "pt") as f, \
+            safe_open(os.path.join(ref._path, "model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys()) - model_files._skeleton_skips(ref.config, rows.head, rows.embed)
+        assert all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in f.keys())
+    ids = [int(t) for t in range(900, 900 + 40 * 43, 43)]
+    assert torch.equal(b.run(ids, b.new_cache(42), logits="all"), ref.run(ids, ref.new_cache(42), logits="all"))
+
+
+def test_a_gguf_with_projections_off_our_kernels_is_converted_whole(tmp_path, monkeypatch):
+    """A large file whose projections our kernels do not take (F16 here) is converted the whole way, saying why,
+    and runs as before (16-bit weights, transformers' model on the dense copy)."""
+    from random_gguf import write_llama
+    from simllm_ros.model import model_files
+
+    path = write_llama(str(tmp_path / "rand-f16.gguf"), layers=1, default="F16", embed="Q8_0", output=None)
+    monkeypatch.setattr(model_files, "KEEP_DENSE_BELOW", 0)
+    said: list[str] = []
+    b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "models"), progress=said.append)
+    assert any("not converting it a tensor at a time: blk.0.attn_q is F16" in m for m in said), said
+    assert any("safetensors once" in m for m in said) and not b.skeleton and b.weight_bits == 16
+
+
 def test_a_node_on_the_embedded_model_starts_without_transformers_model_classes():
     """Once converted, the embedded model loads on the skeleton (skeleton.py) and the fingerprint's MiniLM runs on
     bert_encoder: the engine process never imports transformers' modeling code (~1.5 s and ~100 MB of a start),

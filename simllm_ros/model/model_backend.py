@@ -103,15 +103,17 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         _quiet_transformers()
         from transformers import AutoModelForCausalLM
 
-        path = resolve_model(ref, cache_dir, self.progress)
+        # float32 on the CPU at 4 bits (or auto) runs a GGUF's own blocks: a first conversion of a large file then
+        # checks them a tensor at a time and keeps no dense projections (gguf_conversion)
+        file_blocks = device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4)
+        path = resolve_model(ref, cache_dir, self.progress, dense=not file_blocks)
         self._path, self._dense_model = path, None
         src = gguf_source(ref)
         # A GGUF whose own blocks were checked against its dequantized weights before (gguf_weights.Rows): the
         # runner takes them from the file again, so the dense projection weights are never read (a model's
         # float32 weights are ~4x its file: they set the peak memory and most of the load time).
         stamp = _conversion_stamp(src) if src else None  # read once: it hashes the file's first MB
-        rows = gguf_weights.load_rows(path, stamp) if (
-            src and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4)) else None
+        rows = gguf_weights.load_rows(path, stamp) if src and file_blocks else None
         if rows is None and os.path.exists(os.path.join(path, SLIM_FILE)):  # this load needs the dense weights
             path = resolve_model(ref, cache_dir, self.progress, dense=True)
             self._path = path

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import gguf_weights, packed_weights, skeleton
+from . import gguf_conversion, gguf_weights, packed_weights, skeleton
 from ..safe_io import write_json
 from ..settings import DEFAULT_MODEL
 
@@ -50,7 +50,8 @@ def gguf_source(ref: str) -> str | None:
 
 def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], dense: bool = False) -> str:
     """Local directory holding a transformers checkpoint for `ref`, converting a GGUF once if needed. `dense`: the
-    load needs the dense projection weights, so a slimmed copy (slim_conversion) is converted again."""
+    load needs the dense projection weights, so a slimmed copy (slim_conversion) is converted again; without it a
+    large file is converted a tensor at a time into a slim copy where our kernels take it (gguf_conversion)."""
     gguf_dir = gguf_name = None
     if ref in EMBEDDED_MODELS:
         pkg, gguf_name, slug = EMBEDDED_MODELS[ref]
@@ -82,32 +83,34 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     except (OSError, ValueError):
         pass
     try:  # a truncated or corrupt file: say so here, not as whatever the converter trips over
-        gguf_weights.check_file(src)
+        listed = gguf_weights.check_file(src)
     except gguf_weights.GGUFError as e:
         raise ModelLoadError(f"model '{ref}': {e}") from e
-    progress(f"converting {gguf_name} to safetensors once (about 15 s) into {target}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import shutil
 
     _quiet_transformers()
     t0 = time.monotonic()
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    model.hf_quantizer = None  # the weights are dequantised now; saving them is plain safetensors
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     tmp = f"{target}.tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    del model, tok
-    release_heap()  # the dense float32 model just saved: ~4x the file, else resident for the rest of the load
+    streamed = None
+    if not dense and gguf_conversion.dense_bytes(listed) >= KEEP_DENSE_BELOW:
+        # a large file: its dense float32 model would set the first load's peak (10.2 GB at 1.5B) and be dropped
+        progress(f"converting {gguf_name} one tensor at a time into {target}")
+        try:
+            streamed = gguf_conversion.convert(src, tmp, want, progress)
+        except (OSError, ValueError, KeyError, NotImplementedError) as e:  # transformers' or gguf's refusal
+            progress(f"the tensor-at-a-time conversion stopped ({type(e).__name__}: {e}); converting it whole")
+        if streamed is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp, exist_ok=True)
+    if streamed is None:
+        progress(f"converting {gguf_name} to safetensors once (about 15 s) into {target}")
+        _convert_whole(gguf_dir, gguf_name, tmp)
     keep_added_tokens(tmp)
     with open(os.path.join(tmp, "simllm_conversion.json"), "w") as f:
         json.dump(want, f)
-    import shutil
-
     for name in KEPT_FILES:  # what a slim copy kept of this very file (each checks its own stamp when read)
-        if dense and os.path.isfile(os.path.join(target, name)):
+        if dense and not os.path.exists(os.path.join(tmp, name)) and os.path.isfile(os.path.join(target, name)):
             try:
                 os.link(os.path.join(target, name), os.path.join(tmp, name))
             except OSError:
@@ -119,6 +122,21 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     shutil.rmtree(old, ignore_errors=True)
     progress(f"converted in {time.monotonic() - t0:.1f} s")
     return target
+
+
+def _convert_whole(gguf_dir: str, gguf_name: str, folder: str) -> None:
+    """transformers' conversion: the whole model dequantized to float32 at once (~4x the file), saved to `folder`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantised now; saving them is plain safetensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    del model, tok
+    release_heap()  # the dense float32 model just saved: ~4x the file, else resident for the rest of the load
 
 
 def release_heap() -> None:
