@@ -227,10 +227,10 @@ def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
 
 
 def test_an_engines_first_load_of_a_gguf_ends_as_a_later_load(files, tmp_path):
-    """A GGUF's first load reads the converted copy's dense weights (to check the file's blocks against them and
-    pack them); the engine then loads again from the blocks it kept, so the node runs at a later load's footprint
-    (0.5B Q4_K_M after the first load and two requests: 0.86 GB, 3.0 GB before): on the skeleton, computing the
-    bits of a first-load backend. A later engine load converts, checks and reloads nothing."""
+    """A small GGUF's first load (converted whole) reads the converted copy's dense weights (to check the file's
+    blocks against them and pack them); the engine then loads again from the blocks it kept, so the node runs at a
+    later load's footprint: on the skeleton, computing the bits of a first-load backend. A later engine load
+    converts, checks and reloads nothing."""
     from simllm_ros.serving.engine import Engine
     from simllm_ros.settings import Settings
 

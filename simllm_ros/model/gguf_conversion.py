@@ -65,8 +65,8 @@ def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None])
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.ggml]]
         shape = t.shape if rows is None else (rows.stop - rows.start, *t.shape[1:])
         per_row = int(np.prod(t.shape[1:])) // block * nbytes if len(t.shape) > 1 else None
-        data = t.data if rows is None else t.data[rows.start * per_row:rows.stop * per_row]
-        data = np.asarray(data).reshape(*shape[:-1], shape[-1] // block * nbytes)
+        data = t.read() if rows is None else t.read(rows.start * per_row, rows.stop * per_row)
+        data = data.reshape(*shape[:-1], shape[-1] // block * nbytes)
         w = dequantize(data, GGMLQuantizationType[t.ggml])
         w = processor.process(weights=w, name=t.name, tensor_key_mapping=to_hf, parsed_parameters={}).weights
         return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(shape)
@@ -78,7 +78,7 @@ def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None])
         per_row = k // block * nbytes
         for r in range(0, n, EMBED_ROWS):
             part = slice(r, min(n, r + EMBED_ROWS))
-            ours = gguf_weights.decode(t.ggml, t.data[part.start * per_row:part.stop * per_row],
+            ours = gguf_weights.decode(t.ggml, t.read(part.start * per_row, part.stop * per_row),
                                        (part.stop - part.start, k)).dequantized()
             if not torch.equal(ours, reference(t, part)):
                 return False
@@ -94,7 +94,7 @@ def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None])
                     tuple(t.shape) != (lin.out_features, lin.in_features):
                 return _whole(progress, f"blk.{i}.{gname} is {t.ggml if t is not None else 'missing'} "
                                         f"[{lin.out_features}, {lin.in_features}], not for our kernels")
-            fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.data, tuple(t.shape)), reference(t))
+            fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), tuple(t.shape)), reference(t))
             if fw is None:
                 return _whole(progress, f"blk.{i}.{gname}: our decoding is not gguf's dequantization")
             if fw.perm is not None:

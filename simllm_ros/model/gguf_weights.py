@@ -217,6 +217,15 @@ class Tensor:
     path: str = ""  # the file and where the bytes start in it
     offset: int = 0
 
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Bytes start..stop of the tensor read into memory of their own, not through the file's map: a load that
+        goes through every tensor once would otherwise keep the whole file's pages in its resident set (the
+        0.9 GB of a 1.5B Q4_K_M on top of what it builds from them)."""
+        stop = self.data.size if stop is None else stop
+        if not self.path:
+            return np.asarray(self.data[start:stop])
+        return np.fromfile(self.path, dtype=np.uint8, count=stop - start, offset=self.offset + start)
+
 
 # Value types of GGUF metadata: fixed sizes (string 8, array 9 are read apart)
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -312,7 +321,7 @@ class PendingWeight:
         return KINDS[self.tensor.ggml]
 
     def decoded(self) -> FileWeight:
-        fw = decode(self.tensor.ggml, self.tensor.data, self.shape)
+        fw = decode(self.tensor.ggml, self.tensor.read(), self.shape)
         return fw if self.perm is None else fw.rows(self.perm)
 
     def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:

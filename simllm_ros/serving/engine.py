@@ -156,9 +156,10 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
             self.backend = self._open_backend(progress)
             if self.backend.reload_lighter:
-                # A GGUF's first load held its dense float32 weights (0.5B Q4_K_M: 2.9 GB resident after it, 0.79
-                # GB after a later load): loaded again as a later load is, from the checked and packed blocks just
-                # kept, the node runs at that footprint.
+                # A GGUF's first load after a whole conversion (a small file, or one converted for a dense load
+                # before) held its dense float32 weights: loaded again as a later load is, from the checked and
+                # packed blocks just kept, the node runs at that footprint. (A large file's first conversion never
+                # holds them: gguf_conversion.)
                 self.backend = None
                 release_heap()
                 progress("loading again from the blocks just checked and packed (the dense weights released)")
