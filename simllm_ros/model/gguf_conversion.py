@@ -1,10 +1,10 @@
-"""A large GGUF's first conversion one tensor at a time: the copy a skeleton load reads (config, tokenizer, the
+"""A GGUF's first conversion one tensor at a time: the copy a skeleton load reads (config, tokenizer, the
 float tensors the runner keeps in Python: norms, biases) and the check that every projection is the file's own
 blocks (gguf_weights.Rows), without the dense model ever in memory.
 
 Why: transformers' GGUF load dequantizes the whole model to float32 (~4x the file) and the check then compared
 every projection against it, so a first load peaked at 5.3 GB for a 0.5B Q4_K_M and 10.2 GB for a 1.5B one: more
-than an 8 GB robot computer has. Here each tensor is dequantized as transformers' loader does it (gguf's
+than an 8 GB robot computer has (the real Gemma 3 270M Q4_K_M, 4.0 GB). Here each tensor is dequantized as transformers' loader does it (gguf's
 `dequantize`, then transformers' per-architecture processing: Llama's q/k row order, Gemma's norm offset), compared
 bit for bit with our decoding of the same bytes, and dropped; the token embedding and LM head in slices of rows.
 Nothing runs on a tensor that was not checked: where any projection is not the file's own (a format our kernels do
@@ -25,11 +25,6 @@ from .gguf_weights import KINDS, PROJECTIONS, Rows, Tensor
 # transformers' tensor processors are keyed by the GGUF architecture; the model types the runner takes map to these
 _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 EMBED_ROWS = 8192  # rows of the token embedding / LM head compared at a time (1536 wide: 48 MB in float32)
-
-
-def dense_bytes(listed: list[Tensor]) -> int:
-    """Bytes the file's tensors take as float32: what transformers' conversion holds at once."""
-    return sum(4 * int(np.prod(t.shape)) for t in listed)
 
 
 def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None]) -> Rows | None:

@@ -51,7 +51,7 @@ def gguf_source(ref: str) -> str | None:
 def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], dense: bool = False) -> str:
     """Local directory holding a transformers checkpoint for `ref`, converting a GGUF once if needed. `dense`: the
     load needs the dense projection weights, so a slimmed copy (slim_conversion) is converted again; without it a
-    large file is converted a tensor at a time into a slim copy where our kernels take it (gguf_conversion)."""
+    file our kernels take is converted a tensor at a time into a slim copy (gguf_conversion)."""
     gguf_dir = gguf_name = None
     if ref in EMBEDDED_MODELS:
         pkg, gguf_name, slug = EMBEDDED_MODELS[ref]
@@ -83,7 +83,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     except (OSError, ValueError):
         pass
     try:  # a truncated or corrupt file: say so here, not as whatever the converter trips over
-        listed = gguf_weights.check_file(src)
+        gguf_weights.check_file(src)
     except gguf_weights.GGUFError as e:
         raise ModelLoadError(f"model '{ref}': {e}") from e
     import shutil
@@ -93,8 +93,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     tmp = f"{target}.tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     streamed = None
-    if not dense and gguf_conversion.dense_bytes(listed) >= KEEP_DENSE_BELOW:
-        # a large file: its dense float32 model would set the first load's peak (10.2 GB at 1.5B) and be dropped
+    if not dense:  # transformers' whole conversion holds the float32 model: ~4x the file (10.2 GB at 1.5B Q4_K_M)
         progress(f"converting {gguf_name} one tensor at a time into {target}")
         try:
             streamed = gguf_conversion.convert(src, tmp, want, progress)
