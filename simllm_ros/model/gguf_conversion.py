@@ -31,13 +31,11 @@ def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None])
     """Writes into `folder` the slim copy of GGUF `src` (content `stamp`) with its checked rows, and returns them;
     None (folder left for the caller to clear) where the runner does not take this model or a projection is not the
     file's own blocks."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
     from transformers import AutoConfig, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from .llama_runner import LlamaRunner
+    from .model_files import SLIM_FILE, _skeleton_skips
 
     where, name = os.path.split(src)
     listed = gguf_weights.check_file(src)
@@ -52,64 +50,22 @@ def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None])
         t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
     if model is None or not LlamaRunner.supports(model) or (sliding and cfg.model_type != "gemma3_text"):
         return _whole(progress, f"the runner does not take this {cfg.model_type} model's layout")
-    processor = TENSOR_PROCESSORS.get(_GGUF_ARCH[cfg.model_type], TensorProcessor)(config=cfg.to_dict())
-    to_hf = get_gguf_hf_weights_map(model, processor)
-
-    def reference(t: Tensor, rows: slice | None = None) -> torch.Tensor:
-        """The float32 values transformers' loader gives (rows of) this tensor."""
-        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.ggml]]
-        shape = t.shape if rows is None else (rows.stop - rows.start, *t.shape[1:])
-        per_row = int(np.prod(t.shape[1:])) // block * nbytes if len(t.shape) > 1 else None
-        data = t.read() if rows is None else t.read(rows.start * per_row, rows.stop * per_row)
-        data = data.reshape(*shape[:-1], shape[-1] // block * nbytes)
-        w = dequantize(data, GGMLQuantizationType[t.ggml])
-        w = processor.process(weights=w, name=t.name, tensor_key_mapping=to_hf, parsed_parameters={}).weights
-        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(shape)
-
-    def same_rows(t: Tensor) -> bool:
-        """Our decoding of `t` is transformers' values, row for row in the file's order, a slice at a time."""
-        n, k = t.shape
-        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.ggml]]
-        per_row = k // block * nbytes
-        for r in range(0, n, EMBED_ROWS):
-            part = slice(r, min(n, r + EMBED_ROWS))
-            ours = gguf_weights.decode(t.ggml, t.read(part.start * per_row, part.stop * per_row),
-                                       (part.stop - part.start, k)).dequantized()
-            if not torch.equal(ours, reference(t, part)):
-                return False
-        return True
-
+    ref = _Dequantized(cfg, model)
     progress(f"checking {name}'s blocks one tensor at a time against gguf's dequantization (no dense model)")
-    perms: dict[str, torch.Tensor] = {}
-    for i in range(cfg.num_hidden_layers):
-        for gname, (sub, attr) in PROJECTIONS.items():
-            t = tensors.get(f"blk.{i}.{gname}.weight")
-            lin = getattr(getattr(model.model.layers[i], sub), attr)
-            if t is None or t.ggml not in KINDS or lin.out_features % 16 or \
-                    tuple(t.shape) != (lin.out_features, lin.in_features):
-                return _whole(progress, f"blk.{i}.{gname} is {t.ggml if t is not None else 'missing'} "
-                                        f"[{lin.out_features}, {lin.in_features}], not for our kernels")
-            fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), tuple(t.shape)), reference(t))
-            if fw is None:
-                return _whole(progress, f"blk.{i}.{gname}: our decoding is not gguf's dequantization")
-            if fw.perm is not None:
-                perms[t.name] = fw.perm.to(torch.int32)
+    perms = _projection_rows(model, tensors, ref, progress)
+    if perms is None:
+        return None
     emb_t, head_t = tensors.get("token_embd.weight"), tensors.get("output.weight")
     tied = head_t is None
     vocab, hidden = model.model.embed_tokens.num_embeddings, model.model.embed_tokens.embedding_dim
     embed = emb_t is not None and emb_t.ggml in gguf_weights.DECODED and tuple(emb_t.shape) == (vocab, hidden) \
-        and same_rows(emb_t)
+        and ref.same_rows(emb_t)
     head_src = emb_t if tied else head_t
     head = head_src is not None and head_src.ggml in KINDS and tuple(head_src.shape) == (vocab, hidden) and (
-        embed if tied else same_rows(head_src))
-    from .model_files import SLIM_FILE, _skeleton_skips
-
+        embed if tied else ref.same_rows(head_src))
     skip = _skeleton_skips(cfg, head, embed)
-    state = {}
-    for t in listed:
-        hf = to_hf.get(t.name)
-        if hf is not None and hf not in skip:
-            state[hf] = reference(t)  # norms and biases; the embedding / head where not the file's own blocks
+    # norms and biases; the embedding / head where they are not the file's own blocks
+    state = {ref.to_hf[t.name]: ref(t) for t in listed if ref.to_hf.get(t.name) not in skip | {None}}
     missing = [k for k in model.state_dict() if k not in state and k not in skip
                and not (k == "lm_head.weight" and tied)]
     if missing:
@@ -127,6 +83,69 @@ def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None])
     with open(os.path.join(folder, SLIM_FILE), "w") as f:
         json.dump({"dropped": sorted(skip)[:3] + ["..."], "head": head, "embed": embed, "streamed": True}, f)
     return rows
+
+
+class _Dequantized:
+    """A tensor as transformers' GGUF loader gives it: gguf's `dequantize`, then the architecture's processor (Llama's
+    q/k row order, Gemma's norm offset), in float32; `to_hf` names it as the model does."""
+
+    def __init__(self, cfg, model):
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map)
+
+        self.processor = TENSOR_PROCESSORS.get(_GGUF_ARCH[cfg.model_type], TensorProcessor)(config=cfg.to_dict())
+        self.to_hf = get_gguf_hf_weights_map(model, self.processor)
+
+    def __call__(self, t: Tensor, rows: slice | None = None) -> torch.Tensor:
+        """Rows `rows` (all by default) of tensor `t`."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        shape = t.shape if rows is None else (rows.stop - rows.start, *t.shape[1:])
+        per_row = _row_bytes(t)
+        data = t.read() if rows is None else t.read(rows.start * per_row, rows.stop * per_row)
+        w = dequantize(data.reshape(*shape[:-1], -1), GGMLQuantizationType[t.ggml])
+        w = self.processor.process(weights=w, name=t.name, tensor_key_mapping=self.to_hf, parsed_parameters={}).weights
+        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(shape)
+
+    def same_rows(self, t: Tensor) -> bool:
+        """Our decoding of `t` is these values, row for row in the file's order, EMBED_ROWS at a time."""
+        n, k = t.shape
+        per_row = _row_bytes(t)
+        for r in range(0, n, EMBED_ROWS):
+            part = slice(r, min(n, r + EMBED_ROWS))
+            ours = gguf_weights.decode(t.ggml, t.read(part.start * per_row, part.stop * per_row),
+                                       (part.stop - part.start, k)).dequantized()
+            if not torch.equal(ours, self(t, part)):
+                return False
+        return True
+
+
+def _projection_rows(model, tensors: dict[str, Tensor], ref: _Dequantized, progress) -> dict[str, torch.Tensor] | None:
+    """Each layer's projections checked, one tensor in memory at a time: the row orders where they differ from the
+    file's (Llama's q and k), or None where one is not for our kernels or not the file's values."""
+    perms: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        for gname, (sub, attr) in PROJECTIONS.items():
+            t = tensors.get(f"blk.{i}.{gname}.weight")
+            lin = getattr(getattr(layer, sub), attr)
+            if t is None or t.ggml not in KINDS or lin.out_features % 16 or \
+                    tuple(t.shape) != (lin.out_features, lin.in_features):
+                return _whole(progress, f"blk.{i}.{gname} is {t.ggml if t is not None else 'missing'} "
+                                        f"[{lin.out_features}, {lin.in_features}], not for our kernels")
+            fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), tuple(t.shape)), ref(t))
+            if fw is None:
+                return _whole(progress, f"blk.{i}.{gname}: our decoding is not gguf's dequantization")
+            if fw.perm is not None:
+                perms[t.name] = fw.perm.to(torch.int32)
+    return perms
+
+
+def _row_bytes(t: Tensor) -> int:
+    """Bytes of one row (the innermost dimension) of `t` in its GGUF type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.ggml]]
+    return t.shape[-1] // block * nbytes
 
 
 def _whole(progress: Callable[[str], None], why: str) -> None:
