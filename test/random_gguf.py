@@ -48,18 +48,46 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray(b.reshape(n, -1))
 
 
+def llama3_rope_factors(base: float, dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                        original_max_position_embeddings: int) -> np.ndarray:
+    """The `rope_freqs.weight` values llama.cpp's convert_hf_to_gguf.py writes for a Llama 3.1+ model (its
+    LlamaModel.generate_extra_tensors): per frequency, 1 for short wavelengths, `factor` for long ones, a smooth
+    blend between. Written out here from that description; the file's reader must not rely on this code."""
+    import math
+
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 512, heads: int = 4, kv_heads: int = 2,
                 types: dict | None = None, default: str = "Q4_K", embed: str = "Q4_K", output: str | None = "Q6_K",
                 per_layer: dict | None = None, seed: int = 0, truncate: int = 0, arch: str = "llama",
                 head_dim: int | None = None, sliding_window: int = 16, tokenizer: str | None = None,
-                rope_base: float = 10000.0) -> str:
+                rope_base: float = 10000.0, llama3_rope: dict | None = None,
+                rope_scaling: tuple[str, float] | None = None) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
     hidden / heads, as Qwen3's does), "gemma3" Gemma 3's layers (q/k norms, norms after attention and MLP, every
     layer but each sixth a `sliding_window` one). `truncate` cuts that many bytes off the end (a broken download).
     `tokenizer`: a GGUF whose tokenizer (and so vocabulary) the file takes, by default the embedded model's;
-    `rope_base`: RoPE's base (Gemma 3: its full layers'; its sliding layers keep 10,000)."""
+    `rope_base`: RoPE's base (Gemma 3: its full layers'; its sliding layers keep 10,000). `llama3_rope`: Llama 3.1+'s
+    RoPE scaling ({"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}), which llama.cpp's converter writes as the per-frequency divisors of
+    a `rope_freqs.weight` tensor (llama3_rope_factors), not as metadata. `rope_scaling`: (type, factor) written as
+    `{arch}.rope.scaling.type` / `.factor` metadata, as llama.cpp's converter writes linear scaling (Gemma 3 4B)."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer or tokenizer_source())
@@ -82,6 +110,9 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     w.add_vocab_size(vocab)
     if arch == "gemma3":
         w.add_sliding_window(sliding_window)
+    if rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(rope_scaling[1])
     for key, field in src.fields.items():  # the tokenizer as the embedded model has it
         if not key.startswith("tokenizer."):
             continue
@@ -121,6 +152,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
             if arch == "gemma3" and kind in ("attn_output", "ffn_down"):  # norms of the attention and MLP outputs
                 add(f"blk.{i}.{'post_attention_norm' if kind == 'attn_output' else 'post_ffw_norm'}.weight", "F32",
                     hidden, 0)
+    if llama3_rope:
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope_base, head_dim, **llama3_rope))
     add("output_norm.weight", "F32", hidden, 0)
     if output:
         add("output.weight", output, vocab, hidden)

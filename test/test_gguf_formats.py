@@ -567,6 +567,63 @@ def test_a_gguf_with_projections_off_our_kernels_is_converted_whole(tmp_path):
     assert any("safetensors once" in m for m in said) and not b.skeleton and b.weight_bits == 16
 
 
+def test_llama3_rope_scaling_is_read_from_the_files_rope_freqs(tmp_path):
+    """Llama 3.1+ files carry their RoPE scaling as per-frequency divisors (`rope_freqs.weight`, llama.cpp's
+    converter), which transformers' GGUF reader drops: a Llama 3.2 file would run with plain RoPE, another model than
+    the file's. Both conversions (a tensor at a time; whole, for a dense load) set llama3 scaling whose inverse
+    frequencies are the plain ones divided by the file's divisors; divisors that are not llama3 scaling with Llama
+    3's parameters are a clear load error, not a silently different model."""
+    from random_gguf import llama3_rope_factors, write_llama
+
+    l3 = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    shape = dict(layers=1, hidden=512, inter=1024, heads=8, kv_heads=2, default="Q8_0", embed="Q8_0", output=None,
+                 rope_base=500000.0)
+    path = write_llama(str(tmp_path / "rand-llama3.gguf"), llama3_rope=l3, **shape)
+    divisors = torch.from_numpy(llama3_rope_factors(500000.0, 64, **l3))
+    assert (divisors > 1).sum() >= 10 and (divisors == 1).sum() >= 10  # scaled and unscaled frequencies both
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
+    said: list[str] = []
+    streamed = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"), progress=said.append)
+    assert any("one tensor at a time into" in m for m in said) and streamed.skeleton
+    dense = ModelBackend(path, dtype="float32", weight_bits=16, cache_dir=str(tmp_path / "b"))
+    for b in (streamed, dense):
+        rope = b.config.rope_parameters
+        assert rope["rope_type"] == "llama3" and rope["factor"] == 32.0, rope
+        assert torch.allclose(b._rope_inv_freqs()[0].float(), plain / divisors, rtol=1e-5, atol=0)
+    other = write_llama(str(tmp_path / "rand-other-rope.gguf"), llama3_rope=dict(l3, low_freq_factor=2.0), **shape)
+    with pytest.raises(ModelLoadError, match="not Llama 3's RoPE scaling"):
+        ModelBackend(other, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "c"))
+
+
+def test_linear_rope_scaling_and_gemmas_attention_scale_are_read_from_the_file(tmp_path):
+    """What else transformers' GGUF reader leaves out, read as llama.cpp reads it: linear RoPE scaling in the
+    metadata (all layers of a Llama; the full-attention layers of a Gemma 3, as in its 4B-27B releases), and Gemma
+    3's attention scale 1/sqrt(head_dim) (transformers' default, 256, holds only for 256-wide heads). Any other
+    scaling type is a clear load error. (Checked against llama.cpp's logits on such files by
+    benchmark/results/gguf_models.md's probe: within 0.05-0.07 of ~3.5 with these, up to 1.5 without.)"""
+    from random_gguf import write_llama
+
+    plain = lambda base: 1.0 / (base ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))  # noqa: E731
+    shape = dict(hidden=256, inter=512, heads=4, kv_heads=2, head_dim=64, default="Q8_0", embed="Q8_0", output=None)
+    llama = write_llama(str(tmp_path / "rand-linear.gguf"), layers=1, rope_scaling=("linear", 8.0), **shape)
+    b = ModelBackend(llama, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
+    assert b.config.rope_parameters == {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}
+    assert torch.allclose(b._rope_inv_freqs()[0], plain(10000.0) / 8, rtol=1e-6, atol=0)
+    gemma = write_llama(str(tmp_path / "rand-gemma-linear.gguf"), arch="gemma3", layers=6, rope_base=1e6,
+                        rope_scaling=("linear", 8.0), **shape)
+    g = ModelBackend(gemma, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
+    rope = g.config.rope_parameters
+    assert rope["full_attention"]["rope_type"] == "linear" and rope["full_attention"]["factor"] == 8.0
+    assert rope["sliding_attention"]["rope_type"] == "default"
+    tables = dict(zip(g.runner.rope_types, g._rope_inv_freqs()))
+    assert torch.allclose(tables["full_attention"], plain(1e6) / 8, rtol=1e-6, atol=0)
+    assert torch.allclose(tables["sliding_attention"], plain(10000.0), rtol=1e-6, atol=0)
+    assert g.config.query_pre_attn_scalar == 64 and g.runner.scale == 64 ** -0.5
+    yarn = write_llama(str(tmp_path / "rand-yarn.gguf"), layers=1, rope_scaling=("yarn", 4.0), **shape)
+    with pytest.raises(ModelLoadError, match="RoPE scaling 'yarn'"):
+        ModelBackend(yarn, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
+
+
 def test_a_node_on_the_embedded_model_starts_without_transformers_model_classes():
     """Once converted, the embedded model loads on the skeleton (skeleton.py) and the fingerprint's MiniLM runs on
     bert_encoder: the engine process never imports transformers' modeling code (~1.5 s and ~100 MB of a start),

