@@ -103,7 +103,7 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         _quiet_transformers()
         from transformers import AutoModelForCausalLM
 
-        # float32 on the CPU at 4 bits (or auto) runs a GGUF's own blocks: a first conversion of a large file then
+        # float32 on the CPU at 4 bits (or auto) runs a GGUF's own blocks: its first conversion then
         # checks them a tensor at a time and keeps no dense projections (gguf_conversion)
         file_blocks = device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4)
         path = resolve_model(ref, cache_dir, self.progress, dense=not file_blocks)
