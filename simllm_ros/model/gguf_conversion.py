@@ -4,9 +4,10 @@ blocks (gguf_weights.Rows), without the dense model ever in memory.
 
 Why: transformers' GGUF load dequantizes the whole model to float32 (~4x the file) and the check then compared
 every projection against it, so a first load peaked at 5.3 GB for a 0.5B Q4_K_M and 10.2 GB for a 1.5B one: more
-than an 8 GB robot computer has (the real Gemma 3 270M Q4_K_M, 4.0 GB). Here each tensor is dequantized as transformers' loader does it (gguf's
-`dequantize`, then transformers' per-architecture processing: Llama's q/k row order, Gemma's norm offset), compared
-bit for bit with our decoding of the same bytes, and dropped; the token embedding and LM head in slices of rows.
+than an 8 GB robot computer has (the real Gemma 3 270M Q4_K_M: 4.0 GB). Here each tensor is dequantized as
+transformers' loader does it (gguf's `dequantize`, then transformers' per-architecture processing: Llama's q/k row
+order, Gemma's norm offset), compared bit for bit with our decoding of the same bytes, and dropped; the token
+embedding and LM head in slices of rows.
 Nothing runs on a tensor that was not checked: where any projection is not the file's own (a format our kernels do
 not take, other values) this returns None and the caller converts the whole model as before.
 """
@@ -77,23 +78,22 @@ def _llama3_rope(cfg, t: Tensor | None) -> None:
     divisors = torch.from_numpy(t.read().view(np.float32).copy())
     if torch.all(divisors == 1):
         return
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     want = {"rope_type": "llama3", "rope_theta": params["rope_theta"], "factor": float(divisors.max()), **LLAMA3_ROPE}
     trial = copy.deepcopy(cfg)
     trial.rope_parameters = want
-    inv, _ = ROPE_INIT_FUNCTIONS["llama3"](trial)
-    plain = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    inv, _ = skeleton.rope_inv_freq(trial)  # transformers' llama3 scaling
+    plain, _ = skeleton.rope_inv_freq(cfg)
     if not torch.allclose(inv.float(), plain / divisors, rtol=1e-5, atol=0):
         raise gguf_weights.GGUFError(f"rope_freqs.weight is not Llama 3's RoPE scaling (factor {want['factor']}, "
                                      f"{LLAMA3_ROPE}); other RoPE frequency divisors are not supported")
     cfg.rope_parameters = want
 
 
-def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None]) -> Rows | None:
-    """Writes into `folder` the slim copy of GGUF `src` (content `stamp`) with its checked rows, and returns them;
-    None (folder left for the caller to clear) where the runner does not take this model or a projection is not the
-    file's own blocks."""
+def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dict,
+            progress: Callable[[str], None]) -> Rows | None:
+    """Writes into `folder` the slim copy of GGUF `src` (its `header`: gguf_weights.read_header; content `stamp`)
+    with its checked rows, and returns them; None (folder left for the caller to clear) where the runner does not
+    take this model or a projection is not the file's own blocks."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -101,7 +101,7 @@ def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None])
     from .model_files import SLIM_FILE, _skeleton_skips
 
     where, name = os.path.split(src)
-    meta, listed = gguf_weights.read_header(src)
+    meta, listed = header
     tensors = {t.name: t for t in listed}
     cfg = AutoConfig.from_pretrained(where, gguf_file=name)
     complete_config(cfg, meta, tensors)
@@ -110,8 +110,7 @@ def convert(src: str, folder: str, stamp: dict, progress: Callable[[str], None])
     keys = {_hf_guess(t.name) for t in listed}  # which biases and q/k norms the skeleton declares
     with torch.device("meta"):
         model = skeleton.build(cfg, keys)
-    sliding = bool(getattr(cfg, "sliding_window", None)) and any(
-        t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
+    sliding = skeleton.has_sliding_layers(cfg)
     if model is None or not LlamaRunner.supports(model) or (sliding and cfg.model_type != "gemma3_text"):
         return _whole(progress, f"the runner does not take this {cfg.model_type} model's layout")
     ref = _Dequantized(cfg, model)

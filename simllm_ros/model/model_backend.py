@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import gguf_weights
+from . import gguf_weights, skeleton
 from ..kernels import int4_kernel, int4_vector_kernel
 from ..cache.block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
@@ -135,8 +135,7 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         self.model_type = getattr(cfg, "model_type", "unknown")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv_shape = KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
-        self.has_sliding_layers = bool(getattr(cfg, "sliding_window", None)) and any(
-            t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
+        self.has_sliding_layers = skeleton.has_sliding_layers(cfg)
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
         self.runner = None
         self.reload_lighter = False

@@ -83,7 +83,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     except (OSError, ValueError):
         pass
     try:  # a truncated or corrupt file: say so here, not as whatever the converter trips over
-        gguf_weights.check_file(src)
+        header = gguf_weights.read_header(src)
     except gguf_weights.GGUFError as e:
         raise ModelLoadError(f"model '{ref}': {e}") from e
     import shutil
@@ -96,7 +96,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     if not dense:  # transformers' whole conversion holds the float32 model: ~4x the file (10.2 GB at 1.5B Q4_K_M)
         progress(f"converting {gguf_name} one tensor at a time into {target}")
         try:
-            streamed = gguf_conversion.convert(src, tmp, want, progress)
+            streamed = gguf_conversion.convert(src, header, tmp, want, progress)
         except gguf_weights.GGUFError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ModelLoadError(f"model '{ref}': {e}") from e
@@ -108,7 +108,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     if streamed is None:
         progress(f"converting {gguf_name} to safetensors once (about 15 s) into {target}")
         try:
-            _convert_whole(gguf_dir, gguf_name, tmp)
+            _convert_whole(gguf_dir, gguf_name, header, tmp)
         except gguf_weights.GGUFError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ModelLoadError(f"model '{ref}': {e}") from e
@@ -116,7 +116,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     with open(os.path.join(tmp, "simllm_conversion.json"), "w") as f:
         json.dump(want, f)
     for name in KEPT_FILES:  # what a slim copy kept of this very file (each checks its own stamp when read)
-        if dense and not os.path.exists(os.path.join(tmp, name)) and os.path.isfile(os.path.join(target, name)):
+        if dense and os.path.isfile(os.path.join(target, name)):
             try:
                 os.link(os.path.join(target, name), os.path.join(tmp, name))
             except OSError:
@@ -130,13 +130,14 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     return target
 
 
-def _convert_whole(gguf_dir: str, gguf_name: str, folder: str) -> None:
-    """transformers' conversion: the whole model dequantized to float32 at once (~4x the file), saved to `folder`."""
+def _convert_whole(gguf_dir: str, gguf_name: str, header: tuple[dict, list], folder: str) -> None:
+    """transformers' conversion: the whole model dequantized to float32 at once (~4x the file), saved to `folder`
+    (`header`: the file's, gguf_weights.read_header)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    meta, listed = gguf_weights.read_header(os.path.join(gguf_dir, gguf_name))
+    meta, listed = header
     gguf_conversion.complete_config(model.config, meta, {t.name: t for t in listed})  # what transformers' reader drops
     model.hf_quantizer = None  # the weights are dequantised now; saving them is plain safetensors
     if hasattr(model.config, "quantization_config"):

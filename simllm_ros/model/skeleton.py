@@ -104,7 +104,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.tables: dict[str | None, tuple[torch.Tensor, float]] = {}
         for t in layer_types or [None]:
-            self.tables[t] = _inv_freq(config, t)
+            self.tables[t] = rope_inv_freq(config, t)
         if None in self.tables:
             self.inv_freq, self.attention_scaling = self.tables[None]
 
@@ -115,6 +115,12 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * scaling).to(dtype=x.dtype), (emb.sin() * scaling).to(dtype=x.dtype)
 
 
+def has_sliding_layers(cfg) -> bool:
+    """Whether some layer of this config attends over a window (Gemma 3's, a Mistral with sliding_window set)."""
+    return bool(getattr(cfg, "sliding_window", None)) and any(
+        t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
+
+
 def _rope_parameters(config, layer_type: str | None) -> dict | None:
     params = getattr(config, "rope_parameters", None)
     if layer_type is not None and isinstance(params, dict):
@@ -122,7 +128,8 @@ def _rope_parameters(config, layer_type: str | None) -> dict | None:
     return params
 
 
-def _inv_freq(config, layer_type: str | None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, attention scaling) of `config`'s RoPE, for one layer type where it has several."""
     params = _rope_parameters(config, layer_type)
     kind = params["rope_type"]
     if kind == "default":

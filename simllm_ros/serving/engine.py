@@ -156,10 +156,10 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
             self.backend = self._open_backend(progress)
             if self.backend.reload_lighter:
-                # A GGUF's first load after a whole conversion (a small file, or one converted for a dense load
-                # before) held its dense float32 weights: loaded again as a later load is, from the checked and
-                # packed blocks just kept, the node runs at that footprint. (A large file's first conversion never
-                # holds them: gguf_conversion.)
+                # A float32 load of a GGUF converted whole (for a dense load before, or where the tensor-at-a-time
+                # conversion declined) held its dense float32 weights: loaded again as a later load is, from the
+                # checked and packed blocks just kept, the node runs at that footprint. (A tensor-at-a-time
+                # conversion never holds them: gguf_conversion.)
                 self.backend = None
                 release_heap()
                 progress("loading again from the blocks just checked and packed (the dense weights released)")
