@@ -110,6 +110,9 @@ def files(tmp_path_factory):
             "q4_0": write_llama(str(d / "rand-q4_0.gguf"), default="Q4_0", embed="Q4_0", output="Q8_0", seed=5),
             "qwen2": write_llama(str(d / "rand-qwen2.gguf"), arch="qwen2", types=Q4_K_M, seed=2),
             "qwen3": write_llama(str(d / "rand-qwen3.gguf"), arch="qwen3", head_dim=128, types=Q4_K_M, seed=3),
+            # SmolLM3: Llama's layers, layer 3 without RoPE (NoPE: every fourth), the head tied to the embedding
+            "smollm3": write_llama(str(d / "rand-smollm3.gguf"), arch="smollm3", layers=4, types=Q4_K_M, output=None,
+                                   seed=6),
             "gemma3-270m": _real_gemma(),
             "cache": str(d / "models")}
 
@@ -200,16 +203,19 @@ def test_the_head_is_the_files_weights(files, activation_bits):
     assert (got - want).abs().max() <= 2e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
-def test_qwen_files_run_on_their_own_blocks_as_transformers_computes_them(files, name):
-    """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms before RoPE, head_dim 128 beside a hidden size of 256): the
-    runner at the file's own bits, lossless, and what it computes is what transformers' own forward of the same
-    file computes (float32 rows, to rounding: the arithmetic is ours, the model the same)."""
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3"])
+def test_qwen_and_smollm3_files_run_on_their_own_blocks_as_transformers_computes_them(files, name):
+    """Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms before RoPE, head_dim 128 beside a hidden size of 256) and
+    SmolLM3 (NoPE layers; transformers' GGUF reader refuses the file, its dense copy is ours): the runner at the
+    file's own bits, lossless, and what it computes is what transformers' own forward of the same file computes
+    (float32 rows, to rounding: the arithmetic is ours, the model the same)."""
     b = _backend(files, name, activation_bits=32)
     assert b.model_type == name and b.weight_bits == 4 and b.runner.file is not None and b.exact_chunking
     assert b.semantic_supported
     if name == "qwen3":
         assert all(n is not None for n in b.runner.qk_norms)
+    if name == "smollm3":
+        assert [b.runner.rope_types[r] for r in b.runner.rope_of] == [None, None, None, "no_rope"]
     assert b.layers_kind == "c"  # the float32 C layers take the biases and the q/k norms
     ids = [int(t) for t in range(400, 400 + 17 * 53, 53)]
     ours = b.run(ids, b.new_cache(20), logits="all")
@@ -222,12 +228,27 @@ def test_qwen_files_run_on_their_own_blocks_as_transformers_computes_them(files,
         ref = b.hf_model(torch.tensor([ids])).logits[0].float()
     assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    if name == "smollm3":
+        assert type(b.hf_model).__name__ == "SmolLM3ForCausalLM"
 
 
-@pytest.mark.parametrize("name", ["q4_k_m", "qwen3", "gemma3-270m"])
+def test_smollm3s_nope_layers_keep_their_keys_when_semantic_repair_moves_them(files):
+    """SEMANTIC repair moves cached keys to new positions by rotating them with each layer's RoPE; a NoPE layer's
+    keys carry no position, so they stay as they are, and the other layers' turn as RoPE says."""
+    b = _backend(files, "smollm3", activation_bits=32)
+    k = torch.randn(4, 2, 5, 64, generator=torch.Generator().manual_seed(0))
+    delta = torch.tensor([1, 2, 3, 4, 5])
+    moved = b.rotate_keys(k, delta)
+    assert torch.equal(moved[3], k[3])
+    assert not torch.allclose(moved[:3], k[:3])
+    assert torch.allclose(b.rotate_keys(moved, -delta)[:3], k[:3], atol=1e-5)
+    assert torch.equal(b.rotate_keys(k[3:], delta, first_layer=3), k[3:])
+
+
+@pytest.mark.parametrize("name", ["q4_k_m", "qwen3", "smollm3", "gemma3-270m"])
 def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
-    """Greedy answers with the cache are the empty pool's, exact, on random Llama / Qwen3 files and the real Gemma 3
-    270M Q4_K_M file (converted a tensor at a time: its first load)."""
+    """Greedy answers with the cache are the empty pool's, exact, on random Llama / Qwen3 / SmolLM3 files and the real
+    Gemma 3 270M Q4_K_M file (converted a tensor at a time: its first load)."""
     from simllm_ros.serving.engine import Engine
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
@@ -519,7 +540,7 @@ def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(
     assert torch.equal(slim.run(ids, slim.new_cache(20), logits="all"), ref)
 
 
-@pytest.mark.parametrize("name", ["q4_k_m", "q8_0", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["q4_k_m", "q8_0", "qwen2", "qwen3", "gemma3", "smollm3"])
 def test_a_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_path, name):
     """A GGUF's first conversion for our kernels never holds the dense model (gguf_conversion): each projection
     checked against gguf's dequantization as transformers processes it (Llama's q/k row order, Gemma's norm offset),
@@ -555,16 +576,24 @@ def test_a_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_path, 
     assert torch.equal(b.run(ids, b.new_cache(42), logits="all"), ref.run(ids, ref.new_cache(42), logits="all"))
 
 
-def test_a_gguf_with_projections_off_our_kernels_is_converted_whole(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "smollm3"])
+def test_a_gguf_with_projections_off_our_kernels_is_converted_whole(tmp_path, arch):
     """A file whose projections our kernels do not take (F16 here) is converted the whole way, saying why,
-    and runs as before (16-bit weights, transformers' model on the dense copy)."""
+    and runs as before (16-bit weights, transformers' model on the dense copy); a SmolLM3 file, which transformers'
+    GGUF reader refuses, by our dequantization of each tensor, to the values transformers' SmolLM3 then computes."""
     from random_gguf import write_llama
 
-    path = write_llama(str(tmp_path / "rand-f16.gguf"), layers=1, default="F16", embed="Q8_0", output=None)
+    path = write_llama(str(tmp_path / "rand-f16.gguf"), layers=4 if arch == "smollm3" else 1, default="F16",
+                       embed="Q8_0", output=None, arch=arch)
     said: list[str] = []
     b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "models"), progress=said.append)
     assert any("not converting it a tensor at a time: blk.0.attn_q is F16" in m for m in said), said
     assert any("safetensors once" in m for m in said) and not b.skeleton and b.weight_bits == 16
+    assert b.model_type == arch and type(b.model).__name__ == ("SmolLM3" if arch == "smollm3" else "Llama") + "ForCausalLM"
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    assert torch.equal(b.model.model.layers[0].mlp.up_proj.weight, torch.from_numpy(np.array(t.data, dtype=np.float32)))
+    ids = [int(t) for t in range(700, 700 + 9 * 41, 41)]
+    assert torch.isfinite(b.run(ids, b.new_cache(12), logits="all")).all()
 
 
 def test_llama3_rope_scaling_is_read_from_the_files_rope_freqs(tmp_path):

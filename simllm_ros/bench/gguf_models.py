@@ -30,7 +30,8 @@ use_test_helpers()  # random_gguf: writes the files
 
 # layers, hidden, intermediate, heads, kv heads, architecture, head_dim: the published configs of these models (the
 # vocabulary is SmolLM2's 49,152 tokens here, not Qwen's 151,936 or Llama 3's 128,256: embeddings and LM head are
-# smaller than the originals). qwen2 files carry Qwen2's q/k/v biases, qwen3 files its per-head q/k norms, gemma3 files
+# smaller than the originals). qwen2 files carry Qwen2's q/k/v biases, qwen3 files its per-head q/k norms, smollm3 files
+# SmolLM3's layout (Llama's tensors, the LM head tied; llama.cpp and we run every fourth layer without RoPE), gemma3 files
 # Gemma 3's layers (q/k norms, norms after attention and MLP, a 512-token window on five layers in six; one RoPE base
 # for both kinds here) and Gemma 3's own tokenizer, tied embedding of 262,144 tokens (from the gemma3-270m package).
 SHAPES = {
@@ -41,6 +42,7 @@ SHAPES = {
     "qwen2.5-1.5b": (28, 1536, 8960, 12, 2, "qwen2", None),
     "qwen2.5-3b": (36, 2048, 11008, 16, 2, "qwen2", None),
     "gemma3-1b": (26, 1152, 6912, 4, 1, "gemma3", 256),  # five sliding layers (a 512-token window) to one full
+    "smollm3-3b": (36, 2048, 11008, 16, 4, "smollm3", None),  # every fourth layer without RoPE; head tied
 }
 QUESTIONS = ["Which road is closed this afternoon and why?", "Where can I park near the stadium tonight?"]
 
@@ -98,7 +100,7 @@ def make_file(shape: str, quant: str, folder: str) -> str:
         # Gemma 3's own tokenizer (262,144 tokens, from the 270M file): transformers reads a gemma3 file's
         # tokenizer as Gemma's, so SmolLM2's BPE vocabulary there would tokenize differently from llama.cpp
         write_llama(f16 + ".tmp", layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv,
-                    default="F16", embed="F16", output=None if arch == "gemma3" else "F16", arch=arch,
+                    default="F16", embed="F16", output=None if arch in ("gemma3", "smollm3") else "F16", arch=arch,
                     head_dim=head_dim, sliding_window=512,
                     tokenizer=real_file("gemma3-270m") if arch == "gemma3" else None)
         os.replace(f16 + ".tmp", f16)

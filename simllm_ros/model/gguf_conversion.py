@@ -24,7 +24,8 @@ from . import gguf_weights, skeleton
 from .gguf_weights import KINDS, PROJECTIONS, Rows, Tensor
 
 # transformers' tensor processors are keyed by the GGUF architecture; the model types the runner takes map to these
-_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+              "smollm3": "llama"}  # llama.cpp's converter writes SmolLM3's q/k rows in Llama's order
 EMBED_ROWS = 8192  # rows of the token embedding / LM head compared at a time (1536 wide: 48 MB in float32)
 
 
@@ -89,22 +90,72 @@ def _llama3_rope(cfg, t: Tensor | None) -> None:
     cfg.rope_parameters = want
 
 
+def read_config(src: str, meta: dict, tensors: dict[str, Tensor]):
+    """The model config GGUF `src` describes (its metadata `meta`, its tensors), completed as llama.cpp reads the
+    file (complete_config): transformers' GGUF reader, or ours for the architectures it does not read (SmolLM3)."""
+    arch = meta.get("general.architecture", "")
+    if arch in OWN_CONFIGS:
+        cfg = OWN_CONFIGS[arch](meta, tensors)
+    else:
+        from transformers import AutoConfig
+
+        where, name = os.path.split(src)
+        cfg = AutoConfig.from_pretrained(where, gguf_file=name)
+    complete_config(cfg, meta, tensors)
+    return cfg
+
+
+def read_tokenizer(src: str, meta: dict):
+    """GGUF `src`'s tokenizer as transformers reads it. Its AutoTokenizer first reads the file's config, and so
+    refuses the architectures its GGUF reader does not know; the tokenizer itself is read by its kind (gpt2 BPE,
+    sentencepiece), whatever the architecture, which the plain fast class does without the config."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    where, name = os.path.split(src)
+    cls = PreTrainedTokenizerFast if meta.get("general.architecture") in OWN_CONFIGS else AutoTokenizer
+    return cls.from_pretrained(where, gguf_file=name)
+
+
+def _smollm3_config(meta: dict, tensors: dict[str, Tensor]):
+    """SmolLM3: Llama's layers, but every fourth (layers 3, 7, 11, ...) attends without RoPE (NoPE). llama.cpp
+    fixes that interval in its code (`n_no_rope_layer_step = 4`; the file has no key for it), and so does this."""
+    from transformers import SmolLM3Config
+
+    key = lambda name: meta[f"smollm3.{name}"]  # noqa: E731
+    heads = int(key("attention.head_count"))
+    head_dim = int(meta.get("smollm3.attention.key_length", key("embedding_length") // heads))
+    if head_dim * heads != key("embedding_length") or meta.get("smollm3.rope.dimension_count", head_dim) != head_dim:
+        raise gguf_weights.GGUFError(f"a SmolLM3 file with heads {head_dim} wide or partial RoPE: SmolLM3's heads are "
+                                     "hidden / heads wide, every dimension rotated")
+    vocab = meta.get("smollm3.vocab_size") or tensors["token_embd.weight"].shape[0]
+    return SmolLM3Config(
+        vocab_size=int(vocab), hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("feed_forward_length")), num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv")),
+        max_position_embeddings=int(key("context_length")), rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base"))},
+        no_rope_layer_interval=4, use_sliding_window=False,
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
+
+
+# GGUF architectures whose config transformers' GGUF reader does not build (it refuses the file): read here
+OWN_CONFIGS = {"smollm3": _smollm3_config}
+
+
 def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dict,
             progress: Callable[[str], None]) -> Rows | None:
     """Writes into `folder` the slim copy of GGUF `src` (its `header`: gguf_weights.read_header; content `stamp`)
     with its checked rows, and returns them; None (folder left for the caller to clear) where the runner does not
     take this model or a projection is not the file's own blocks."""
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     from .llama_runner import LlamaRunner
     from .model_files import SLIM_FILE, _skeleton_skips
 
     where, name = os.path.split(src)
     meta, listed = header
     tensors = {t.name: t for t in listed}
-    cfg = AutoConfig.from_pretrained(where, gguf_file=name)
-    complete_config(cfg, meta, tensors)
+    cfg = read_config(src, meta, tensors)
     if cfg.model_type not in _GGUF_ARCH:
         return _whole(progress, f"the runner does not take {cfg.model_type} models")
     keys = {_hf_guess(t.name) for t in listed}  # which biases and q/k norms the skeleton declares
@@ -133,19 +184,43 @@ def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dic
                and not (k == "lm_head.weight" and tied)]
     if missing:
         return _whole(progress, f"the file lacks {missing[:3]}")
-    from safetensors.torch import save_file
-
-    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    _save(folder, state, cfg, src, meta)
     del state
-    cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type, "")]
-    cfg.dtype = torch.float32
-    cfg.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(folder)
     rows = Rows(stamp, perms, head, embed)
     gguf_weights.save_rows(folder, rows)
     with open(os.path.join(folder, SLIM_FILE), "w") as f:
         json.dump({"dropped": sorted(skip)[:3] + ["..."], "head": head, "embed": embed, "streamed": True}, f)
     return rows
+
+
+def convert_dense(src: str, header: tuple[dict, list[Tensor]], folder: str) -> None:
+    """Writes into `folder` the whole model of GGUF `src` dequantized to float32, as transformers' whole conversion
+    does, for the architectures its GGUF reader refuses (OWN_CONFIGS): the copy a dense load (bf16, a format off
+    our kernels) reads. Holds the dense model once, as that conversion does."""
+    meta, listed = header
+    cfg = read_config(src, meta, {t.name: t for t in listed})
+    with torch.device("meta"):
+        model = skeleton.build(cfg, {_hf_guess(t.name) for t in listed})
+    if model is None:
+        raise gguf_weights.GGUFError(f"a {cfg.model_type} file with a layout this package does not read")
+    ref = _Dequantized(cfg, model)
+    state = {ref.to_hf[t.name]: ref(t) for t in listed if ref.to_hf.get(t.name) is not None}
+    missing = [k for k in model.state_dict() if k not in state and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing:
+        raise gguf_weights.GGUFError(f"the file lacks {missing[:3]}")
+    _save(folder, state, cfg, src, meta)
+
+
+def _save(folder: str, state: dict[str, torch.Tensor], cfg, src: str, meta: dict) -> None:
+    """The converted copy's tensors, config (float32, its transformers class named) and tokenizer."""
+    from safetensors.torch import save_file
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type, "")]
+    cfg.dtype = torch.float32
+    cfg.save_pretrained(folder)
+    read_tokenizer(src, meta).save_pretrained(folder)
 
 
 class _Dequantized:

@@ -43,7 +43,7 @@ import torch
 
 from ..kernels import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
 from .kv_buffer import KVBuffer, Seq
-from .runner_layers import _ONE_THREAD_ELEMENTS, LayerSteps, _act_rows  # noqa: F401 (importable from here)
+from .runner_layers import _ONE_THREAD_ELEMENTS, NO_ROPE, LayerSteps, _act_rows  # noqa: F401 (importable from here)
 from .runner_weights import (  # noqa: F401 (the packing helpers stay importable from here)
     INT4_GROUP, _bias, _cat_bias, _file_parts, _gemma_layout, _hand_out, _Head8, _int4_codes, _int4_grid, _Norm,
     _pack, _Proj, _quantize_int4, _return_freed_heap, _ScaledRows, int4_dequantized, int4_kernel_error,
@@ -110,6 +110,14 @@ class LlamaRunner(LayerSteps):
         self.layer_types = list(getattr(cfg, "layer_types", None) or []) if gemma else []
         self.rope_types: list[str | None] = sorted(set(self.layer_types)) or [None]
         self.rope_of = [self.rope_types.index(t) for t in self.layer_types] or [0] * len(base.layers)
+        # SmolLM3's NoPE layers (no_rope_layers[i] 0) attend without RoPE: a table of their own that leaves a row
+        # as it is (cos 1, sin 0), so that each path rotating layer li by rope_of[li] (the C layers, SEMANTIC's
+        # re-rotation of keys) needs no case of its own
+        nope = [i for i, r in enumerate(getattr(cfg, "no_rope_layers", None) or []) if not r]
+        if nope:
+            self.rope_types.append(NO_ROPE)
+            for i in nope:
+                self.rope_of[i] = len(self.rope_types) - 1
         self.window = [int(cfg.sliding_window) if t == "sliding_attention" else 0 for t in self.layer_types] \
             or [0] * len(base.layers)
         self.windowed = any(self.window)

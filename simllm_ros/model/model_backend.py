@@ -21,7 +21,7 @@ from ..kernels import int4_kernel, int4_vector_kernel
 from ..cache.block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .kernel_paths import KernelPaths
-from .llama_runner import EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
+from .llama_runner import NO_ROPE, EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
 from .load_checks import LoadChecks
 from .model_files import SLIM_FILE, ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, _try, \
     gguf_source, load_tokenizer, resolve_model, slim_conversion
@@ -32,7 +32,7 @@ from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_j
 from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, default_cache_dir  # noqa: F401
 
 # Architectures the batch-invariant runner takes where every layer is full attention with one RoPE table.
-FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 # Architectures it also takes with sliding-window layers (its KV buffer keeps every token; a sliding layer's rows
 # read only their window) and a RoPE table per layer type. Both kinds get every tier: exact-prefix reuse and verified
 # drafts lossless, SEMANTIC repair with each layer's own rotation and windows.
@@ -530,7 +530,9 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         if types == [None]:
             return [rot.inv_freq]
         tables = getattr(rot, "tables", None)  # our skeleton's, else transformers' per-type buffers
-        return [tables[t][0] if tables is not None else getattr(rot, f"{t}_inv_freq") for t in types]
+        half = self.kv_shape.head_dim // 2
+        return [torch.zeros(half) if t == NO_ROPE else tables[t][0] if tables is not None and t in tables
+                else rot.inv_freq if t is None else getattr(rot, f"{t}_inv_freq") for t in types]  # NoPE: no turn
 
     # ---- decoding ------------------------------------------------------------
     def decode(self, first_logits: torch.Tensor, cache, max_new_tokens: int, temperature: float = 0.0,

@@ -135,9 +135,13 @@ def _convert_whole(gguf_dir: str, gguf_name: str, header: tuple[dict, list], fol
     (`header`: the file's, gguf_weights.read_header)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    meta, listed = header
+    if meta.get("general.architecture") in gguf_conversion.OWN_CONFIGS:  # transformers' GGUF reader refuses it
+        gguf_conversion.convert_dense(os.path.join(gguf_dir, gguf_name), header, folder)
+        release_heap()
+        return
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    meta, listed = header
     gguf_conversion.complete_config(model.config, meta, {t.name: t for t in listed})  # what transformers' reader drops
     model.hf_quantizer = None  # the weights are dequantised now; saving them is plain safetensors
     if hasattr(model.config, "quantization_config"):

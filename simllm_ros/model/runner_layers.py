@@ -10,6 +10,16 @@ from ..kernels import attention_kernel
 from .kv_buffer import Seq
 
 
+# The RoPE kind of a layer that attends without positions (SmolLM3's NoPE layers): its table leaves a row as it is
+NO_ROPE = "no_rope"
+
+
+def _no_rotation(h: torch.Tensor, positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos 1 and sin 0 [1, M, D] for `positions`' rows: x * 1 + roll(x) * 0 is x (a zero's sign aside)."""
+    shape = (1, positions.shape[0], dim)
+    return torch.ones(shape, dtype=h.dtype, device=h.device), torch.zeros(shape, dtype=h.dtype, device=h.device)
+
+
 class LayerSteps:
     """Mixed into LlamaRunner: these methods read the attributes its __init__ sets (heads, RoPE, windows, norms,
     kernels)."""
@@ -102,8 +112,8 @@ class LayerSteps:
         """cos and sin [T, M, 1, D] for the rows' positions, one table per RoPE kind (T = 1 but for Gemma's sliding
         and full layers; layer li's is [rope_of[li]]), sin with its first half negated: then x * cos + roll(x,
         D/2) * sin is HF's x * cos + rotate_half(x) * sin, bitwise ((-a) * b == a * (-b))."""
-        tables = [self.rotary(h, positions[None]) if t is None else self.rotary(h, positions[None], t)
-                  for t in self.rope_types]  # each [1, M, D]
+        tables = [self.rotary(h, positions[None]) if t is None else _no_rotation(h, positions, self.head_dim)
+                  if t == NO_ROPE else self.rotary(h, positions[None], t) for t in self.rope_types]  # each [1, M, D]
         cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # The runner's architectures (model_backend.FULL_ATTENTION_ARCHITECTURES | SLIDING_WINDOW_ARCHITECTURES)
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3")
 
 
 class Linear(nn.Module):
