@@ -25,24 +25,23 @@ Two reasons it exists:
    row-invariant); RMSNorm is one C call (norm_kernel), and with either kernel a pass's layers are one C call
    (layer_kernel); all row-invariant.
 
-Only for RoPE models whose HF module layout is Llama's (`supports` and `ModelBackend` decide): full attention, or
-Gemma 3's layers (sliding-window layers with their own RoPE base, norms of x * (1 + w), norms after attention and
-MLP, GELU), which run as Python layers; other models use the HF forward.
+Only for RoPE models whose HF module layout is Llama's (`supports` and `ModelBackend` decide): full attention (with
+SmolLM3's layers without RoPE among them), or Gemma 3's layers (sliding-window layers with their own RoPE base, norms
+of x * (1 + w), norms after attention and MLP, GELU); other models use the HF forward.
 
 Its parts: kv_buffer (KVBuffer, Seq), runner_weights (weight packing and which kernel runs each product: _Proj,
-_Head8, _Norm) and runner_layers (LayerSteps: the steps inside a layer and the torch attention path); every name
-this module held is still importable from it.
+_Head8, _Norm), runner_layers (LayerSteps: the steps inside a layer and the torch attention path) and runner_early
+(EarlyPasses: SEMANTIC repair's early passes); every name this module held is still importable from it.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable
 
 import torch
 
 from ..kernels import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
 from .kv_buffer import KVBuffer, Seq
+from .runner_early import EarlyHead, EarlyPasses  # noqa: F401 (importable from here)
 from .runner_layers import _ONE_THREAD_ELEMENTS, NO_ROPE, LayerSteps, _act_rows  # noqa: F401 (importable from here)
 from .runner_weights import (  # noqa: F401 (the packing helpers stay importable from here)
     INT4_GROUP, _bias, _cat_bias, _file_parts, _gemma_layout, _hand_out, _Head8, _int4_codes, _int4_grid, _Norm,
@@ -62,25 +61,7 @@ if not (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA
     os.environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA_CAP
 
 
-@dataclasses.dataclass
-class EarlyHead:
-    """An early pass before its rows are chosen (LlamaRunner.early_head): the last early layer's input rows
-    and RoPE tables of tokens start..m-1, their keys and values, and their queries where the product could not
-    be split (else early_rows computes the chosen rows' alone)."""
-
-    n_layers: int
-    start: int
-    m: int
-    h: torch.Tensor  # [1, m - start, E]: hidden rows entering the last early layer
-    x: torch.Tensor  # [m - start, E]: the same after its input norm
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q: torch.Tensor | None
-    k: torch.Tensor  # [m - start, Hkv, D], rotated
-    v: torch.Tensor
-
-
-class LlamaRunner(LayerSteps):
+class LlamaRunner(LayerSteps, EarlyPasses):
     def __init__(self, model, weight_bits: int = 16, file=None, packed=None, int8_rows: bool = False):
         """`file` (gguf_weights.ModelFile, float32 with weight_bits 4 only): the projections and LM head run on the
         GGUF's own blocks on the vector kernel instead of 4-bit codes found again from the weights. `packed`
@@ -452,91 +433,6 @@ class LlamaRunner(LayerSteps):
         h = self.norm(h[0] if logits == "all" or _single else h[0, -self._head_rows:])
         out = self._capped(self.lm_head(h).float())
         return out if logits == "all" or _single else out[-1:]  # [M or 1, vocab]
-
-    @torch.inference_mode()
-    def early_pass(self, ids: torch.Tensor, kv: KVBuffer, n_layers: int,
-                   pick: Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | list[int]"], start: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `n_layers` layers over a whole prompt (positions 0..M-1, slots 0..M-1 of `kv`), finishing
-        the last of them only for the rows `pick` asks for: returns (those rows [R] sorted, hidden [R, E]).
-        Slots 0..start-1 may already hold those layers' KV of the first tokens (an exact prefix: bitwise what
-        the pass computes), which then run no more; pick's rows are then all >= start.
-
-        `pick(k, v)` sees every token's fresh KV of those layers ([n_layers, Hkv, M, D]); its rows are the
-        only ones whose hidden state is used later (semantic repair's recomputed tokens), and the last layer's
-        attention output and MLP are most of its cost. Each picked row attends its own prefix, so the rows
-        and KV are bitwise those of the whole pass (row-invariant kernels; kernel or torch path alike)."""
-        head = self.early_head(ids, kv, n_layers, start)
-        M = ids.shape[0]
-        rows = torch.as_tensor(pick(kv.k[:n_layers, :, :M], kv.v[:n_layers, :, :M]), dtype=torch.long).sort().values
-        return rows, self.early_rows(head, kv, rows)
-
-    @torch.inference_mode()
-    def early_head(self, ids: torch.Tensor, kv: KVBuffer, n_layers: int, start: int = 0) -> "EarlyHead":
-        """early_pass up to the choice of rows: every token's KV of the first n_layers layers written to `kv`
-        (slots start..M-1; 0..start-1 must hold them already) and what early_rows needs to finish the last
-        layer for the rows chosen from that KV. Split off so that it can run before the choice is known (while
-        a request's fingerprint is computed, speculatively)."""
-        M = ids.shape[0]
-        positions = torch.arange(start, M, device=ids.device)
-        h = self.forward(ids[start:], positions, kv, start, logits="none", n_layers=n_layers - 1)[None]  # [1, M', E]
-        li = n_layers - 1
-        ln1, qkv_proj = self.layers[li][:2]
-        cos, sin = self._rope_tables(h, positions)
-        x = ln1(h)[0]
-        # Every token needs only its keys and values here (pick reads them); queries only the picked rows do.
-        # Our kernel computes those outputs alone, bitwise as the whole product does; RoPE is per element.
-        q = None
-        if qkv_proj.parts is not None:
-            Hkv, D = self.n_kv, self.head_dim
-            kv_rows = qkv_proj.columns(x, self.q_size, self.q_size + 2 * self.kv_size)  # [M', 2 kv]
-            k = self._rotate(self._head_norm(li, 1, kv_rows[:, :self.kv_size].view(-1, Hkv, D)),
-                             cos[self.rope_of[li]], sin[self.rope_of[li]])
-            v = kv_rows[:, self.kv_size:].view(-1, Hkv, D)
-        else:
-            q, k, v = self._rotated_rows(qkv_proj(x), cos, sin, li)  # [M', Hq, D], [M', Hkv, D] x 2
-        kv.k[li, :, start:M] = k.transpose(0, 1)
-        kv.v[li, :, start:M] = v.transpose(0, 1)
-        kv.length = max(kv.length, M)
-        return EarlyHead(n_layers, start, M, h, x, cos, sin, q, k, v)
-
-    @torch.inference_mode()
-    def early_rows(self, head: "EarlyHead", kv: KVBuffer, rows: torch.Tensor) -> torch.Tensor:
-        """The hidden rows [R, E] after early_head's last layer of `rows` (ascending positions >= head.start),
-        that layer finished for them alone; `kv` is the buffer early_head wrote."""
-        start, M, h, x, cos, sin = head.start, head.m, head.h, head.x, head.cos, head.sin
-        if rows.numel() == 0:
-            return h.new_empty(0, h.shape[-1])
-        if int(rows[0]) < start:
-            raise ValueError(f"early pass: row {int(rows[0])} is in the {start}-token prefix it did not run")
-        li = head.n_layers - 1
-        _, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
-        cos, sin = cos[self.rope_of[li]], sin[self.rope_of[li]]
-        run = rows - start if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows]) - start  # never alone
-        R, D = run.numel(), self.head_dim
-        if head.q is None:
-            q = self._rotate(self._head_norm(li, 0, qkv_proj.columns(x[run], 0, self.q_size).view(R, self.n_heads, D)),
-                             cos[run], sin[run])
-        else:
-            q = head.q[run]
-        if self.kernel is not None:
-            # The rows at their own slots (their new KV is what the slots hold: the same bits written again),
-            # each attending the slots up to its own: the keys and values it attends in the whole pass, read once
-            # for all rows rather than once per row, the same bits.
-            # On a sliding layer each row reads its window, as in the whole pass.
-            plan = self._window_plan_at(run + start, kv.k, kv.v) if self.window[li] else \
-                self.kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
-            o = self.kernel.attend(plan, li, q, head.k[run], head.v[run], self.scale)
-        else:
-            G, at = self.group, (run + start).to(x.device)
-            qg = (q * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
-            # (over the whole pass's M keys, as it reads them; a sliding layer's rows their window of them)
-            blocked = self._window_mask(0, R, at, M)[self.window[li]] if self.window[li] else self._slot_mask(at, M)
-            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], blocked)
-            o = o.reshape(self.n_heads, R, D).transpose(0, 1)
-        out = self._mlp(self._attended(h[:, run], o_proj(o.reshape(1, R, self.n_heads * D)), li),
-                        ln2, gate_up, down, act, li)
-        return out[0, :rows.numel()]
 
     @torch.inference_mode()
     def forward_batch(self, seqs: list["Seq"]) -> list[torch.Tensor | None]:

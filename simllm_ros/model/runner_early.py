@@ -1,0 +1,119 @@
+"""LlamaRunner's early passes (split from llama_runner): the first layers of a prompt with the last of them finished
+only for the rows SEMANTIC repair recomputes, split in two (early_head, early_rows) so that the part before the rows
+are chosen runs while the request's fingerprint is computed."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .kv_buffer import KVBuffer
+
+
+@dataclasses.dataclass
+class EarlyHead:
+    """An early pass before its rows are chosen (LlamaRunner.early_head): the last early layer's input rows
+    and RoPE tables of tokens start..m-1, their keys and values, and their queries where the product could not
+    be split (else early_rows computes the chosen rows' alone)."""
+
+    n_layers: int
+    start: int
+    m: int
+    h: torch.Tensor  # [1, m - start, E]: hidden rows entering the last early layer
+    x: torch.Tensor  # [m - start, E]: the same after its input norm
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q: torch.Tensor | None
+    k: torch.Tensor  # [m - start, Hkv, D], rotated
+    v: torch.Tensor
+
+
+class EarlyPasses:
+    """Mixed into LlamaRunner: these methods read the attributes its __init__ sets (layers, heads, RoPE, windows,
+    kernels) and call its forward and LayerSteps' steps."""
+
+    @torch.inference_mode()
+    def early_pass(self, ids: torch.Tensor, kv: KVBuffer, n_layers: int,
+                   pick: Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | list[int]"], start: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `n_layers` layers over a whole prompt (positions 0..M-1, slots 0..M-1 of `kv`), finishing
+        the last of them only for the rows `pick` asks for: returns (those rows [R] sorted, hidden [R, E]).
+        Slots 0..start-1 may already hold those layers' KV of the first tokens (an exact prefix: bitwise what
+        the pass computes), which then run no more; pick's rows are then all >= start.
+
+        `pick(k, v)` sees every token's fresh KV of those layers ([n_layers, Hkv, M, D]); its rows are the
+        only ones whose hidden state is used later (semantic repair's recomputed tokens), and the last layer's
+        attention output and MLP are most of its cost. Each picked row attends its own prefix, so the rows
+        and KV are bitwise those of the whole pass (row-invariant kernels; kernel or torch path alike)."""
+        head = self.early_head(ids, kv, n_layers, start)
+        M = ids.shape[0]
+        rows = torch.as_tensor(pick(kv.k[:n_layers, :, :M], kv.v[:n_layers, :, :M]), dtype=torch.long).sort().values
+        return rows, self.early_rows(head, kv, rows)
+
+    @torch.inference_mode()
+    def early_head(self, ids: torch.Tensor, kv: KVBuffer, n_layers: int, start: int = 0) -> "EarlyHead":
+        """early_pass up to the choice of rows: every token's KV of the first n_layers layers written to `kv`
+        (slots start..M-1; 0..start-1 must hold them already) and what early_rows needs to finish the last
+        layer for the rows chosen from that KV. Split off so that it can run before the choice is known (while
+        a request's fingerprint is computed, speculatively)."""
+        M = ids.shape[0]
+        positions = torch.arange(start, M, device=ids.device)
+        h = self.forward(ids[start:], positions, kv, start, logits="none", n_layers=n_layers - 1)[None]  # [1, M', E]
+        li = n_layers - 1
+        ln1, qkv_proj = self.layers[li][:2]
+        cos, sin = self._rope_tables(h, positions)
+        x = ln1(h)[0]
+        # Every token needs only its keys and values here (pick reads them); queries only the picked rows do.
+        # Our kernel computes those outputs alone, bitwise as the whole product does; RoPE is per element.
+        q = None
+        if qkv_proj.parts is not None:
+            Hkv, D = self.n_kv, self.head_dim
+            kv_rows = qkv_proj.columns(x, self.q_size, self.q_size + 2 * self.kv_size)  # [M', 2 kv]
+            k = self._rotate(self._head_norm(li, 1, kv_rows[:, :self.kv_size].view(-1, Hkv, D)),
+                             cos[self.rope_of[li]], sin[self.rope_of[li]])
+            v = kv_rows[:, self.kv_size:].view(-1, Hkv, D)
+        else:
+            q, k, v = self._rotated_rows(qkv_proj(x), cos, sin, li)  # [M', Hq, D], [M', Hkv, D] x 2
+        kv.k[li, :, start:M] = k.transpose(0, 1)
+        kv.v[li, :, start:M] = v.transpose(0, 1)
+        kv.length = max(kv.length, M)
+        return EarlyHead(n_layers, start, M, h, x, cos, sin, q, k, v)
+
+    @torch.inference_mode()
+    def early_rows(self, head: "EarlyHead", kv: KVBuffer, rows: torch.Tensor) -> torch.Tensor:
+        """The hidden rows [R, E] after early_head's last layer of `rows` (ascending positions >= head.start),
+        that layer finished for them alone; `kv` is the buffer early_head wrote."""
+        start, M, h, x, cos, sin = head.start, head.m, head.h, head.x, head.cos, head.sin
+        if rows.numel() == 0:
+            return h.new_empty(0, h.shape[-1])
+        if int(rows[0]) < start:
+            raise ValueError(f"early pass: row {int(rows[0])} is in the {start}-token prefix it did not run")
+        li = head.n_layers - 1
+        _, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
+        cos, sin = cos[self.rope_of[li]], sin[self.rope_of[li]]
+        run = rows - start if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows]) - start  # never alone
+        R, D = run.numel(), self.head_dim
+        if head.q is None:
+            q = self._rotate(self._head_norm(li, 0, qkv_proj.columns(x[run], 0, self.q_size).view(R, self.n_heads, D)),
+                             cos[run], sin[run])
+        else:
+            q = head.q[run]
+        if self.kernel is not None:
+            # The rows at their own slots (their new KV is what the slots hold: the same bits written again),
+            # each attending the slots up to its own: the keys and values it attends in the whole pass, read once
+            # for all rows rather than once per row, the same bits.
+            # On a sliding layer each row reads its window, as in the whole pass.
+            plan = self._window_plan_at(run + start, kv.k, kv.v) if self.window[li] else \
+                self.kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
+            o = self.kernel.attend(plan, li, q, head.k[run], head.v[run], self.scale)
+        else:
+            G, at = self.group, (run + start).to(x.device)
+            qg = (q * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
+            # (over the whole pass's M keys, as it reads them; a sliding layer's rows their window of them)
+            blocked = self._window_mask(0, R, at, M)[self.window[li]] if self.window[li] else self._slot_mask(at, M)
+            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], blocked)
+            o = o.reshape(self.n_heads, R, D).transpose(0, 1)
+        out = self._mlp(self._attended(h[:, run], o_proj(o.reshape(1, R, self.n_heads * D)), li),
+                        ln2, gate_up, down, act, li)
+        return out[0, :rows.numel()]
