@@ -76,7 +76,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 per_layer: dict | None = None, seed: int = 0, truncate: int = 0, arch: str = "llama",
                 head_dim: int | None = None, sliding_window: int = 16, tokenizer: str | None = None,
                 rope_base: float = 10000.0, llama3_rope: dict | None = None,
-                rope_scaling: tuple[str, float] | None = None) -> str:
+                rope_scaling: tuple[str, float] | None = None, name: str | None = None) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
@@ -87,12 +87,15 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     RoPE scaling ({"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192}), which llama.cpp's converter writes as the per-frequency divisors of
     a `rope_freqs.weight` tensor (llama3_rope_factors), not as metadata. `rope_scaling`: (type, factor) written as
-    `{arch}.rope.scaling.type` / `.factor` metadata, as llama.cpp's converter writes linear scaling (Gemma 3 4B)."""
+    `{arch}.rope.scaling.type` / `.factor` metadata, as llama.cpp's converter writes linear scaling (Gemma 3 4B).
+    `name`: the file's general.name (transformers reads a llama file named "...mistral..." as a Mistral model)."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer or tokenizer_source())
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
+    if name:
+        w.add_name(name)
     head_dim = head_dim or hidden // heads
     if head_dim != hidden // heads or arch in ("qwen3", "gemma3"):  # their configs default to other sizes
         w.add_key_length(head_dim)

@@ -596,6 +596,19 @@ def test_a_gguf_with_projections_off_our_kernels_is_converted_whole(tmp_path, ar
     assert torch.isfinite(b.run(ids, b.new_cache(12), logits="all")).all()
 
 
+def test_a_llama_file_named_mistral_runs_as_llama_cpp_runs_it(tmp_path):
+    """transformers' GGUF reader takes a llama file whose general.name is "mistral" for a Mistral model with a
+    4096-token sliding window llama.cpp does not apply, and its whole conversion then fails: both conversions read
+    it as the llama model llama.cpp runs (full attention, on the runner), the dense one too."""
+    from random_gguf import write_llama
+
+    path = write_llama(str(tmp_path / "rand-mistral.gguf"), layers=1, types=Q4_K_M, name="mistral")
+    for dtype, bits in (("float32", 0), ("bfloat16", 16)):
+        b = ModelBackend(path, dtype=dtype, weight_bits=bits, cache_dir=str(tmp_path / dtype))
+        assert b.model_type == "llama" and not b.has_sliding_layers and b.runner is not None
+        assert b.skeleton == (dtype == "float32") and b.exact_chunking
+
+
 def test_llama3_rope_scaling_is_read_from_the_files_rope_freqs(tmp_path):
     """Llama 3.1+ files carry their RoPE scaling as per-frequency divisors (`rope_freqs.weight`, llama.cpp's
     converter), which transformers' GGUF reader drops: a Llama 3.2 file would run with plain RoPE, another model than

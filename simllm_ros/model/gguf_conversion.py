@@ -93,9 +93,9 @@ def _llama3_rope(cfg, t: Tensor | None) -> None:
 def read_config(src: str, meta: dict, tensors: dict[str, Tensor]):
     """The model config GGUF `src` describes (its metadata `meta`, its tensors), completed as llama.cpp reads the
     file (complete_config): transformers' GGUF reader, or ours for the architectures it does not read (SmolLM3)."""
-    arch = meta.get("general.architecture", "")
-    if arch in OWN_CONFIGS:
-        cfg = OWN_CONFIGS[arch](meta, tensors)
+    own = own_reader(meta)
+    if own is not None:
+        cfg = own(src, meta, tensors)
     else:
         from transformers import AutoConfig
 
@@ -116,7 +116,7 @@ def read_tokenizer(src: str, meta: dict):
     return cls.from_pretrained(where, gguf_file=name)
 
 
-def _smollm3_config(meta: dict, tensors: dict[str, Tensor]):
+def _smollm3_config(src: str, meta: dict, tensors: dict[str, Tensor]):
     """SmolLM3: Llama's layers, but every fourth (layers 3, 7, 11, ...) attends without RoPE (NoPE). llama.cpp
     fixes that interval in its code (`n_no_rope_layer_step = 4`; the file has no key for it), and so does this."""
     from transformers import SmolLM3Config
@@ -138,6 +138,28 @@ def _smollm3_config(meta: dict, tensors: dict[str, Tensor]):
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
+
+
+def _llama_config(src: str, meta: dict, tensors: dict[str, Tensor]):
+    """A llama file as llama.cpp runs it. transformers' GGUF reader takes one whose general.name is "mistral" for a
+    Mistral model, with MistralConfig's default 4096-token sliding window (which llama.cpp does not apply), and
+    then cannot name its tensors (gguf-py has no mistral architecture): its fields, as a Llama config."""
+    from transformers import AutoConfig, LlamaConfig
+
+    where, name = os.path.split(src)
+    fields = AutoConfig.from_pretrained(where, gguf_file=name).to_dict()
+    return LlamaConfig.from_dict({k: v for k, v in fields.items()
+                                  if k not in ("model_type", "sliding_window", "architectures", "transformers_version")})
+
+
+def own_reader(meta: dict) -> Callable | None:
+    """How this package reads the config of a file (src, meta, tensors) that transformers' GGUF reader refuses
+    (SmolLM3) or reads as another model than llama.cpp runs (a llama file named "mistral"); None where its reader
+    is right."""
+    arch = meta.get("general.architecture", "")
+    if arch == "llama" and meta.get("general.name") == "mistral":
+        return _llama_config
+    return OWN_CONFIGS.get(arch)
 
 
 # GGUF architectures whose config transformers' GGUF reader does not build (it refuses the file): read here
@@ -195,7 +217,7 @@ def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dic
 
 def convert_dense(src: str, header: tuple[dict, list[Tensor]], folder: str) -> None:
     """Writes into `folder` the whole model of GGUF `src` dequantized to float32, as transformers' whole conversion
-    does, for the architectures its GGUF reader refuses (OWN_CONFIGS): the copy a dense load (bf16, a format off
+    does, for the files its GGUF reader refuses or misreads (own_reader): the copy a dense load (bf16, a format off
     our kernels) reads. Holds the dense model once, as that conversion does."""
     meta, listed = header
     cfg = read_config(src, meta, {t.name: t for t in listed})

@@ -136,7 +136,7 @@ def _convert_whole(gguf_dir: str, gguf_name: str, header: tuple[dict, list], fol
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     meta, listed = header
-    if meta.get("general.architecture") in gguf_conversion.OWN_CONFIGS:  # transformers' GGUF reader refuses it
+    if gguf_conversion.own_reader(meta) is not None:  # transformers' GGUF reader refuses it or reads another model
         gguf_conversion.convert_dense(os.path.join(gguf_dir, gguf_name), header, folder)
         release_heap()
         return
