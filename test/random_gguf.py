@@ -76,7 +76,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 per_layer: dict | None = None, seed: int = 0, truncate: int = 0, arch: str = "llama",
                 head_dim: int | None = None, sliding_window: int = 16, tokenizer: str | None = None,
                 rope_base: float = 10000.0, llama3_rope: dict | None = None,
-                rope_scaling: tuple[str, float] | None = None, name: str | None = None) -> str:
+                rope_scaling: tuple | None = None, name: str | None = None, metadata: dict | None = None) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
@@ -86,9 +86,11 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     `rope_base`: RoPE's base (Gemma 3: its full layers'; its sliding layers keep 10,000). `llama3_rope`: Llama 3.1+'s
     RoPE scaling ({"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192}), which llama.cpp's converter writes as the per-frequency divisors of
-    a `rope_freqs.weight` tensor (llama3_rope_factors), not as metadata. `rope_scaling`: (type, factor) written as
-    `{arch}.rope.scaling.type` / `.factor` metadata, as llama.cpp's converter writes linear scaling (Gemma 3 4B).
-    `name`: the file's general.name (transformers reads a llama file named "...mistral..." as a Mistral model)."""
+    a `rope_freqs.weight` tensor (llama3_rope_factors), not as metadata. `rope_scaling`: (type, factor[, original
+    context]) written as `{arch}.rope.scaling.type` / `.factor` (/ `.original_context_length`) metadata, as
+    llama.cpp's converter writes linear scaling (Gemma 3 4B) and YaRN (long-context Qwen files).
+    `name`: the file's general.name (transformers reads a llama file named "mistral" as a Mistral model);
+    `metadata`: further float32 keys ({"qwen2.rope.scaling.yarn_log_multiplier": 0.1})."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer or tokenizer_source())
@@ -116,6 +118,10 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
         w.add_rope_scaling_factor(rope_scaling[1])
+        if len(rope_scaling) > 2:  # YaRN's original context
+            w.add_rope_scaling_orig_ctx_len(rope_scaling[2])
+    for key, value in (metadata or {}).items():
+        w.add_float32(key, value)
     for key, field in src.fields.items():  # the tokenizer as the embedded model has it
         if not key.startswith("tokenizer."):
             continue

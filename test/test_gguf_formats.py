@@ -661,9 +661,38 @@ def test_linear_rope_scaling_and_gemmas_attention_scale_are_read_from_the_file(t
     assert torch.allclose(tables["full_attention"], plain(1e6) / 8, rtol=1e-6, atol=0)
     assert torch.allclose(tables["sliding_attention"], plain(10000.0), rtol=1e-6, atol=0)
     assert g.config.query_pre_attn_scalar == 64 and g.runner.scale == 64 ** -0.5
-    yarn = write_llama(str(tmp_path / "rand-yarn.gguf"), layers=1, rope_scaling=("yarn", 4.0), **shape)
-    with pytest.raises(ModelLoadError, match="RoPE scaling 'yarn'"):
-        ModelBackend(yarn, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
+    other = write_llama(str(tmp_path / "rand-longrope.gguf"), layers=1, rope_scaling=("longrope", 4.0), **shape)
+    with pytest.raises(ModelLoadError, match="RoPE scaling 'longrope'"):
+        ModelBackend(other, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
+
+
+def test_yarn_rope_scaling_is_read_from_the_file_as_llama_cpp_runs_it(tmp_path):
+    """YaRN (long-context Qwen2.5 / Qwen3 files): frequencies on a ramp between extrapolation and interpolation by the
+    factor over the dimensions that turn 1-32 times in the original context, cos and sin scaled by 1 + 0.1 ln(factor),
+    written out here from that description; YaRN with settings we do not implement is a clear load error. (Against
+    llama.cpp's logits, benchmark/results/gguf_models.md: within 0.05-0.07 of ~3, 0.45-2.8 without the scaling.)"""
+    import math
+
+    from random_gguf import write_llama
+
+    shape = dict(arch="qwen2", layers=1, hidden=256, inter=512, heads=4, kv_heads=2, head_dim=64, default="Q8_0",
+                 embed="Q8_0", output=None, rope_base=1e6)
+    path = write_llama(str(tmp_path / "rand-yarn.gguf"), rope_scaling=("yarn", 4.0, 512), **shape)
+    b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
+    assert b.config.rope_parameters["rope_type"] == "yarn" and b.exact_chunking
+    dim, base, orig = 64, 1e6, 512
+    turns = lambda n: dim * math.log(orig / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731 (dimension index)
+    low, high = max(math.floor(turns(32)), 0), min(math.ceil(turns(1)), dim - 1)
+    extrapolated = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / max(high - low, 0.001)).clamp(0, 1)
+    assert 0 < low < high < dim // 2 - 1  # some dimensions of each kind
+    assert torch.allclose(b._rope_inv_freqs()[0], extrapolated / 4 * ramp + extrapolated * (1 - ramp), rtol=1e-5, atol=0)
+    cos, _ = b.runner._rope_tables(torch.zeros(1, 1, 256), torch.tensor([0]))
+    assert torch.allclose(cos[0, 0, 0], torch.full((dim,), 1 + 0.1 * math.log(4)))  # cos(0) times YaRN's scale
+    odd = write_llama(str(tmp_path / "rand-yarn-log.gguf"), rope_scaling=("yarn", 4.0, 512),
+                      metadata={"qwen2.rope.scaling.yarn_log_multiplier": 0.1}, **shape)
+    with pytest.raises(ModelLoadError, match="yarn_log_multiplier"):
+        ModelBackend(odd, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
 
 
 def test_a_node_on_the_embedded_model_starts_without_transformers_model_classes():

@@ -40,8 +40,8 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
     file's (Llama 3.2 1B: 15 of 32 frequencies turning up to 32x too fast). RoPE: linear scaling
     ({arch}.rope.scaling.*; Gemma 3: its full-attention layers, as llama.cpp applies it) and Llama 3.1+'s scaling,
     which llama.cpp's converter writes as per-frequency divisors (`rope_freqs.weight`), read back by checking that
-    llama3 scaling with LLAMA3_ROPE gives them; GGUFError for any other scaling (a clear refusal, not a silently
-    different model). Gemma 3's attention scale: 1/sqrt(head_dim) as llama.cpp has it (the 27B's hidden/heads
+    llama3 scaling with LLAMA3_ROPE gives them, and YaRN (long-context Qwen files); GGUFError for any other scaling
+    (a clear refusal, not a silently different model). Gemma 3's attention scale: 1/sqrt(head_dim) as llama.cpp has it (the 27B's hidden/heads
     aside), where transformers would take its config default (256), which only equals head_dim in the releases
     whose heads are 256 wide."""
     arch = meta.get("general.architecture", "")
@@ -55,14 +55,38 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
         else:
             params.update(rope_type="linear", factor=factor)
         cfg.rope_parameters = params
-    elif kind not in ("none", "linear"):
-        raise gguf_weights.GGUFError(f"RoPE scaling '{kind}' ({arch}.rope.scaling.type) is not supported yet: "
-                                     "running the file without it would compute another model")
+    elif kind == "yarn" and factor > 1.0 and not gemma:
+        params.update(_yarn(arch, meta, factor, cfg.max_position_embeddings))
+        cfg.rope_parameters = params
+    elif kind not in ("none", "linear") and not (kind == "yarn" and factor <= 1.0):
+        raise gguf_weights.GGUFError(f"RoPE scaling '{kind}' ({arch}.rope.scaling.type) in a {cfg.model_type} file is "
+                                     "not supported yet: running the file without it would compute another model")
     _llama3_rope(cfg, tensors.get("rope_freqs.weight"))
     if gemma:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         cfg.query_pre_attn_scalar = cfg.hidden_size // cfg.num_attention_heads if cfg.num_hidden_layers == 62 \
             else head_dim  # llama.cpp's rule: its 27B (62 layers) scales by hidden / heads
+
+
+# YaRN's settings besides factor, base and original context that llama.cpp reads from some files (DeepSeek's attention
+# factors and log multiplier); a file with any of them set otherwise is refused rather than run as another model
+_YARN_DEFAULTS = {"attn_factor": 1.0, "yarn_ext_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
+
+
+def _yarn(arch: str, meta: dict, factor: float, context: int) -> dict:
+    """YaRN as llama.cpp runs a file that says `{arch}.rope.scaling.type` yarn (Qwen2.5 / Qwen3 files made for long
+    contexts): frequencies between interpolation (/ factor) and extrapolation on a ramp over the dimensions that
+    turn beta_slow..beta_fast times in the original context, and cos/sin scaled by 1 + 0.1 ln(factor); the same
+    formulas transformers' "yarn" RoPE computes. The original context defaults to the file's, as in llama.cpp."""
+    key = f"{arch}.rope.scaling."
+    for name, default in _YARN_DEFAULTS.items():
+        if float(meta.get(key + name, default)) != default:
+            raise gguf_weights.GGUFError(f"YaRN with {key + name} = {meta[key + name]} is not supported yet: running "
+                                         "the file without it would compute another model")
+    return {"rope_type": "yarn", "factor": factor,
+            "original_max_position_embeddings": int(meta.get(key + "original_context_length") or context),
+            "beta_fast": float(meta.get(key + "yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta.get(key + "yarn_beta_slow", 1.0))}
 
 
 def _llama3_rope(cfg, t: Tensor | None) -> None:
