@@ -76,7 +76,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 per_layer: dict | None = None, seed: int = 0, truncate: int = 0, arch: str = "llama",
                 head_dim: int | None = None, sliding_window: int = 16, tokenizer: str | None = None,
                 rope_base: float = 10000.0, llama3_rope: dict | None = None,
-                rope_scaling: tuple | None = None, name: str | None = None, metadata: dict | None = None) -> str:
+                rope_scaling: tuple | None = None, name: str | None = None, metadata: dict | None = None,
+                vocab: int | None = None) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
@@ -90,7 +91,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     context]) written as `{arch}.rope.scaling.type` / `.factor` (/ `.original_context_length`) metadata, as
     llama.cpp's converter writes linear scaling (Gemma 3 4B) and YaRN (long-context Qwen files).
     `name`: the file's general.name (transformers reads a llama file named "mistral" as a Mistral model);
-    `metadata`: further float32 keys ({"qwen2.rope.scaling.yarn_log_multiplier": 0.1})."""
+    `metadata`: further float32 keys ({"qwen2.rope.scaling.yarn_log_multiplier": 0.1}); `vocab`: rows of the
+    embedding and LM head other than the tokenizer's token count (a file whose parts do not fit)."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer or tokenizer_source())
@@ -102,7 +104,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     if head_dim != hidden // heads or arch in ("qwen3", "gemma3"):  # their configs default to other sizes
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    vocab = vocab or len(src.fields["tokenizer.ggml.tokens"].data)
     w.add_block_count(layers)
     w.add_context_length(2048)
     w.add_embedding_length(hidden)

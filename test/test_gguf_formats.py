@@ -247,8 +247,8 @@ def test_smollm3s_nope_layers_keep_their_keys_when_semantic_repair_moves_them(fi
 
 @pytest.mark.parametrize("name", ["q4_k_m", "qwen3", "smollm3", "gemma3-270m"])
 def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
-    """Greedy answers with the cache are the empty pool's, exact, on random Llama / Qwen3 / SmolLM3 files and the real
-    Gemma 3 270M Q4_K_M file (converted a tensor at a time: its first load)."""
+    """Greedy and seeded sampled answers with the cache are the empty pool's, exact, on random Llama / Qwen3 / SmolLM3
+    files and the real Gemma 3 270M Q4_K_M file (converted a tensor at a time: its first load)."""
     from simllm_ros.serving.engine import Engine
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
@@ -263,7 +263,9 @@ def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
         assert e.backend.exact_chunking and e.backend.runner.file is not None
         ctx = "Robot R2 is in the east wing. The charging dock is in room 12. Corridor B is closed for cleaning."
         qs = ["Where is the charging dock?", "Which corridor is closed?", "Where is robot R2?"]
-        req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=10)  # noqa: E731
+        sampled = {"temperature": 0.9, "seed": 11}  # the third question: seeded sampling
+        req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=10,  # noqa: E731
+                                     **(sampled if q == qs[2] else {}))
         assert e.handle(req(qs[0])).success
         cached = []
         for q in qs[1:]:
@@ -316,6 +318,36 @@ def test_a_truncated_gguf_is_a_clear_load_error(tmp_path):
     path = write_llama(str(tmp_path / "cut.gguf"), layers=1, truncate=4096)
     with pytest.raises(ModelLoadError, match="truncated"):
         ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "models"))
+
+
+def test_a_gguf_with_an_unknown_tensor_type_is_a_clear_load_error(tmp_path):
+    from random_gguf import write_llama
+
+    path = write_llama(str(tmp_path / "rand-odd.gguf"), layers=1, types=Q4_K_M)
+    t = gguf.GGUFReader(path).tensors[0]
+    at = t.field.offset + 8 + len(t.name.encode()) + 4 + 8 * len(t.shape)  # name, dims, shape: then the type
+    with open(path, "r+b") as f:
+        f.seek(at)
+        assert int.from_bytes(f.read(4), "little") == int(t.tensor_type)
+        f.seek(at)
+        f.write((99).to_bytes(4, "little"))
+    with pytest.raises(ModelLoadError, match=f"tensor {t.name} has an unknown type 99"):
+        ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "models"))
+
+
+@pytest.mark.parametrize("dtype,bits", [("float32", 0), ("bfloat16", 16)])
+def test_a_gguf_whose_tokenizer_outgrows_its_embedding_is_a_clear_load_error(tmp_path, dtype, bits):
+    """A token embedding of fewer rows than the tokenizer has tokens (the parts of two files put together) is
+    refused at load, as llama.cpp refuses it, rather than failing on the first request with a rare token; more rows
+    than tokens (padded vocabularies, as Qwen's) load."""
+    from random_gguf import write_llama
+
+    short = write_llama(str(tmp_path / "rand-short.gguf"), layers=1, types=Q4_K_M, vocab=48000)
+    with pytest.raises(ModelLoadError, match="49152 tokens but its token embedding 48000 rows"):
+        ModelBackend(short, dtype=dtype, weight_bits=bits, cache_dir=str(tmp_path / "models"))
+    padded = write_llama(str(tmp_path / "rand-padded.gguf"), layers=1, types=Q4_K_M, vocab=50000)
+    b = ModelBackend(padded, dtype=dtype, weight_bits=bits, cache_dir=str(tmp_path / "models"))
+    assert b.run([5, len(b.tokenizer) - 1], b.new_cache(4), logits="last").shape == (50000,)
 
 
 def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files):

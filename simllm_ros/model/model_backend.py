@@ -133,6 +133,11 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         self.config = cfg
         self.model_type = getattr(cfg, "model_type", "unknown")
+        embed_rows = getattr(getattr(getattr(self.model, "model", None), "embed_tokens", None), "num_embeddings", None)
+        if embed_rows is not None and len(self.tokenizer) > embed_rows:  # llama.cpp refuses such a file too
+            raise ModelLoadError(f"model '{ref}': its tokenizer has {len(self.tokenizer)} tokens but its token "
+                                 f"embedding {embed_rows} rows: the file's parts do not fit (a token past "
+                                 f"{embed_rows - 1} could not be run)")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv_shape = KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
         self.has_sliding_layers = skeleton.has_sliding_layers(cfg)
