@@ -81,7 +81,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
-    hidden / heads, as Qwen3's does), "smollm3" Llama's tensors (llama.cpp runs every fourth layer without RoPE), "gemma3" Gemma 3's layers (q/k norms, norms after attention and MLP, every
+    hidden / heads, as Qwen3's does), "smollm3" Llama's tensors (llama.cpp runs every fourth layer without RoPE),
+    "phi3" Phi-3's fused q/k/v and gate/up tensors, "gemma3" Gemma 3's layers (q/k norms, norms after attention and MLP, every
     layer but each sixth a `sliding_window` one). `truncate` cuts that many bytes off the end (a broken download).
     `tokenizer`: a GGUF whose tokenizer (and so vocabulary) the file takes, by default the embedded model's;
     `rope_base`: RoPE's base (Gemma 3: its full layers'; its sliding layers keep 10,000). `llama3_rope`: Llama 3.1+'s
@@ -148,10 +149,14 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     add("token_embd.weight", embed, vocab, hidden)
     for i in range(layers):
         add(f"blk.{i}.attn_norm.weight", "F32", hidden, 0)
-        for kind, n, k in (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
-                           ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, heads * head_dim),
-                           ("ffn_norm", hidden, 0), ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden),
-                           ("ffn_down", hidden, inter)):
+        kinds = (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
+                 ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, heads * head_dim),
+                 ("ffn_norm", hidden, 0), ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden),
+                 ("ffn_down", hidden, inter))
+        if arch == "phi3":  # Phi-3's fused projections: q, k, v in one tensor, the MLP's gate and up in ffn_up
+            kinds = (("attn_qkv", (heads + 2 * kv_heads) * head_dim, hidden), ("attn_output", hidden, heads * head_dim),
+                     ("ffn_norm", hidden, 0), ("ffn_up", 2 * inter, hidden), ("ffn_down", hidden, inter))
+        for kind, n, k in kinds:
             if kind == "ffn_norm":
                 add(f"blk.{i}.ffn_norm.weight", "F32", hidden, 0)
                 continue

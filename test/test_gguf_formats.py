@@ -641,6 +641,33 @@ def test_a_llama_file_named_mistral_runs_as_llama_cpp_runs_it(tmp_path):
         assert b.skeleton == (dtype == "float32") and b.exact_chunking
 
 
+def test_a_gguf_of_an_architecture_the_runner_does_not_take_answers_approximately_and_says_so(tmp_path):
+    """Phi-3 (fused q/k/v and gate/up projections, not the runner's layout) loads from its GGUF through transformers'
+    whole conversion and answers through transformers' forward: every answer `exact: false`, no SEMANTIC tier, and
+    the load log says why."""
+    from random_gguf import write_llama
+    from simllm_ros.request import QueryRequest
+    from simllm_ros.serving.engine import Engine
+    from simllm_ros.settings import Settings
+
+    path = write_llama(str(tmp_path / "rand-phi3.gguf"), arch="phi3", layers=2, default="Q8_0", embed="Q8_0",
+                       output="Q8_0")
+    said: list[str] = []
+    e = Engine(Settings.from_overrides(model=path, model_cache_dir=str(tmp_path / "models"), dtype="float32",
+                                       weight_bits=0, cache_size="64MB"))
+    e.load(progress=said.append)
+    try:
+        b = e.backend
+        assert b.model_type == "phi3" and b.runner is None and not b.exact_chunking and not b.semantic_supported
+        assert any("the runner does not take phi3 models" in m for m in said), said
+        assert any("NOT verified: transformers' own forward runs this phi3 model" in m for m in said), said
+        for q in ("Where is the charging dock?", "Where is the charging dock now?"):
+            r = e.handle(QueryRequest(prompt=q, context="The dock is in room 12.", max_new_tokens=4))
+            assert r.success and not r.exact and r.generated_tokens > 0, r
+    finally:
+        e.unload()
+
+
 def test_llama3_rope_scaling_is_read_from_the_files_rope_freqs(tmp_path):
     """Llama 3.1+ files carry their RoPE scaling as per-frequency divisors (`rope_freqs.weight`, llama.cpp's
     converter), which transformers' GGUF reader drops: a Llama 3.2 file would run with plain RoPE, another model than

@@ -44,6 +44,11 @@ SHAPES = {
     "gemma3-1b": (26, 1152, 6912, 4, 1, "gemma3", 256),  # five sliding layers (a 512-token window) to one full
     "smollm3-3b": (36, 2048, 11008, 16, 4, "smollm3", None),  # every fourth layer without RoPE; head tied
 }
+# What else a release's file carries: Llama 3.2's RoPE (base 500,000 and llama3 scaling, which llama.cpp's converter
+# writes as rope_freqs.weight) and its tied LM head
+RELEASE = {"llama-3.2-1b": {"rope_base": 500000.0, "output": None,
+                            "llama3_rope": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192}}}
 QUESTIONS = ["Which road is closed this afternoon and why?", "Where can I park near the stadium tonight?"]
 
 
@@ -99,10 +104,10 @@ def make_file(shape: str, quant: str, folder: str) -> str:
     if not os.path.exists(f16):
         # Gemma 3's own tokenizer (262,144 tokens, from the 270M file): transformers reads a gemma3 file's
         # tokenizer as Gemma's, so SmolLM2's BPE vocabulary there would tokenize differently from llama.cpp
+        kw = {"output": None if arch in ("gemma3", "smollm3") else "F16", **RELEASE.get(shape, {})}
         write_llama(f16 + ".tmp", layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv,
-                    default="F16", embed="F16", output=None if arch in ("gemma3", "smollm3") else "F16", arch=arch,
-                    head_dim=head_dim, sliding_window=512,
-                    tokenizer=real_file("gemma3-270m") if arch == "gemma3" else None)
+                    default="F16", embed="F16", arch=arch, head_dim=head_dim, sliding_window=512,
+                    tokenizer=real_file("gemma3-270m") if arch == "gemma3" else None, **kw)
         os.replace(f16 + ".tmp", f16)
     quantize_llama_cpp(f16, path + ".tmp", quant)
     os.replace(path + ".tmp", path)

@@ -164,9 +164,16 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
                 release_heap()
                 progress("loading again from the blocks just checked and packed (the dense weights released)")
                 self.backend = self._open_backend(progress)
+            if self.backend.exact_chunking:
+                verdict = "verified: exact-prefix reuse and drafts are lossless"
+            elif self.backend.runner is None:
+                verdict = (f"NOT verified: transformers' own forward runs this {self.backend.model_type} model (the "
+                           "batch-invariant runner does not take its layout): reuse and drafts are approximate")
+            else:
+                verdict = (f"NOT verified on this machine: reuse and drafts are approximate (a oneDNN ISA above "
+                           f"{ONEDNN_ISA_CAP}, e.g. ONEDNN_MAX_CPU_ISA=ALL, causes this on AMX CPUs)")
             progress(f"model in {self.backend.dtype_name}, weights at {self.backend.weight_bits} bits, rows at "
-                     f"{self.backend.activation_bits} bits into the products; batch-invariant "
-                     f"execution {'verified: exact-prefix reuse and drafts are lossless' if self.backend.exact_chunking else f'NOT verified on this machine: reuse and drafts are approximate (a oneDNN ISA above {ONEDNN_ISA_CAP}, e.g. ONEDNN_MAX_CPU_ISA=ALL, causes this on AMX CPUs)'}")
+                     f"{self.backend.activation_bits} bits into the products; batch-invariant execution {verdict}")
             progress(f"dtype {self.backend.dtype_name}: {self.backend.dtype_why}")
             progress(f"attention: {self.backend.attention_path}")
             progress(f"norms: {self.backend.norm_path}")
