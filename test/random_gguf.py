@@ -81,9 +81,10 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
-    hidden / heads, as Qwen3's does), "smollm3" Llama's tensors (llama.cpp runs every fourth layer without RoPE),
-    "phi3" Phi-3's fused q/k/v and gate/up tensors, "gemma3" Gemma 3's layers (q/k norms, norms after attention and MLP, every
-    layer but each sixth a `sliding_window` one). `truncate` cuts that many bytes off the end (a broken download).
+    hidden / heads, as Qwen3's does), "smollm3" Llama's tensors (llama.cpp runs every fourth layer without
+    RoPE), "phi3" Phi-3's fused q/k/v and gate/up tensors, "gemma3" Gemma 3's layers (q/k norms, norms after
+    attention and MLP, every layer but each sixth a `sliding_window` one). `truncate` cuts that many bytes off the
+    end (a broken download).
     `tokenizer`: a GGUF whose tokenizer (and so vocabulary) the file takes, by default the embedded model's;
     `rope_base`: RoPE's base (Gemma 3: its full layers'; its sliding layers keep 10,000). `llama3_rope`: Llama 3.1+'s
     RoPE scaling ({"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -621,7 +621,8 @@ def test_a_gguf_with_projections_off_our_kernels_is_converted_whole(tmp_path, ar
     b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "models"), progress=said.append)
     assert any("not converting it a tensor at a time: blk.0.attn_q is F16" in m for m in said), said
     assert any("safetensors once" in m for m in said) and not b.skeleton and b.weight_bits == 16
-    assert b.model_type == arch and type(b.model).__name__ == ("SmolLM3" if arch == "smollm3" else "Llama") + "ForCausalLM"
+    assert b.model_type == arch
+    assert type(b.model).__name__ == ("SmolLM3" if arch == "smollm3" else "Llama") + "ForCausalLM"
     t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
     assert torch.equal(b.model.model.layers[0].mlp.up_proj.weight, torch.from_numpy(np.array(t.data, dtype=np.float32)))
     ids = [int(t) for t in range(700, 700 + 9 * 41, 41)]
@@ -745,7 +746,8 @@ def test_yarn_rope_scaling_is_read_from_the_file_as_llama_cpp_runs_it(tmp_path):
     extrapolated = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / max(high - low, 0.001)).clamp(0, 1)
     assert 0 < low < high < dim // 2 - 1  # some dimensions of each kind
-    assert torch.allclose(b._rope_inv_freqs()[0], extrapolated / 4 * ramp + extrapolated * (1 - ramp), rtol=1e-5, atol=0)
+    want = extrapolated / 4 * ramp + extrapolated * (1 - ramp)
+    assert torch.allclose(b._rope_inv_freqs()[0], want, rtol=1e-5, atol=0)
     cos, _ = b.runner._rope_tables(torch.zeros(1, 1, 256), torch.tensor([0]))
     assert torch.allclose(cos[0, 0, 0], torch.full((dim,), 1 + 0.1 * math.log(4)))  # cos(0) times YaRN's scale
     odd = write_llama(str(tmp_path / "rand-yarn-log.gguf"), rope_scaling=("yarn", 4.0, 512),

@@ -30,10 +30,11 @@ use_test_helpers()  # random_gguf: writes the files
 
 # layers, hidden, intermediate, heads, kv heads, architecture, head_dim: the published configs of these models (the
 # vocabulary is SmolLM2's 49,152 tokens here, not Qwen's 151,936 or Llama 3's 128,256: embeddings and LM head are
-# smaller than the originals). qwen2 files carry Qwen2's q/k/v biases, qwen3 files its per-head q/k norms, smollm3 files
-# SmolLM3's layout (Llama's tensors, the LM head tied; llama.cpp and we run every fourth layer without RoPE), gemma3 files
-# Gemma 3's layers (q/k norms, norms after attention and MLP, a 512-token window on five layers in six; one RoPE base
-# for both kinds here) and Gemma 3's own tokenizer, tied embedding of 262,144 tokens (from the gemma3-270m package).
+# smaller than the originals). qwen2 files carry Qwen2's q/k/v biases, qwen3 files its per-head q/k norms, smollm3
+# files SmolLM3's layout (Llama's tensors, the LM head tied; llama.cpp and we run every fourth layer without RoPE),
+# gemma3 files Gemma 3's layers (q/k norms, norms after attention and MLP, a 512-token window on five layers in six;
+# one RoPE base for both kinds here) and Gemma 3's own tokenizer, tied embedding of 262,144 tokens (from the
+# gemma3-270m package).
 SHAPES = {
     "smollm2-360m": (32, 960, 2560, 15, 5, "llama", None),
     "qwen2.5-0.5b": (24, 896, 4864, 14, 2, "qwen2", None),

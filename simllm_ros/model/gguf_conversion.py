@@ -41,9 +41,9 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
     ({arch}.rope.scaling.*; Gemma 3: its full-attention layers, as llama.cpp applies it) and Llama 3.1+'s scaling,
     which llama.cpp's converter writes as per-frequency divisors (`rope_freqs.weight`), read back by checking that
     llama3 scaling with LLAMA3_ROPE gives them, and YaRN (long-context Qwen files); GGUFError for any other scaling
-    (a clear refusal, not a silently different model). Gemma 3's attention scale: 1/sqrt(head_dim) as llama.cpp has it (the 27B's hidden/heads
-    aside), where transformers would take its config default (256), which only equals head_dim in the releases
-    whose heads are 256 wide."""
+    (a clear refusal, not a silently different model). Gemma 3's attention scale: 1/sqrt(head_dim) as llama.cpp
+    has it (the 27B's hidden/heads aside), where transformers would take its config default (256), which only
+    equals head_dim in the releases whose heads are 256 wide."""
     arch = meta.get("general.architecture", "")
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
@@ -156,7 +156,8 @@ def _smollm3_config(src: str, meta: dict, tensors: dict[str, Tensor]):
         vocab_size=int(vocab), hidden_size=int(key("embedding_length")),
         intermediate_size=int(key("feed_forward_length")), num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv")),
-        max_position_embeddings=int(key("context_length")), rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base"))},
         no_rope_layer_interval=4, use_sliding_window=False,
         tie_word_embeddings="output.weight" not in tensors,
@@ -172,8 +173,8 @@ def _llama_config(src: str, meta: dict, tensors: dict[str, Tensor]):
 
     where, name = os.path.split(src)
     fields = AutoConfig.from_pretrained(where, gguf_file=name).to_dict()
-    return LlamaConfig.from_dict({k: v for k, v in fields.items()
-                                  if k not in ("model_type", "sliding_window", "architectures", "transformers_version")})
+    dropped = ("model_type", "sliding_window", "architectures", "transformers_version")
+    return LlamaConfig.from_dict({k: v for k, v in fields.items() if k not in dropped})
 
 
 def own_reader(meta: dict) -> Callable | None:
@@ -251,7 +252,8 @@ def convert_dense(src: str, header: tuple[dict, list[Tensor]], folder: str) -> N
         raise gguf_weights.GGUFError(f"a {cfg.model_type} file with a layout this package does not read")
     ref = _Dequantized(cfg, model)
     state = {ref.to_hf[t.name]: ref(t) for t in listed if ref.to_hf.get(t.name) is not None}
-    missing = [k for k in model.state_dict() if k not in state and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    missing = [k for k in model.state_dict()
+               if k not in state and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing:
         raise gguf_weights.GGUFError(f"the file lacks {missing[:3]}")
     _save(folder, state, cfg, src, meta)

@@ -133,9 +133,13 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         self.config = cfg
         self.model_type = getattr(cfg, "model_type", "unknown")
-        embed_rows = getattr(getattr(getattr(self.model, "model", None), "embed_tokens", None), "num_embeddings", None)
-        if embed_rows is not None and len(self.tokenizer) > embed_rows:  # llama.cpp refuses such a file too
-            raise ModelLoadError(f"model '{ref}': its tokenizer has {len(self.tokenizer)} tokens but its token "
+        embed_rows = getattr(getattr(getattr(self.model, "model", None), "embed_tokens", None), "num_embeddings",
+                             None)
+        # The tokenizer's vocabulary (tokens a tokenizer class adds of its own, e.g. Gemma's for a vocabulary that
+        # lacks them, aside) beyond the embedding's rows: llama.cpp refuses such a file too
+        vocab = getattr(self.tokenizer, "vocab_size", None) or len(self.tokenizer)
+        if embed_rows is not None and vocab > embed_rows:
+            raise ModelLoadError(f"model '{ref}': its tokenizer has {vocab} tokens but its token "
                                  f"embedding {embed_rows} rows: the file's parts do not fit (a token past "
                                  f"{embed_rows - 1} could not be run)")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -115,7 +115,8 @@ class _Norm:
     """A layer's RMSNorm: our C kernel (norm_kernel: one call instead of ~8 ops) where it takes the weight and
     the module is a plain RMSNorm (the formula the kernel computes), else the transformers module itself."""
 
-    PLAIN = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "RMSNorm")  # last: skeleton's
+    # the last: skeleton's
+    PLAIN = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "RMSNorm")
     # x * (1 + w), all in float32, rounded once to the rows' dtype: the kernel's float32 form w * (x * r) with the
     # weight 1 + w (as transformers computes it) is that formula, row by row
     OFFSET = ("Gemma3RMSNorm", "OffsetRMSNorm")
