@@ -21,7 +21,8 @@ from ..kernels import int4_kernel, int4_vector_kernel
 from ..cache.block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .kernel_paths import KernelPaths
-from .llama_runner import NO_ROPE, EarlyHead, KVBuffer, LlamaRunner, Seq, int4_kernel_error, on_int4_grid
+from .llama_runner import NO_ROPE, EarlyHead, KVBuffer, LlamaRunner, Seq, _return_freed_heap, int4_kernel_error, \
+    on_int4_grid
 from .load_checks import LoadChecks
 from .model_files import SLIM_FILE, ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, _try, \
     gguf_source, load_tokenizer, resolve_model, slim_conversion
@@ -244,6 +245,7 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         key = (path, device, dtype, weight_bits, self.activation_bits)  # the same model and settings in this process: the same answer
         if key not in _PROBED:
             _PROBED[key] = self._load_checks(cache_dir, stamp)
+            _return_freed_heap()  # the checks' passes (a first load's: ~0.1 GB at 0.5B) handed back, not kept
         single, self.exact_chunking, costs, self.numerics = _PROBED[key]
         # What a pass of m rows costs relative to one (m = 0..MAX_PASS_ROWS), where measured: draft lengths
         # are chosen by it (draft_proposer). None for transformers' own forward.
