@@ -118,15 +118,17 @@ def read_config(src: str, meta: dict, tensors: dict[str, Tensor]):
     """The model config GGUF `src` describes (its metadata `meta`, its tensors), completed as llama.cpp reads the
     file (complete_config): transformers' GGUF reader, or ours for the architectures it does not read (SmolLM3)."""
     own = own_reader(meta)
-    if own is not None:
-        cfg = own(src, meta, tensors)
-    else:
-        from transformers import AutoConfig
-
-        where, name = os.path.split(src)
-        cfg = AutoConfig.from_pretrained(where, gguf_file=name)
+    cfg = own(src, meta, tensors) if own is not None else _transformers_config(src)
     complete_config(cfg, meta, tensors)
     return cfg
+
+
+def _transformers_config(src: str):
+    """The config transformers' GGUF reader makes of GGUF `src`."""
+    from transformers import AutoConfig
+
+    where, name = os.path.split(src)
+    return AutoConfig.from_pretrained(where, gguf_file=name)
 
 
 def read_tokenizer(src: str, meta: dict):
@@ -169,10 +171,9 @@ def _llama_config(src: str, meta: dict, tensors: dict[str, Tensor]):
     """A llama file as llama.cpp runs it. transformers' GGUF reader takes one whose general.name is "mistral" for a
     Mistral model, with MistralConfig's default 4096-token sliding window (which llama.cpp does not apply), and
     then cannot name its tensors (gguf-py has no mistral architecture): its fields, as a Llama config."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import LlamaConfig
 
-    where, name = os.path.split(src)
-    fields = AutoConfig.from_pretrained(where, gguf_file=name).to_dict()
+    fields = _transformers_config(src).to_dict()
     dropped = ("model_type", "sliding_window", "architectures", "transformers_version")
     return LlamaConfig.from_dict({k: v for k, v in fields.items() if k not in dropped})
 
@@ -199,7 +200,7 @@ def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dic
     from .llama_runner import LlamaRunner
     from .model_files import SLIM_FILE, _skeleton_skips
 
-    where, name = os.path.split(src)
+    name = os.path.basename(src)
     meta, listed = header
     tensors = {t.name: t for t in listed}
     cfg = read_config(src, meta, tensors)

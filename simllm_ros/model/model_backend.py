@@ -541,9 +541,15 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         if types == [None]:
             return [rot.inv_freq]
         tables = getattr(rot, "tables", None)  # our skeleton's, else transformers' per-type buffers
-        half = self.kv_shape.head_dim // 2
-        return [torch.zeros(half) if t == NO_ROPE else tables[t][0] if tables is not None and t in tables
-                else rot.inv_freq if t is None else getattr(rot, f"{t}_inv_freq") for t in types]  # NoPE: no turn
+
+        def inv_freq(t: str | None) -> torch.Tensor:
+            if t == NO_ROPE:  # SmolLM3's layers without RoPE: a zero turn
+                return torch.zeros(self.kv_shape.head_dim // 2)
+            if tables is not None:
+                return tables[t][0]
+            return rot.inv_freq if t is None else getattr(rot, f"{t}_inv_freq")
+
+        return [inv_freq(t) for t in types]
 
     # ---- decoding ------------------------------------------------------------
     def decode(self, first_logits: torch.Tensor, cache, max_new_tokens: int, temperature: float = 0.0,
