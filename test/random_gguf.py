@@ -39,6 +39,10 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
         nb = n * k // 256
         b = np.concatenate([_f16(rng, nb, 4e-5, 1.2e-4), _f16(rng, nb, 1e-5, 6e-5),
                             rng.integers(0, 256, (nb, 12 + 128), dtype=np.uint8)], axis=1)
+    elif ggml == "Q5_K":  # Q4_K's head, 32 bytes of fifth bits, 128 of low nibbles
+        nb = n * k // 256
+        b = np.concatenate([_f16(rng, nb, 2e-5, 6e-5), _f16(rng, nb, 1e-5, 6e-5),
+                            rng.integers(0, 256, (nb, 12 + 32 + 128), dtype=np.uint8)], axis=1)
     elif ggml == "Q6_K":
         nb = n * k // 256
         sc = rng.integers(-64, 65, (nb, 16), dtype=np.int8).view(np.uint8)
@@ -77,13 +81,14 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 head_dim: int | None = None, sliding_window: int = 16, tokenizer: str | None = None,
                 rope_base: float = 10000.0, llama3_rope: dict | None = None,
                 rope_scaling: tuple | None = None, name: str | None = None, metadata: dict | None = None,
-                vocab: int | None = None) -> str:
+                vocab: int | None = None, rope_dims: int | None = None, rope_factors: bool = False) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
     hidden / heads, as Qwen3's does), "smollm3" Llama's tensors (llama.cpp runs every fourth layer without
     RoPE), "phi3" Phi-3's fused q/k/v and gate/up tensors, "gemma3" Gemma 3's layers (q/k norms, norms after
-    attention and MLP, every layer but each sixth a `sliding_window` one). `truncate` cuts that many bytes off the
+    attention and MLP, every layer but each sixth a `sliding_window` one), "gemma2" Gemma 2's (Gemma 3's without
+    q/k norms; soft-capped attention scores, which the runner does not compute). `truncate` cuts that many bytes off the
     end (a broken download).
     `tokenizer`: a GGUF whose tokenizer (and so vocabulary) the file takes, by default the embedded model's;
     `rope_base`: RoPE's base (Gemma 3: its full layers'; its sliding layers keep 10,000). `llama3_rope`: Llama 3.1+'s
@@ -94,7 +99,9 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     llama.cpp's converter writes linear scaling (Gemma 3 4B) and YaRN (long-context Qwen files).
     `name`: the file's general.name (transformers reads a llama file named "mistral" as a Mistral model);
     `metadata`: further float32 keys ({"qwen2.rope.scaling.yarn_log_multiplier": 0.1}); `vocab`: rows of the
-    embedding and LM head other than the tokenizer's token count (a file whose parts do not fit)."""
+    embedding and LM head other than the tokenizer's token count (a file whose parts do not fit); `rope_dims`: RoPE's
+    rotated dimensions per head where not all (Phi-4-mini's 96 of 128); `rope_factors`: LongRoPE's per-frequency
+    factors (rope_factors_long / rope_factors_short tensors, Phi-3.5's)."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer or tokenizer_source())
@@ -103,7 +110,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     if name:
         w.add_name(name)
     head_dim = head_dim or hidden // heads
-    if head_dim != hidden // heads or arch in ("qwen3", "gemma3"):  # their configs default to other sizes
+    if head_dim != hidden // heads or arch in ("qwen3", "gemma3", "gemma2"):  # their configs default to other sizes
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     vocab = vocab or len(src.fields["tokenizer.ggml.tokens"].data)
@@ -115,9 +122,9 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(rope_dims or head_dim)
     w.add_vocab_size(vocab)
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         w.add_sliding_window(sliding_window)
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
@@ -166,11 +173,14 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 add(f"blk.{i}.{kind}.bias", "BIAS", n, 0)
             if arch in ("qwen3", "gemma3") and kind in ("attn_q", "attn_k"):
                 add(f"blk.{i}.{kind}_norm.weight", "F32", head_dim, 0)
-            if arch == "gemma3" and kind in ("attn_output", "ffn_down"):  # norms of the attention and MLP outputs
+            if arch in ("gemma3", "gemma2") and kind in ("attn_output", "ffn_down"):  # norms of the attention and MLP outputs
                 add(f"blk.{i}.{'post_attention_norm' if kind == 'attn_output' else 'post_ffw_norm'}.weight", "F32",
                     hidden, 0)
     if llama3_rope:
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope_base, head_dim, **llama3_rope))
+    if rope_factors:
+        for which in ("long", "short"):
+            w.add_tensor(f"rope_factors_{which}.weight", rng.uniform(1.0, 4.0, size=(head_dim // 2,)).astype(np.float32))
     add("output_norm.weight", "F32", hidden, 0)
     if output:
         add("output.weight", output, vocab, hidden)

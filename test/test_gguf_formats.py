@@ -26,7 +26,7 @@ def _tensor(ggml: str, n: int, k: int, seed: int = 0):
     return gguf_weights.decode(ggml, raw, (n, k)), torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
 
 
-@pytest.mark.parametrize("ggml", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("ggml", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 def test_blocks_decode_to_what_gguf_dequantizes(ggml):
     n, k = 48, 512
     if ggml in ("Q4_0", "Q4_1", "Q5_0"):  # gguf-py quantizes these itself
@@ -57,8 +57,8 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
         assert torch.equal(whole, KERNEL.mm(x, KERNEL.pack_affine(fw.codes, fw.step, fw.base), outs))
 
 
-@pytest.mark.parametrize("ggml,kind,bits", [("Q4_K", "q4k8", 4.5), ("Q6_K", "q6k8", 6.625), ("Q8_0", "q8r", 8.5),
-                                           ("Q5_0", "q5r", 5.5), ("Q4_0", "q4r", 4.5)])
+@pytest.mark.parametrize("ggml,kind,bits", [("Q4_K", "q4k8", 4.5), ("Q5_K", "q5k8", 5.5), ("Q6_K", "q6k8", 6.625),
+                                           ("Q8_0", "q8r", 8.5), ("Q5_0", "q5r", 5.5), ("Q4_0", "q4r", 4.5)])
 def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_and_row_invariant(ggml, kind, bits):
     """activation_bits 8: the integer product is exactly (to float32 rounding of its few float steps) the file's
     weights times the rows as quantized (int4_vector_kernel.rows_as_8bit), one row alone or among others; against
@@ -106,6 +106,9 @@ def files(tmp_path_factory):
             # what llama.cpp's Q4_K_M falls back to where rows are not in 256s (Qwen2.5-0.5B's 896, Gemma 3 270M's 640)
             "q5_0": write_llama(str(d / "rand-q5_0.gguf"), default="Q5_0", embed="Q5_0", output="Q8_0", seed=4,
                                 types={"attn_v": "Q8_0", "ffn_down": "Q6_K"}),
+            # Q4_K_S's mix as llama.cpp writes it: Q4_K, with half the layers' attn_v and the first ffn_down in Q5_K
+            "q4_k_s": write_llama(str(d / "rand-q4_k_s.gguf"), embed="Q4_K", seed=9,
+                                  per_layer={(0, "attn_v"): "Q5_K", (0, "ffn_down"): "Q5_K"}),
             # Q4_0 throughout (quantization-aware releases ship it), its head in Q8_0
             "q4_0": write_llama(str(d / "rand-q4_0.gguf"), default="Q4_0", embed="Q4_0", output="Q8_0", seed=5),
             "qwen2": write_llama(str(d / "rand-qwen2.gguf"), arch="qwen2", types=Q4_K_M, seed=2),
@@ -113,6 +116,10 @@ def files(tmp_path_factory):
             # SmolLM3: Llama's layers, layer 3 without RoPE (NoPE: every fourth), the head tied to the embedding
             "smollm3": write_llama(str(d / "rand-smollm3.gguf"), arch="smollm3", layers=4, types=Q4_K_M, output=None,
                                    seed=6),
+            # Phi-3: q/k/v in one tensor, the MLP's gate and up in one; Q4_K_M's mix as llama.cpp writes it for
+            # phi3 (half the layers' attn_qkv and ffn_down in Q6_K)
+            "phi3": write_llama(str(d / "rand-phi3.gguf"), arch="phi3", layers=2, seed=8, embed="Q4_K",
+                                per_layer={(1, "attn_qkv"): "Q6_K", (1, "ffn_down"): "Q6_K"}),
             "gemma3-270m": _real_gemma(),
             "cache": str(d / "models")}
 
@@ -165,12 +172,13 @@ def _whole_backend(files, name: str, path: str | None = None) -> ModelBackend:
     ("q8_0", 32, [["q8", "q8", "q8", "q8"]] * 2, "Q8_0"),
     ("q5_0", 0, [["q5r+q8r", "q5r", "q5r", "q6k8"]] * 2, "Q8_0"),
     ("q4_0", 0, [["q4r", "q4r", "q4r", "q4r"]] * 2, "Q8_0"),
+    ("q4_k_s", 0, [["q4k8+q5k8", "q4k8", "q4k8", "q5k8"], ["q4k8", "q4k8", "q4k8", "q4k8"]], "Q6_K"),
 ])
 def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits, layer_kinds, head):
     b = _backend(files, name, activation_bits)
     r = b.runner
     assert b.weight_bits == 4 and b.int4_kind == "vector" and r.file is not None  # weight_bits auto picked it
-    assert b.activation_bits == (8 if layer_kinds[0][1] in ("q4k8", "q8r", "q5r", "q4r") else 32)
+    assert b.activation_bits == (8 if layer_kinds[0][1] in ("q4k8", "q5k8", "q8r", "q5r", "q4r") else 32)
     assert ("integer dot products" in b.int4_path) == (b.activation_bits == 8)
     assert [[p.kinds for p in (qkv, o, gu, down)] for _, qkv, o, _, gu, down, _ in r.layers] == layer_kinds
     assert r.lm_head.ggml == head and head in b.int4_path and "on the file's own blocks" in b.int4_path
@@ -188,6 +196,13 @@ def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits
     assert torch.isfinite(c).all()
 
 
+def test_q5_k_blocks_with_float32_rows_are_a_clear_load_error(files):
+    """Q5_K has a product with 8-bit rows only: a Q4_K_S file asked for float32 rows is refused with the reason."""
+    with pytest.raises(ModelLoadError, match="Q5_K blocks run on rows quantized to 8 bits only"):
+        ModelBackend(files["q4_k_s"], dtype="float32", weight_bits=0, activation_bits=32,
+                     cache_dir=files["cache"] + "-f32")
+
+
 @pytest.mark.parametrize("activation_bits", [0, 32])
 def test_the_head_is_the_files_weights(files, activation_bits):
     """The Q6_K LM head's logits against a float64 product of gguf's dequantized output.weight (and of the rows as
@@ -203,12 +218,13 @@ def test_the_head_is_the_files_weights(files, activation_bits):
     assert (got - want).abs().max() <= 2e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3"])
-def test_qwen_and_smollm3_files_run_on_their_own_blocks_as_transformers_computes_them(files, name):
-    """Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms before RoPE, head_dim 128 beside a hidden size of 256) and
-    SmolLM3 (NoPE layers; transformers' GGUF reader refuses the file, its dense copy is ours): the runner at the
-    file's own bits, lossless, and what it computes is what transformers' own forward of the same file computes
-    (float32 rows, to rounding: the arithmetic is ours, the model the same)."""
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "phi3"])
+def test_qwen_smollm3_and_phi3_files_run_on_their_own_blocks_as_transformers_computes_them(files, name):
+    """Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms before RoPE, head_dim 128 beside a hidden size of 256),
+    SmolLM3 (NoPE layers; transformers' GGUF reader refuses the file, its dense copy is ours) and Phi-3 (fused q/k/v
+    and gate/up tensors, taken as views of their rows): the runner at the file's own bits, lossless, and what it
+    computes is what transformers' own forward of the same file computes (float32 rows, to rounding: the arithmetic
+    is ours, the model the same)."""
     b = _backend(files, name, activation_bits=32)
     assert b.model_type == name and b.weight_bits == 4 and b.runner.file is not None and b.exact_chunking
     assert b.semantic_supported
@@ -228,8 +244,12 @@ def test_qwen_and_smollm3_files_run_on_their_own_blocks_as_transformers_computes
         ref = b.hf_model(torch.tensor([ids])).logits[0].float()
     assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    if name == "smollm3":
-        assert type(b.hf_model).__name__ == "SmolLM3ForCausalLM"
+    if name in ("smollm3", "phi3"):
+        assert type(b.hf_model).__name__ == {"smollm3": "SmolLM3", "phi3": "Phi3"}[name] + "ForCausalLM"
+    if name == "phi3":  # a later load reads the skeleton beside that dense copy (its fused projections skipped)
+        again = ModelBackend(files[name], dtype="float32", weight_bits=0, activation_bits=32,
+                             cache_dir=files["cache"] + "-f32")
+        assert again.skeleton and torch.equal(again.run(ids, again.new_cache(20), logits="all"), ours)
 
 
 def test_smollm3s_nope_layers_keep_their_keys_when_semantic_repair_moves_them(files):
@@ -245,10 +265,11 @@ def test_smollm3s_nope_layers_keep_their_keys_when_semantic_repair_moves_them(fi
     assert torch.equal(b.rotate_keys(k[3:], delta, first_layer=3), k[3:])
 
 
-@pytest.mark.parametrize("name", ["q4_k_m", "qwen3", "smollm3", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["q4_k_m", "q4_k_s", "qwen3", "smollm3", "phi3", "gemma3-270m"])
 def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
-    """Greedy and seeded sampled answers with the cache are the empty pool's, exact, on random Llama / Qwen3 / SmolLM3
-    files and the real Gemma 3 270M Q4_K_M file (converted a tensor at a time: its first load)."""
+    """Greedy and seeded sampled answers with the cache are the empty pool's, exact, on random Llama (Q4_K_M, Q4_K_S)
+    / Qwen3 / SmolLM3 / Phi-3 files and the real Gemma 3 270M Q4_K_M file (converted a tensor at a time: its first
+    load)."""
     from simllm_ros.serving.engine import Engine
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
@@ -643,25 +664,25 @@ def test_a_llama_file_named_mistral_runs_as_llama_cpp_runs_it(tmp_path):
 
 
 def test_a_gguf_of_an_architecture_the_runner_does_not_take_answers_approximately_and_says_so(tmp_path):
-    """Phi-3 (fused q/k/v and gate/up projections, not the runner's layout) loads from its GGUF through transformers'
-    whole conversion and answers through transformers' forward: every answer `exact: false`, no SEMANTIC tier, and
-    the load log says why."""
+    """Gemma 2 (soft-capped attention scores, which the runner does not compute) loads from its GGUF through
+    transformers' whole conversion and answers through transformers' forward: every answer `exact: false`, no
+    SEMANTIC tier, and the load log says why."""
     from random_gguf import write_llama
     from simllm_ros.request import QueryRequest
     from simllm_ros.serving.engine import Engine
     from simllm_ros.settings import Settings
 
-    path = write_llama(str(tmp_path / "rand-phi3.gguf"), arch="phi3", layers=2, default="Q8_0", embed="Q8_0",
-                       output="Q8_0")
+    path = write_llama(str(tmp_path / "rand-gemma2.gguf"), arch="gemma2", layers=2, heads=4, kv_heads=1, head_dim=64,
+                       default="Q8_0", embed="Q8_0", output=None)
     said: list[str] = []
     e = Engine(Settings.from_overrides(model=path, model_cache_dir=str(tmp_path / "models"), dtype="float32",
                                        weight_bits=0, cache_size="64MB"))
     e.load(progress=said.append)
     try:
         b = e.backend
-        assert b.model_type == "phi3" and b.runner is None and not b.exact_chunking and not b.semantic_supported
-        assert any("the runner does not take phi3 models" in m for m in said), said
-        assert any("NOT verified: transformers' own forward runs this phi3 model" in m for m in said), said
+        assert b.model_type == "gemma2" and b.runner is None and not b.exact_chunking and not b.semantic_supported
+        assert any("the runner does not take gemma2 models" in m for m in said), said
+        assert any("NOT verified: transformers' own forward runs this gemma2 model" in m for m in said), said
         for q in ("Where is the charging dock?", "Where is the charging dock now?"):
             r = e.handle(QueryRequest(prompt=q, context="The dock is in room 12.", max_new_tokens=4))
             assert r.success and not r.exact and r.generated_tokens > 0, r
@@ -724,6 +745,21 @@ def test_linear_rope_scaling_and_gemmas_attention_scale_are_read_from_the_file(t
     other = write_llama(str(tmp_path / "rand-longrope.gguf"), layers=1, rope_scaling=("longrope", 4.0), **shape)
     with pytest.raises(ModelLoadError, match="RoPE scaling 'longrope'"):
         ModelBackend(other, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
+
+
+@pytest.mark.parametrize("dtype,bits", [("float32", 0), ("bfloat16", 16)])
+def test_phi_files_with_longrope_or_partial_rope_are_a_clear_load_error(tmp_path, dtype, bits):
+    """LongRoPE's per-frequency factors (Phi-3.5-mini, Phi-3 128k, Phi-4-mini) and RoPE on part of each head
+    (Phi-4-mini's 96 of 128 dimensions) are in the file but not in the config transformers' GGUF reader makes of it:
+    run without them, it would be another model. Both conversions refuse them with the reason."""
+    from random_gguf import write_llama
+
+    long = write_llama(str(tmp_path / "rand-phi35.gguf"), arch="phi3", layers=1, default="Q8_0", rope_factors=True)
+    with pytest.raises(ModelLoadError, match="LongRoPE"):
+        ModelBackend(long, dtype=dtype, weight_bits=bits, cache_dir=str(tmp_path / "a"))
+    part = write_llama(str(tmp_path / "rand-phi4.gguf"), arch="phi3", layers=1, default="Q8_0", rope_dims=48)
+    with pytest.raises(ModelLoadError, match="rope.dimension_count 48 of heads 64 wide"):
+        ModelBackend(part, dtype=dtype, weight_bits=bits, cache_dir=str(tmp_path / "b"))
 
 
 def test_yarn_rope_scaling_is_read_from_the_file_as_llama_cpp_runs_it(tmp_path):

@@ -97,6 +97,11 @@ def _case(path, seed=0):
                                     torch.randint(0, 64, (n, k // 32), generator=g),
                                     (torch.rand(n, k // 256, generator=g) * 0.01).half().float(),
                                     (torch.rand(n, k // 256, generator=g) * 0.01).half().float()).numpy().tobytes(),
+        "w5k8.u8": kernel.pack_q5k8(torch.randint(0, 32, (n, k), generator=g),  # Q5_K for 8-bit rows
+                                    torch.randint(0, 64, (n, k // 32), generator=g),
+                                    torch.randint(0, 64, (n, k // 32), generator=g),
+                                    (torch.rand(n, k // 256, generator=g) * 0.01).half().float(),
+                                    (torch.rand(n, k // 256, generator=g) * 0.01).half().float()).numpy().tobytes(),
         "w6k8.u8": kernel.pack_q6k8(torch.randint(-32, 32, (n, k), generator=g),  # Q6_K for 8-bit rows
                                     torch.randint(-128, 128, (n, k // 16), generator=g),
                                     (torch.rand(n, k // 256, generator=g) * 0.01).half().float()).numpy().tobytes(),
@@ -125,7 +130,7 @@ def _case(path, seed=0):
 def _outputs(path) -> dict[str, bytes]:
     out = {}
     for name in os.listdir(path):
-        if name.startswith(("mm4_", "mm4k_", "mm4k8_", "mm6_", "mm6k8_", "mm8r_", "mm5r_", "mm4r_", "mm8_", "norm_",
+        if name.startswith(("mm4_", "mm4k_", "mm4k8_", "mm5k8_", "mm6_", "mm6k8_", "mm8r_", "mm5r_", "mm4r_", "mm8_", "norm_",
                              "silu_", "gelu_", "rope_")):
             with open(os.path.join(path, name), "rb") as f:
                 out[name] = f.read()
@@ -151,7 +156,7 @@ def _run(tmp_path, label, cc, target_flags, runner=()):
 
 def _rows_do_not_depend_on_their_neighbours(out, m, n):
     """The driver ran row cuts at 1 and 2 threads: each cut equals those rows of the whole product."""
-    for kind in ("mm4", "mm4k", "mm4k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm4r"):
+    for kind in ("mm4", "mm4k", "mm4k8", "mm5k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm4r"):
         whole = np.frombuffer(out[f"{kind}_t1_0_{m}.f32"], dtype=np.float32).reshape(m, n)
         for name, data in out.items():
             if name.startswith(kind + "_"):
@@ -179,6 +184,6 @@ def test_aarch64_under_qemu_gives_this_machines_bits(tmp_path):
     native, m, n = _run(tmp_path, "native", CC, ("-march=native",) if IS_X86 else AARCH64)
     arm, _, _ = _run(tmp_path, "aarch64", CROSS, AARCH64, runner=(QEMU, "-L", SYSROOT))
     _rows_do_not_depend_on_their_neighbours(arm, m, n)
-    assert arm.keys() == native.keys() and len(arm) == 113
+    assert arm.keys() == native.keys() and len(arm) == 125
     differ = [k for k in native if arm[k] != native[k]]
     assert not differ, f"aarch64 differs from this machine in {differ}"

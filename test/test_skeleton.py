@@ -20,8 +20,11 @@ def _llama(**kw) -> LlamaConfig:
 def test_it_declines_what_it_does_not_compute():
     assert skeleton.build(_llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), set()) is None
     cfg = _llama()
-    cfg.model_type = "phi3"
+    cfg.model_type = "gemma2"
     assert skeleton.build(cfg, set()) is None
+    partial = _llama()  # RoPE on half of each head (Phi-4-mini's kind): the tables here rotate every dimension
+    partial.rope_parameters = {**partial.rope_parameters, "partial_rotary_factor": 0.5}
+    assert skeleton.build(partial, set()) is None
 
 
 def test_it_builds_the_names_and_biases_the_checkpoint_has():

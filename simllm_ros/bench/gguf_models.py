@@ -44,6 +44,7 @@ SHAPES = {
     "qwen2.5-3b": (36, 2048, 11008, 16, 2, "qwen2", None),
     "gemma3-1b": (26, 1152, 6912, 4, 1, "gemma3", 256),  # five sliding layers (a 512-token window) to one full
     "smollm3-3b": (36, 2048, 11008, 16, 4, "smollm3", None),  # every fourth layer without RoPE; head tied
+    "phi-3-mini": (32, 3072, 8192, 32, 32, "phi3", None),  # fused q/k/v and gate/up tensors, no GQA
 }
 # What else a release's file carries: Llama 3.2's RoPE (base 500,000 and llama3 scaling, which llama.cpp's converter
 # writes as rope_freqs.weight) and its tied LM head

@@ -17,8 +17,8 @@ rows with up to four 16-output blocks in registers, the weights decoded once for
 decoded once into a float buffer) performs exactly these operations for each output, and threads split output
 blocks, never a sum: a row's bits depend on its inputs only, whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
 
-GGUF's Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 can also take their rows quantized to 8 bits (activation_bits 8, the default
-on such files: `mm4k8`, `mm6k8`, `mm8r`, `mm5r`, `mm4r`): per row and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32
+GGUF's Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 and Q4_0 can also take their rows quantized to 8 bits (activation_bits 8, the
+default on such files: `mm4k8`, `mm5k8`, `mm6k8`, `mm8r`, `mm5r`, `mm4r`; Q5_K has no float32-row product): per row and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32
 scale and int8 codes (`rows_as_8bit`), integer dot products with the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32
 sums, so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32
 rows here, and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
@@ -46,6 +46,7 @@ SB4K = 256  # inputs per GGUF Q4_K super-block: 8 groups of 32 sharing d and dmi
 BLOB6K = 3392  # 16 outputs x one Q6_K super-block for 8-bit rows: 16 d (float32), then per group of 16 inputs 128
 #                bytes of low nibbles, 64 of top bits and 16 int8 sub-scales: 6.625 bits a weight
 BLOB4K8 = 2304  # the same for 8-bit rows (`pack_q4k8`): float16 d and dmin, 6-bit sub-scales and sub-mins: 4.5 bits
+BLOB5K8 = 2816  # GGUF's Q5_K for 8-bit rows (`pack_q5k8`): Q4_K's, with 64 bytes of fifth bits per group: 5.5 bits
 BLOB4K = 2432  # 16 outputs x one super-block: 16 d and 16 dmin (float32), then per group BLOB's 256 bytes of codes,
 #                16 sub-scales and 16 sub-mins (bytes): 4.75 bits a weight
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
@@ -79,6 +80,36 @@ def _nibble_chunks(u: torch.Tensor) -> torch.Tensor:
     return (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, k // GROUP, 256)
 
 
+def _top_bits(top: torch.Tensor) -> torch.Tensor:
+    """Fifth bits [N, K] (0 or 1) -> [N/16, K/32, 64] uint8: per 16 outputs and group, byte 4j + i holding output j's
+    bit of input 8p + i at bit 2p and of input 8p + 4 + i at bit 2p + 1 (p = 0..3), beside `_nibble_chunks`' chunks."""
+    n, k = top.shape
+    t = top.reshape(n // 16, 16, k // GROUP, 4, 2, 4).to(torch.int32)  # [b, j, g, p, high?, i]
+    shift = (2 * torch.arange(4, dtype=torch.int32)[:, None] + torch.arange(2, dtype=torch.int32))[..., None]
+    bits = (t << shift).sum(dim=(3, 4)).to(torch.uint8)  # [b, j, g, i]
+    return bits.permute(0, 2, 1, 3).reshape(n // 16, k // GROUP, 64)
+
+
+def _k8_head(sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> torch.Tensor:
+    """The part of a Q4_K / Q5_K blob for 8-bit rows before its codes -> [N/16, K/256, 256] uint8: per 16 outputs and
+    super-block the 16 d and 16 dmin (float16: the file's values, exact), the sub-scales' and sub-mins' low 4 bits
+    (per group 16 bytes, byte j: output j's sub-scale low nibble, sub-min high) and their top 2 bits (per group two
+    32-bit words, bits 2j..2j+1: output j's)."""
+    n, g = sc.shape
+    nb, sb = n // 16, g // 8
+    s6 = sc.to(torch.int32).reshape(nb, 16, sb, 8).permute(0, 2, 3, 1)  # [b, sb, group, j]
+    m6 = mn.to(torch.int32).reshape(nb, 16, sb, 8).permute(0, 2, 3, 1)
+    low = ((s6 & 15) | ((m6 & 15) << 4)).to(torch.uint8).reshape(nb, sb, 128)
+    shift = 2 * torch.arange(16, dtype=torch.int64)
+    words = torch.stack([((s6 >> 4).to(torch.int64) << shift).sum(-1), ((m6 >> 4).to(torch.int64) << shift).sum(-1)],
+                        dim=-1)  # [b, sb, group, 2]: 32 bits each, as signed int32
+    words = (words - ((words >> 31) << 32)).to(torch.int32)
+    top = words.contiguous().view(torch.uint8).reshape(nb, sb, 64)
+    head = torch.cat([d.half().reshape(nb, 16, sb), dmin.half().reshape(nb, 16, sb)], dim=1)
+    head = head.permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 64]
+    return torch.cat([head, low, top], dim=-1)
+
+
 def _q4k_blob(byte: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
               ) -> torch.Tensor:
     """A Q4_K blob from its groups' code bytes [N/16, K/32, 256] in either code layout: per 16 outputs and
@@ -107,6 +138,7 @@ class VectorKernel(ProductKernel):
         self._mm4k = self._entry("simllm_vec_int4k_mm", MM_ARGS)
         self._mm4k8 = self._entry("simllm_vec_q4k8_mm", MM_ARGS)
         self._mm6k8 = self._entry("simllm_vec_q6k8_mm", MM_ARGS)
+        self._mm5k8 = self._entry("simllm_vec_q5k8_mm", MM_ARGS)
         self._mm8r = self._entry("simllm_vec_q8r_mm", MM_ARGS)
         self._mm5r = self._entry("simllm_vec_q5r_mm", MM_ARGS)
         self._mm4r = self._entry("simllm_vec_q4r_mm", MM_ARGS)
@@ -114,6 +146,7 @@ class VectorKernel(ProductKernel):
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
                         "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
                         "q4k8": self._address("simllm_vec_q4k8_mm"), "q6k8": self._address("simllm_vec_q6k8_mm"),
+                        "q5k8": self._address("simllm_vec_q5k8_mm"),
                         "q8r": self._address("simllm_vec_q8r_mm"), "q5r": self._address("simllm_vec_q5r_mm"),
                         "q4r": self._address("simllm_vec_q4r_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
@@ -173,20 +206,24 @@ class VectorKernel(ProductKernel):
         n, k = codes.shape
         if n % 16 or k % SB4K:
             raise ValueError(f"Q4_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
-        nb, g, sb = n // 16, k // GROUP, k // SB4K
-        q = codes.to(torch.uint8).reshape(nb, 16, sb, 8, 4, 2, 4)  # block, j, super-block, group, chunk, high?, i
-        byte = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 4, 1, 5).reshape(nb, sb, 2048)
-        s6 = sc.to(torch.int32).reshape(nb, 16, sb, 8).permute(0, 2, 3, 1)  # [b, sb, group, j]
-        m6 = mn.to(torch.int32).reshape(nb, 16, sb, 8).permute(0, 2, 3, 1)
-        low = ((s6 & 15) | ((m6 & 15) << 4)).to(torch.uint8).reshape(nb, sb, 128)
-        shift = 2 * torch.arange(16, dtype=torch.int64)
-        words = torch.stack([((s6 >> 4).to(torch.int64) << shift).sum(-1), ((m6 >> 4).to(torch.int64) << shift).sum(-1)],
-                            dim=-1)  # [b, sb, group, 2]: 32 bits each, as signed int32
-        words = (words - ((words >> 31) << 32)).to(torch.int32)
-        top = words.contiguous().view(torch.uint8).reshape(nb, sb, 64)
-        head = torch.cat([d.half().reshape(nb, 16, sb), dmin.half().reshape(nb, 16, sb)], dim=1)
-        head = head.permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 64]
-        return torch.cat([head, low, top, byte], dim=-1).contiguous()
+        byte = _nibble_chunks(codes.to(torch.uint8)).reshape(n // 16, k // SB4K, 2048)
+        return torch.cat([_k8_head(sc, mn, d, dmin), byte], dim=-1).contiguous()
+
+    @staticmethod
+    def pack_q5k8(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+                  ) -> torch.Tensor:
+        """GGUF Q5_K for the integer product with 8-bit rows (`mm5k8`): codes [N, K] (0..31), sub-scales and sub-mins
+        [N, K/32] (0..63), d and dmin [N, K/256] (weight = d * sc * code - dmin * mn, Q4_K's form) -> [N/16, K/256,
+        2816] uint8: `pack_q4k8`'s head, then per group the codes' low 4 bits as `pack_q4k8` lays them out and their
+        fifth bits as `pack_q5r` does: 5.5 bits a weight, as the file."""
+        n, k = codes.shape
+        if n % 16 or k % SB4K:
+            raise ValueError(f"Q5_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 31):
+            raise ValueError("Q5_K vector kernel: codes must lie in 0..31")
+        u = codes.to(torch.uint8)
+        groups = torch.cat([_nibble_chunks(u & 15), _top_bits(u >> 4)], dim=-1)  # [b, g, 320]
+        return torch.cat([_k8_head(sc, mn, d, dmin), groups.reshape(n // 16, k // SB4K, 8 * 320)], dim=-1).contiguous()
 
     @staticmethod
     def pack_q6k8(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -237,12 +274,7 @@ class VectorKernel(ProductKernel):
             raise ValueError("Q5_0 rows kernel: codes must lie in -16..15")
         g = k // GROUP
         u = (codes.to(torch.int16) + 16).to(torch.uint8)
-        nib = _nibble_chunks(u & 15)
-        top = (u >> 4).reshape(n // 16, 16, g, 4, 2, 4).to(torch.int32)  # [b, j, g, p, high?, i]
-        shift = (2 * torch.arange(4, dtype=torch.int32)[:, None] + torch.arange(2, dtype=torch.int32))[..., None]
-        bits = (top << shift).sum(dim=(3, 4)).to(torch.uint8)  # [b, j, g, i]
-        bits = bits.permute(0, 2, 1, 3).reshape(n // 16, g, 64)
-        return torch.cat([nib, bits, _f16_scales(d, n, g)], dim=-1).contiguous()
+        return torch.cat([_nibble_chunks(u & 15), _top_bits(u >> 4), _f16_scales(d, n, g)], dim=-1).contiguous()
 
     @staticmethod
     def pack_q4r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -335,6 +367,11 @@ class VectorKernel(ProductKernel):
         `pack_q4k8` (integer dot products) -> [M, n] float32."""
         return self._grouped(self._mm4k8, x, blob, n, BLOB4K8, "Q4_K", SB4K)
 
+    def mm5k8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (quantized to 8 bits per 256 inputs as `mm4k8` does) times GGUF Q5_K weights packed by
+        `pack_q5k8` (integer dot products) -> [M, n] float32."""
+        return self._grouped(self._mm5k8, x, blob, n, BLOB5K8, "Q5_K", SB4K)
+
     def mm6k8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous), quantized to 8 bits per 256 inputs, times GGUF Q6_K weights packed by
         `pack_q6k8` (integer dot products) -> [M, n] float32."""
@@ -357,8 +394,8 @@ class VectorKernel(ProductKernel):
 
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`), "q6"
-        (`pack6`), or one of the 8-bit-row kinds "q4k8", "q6k8", "q8r", "q5r", "q4r" (`pack_<kind>`)."""
-        return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q8": self.mm8, "q6": self.mm6,
+        (`pack6`), or one of the 8-bit-row kinds "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r" (`pack_<kind>`)."""
+        return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q5k8": self.mm5k8, "q8": self.mm8, "q6": self.mm6,
                 "q6k8": self.mm6k8, "q8r": self.mm8r, "q5r": self.mm5r, "q4r": self.mm4r}[kind]
 
 
@@ -375,7 +412,7 @@ def rows_as_8bit(x: torch.Tensor, block: int = SB4K) -> torch.Tensor:
 
 
 def q4k_dequantized(codes, sc, mn, d, dmin) -> torch.Tensor:
-    """Q4_K weights [N, K] in float64: d * sub-scale * code - dmin * sub-min."""
+    """Q4_K (and Q5_K) weights [N, K] in float64: d * sub-scale * code - dmin * sub-min."""
     step = (d.double().repeat_interleave(8, dim=1) * sc.double()).repeat_interleave(GROUP, dim=1)
     base = (dmin.double().repeat_interleave(8, dim=1) * mn.double()).repeat_interleave(GROUP, dim=1)
     return step * codes.double() - base
@@ -418,6 +455,12 @@ def _self_check(kernel: VectorKernel) -> str | None:
                          rows=((2, 1), (1, 4), (6, 1)))
     if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
         return f"the Q4_K x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
+    c5 = torch.randint(0, 32, (32, 512), generator=g, dtype=torch.int32)  # Q5_K: Q4_K's form, codes 0..31
+    want = rows_as_8bit(xk) @ q4k_dequantized(c5, sc, mn, dk, dmk).t()
+    err, alone = compare(kernel.mm5k8, xk, kernel.pack_q5k8(c5, sc, mn, dk, dmk), 32, want,
+                         rows=((2, 1), (1, 4), (6, 1)))
+    if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
+        return f"the Q5_K x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
     c6 = torch.randint(-32, 32, (32, 512), generator=g, dtype=torch.int32)
     s6 = torch.randint(-128, 128, (32, 32), generator=g, dtype=torch.int32)
     want = rows_as_8bit(xk) @ q6k_dequantized(c6, s6, dk).t()

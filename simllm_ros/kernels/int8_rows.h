@@ -430,6 +430,60 @@ void simllm_vec_q6k8_mm(const float *x, long x_stride, const uint8_t *w, float *
     run(part6k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
 }
 
+/* ---- Q5_K weights times 8-bit rows ("q5k8") ----
+   Q4_K's super-blocks (d and dmin, 6-bit sub-scales and sub-mins per group of 32) with codes 0..31, as llama.cpp's
+   Q4_K_S and Q5_K_M files keep some or most projections. The rows and the sums as for q4k8 (isum_g of codes 0..31:
+   at most 8 * 63 * 32 * 31 * 127 < 2^31, exact in int32), the same float steps in the same order. Weights: BLOB5K8
+   bytes per 16 outputs x super-block (5.5 bits a weight, as the file): q4k8's head, sub-scale and top-bit bytes,
+   then per group the codes' low 4 bits in 4 chunks of 64 bytes (q4k8's code layout) and their fifth bits in 64
+   bytes (byte 4j + i, bit 2p: output j's input 8p + i, bit 2p + 1: its input 8p + 4 + i), as Q5_0's for 8-bit rows. */
+#define GRP5K8 320
+#define BLOB5K8 (CODES4K8 + 8 * GRP5K8)
+
+static inline __attribute__((always_inline)) void sb5k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    vi acc[QROWS][NH], ms[QROWS][NH], lane2[NH];
+    for (int r = 0; r < NR; r++) for (int h = 0; h < NH; h++) acc[r][h] = ms[r][h] = VI_ZERO;
+    for (int h = 0; h < NH; h++) lane2[h] = VI_SHL(VI_LANES(h), 1);
+    for (int g = 0; g < SB4K; g++) {
+        const uint8_t *lo = blk + SC4K8 + 16 * g, *top = blk + TOP4K8 + 8 * g;
+        const int32_t tsc = rd32((const int8_t *)top), tmn = rd32((const int8_t *)(top + 4));
+        vi scv[NH], mnv[NH];
+        for (int h = 0; h < NH; h++) {
+            const vi b = VI_U8(lo + VL * h);
+            scv[h] = VI_OR(VI_AND(b, 15), VI_SHL(VI_AND(VI_SRLV(VI_BC(tsc), lane2[h]), 3), 4));
+            mnv[h] = VI_OR(VI_SRL(b, 4), VI_SHL(VI_AND(VI_SRLV(VI_BC(tmn), lane2[h]), 3), 4));
+        }
+        for (int r = 0; r < NR; r++) {
+            const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * GROUP;
+            const int32_t *bs = qrow_sums32(xr[r], K, QBLK);
+            vi is[NH];
+            for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
+            gdotn(blk + CODES4K8 + GRP5K8 * g, xg, is, 4, 1);  /* 32 inputs: 4 chunks, 1 top bit */
+            for (int h = 0; h < NH; h++) {
+                acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
+                ms[r][h] = VI_ADD(ms[r][h], VI_MUL(mnv[h], VI_BC(bs[s * SB4K + g])));
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        const float dx = qrow_scales(xr[r], K)[s];
+        for (int h = 0; h < NH; h++) {
+            const vw dd = VW_F16(blk + 2 * VL * h) * bc(dx), dm = -(VW_F16(blk + 32 + 2 * VL * h) * bc(dx));
+            o[r][h] = FMA(dd, VI_F(acc[r][h]), o[r][h]);
+            o[r][h] = FMA(dm, VI_F(ms[r][h]), o[r][h]);
+        }
+    }
+}
+DEFINE_PART8(part5k8, sb5k8, BLOB5K8, QBLK, QBLK)
+
+/* Q5_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
+void simllm_vec_q5k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
+    run(part5k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
 /* The products of groups of 32 (Q8_0, Q5_0, Q4_0 on rows quantized per 32): their own file */
 #include "int8_rows32.h"
 

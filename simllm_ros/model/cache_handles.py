@@ -19,7 +19,9 @@ class CacheHandles:
             return KVBuffer.allocate(L, H, D, capacity, self.dtype, self.device)
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        # Every layer keeps every token (no config: no sliding-window layers, which drop what left their window and so
+        # cannot be cropped back to an accepted draft); the model's own masks still apply each layer's window.
+        return DynamicCache()
 
     def cache_from_tensors(self, k: torch.Tensor, v: torch.Tensor, reserve: int = 0):
         """k, v: [L, H, n, D] -> a cache holding them, with room for `reserve` more tokens."""

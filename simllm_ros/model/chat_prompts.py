@@ -19,7 +19,10 @@ class ChatPrompts:
                 ids.add(src)
             elif src:
                 ids.update(int(x) for x in src)
-        for tok in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>"):
+        # the end-of-turn tokens llama.cpp stops at by their text too (Llama 3's, Phi-3's), where the file's
+        # eos is another token (Phi-3's <|endoftext|>, where its chat turns end with <|end|>)
+        for tok in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
+                    "<|end_of_text|>", "<EOT>"):
             tid = self.tokenizer.convert_tokens_to_ids(tok)
             if isinstance(tid, int) and tid >= 0 and tid != self.tokenizer.unk_token_id:
                 ids.add(tid)

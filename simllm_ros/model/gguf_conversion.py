@@ -25,7 +25,8 @@ from .gguf_weights import KINDS, PROJECTIONS, Rows, Tensor
 
 # transformers' tensor processors are keyed by the GGUF architecture; the model types the runner takes map to these
 _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-              "smollm3": "llama"}  # llama.cpp's converter writes SmolLM3's q/k rows in Llama's order
+              "smollm3": "llama",  # llama.cpp's converter writes SmolLM3's q/k rows in Llama's order
+              "phi3": "phi3"}  # its q/k rows as transformers has them (llama.cpp rotates them NEOX-style)
 EMBED_ROWS = 8192  # rows of the token embedding / LM head compared at a time (1536 wide: 48 MB in float32)
 
 
@@ -62,10 +63,32 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
         raise gguf_weights.GGUFError(f"RoPE scaling '{kind}' ({arch}.rope.scaling.type) in a {cfg.model_type} file is "
                                      "not supported yet: running the file without it would compute another model")
     _llama3_rope(cfg, tensors.get("rope_freqs.weight"))
+    _whole_heads_rotated(cfg, meta, tensors)
     if gemma:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         cfg.query_pre_attn_scalar = cfg.hidden_size // cfg.num_attention_heads if cfg.num_hidden_layers == 62 \
             else head_dim  # llama.cpp's rule: its 27B (62 layers) scales by hidden / heads
+
+
+def _whole_heads_rotated(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
+    """GGUFError for a RoPE this package does not run and transformers' GGUF reader drops: LongRoPE's per-frequency
+    factors (`rope_factors_long` / `_short`: Phi-3.5-mini, Phi-3 128k, Phi-4-mini files; llama.cpp picks one by the
+    context size) and RoPE on a part of each head (`rope.dimension_count` below the head's width, Phi-4-mini's 96 of
+    128) where the config does not say so. Either, dropped, is another model than the file's."""
+    arch = meta.get("general.architecture", "")
+    factors = sorted(n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in tensors)
+    if factors:
+        raise gguf_weights.GGUFError(f"LongRoPE ({', '.join(factors)} in a {arch} file) is not supported yet: "
+                                     "running the file without it would compute another model")
+    rotated = meta.get(f"{arch}.rope.dimension_count")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    params = getattr(cfg, "rope_parameters", None) or {}
+    part = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)) \
+        if isinstance(params, dict) else 1.0
+    if rotated is not None and int(rotated) != round(head_dim * part):
+        raise gguf_weights.GGUFError(f"{arch}.rope.dimension_count {rotated} of heads {head_dim} wide: RoPE on part "
+                                     "of each head is not supported yet for this file (running every dimension "
+                                     "rotated would compute another model)")
 
 
 # YaRN's settings besides factor, base and original context that llama.cpp reads from some files (DeepSeek's attention

@@ -26,9 +26,11 @@ import numpy as np
 import torch
 
 # GGUF types each kind of our products takes
-KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6"}
+KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6", "Q5_K": "q5k"}
 # ... and the kinds of those that take rows quantized to 8 bits (activation_bits 8)
-INT8_ROW_KINDS = {"Q4_K": "q4k8", "Q6_K": "q6k8", "Q8_0": "q8r", "Q5_0": "q5r", "Q4_0": "q4r"}
+INT8_ROW_KINDS = {"Q4_K": "q4k8", "Q6_K": "q6k8", "Q8_0": "q8r", "Q5_0": "q5r", "Q4_0": "q4r", "Q5_K": "q5k8"}
+# ... of which these have no product with float32 rows (activation_bits 32)
+INT8_ROWS_ONLY = frozenset({"Q5_K"})
 # The projections of a Llama-family layer: GGUF name -> transformers module path within the layer
 PROJECTIONS = {"attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),
                "attn_v": ("self_attn", "v_proj"), "attn_output": ("self_attn", "o_proj"),
@@ -76,6 +78,10 @@ class FileWeight:
         quantized to 8 bits (kinds "q4k8", "q6k8", "q8r", "q5r", "q4r": integer dot products, at the file's bits)."""
         if self.kind == "q4k" and int8_rows:
             return "q4k8", kernel.pack_q4k8(self.codes, *self.raw), self.codes.shape[0]
+        if self.kind == "q5k":
+            if not int8_rows:
+                raise ValueError("Q5_K blocks run on rows quantized to 8 bits only (activation_bits 0 or 8)")
+            return "q5k8", kernel.pack_q5k8(self.codes, *self.raw), self.codes.shape[0]
         if self.ggml == "Q6_K" and int8_rows:
             return "q6k8", kernel.pack_q6k8(self.codes, *self.raw), self.codes.shape[0]
         if self.ggml == "Q8_0" and int8_rows:
@@ -116,6 +122,19 @@ def _q4_k(blocks: np.ndarray):
     base = -(dmin * mn.astype(np.float32))
     raw = (torch.from_numpy(sc), torch.from_numpy(mn), torch.from_numpy(d[:, 0]), torch.from_numpy(dmin[:, 0]))
     return torch.from_numpy(codes), torch.from_numpy(step), torch.from_numpy(base), raw
+
+
+def _q5_k(blocks: np.ndarray):
+    """176-byte blocks of 256: Q4_K's d, dmin and 12 bytes of sub-scales and sub-mins, then 32 bytes of fifth bits
+    (bit 2c of byte i: code i of sub-block 2c's, bit 2c + 1: of sub-block 2c + 1's), then Q4_K's 128 bytes of low
+    nibbles. Weight d * sc * code - dmin * mn with codes 0..31."""
+    b = np.array(blocks)
+    nb = b.shape[0]
+    codes, step, base, raw = _q4_k(np.concatenate([b[:, :16], b[:, 48:176]], axis=1))
+    qh = b[:, 16:48]  # [nb, 32]
+    high = np.stack([(qh >> s) & 1 for s in range(8)], axis=1).reshape(nb, 256)  # sub-block s, position i
+    codes = codes.numpy() | (high.astype(np.uint8) << 4)
+    return torch.from_numpy(codes), step, base, raw
 
 
 def _q6_k(blocks: np.ndarray):
@@ -167,7 +186,7 @@ def _q5_0(blocks: np.ndarray):
     return torch.from_numpy(codes), torch.from_numpy(np.repeat(d, 2, axis=1)), None
 
 
-_BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0), "Q5_0": (22, 32, _q5_0),
+_BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0), "Q5_0": (22, 32, _q5_0),
            "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)), "Q4_1": (20, 32, lambda b: _q4_0_1(b, True))}
 DECODED = frozenset(_BLOCKS)  # the GGUF types `decode` reads (the token embedding's too: FileEmbedding)
 
@@ -180,9 +199,9 @@ def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
         raise GGUFError(f"a {ggml} tensor of shape [{n}, {k}] with {np.asarray(data).size} bytes")
     codes, step, base, *raw = fn(np.asarray(data).reshape(-1, size))
     g = 16 if KINDS[ggml] == "q6" else 32
-    dtype = torch.uint8 if KINDS[ggml] in ("q4", "q4k") else torch.int8
+    dtype = torch.uint8 if KINDS[ggml] in ("q4", "q4k", "q5k") else torch.int8
     kept = None
-    if raw and ggml == "Q4_K":  # sub-scales and sub-mins per 32, d and dmin per 256
+    if raw and ggml in ("Q4_K", "Q5_K"):  # sub-scales and sub-mins per 32, d and dmin per 256
         sc, mn, d, dmin = raw[0]
         kept = (sc.reshape(n, k // 32).contiguous(), mn.reshape(n, k // 32).contiguous(), d.reshape(n, k // 256),
                 dmin.reshape(n, k // 256))
@@ -305,7 +324,38 @@ def read_header(path: str) -> tuple[dict, list[Tensor]]:
         if begin + n > size:
             raise GGUFError(f"'{path}' is truncated: tensor {name} needs bytes up to {begin + n}, the file has {size}")
         out.append(Tensor(name, qtype.name, shape, mm[begin:begin + n], path, begin))
-    return meta, out
+    return meta, _unfused(meta, out)
+
+
+def _unfused(meta: dict, tensors: list[Tensor]) -> list[Tensor]:
+    """Phi-3's fused projections as the tensors of Llama's names they hold, each a view of its rows (a row of a
+    weight is whole blocks, so no byte moves): `attn_qkv` as attn_q, attn_k and attn_v (q's heads, k's, v's), and
+    `ffn_up`'s 2 x feed_forward_length rows as ffn_gate (the first half, which llama.cpp's SwiGLU gates with) and
+    ffn_up. The check, the packing and the runner then see one tensor per projection, as for every other file."""
+    arch = meta.get("general.architecture")
+    if arch != "phi3":
+        return tensors
+    heads, kv_heads = int(meta[f"{arch}.attention.head_count"]), int(meta[f"{arch}.attention.head_count_kv"])
+    inter = int(meta[f"{arch}.feed_forward_length"])
+    out = []
+    for t in tensors:
+        parts = t.name.split(".")
+        kind = parts[2] if parts[0] == "blk" and len(parts) == 4 and parts[3] == "weight" else ""
+        n = t.shape[0] if len(t.shape) == 2 else 0
+        if kind == "attn_qkv" and n % (heads + 2 * kv_heads) == 0:
+            d = n // (heads + 2 * kv_heads)
+            cuts = (("attn_q", 0, heads * d), ("attn_k", heads * d, (heads + kv_heads) * d),
+                    ("attn_v", (heads + kv_heads) * d, n))
+        elif kind == "ffn_up" and n == 2 * inter:
+            cuts = (("ffn_gate", 0, inter), ("ffn_up", inter, n))
+        else:
+            out.append(t)
+            continue
+        per_row = t.data.size // n
+        for name, a, b in cuts:
+            out.append(Tensor(f"blk.{parts[1]}.{name}.weight", t.ggml, (b - a, t.shape[1]),
+                              t.data[a * per_row:b * per_row], t.path, t.offset + a * per_row))
+    return out
 
 
 @dataclasses.dataclass

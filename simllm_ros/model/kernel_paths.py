@@ -55,6 +55,7 @@ class KernelPaths:
                 kinds = {"q4": "4-bit step/base per 32", "q4k": "4-bit Q4_K layout",
                          "q4k8": "4-bit Q4_K layout x 8-bit rows, integer dot products", "q8": "8-bit scale per 32",
                          "q6": "8-bit scale per 16", "q6k8": "Q6_K x 8-bit rows, integer dot products",
+                         "q5k8": "Q5_K x 8-bit rows, integer dot products",
                          "q8r": "8-bit scale per 32 x 8-bit rows, integer dot products",
                          "q5r": "5-bit Q5_0 layout x 8-bit rows, integer dot products",
                          "q4r": "4-bit Q4_0 layout x 8-bit rows, integer dot products"}

@@ -34,7 +34,7 @@ from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_j
 from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, default_cache_dir  # noqa: F401
 
 # Architectures the batch-invariant runner takes where every layer is full attention with one RoPE table.
-FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"}
 # Architectures it also takes with sliding-window layers (its KV buffer keeps every token; a sliding layer's rows
 # read only their window) and a RoPE table per layer type. Both kinds get every tier: exact-prefix reuse and verified
 # drafts lossless, SEMANTIC repair with each layer's own rotation and windows.
@@ -117,8 +117,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
                 self.progress("loading the GGUF's checked blocks (no dense projection weights)")
                 self.model = _load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed)
             else:
-                self.model = AutoModelForCausalLM.from_pretrained(
-                    path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(device)
+                # transformers' default attention: sdpa where the class has it, else eager (Gemma 2's soft-capping)
+                self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True).to(device)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load model '{ref}': {e}") from e
         self.model.eval()
@@ -188,15 +188,23 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
-        # Q4_K/Q6_K/Q8_0/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless float32 rows were asked for.
-        # Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows: the embedded model), an
-        # 8-bit LM head alone would save little and make the logits a step function of the last hidden state.
-        int8_rows = use_file and activation_bits != 32 and any(
-            x in gguf_weights.INT8_ROW_KINDS for kind, t in self.model_file.formats.items() for x in t
-            if activation_bits == 8 or kind in gguf_weights.PROJECTIONS)
+        # Q4_K/Q5_K/Q6_K/Q8_0/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless float32 rows were asked
+        # for. Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows: the embedded model), an
+        # 8-bit LM head alone would save little and make the logits a step function of the last hidden state; and a
+        # product in a format with 8-bit rows only (Q5_K), the LM head's too.
+        formats = self.model_file.formats if use_file else {}
+        head_kind = "output" if "output" in formats else "token_embd"
+        rows_only = sorted({x for kind, t in formats.items() for x in t if kind in gguf_weights.PROJECTIONS
+                            or kind == head_kind} & gguf_weights.INT8_ROWS_ONLY)
+        int8_rows = use_file and activation_bits != 32 and (bool(rows_only) or any(
+            x in gguf_weights.INT8_ROW_KINDS for kind, t in formats.items() for x in t
+            if activation_bits == 8 or kind in gguf_weights.PROJECTIONS))
         if activation_bits == 8 and not int8_rows:
-            raise ModelLoadError(f"activation_bits=8 applies to a GGUF's Q4_K/Q6_K/Q8_0/Q5_0/Q4_0 blocks on our "
+            raise ModelLoadError(f"activation_bits=8 applies to a GGUF's Q4_K/Q5_K/Q6_K/Q8_0/Q5_0/Q4_0 blocks on our "
                                  f"float32 vector kernel; {ref} ({dtype}, weight_bits {weight_bits}) has none there: use 0 or 32")
+        if rows_only and not int8_rows:
+            raise ModelLoadError(f"model '{ref}': its {'/'.join(rows_only)} blocks run on rows quantized to 8 bits "
+                                 f"only: use activation_bits 0 or 8, not {activation_bits}")
         self.activation_bits = 8 if int8_rows else 32
         # The file's blocks as packed at an earlier load of this GGUF (packed_weights): mapped, not packed again
         packed = PackedStore(path, stamp, int8_rows) if use_file and stamp is not None else None
@@ -291,7 +299,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             if os.path.exists(os.path.join(self._path, SLIM_FILE)):  # its dense weights were dropped: convert again
                 self._path = resolve_model(self.ref, self._cache_dir, self.progress, dense=True)
             self._dense_model = AutoModelForCausalLM.from_pretrained(
-                self._path, dtype=self.dtype, local_files_only=True, attn_implementation="sdpa").to(self.device).eval()
+                self._path, dtype=self.dtype, local_files_only=True).to(self.device).eval()
         return self._dense_model
 
     # ---- forward passes ----------------------------------------------------

@@ -223,11 +223,16 @@ def _conversion_stamp(src: str) -> dict:
             "version": CONVERSION_VERSION}
 
 
+# Projections transformers' own classes keep fused (Phi-3's): a dense copy of such a file names them so
+FUSED_PROJECTIONS = (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj"))
+
+
 def _skeleton_skips(cfg, skip_head: bool, skip_embed: bool) -> set[str]:
-    """The converted model's tensors a skeleton load does without: every projection weight, the LM head if
-    `skip_head`, the token embedding if `skip_embed` and nothing else needs it."""
+    """The converted model's tensors a skeleton load does without: every projection weight (fused ones too, as
+    transformers' whole conversion of a Phi-3 file names them), the LM head if `skip_head`, the token embedding if
+    `skip_embed` and nothing else needs it."""
     skip = {f"model.layers.{i}.{sub}.{attr}.weight" for i in range(cfg.num_hidden_layers)
-            for sub, attr in gguf_weights.PROJECTIONS.values()}
+            for sub, attr in (*gguf_weights.PROJECTIONS.values(), *FUSED_PROJECTIONS)}
     if skip_head:
         skip.add("lm_head.weight")
     if skip_embed and (skip_head or not getattr(cfg, "tie_word_embeddings", False)):
@@ -301,7 +306,7 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
 
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)  # transformers' own class, for its model
         with no_init_weights():
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # sdpa where it has it
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     left = [k for k in missing if k not in skip and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if left or unexpected:

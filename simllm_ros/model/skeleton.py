@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # The runner's architectures (model_backend.FULL_ATTENTION_ARCHITECTURES | SLIDING_WINDOW_ARCHITECTURES)
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3", "phi3")
 
 
 class Linear(nn.Module):
@@ -210,7 +210,7 @@ def build(cfg, keys: set[str]) -> CausalLM | None:
     for t in types:
         params = _rope_parameters(cfg, t)
         if not isinstance(params, dict) or "dynamic" in params.get("rope_type", "") or \
-                params.get("rope_type") == "longrope":
+                params.get("rope_type") == "longrope" or float(params.get("partial_rotary_factor", 1.0)) != 1.0:
             return None
     act_name = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", None)
     if act_name in ACTIVATIONS:
