@@ -211,48 +211,12 @@ static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
 /* Q4_K for 8-bit rows, BLOB4K8 bytes per 16 outputs x super-block (4.5 bits a weight, as the file): the 16 d and 16
    dmin (float16, as the file), then per group the 16 sub-scales' and sub-mins' low 4 bits (byte j: output j's
    sub-scale low, sub-min high), then per group their top 2 bits (a 32-bit word each: bits 2j..2j+1 output j's),
-   then per group the codes (4 chunks of 64 bytes, as above). */
+   then per group the codes (4 chunks of 64 bytes, as above). Its product (sbk8, shared with Q5_K's) follows Q6_K's
+   section, which defines the code planes Q5_K reads. */
 #define SC4K8 64
 #define TOP4K8 192
 #define CODES4K8 256
 #define BLOB4K8 2304
-
-/* NR rows (quantized, at xr[r]) times one block of 16 outputs over super-block s: their outputs o[r] updated. */
-static inline __attribute__((always_inline)) void sb4k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
-                                                         vw o[QROWS][NH], const int NR) {
-    vi acc[QROWS][NH], ms[QROWS][NH], lane2[NH];
-    for (int r = 0; r < NR; r++) for (int h = 0; h < NH; h++) acc[r][h] = ms[r][h] = VI_ZERO;
-    for (int h = 0; h < NH; h++) lane2[h] = VI_SHL(VI_LANES(h), 1);
-    for (int g = 0; g < SB4K; g++) {
-        const uint8_t *lo = blk + SC4K8 + 16 * g, *top = blk + TOP4K8 + 8 * g;
-        const int32_t tsc = rd32((const int8_t *)top), tmn = rd32((const int8_t *)(top + 4));
-        vi scv[NH], mnv[NH];
-        for (int h = 0; h < NH; h++) {
-            const vi b = VI_U8(lo + VL * h);
-            scv[h] = VI_OR(VI_AND(b, 15), VI_SHL(VI_AND(VI_SRLV(VI_BC(tsc), lane2[h]), 3), 4));
-            mnv[h] = VI_OR(VI_SRL(b, 4), VI_SHL(VI_AND(VI_SRLV(VI_BC(tmn), lane2[h]), 3), 4));
-        }
-        for (int r = 0; r < NR; r++) {
-            const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * GROUP;
-            const int32_t *bs = qrow_sums32(xr[r], K, QBLK);
-            vi is[NH];
-            for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
-            gdot(blk + CODES4K8 + 256 * g, xg, is);
-            for (int h = 0; h < NH; h++) {
-                acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
-                ms[r][h] = VI_ADD(ms[r][h], VI_MUL(mnv[h], VI_BC(bs[s * SB4K + g])));
-            }
-        }
-    }
-    for (int r = 0; r < NR; r++) {
-        const float dx = qrow_scales(xr[r], K)[s];
-        for (int h = 0; h < NH; h++) {
-            const vw dd = VW_F16(blk + 2 * VL * h) * bc(dx), dm = -(VW_F16(blk + 32 + 2 * VL * h) * bc(dx));
-            o[r][h] = FMA(dd, VI_F(acc[r][h]), o[r][h]);
-            o[r][h] = FMA(dm, VI_F(ms[r][h]), o[r][h]);
-        }
-    }
-}
 
 /* Output blocks b0..b1-1 for every row: per block, rows in QROWS over its weights (which stay in cache); SB: the
    function of UNIT inputs (sb4k8, sb6k8: a super-block of 256; sb8r: a group of 32), SBBYTES their bytes per 16
@@ -288,16 +252,6 @@ static void *NAME(void *arg) {                                                  
     }                                                                                                     \
     return 0;                                                                                             \
 }
-DEFINE_PART8(part4k8, sb4k8, BLOB4K8, QBLK, QBLK)
-
-/* Q4_K weights (layout above) times float32 rows quantized to 8 bits per 256 inputs; xsum: the rows' quantized
-   inputs (qrow_bytes each, 4-byte aligned). K in 256s. */
-void simllm_vec_q4k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
-    run(part4k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
-
 /* ---- Q6_K weights times 8-bit rows ("q6k8") ----
    The rows as for q4k8, with their group sums per 16 inputs too. Per output and super-block of 256 inputs: for each
    group g of 16, isum_g = sum of u * code_x minus 32 * xsum16_g (u = the file's code -32..31 plus 32, 0..63),
@@ -440,8 +394,10 @@ void simllm_vec_q6k8_mm(const float *x, long x_stride, const uint8_t *w, float *
 #define GRP5K8 320
 #define BLOB5K8 (CODES4K8 + 8 * GRP5K8)
 
-static inline __attribute__((always_inline)) void sb5k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
-                                                         vw o[QROWS][NH], const int NR) {
+/* NR rows (quantized, at xr[r]) times one block of 16 outputs over super-block s of Q4_K (FIVE 0) or Q5_K (FIVE 1)
+   weights: their outputs o[r] updated. FIVE is a constant at each call: the compiler keeps one product. */
+static inline __attribute__((always_inline)) void sbk8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                        vw o[QROWS][NH], const int NR, const int FIVE) {
     vi acc[QROWS][NH], ms[QROWS][NH], lane2[NH];
     for (int r = 0; r < NR; r++) for (int h = 0; h < NH; h++) acc[r][h] = ms[r][h] = VI_ZERO;
     for (int h = 0; h < NH; h++) lane2[h] = VI_SHL(VI_LANES(h), 1);
@@ -459,7 +415,8 @@ static inline __attribute__((always_inline)) void sb5k8(const uint8_t *blk, cons
             const int32_t *bs = qrow_sums32(xr[r], K, QBLK);
             vi is[NH];
             for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
-            gdotn(blk + CODES4K8 + GRP5K8 * g, xg, is, 4, 1);  /* 32 inputs: 4 chunks, 1 top bit */
+            if (FIVE) gdotn(blk + CODES4K8 + GRP5K8 * g, xg, is, 4, 1);  /* 32 inputs: 4 chunks, 1 top bit */
+            else gdot(blk + CODES4K8 + 256 * g, xg, is);
             for (int h = 0; h < NH; h++) {
                 acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
                 ms[r][h] = VI_ADD(ms[r][h], VI_MUL(mnv[h], VI_BC(bs[s * SB4K + g])));
@@ -475,6 +432,25 @@ static inline __attribute__((always_inline)) void sb5k8(const uint8_t *blk, cons
         }
     }
 }
+
+static inline __attribute__((always_inline)) void sb4k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    sbk8(blk, xr, s, K, o, NR, 0);
+}
+static inline __attribute__((always_inline)) void sb5k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    sbk8(blk, xr, s, K, o, NR, 1);
+}
+DEFINE_PART8(part4k8, sb4k8, BLOB4K8, QBLK, QBLK)
+
+/* Q4_K weights (layout above) times float32 rows quantized to 8 bits per 256 inputs; xsum: the rows' quantized
+   inputs (qrow_bytes each, 4-byte aligned). K in 256s. */
+void simllm_vec_q4k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
+    run(part4k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
 DEFINE_PART8(part5k8, sb5k8, BLOB5K8, QBLK, QBLK)
 
 /* Q5_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */

@@ -82,9 +82,9 @@ def _whole_heads_rotated(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
                                      "running the file without it would compute another model")
     rotated = meta.get(f"{arch}.rope.dimension_count")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    params = getattr(cfg, "rope_parameters", None) or {}
-    part = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)) \
-        if isinstance(params, dict) else 1.0
+    params = getattr(cfg, "rope_parameters", None)
+    part = float((params.get("partial_rotary_factor") if isinstance(params, dict) else None)
+                 or getattr(cfg, "partial_rotary_factor", None) or 1.0)
     if rotated is not None and int(rotated) != round(head_dim * part):
         raise gguf_weights.GGUFError(f"{arch}.rope.dimension_count {rotated} of heads {head_dim} wide: RoPE on part "
                                      "of each head is not supported yet for this file (running every dimension "

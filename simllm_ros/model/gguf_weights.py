@@ -75,7 +75,8 @@ class FileWeight:
 
     def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
         """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel); `int8_rows`: Q4_K on rows
-        quantized to 8 bits (kinds "q4k8", "q6k8", "q8r", "q5r", "q4r": integer dot products, at the file's bits)."""
+        quantized to 8 bits (kinds "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r": integer dot products, at the file's
+        bits; Q5_K has no other)."""
         if self.kind == "q4k" and int8_rows:
             return "q4k8", kernel.pack_q4k8(self.codes, *self.raw), self.codes.shape[0]
         if self.kind == "q5k":
@@ -186,8 +187,8 @@ def _q5_0(blocks: np.ndarray):
     return torch.from_numpy(codes), torch.from_numpy(np.repeat(d, 2, axis=1)), None
 
 
-_BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0), "Q5_0": (22, 32, _q5_0),
-           "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)), "Q4_1": (20, 32, lambda b: _q4_0_1(b, True))}
+_BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0),
+           "Q5_0": (22, 32, _q5_0), "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)), "Q4_1": (20, 32, lambda b: _q4_0_1(b, True))}
 DECODED = frozenset(_BLOCKS)  # the GGUF types `decode` reads (the token embedding's too: FileEmbedding)
 
 

