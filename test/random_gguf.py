@@ -173,14 +173,15 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 add(f"blk.{i}.{kind}.bias", "BIAS", n, 0)
             if arch in ("qwen3", "gemma3") and kind in ("attn_q", "attn_k"):
                 add(f"blk.{i}.{kind}_norm.weight", "F32", head_dim, 0)
-            if arch in ("gemma3", "gemma2") and kind in ("attn_output", "ffn_down"):  # norms of the attention and MLP outputs
+            if arch in ("gemma3", "gemma2") and kind in ("attn_output", "ffn_down"):  # norms of attention / MLP outputs
                 add(f"blk.{i}.{'post_attention_norm' if kind == 'attn_output' else 'post_ffw_norm'}.weight", "F32",
                     hidden, 0)
     if llama3_rope:
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope_base, head_dim, **llama3_rope))
     if rope_factors:
         for which in ("long", "short"):
-            w.add_tensor(f"rope_factors_{which}.weight", rng.uniform(1.0, 4.0, size=(head_dim // 2,)).astype(np.float32))
+            factors = rng.uniform(1.0, 4.0, size=(head_dim // 2,)).astype(np.float32)
+            w.add_tensor(f"rope_factors_{which}.weight", factors)
     add("output_norm.weight", "F32", hidden, 0)
     if output:
         add("output.weight", output, vocab, hidden)

@@ -18,10 +18,11 @@ decoded once into a float buffer) performs exactly these operations for each out
 blocks, never a sum: a row's bits depend on its inputs only, whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
 
 GGUF's Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 and Q4_0 can also take their rows quantized to 8 bits (activation_bits 8, the
-default on such files: `mm4k8`, `mm5k8`, `mm6k8`, `mm8r`, `mm5r`, `mm4r`; Q5_K has no float32-row product): per row and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32
-scale and int8 codes (`rows_as_8bit`), integer dot products with the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32
-sums, so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32
-rows here, and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
+default on such files: `mm4k8`, `mm5k8`, `mm6k8`, `mm8r`, `mm5r`, `mm4r`; Q5_K has no float32-row product): per row
+and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32 scale and int8 codes (`rows_as_8bit`), integer dot products with
+the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32 sums,
+so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32 rows
+here, and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
 C in kernels/int4_vector.c, int8_rows.h and int8_rows32.h, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off with the AMX
 one.
 """

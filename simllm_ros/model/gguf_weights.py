@@ -188,7 +188,8 @@ def _q5_0(blocks: np.ndarray):
 
 
 _BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0),
-           "Q5_0": (22, 32, _q5_0), "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)), "Q4_1": (20, 32, lambda b: _q4_0_1(b, True))}
+           "Q5_0": (22, 32, _q5_0), "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)),
+           "Q4_1": (20, 32, lambda b: _q4_0_1(b, True))}
 DECODED = frozenset(_BLOCKS)  # the GGUF types `decode` reads (the token embedding's too: FileEmbedding)
 
 

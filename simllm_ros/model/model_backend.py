@@ -118,7 +118,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
                 self.model = _load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed)
             else:
                 # transformers' default attention: sdpa where the class has it, else eager (Gemma 2's soft-capping)
-                self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True).to(device)
+                self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype,
+                                                                  local_files_only=True).to(device)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load model '{ref}': {e}") from e
         self.model.eval()
