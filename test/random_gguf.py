@@ -81,15 +81,17 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 head_dim: int | None = None, sliding_window: int = 16, tokenizer: str | None = None,
                 rope_base: float = 10000.0, llama3_rope: dict | None = None,
                 rope_scaling: tuple | None = None, name: str | None = None, metadata: dict | None = None,
-                vocab: int | None = None, rope_dims: int | None = None, rope_factors: bool = False) -> str:
+                vocab: int | None = None, rope_dims: int | None = None, rope_factors: bool = False,
+                softcaps: tuple[float, float] | None = None) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
     hidden / heads, as Qwen3's does), "smollm3" Llama's tensors (llama.cpp runs every fourth layer without
     RoPE), "phi3" Phi-3's fused q/k/v and gate/up tensors, "gemma3" Gemma 3's layers (q/k norms, norms after
     attention and MLP, every layer but each sixth a `sliding_window` one), "gemma2" Gemma 2's (Gemma 3's without
-    q/k norms; soft-capped attention scores, which the runner does not compute). `truncate` cuts that many bytes off the
-    end (a broken download).
+    q/k norms, every other layer a sliding one; `softcaps` (attention scores, logits) written as its soft-capping
+    keys), "stablelm" StableLM 2's (LayerNorms with biases, RoPE on a quarter of each head: an architecture the
+    runner does not take). `truncate` cuts that many bytes off the end (a broken download).
     `tokenizer`: a GGUF whose tokenizer (and so vocabulary) the file takes, by default the embedded model's;
     `rope_base`: RoPE's base (Gemma 3: its full layers'; its sliding layers keep 10,000). `llama3_rope`: Llama 3.1+'s
     RoPE scaling ({"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -122,10 +124,13 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(rope_dims or head_dim)
+    w.add_rope_dimension_count(rope_dims or (head_dim // 4 if arch == "stablelm" else head_dim))
     w.add_vocab_size(vocab)
     if arch in ("gemma3", "gemma2"):
         w.add_sliding_window(sliding_window)
+    if softcaps:
+        w.add_attn_logit_softcapping(softcaps[0])
+        w.add_final_logit_softcapping(softcaps[1])
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
         w.add_rope_scaling_factor(rope_scaling[1])
@@ -154,9 +159,14 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
         else:
             w.add_tensor(name, blocks(rng, ggml, n, k), raw_dtype=gguf.GGMLQuantizationType[ggml])
 
+    def norm(name):  # StableLM's LayerNorms have biases
+        add(name, "F32", hidden, 0)
+        if arch == "stablelm":
+            add(name.replace(".weight", ".bias"), "BIAS", hidden, 0)
+
     add("token_embd.weight", embed, vocab, hidden)
     for i in range(layers):
-        add(f"blk.{i}.attn_norm.weight", "F32", hidden, 0)
+        norm(f"blk.{i}.attn_norm.weight")
         kinds = (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
                  ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, heads * head_dim),
                  ("ffn_norm", hidden, 0), ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden),
@@ -166,7 +176,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                      ("ffn_norm", hidden, 0), ("ffn_up", 2 * inter, hidden), ("ffn_down", hidden, inter))
         for kind, n, k in kinds:
             if kind == "ffn_norm":
-                add(f"blk.{i}.ffn_norm.weight", "F32", hidden, 0)
+                norm(f"blk.{i}.ffn_norm.weight")
                 continue
             add(f"blk.{i}.{kind}.weight", per_layer.get((i, kind), types.get(kind, default)), n, k)
             if arch == "qwen2" and kind in ("attn_q", "attn_k", "attn_v"):
@@ -182,7 +192,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
         for which in ("long", "short"):
             factors = rng.uniform(1.0, 4.0, size=(head_dim // 2,)).astype(np.float32)
             w.add_tensor(f"rope_factors_{which}.weight", factors)
-    add("output_norm.weight", "F32", hidden, 0)
+    norm("output_norm.weight")
     if output:
         add("output.weight", output, vocab, hidden)
     w.write_header_to_file()

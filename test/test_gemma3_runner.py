@@ -236,10 +236,25 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path, activation_bi
     assert again.numerics == b.numerics and again.exact_chunking
 
 
+def test_a_gemma3_configs_attention_softcapping_is_left_out_as_transformers_leaves_it_out(tmp_path):
+    """Gemma 3's config carries Gemma 2's attn_logit_softcapping field, which transformers' Gemma 3 attention (and
+    llama.cpp's gemma3) never applies: such a model runs on the runner, without the cap, to transformers' logits
+    (Gemma 2's cap, which both apply, is checked in test_gguf_formats)."""
+    path = write_gemma(str(tmp_path / "capped"), attn_logit_softcapping=2.0)
+    b = ModelBackend(path, dtype="float32", weight_bits=16, cache_dir=str(tmp_path / "cache"))
+    assert LlamaRunner.supports(b.model) and b.runner is not None and b.runner.attn_softcap is None
+    ids = _ids(4 * WINDOW)
+    ours = b.run(ids, b.new_cache(len(ids) + 2), logits="all")
+    b.hf_model.set_attn_implementation("eager")  # the attention that would apply a cap, had Gemma 3 one
+    with torch.inference_mode():
+        ref = b.hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), (ours - ref).abs().max()
+
+
 def test_what_the_runner_cannot_compute_keeps_transformers_forward(tmp_path):
-    """Attention-score soft-capping (Gemma 2's, not Gemma 3's) is not in the attention kernel: such a model loads and
-    answers through transformers' own forward, as an unknown architecture does, reuse approximate."""
-    path = write_gemma(str(tmp_path / "capped"), attn_logit_softcapping=50.0)
+    """Bidirectional attention (EmbeddingGemma's config flag) is not the runner's causal attention: such a model
+    loads and answers through transformers' own forward, as an unknown architecture does, reuse approximate."""
+    path = write_gemma(str(tmp_path / "bidirectional"), use_bidirectional_attention=True)
     b = ModelBackend(path, dtype="bfloat16", weight_bits=16, cache_dir=str(tmp_path / "cache"))
     assert not LlamaRunner.supports(b.model) and b.runner is None
     assert not b.exact_chunking and not b.semantic_supported and b.attention_kind == "transformers"

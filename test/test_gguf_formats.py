@@ -120,6 +120,11 @@ def files(tmp_path_factory):
             # phi3 (half the layers' attn_qkv and ffn_down in Q6_K)
             "phi3": write_llama(str(d / "rand-phi3.gguf"), arch="phi3", layers=2, seed=8, embed="Q4_K",
                                 per_layer={(1, "attn_qkv"): "Q6_K", (1, "ffn_down"): "Q6_K"}),
+            # Gemma 2: Gemma 3's layers without q/k norms, every other layer sliding (window 16: the tests' prompts
+            # are longer), soft-capped attention scores and logits, at caps other than transformers' defaults (50,
+            # 30) so that reading them from the file matters
+            "gemma2": write_llama(str(d / "rand-gemma2.gguf"), arch="gemma2", layers=4, heads=4, kv_heads=2,
+                                  head_dim=64, types=Q4_K_M, output=None, seed=12, softcaps=(20.0, 10.0)),
             "gemma3-270m": _real_gemma(),
             "cache": str(d / "models")}
 
@@ -218,13 +223,13 @@ def test_the_head_is_the_files_weights(files, activation_bits):
     assert (got - want).abs().max() <= 2e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "phi3"])
-def test_qwen_smollm3_and_phi3_files_run_on_their_own_blocks_as_transformers_computes_them(files, name):
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "phi3", "gemma2"])
+def test_qwen_smollm3_phi3_and_gemma2_files_run_on_their_own_blocks_as_transformers_computes_them(files, name):
     """Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms before RoPE, head_dim 128 beside a hidden size of 256),
-    SmolLM3 (NoPE layers; transformers' GGUF reader refuses the file, its dense copy is ours) and Phi-3 (fused q/k/v
-    and gate/up tensors, taken as views of their rows): the runner at the file's own bits, lossless, and what it
-    computes is what transformers' own forward of the same file computes (float32 rows, to rounding: the arithmetic
-    is ours, the model the same)."""
+    SmolLM3 (NoPE layers; transformers' GGUF reader refuses the file, its dense copy is ours), Phi-3 (fused q/k/v
+    and gate/up tensors, taken as views of their rows) and Gemma 2 (soft-capped attention scores and logits, sliding
+    layers): the runner at the file's own bits, lossless, and what it computes is what transformers' own forward of
+    the same file computes (float32 rows, to rounding: the arithmetic is ours, the model the same)."""
     b = _backend(files, name, activation_bits=32)
     assert b.model_type == name and b.weight_bits == 4 and b.runner.file is not None and b.exact_chunking
     assert b.semantic_supported
@@ -232,6 +237,9 @@ def test_qwen_smollm3_and_phi3_files_run_on_their_own_blocks_as_transformers_com
         assert all(n is not None for n in b.runner.qk_norms)
     if name == "smollm3":
         assert [b.runner.rope_types[r] for r in b.runner.rope_of] == [None, None, None, "no_rope"]
+    if name == "gemma2":  # the file's caps, one RoPE table, layers 0 and 2 sliding
+        assert (b.runner.attn_softcap, b.runner.softcap, b.runner.rope_types) == (20.0, 10.0, [None])
+        assert b.runner.window == [16, 0, 16, 0] and b.config.query_pre_attn_scalar == 64
     assert b.layers_kind == "c"  # the float32 C layers take the biases and the q/k norms
     ids = [int(t) for t in range(400, 400 + 17 * 53, 53)]
     ours = b.run(ids, b.new_cache(20), logits="all")
@@ -244,8 +252,22 @@ def test_qwen_smollm3_and_phi3_files_run_on_their_own_blocks_as_transformers_com
         ref = b.hf_model(torch.tensor([ids])).logits[0].float()
     assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    if name in ("smollm3", "phi3"):
-        assert type(b.hf_model).__name__ == {"smollm3": "SmolLM3", "phi3": "Phi3"}[name] + "ForCausalLM"
+    if name in ("smollm3", "phi3", "gemma2"):
+        assert type(b.hf_model).__name__ == {"smollm3": "SmolLM3", "phi3": "Phi3", "gemma2": "Gemma2"}[name] + \
+            "ForCausalLM"
+    if name == "gemma2":  # the caps matter here: without them the runner computes another model
+        b.runner.attn_softcap, b.runner.fused.softcap = None, 0.0
+        try:
+            assert (b.run(ids, b.new_cache(20), logits="all") - ref).abs().max() > 0.1 * ref.abs().max()
+        finally:
+            b.runner.attn_softcap, b.runner.fused.softcap = 20.0, 20.0
+        # bf16 (AMX CPUs' default): transformers' Gemma2 classes on the runner, the invariance probe passed, and as
+        # close to the float32 model as transformers' own bf16 forward is (its bf16 tanh is coarser)
+        bf = ModelBackend(files[name], dtype="bfloat16", weight_bits=16, cache_dir=files["cache"] + "-bf16")
+        assert bf.runner is not None and bf.runner.attn_softcap == 20.0 and bf.exact_chunking
+        with torch.inference_mode():
+            theirs = bf.hf_model(torch.tensor([ids])).logits[0].float()
+        assert (bf.run(ids, bf.new_cache(20), logits="all") - ours).abs().max() < (theirs - ours).abs().max()
     if name == "phi3":  # a later load reads the skeleton beside that dense copy (its fused projections skipped)
         again = ModelBackend(files[name], dtype="float32", weight_bits=0, activation_bits=32,
                              cache_dir=files["cache"] + "-f32")
@@ -265,11 +287,11 @@ def test_smollm3s_nope_layers_keep_their_keys_when_semantic_repair_moves_them(fi
     assert torch.equal(b.rotate_keys(k[3:], delta, first_layer=3), k[3:])
 
 
-@pytest.mark.parametrize("name", ["q4_k_m", "q4_k_s", "qwen3", "smollm3", "phi3", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["q4_k_m", "q4_k_s", "qwen3", "smollm3", "phi3", "gemma2", "gemma3-270m"])
 def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
     """Greedy and seeded sampled answers with the cache are the empty pool's, exact, on random Llama (Q4_K_M, Q4_K_S)
-    / Qwen3 / SmolLM3 / Phi-3 files and the real Gemma 3 270M Q4_K_M file (converted a tensor at a time: its first
-    load)."""
+    / Qwen3 / SmolLM3 / Phi-3 / Gemma 2 files and the real Gemma 3 270M Q4_K_M file (converted a tensor at a time: its
+    first load)."""
     from simllm_ros.serving.engine import Engine
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.settings import Settings
@@ -664,25 +686,25 @@ def test_a_llama_file_named_mistral_runs_as_llama_cpp_runs_it(tmp_path):
 
 
 def test_a_gguf_of_an_architecture_the_runner_does_not_take_answers_approximately_and_says_so(tmp_path):
-    """Gemma 2 (soft-capped attention scores, which the runner does not compute) loads from its GGUF through
-    transformers' whole conversion and answers through transformers' forward: every answer `exact: false`, no
-    SEMANTIC tier, and the load log says why."""
+    """StableLM 2 (LayerNorms with biases, RoPE on a quarter of each head: not the runner's) loads from its GGUF
+    through transformers' whole conversion and answers through transformers' forward: every answer `exact: false`,
+    no SEMANTIC tier, and the load log says why."""
     from random_gguf import write_llama
     from simllm_ros.request import QueryRequest
     from simllm_ros.serving.engine import Engine
     from simllm_ros.settings import Settings
 
-    path = write_llama(str(tmp_path / "rand-gemma2.gguf"), arch="gemma2", layers=2, heads=4, kv_heads=1, head_dim=64,
-                       default="Q8_0", embed="Q8_0", output=None)
+    path = write_llama(str(tmp_path / "rand-stablelm.gguf"), arch="stablelm", layers=2, heads=4, kv_heads=4,
+                       default="Q8_0", embed="Q8_0", output="Q8_0")
     said: list[str] = []
     e = Engine(Settings.from_overrides(model=path, model_cache_dir=str(tmp_path / "models"), dtype="float32",
                                        weight_bits=0, cache_size="64MB"))
     e.load(progress=said.append)
     try:
         b = e.backend
-        assert b.model_type == "gemma2" and b.runner is None and not b.exact_chunking and not b.semantic_supported
-        assert any("the runner does not take gemma2 models" in m for m in said), said
-        assert any("NOT verified: transformers' own forward runs this gemma2 model" in m for m in said), said
+        assert b.model_type == "stablelm" and b.runner is None and not b.exact_chunking and not b.semantic_supported
+        assert any("the runner does not take stablelm models" in m for m in said), said
+        assert any("NOT verified: transformers' own forward runs this stablelm model" in m for m in said), said
         for q in ("Where is the charging dock?", "Where is the charging dock now?"):
             r = e.handle(QueryRequest(prompt=q, context="The dock is in room 12.", max_new_tokens=4))
             assert r.success and not r.exact and r.generated_tokens > 0, r

@@ -28,7 +28,7 @@ SYSROOT = "/usr/aarch64-linux-gnu"
 AARCH64 = ("-march=armv8.2-a+fp16+dotprod",)  # Jetson Orin's Cortex-A78AE; a Raspberry Pi 5's A76 too
 X86 = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3",), "no-fma": ("-march=x86-64",),
        "avx512-no-vnni": ("-march=skylake-avx512",)}  # AVX-512 with byte ops but not VNNI's dot products
-CHECKED = ("int4_vector", "rmsnorm", "layers")  # the float32 path's entry points the driver runs
+CHECKED = ("int4_vector", "rmsnorm", "layers", "attention")  # the float32 path's entry points the driver runs
 IS_X86 = os.uname().machine in ("x86_64", "AMD64")
 
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler")
@@ -119,6 +119,8 @@ def _case(path, seed=0):
         "rx.f32": torch.randn(m, h * d, generator=g).numpy().tobytes(),
         "cos.f32": torch.rand(m, d, generator=g).numpy().tobytes(),
         "sin.f32": torch.rand(m, d, generator=g).numpy().tobytes(),
+        "ak.f32": torch.randn(m, d, generator=g).numpy().tobytes(),  # attention's keys and values (one KV head)
+        "av.f32": torch.randn(m, d, generator=g).numpy().tobytes(),
     }
     os.makedirs(path, exist_ok=True)
     for name, data in files.items():
@@ -131,7 +133,7 @@ def _outputs(path) -> dict[str, bytes]:
     out = {}
     for name in os.listdir(path):
         if name.startswith(("mm4_", "mm4k_", "mm4k8_", "mm5k8_", "mm6_", "mm6k8_", "mm8r_", "mm5r_", "mm4r_", "mm8_", "norm_",
-                             "silu_", "gelu_", "rope_")):
+                             "silu_", "gelu_", "rope_", "att_")):
             with open(os.path.join(path, name), "rb") as f:
                 out[name] = f.read()
     return out
@@ -162,6 +164,11 @@ def _rows_do_not_depend_on_their_neighbours(out, m, n):
             if name.startswith(kind + "_"):
                 r0, r1 = (int(v) for v in name[:-4].split("_")[2:])
                 assert np.array_equal(np.frombuffer(data, dtype=np.float32).reshape(-1, n), whole[r0:r1]), name
+    # attention: a row's output is the same in one pass or two, at 1 or 2 threads; soft-capping changes it
+    for cap in (0, 1):
+        whole = out[f"att_c{cap}_t1_p{m}.f32"]
+        assert all(out[f"att_c{cap}_t{t}_p{p}.f32"] == whole for t in (1, 2) for p in (5, m))
+    assert out[f"att_c0_t1_p{m}.f32"] != out[f"att_c1_t1_p{m}.f32"]
 
 
 @pytest.mark.skipif(not IS_X86, reason="x86 targets")
@@ -184,6 +191,6 @@ def test_aarch64_under_qemu_gives_this_machines_bits(tmp_path):
     native, m, n = _run(tmp_path, "native", CC, ("-march=native",) if IS_X86 else AARCH64)
     arm, _, _ = _run(tmp_path, "aarch64", CROSS, AARCH64, runner=(QEMU, "-L", SYSROOT))
     _rows_do_not_depend_on_their_neighbours(arm, m, n)
-    assert arm.keys() == native.keys() and len(arm) == 125
+    assert arm.keys() == native.keys() and len(arm) == 133
     differ = [k for k in native if arm[k] != native[k]]
     assert not differ, f"aarch64 differs from this machine in {differ}"

@@ -20,7 +20,7 @@ def _llama(**kw) -> LlamaConfig:
 def test_it_declines_what_it_does_not_compute():
     assert skeleton.build(_llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), set()) is None
     cfg = _llama()
-    cfg.model_type = "gemma2"
+    cfg.model_type = "stablelm"
     assert skeleton.build(cfg, set()) is None
     partial = _llama()  # RoPE on half of each head (Phi-4-mini's kind): the tables here rotate every dimension
     partial.rope_parameters = {**partial.rope_parameters, "partial_rotary_factor": 0.5}
@@ -115,3 +115,22 @@ def test_a_llama_config_reads_as_transformers_reads_it(tmp_path, variant):
     pos = torch.arange(9)[None]
     x = torch.zeros(1, dtype=torch.float32)
     assert all(torch.equal(u, v) for u, v in zip(a.model.rotary_emb(x, pos), b.model.rotary_emb(x, pos)))
+
+
+def test_a_gemma2_tree_has_transformers_names_one_rope_table_and_gemmas_norms():
+    """Gemma 2's layers are Gemma 3's without q/k norms and with one RoPE table for both layer types (its
+    rope_parameters are not per type): the tree has the parameter names and shapes of transformers' Gemma2 model,
+    its norms are x * (1 + w), its rows are scaled by sqrt(hidden), and its RoPE is transformers'."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=100)
+    assert not skeleton.rope_per_layer_type(cfg) and set(cfg.layer_types) == {"sliding_attention", "full_attention"}
+    ours, theirs = skeleton.build(cfg, set()), Gemma2ForCausalLM(cfg)
+    assert sorted((n, p.shape) for n, p in ours.named_parameters(remove_duplicate=False)) == \
+        sorted((n, p.shape) for n, p in theirs.named_parameters(remove_duplicate=False))
+    assert type(ours.model.layers[0].input_layernorm).__name__ == "OffsetRMSNorm"
+    assert type(ours.model.layers[0].mlp.act_fn).__name__ == "GELUTanh"
+    assert float(ours.model.embed_tokens.embed_scale) == 64 ** 0.5
+    pos, x = torch.arange(9)[None], torch.zeros(1, dtype=torch.float32)
+    assert all(torch.equal(u, v) for u, v in zip(ours.model.rotary_emb(x, pos), theirs.model.rotary_emb(x, pos)))

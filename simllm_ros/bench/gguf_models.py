@@ -34,7 +34,8 @@ use_test_helpers()  # random_gguf: writes the files
 # files SmolLM3's layout (Llama's tensors, the LM head tied; llama.cpp and we run every fourth layer without RoPE),
 # gemma3 files Gemma 3's layers (q/k norms, norms after attention and MLP, a 512-token window on five layers in six;
 # one RoPE base for both kinds here) and Gemma 3's own tokenizer, tied embedding of 262,144 tokens (from the
-# gemma3-270m package).
+# gemma3-270m package); gemma2 files Gemma 2's (Gemma 3's without q/k norms, the window on every other layer,
+# soft-capped attention scores and logits) with that tokenizer too.
 SHAPES = {
     "smollm2-360m": (32, 960, 2560, 15, 5, "llama", None),
     "qwen2.5-0.5b": (24, 896, 4864, 14, 2, "qwen2", None),
@@ -45,12 +46,14 @@ SHAPES = {
     "gemma3-1b": (26, 1152, 6912, 4, 1, "gemma3", 256),  # five sliding layers (a 512-token window) to one full
     "smollm3-3b": (36, 2048, 11008, 16, 4, "smollm3", None),  # every fourth layer without RoPE; head tied
     "phi-3-mini": (32, 3072, 8192, 32, 32, "phi3", None),  # fused q/k/v and gate/up tensors, no GQA
+    "gemma-2-2b": (26, 2304, 9216, 8, 4, "gemma2", 256),  # every other layer sliding, soft-capped scores and logits
 }
 # What else a release's file carries: Llama 3.2's RoPE (base 500,000 and llama3 scaling, which llama.cpp's converter
 # writes as rope_freqs.weight) and its tied LM head
 RELEASE = {"llama-3.2-1b": {"rope_base": 500000.0, "output": None,
                             "llama3_rope": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192}}}
+                                            "original_max_position_embeddings": 8192}},
+           "gemma-2-2b": {"softcaps": (50.0, 30.0), "output": None}}  # its caps on attention scores and logits
 QUESTIONS = ["Which road is closed this afternoon and why?", "Where can I park near the stadium tonight?"]
 
 
@@ -109,7 +112,7 @@ def make_file(shape: str, quant: str, folder: str) -> str:
         kw = {"output": None if arch in ("gemma3", "smollm3") else "F16", **RELEASE.get(shape, {})}
         write_llama(f16 + ".tmp", layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv,
                     default="F16", embed="F16", arch=arch, head_dim=head_dim, sliding_window=512,
-                    tokenizer=real_file("gemma3-270m") if arch == "gemma3" else None, **kw)
+                    tokenizer=real_file("gemma3-270m") if arch in ("gemma2", "gemma3") else None, **kw)
         os.replace(f16 + ".tmp", f16)
     quantize_llama_cpp(f16, path + ".tmp", quant)
     os.replace(path + ".tmp", path)

@@ -98,13 +98,14 @@ static inline float softmax_row(float *sc, int lim, const uint8_t *blocked, int 
    the tokens' own slots (int64 [m], non-decreasing, the last = start + m - 1) or 0. Token i of a sequence sits at
    slot SLOT(i) (start + i unless its own are given) and attends slots <= SLOT(i); with `blocked` (one sequence
    only) [m, T - first] instead: slot j is refused when j >= first and blocked[i * (T - first) + j - first],
-   T = start + m. Query head hq reads KV head hq / (Hq / Hkv).
+   T = start + m. Query head hq reads KV head hq / (Hq / Hkv). softcap > 0: each score s (scaled) becomes
+   softcap * tanh(s / softcap) before the softmax (Gemma 2's; exp_poly.h's softcap1, the same bits on every path).
    work: ROW_BLOCK * (T + VEC) floats for the longest T, per thread (nthreads: 1 runs in the caller's thread).
    Rows are split between threads in whole blocks, each computed exactly as alone: threads change no bit. */
 typedef struct {
     const void *q, *knew, *vnew; void *out;
     long q_sn, q_sh, kn_sn, kn_sh, vn_sn, vn_sh, work_stride;
-    int Hq, Hkv, D, nseq, layer, first, nthreads; float scale;
+    int Hq, Hkv, D, nseq, layer, first, nthreads; float scale, softcap;
     const int64_t *seqs; const uint8_t *blocked; float *work;
 } pass_t;
 typedef struct { const pass_t *p; int tid; void (*part)(const pass_t *, int); } job_t;
@@ -138,6 +139,7 @@ static void run_threads(const pass_t *p, void (*part)(const pass_t *, int)) {
 #define DEFINE_ENTRY(NAME, TYPE, PART)                                                                      \
 void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, long kn_sh,                    \
           const TYPE *vnew, long vn_sn, long vn_sh, TYPE *out, int Hq, int Hkv, int D, float scale,          \
+          float softcap,                                                                                     \
           int nseq, const int64_t *seqs, int layer, const uint8_t *blocked, int first, float *work,          \
           long work_stride, int nthreads) {                                                                 \
     for (int s = 0; s < nseq; s++) {                                                                        \
@@ -151,7 +153,7 @@ void NAME(const TYPE *q, long q_sn, long q_sh, const TYPE *knew, long kn_sn, lon
             }                                                                                               \
     }                                                                                                       \
     pass_t P = {q, knew, vnew, out, q_sn, q_sh, kn_sn, kn_sh, vn_sn, vn_sh, work_stride,                    \
-                Hq, Hkv, D, nseq, layer, first, nthreads < 1 ? 1 : nthreads, scale, seqs, blocked, work};   \
+                Hq, Hkv, D, nseq, layer, first, nthreads < 1 ? 1 : nthreads, scale, softcap, seqs, blocked, work}; \
     if (P.nthreads == 1) PART(&P, 0);                                                                       \
     else run_threads(&P, PART);                                                                             \
 }
@@ -195,7 +197,8 @@ static void NAME##_part(const pass_t *P, int tid) {                             
                         if (j >= lim[b]) continue;                                                          \
                         vf a = VZERO;                                                                       \
                         for (int c = 0; c < C; c++) a = VFMA(qv[b][c], kv[c], a);                           \
-                        work[b * W + j] = hsum(a);                                                          \
+                        const float sc = hsum(a);                                                           \
+                        work[b * W + j] = P->softcap > 0.0f ? softcap1(sc, P->softcap) : sc;                \
                     }                                                                                       \
                 }                                                                                           \
                 /* softmax weights, unnormalised; refused keys weigh 0 and are skipped below */             \
@@ -419,6 +422,7 @@ static void amx_part(const pass_t *P, int tid) {
                         for (int b = 0; b < nb; b++) if (blk[b][j]) ok &= (__mmask16)~(1u << b);
                     live[j] = ok;
                     __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(SK + j * 16), scale);
+                    if (P->softcap > 0.0f) sc = softcap16(sc, _mm512_set1_ps(P->softcap));
                     _mm512_storeu_ps(SK + j * 16, sc);
                     mx = _mm512_mask_max_ps(mx, ok, mx, sc);
                 }
@@ -500,4 +504,4 @@ int simllm_attend_amx_init(void) { return amx_request(); }
 int simllm_attend_amx_init(void) { return -1; }
 #endif
 
-int simllm_attend_version(void) { return 5; }
+int simllm_attend_version(void) { return 6; }

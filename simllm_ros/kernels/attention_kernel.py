@@ -38,7 +38,8 @@ from . import build
 
 MAX_HEAD_DIM = 256  # the kernel's per-row buffers
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-_ARGS = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _I, _I, ctypes.c_float, _I, _P, _I, _P, _I, _P, _L, _I]
+_ARGS = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _I, _I, ctypes.c_float, ctypes.c_float, _I, _P, _I, _P, _I, _P,
+         _L, _I]
 # Below this many multiply-adds a pass runs in the caller's thread: a decode step (~0.7M) and a verification
 # pass of up to ~40 rows. Measured with 2 threads (560-token context): threads started per layer made a 17-row
 # pass slower than one thread; a 560-token prefill took ~1.0 s split, ~1.06 s not (1200 tokens: 2.36 vs 2.94 s).
@@ -162,10 +163,11 @@ class AttentionKernel:
 
     def attend(self, plan: PassPlan, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                scale: float, out: torch.Tensor | None = None, blocked: torch.Tensor | None = None,
-               first: int = 0) -> torch.Tensor:
+               first: int = 0, softcap: float | None = None) -> torch.Tensor:
         """One layer: writes the rows' new keys and values k_new, v_new [N, Hkv, D] into each sequence's
         buffer, then attends q [N, Hq, D] (unscaled; strided views are read in place) -> out [N, Hq, D].
-        Causal by slot; or `blocked` [m, T - first] (one sequence: True refuses key first + j, T = start + m)."""
+        Causal by slot; or `blocked` [m, T - first] (one sequence: True refuses key first + j, T = start + m).
+        `softcap`: scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2's)."""
         N, Hq, D = q.shape
         Hkv = k_new.shape[1]
         fn = self._fns.get(q.dtype)
@@ -186,7 +188,7 @@ class AttentionKernel:
         fn, work, stride, threads = self.pass_args(plan, Hq, D)
         fn(q.data_ptr(), q.stride(0), q.stride(1), k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
            v_new.data_ptr(), v_new.stride(0), v_new.stride(1), out.data_ptr(), Hq, Hkv, D, scale,
-           plan.table.shape[0], plan.table.data_ptr(), layer, None if blk is None else blk.data_ptr(), first,
+           float(softcap or 0.0), plan.table.shape[0], plan.table.data_ptr(), layer, None if blk is None else blk.data_ptr(), first,
            work.data_ptr(), stride, threads)
         return out
 

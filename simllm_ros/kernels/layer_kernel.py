@@ -32,7 +32,8 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 class _Pass(ctypes.Structure):
     _fields_ = [("norm", _P), ("mm", _P), ("attend", _P), ("E", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("I", _I),
-                ("scale", _F), ("nseq", _I), ("table", _P), ("awork", _P), ("astride", _L), ("athreads", _I),
+                ("scale", _F), ("softcap", _F), ("nseq", _I), ("table", _P), ("awork", _P), ("astride", _L),
+                ("athreads", _I),
                 ("xsum", _P), ("scratch", _P), ("per_thread", _L), ("threads", _I), ("thread_min_macs", _L),
                 ("pool", _P), ("glue_min_rows", _I),
                 ("wnseq", _I), ("wtable", _P), ("wawork", _P), ("wastride", _L), ("wathreads", _I), ("act", _I)]
@@ -91,8 +92,9 @@ class Layers:
 
     def __init__(self, kernel: LayerKernel, layers: list, int4, norms, attention, E: int, Hq: int, Hkv: int, D: int,
                  inter: int, scale: float, qk_norms: list | None = None, post_norms: list | None = None,
-                 rope_of: list[int] | None = None, window: list[int] | None = None):
+                 rope_of: list[int] | None = None, window: list[int] | None = None, softcap: float | None = None):
         self.kernel, self.int4, self.attention = kernel, int4, attention
+        self.softcap = float(softcap or 0.0)  # the attention scores' soft-capping (Gemma 2's), 0: none
         self.act = _ACTS[type(layers[0][6]).__name__]
         self.dtype = int4.dtype  # bf16 (AMX products) or float32 (vector products)
         self.E, self.Hq, self.Hkv, self.D, self.inter, self.scale = E, Hq, Hkv, D, inter, scale
@@ -195,7 +197,7 @@ class Layers:
         wp, (_, _, wstride, wthreads) = (window_plan, wargs) if wargs else (plan, args)
         xsum, tiles, per_thread, threads = self.int4.buffers(M, self.widest)
         P = _Pass(self._norm, self._mm, ctypes.cast(fn, ctypes.c_void_p).value, self.E, self.Hq, self.Hkv, self.D,
-                  self.inter, self.scale, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(), stride,
+                  self.inter, self.scale, self.softcap, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(), stride,
                   athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS,
                   self._pool, GLUE_MIN_ROWS, wp.table.shape[0], wp.table.data_ptr(), work.data_ptr(), wstride,
                   wthreads, self.act)

@@ -45,6 +45,7 @@ void NAME(const PASS *P, T *h, int M, int first, int last, const int64_t *weight
         GLUE(P, (GLUE_T){.op = G_ROPE, .M = M, .src = qkv, .dst = qk, .cos = cos + table,                 \
                          .sin = sin + table ROPE_EXTRA(W, eps, li)});                                       \
         P->attend(qk, Nqk, D, qk + (long)Hq * D, Nqk, D, qkv + Nqk, Nqkv, D, o, Hq, Hkv, D, P->scale,     \
+                  P->softcap,                                                                             \
                   win ? P->wnseq : P->nseq, win ? P->wtable : P->table, li, 0, 0, win ? P->wawork : P->awork, \
                   win ? P->wastride : P->astride, win ? P->wathreads : P->athreads);                      \
         PRODUCT(P, o, W[3], t, M, E, Hq * D);                                                             \

@@ -14,7 +14,7 @@ typedef void (*mm_fn)(const bf16 *x, long x_stride, const uint8_t *w, bf16 *y, l
                       float *xsum, uint8_t *scratch, long per_thread, int nthreads);
 typedef void (*attend_fn)(const bf16 *q, long q_sn, long q_sh, const bf16 *kn, long kn_sn, long kn_sh,
                           const bf16 *vn, long vn_sn, long vn_sh, bf16 *out, int Hq, int Hkv, int D, float scale,
-                          int nseq, const int64_t *table, int layer, const uint8_t *blocked, int first,
+                          float softcap, int nseq, const int64_t *table, int layer, const uint8_t *blocked, int first,
                           float *work, long stride, int threads);
 
 static inline __m512 ld(const bf16 *p) {
@@ -81,7 +81,7 @@ typedef void (*pool_fn)(void *(*)(void *), void *, long, int);
 typedef struct {
     norm_fn norm; mm_fn mm; attend_fn attend;
     int E, Hq, Hkv, D, I;
-    float scale;
+    float scale, softcap;  /* softcap: the attention scores' (0: none) */
     int nseq; const int64_t *table; float *awork; long astride; int athreads;   /* the pass's attention */
     float *xsum; uint8_t *scratch; long per_thread; int threads; long thread_min_macs;  /* the products' */
     pool_fn pool; int glue_min_rows;  /* the 4-bit kernel's kept workers (or 0), for the steps between products */
@@ -151,13 +151,13 @@ typedef void (*mm32_fn)(const float *x, long x_stride, const uint8_t *w, float *
                         float *xsum, float *buf, long per_thread, int nthreads);
 typedef void (*attend32_fn)(const float *q, long q_sn, long q_sh, const float *kn, long kn_sn, long kn_sh,
                             const float *vn, long vn_sn, long vn_sh, float *out, int Hq, int Hkv, int D, float scale,
-                            int nseq, const int64_t *table, int layer, const uint8_t *blocked, int first,
+                            float softcap, int nseq, const int64_t *table, int layer, const uint8_t *blocked, int first,
                             float *work, long stride, int threads);
 typedef void (*pool32_fn)(void *(*)(void *), void *, long, int);
 typedef struct {  /* the layout of pass_t (the _Pass structure), float32 entry points */
     norm32_fn norm; mm32_fn mm; attend32_fn attend;
     int E, Hq, Hkv, D, I;
-    float scale;
+    float scale, softcap;  /* softcap: the attention scores' (0: none) */
     int nseq; const int64_t *table; float *awork; long astride; int athreads;
     float *xsum; float *buf; long per_thread; int threads; long thread_min_macs;
     pool32_fn pool; int glue_min_rows;

@@ -24,7 +24,8 @@ from . import gguf_weights, skeleton
 from .gguf_weights import KINDS, PROJECTIONS, Rows, Tensor
 
 # transformers' tensor processors are keyed by the GGUF architecture; the model types the runner takes map to these
-_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+              "gemma3_text": "gemma3",
               "smollm3": "llama",  # llama.cpp's converter writes SmolLM3's q/k rows in Llama's order
               "phi3": "phi3"}  # its q/k rows as transformers has them (llama.cpp rotates them NEOX-style)
 EMBED_ROWS = 8192  # rows of the token embedding / LM head compared at a time (1536 wide: 48 MB in float32)
@@ -42,14 +43,19 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
     ({arch}.rope.scaling.*; Gemma 3: its full-attention layers, as llama.cpp applies it) and Llama 3.1+'s scaling,
     which llama.cpp's converter writes as per-frequency divisors (`rope_freqs.weight`), read back by checking that
     llama3 scaling with LLAMA3_ROPE gives them, and YaRN (long-context Qwen files); GGUFError for any other scaling
-    (a clear refusal, not a silently different model). Gemma 3's attention scale: 1/sqrt(head_dim) as llama.cpp
-    has it (the 27B's hidden/heads aside), where transformers would take its config default (256), which only
-    equals head_dim in the releases whose heads are 256 wide."""
+    (a clear refusal, not a silently different model). Gemma 2's and 3's attention scale: 1/sqrt(head_dim) as
+    llama.cpp has it (the 27B's hidden/heads aside), where transformers would take its config default (256), which
+    only equals head_dim in the releases whose heads are 256 wide; Gemma 2's soft-capping of attention scores and
+    logits from the file's keys, where transformers keeps its defaults (50 and 30, the released models' values)."""
     arch = meta.get("general.architecture", "")
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
     gemma = cfg.model_type == "gemma3_text"
     params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if cfg.model_type == "gemma2":
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if f"{arch}.{name}" in meta:
+                setattr(cfg, name, float(meta[f"{arch}.{name}"]) or None)
     if kind == "linear" and factor != 1.0:
         if gemma:
             params["full_attention"] = {**params["full_attention"], "rope_type": "linear", "factor": factor}
@@ -64,10 +70,10 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
                                      "not supported yet: running the file without it would compute another model")
     _llama3_rope(cfg, tensors.get("rope_freqs.weight"))
     _whole_heads_rotated(cfg, meta, tensors)
-    if gemma:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        cfg.query_pre_attn_scalar = cfg.hidden_size // cfg.num_attention_heads if cfg.num_hidden_layers == 62 \
-            else head_dim  # llama.cpp's rule: its 27B (62 layers) scales by hidden / heads
+    if cfg.model_type in skeleton.GEMMA:  # llama.cpp's rule: the 27Bs (Gemma 2: 46 layers, 3: 62) scale by
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # hidden / heads
+        cfg.query_pre_attn_scalar = cfg.hidden_size // cfg.num_attention_heads \
+            if cfg.num_hidden_layers == (62 if gemma else 46) else head_dim
 
 
 def _whole_heads_rotated(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
@@ -233,7 +239,7 @@ def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dic
     with torch.device("meta"):
         model = skeleton.build(cfg, keys)
     sliding = skeleton.has_sliding_layers(cfg)
-    if model is None or not LlamaRunner.supports(model) or (sliding and cfg.model_type != "gemma3_text"):
+    if model is None or not LlamaRunner.supports(model) or (sliding and cfg.model_type not in skeleton.GEMMA):
         return _whole(progress, f"the runner does not take this {cfg.model_type} model's layout")
     ref = _Dequantized(cfg, model)
     progress(f"checking {name}'s blocks one tensor at a time against gguf's dequantization (no dense model)")

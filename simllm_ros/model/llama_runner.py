@@ -26,8 +26,9 @@ Two reasons it exists:
    (layer_kernel); all row-invariant.
 
 Only for RoPE models whose HF module layout is Llama's (`supports` and `ModelBackend` decide): full attention (with
-SmolLM3's layers without RoPE among them), or Gemma 3's layers (sliding-window layers with their own RoPE base, norms
-of x * (1 + w), norms after attention and MLP, GELU); other models use the HF forward.
+SmolLM3's layers without RoPE among them), or Gemma 2's and 3's layers (sliding-window layers, Gemma 3's with their
+own RoPE base, norms of x * (1 + w), norms after attention and MLP, GELU; Gemma 2's soft-capped attention scores);
+other models use the HF forward.
 
 Its parts: kv_buffer (KVBuffer, Seq), runner_weights (weight packing and which kernel runs each product: _Proj,
 _Head8, _Norm), runner_layers (LayerSteps: the steps inside a layer and the torch attention path) and runner_early
@@ -40,6 +41,7 @@ import os
 import torch
 
 from ..kernels import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
+from . import skeleton
 from .kv_buffer import KVBuffer, Seq
 from .runner_early import EarlyHead, EarlyPasses  # noqa: F401 (importable from here)
 from .runner_layers import _ONE_THREAD_ELEMENTS, NO_ROPE, LayerSteps, _act_rows  # noqa: F401 (importable from here)
@@ -83,14 +85,17 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
-        # Gemma 3: queries scaled by query_pre_attn_scalar, a RoPE table per layer type (sliding layers have their
-        # own base), a window of keys on sliding layers, norms after attention and MLP, soft-capped logits
+        # Gemma 2 and 3: queries scaled by query_pre_attn_scalar, a window of keys on sliding layers, norms after
+        # attention and MLP, soft-capped logits; Gemma 3 a RoPE table per layer type (sliding layers have their own
+        # base), Gemma 2 one table and soft-capped attention scores
         gemma = _gemma_layout(model)
         if gemma:
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
         self.layer_types = list(getattr(cfg, "layer_types", None) or []) if gemma else []
-        self.rope_types: list[str | None] = sorted(set(self.layer_types)) or [None]
-        self.rope_of = [self.rope_types.index(t) for t in self.layer_types] or [0] * len(base.layers)
+        self.rope_types: list[str | None] = sorted(set(self.layer_types)) if skeleton.rope_per_layer_type(cfg) \
+            else [None]
+        self.rope_of = [self.rope_types.index(t) for t in self.layer_types] if self.rope_types != [None] \
+            else [0] * len(base.layers)
         # SmolLM3's NoPE layers (no_rope_layers[i] 0) attend without RoPE: a table of their own that leaves a row
         # as it is (cos 1, sin 0), so that each path rotating layer li by rope_of[li] (the C layers, SEMANTIC's
         # re-rotation of keys) needs no case of its own
@@ -103,6 +108,9 @@ class LlamaRunner(LayerSteps, EarlyPasses):
             or [0] * len(base.layers)
         self.windowed = any(self.window)
         self.softcap = getattr(cfg, "final_logit_softcapping", None) if gemma else None
+        # Gemma 2's soft-capped attention scores (a Gemma 3 config has the field too, which neither transformers nor
+        # llama.cpp applies)
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
         lm = model.lm_head
         self.layers = []
         self.qk_norms: list[tuple[_Norm, _Norm] | None] = []
@@ -193,7 +201,8 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         if lk is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
             self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
                                              self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale,
-                                             self.qk_norms, self.post_norms, self.rope_of, self.window)
+                                             self.qk_norms, self.post_norms, self.rope_of, self.window,
+                                             self.attn_softcap)
         if self.file is not None and self.file.embed is not None:  # looked up from the file's blocks
             self.embed = self.file.embed
             if hasattr(base.embed_tokens, "embed_scale"):  # Gemma's rows times sqrt(hidden), as transformers does
@@ -330,12 +339,12 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         extra = any(getattr(getattr(att, n, None), "weight", torch.empty(head_dim)).shape != (head_dim,)
                     for n in ("q_norm", "k_norm"))
-        # Norms after attention or MLP: Gemma 3's layout only, causal, without attention-score soft-capping (the
-        # attention kernel has none), windows only where its layer types say so
+        # Norms after attention or MLP: Gemma 2's and 3's layout only, causal, windows only where its layer types
+        # say so
         cfg = model.config
         if hasattr(layer, "pre_feedforward_layernorm") or hasattr(layer, "post_feedforward_layernorm"):
             types = getattr(cfg, "layer_types", None) or []
-            extra = extra or not _gemma_layout(model) or getattr(cfg, "attn_logit_softcapping", None) is not None \
+            extra = extra or not _gemma_layout(model) \
                 or bool(getattr(cfg, "use_bidirectional_attention", False)) or len(types) != len(layers) \
                 or not set(types) <= {"full_attention", "sliding_attention"} \
                 or ("sliding_attention" in types and not getattr(cfg, "sliding_window", None))
@@ -406,7 +415,8 @@ class LlamaRunner(LayerSteps, EarlyPasses):
             x = ln1(h)
             if plan is not None:
                 q, k, v = self._rotated_rows(qkv_proj(x)[0], cos, sin, li)  # [M, Hq, D], [M, Hkv, D] x 2
-                o = self.kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn).view(1, M, -1)
+                o = self.kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn,
+                                       softcap=self.attn_softcap).view(1, M, -1)
             else:
                 q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, M, D], [Hkv, M, D] x 2
                 at = slice(start, end) if slots is None else slots
@@ -476,7 +486,8 @@ class LlamaRunner(LayerSteps, EarlyPasses):
                 attn = h.new_empty(total, Hq, D)
                 for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
                     q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin, li)
-                    o = self.kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn)
+                    o = self.kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn,
+                                           softcap=self.attn_softcap)
                     h = self._attended(h, o_proj(o.view(1, total, Hq * D)), li)
                     h = self._mlp(h, ln2, gate_up, down, act, li)
         else:

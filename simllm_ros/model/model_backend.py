@@ -36,9 +36,10 @@ from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, defa
 # Architectures the batch-invariant runner takes where every layer is full attention with one RoPE table.
 FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"}
 # Architectures it also takes with sliding-window layers (its KV buffer keeps every token; a sliding layer's rows
-# read only their window) and a RoPE table per layer type. Both kinds get every tier: exact-prefix reuse and verified
-# drafts lossless, SEMANTIC repair with each layer's own rotation and windows.
-SLIDING_WINDOW_ARCHITECTURES = {"gemma3_text"}
+# read only their window); Gemma 3's a RoPE table per layer type, Gemma 2's soft-capped attention scores. Both
+# kinds get every tier: exact-prefix reuse and verified drafts lossless, SEMANTIC repair with each layer's own
+# rotation and windows.
+SLIDING_WINDOW_ARCHITECTURES = {"gemma2", "gemma3_text"}
 
 # Rows of one forward pass at most where passes are exact however cut (run): a longer prompt takes several
 PASS_ROWS = 256

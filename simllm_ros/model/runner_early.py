@@ -106,7 +106,7 @@ class EarlyPasses:
             # On a sliding layer each row reads its window, as in the whole pass.
             plan = self._window_plan_at(run + start, kv.k, kv.v) if self.window[li] else \
                 self.kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
-            o = self.kernel.attend(plan, li, q, head.k[run], head.v[run], self.scale)
+            o = self.kernel.attend(plan, li, q, head.k[run], head.v[run], self.scale, softcap=self.attn_softcap)
         else:
             G, at = self.group, (run + start).to(x.device)
             qg = (q * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)

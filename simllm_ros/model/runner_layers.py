@@ -197,6 +197,9 @@ class LayerSteps:
             # k @ q^T, transposed: k (a slice of the buffer) is read in place, where as the right operand
             # k^T it was first copied. Bitwise the same scores; a bf16 decode step ~1.5 ms faster here.
             s = torch.bmm(k, q.transpose(-1, -2)).transpose(-1, -2).float()
+        if self.attn_softcap:  # Gemma 2's cap * tanh(s / cap), in float64 and rounded once (as the products)
+            cap = float(self.attn_softcap)
+            s = (torch.tanh(s.double() / cap) * cap).float()
         if blocked is not None:  # True: may not attend
             s[..., first:].masked_fill_(blocked, float("-inf"))
         p = torch.softmax(s, dim=-1).to(v.dtype)

@@ -119,7 +119,7 @@ class _Norm:
     PLAIN = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "RMSNorm")
     # x * (1 + w), all in float32, rounded once to the rows' dtype: the kernel's float32 form w * (x * r) with the
     # weight 1 + w (as transformers computes it) is that formula, row by row
-    OFFSET = ("Gemma3RMSNorm", "OffsetRMSNorm")
+    OFFSET = ("Gemma2RMSNorm", "Gemma3RMSNorm", "OffsetRMSNorm")
 
     def __init__(self, module, kernel: "norm_kernel.NormKernel | None"):
         self.module = module
@@ -313,7 +313,7 @@ def _bias(linear) -> torch.Tensor | None:
 
 
 def _gemma_layout(model) -> bool:
-    """Whether the model's layers are Gemma 3's (four norms per layer, norms of x * (1 + w))."""
+    """Whether the model's layers are Gemma 2's or 3's (four norms per layer, norms of x * (1 + w))."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     return bool(layers) and hasattr(layers[0], "pre_feedforward_layernorm") and \
         type(layers[0].input_layernorm).__name__ in _Norm.OFFSET

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # The runner's architectures (model_backend.FULL_ATTENTION_ARCHITECTURES | SLIDING_WINDOW_ARCHITECTURES)
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "phi3")
+GEMMA = ("gemma2", "gemma3_text")  # four norms a layer, norms of x * (1 + w), rows scaled by sqrt(hidden)
 
 
 class Linear(nn.Module):
@@ -121,6 +122,12 @@ def has_sliding_layers(cfg) -> bool:
         t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
 
 
+def rope_per_layer_type(config) -> bool:
+    """Whether the config's RoPE has a table per layer type (Gemma 3's; Gemma 2's layer types share one)."""
+    params, types = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None)
+    return bool(types) and isinstance(params, dict) and "rope_type" not in params and set(types) <= params.keys()
+
+
 def _rope_parameters(config, layer_type: str | None) -> dict | None:
     params = getattr(config, "rope_parameters", None)
     if layer_type is not None and isinstance(params, dict):
@@ -183,7 +190,7 @@ class Body(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size ** 0.5 if gemma else None)
         self.layers = nn.ModuleList(layers)
         self.norm = norm(cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(cfg, sorted(set(cfg.layer_types)) if gemma else None)
+        self.rotary_emb = RotaryEmbedding(cfg, sorted(set(cfg.layer_types)) if rope_per_layer_type(cfg) else None)
 
 
 class CausalLM(nn.Module):
@@ -205,8 +212,8 @@ def build(cfg, keys: set[str]) -> CausalLM | None:
     kind = getattr(cfg, "model_type", None)
     if kind not in ARCHITECTURES:
         return None
-    gemma = kind == "gemma3_text"
-    types = sorted(set(getattr(cfg, "layer_types", None) or [])) if gemma else [None]
+    gemma = kind in GEMMA
+    types = sorted(set(cfg.layer_types)) if rope_per_layer_type(cfg) else [None]
     for t in types:
         params = _rope_parameters(cfg, t)
         if not isinstance(params, dict) or "dynamic" in params.get("rope_type", "") or \

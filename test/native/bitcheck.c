@@ -53,6 +53,9 @@ typedef void (*norm32_fn)(const float *, long, const float *, float *, int, int,
 typedef void (*norm16_fn)(const uint16_t *, long, const uint16_t *, uint16_t *, int, int, float);
 typedef void (*silu_fn)(const float *, long, int, int, float *, long);
 typedef void (*rope_fn)(const float *, long, int, int, int, const float *, const float *, float *);
+typedef void (*attend_fn)(const float *, long, long, const float *, long, long, const float *, long, long, float *,
+                          int, int, int, float, float, int, const int64_t *, int, const uint8_t *, int, float *, long,
+                          int);
 
 int main(int argc, char **argv) {
     if (argc != 3) { fprintf(stderr, "usage: bitcheck <libdir> <casedir>\n"); return 2; }
@@ -138,6 +141,33 @@ int main(int argc, char **argv) {
     float *ro = calloc((size_t)M * H * D, 4);
     ((rope_fn)sym(layers, "simllm_rope_f32"))(rx, (long)H * D, M, H, D, cs, sn, ro);
     spill(dir, "rope_f32.f32", ro, (long)M * H * D * 4);
+
+    /* attention (float32): H query heads on one KV head, M rows attending causally; in one pass and in two (rows
+       0-4, then the rest over the keys the first wrote), scores plain and soft-capped (Gemma 2's), 1 and 2 threads */
+    void *att = open_lib(libs, "attention");
+    attend_fn attend = (attend_fn)sym(att, "simllm_attend_f32");
+    const float *ak = slurp(dir, "ak.f32", 0), *av = slurp(dir, "av.f32", 0);
+    float *kb = calloc((size_t)M * D, 4), *vb = calloc((size_t)M * D, 4), *ao = calloc((size_t)M * H * D, 4);
+    const long astride = 8L * (M + 16);  /* ROW_BLOCK * (T + VEC) floats a thread */
+    float *awork = calloc((size_t)astride * 2, 4);
+    static const float caps[] = {0.0f, 1.5f};
+    for (int c = 0; c < 2; c++)
+        for (int t = 1; t <= 2; t++)
+            for (int p = 0; p < 2; p++) {
+                const int cut = p ? 5 : M;  /* the rows of the first pass */
+                memset(kb, 0, (size_t)M * D * 4); memset(vb, 0, (size_t)M * D * 4);
+                for (int start = 0, end = cut; start < M; start = end, end = M) {
+                    const int64_t seq[14] = {0, end - start, start, (int64_t)(intptr_t)kb, (int64_t)(intptr_t)vb,
+                                             (int64_t)M * D, (int64_t)M * D, D, (int64_t)M * D, (int64_t)M * D, D,
+                                             0, 0, 0};
+                    attend(rx + (long)start * H * D, (long)H * D, D, ak + (long)start * D, D, D, av + (long)start * D,
+                           D, D, ao + (long)start * H * D, H, 1, D, 0.125f, caps[c], 1, seq, 0, NULL, 0, awork,
+                           astride, t);
+                }
+                char name[64];
+                snprintf(name, sizeof name, "att_c%d_t%d_p%d.f32", c, t, cut);
+                spill(dir, name, ao, (long)M * H * D * 4);
+            }
     puts("ok");
     return 0;
 }
