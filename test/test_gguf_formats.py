@@ -274,6 +274,40 @@ def test_qwen_smollm3_phi3_and_gemma2_files_run_on_their_own_blocks_as_transform
         assert again.skeleton and torch.equal(again.run(ids, again.new_cache(20), logits="all"), ours)
 
 
+def test_semantic_answers_on_a_gemma2_file_are_approximate_and_reported(files):
+    """Gemma 2's SEMANTIC repair (early passes and recomputed tokens attend with its soft-capped scores, windows on
+    sliding layers): a paraphrased question over an edited context takes the SEMANTIC tier where the caller allows
+    approximate reuse, reported `exact: false` with its reused and recomputed counts; without that permission the
+    same request is lossless. The pool stays consistent."""
+    from simllm_ros.request import CacheResult, QueryRequest
+    from simllm_ros.serving.engine import Engine
+    from simllm_ros.settings import Settings
+
+    _backend(files, "gemma2")
+    e = Engine(Settings.from_overrides(model=files["gemma2"], model_cache_dir=files["cache"], dtype="float32",
+                                       weight_bits=0, cache_size="256MB", answer_memo=False, approx_error_bound=1.0,
+                                       cache_threshold=0.5))
+    e.load()
+    try:
+        assert e.backend.semantic_supported and e.backend.runner.attn_softcap == 20.0
+        ctx = ("Robot R2 is in the east wing. The charging dock is in room 12. Corridor B is closed for cleaning "
+               "until noon. The lift on level 3 is out of service; use the stairs by the kitchen. Deliveries arrive "
+               "at the north gate at nine and at four.")
+        edited = ctx.replace("The charging dock", "Since Monday, the new charging dock")
+        first = e.handle(QueryRequest(prompt="Where is the charging dock?", context=ctx, max_new_tokens=8))
+        assert first.success and first.cache_result == CacheResult.MISS and first.exact
+        ask = lambda approx: QueryRequest(prompt="Where can I find the charging dock?", context=edited,  # noqa: E731
+                                          max_new_tokens=8, allow_approximate=approx)
+        r = e.handle(ask(True))
+        assert r.success and r.cache_result == CacheResult.SEMANTIC, r
+        assert not r.exact and r.reused_tokens > 32 and r.recomputed_tokens > 0, r
+        e.pool.check_consistency()
+        lossless = e.handle(ask(False))
+        assert lossless.success and lossless.exact and lossless.cache_result != CacheResult.SEMANTIC
+    finally:
+        e.unload()
+
+
 def test_smollm3s_nope_layers_keep_their_keys_when_semantic_repair_moves_them(files):
     """SEMANTIC repair moves cached keys to new positions by rotating them with each layer's RoPE; a NoPE layer's
     keys carry no position, so they stay as they are, and the other layers' turn as RoPE says."""
