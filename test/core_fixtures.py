@@ -160,3 +160,25 @@ def kernel_in_new_process(module: str, env: dict | None = None) -> tuple[bool, s
             "print(kern is None, '|', k.why_not(), '|', kern.path if kern else '')")
     off, why, path = (x.strip() for x in "\n".join(python_in_new_process(code, env, timeout=120)).split("|"))
     return off == "True", why, path
+
+
+def semantic_tier_is_reported(engine: Engine, min_reused: int) -> None:
+    """A paraphrased question over an edited context (words inserted: the later tokens move) takes the SEMANTIC
+    tier when the caller allows approximate reuse, reported `exact: false` with more than `min_reused` tokens reused
+    and some recomputed; without that permission the same request is lossless; the pool stays consistent."""
+    from simllm_ros.request import CacheResult, QueryRequest
+
+    ctx = ("Robot R2 is in the east wing. The charging dock is in room 12. Corridor B is closed for cleaning "
+           "until noon. The lift on level 3 is out of service; use the stairs by the kitchen. Deliveries arrive "
+           "at the north gate at nine and at four.")
+    edited = ctx.replace("The charging dock", "Since Monday, the new charging dock")
+    first = engine.handle(QueryRequest(prompt="Where is the charging dock?", context=ctx, max_new_tokens=8))
+    assert first.success and first.cache_result == CacheResult.MISS and first.exact
+    ask = lambda approx: QueryRequest(prompt="Where can I find the charging dock?", context=edited,  # noqa: E731
+                                      max_new_tokens=8, allow_approximate=approx)
+    r = engine.handle(ask(True))
+    assert r.success and r.cache_result == CacheResult.SEMANTIC, r
+    assert not r.exact and r.reused_tokens > min_reused and r.recomputed_tokens > 0, r
+    engine.pool.check_consistency()
+    lossless = engine.handle(ask(False))
+    assert lossless.success and lossless.exact and lossless.cache_result != CacheResult.SEMANTIC

@@ -127,7 +127,7 @@ def test_semantic_answers_on_gemma3_are_approximate_and_reported(gemma_dir):
     """A paraphrased question over an edited context (words inserted: the later tokens move) takes the SEMANTIC tier
     when the caller allows approximate reuse: its answer is reported `exact: false` with the reused and recomputed
     counts; the same request without that permission is a lossless miss, exact. The pool stays consistent."""
-    from simllm_ros.request import CacheResult, QueryRequest
+    from core_fixtures import semantic_tier_is_reported
     from simllm_ros.serving.engine import Engine
     from simllm_ros.settings import Settings
 
@@ -137,20 +137,7 @@ def test_semantic_answers_on_gemma3_are_approximate_and_reported(gemma_dir):
                                        approx_error_bound=1.0, cache_threshold=0.5))
     e.load()
     try:
-        ctx = ("Robot R2 is in the east wing. The charging dock is in room 12. Corridor B is closed for cleaning "
-               "until noon. The lift on level 3 is out of service; use the stairs by the kitchen. Deliveries arrive "
-               "at the north gate at nine and at four.")
-        edited = ctx.replace("The charging dock", "Since Monday, the new charging dock")
-        first = e.handle(QueryRequest(prompt="Where is the charging dock?", context=ctx, max_new_tokens=8))
-        assert first.success and first.cache_result == CacheResult.MISS and first.exact
-        ask = lambda approx: QueryRequest(prompt="Where can I find the charging dock?", context=edited,  # noqa: E731
-                                          max_new_tokens=8, allow_approximate=approx)
-        r = e.handle(ask(True))
-        assert r.success and r.cache_result == CacheResult.SEMANTIC, r
-        assert not r.exact and r.reused_tokens > 2 * WINDOW and r.recomputed_tokens > 0, r
-        e.pool.check_consistency()
-        lossless = e.handle(ask(False))
-        assert lossless.success and lossless.exact and lossless.cache_result != CacheResult.SEMANTIC
+        semantic_tier_is_reported(e, 2 * WINDOW)
     finally:
         e.unload()
 

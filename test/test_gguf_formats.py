@@ -279,7 +279,7 @@ def test_semantic_answers_on_a_gemma2_file_are_approximate_and_reported(files):
     sliding layers): a paraphrased question over an edited context takes the SEMANTIC tier where the caller allows
     approximate reuse, reported `exact: false` with its reused and recomputed counts; without that permission the
     same request is lossless. The pool stays consistent."""
-    from simllm_ros.request import CacheResult, QueryRequest
+    from core_fixtures import semantic_tier_is_reported
     from simllm_ros.serving.engine import Engine
     from simllm_ros.settings import Settings
 
@@ -290,20 +290,7 @@ def test_semantic_answers_on_a_gemma2_file_are_approximate_and_reported(files):
     e.load()
     try:
         assert e.backend.semantic_supported and e.backend.runner.attn_softcap == 20.0
-        ctx = ("Robot R2 is in the east wing. The charging dock is in room 12. Corridor B is closed for cleaning "
-               "until noon. The lift on level 3 is out of service; use the stairs by the kitchen. Deliveries arrive "
-               "at the north gate at nine and at four.")
-        edited = ctx.replace("The charging dock", "Since Monday, the new charging dock")
-        first = e.handle(QueryRequest(prompt="Where is the charging dock?", context=ctx, max_new_tokens=8))
-        assert first.success and first.cache_result == CacheResult.MISS and first.exact
-        ask = lambda approx: QueryRequest(prompt="Where can I find the charging dock?", context=edited,  # noqa: E731
-                                          max_new_tokens=8, allow_approximate=approx)
-        r = e.handle(ask(True))
-        assert r.success and r.cache_result == CacheResult.SEMANTIC, r
-        assert not r.exact and r.reused_tokens > 32 and r.recomputed_tokens > 0, r
-        e.pool.check_consistency()
-        lossless = e.handle(ask(False))
-        assert lossless.success and lossless.exact and lossless.cache_result != CacheResult.SEMANTIC
+        semantic_tier_is_reported(e, 32)
     finally:
         e.unload()
 

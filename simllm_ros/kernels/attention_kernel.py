@@ -188,7 +188,8 @@ class AttentionKernel:
         fn, work, stride, threads = self.pass_args(plan, Hq, D)
         fn(q.data_ptr(), q.stride(0), q.stride(1), k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
            v_new.data_ptr(), v_new.stride(0), v_new.stride(1), out.data_ptr(), Hq, Hkv, D, scale,
-           float(softcap or 0.0), plan.table.shape[0], plan.table.data_ptr(), layer, None if blk is None else blk.data_ptr(), first,
+           float(softcap or 0.0), plan.table.shape[0], plan.table.data_ptr(), layer,
+           None if blk is None else blk.data_ptr(), first,
            work.data_ptr(), stride, threads)
         return out
 

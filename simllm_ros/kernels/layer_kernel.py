@@ -197,8 +197,8 @@ class Layers:
         wp, (_, _, wstride, wthreads) = (window_plan, wargs) if wargs else (plan, args)
         xsum, tiles, per_thread, threads = self.int4.buffers(M, self.widest)
         P = _Pass(self._norm, self._mm, ctypes.cast(fn, ctypes.c_void_p).value, self.E, self.Hq, self.Hkv, self.D,
-                  self.inter, self.scale, self.softcap, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(), stride,
-                  athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS,
+                  self.inter, self.scale, self.softcap, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(),
+                  stride, athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS,
                   self._pool, GLUE_MIN_ROWS, wp.table.shape[0], wp.table.data_ptr(), work.data_ptr(), wstride,
                   wthreads, self.act)
         ws = self._workspace(M)
