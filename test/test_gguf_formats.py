@@ -791,18 +791,61 @@ def test_linear_rope_scaling_and_gemmas_attention_scale_are_read_from_the_file(t
 
 
 @pytest.mark.parametrize("dtype,bits", [("float32", 0), ("bfloat16", 16)])
-def test_phi_files_with_longrope_or_partial_rope_are_a_clear_load_error(tmp_path, dtype, bits):
-    """LongRoPE's per-frequency factors (Phi-3.5-mini, Phi-3 128k, Phi-4-mini) and RoPE on part of each head
-    (Phi-4-mini's 96 of 128 dimensions) are in the file but not in the config transformers' GGUF reader makes of it:
-    run without them, it would be another model. Both conversions refuse them with the reason."""
+def test_phi_files_with_partial_rope_are_a_clear_load_error(tmp_path, dtype, bits):
+    """RoPE on part of each head (Phi-4-mini's 96 of 128 dimensions) is in the file but not in the config
+    transformers' GGUF reader makes of it: run without it, it would be another model. Both conversions refuse it with
+    the reason."""
     from random_gguf import write_llama
 
-    long = write_llama(str(tmp_path / "rand-phi35.gguf"), arch="phi3", layers=1, default="Q8_0", rope_factors=True)
-    with pytest.raises(ModelLoadError, match="LongRoPE"):
-        ModelBackend(long, dtype=dtype, weight_bits=bits, cache_dir=str(tmp_path / "a"))
     part = write_llama(str(tmp_path / "rand-phi4.gguf"), arch="phi3", layers=1, default="Q8_0", rope_dims=48)
     with pytest.raises(ModelLoadError, match="rope.dimension_count 48 of heads 64 wide"):
         ModelBackend(part, dtype=dtype, weight_bits=bits, cache_dir=str(tmp_path / "b"))
+
+
+def test_longrope_files_run_at_their_short_factors_within_the_original_context(tmp_path):
+    """LongRoPE (Phi-3.5-mini, Phi-3 128k): per-frequency divisors for short and long contexts and an attention
+    factor on cos/sin, all in the file and dropped by transformers' GGUF reader. Read as llama.cpp reads them: within
+    the original context the short factors (llama.cpp's choice for a context that size; probe against its logits in
+    gguf_models.md: 0.027-0.032 of ~1.9 with them, 0.085 without the attention factor), on the runner, to
+    transformers' own forward of that config; a request past the original context is refused with the reason (the
+    long factors would apply there), and the next one is answered. Both conversions read the same config."""
+    import numpy as np
+    from random_gguf import write_llama
+
+    from simllm_ros.request import QueryRequest
+    from simllm_ros.serving.engine import Engine
+    from simllm_ros.settings import Settings
+
+    path = write_llama(str(tmp_path / "rand-phi35.gguf"), arch="phi3", layers=2, default="Q8_0", embed="Q8_0",
+                       rope_factors=True, metadata={"phi3.rope.scaling.attn_factor": 1.19}, seed=13)
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    short = [t for t in reader.tensors if t.name == "rope_factors_short.weight"][0].data.astype(np.float64)
+    b = ModelBackend(path, dtype="float32", weight_bits=0, activation_bits=32, cache_dir=str(tmp_path / "a"))
+    rope = b.config.rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 2048
+    assert abs(rope["attention_factor"] - 1.19) < 1e-6 and rope["short_factor"] == [float(v) for v in short]
+    assert b.runner is not None and b.exact_chunking and b.max_positions == 2048
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
+    assert torch.allclose(b._rope_inv_freqs()[0], plain / torch.tensor(short, dtype=torch.float), rtol=1e-6, atol=0)
+    ids = [int(t) for t in range(400, 400 + 17 * 53, 53)]
+    ours = b.run(ids, b.new_cache(20), logits="all")
+    with torch.inference_mode():
+        ref = b.hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
+    dense = ModelBackend(path, dtype="bfloat16", weight_bits=16, cache_dir=str(tmp_path / "b"))
+    assert dense.config.rope_parameters["short_factor"] == rope["short_factor"] and dense.max_positions == 2048
+    e = Engine(Settings.from_overrides(model=path, model_cache_dir=str(tmp_path / "a"), dtype="float32",
+                                       weight_bits=0, cache_size="64MB", max_prompt_tokens=4096))
+    e.load()
+    try:
+        long = e.handle(QueryRequest(prompt="Summarise.", context="the dock is closed " * 600, max_new_tokens=4))
+        assert not long.success and "past the 2048 positions this model runs at" in long.error, long
+        ok = e.handle(QueryRequest(prompt="Where is the dock?", context="The dock is in room 12.", max_new_tokens=4))
+        assert ok.success and ok.exact and ok.generated_tokens > 0, ok
+    finally:
+        e.unload()
 
 
 def test_yarn_rope_scaling_is_read_from_the_file_as_llama_cpp_runs_it(tmp_path):

@@ -69,6 +69,7 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
         raise gguf_weights.GGUFError(f"RoPE scaling '{kind}' ({arch}.rope.scaling.type) in a {cfg.model_type} file is "
                                      "not supported yet: running the file without it would compute another model")
     _llama3_rope(cfg, tensors.get("rope_freqs.weight"))
+    _longrope(cfg, meta, tensors)
     _whole_heads_rotated(cfg, meta, tensors)
     if cfg.model_type in skeleton.GEMMA:  # llama.cpp's rule: the 27Bs (Gemma 2: 46 layers, 3: 62) scale by
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # hidden / heads
@@ -76,16 +77,38 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
             if cfg.num_hidden_layers == (62 if gemma else 46) else head_dim
 
 
-def _whole_heads_rotated(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
-    """GGUFError for a RoPE this package does not run and transformers' GGUF reader drops: LongRoPE's per-frequency
-    factors (`rope_factors_long` / `_short`: Phi-3.5-mini, Phi-3 128k, Phi-4-mini files; llama.cpp picks one by the
-    context size) and RoPE on a part of each head (`rope.dimension_count` below the head's width, Phi-4-mini's 96 of
-    128) where the config does not say so. Either, dropped, is another model than the file's."""
+def _longrope(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
+    """LongRoPE (Phi-3.5-mini, Phi-3 128k, Phi-4-mini files), which transformers' GGUF reader drops: per-frequency
+    divisors for short contexts and for long ones (`rope_factors_short` / `_long`), and cos/sin scaled by
+    `rope.scaling.attn_factor`. llama.cpp takes the short ones while its context is within the original
+    (`rope.scaling.original_context_length`); so does this package, whose table is fixed at load: the backend refuses
+    positions past the original context (ModelBackend.max_positions), where llama.cpp would turn to the long ones.
+    GGUFError for a file with one set only, or factors not one per frequency."""
     arch = meta.get("general.architecture", "")
-    factors = sorted(n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in tensors)
-    if factors:
-        raise gguf_weights.GGUFError(f"LongRoPE ({', '.join(factors)} in a {arch} file) is not supported yet: "
-                                     "running the file without it would compute another model")
+    found = {w: tensors.get(f"rope_factors_{w}.weight") for w in ("short", "long")}
+    if not any(found.values()):
+        return
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rotated = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
+    if any(t is None or t.ggml != "F32" or tuple(t.shape) != (rotated // 2,) for t in found.values()):
+        raise gguf_weights.GGUFError(f"LongRoPE factors in a {arch} file that are not a float32 pair (short, long) of "
+                                     f"{rotated // 2} per head: not LongRoPE as llama.cpp reads it")
+    key = f"{arch}.rope.scaling."
+    original = int(meta.get(key + "original_context_length") or meta.get(f"{arch}.context_length")
+                   or cfg.max_position_embeddings)
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    params.update(rope_type="longrope", original_max_position_embeddings=original,
+                  attention_factor=float(meta.get(key + "attn_factor", 1.0)),
+                  **{f"{w}_factor": [float(v) for v in t.read().view(np.float32)] for w, t in found.items()})
+    cfg.rope_parameters = params
+    cfg.original_max_position_embeddings = original  # Phi3Config's own field, which its RoPE check reads
+
+
+def _whole_heads_rotated(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
+    """GGUFError for a RoPE this package does not run and transformers' GGUF reader drops: RoPE on a part of each
+    head (`rope.dimension_count` below the head's width, Phi-4-mini's 96 of 128) where the config does not say so.
+    Dropped, it is another model than the file's."""
+    arch = meta.get("general.architecture", "")
     rotated = meta.get(f"{arch}.rope.dimension_count")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     params = getattr(cfg, "rope_parameters", None)

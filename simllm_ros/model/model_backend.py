@@ -140,6 +140,11 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         self.kv_shape = KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
         self.has_sliding_layers = skeleton.has_sliding_layers(cfg)
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
+        # LongRoPE runs at its short factors, fixed at load: past the original context llama.cpp (and transformers)
+        # would take the long ones, so positions there are refused rather than computed as another model
+        rope = getattr(cfg, "rope_parameters", None)
+        self.max_positions = int(rope["original_max_position_embeddings"]) \
+            if isinstance(rope, dict) and rope.get("rope_type") == "longrope" else None
         self.runner = None
         self.reload_lighter = False
         fast = (self.model_type in FULL_ATTENTION_ARCHITECTURES and not self.has_sliding_layers

@@ -98,8 +98,9 @@ class Embedding(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos and sin of RoPE for positions: one inverse-frequency table, or one per layer type (Gemma 3's sliding
-    and full layers have their own bases). Static RoPE kinds only (default, linear, llama3, yarn): `build` declines
-    the dynamic ones, whose tables change with the sequence length."""
+    and full layers have their own bases). Static RoPE kinds only (default, linear, llama3, yarn, and LongRoPE at its
+    short factors: ModelBackend.max_positions keeps sequences within the original context, where transformers and
+    llama.cpp take those too): `build` declines the dynamic ones, whose tables change with the sequence length."""
 
     def __init__(self, config, layer_types: list[str] | None):
         super().__init__()
@@ -217,7 +218,7 @@ def build(cfg, keys: set[str]) -> CausalLM | None:
     for t in types:
         params = _rope_parameters(cfg, t)
         if not isinstance(params, dict) or "dynamic" in params.get("rope_type", "") or \
-                params.get("rope_type") == "longrope" or float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+                float(params.get("partial_rotary_factor", 1.0)) != 1.0:
             return None
     act_name = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", None)
     if act_name in ACTIVATIONS:

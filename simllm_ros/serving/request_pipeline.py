@@ -153,6 +153,11 @@ class RequestPipeline:
             return QueryResult.failure(f"prompt and context are {len(tokens)} tokens; max_prompt_tokens is "
                                        f"{s.max_prompt_tokens} (nothing is truncated)", req.request_id)
         max_new = self._answer_length(req)
+        limit = getattr(backend, "max_positions", None)
+        if limit and len(tokens) + max_new > limit:
+            return QueryResult.failure(f"prompt and context are {len(tokens)} tokens and the answer up to {max_new}: "
+                                       f"past the {limit} positions this model runs at (LongRoPE's "
+                                       "short factors; nothing is truncated)", req.request_id)
         now = time.time()
         self._refresh(now)
         temperature = s.temperature if req.temperature is None else req.temperature
