@@ -190,7 +190,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope_base, head_dim, **llama3_rope))
     if rope_factors:
         for which in ("long", "short"):
-            factors = rng.uniform(1.0, 4.0, size=(head_dim // 2,)).astype(np.float32)
+            factors = rng.uniform(1.0, 4.0, size=((rope_dims or head_dim) // 2,)).astype(np.float32)
             w.add_tensor(f"rope_factors_{which}.weight", factors)
     norm("output_norm.weight")
     if output:

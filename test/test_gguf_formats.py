@@ -790,16 +790,37 @@ def test_linear_rope_scaling_and_gemmas_attention_scale_are_read_from_the_file(t
         ModelBackend(other, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
 
 
-@pytest.mark.parametrize("dtype,bits", [("float32", 0), ("bfloat16", 16)])
-def test_phi_files_with_partial_rope_are_a_clear_load_error(tmp_path, dtype, bits):
-    """RoPE on part of each head (Phi-4-mini's 96 of 128 dimensions) is in the file but not in the config
-    transformers' GGUF reader makes of it: run without it, it would be another model. Both conversions refuse it with
-    the reason."""
+def test_phi_files_with_rope_on_part_of_each_head_run_as_transformers_and_llama_cpp_compute_them(tmp_path):
+    """RoPE on the first dimensions of each head only (Phi-4-mini's 96 of 128; here 48 of 64), which transformers'
+    GGUF reader drops: read from the file (`rope.dimension_count`), the runner turns those dimensions in pairs (d, d +
+    48 / 2) and leaves the rest, in the C layers as in Python, to transformers' own forward (against llama.cpp's
+    logits, gguf_models.md: 0.028-0.034 of ~2, 0.12-0.19 with every dimension rotated); SEMANTIC's key rotation
+    moves the rotated part only. With LongRoPE's factors too (Phi-4-mini has both), the same. Another architecture
+    with such a count is refused with the reason."""
     from random_gguf import write_llama
 
-    part = write_llama(str(tmp_path / "rand-phi4.gguf"), arch="phi3", layers=1, default="Q8_0", rope_dims=48)
+    ids = [int(t) for t in range(400, 400 + 17 * 53, 53)]
+    for name, extra in (("part", {}), ("part-longrope", {"rope_factors": True})):
+        path = write_llama(str(tmp_path / f"rand-{name}.gguf"), arch="phi3", layers=2, default="Q8_0", embed="Q8_0",
+                           rope_dims=48, seed=5, **extra)
+        b = ModelBackend(path, dtype="float32", weight_bits=0, activation_bits=32, cache_dir=str(tmp_path / name))
+        assert b.config.rope_parameters["partial_rotary_factor"] == 0.75 and b.runner.rope_dims == 48
+        assert b.layers_kind == "c" and b.exact_chunking and b.semantic_supported
+        ours = b.run(ids, b.new_cache(20), logits="all")
+        b.runner.layers_in_c = False
+        try:
+            assert torch.equal(b.run(ids, b.new_cache(20), logits="all"), ours)
+        finally:
+            b.runner.layers_in_c = True
+        with torch.inference_mode():
+            ref = b.hf_model(torch.tensor([ids])).logits[0].float()
+        assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), (ours - ref).abs().max()
+        k = torch.randn(2, 2, 5, 64, generator=torch.Generator().manual_seed(0))
+        moved = b.rotate_keys(k, torch.tensor([1, 2, 3, 4, 5]))
+        assert torch.equal(moved[..., 48:], k[..., 48:]) and not torch.allclose(moved[..., :48], k[..., :48])
+    other = write_llama(str(tmp_path / "rand-qwen2-part.gguf"), arch="qwen2", layers=1, default="Q8_0", rope_dims=48)
     with pytest.raises(ModelLoadError, match="rope.dimension_count 48 of heads 64 wide"):
-        ModelBackend(part, dtype=dtype, weight_bits=bits, cache_dir=str(tmp_path / "b"))
+        ModelBackend(other, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "other"))
 
 
 def test_longrope_files_run_at_their_short_factors_within_the_original_context(tmp_path):

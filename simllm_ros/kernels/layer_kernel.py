@@ -36,7 +36,8 @@ class _Pass(ctypes.Structure):
                 ("athreads", _I),
                 ("xsum", _P), ("scratch", _P), ("per_thread", _L), ("threads", _I), ("thread_min_macs", _L),
                 ("pool", _P), ("glue_min_rows", _I),
-                ("wnseq", _I), ("wtable", _P), ("wawork", _P), ("wastride", _L), ("wathreads", _I), ("act", _I)]
+                ("wnseq", _I), ("wtable", _P), ("wawork", _P), ("wastride", _L), ("wathreads", _I), ("act", _I),
+                ("rot", _I)]
 
 
 ACT_SILU, ACT_GELU_TANH = 0, 1  # layers.c's activations of the MLP's gate
@@ -92,8 +93,10 @@ class Layers:
 
     def __init__(self, kernel: LayerKernel, layers: list, int4, norms, attention, E: int, Hq: int, Hkv: int, D: int,
                  inter: int, scale: float, qk_norms: list | None = None, post_norms: list | None = None,
-                 rope_of: list[int] | None = None, window: list[int] | None = None, softcap: float | None = None):
+                 rope_of: list[int] | None = None, window: list[int] | None = None, softcap: float | None = None,
+                 rope_dims: int | None = None):
         self.kernel, self.int4, self.attention = kernel, int4, attention
+        self.rot = rope_dims or D  # RoPE's rotated dimensions of a head (the float32 layers; bf16: all)
         self.softcap = float(softcap or 0.0)  # the attention scores' soft-capping (Gemma 2's), 0: none
         self.act = _ACTS[type(layers[0][6]).__name__]
         self.dtype = int4.dtype  # bf16 (AMX products) or float32 (vector products)
@@ -157,6 +160,8 @@ class Layers:
             return False
         if runner.head_dim % 32 or runner.inter % 16 or runner.hidden % 16:
             return False
+        if getattr(runner, "rope_dims", runner.head_dim) != runner.head_dim and not f32:
+            return False  # RoPE on part of each head: the float32 layers only
         for ln1, qkv, o, ln2, gu, down, act in runner.layers:
             kind = _ACTS.get(type(act).__name__)
             if ln1.kernel is None or ln2.kernel is None or kind is None or (kind != ACT_SILU and not f32):
@@ -200,7 +205,7 @@ class Layers:
                   self.inter, self.scale, self.softcap, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(),
                   stride, athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS,
                   self._pool, GLUE_MIN_ROWS, wp.table.shape[0], wp.table.data_ptr(), work.data_ptr(), wstride,
-                  wthreads, self.act)
+                  wthreads, self.act, self.rot)
         ws = self._workspace(M)
         self.kernel._stack[self.dtype](ctypes.byref(P), h.data_ptr(), M, first, last, self.weights.data_ptr(),
                             self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())

@@ -87,6 +87,7 @@ typedef struct {
     pool_fn pool; int glue_min_rows;  /* the 4-bit kernel's kept workers (or 0), for the steps between products */
     int wnseq; const int64_t *wtable; float *wawork; long wastride; int wathreads;  /* unused here: pass32_t's */
     int act;                                                                          /* layout is _Pass's too */
+    int rot;                                                                          /* unused here */
 } pass_t;
 
 /* The steps between products (norms, residual adds, RoPE, SiLU; layer_stack.h) are per row. */
@@ -163,19 +164,21 @@ typedef struct {  /* the layout of pass_t (the _Pass structure), float32 entry p
     pool32_fn pool; int glue_min_rows;
     int wnseq; const int64_t *wtable; float *wawork; long wastride; int wathreads;  /* sliding layers' attention */
     int act;  /* the MLP's activation: ACT_SILU or ACT_GELU_TANH */
+    int rot;  /* RoPE's rotated dimensions of a head (D; Phi-4-mini's 96 of 128) */
 } pass32_t;
 enum { ACT_SILU, ACT_GELU_TANH };
 
-void simllm_rope_f32(const float *x, long row_stride, int M, int H, int D, const float *cos, const float *sin,
-                     float *out) {
-    const int half = D / 2;
+void simllm_rope_f32(const float *x, long row_stride, int M, int H, int D, int rot, const float *cos,
+                     const float *sin, float *out) {
+    const int half = rot / 2;  /* dimensions d < rot turn in pairs (d, d + rot / 2); the rest (cos 1, sin 0) stay */
     for (int m = 0; m < M; m++) {
         const float *c = cos + (long)m * D, *s = sin + (long)m * D;
         for (int h = 0; h < H; h++) {
             const float *xr = x + (long)m * row_stride + (long)h * D;
             float *o = out + ((long)m * H + h) * D;
             for (int d = 0; d < D; d++) {
-                const float a = xr[d] * c[d], b = xr[d < half ? d + half : d - half] * s[d];
+                const int other = d >= rot ? d : (d < half ? d + half : d - half);
+                const float a = xr[d] * c[d], b = xr[other] * s[d];
                 o[d] = a + b;
             }
         }
@@ -250,7 +253,7 @@ static void *glue32_rows(void *arg) {
                 P->norm(row + (long)P->Hq * D, D, G->kn, row + (long)P->Hq * D, P->Hkv, D, G->qk_eps);
             }
         }
-        simllm_rope_f32(G->src + (long)m0 * H * D, (long)H * D, m, P->Hq + P->Hkv, D, G->cos + (long)m0 * D,
+        simllm_rope_f32(G->src + (long)m0 * H * D, (long)H * D, m, P->Hq + P->Hkv, D, P->rot, G->cos + (long)m0 * D,
                         G->sin + (long)m0 * D, G->dst + (long)m0 * (P->Hq + P->Hkv) * D);
         break;
     case G_SILU:

@@ -70,7 +70,7 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
                                      "not supported yet: running the file without it would compute another model")
     _llama3_rope(cfg, tensors.get("rope_freqs.weight"))
     _longrope(cfg, meta, tensors)
-    _whole_heads_rotated(cfg, meta, tensors)
+    _rotated_part(cfg, meta)
     if cfg.model_type in skeleton.GEMMA:  # llama.cpp's rule: the 27Bs (Gemma 2: 46 layers, 3: 62) scale by
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # hidden / heads
         cfg.query_pre_attn_scalar = cfg.hidden_size // cfg.num_attention_heads \
@@ -104,20 +104,25 @@ def _longrope(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
     cfg.original_max_position_embeddings = original  # Phi3Config's own field, which its RoPE check reads
 
 
-def _whole_heads_rotated(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
-    """GGUFError for a RoPE this package does not run and transformers' GGUF reader drops: RoPE on a part of each
-    head (`rope.dimension_count` below the head's width, Phi-4-mini's 96 of 128) where the config does not say so.
-    Dropped, it is another model than the file's."""
+def _rotated_part(cfg, meta: dict) -> None:
+    """RoPE on a part of each head (`rope.dimension_count` below the head's width: Phi-4-mini's 96 of 128), which
+    transformers' GGUF reader drops: set as the config's partial_rotary_factor for Phi-3 files, whose classes and our
+    runner rotate the first dimensions in pairs (d, d + rotated / 2), as llama.cpp does; GGUFError for other
+    architectures or a count that is not an even part of the head. Dropped, it would be another model."""
     arch = meta.get("general.architecture", "")
     rotated = meta.get(f"{arch}.rope.dimension_count")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     params = getattr(cfg, "rope_parameters", None)
     part = float((params.get("partial_rotary_factor") if isinstance(params, dict) else None)
                  or getattr(cfg, "partial_rotary_factor", None) or 1.0)
-    if rotated is not None and int(rotated) != round(head_dim * part):
+    if rotated is None or int(rotated) == round(head_dim * part):
+        return
+    if cfg.model_type != "phi3" or not isinstance(params, dict) or int(rotated) % 2 or not 0 < int(rotated) < head_dim:
         raise gguf_weights.GGUFError(f"{arch}.rope.dimension_count {rotated} of heads {head_dim} wide: RoPE on part "
                                      "of each head is not supported yet for this file (running every dimension "
                                      "rotated would compute another model)")
+    cfg.rope_parameters = {**params, "partial_rotary_factor": int(rotated) / head_dim}
+    cfg.partial_rotary_factor = int(rotated) / head_dim
 
 
 # YaRN's settings besides factor, base and original context that llama.cpp reads from some files (DeepSeek's attention

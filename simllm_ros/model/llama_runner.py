@@ -85,6 +85,15 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
+        # RoPE on the first rope_dims of each head (Phi-4-mini's 96 of 128; all elsewhere), turning (d, d + rope_dims
+        # / 2) together; the tables are padded to the head with cos 1, sin 0, so the rest stays as it is
+        params = getattr(cfg, "rope_parameters", None)
+        part = float((params.get("partial_rotary_factor") if isinstance(params, dict) else None)
+                     or getattr(cfg, "partial_rotary_factor", None) or 1.0)
+        self.rope_dims = int(self.head_dim * part)
+        half = self.rope_dims // 2
+        self._partner = None if self.rope_dims == self.head_dim else torch.tensor(
+            [d + half if d < half else d - half if d < self.rope_dims else d for d in range(self.head_dim)])
         # Gemma 2 and 3: queries scaled by query_pre_attn_scalar, a window of keys on sliding layers, norms after
         # attention and MLP, soft-capped logits; Gemma 3 a RoPE table per layer type (sliding layers have their own
         # base), Gemma 2 one table and soft-capped attention scores
@@ -202,7 +211,7 @@ class LlamaRunner(LayerSteps, EarlyPasses):
             self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
                                              self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale,
                                              self.qk_norms, self.post_norms, self.rope_of, self.window,
-                                             self.attn_softcap)
+                                             self.attn_softcap, self.rope_dims)
         if self.file is not None and self.file.embed is not None:  # looked up from the file's blocks
             self.embed = self.file.embed
             if hasattr(base.embed_tokens, "embed_scale"):  # Gemma's rows times sqrt(hidden), as transformers does

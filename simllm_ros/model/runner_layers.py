@@ -102,22 +102,30 @@ class LayerSteps:
         qk = self._rotate(qk, cos[self.rope_of[li]], sin[self.rope_of[li]])
         return qk[:, :Hq], qk[:, Hq:], qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on rows of heads x [M, H, D] with `_rope_tables`' cos, sin [M, 1, D] (per element: a subset of the
-        heads or rows gets the bits it gets with the others)."""
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        heads or rows gets the bits it gets with the others); on part of each head, each rotated dimension with its
+        pair's (`_partner`), the rest times cos 1 plus itself times sin 0."""
+        other = x.roll(x.shape[-1] // 2, dims=-1) if self._partner is None else x[..., self._partner]
+        return x * cos + other * sin
 
     def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, M, 1, D] for the rows' positions, one table per RoPE kind (T = 1 but for Gemma's sliding
         and full layers; layer li's is [rope_of[li]]), sin with its first half negated: then x * cos + roll(x,
         D/2) * sin is HF's x * cos + rotate_half(x) * sin, bitwise ((-a) * b == a * (-b))."""
         tables = [self.rotary(h, positions[None]) if t is None else _no_rotation(h, positions, self.head_dim)
-                  if t == NO_ROPE else self.rotary(h, positions[None], t) for t in self.rope_types]  # each [1, M, D]
-        cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
-        half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        return cos[:, :, None], sin[:, :, None]
+                  if t == NO_ROPE else self.rotary(h, positions[None], t) for t in self.rope_types]  # each [1, M, w]
+        cos, sin = [], []
+        for c, s in tables:
+            w, half = s.shape[-1], s.shape[-1] // 2
+            s = torch.cat((-s[..., :half], s[..., half:]), dim=-1)
+            if w < self.head_dim:  # RoPE on part of the head: the rest times 1, its partner (itself) times 0
+                pad = self.head_dim - w
+                c = torch.cat((c, c.new_ones(*c.shape[:-1], pad)), -1)
+                s = torch.cat((s, s.new_zeros(*s.shape[:-1], pad)), -1)
+            cos.append(c)
+            sin.append(s)
+        return torch.cat(cos)[:, :, None], torch.cat(sin)[:, :, None]
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma's final soft-capping, cap * tanh(logits / cap), where the config sets one (row by row)."""

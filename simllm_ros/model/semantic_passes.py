@@ -99,6 +99,9 @@ class SemanticPasses:
         tables = self._rope_inv_freqs()
         of = self.runner.rope_of[first_layer:first_layer + k.shape[0]] if self.runner is not None else [0] * k.shape[0]
         kf = k.float()
+        rot = 2 * tables[0].shape[-1]  # RoPE's rotated part of a head (Phi-4-mini's 96 of 128): the rest stays
+        if rot < kf.shape[-1] and all(2 * f.shape[-1] == rot for f in tables):
+            return torch.cat((self.rotate_keys(k[..., :rot], delta, first_layer), k[..., rot:]), dim=-1)
         half = kf.shape[-1] // 2
         rotated_half = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
         out = None

@@ -140,8 +140,9 @@ def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, 
     """(inverse frequencies, attention scaling) of `config`'s RoPE, for one layer type where it has several."""
     params = _rope_parameters(config, layer_type)
     kind = params["rope_type"]
-    if kind == "default":
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if kind == "default":  # over the rotated part of a head (Phi-4-mini's 96 of 128), as transformers computes it
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
         return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # no modeling code imported
 
@@ -217,8 +218,7 @@ def build(cfg, keys: set[str]) -> CausalLM | None:
     types = sorted(set(cfg.layer_types)) if rope_per_layer_type(cfg) else [None]
     for t in types:
         params = _rope_parameters(cfg, t)
-        if not isinstance(params, dict) or "dynamic" in params.get("rope_type", "") or \
-                float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        if not isinstance(params, dict) or "dynamic" in params.get("rope_type", ""):
             return None
     act_name = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", None)
     if act_name in ACTIVATIONS:

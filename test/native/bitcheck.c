@@ -52,7 +52,7 @@ typedef long (*floats_fn)(void);
 typedef void (*norm32_fn)(const float *, long, const float *, float *, int, int, float);
 typedef void (*norm16_fn)(const uint16_t *, long, const uint16_t *, uint16_t *, int, int, float);
 typedef void (*silu_fn)(const float *, long, int, int, float *, long);
-typedef void (*rope_fn)(const float *, long, int, int, int, const float *, const float *, float *);
+typedef void (*rope_fn)(const float *, long, int, int, int, int, const float *, const float *, float *);
 typedef void (*attend_fn)(const float *, long, long, const float *, long, long, const float *, long, long, float *,
                           int, int, int, float, float, int, const int64_t *, int, const uint8_t *, int, float *, long,
                           int);
@@ -139,8 +139,10 @@ int main(int argc, char **argv) {
     spill(dir, "gelu_f32.f32", a, (long)M * I * 4);
     const float *rx = slurp(dir, "rx.f32", 0), *cs = slurp(dir, "cos.f32", 0), *sn = slurp(dir, "sin.f32", 0);
     float *ro = calloc((size_t)M * H * D, 4);
-    ((rope_fn)sym(layers, "simllm_rope_f32"))(rx, (long)H * D, M, H, D, cs, sn, ro);
+    ((rope_fn)sym(layers, "simllm_rope_f32"))(rx, (long)H * D, M, H, D, D, cs, sn, ro);
     spill(dir, "rope_f32.f32", ro, (long)M * H * D * 4);
+    ((rope_fn)sym(layers, "simllm_rope_f32"))(rx, (long)H * D, M, H, D, D / 4 * 3, cs, sn, ro);  /* Phi-4-mini's */
+    spill(dir, "rope_part_f32.f32", ro, (long)M * H * D * 4);
 
     /* attention (float32): H query heads on one KV head, M rows attending causally; in one pass and in two (rows
        0-4, then the rest over the keys the first wrote), scores plain and soft-capped (Gemma 2's), 1 and 2 threads */
