@@ -47,13 +47,17 @@ SHAPES = {
     "smollm3-3b": (36, 2048, 11008, 16, 4, "smollm3", None),  # every fourth layer without RoPE; head tied
     "phi-3-mini": (32, 3072, 8192, 32, 32, "phi3", None),  # fused q/k/v and gate/up tensors, no GQA
     "gemma-2-2b": (26, 2304, 9216, 8, 4, "gemma2", 256),  # every other layer sliding, soft-capped scores and logits
+    "phi-4-mini": (32, 3072, 8192, 24, 8, "phi3", 128),  # RoPE on 96 of 128 dimensions, LongRoPE, tied head
 }
 # What else a release's file carries: Llama 3.2's RoPE (base 500,000 and llama3 scaling, which llama.cpp's converter
 # writes as rope_freqs.weight) and its tied LM head
 RELEASE = {"llama-3.2-1b": {"rope_base": 500000.0, "output": None,
                             "llama3_rope": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 8192}},
-           "gemma-2-2b": {"softcaps": (50.0, 30.0), "output": None}}  # its caps on attention scores and logits
+           "gemma-2-2b": {"softcaps": (50.0, 30.0), "output": None},  # its caps on attention scores and logits
+           # LongRoPE's factors (random here) and attention factor, RoPE on 96 of each head's 128 dimensions
+           "phi-4-mini": {"rope_dims": 96, "rope_factors": True, "output": None,
+                          "metadata": {"phi3.rope.scaling.attn_factor": 1.19}}}
 QUESTIONS = ["Which road is closed this afternoon and why?", "Where can I park near the stadium tonight?"]
 
 
