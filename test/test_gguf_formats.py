@@ -223,6 +223,19 @@ def test_the_head_is_the_files_weights(files, activation_bits):
     assert (got - want).abs().max() <= 2e-5 * want.abs().max()
 
 
+def _ours_and_transformers(b: ModelBackend, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runner's logits of every position (the C layers; the Python layers must give the same bits) and
+    transformers' own forward's on the same model."""
+    ours = b.run(ids, b.new_cache(len(ids) + 3), logits="all")
+    b.runner.layers_in_c = False
+    try:
+        assert torch.equal(b.run(ids, b.new_cache(len(ids) + 3), logits="all"), ours)
+    finally:
+        b.runner.layers_in_c = True
+    with torch.inference_mode():
+        return ours, b.hf_model(torch.tensor([ids])).logits[0].float()
+
+
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "phi3", "gemma2"])
 def test_qwen_smollm3_phi3_and_gemma2_files_run_on_their_own_blocks_as_transformers_computes_them(files, name):
     """Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms before RoPE, head_dim 128 beside a hidden size of 256),
@@ -242,14 +255,7 @@ def test_qwen_smollm3_phi3_and_gemma2_files_run_on_their_own_blocks_as_transform
         assert b.runner.window == [16, 0, 16, 0] and b.config.query_pre_attn_scalar == 64
     assert b.layers_kind == "c"  # the float32 C layers take the biases and the q/k norms
     ids = [int(t) for t in range(400, 400 + 17 * 53, 53)]
-    ours = b.run(ids, b.new_cache(20), logits="all")
-    b.runner.layers_in_c = False
-    try:  # the Python layers compute the same bits
-        assert torch.equal(b.run(ids, b.new_cache(20), logits="all"), ours)
-    finally:
-        b.runner.layers_in_c = True
-    with torch.inference_mode():
-        ref = b.hf_model(torch.tensor([ids])).logits[0].float()
+    ours, ref = _ours_and_transformers(b, ids)
     assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     if name in ("smollm3", "phi3", "gemma2"):
@@ -806,14 +812,7 @@ def test_phi_files_with_rope_on_part_of_each_head_run_as_transformers_and_llama_
         b = ModelBackend(path, dtype="float32", weight_bits=0, activation_bits=32, cache_dir=str(tmp_path / name))
         assert b.config.rope_parameters["partial_rotary_factor"] == 0.75 and b.runner.rope_dims == 48
         assert b.layers_kind == "c" and b.exact_chunking and b.semantic_supported
-        ours = b.run(ids, b.new_cache(20), logits="all")
-        b.runner.layers_in_c = False
-        try:
-            assert torch.equal(b.run(ids, b.new_cache(20), logits="all"), ours)
-        finally:
-            b.runner.layers_in_c = True
-        with torch.inference_mode():
-            ref = b.hf_model(torch.tensor([ids])).logits[0].float()
+        ours, ref = _ours_and_transformers(b, ids)
         assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), (ours - ref).abs().max()
         k = torch.randn(2, 2, 5, 64, generator=torch.Generator().manual_seed(0))
         moved = b.rotate_keys(k, torch.tensor([1, 2, 3, 4, 5]))
