@@ -113,9 +113,7 @@ def _rotated_part(cfg, meta: dict) -> None:
     rotated = meta.get(f"{arch}.rope.dimension_count")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     params = getattr(cfg, "rope_parameters", None)
-    part = float((params.get("partial_rotary_factor") if isinstance(params, dict) else None)
-                 or getattr(cfg, "partial_rotary_factor", None) or 1.0)
-    if rotated is None or int(rotated) == round(head_dim * part):
+    if rotated is None or int(rotated) == skeleton.rope_dims(cfg):
         return
     if cfg.model_type != "phi3" or not isinstance(params, dict) or int(rotated) % 2 or not 0 < int(rotated) < head_dim:
         raise gguf_weights.GGUFError(f"{arch}.rope.dimension_count {rotated} of heads {head_dim} wide: RoPE on part "

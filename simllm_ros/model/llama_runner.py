@@ -87,10 +87,7 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         self.scale = self.head_dim ** -0.5
         # RoPE on the first rope_dims of each head (Phi-4-mini's 96 of 128; all elsewhere), turning (d, d + rope_dims
         # / 2) together; the tables are padded to the head with cos 1, sin 0, so the rest stays as it is
-        params = getattr(cfg, "rope_parameters", None)
-        part = float((params.get("partial_rotary_factor") if isinstance(params, dict) else None)
-                     or getattr(cfg, "partial_rotary_factor", None) or 1.0)
-        self.rope_dims = int(self.head_dim * part)
+        self.rope_dims = skeleton.rope_dims(cfg)
         half = self.rope_dims // 2
         self._partner = None if self.rope_dims == self.head_dim else torch.tensor(
             [d + half if d < half else d - half if d < self.rope_dims else d for d in range(self.head_dim)])

@@ -129,6 +129,15 @@ def rope_per_layer_type(config) -> bool:
     return bool(types) and isinstance(params, dict) and "rope_type" not in params and set(types) <= params.keys()
 
 
+def rope_dims(config) -> int:
+    """RoPE's rotated dimensions of a head: all, or its partial_rotary_factor of them (Phi-4-mini's 96 of 128), counted
+    as transformers counts them."""
+    params = getattr(config, "rope_parameters", None)
+    part = float((params.get("partial_rotary_factor") if isinstance(params, dict) else None)
+                 or getattr(config, "partial_rotary_factor", None) or 1.0)
+    return int((getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) * part)
+
+
 def _rope_parameters(config, layer_type: str | None) -> dict | None:
     params = getattr(config, "rope_parameters", None)
     if layer_type is not None and isinstance(params, dict):
