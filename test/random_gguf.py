@@ -29,7 +29,7 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
         nb = n * k // 32
         b = np.concatenate([_f16(rng, nb, 2e-4, 6e-4), rng.integers(-127, 128, (nb, 32), dtype=np.int8).view(np.uint8)],
                            axis=1)
-    elif ggml == "Q4_0":
+    elif ggml in ("Q4_0", "IQ4_NL"):  # d, 16 bytes of nibbles (IQ4_NL's index a table of 16 values)
         nb = n * k // 32
         b = np.concatenate([_f16(rng, nb, 3e-3, 1e-2), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
     elif ggml == "Q5_0":
@@ -43,6 +43,10 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
         nb = n * k // 256
         b = np.concatenate([_f16(rng, nb, 2e-5, 6e-5), _f16(rng, nb, 1e-5, 6e-5),
                             rng.integers(0, 256, (nb, 12 + 32 + 128), dtype=np.uint8)], axis=1)
+    elif ggml == "Q3_K":  # 32 bytes of high bits, 64 of 2-bit codes, 12 of 6-bit sub-scales, d
+        nb = n * k // 256
+        b = np.concatenate([rng.integers(0, 256, (nb, 32 + 64 + 12), dtype=np.uint8), _f16(rng, nb, 1e-4, 3e-4)],
+                           axis=1)
     elif ggml == "Q6_K":
         nb = n * k // 256
         sc = rng.integers(-64, 65, (nb, 16), dtype=np.int8).view(np.uint8)
@@ -82,7 +86,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 rope_base: float = 10000.0, llama3_rope: dict | None = None,
                 rope_scaling: tuple | None = None, name: str | None = None, metadata: dict | None = None,
                 vocab: int | None = None, rope_dims: int | None = None, rope_factors: bool = False,
-                softcaps: tuple[float, float] | None = None) -> str:
+                softcaps: tuple[float, float] | None = None, pad_vocab: int | None = None) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
@@ -103,7 +107,9 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     `metadata`: further float32 keys ({"qwen2.rope.scaling.yarn_log_multiplier": 0.1}); `vocab`: rows of the
     embedding and LM head other than the tokenizer's token count (a file whose parts do not fit); `rope_dims`: RoPE's
     rotated dimensions per head where not all (Phi-4-mini's 96 of 128); `rope_factors`: LongRoPE's per-frequency
-    factors (rope_factors_long / rope_factors_short tensors, Phi-3.5's)."""
+    factors (rope_factors_long / rope_factors_short tensors, Phi-3.5's). `pad_vocab`: the tokenizer's token list
+    padded to this many with unused "[PAD<i>]" tokens, as llama.cpp's converter pads a model whose embedding has more
+    rows than its tokenizer has tokens (Qwen2.5's 151,936), so a file has a real model's vocabulary size."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer or tokenizer_source())
@@ -115,7 +121,10 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     if head_dim != hidden // heads or arch in ("qwen3", "gemma3", "gemma2"):  # their configs default to other sizes
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    vocab = vocab or len(src.fields["tokenizer.ggml.tokens"].data)
+    tokens = len(src.fields["tokenizer.ggml.tokens"].data)
+    if pad_vocab and pad_vocab < tokens:
+        raise ValueError(f"pad_vocab {pad_vocab} is below the tokenizer's {tokens} tokens")
+    vocab = vocab or pad_vocab or tokens
     w.add_block_count(layers)
     w.add_context_length(2048)
     w.add_embedding_length(hidden)
@@ -143,7 +152,15 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
             continue
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, field.contents(), vtype, sub_type=field.types[1])
+            contents = field.contents()
+            padding = range(tokens, pad_vocab or tokens)
+            if key == "tokenizer.ggml.tokens":
+                contents = contents + [f"[PAD{i}]" for i in padding]
+            elif key == "tokenizer.ggml.token_type":
+                contents = contents + [int(gguf.TokenType.UNUSED)] * len(padding)
+            elif key == "tokenizer.ggml.scores":
+                contents = contents + [0.0] * len(padding)
+            w.add_key_value(key, contents, vtype, sub_type=field.types[1])
         else:
             w.add_key_value(key, field.contents(), vtype)
     types = types or {}
