@@ -26,7 +26,7 @@ def _tensor(ggml: str, n: int, k: int, seed: int = 0):
     return gguf_weights.decode(ggml, raw, (n, k)), torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
 
 
-@pytest.mark.parametrize("ggml", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("ggml", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "IQ4_NL"])
 def test_blocks_decode_to_what_gguf_dequantizes(ggml):
     n, k = 48, 512
     if ggml in ("Q4_0", "Q4_1", "Q5_0"):  # gguf-py quantizes these itself
@@ -40,7 +40,7 @@ def test_blocks_decode_to_what_gguf_dequantizes(ggml):
     assert fw.kind == gguf_weights.KINDS[ggml]
 
 
-@pytest.mark.parametrize("ggml", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("ggml", ["Q3_K", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_NL"])
 def test_products_are_the_files_weights_and_row_invariant(ggml):
     n, k = 96, 768
     fw, w = _tensor(ggml, n, k, seed=3)
@@ -57,8 +57,9 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
         assert torch.equal(whole, KERNEL.mm(x, KERNEL.pack_affine(fw.codes, fw.step, fw.base), outs))
 
 
-@pytest.mark.parametrize("ggml,kind,bits", [("Q4_K", "q4k8", 4.5), ("Q5_K", "q5k8", 5.5), ("Q6_K", "q6k8", 6.625),
-                                           ("Q8_0", "q8r", 8.5), ("Q5_0", "q5r", 5.5), ("Q4_0", "q4r", 4.5)])
+@pytest.mark.parametrize("ggml,kind,bits", [("Q3_K", "q3k8", 4.625), ("Q4_K", "q4k8", 4.5), ("Q5_K", "q5k8", 5.5),
+                                           ("Q6_K", "q6k8", 6.625), ("Q8_0", "q8r", 8.5), ("Q5_0", "q5r", 5.5),
+                                           ("Q4_0", "q4r", 4.5), ("IQ4_NL", "q8r", 8.5)])
 def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_and_row_invariant(ggml, kind, bits):
     """activation_bits 8: the integer product is exactly (to float32 rounding of its few float steps) the file's
     weights times the rows as quantized (int4_vector_kernel.rows_as_8bit), one row alone or among others; against
@@ -109,6 +110,10 @@ def files(tmp_path_factory):
             # Q4_K_S's mix as llama.cpp writes it: Q4_K, with half the layers' attn_v and the first ffn_down in Q5_K
             "q4_k_s": write_llama(str(d / "rand-q4_k_s.gguf"), embed="Q4_K", seed=9,
                                   per_layer={(0, "attn_v"): "Q5_K", (0, "ffn_down"): "Q5_K"}),
+            # Q3_K_M's mix as llama.cpp writes it for two layers: Q3_K, attn_v in Q5_K, attn_output in Q4_K, the
+            # first ffn_down in Q4_K, token_embd Q3_K, the output Q6_K
+            "q3_k_m": write_llama(str(d / "rand-q3_k_m.gguf"), default="Q3_K", embed="Q3_K", seed=13,
+                                  types={"attn_v": "Q5_K", "attn_output": "Q4_K"}, per_layer={(0, "ffn_down"): "Q4_K"}),
             # Q4_0 throughout (quantization-aware releases ship it), its head in Q8_0
             "q4_0": write_llama(str(d / "rand-q4_0.gguf"), default="Q4_0", embed="Q4_0", output="Q8_0", seed=5),
             "qwen2": write_llama(str(d / "rand-qwen2.gguf"), arch="qwen2", types=Q4_K_M, seed=2),
@@ -178,12 +183,13 @@ def _whole_backend(files, name: str, path: str | None = None) -> ModelBackend:
     ("q5_0", 0, [["q5r+q8r", "q5r", "q5r", "q6k8"]] * 2, "Q8_0"),
     ("q4_0", 0, [["q4r", "q4r", "q4r", "q4r"]] * 2, "Q8_0"),
     ("q4_k_s", 0, [["q4k8+q5k8", "q4k8", "q4k8", "q5k8"], ["q4k8", "q4k8", "q4k8", "q4k8"]], "Q6_K"),
+    ("q3_k_m", 0, [["q3k8+q5k8", "q4k8", "q3k8", "q4k8"], ["q3k8+q5k8", "q4k8", "q3k8", "q3k8"]], "Q6_K"),
 ])
 def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits, layer_kinds, head):
     b = _backend(files, name, activation_bits)
     r = b.runner
     assert b.weight_bits == 4 and b.int4_kind == "vector" and r.file is not None  # weight_bits auto picked it
-    assert b.activation_bits == (8 if layer_kinds[0][1] in ("q4k8", "q5k8", "q8r", "q5r", "q4r") else 32)
+    assert b.activation_bits == (8 if layer_kinds[0][1] in ("q3k8", "q4k8", "q5k8", "q8r", "q5r", "q4r") else 32)
     assert ("integer dot products" in b.int4_path) == (b.activation_bits == 8)
     assert [[p.kinds for p in (qkv, o, gu, down)] for _, qkv, o, _, gu, down, _ in r.layers] == layer_kinds
     assert r.lm_head.ggml == head and head in b.int4_path and "on the file's own blocks" in b.int4_path
@@ -314,7 +320,7 @@ def test_smollm3s_nope_layers_keep_their_keys_when_semantic_repair_moves_them(fi
     assert torch.equal(b.rotate_keys(k[3:], delta, first_layer=3), k[3:])
 
 
-@pytest.mark.parametrize("name", ["q4_k_m", "q4_k_s", "qwen3", "smollm3", "phi3", "gemma2", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["q4_k_m", "q4_k_s", "q3_k_m", "qwen3", "smollm3", "phi3", "gemma2", "gemma3-270m"])
 def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
     """Greedy and seeded sampled answers with the cache are the empty pool's, exact, on random Llama (Q4_K_M, Q4_K_S)
     / Qwen3 / SmolLM3 / Phi-3 / Gemma 2 files and the real Gemma 3 270M Q4_K_M file (converted a tensor at a time: its

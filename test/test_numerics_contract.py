@@ -111,6 +111,9 @@ def _case(path, seed=0):
                                   (torch.rand(n, k // 32, generator=g) * 0.01).half().float()).numpy().tobytes(),
         "w4r.u8": kernel.pack_q4r(torch.randint(0, 16, (n, k), generator=g),  # Q4_0 for 8-bit rows per 32
                                   (torch.rand(n, k // 32, generator=g) * 0.01).half().float()).numpy().tobytes(),
+        "w3k8.u8": kernel.pack_q3k8(torch.randint(-4, 4, (n, k), generator=g),  # Q3_K for 8-bit rows
+                                    torch.randint(-32, 32, (n, k // 16), generator=g),
+                                    (torch.rand(n, k // 256, generator=g) * 0.01).half().float()).numpy().tobytes(),
         "nx.f32": (torch.randn(m, e, generator=g) * 3).numpy().tobytes(),
         "nw.f32": torch.randn(e, generator=g).numpy().tobytes(),
         "nx.bf16": _bf16_bits(torch.randn(m, e, generator=g) * 3),
@@ -129,11 +132,14 @@ def _case(path, seed=0):
     return m, n
 
 
+# The driver's products, each run on row cuts at 1 and 2 threads (its outputs <product>_t<threads>_<r0>_<r1>.f32)
+PRODUCTS = ("mm3k8", "mm4", "mm4k", "mm4k8", "mm5k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm4r")
+
+
 def _outputs(path) -> dict[str, bytes]:
     out = {}
     for name in os.listdir(path):
-        if name.startswith(("mm4_", "mm4k_", "mm4k8_", "mm5k8_", "mm6_", "mm6k8_", "mm8r_", "mm5r_", "mm4r_", "mm8_", "norm_",
-                             "silu_", "gelu_", "rope_", "att_")):
+        if name.startswith(tuple(f"{kind}_" for kind in PRODUCTS) + ("norm_", "silu_", "gelu_", "rope_", "att_")):
             with open(os.path.join(path, name), "rb") as f:
                 out[name] = f.read()
     return out
@@ -158,7 +164,7 @@ def _run(tmp_path, label, cc, target_flags, runner=()):
 
 def _rows_do_not_depend_on_their_neighbours(out, m, n):
     """The driver ran row cuts at 1 and 2 threads: each cut equals those rows of the whole product."""
-    for kind in ("mm4", "mm4k", "mm4k8", "mm5k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm4r"):
+    for kind in PRODUCTS:
         whole = np.frombuffer(out[f"{kind}_t1_0_{m}.f32"], dtype=np.float32).reshape(m, n)
         for name, data in out.items():
             if name.startswith(kind + "_"):
@@ -191,6 +197,6 @@ def test_aarch64_under_qemu_gives_this_machines_bits(tmp_path):
     native, m, n = _run(tmp_path, "native", CC, ("-march=native",) if IS_X86 else AARCH64)
     arm, _, _ = _run(tmp_path, "aarch64", CROSS, AARCH64, runner=(QEMU, "-L", SYSROOT))
     _rows_do_not_depend_on_their_neighbours(arm, m, n)
-    assert arm.keys() == native.keys() and len(arm) == 134
+    assert arm.keys() == native.keys() and len(arm) == 146
     differ = [k for k in native if arm[k] != native[k]]
     assert not differ, f"aarch64 differs from this machine in {differ}"

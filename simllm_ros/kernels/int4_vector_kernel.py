@@ -17,8 +17,9 @@ rows with up to four 16-output blocks in registers, the weights decoded once for
 decoded once into a float buffer) performs exactly these operations for each output, and threads split output
 blocks, never a sum: a row's bits depend on its inputs only, whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
 
-GGUF's Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 and Q4_0 can also take their rows quantized to 8 bits (activation_bits 8, the
-default on such files: `mm4k8`, `mm5k8`, `mm6k8`, `mm8r`, `mm5r`, `mm4r`; Q5_K has no float32-row product): per row
+GGUF's Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 and Q4_0 can also take their rows quantized to 8 bits (activation_bits 8,
+the default on such files: `mm3k8`, `mm4k8`, `mm5k8`, `mm6k8`, `mm8r`, `mm5r`, `mm4r`; Q5_K has no float32-row
+product, Q3_K's is the 16-input 8-bit one at 8 bits a weight): per row
 and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32 scale and int8 codes (`rows_as_8bit`), integer dot products with
 the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32 sums,
 so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32 rows
@@ -48,6 +49,8 @@ BLOB6K = 3392  # 16 outputs x one Q6_K super-block for 8-bit rows: 16 d (float32
 #                bytes of low nibbles, 64 of top bits and 16 int8 sub-scales: 6.625 bits a weight
 BLOB4K8 = 2304  # the same for 8-bit rows (`pack_q4k8`): float16 d and dmin, 6-bit sub-scales and sub-mins: 4.5 bits
 BLOB5K8 = 2816  # GGUF's Q5_K for 8-bit rows (`pack_q5k8`): Q4_K's, with 64 bytes of fifth bits per group: 5.5 bits
+BLOB3K = 2368  # GGUF's Q3_K for 8-bit rows (`pack_q3k8`): Q6_K's d, 128 bytes of nibbles and 16 sub-scales per group of
+#                16 inputs (no top bits): 4.625 bits a weight (the file's 3.4375)
 BLOB4K = 2432  # 16 outputs x one super-block: 16 d and 16 dmin (float32), then per group BLOB's 256 bytes of codes,
 #                16 sub-scales and 16 sub-mins (bytes): 4.75 bits a weight
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
@@ -140,6 +143,7 @@ class VectorKernel(ProductKernel):
         self._mm4k8 = self._entry("simllm_vec_q4k8_mm", MM_ARGS)
         self._mm6k8 = self._entry("simllm_vec_q6k8_mm", MM_ARGS)
         self._mm5k8 = self._entry("simllm_vec_q5k8_mm", MM_ARGS)
+        self._mm3k8 = self._entry("simllm_vec_q3k8_mm", MM_ARGS)
         self._mm8r = self._entry("simllm_vec_q8r_mm", MM_ARGS)
         self._mm5r = self._entry("simllm_vec_q5r_mm", MM_ARGS)
         self._mm4r = self._entry("simllm_vec_q4r_mm", MM_ARGS)
@@ -147,7 +151,7 @@ class VectorKernel(ProductKernel):
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
                         "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
                         "q4k8": self._address("simllm_vec_q4k8_mm"), "q6k8": self._address("simllm_vec_q6k8_mm"),
-                        "q5k8": self._address("simllm_vec_q5k8_mm"),
+                        "q5k8": self._address("simllm_vec_q5k8_mm"), "q3k8": self._address("simllm_vec_q3k8_mm"),
                         "q8r": self._address("simllm_vec_q8r_mm"), "q5r": self._address("simllm_vec_q5r_mm"),
                         "q4r": self._address("simllm_vec_q4r_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
@@ -245,6 +249,24 @@ class VectorKernel(ProductKernel):
         bits = bits.permute(0, 2, 1, 3).reshape(n // 16, g, 64)  # [b, g, j, i]
         scales = sc.to(torch.int8).view(torch.uint8).reshape(n // 16, 16, g).permute(0, 2, 1)  # [b, g, 16]
         groups = torch.cat([nib, bits, scales], dim=-1).reshape(n // 16, sb, 16 * 208)
+        head = d.float().reshape(n // 16, 16, sb).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 64]
+        return torch.cat([head, groups], dim=-1).contiguous()
+
+    @staticmethod
+    def pack_q3k8(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """GGUF Q3_K for the integer product with 8-bit rows (`mm3k8`): codes [N, K] (-4..3), int8 sub-scales [N, K/16]
+        (the file's 6-bit values less 32), d [N, K/256] float32 (weight = d * sub-scale * code) -> [N/16, K/256, 2368]
+        uint8: `pack_q6k8`'s layout with u = code + 4 (0..7) in the nibbles and no plane of top bits."""
+        n, k = codes.shape
+        if n % 16 or k % SB4K:
+            raise ValueError(f"Q3_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
+        if codes.numel() and (int(codes.min()) < -4 or int(codes.max()) > 3):
+            raise ValueError("Q3_K vector kernel: codes must lie in -4..3")
+        g, sb = k // GROUP6, k // SB4K
+        u = (codes.to(torch.int16) + 4).to(torch.uint8).reshape(n // 16, 16, g, 2, 2, 4)  # b, j, group, p, high?, i
+        nib = (u[..., 0, :] | (u[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 128)
+        scales = sc.to(torch.int8).view(torch.uint8).reshape(n // 16, 16, g).permute(0, 2, 1)  # [b, g, 16]
+        groups = torch.cat([nib, scales], dim=-1).reshape(n // 16, sb, 16 * 144)
         head = d.float().reshape(n // 16, 16, sb).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 64]
         return torch.cat([head, groups], dim=-1).contiguous()
 
@@ -373,6 +395,11 @@ class VectorKernel(ProductKernel):
         `pack_q5k8` (integer dot products) -> [M, n] float32."""
         return self._grouped(self._mm5k8, x, blob, n, BLOB5K8, "Q5_K", SB4K)
 
+    def mm3k8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (quantized to 8 bits per 256 inputs as `mm4k8` does) times GGUF Q3_K weights packed by
+        `pack_q3k8` (integer dot products) -> [M, n] float32."""
+        return self._grouped(self._mm3k8, x, blob, n, BLOB3K, "Q3_K", SB4K)
+
     def mm6k8(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 (rows contiguous), quantized to 8 bits per 256 inputs, times GGUF Q6_K weights packed by
         `pack_q6k8` (integer dot products) -> [M, n] float32."""
@@ -395,9 +422,9 @@ class VectorKernel(ProductKernel):
 
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`), "q6"
-        (`pack6`), or one of the 8-bit-row kinds "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r" (`pack_<kind>`)."""
+        (`pack6`), or one of the 8-bit-row kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r" (`pack_<kind>`)."""
         return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q5k8": self.mm5k8, "q8": self.mm8, "q6": self.mm6,
-                "q6k8": self.mm6k8, "q8r": self.mm8r, "q5r": self.mm5r, "q4r": self.mm4r}[kind]
+                "q3k8": self.mm3k8, "q6k8": self.mm6k8, "q8r": self.mm8r, "q5r": self.mm5r, "q4r": self.mm4r}[kind]
 
 
 def rows_as_8bit(x: torch.Tensor, block: int = SB4K) -> torch.Tensor:
@@ -468,6 +495,11 @@ def _self_check(kernel: VectorKernel) -> str | None:
     err, alone = compare(kernel.mm6k8, xk, kernel.pack_q6k8(c6, s6, dk), 32, want, rows=((2, 1), (1, 4), (6, 1)))
     if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
         return f"the Q6_K x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
+    c3, s3 = c6.div(8, rounding_mode="floor"), s6.div(4, rounding_mode="floor")  # Q3_K: codes -4..3, scales -32..31
+    want = rows_as_8bit(xk) @ q6k_dequantized(c3, s3, dk).t()
+    err, alone = compare(kernel.mm3k8, xk, kernel.pack_q3k8(c3, s3, dk), 32, want, rows=((2, 1), (1, 4), (6, 1)))
+    if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
+        return f"the Q3_K x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
     d16 = d.half().float()
     want = rows_as_8bit(x, GROUP) @ (q8.double().reshape(80, 3, GROUP) * d16.double()[..., None]).reshape(80, 96).t()
     err, alone = compare(kernel.mm8r, x, kernel.pack_q8r(q8, d16), 80, want, rows=((3, 1), (5, 2), (7, 3)))

@@ -353,19 +353,24 @@ static inline __attribute__((always_inline)) void gdotn(const uint8_t *c, const 
 }
 #endif
 
-static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
-                                                         vw o[QROWS][NH], const int NR) {
+/* NR rows times one block of 16 outputs over super-block s of weights in groups of 16 with int8 sub-scales and a
+   float32 d per output (Q6_K: codes u - 32 with u in nibbles plus 2 top bits, GRP6K bytes a group; Q3_K: codes u - 4
+   with u in nibbles alone, GRP3K): isum_g = sum of u * code_x minus OFF * xsum16_g. GRP, B and OFF are constants at
+   each call: the compiler keeps one product per format. */
+static inline __attribute__((always_inline)) void sbg16(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR, const int GRP, const int B,
+                                                         const int OFF) {
     vi acc[QROWS][NH];
     for (int r = 0; r < NR; r++) for (int h = 0; h < NH; h++) acc[r][h] = VI_ZERO;
     for (int g = 0; g < 16; g++) {
-        const uint8_t *wg = blk + HEAD6K + g * GRP6K;
+        const uint8_t *wg = blk + HEAD6K + g * GRP;
         vi scv[NH];
-        for (int h = 0; h < NH; h++) scv[h] = VI_I8(wg + 192 + VL * h);
+        for (int h = 0; h < NH; h++) scv[h] = VI_I8(wg + 128 + (B ? 64 : 0) + VL * h);
         for (int r = 0; r < NR; r++) {
             const int8_t *xg = (const int8_t *)xr[r] + (long)s * QBLK + g * 16;
             vi is[NH];
-            for (int h = 0; h < NH; h++) is[h] = VI_BC(-32 * qrow_sums16(xr[r], K, QBLK)[s * 16 + g]);
-            gdotn(wg, xg, is, 2, 2);  /* 16 inputs: 2 chunks, 2 top bits */
+            for (int h = 0; h < NH; h++) is[h] = VI_BC(-OFF * qrow_sums16(xr[r], K, QBLK)[s * 16 + g]);
+            gdotn(wg, xg, is, 2, B);  /* 16 inputs: 2 chunks, B top bits */
             for (int h = 0; h < NH; h++) acc[r][h] = VI_ADD(acc[r][h], VI_MUL(scv[h], is[h]));
         }
     }
@@ -375,6 +380,10 @@ static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, cons
         for (int h = 0; h < NH; h++) o[r][h] = FMA(ld(d + VL * h) * bc(dx), VI_F(acc[r][h]), o[r][h]);
     }
 }
+static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    sbg16(blk, xr, s, K, o, NR, GRP6K, 2, 32);
+}
 DEFINE_PART8(part6k8, sb6k8, BLOB6K, QBLK, QBLK)
 
 /* Q6_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
@@ -382,6 +391,27 @@ void simllm_vec_q6k8_mm(const float *x, long x_stride, const uint8_t *w, float *
                         float *xsum, float *buf, long buf_per_thread, int nthreads) {
     quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
     run(part6k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
+/* ---- Q3_K weights times 8-bit rows ("q3k8") ----
+   GGUF's Q3_K (codes -4..3, 6-bit sub-scales less 32 per group of 16, d per 256), as llama.cpp's Q3_K_S/M/L files
+   keep most projections: Q6_K's form with u = code + 4 (0..7) in nibbles and no top bits, so the rows, the sums
+   (isum_g = sum of u * code_x minus 4 * xsum16_g, at most 16 * 32 * 16 * 7 * 127 < 2^31) and the float steps are
+   q6k8's. Weights: BLOB3K bytes per 16 outputs x super-block (4.625 bits a weight against the file's 3.4375): the
+   16 d (float32), then per group u in 2 chunks of 64 bytes (q6k8's nibble layout) and the 16 sub-scales (int8). */
+#define GRP3K 144
+#define BLOB3K (HEAD6K + 16 * GRP3K)
+static inline __attribute__((always_inline)) void sb3k8(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    sbg16(blk, xr, s, K, o, NR, GRP3K, 0, 4);
+}
+DEFINE_PART8(part3k8, sb3k8, BLOB3K, QBLK, QBLK)
+
+/* Q3_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
+void simllm_vec_q3k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
+    run(part3k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
 }
 
 /* ---- Q5_K weights times 8-bit rows ("q5k8") ----

@@ -26,9 +26,11 @@ import numpy as np
 import torch
 
 # GGUF types each kind of our products takes
-KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6", "Q5_K": "q5k"}
+KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6", "Q5_K": "q5k",
+         "Q3_K": "q6", "IQ4_NL": "q8"}
 # ... and the kinds of those that take rows quantized to 8 bits (activation_bits 8)
-INT8_ROW_KINDS = {"Q4_K": "q4k8", "Q6_K": "q6k8", "Q8_0": "q8r", "Q5_0": "q5r", "Q4_0": "q4r", "Q5_K": "q5k8"}
+INT8_ROW_KINDS = {"Q4_K": "q4k8", "Q6_K": "q6k8", "Q8_0": "q8r", "Q5_0": "q5r", "Q4_0": "q4r", "Q5_K": "q5k8",
+                  "Q3_K": "q3k8", "IQ4_NL": "q8r"}
 # ... of which these have no product with float32 rows (activation_bits 32)
 INT8_ROWS_ONLY = frozenset({"Q5_K"})
 # The projections of a Llama-family layer: GGUF name -> transformers module path within the layer
@@ -75,8 +77,8 @@ class FileWeight:
 
     def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
         """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel); `int8_rows`: Q4_K on rows
-        quantized to 8 bits (kinds "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r": integer dot products, at the file's
-        bits; Q5_K has no other)."""
+        quantized to 8 bits (kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r": integer dot products, at the
+        file's bits or near them; Q5_K has no other; Q3_K otherwise takes the 16-input 8-bit product, "q6")."""
         if self.kind == "q4k" and int8_rows:
             return "q4k8", kernel.pack_q4k8(self.codes, *self.raw), self.codes.shape[0]
         if self.kind == "q5k":
@@ -85,7 +87,9 @@ class FileWeight:
             return "q5k8", kernel.pack_q5k8(self.codes, *self.raw), self.codes.shape[0]
         if self.ggml == "Q6_K" and int8_rows:
             return "q6k8", kernel.pack_q6k8(self.codes, *self.raw), self.codes.shape[0]
-        if self.ggml == "Q8_0" and int8_rows:
+        if self.ggml == "Q3_K" and int8_rows:  # Q6_K's form: codes -4..3, int8 sub-scales per 16, d per 256
+            return "q3k8", kernel.pack_q3k8(self.codes, *self.raw), self.codes.shape[0]
+        if self.ggml in ("Q8_0", "IQ4_NL") and int8_rows:  # IQ4_NL: Q8_0's form, its codes from a table
             return "q8r", kernel.pack_q8r(self.codes, self.step), self.codes.shape[0]
         if self.ggml == "Q5_0" and int8_rows:  # Q5_0's scale is kept per 16, the same for both halves
             return "q5r", kernel.pack_q5r(self.codes, self.step[:, ::2]), self.codes.shape[0]
@@ -154,11 +158,48 @@ def _q6_k(blocks: np.ndarray):
     return torch.from_numpy(codes), torch.from_numpy(step), None, (torch.from_numpy(sc8.copy()), torch.from_numpy(d[:, 0]))
 
 
+def _q3_k(blocks: np.ndarray):
+    """110-byte blocks of 256: 32 bytes of high bits (bit b of byte l: weight 32b + l's), 64 bytes of 2-bit codes (byte
+    l of half c, bits 2t..2t+1: weight 128c + 32t + l's), 12 bytes of sixteen 6-bit sub-scales (low nibbles in bytes
+    0-7, sub-scale g's in byte g % 8's nibble g // 8; top 2 bits in bytes 8-11, g's at bits 2(g // 4) of byte
+    8 + g % 4), d (f16). Weight d * (sub-scale - 32) * code, code = low 2 bits less 4 where the high bit is 0: Q6_K's
+    form with codes -4..3."""
+    b = np.array(blocks)
+    nb = b.shape[0]
+    hmask, qs, sb = b[:, 0:32], b[:, 32:96], b[:, 96:108]
+    low = np.stack([(qs.reshape(nb, 2, 32) >> s) & 3 for s in (0, 2, 4, 6)], axis=2).reshape(nb, 256)
+    high = np.stack([(hmask >> s) & 1 for s in range(8)], axis=1).reshape(nb, 256)
+    codes = low.astype(np.int8) - ((high ^ 1).astype(np.int8) << 2)
+    lo = np.concatenate([sb[:, 0:8] & 15, sb[:, 0:8] >> 4], axis=1)  # [nb, 16]
+    hi = np.concatenate([(sb[:, 8:12] >> s) & 3 for s in (0, 2, 4, 6)], axis=1)
+    sc8 = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)
+    d = b[:, 108:110].copy().view(np.float16).astype(np.float32)
+    step = d * sc8.astype(np.float32)  # exact: 11 bits times 6
+    return torch.from_numpy(codes), torch.from_numpy(step), None, (torch.from_numpy(sc8), torch.from_numpy(d[:, 0]))
+
+
 def _q8_0(blocks: np.ndarray):
     """34-byte blocks of 32: d (f16), 32 int8 codes."""
     b = np.array(blocks)
     d = torch.from_numpy(b[:, 0:2].copy().view(np.float16).astype(np.float32))
     return torch.from_numpy(b[:, 2:34].copy().view(np.int8)), d, None
+
+
+# IQ4_NL's 16 code values (llama.cpp's kvalues_iq4nl)
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _iq4_nl(blocks: np.ndarray):
+    """18-byte blocks of 32: d (f16), then Q4_0's 16 bytes of nibbles (codes i and i + 16 share byte i), each an index
+    into _IQ4_VALUES. Weight d * value: Q8_0's form with 8-bit codes from the table (8.5 bits a weight on our
+    products against the file's 4.5), as llama.cpp's Q3_K and IQ4_XS files fall back to it where rows are not in
+    256s (Qwen2.5-0.5B's 896)."""
+    b = np.array(blocks)
+    nb = b.shape[0]
+    d = torch.from_numpy(b[:, 0:2].copy().view(np.float16).astype(np.float32))
+    qs = b[:, 2:18]
+    idx = np.concatenate([qs & 15, qs >> 4], axis=1)  # [nb, 32]
+    return torch.from_numpy(_IQ4_VALUES[idx].reshape(nb, 32)), d, None
 
 
 def _q4_0_1(blocks: np.ndarray, with_min: bool):
@@ -187,9 +228,10 @@ def _q5_0(blocks: np.ndarray):
     return torch.from_numpy(codes), torch.from_numpy(np.repeat(d, 2, axis=1)), None
 
 
-_BLOCKS = {"Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k), "Q8_0": (34, 32, _q8_0),
+_BLOCKS = {"Q3_K": (110, 256, _q3_k), "Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k),
+           "Q8_0": (34, 32, _q8_0),
            "Q5_0": (22, 32, _q5_0), "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)),
-           "Q4_1": (20, 32, lambda b: _q4_0_1(b, True))}
+           "Q4_1": (20, 32, lambda b: _q4_0_1(b, True)), "IQ4_NL": (18, 32, _iq4_nl)}
 DECODED = frozenset(_BLOCKS)  # the GGUF types `decode` reads (the token embedding's too: FileEmbedding)
 
 
@@ -207,7 +249,7 @@ def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
         sc, mn, d, dmin = raw[0]
         kept = (sc.reshape(n, k // 32).contiguous(), mn.reshape(n, k // 32).contiguous(), d.reshape(n, k // 256),
                 dmin.reshape(n, k // 256))
-    elif raw:  # Q6_K: int8 sub-scales per 16, d per 256
+    elif raw:  # Q6_K, Q3_K: int8 sub-scales per 16, d per 256
         sc, d = raw[0]
         kept = (sc.reshape(n, k // 16).contiguous(), d.reshape(n, k // 256))
     return FileWeight(ggml, KINDS[ggml], codes.reshape(n, k).to(dtype), step.reshape(n, k // g).contiguous(),

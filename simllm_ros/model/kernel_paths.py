@@ -56,6 +56,7 @@ class KernelPaths:
                          "q4k8": "4-bit Q4_K layout x 8-bit rows, integer dot products", "q8": "8-bit scale per 32",
                          "q6": "8-bit scale per 16", "q6k8": "Q6_K x 8-bit rows, integer dot products",
                          "q5k8": "Q5_K x 8-bit rows, integer dot products",
+                         "q3k8": "Q3_K x 8-bit rows, integer dot products (4.625 bits a weight)",
                          "q8r": "8-bit scale per 32 x 8-bit rows, integer dot products",
                          "q5r": "5-bit Q5_0 layout x 8-bit rows, integer dot products",
                          "q4r": "4-bit Q4_0 layout x 8-bit rows, integer dot products"}

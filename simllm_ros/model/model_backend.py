@@ -195,7 +195,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
-        # Q4_K/Q5_K/Q6_K/Q8_0/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless float32 rows were asked
+        # Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/IQ4_NL/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless float32 rows
+        # were asked
         # for. Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows: the embedded model), an
         # 8-bit LM head alone would save little and make the logits a step function of the last hidden state; and a
         # product in a format with 8-bit rows only (Q5_K), the LM head's too.
@@ -207,8 +208,9 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             x in gguf_weights.INT8_ROW_KINDS for kind, t in formats.items() for x in t
             if activation_bits == 8 or kind in gguf_weights.PROJECTIONS))
         if activation_bits == 8 and not int8_rows:
-            raise ModelLoadError(f"activation_bits=8 applies to a GGUF's Q4_K/Q5_K/Q6_K/Q8_0/Q5_0/Q4_0 blocks on our "
-                                 f"float32 vector kernel; {ref} ({dtype}, weight_bits {weight_bits}) has none there: use 0 or 32")
+            raise ModelLoadError(f"activation_bits=8 applies to a GGUF's {'/'.join(gguf_weights.INT8_ROW_KINDS)} "
+                                 f"blocks on our float32 vector kernel; {ref} ({dtype}, weight_bits {weight_bits}) "
+                                 f"has none there: use 0 or 32")
         if rows_only and not int8_rows:
             raise ModelLoadError(f"model '{ref}': its {'/'.join(rows_only)} blocks run on rows quantized to 8 bits "
                                  f"only: use activation_bits 0 or 8, not {activation_bits}")

