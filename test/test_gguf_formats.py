@@ -26,10 +26,10 @@ def _tensor(ggml: str, n: int, k: int, seed: int = 0):
     return gguf_weights.decode(ggml, raw, (n, k)), torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
 
 
-@pytest.mark.parametrize("ggml", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "IQ4_NL"])
+@pytest.mark.parametrize("ggml", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"])
 def test_blocks_decode_to_what_gguf_dequantizes(ggml):
     n, k = 48, 512
-    if ggml in ("Q4_0", "Q4_1", "Q5_0"):  # gguf-py quantizes these itself
+    if ggml in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # gguf-py quantizes these itself
         w = np.random.default_rng(1).standard_normal((n, k)).astype(np.float32) * 0.05
         raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[ggml])
         fw = gguf_weights.decode(ggml, raw, (n, k))
@@ -59,7 +59,7 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
 
 @pytest.mark.parametrize("ggml,kind,bits", [("Q3_K", "q3k8", 4.625), ("Q4_K", "q4k8", 4.5), ("Q5_K", "q5k8", 5.5),
                                            ("Q6_K", "q6k8", 6.625), ("Q8_0", "q8r", 8.5), ("Q5_0", "q5r", 5.5),
-                                           ("Q4_0", "q4r", 4.5), ("IQ4_NL", "q8r", 8.5)])
+                                           ("Q4_0", "q4r", 4.5), ("IQ4_NL", "q8r", 8.5), ("Q5_1", "q51r", 6.0)])
 def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_and_row_invariant(ggml, kind, bits):
     """activation_bits 8: the integer product is exactly (to float32 rounding of its few float steps) the file's
     weights times the rows as quantized (int4_vector_kernel.rows_as_8bit), one row alone or among others; against
@@ -73,7 +73,7 @@ def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_an
     x[4] = 0  # a row of zeros: scale 0, codes 0
     x[6, 5] = 1e4  # an outlier takes its block's range
     whole = mm(x, blob, outs)
-    want = int4_vector_kernel.rows_as_8bit(x, 32 if kind in ("q8r", "q5r", "q4r") else 256) @ w.double().t()
+    want = int4_vector_kernel.rows_as_8bit(x, 32 if kind in ("q8r", "q5r", "q51r", "q4r") else 256) @ w.double().t()
     assert (whole.double() - want).abs().max() <= 2e-6 * want.abs().max()
     assert torch.equal(whole[4], torch.zeros(n))
     for r0, r1 in ((0, 1), (1, 3), (3, 7), (7, 30), (30, 37), (5, 6), (6, 11)):
@@ -111,9 +111,11 @@ def files(tmp_path_factory):
             "q4_k_s": write_llama(str(d / "rand-q4_k_s.gguf"), embed="Q4_K", seed=9,
                                   per_layer={(0, "attn_v"): "Q5_K", (0, "ffn_down"): "Q5_K"}),
             # Q3_K_M's mix as llama.cpp writes it for two layers: Q3_K, attn_v in Q5_K, attn_output in Q4_K, the
-            # first ffn_down in Q4_K, token_embd Q3_K, the output Q6_K
+            # first ffn_down in Q4_K, token_embd Q3_K, the output Q6_K; layer 1's attn_v in Q5_1, llama.cpp's
+            # fallback for a Q5_K tensor whose rows are not in 256s (Qwen2.5-0.5B's 896)
             "q3_k_m": write_llama(str(d / "rand-q3_k_m.gguf"), default="Q3_K", embed="Q3_K", seed=13,
-                                  types={"attn_v": "Q5_K", "attn_output": "Q4_K"}, per_layer={(0, "ffn_down"): "Q4_K"}),
+                                  types={"attn_v": "Q5_K", "attn_output": "Q4_K"},
+                                  per_layer={(0, "ffn_down"): "Q4_K", (1, "attn_v"): "Q5_1"}),
             # Q4_0 throughout (quantization-aware releases ship it), its head in Q8_0
             "q4_0": write_llama(str(d / "rand-q4_0.gguf"), default="Q4_0", embed="Q4_0", output="Q8_0", seed=5),
             "qwen2": write_llama(str(d / "rand-qwen2.gguf"), arch="qwen2", types=Q4_K_M, seed=2),
@@ -183,7 +185,7 @@ def _whole_backend(files, name: str, path: str | None = None) -> ModelBackend:
     ("q5_0", 0, [["q5r+q8r", "q5r", "q5r", "q6k8"]] * 2, "Q8_0"),
     ("q4_0", 0, [["q4r", "q4r", "q4r", "q4r"]] * 2, "Q8_0"),
     ("q4_k_s", 0, [["q4k8+q5k8", "q4k8", "q4k8", "q5k8"], ["q4k8", "q4k8", "q4k8", "q4k8"]], "Q6_K"),
-    ("q3_k_m", 0, [["q3k8+q5k8", "q4k8", "q3k8", "q4k8"], ["q3k8+q5k8", "q4k8", "q3k8", "q3k8"]], "Q6_K"),
+    ("q3_k_m", 0, [["q3k8+q5k8", "q4k8", "q3k8", "q4k8"], ["q3k8+q51r", "q4k8", "q3k8", "q3k8"]], "Q6_K"),
 ])
 def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits, layer_kinds, head):
     b = _backend(files, name, activation_bits)

@@ -114,6 +114,9 @@ def _case(path, seed=0):
         "w3k8.u8": kernel.pack_q3k8(torch.randint(-4, 4, (n, k), generator=g),  # Q3_K for 8-bit rows
                                     torch.randint(-32, 32, (n, k // 16), generator=g),
                                     (torch.rand(n, k // 256, generator=g) * 0.01).half().float()).numpy().tobytes(),
+        "w51r.u8": kernel.pack_q51r(torch.randint(0, 32, (n, k), generator=g),  # Q5_1 for 8-bit rows per 32
+                                    (torch.rand(n, k // 32, generator=g) * 0.01).half().float(),
+                                    (torch.rand(n, k // 32, generator=g) * -0.1).half().float()).numpy().tobytes(),
         "nx.f32": (torch.randn(m, e, generator=g) * 3).numpy().tobytes(),
         "nw.f32": torch.randn(e, generator=g).numpy().tobytes(),
         "nx.bf16": _bf16_bits(torch.randn(m, e, generator=g) * 3),
@@ -133,7 +136,7 @@ def _case(path, seed=0):
 
 
 # The driver's products, each run on row cuts at 1 and 2 threads (its outputs <product>_t<threads>_<r0>_<r1>.f32)
-PRODUCTS = ("mm3k8", "mm4", "mm4k", "mm4k8", "mm5k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm4r")
+PRODUCTS = ("mm3k8", "mm4", "mm4k", "mm4k8", "mm5k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm51r", "mm4r")
 
 
 def _outputs(path) -> dict[str, bytes]:
@@ -197,6 +200,6 @@ def test_aarch64_under_qemu_gives_this_machines_bits(tmp_path):
     native, m, n = _run(tmp_path, "native", CC, ("-march=native",) if IS_X86 else AARCH64)
     arm, _, _ = _run(tmp_path, "aarch64", CROSS, AARCH64, runner=(QEMU, "-L", SYSROOT))
     _rows_do_not_depend_on_their_neighbours(arm, m, n)
-    assert arm.keys() == native.keys() and len(arm) == 146
+    assert arm.keys() == native.keys() and len(arm) == 158
     differ = [k for k in native if arm[k] != native[k]]
     assert not differ, f"aarch64 differs from this machine in {differ}"

@@ -1,5 +1,5 @@
 /* Part of int8_rows.h (included at its end, after its row quantizer, integer vector helpers and DEFINE_PART8):
-   GGUF's formats with a scale per group of 32 inputs (Q8_0, Q5_0, Q4_0) times rows quantized to 8 bits per 32,
+   GGUF's formats with a scale per group of 32 inputs (Q8_0, Q5_0, Q5_1, Q4_0) times rows quantized to 8 bits per 32,
    as llama.cpp multiplies them by Q8_0. Not a header to include elsewhere. */
 #ifndef SIMLLM_INT8_ROWS32_H
 #define SIMLLM_INT8_ROWS32_H
@@ -90,38 +90,59 @@ void simllm_vec_q8r_mm(const float *x, long x_stride, const uint8_t *w, float *y
    4j + i: output j's input 8p + i in the low nibble, 8p + 4 + i in the high), u's top bits in 64 bytes (byte 4j + i,
    bit 2p: output j's input 8p + i, bit 2p + 1: its input 8p + 4 + i), then the 16 d (float16: the file's).
    Q4_0 ("q4r") is the same without the top bits: u = the file's code 0..15, isum = sum of u * code_x minus 8 * xsum_g,
-   BLOB4R bytes (4.5 bits a weight, as the file): the 256 bytes of nibbles, then the 16 d. */
+   BLOB4R bytes (4.5 bits a weight, as the file): the 256 bytes of nibbles, then the 16 d.
+   Q5_1 ("q51r": weight d * code + m, codes 0..31) takes Q5_0's codes without the offset: isum = sum of code *
+   code_x; then out = fma(d * dx, (float)isum, out) and out = fma(m * dx, (float)xsum_g, out), as llama.cpp's
+   Q5_1 x Q8_1; BLOB51R bytes (6 bits a weight, as the file): Q5_0's nibbles and top bits, the 16 d, the 16 m. */
 #define BLOB5R 352
 #define BLOB4R 288
+#define BLOB51R 384
 
-/* Q5_0 (top) or Q4_0: the group's unsigned codes' sums, less 16 (8) times the row's code sum, then one fma. */
+/* Q5_0 (top, no mins), Q4_0 (neither) or Q5_1 (top, mins): the group's unsigned codes' sums, less 16 (8) times the
+   row's code sum where the format has no mins, then one fma, and where it has, a second for the mins. */
 static inline __attribute__((always_inline)) void sb5r4r(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
-                                                          vw o[QROWS][NH], const int NR, const int top) {
+                                                          vw o[QROWS][NH], const int NR, const int top,
+                                                          const int mins) {
     for (int r = 0; r < NR; r++) {
+        const int32_t xs = qrow_sums32(xr[r], K, GROUP)[s];
         vi is[NH];
-        for (int h = 0; h < NH; h++) is[h] = VI_BC(-(top ? 16 : 8) * qrow_sums32(xr[r], K, GROUP)[s]);
+        for (int h = 0; h < NH; h++) is[h] = VI_BC(mins ? 0 : -(top ? 16 : 8) * xs);
         gdotn(blk, (const int8_t *)xr[r] + (long)s * GROUP, is, 4, top);  /* 32 inputs: 4 chunks, 1 top bit or none */
         const float dx = qrow_scales(xr[r], K)[s];
-        const uint8_t *d = blk + (top ? BLOB5R : BLOB4R) - 32;
+        const uint8_t *d = blk + 256 + (top ? 64 : 0);
         for (int h = 0; h < NH; h++) o[r][h] = FMA(VW_F16(d + 2 * VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
+        if (mins)
+            for (int h = 0; h < NH; h++) o[r][h] = FMA(VW_F16(d + 32 + 2 * VL * h) * bc(dx), bc((float)xs), o[r][h]);
     }
 }
 static inline __attribute__((always_inline)) void sb5r(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
                                                         vw o[QROWS][NH], const int NR) {
-    sb5r4r(blk, xr, s, K, o, NR, 1);
+    sb5r4r(blk, xr, s, K, o, NR, 1, 0);
 }
 static inline __attribute__((always_inline)) void sb4r(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
                                                         vw o[QROWS][NH], const int NR) {
-    sb5r4r(blk, xr, s, K, o, NR, 0);
+    sb5r4r(blk, xr, s, K, o, NR, 0, 0);
+}
+static inline __attribute__((always_inline)) void sb51r(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    sb5r4r(blk, xr, s, K, o, NR, 1, 1);
 }
 DEFINE_PART8(part5r, sb5r, BLOB5R, GROUP, GROUP)
 DEFINE_PART8(part4r, sb4r, BLOB4R, GROUP, GROUP)
+DEFINE_PART8(part51r, sb51r, BLOB51R, GROUP, GROUP)
 
 /* Q5_0 weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
 void simllm_vec_q5r_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
     quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, GROUP);
     run(part5r, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
+}
+
+/* Q5_1 weights (BLOB51R: Q5_0's layout, then the mins) times rows quantized as for simllm_vec_q5r_mm. */
+void simllm_vec_q51r_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
+                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, GROUP);
+    run(part51r, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
 }
 
 /* Q4_0 weights (BLOB4R: Q5_0's layout without the top bits) times rows quantized as for simllm_vec_q5r_mm. */

@@ -27,12 +27,12 @@ import torch
 
 # GGUF types each kind of our products takes
 KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6", "Q5_K": "q5k",
-         "Q3_K": "q6", "IQ4_NL": "q8"}
+         "Q3_K": "q6", "IQ4_NL": "q8", "Q5_1": "q51"}
 # ... and the kinds of those that take rows quantized to 8 bits (activation_bits 8)
 INT8_ROW_KINDS = {"Q4_K": "q4k8", "Q6_K": "q6k8", "Q8_0": "q8r", "Q5_0": "q5r", "Q4_0": "q4r", "Q5_K": "q5k8",
-                  "Q3_K": "q3k8", "IQ4_NL": "q8r"}
+                  "Q3_K": "q3k8", "IQ4_NL": "q8r", "Q5_1": "q51r"}
 # ... of which these have no product with float32 rows (activation_bits 32)
-INT8_ROWS_ONLY = frozenset({"Q5_K"})
+INT8_ROWS_ONLY = frozenset({"Q5_K", "Q5_1"})
 # The projections of a Llama-family layer: GGUF name -> transformers module path within the layer
 PROJECTIONS = {"attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),
                "attn_v": ("self_attn", "v_proj"), "attn_output": ("self_attn", "o_proj"),
@@ -93,6 +93,10 @@ class FileWeight:
             return "q8r", kernel.pack_q8r(self.codes, self.step), self.codes.shape[0]
         if self.ggml == "Q5_0" and int8_rows:  # Q5_0's scale is kept per 16, the same for both halves
             return "q5r", kernel.pack_q5r(self.codes, self.step[:, ::2]), self.codes.shape[0]
+        if self.kind == "q51":  # codes 0..31, step d, base m per 32: the file's values as they are
+            if not int8_rows:
+                raise ValueError("Q5_1 blocks run on rows quantized to 8 bits only (activation_bits 0 or 8)")
+            return "q51r", kernel.pack_q51r(self.codes, self.step, self.base), self.codes.shape[0]
         if self.ggml == "Q4_0" and int8_rows:  # codes 0..15, step d, base -8d: the file's d and codes as they are
             return "q4r", kernel.pack_q4r(self.codes, self.step), self.codes.shape[0]
         if self.kind == "q4k":  # the file's Q4_K layout (4.75 bits a weight): the q4 product's bits
@@ -213,6 +217,19 @@ def _q4_0_1(blocks: np.ndarray, with_min: bool):
     return codes, d, base
 
 
+def _q5_1(blocks: np.ndarray):
+    """24-byte blocks of 32: d, m (f16), 32 high bits, 16 bytes of low nibbles (Q5_0's layout after m). Weight
+    d * code + m with codes 0..31, Q4_1's form (llama.cpp's Q5_K_M and Q3_K_M fall back to it for Q5_K tensors whose
+    rows are not in 256s: Qwen2.5-0.5B's attn_v)."""
+    b = np.array(blocks)
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    qh = b[:, 4:8].copy().view("<u4")  # [nb, 1]
+    qs = b[:, 8:24]
+    low = np.concatenate([qs & 15, qs >> 4], axis=1)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    return torch.from_numpy(low | high), d, m
+
+
 def _q5_0(blocks: np.ndarray):
     """22-byte blocks of 32: d (f16), 32 high bits, 16 bytes of low nibbles; code i (0..15) and i + 16 share byte i,
     bit i of the high bits is code i's fifth. Weight d * (code - 16): the 16-input 8-bit product's form, with the
@@ -231,7 +248,7 @@ def _q5_0(blocks: np.ndarray):
 _BLOCKS = {"Q3_K": (110, 256, _q3_k), "Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k),
            "Q8_0": (34, 32, _q8_0),
            "Q5_0": (22, 32, _q5_0), "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)),
-           "Q4_1": (20, 32, lambda b: _q4_0_1(b, True)), "IQ4_NL": (18, 32, _iq4_nl)}
+           "Q4_1": (20, 32, lambda b: _q4_0_1(b, True)), "IQ4_NL": (18, 32, _iq4_nl), "Q5_1": (24, 32, _q5_1)}
 DECODED = frozenset(_BLOCKS)  # the GGUF types `decode` reads (the token embedding's too: FileEmbedding)
 
 
@@ -243,7 +260,7 @@ def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
         raise GGUFError(f"a {ggml} tensor of shape [{n}, {k}] with {np.asarray(data).size} bytes")
     codes, step, base, *raw = fn(np.asarray(data).reshape(-1, size))
     g = 16 if KINDS[ggml] == "q6" else 32
-    dtype = torch.uint8 if KINDS[ggml] in ("q4", "q4k", "q5k") else torch.int8
+    dtype = torch.uint8 if KINDS[ggml] in ("q4", "q4k", "q5k", "q51") else torch.int8
     kept = None
     if raw and ggml in ("Q4_K", "Q5_K"):  # sub-scales and sub-mins per 32, d and dmin per 256
         sc, mn, d, dmin = raw[0]

@@ -59,7 +59,8 @@ class KernelPaths:
                          "q3k8": "Q3_K x 8-bit rows, integer dot products (4.625 bits a weight)",
                          "q8r": "8-bit scale per 32 x 8-bit rows, integer dot products",
                          "q5r": "5-bit Q5_0 layout x 8-bit rows, integer dot products",
-                         "q4r": "4-bit Q4_0 layout x 8-bit rows, integer dot products"}
+                         "q4r": "4-bit Q4_0 layout x 8-bit rows, integer dot products",
+                         "q51r": "5-bit Q5_1 layout x 8-bit rows, integer dot products"}
 
                 def kind(ggml_type: str) -> str:
                     k = gguf_weights.KINDS[ggml_type]

