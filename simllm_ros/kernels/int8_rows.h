@@ -252,6 +252,14 @@ static void *NAME(void *arg) {                                                  
     }                                                                                                     \
     return 0;                                                                                             \
 }
+/* NAME, a product's entry (simllm_vec_int4_mm's signature): the rows quantized to 8 bits per BLK inputs into xsum,
+   then PART (DEFINE_PART8's) over the output blocks on nthreads threads. */
+#define DEFINE_MM8(NAME, PART, BLK)                                                                            \
+void NAME(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,         \
+          float *xsum, float *buf, long buf_per_thread, int nthreads) {                                         \
+    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, BLK);                                             \
+    run(PART, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);                       \
+}
 /* ---- Q6_K weights times 8-bit rows ("q6k8") ----
    The rows as for q4k8, with their group sums per 16 inputs too. Per output and super-block of 256 inputs: for each
    group g of 16, isum_g = sum of u * code_x minus 32 * xsum16_g (u = the file's code -32..31 plus 32, 0..63),
@@ -387,11 +395,7 @@ static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, cons
 DEFINE_PART8(part6k8, sb6k8, BLOB6K, QBLK, QBLK)
 
 /* Q6_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
-void simllm_vec_q6k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
-    run(part6k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
+DEFINE_MM8(simllm_vec_q6k8_mm, part6k8, QBLK)
 
 /* ---- Q3_K weights times 8-bit rows ("q3k8") ----
    GGUF's Q3_K (codes -4..3, 6-bit sub-scales less 32 per group of 16, d per 256), as llama.cpp's Q3_K_S/M/L files
@@ -408,11 +412,7 @@ static inline __attribute__((always_inline)) void sb3k8(const uint8_t *blk, cons
 DEFINE_PART8(part3k8, sb3k8, BLOB3K, QBLK, QBLK)
 
 /* Q3_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
-void simllm_vec_q3k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
-    run(part3k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
+DEFINE_MM8(simllm_vec_q3k8_mm, part3k8, QBLK)
 
 /* ---- Q5_K weights times 8-bit rows ("q5k8") ----
    Q4_K's super-blocks (d and dmin, 6-bit sub-scales and sub-mins per group of 32) with codes 0..31, as llama.cpp's
@@ -475,20 +475,12 @@ DEFINE_PART8(part4k8, sb4k8, BLOB4K8, QBLK, QBLK)
 
 /* Q4_K weights (layout above) times float32 rows quantized to 8 bits per 256 inputs; xsum: the rows' quantized
    inputs (qrow_bytes each, 4-byte aligned). K in 256s. */
-void simllm_vec_q4k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
-    run(part4k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
+DEFINE_MM8(simllm_vec_q4k8_mm, part4k8, QBLK)
 
 DEFINE_PART8(part5k8, sb5k8, BLOB5K8, QBLK, QBLK)
 
 /* Q5_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
-void simllm_vec_q5k8_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, QBLK);
-    run(part5k8, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
+DEFINE_MM8(simllm_vec_q5k8_mm, part5k8, QBLK)
 
 /* The products of groups of 32 (Q8_0, Q5_0, Q4_0 on rows quantized per 32): their own file */
 #include "int8_rows32.h"

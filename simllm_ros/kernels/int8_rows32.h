@@ -76,11 +76,7 @@ static inline __attribute__((always_inline)) void sb8r(const uint8_t *blk, const
 DEFINE_PART8(part8r, sb8r, BLOB8R, GROUP, GROUP)
 
 /* 8-bit codes with a scale per 32 (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
-void simllm_vec_q8r_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                       float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, GROUP);
-    run(part8r, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
+DEFINE_MM8(simllm_vec_q8r_mm, part8r, GROUP)
 
 /* ---- Q5_0 and Q4_0 weights times 8-bit rows ("q5r", "q4r") ----
    The rows as for q8r (per 32 inputs). Per output and group of 32: isum = sum of u * code_x minus 16 * xsum_g
@@ -132,25 +128,13 @@ DEFINE_PART8(part4r, sb4r, BLOB4R, GROUP, GROUP)
 DEFINE_PART8(part51r, sb51r, BLOB51R, GROUP, GROUP)
 
 /* Q5_0 weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
-void simllm_vec_q5r_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                       float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, GROUP);
-    run(part5r, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
+DEFINE_MM8(simllm_vec_q5r_mm, part5r, GROUP)
 
 /* Q5_1 weights (BLOB51R: Q5_0's layout, then the mins) times rows quantized as for simllm_vec_q5r_mm. */
-void simllm_vec_q51r_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                        float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, GROUP);
-    run(part51r, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
+DEFINE_MM8(simllm_vec_q51r_mm, part51r, GROUP)
 
 /* Q4_0 weights (BLOB4R: Q5_0's layout without the top bits) times rows quantized as for simllm_vec_q5r_mm. */
-void simllm_vec_q4r_mm(const float *x, long x_stride, const uint8_t *w, float *y, long y_stride, int M, int N, int K,
-                       float *xsum, float *buf, long buf_per_thread, int nthreads) {
-    quantize_rows(x, x_stride, M, K, (uint8_t *)(void *)xsum, GROUP);
-    run(part4r, x, x_stride, w, y, y_stride, M, N, K, xsum, buf, buf_per_thread, nthreads);
-}
+DEFINE_MM8(simllm_vec_q4r_mm, part4r, GROUP)
 
 #endif
 #endif
