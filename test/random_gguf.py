@@ -32,6 +32,10 @@ def blocks(rng: np.random.Generator, ggml: str, n: int, k: int) -> np.ndarray:
     elif ggml in ("Q4_0", "IQ4_NL"):  # d, 16 bytes of nibbles (IQ4_NL's index a table of 16 values)
         nb = n * k // 32
         b = np.concatenate([_f16(rng, nb, 3e-3, 1e-2), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
+    elif ggml == "IQ4_XS":  # d, 2 + 4 bytes of 6-bit sub-scales, 128 of table indices
+        nb = n * k // 256
+        b = np.concatenate([_f16(rng, nb, 1e-4, 3e-4), rng.integers(0, 256, (nb, 2 + 4 + 128), dtype=np.uint8)],
+                           axis=1)
     elif ggml == "Q5_1":  # d, m, 32 high bits, 16 bytes of nibbles
         nb = n * k // 32
         b = np.concatenate([_f16(rng, nb, 2e-4, 6e-4), _f16(rng, nb, -4e-3, -2e-3),

@@ -26,7 +26,8 @@ def _tensor(ggml: str, n: int, k: int, seed: int = 0):
     return gguf_weights.decode(ggml, raw, (n, k)), torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
 
 
-@pytest.mark.parametrize("ggml", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"])
+@pytest.mark.parametrize("ggml", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
+                                  "IQ4_XS"])
 def test_blocks_decode_to_what_gguf_dequantizes(ggml):
     n, k = 48, 512
     if ggml in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # gguf-py quantizes these itself
@@ -40,7 +41,7 @@ def test_blocks_decode_to_what_gguf_dequantizes(ggml):
     assert fw.kind == gguf_weights.KINDS[ggml]
 
 
-@pytest.mark.parametrize("ggml", ["Q3_K", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_NL"])
+@pytest.mark.parametrize("ggml", ["Q3_K", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS"])
 def test_products_are_the_files_weights_and_row_invariant(ggml):
     n, k = 96, 768
     fw, w = _tensor(ggml, n, k, seed=3)
@@ -59,7 +60,8 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
 
 @pytest.mark.parametrize("ggml,kind,bits", [("Q3_K", "q3k8", 4.625), ("Q4_K", "q4k8", 4.5), ("Q5_K", "q5k8", 5.5),
                                            ("Q6_K", "q6k8", 6.625), ("Q8_0", "q8r", 8.5), ("Q5_0", "q5r", 5.5),
-                                           ("Q4_0", "q4r", 4.5), ("IQ4_NL", "q8r", 8.5), ("Q5_1", "q51r", 6.0)])
+                                           ("Q4_0", "q4r", 4.5), ("IQ4_NL", "iq4r", 5.0), ("IQ4_XS", "iq4r", 5.0),
+                                           ("Q5_1", "q51r", 6.0)])
 def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_and_row_invariant(ggml, kind, bits):
     """activation_bits 8: the integer product is exactly (to float32 rounding of its few float steps) the file's
     weights times the rows as quantized (int4_vector_kernel.rows_as_8bit), one row alone or among others; against
@@ -73,7 +75,7 @@ def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_an
     x[4] = 0  # a row of zeros: scale 0, codes 0
     x[6, 5] = 1e4  # an outlier takes its block's range
     whole = mm(x, blob, outs)
-    want = int4_vector_kernel.rows_as_8bit(x, 32 if kind in ("q8r", "q5r", "q51r", "q4r") else 256) @ w.double().t()
+    want = int4_vector_kernel.rows_as_8bit(x, 32 if kind in ("q8r", "q5r", "q51r", "q4r", "iq4r") else 256) @ w.double().t()
     assert (whole.double() - want).abs().max() <= 2e-6 * want.abs().max()
     assert torch.equal(whole[4], torch.zeros(n))
     for r0, r1 in ((0, 1), (1, 3), (3, 7), (7, 30), (30, 37), (5, 6), (6, 11)):
@@ -81,6 +83,18 @@ def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_an
     exact = x.double() @ w.double().t()
     rows = [r for r in range(37) if r != 6]
     assert (whole.double() - exact)[rows].abs().max() <= 0.03 * exact[rows].abs().max()
+
+
+def test_iq4_nl_on_its_table_product_computes_the_8bit_products_bits():
+    """IQ4_NL's indices looked up in registers (5 bits a weight) give bitwise Q8_0's product of the table's values with
+    the same float16 scales (8.5 bits): one number per weight either way, and the same integer sums and float steps."""
+    fw, _ = _tensor("IQ4_NL", 64, 512, seed=7)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(2))
+    kind, blob, outs = fw.pack(KERNEL, int8_rows=True)
+    assert kind == "iq4r"
+    assert torch.equal(KERNEL.mmiq4r(x, blob, outs), KERNEL.mm8r(x, KERNEL.pack_q8r(fw.codes, fw.step), outs))
+    with pytest.raises(ValueError, match="table values"):
+        KERNEL.pack_iq4r(fw.codes.clamp(-100, 100), fw.step)  # -127 and 113 clamped: not the table's
 
 
 def test_a_projection_of_mixed_parts_is_each_parts_product():
@@ -116,6 +130,10 @@ def files(tmp_path_factory):
             "q3_k_m": write_llama(str(d / "rand-q3_k_m.gguf"), default="Q3_K", embed="Q3_K", seed=13,
                                   types={"attn_v": "Q5_K", "attn_output": "Q4_K"},
                                   per_layer={(0, "ffn_down"): "Q4_K", (1, "attn_v"): "Q5_1"}),
+            # IQ4_XS's mix as llama.cpp writes it: IQ4_XS, attn_v in Q5_K where a model has 4+ query heads per KV
+            # head (layer 0's here), IQ4_NL where rows are not in 256s (layer 1's attn_v here), the output Q6_K
+            "iq4_xs": write_llama(str(d / "rand-iq4_xs.gguf"), default="IQ4_XS", embed="IQ4_XS", seed=14,
+                                  per_layer={(0, "attn_v"): "Q5_K", (1, "attn_v"): "IQ4_NL"}),
             # Q4_0 throughout (quantization-aware releases ship it), its head in Q8_0
             "q4_0": write_llama(str(d / "rand-q4_0.gguf"), default="Q4_0", embed="Q4_0", output="Q8_0", seed=5),
             "qwen2": write_llama(str(d / "rand-qwen2.gguf"), arch="qwen2", types=Q4_K_M, seed=2),
@@ -186,12 +204,14 @@ def _whole_backend(files, name: str, path: str | None = None) -> ModelBackend:
     ("q4_0", 0, [["q4r", "q4r", "q4r", "q4r"]] * 2, "Q8_0"),
     ("q4_k_s", 0, [["q4k8+q5k8", "q4k8", "q4k8", "q5k8"], ["q4k8", "q4k8", "q4k8", "q4k8"]], "Q6_K"),
     ("q3_k_m", 0, [["q3k8+q5k8", "q4k8", "q3k8", "q4k8"], ["q3k8+q51r", "q4k8", "q3k8", "q3k8"]], "Q6_K"),
+    ("iq4_xs", 0, [["iq4r+q5k8", "iq4r", "iq4r", "iq4r"], ["iq4r", "iq4r", "iq4r", "iq4r"]], "Q6_K"),
 ])
 def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits, layer_kinds, head):
     b = _backend(files, name, activation_bits)
     r = b.runner
     assert b.weight_bits == 4 and b.int4_kind == "vector" and r.file is not None  # weight_bits auto picked it
-    assert b.activation_bits == (8 if layer_kinds[0][1] in ("q3k8", "q4k8", "q5k8", "q8r", "q5r", "q4r") else 32)
+    int8_kinds = ("q3k8", "q4k8", "q5k8", "q8r", "q5r", "q4r", "iq4r")
+    assert b.activation_bits == (8 if layer_kinds[0][1] in int8_kinds else 32)
     assert ("integer dot products" in b.int4_path) == (b.activation_bits == 8)
     assert [[p.kinds for p in (qkv, o, gu, down)] for _, qkv, o, _, gu, down, _ in r.layers] == layer_kinds
     assert r.lm_head.ggml == head and head in b.int4_path and "on the file's own blocks" in b.int4_path
@@ -322,7 +342,8 @@ def test_smollm3s_nope_layers_keep_their_keys_when_semantic_repair_moves_them(fi
     assert torch.equal(b.rotate_keys(k[3:], delta, first_layer=3), k[3:])
 
 
-@pytest.mark.parametrize("name", ["q4_k_m", "q4_k_s", "q3_k_m", "qwen3", "smollm3", "phi3", "gemma2", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["q4_k_m", "q4_k_s", "q3_k_m", "iq4_xs", "qwen3", "smollm3", "phi3", "gemma2",
+                                  "gemma3-270m"])
 def test_engine_cached_answers_are_its_empty_pool_answers(files, name):
     """Greedy and seeded sampled answers with the cache are the empty pool's, exact, on random Llama (Q4_K_M, Q4_K_S)
     / Qwen3 / SmolLM3 / Phi-3 / Gemma 2 files and the real Gemma 3 270M Q4_K_M file (converted a tensor at a time: its

@@ -117,6 +117,10 @@ def _case(path, seed=0):
         "w51r.u8": kernel.pack_q51r(torch.randint(0, 32, (n, k), generator=g),  # Q5_1 for 8-bit rows per 32
                                     (torch.rand(n, k // 32, generator=g) * 0.01).half().float(),
                                     (torch.rand(n, k // 32, generator=g) * -0.1).half().float()).numpy().tobytes(),
+        "wiq4r.u8": kernel.pack_iq4r(  # IQ4_XS for 8-bit rows per 32: table values, d * (sub-scale - 32) in float32
+            torch.tensor(int4_vector_kernel.IQ4_VALUES)[torch.randint(0, 16, (n, k), generator=g)],
+            (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+            * torch.randint(-32, 32, (n, k // 32), generator=g).float()).numpy().tobytes(),
         "nx.f32": (torch.randn(m, e, generator=g) * 3).numpy().tobytes(),
         "nw.f32": torch.randn(e, generator=g).numpy().tobytes(),
         "nx.bf16": _bf16_bits(torch.randn(m, e, generator=g) * 3),
@@ -136,7 +140,8 @@ def _case(path, seed=0):
 
 
 # The driver's products, each run on row cuts at 1 and 2 threads (its outputs <product>_t<threads>_<r0>_<r1>.f32)
-PRODUCTS = ("mm3k8", "mm4", "mm4k", "mm4k8", "mm5k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm51r", "mm4r")
+PRODUCTS = ("mm3k8", "mm4", "mm4k", "mm4k8", "mm5k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm51r", "mm4r",
+            "mmiq4r")
 
 
 def _outputs(path) -> dict[str, bytes]:
@@ -200,6 +205,7 @@ def test_aarch64_under_qemu_gives_this_machines_bits(tmp_path):
     native, m, n = _run(tmp_path, "native", CC, ("-march=native",) if IS_X86 else AARCH64)
     arm, _, _ = _run(tmp_path, "aarch64", CROSS, AARCH64, runner=(QEMU, "-L", SYSROOT))
     _rows_do_not_depend_on_their_neighbours(arm, m, n)
-    assert arm.keys() == native.keys() and len(arm) == 158
+    # every product at 2 thread counts x 6 row cuts, and the 14 outputs of the norm, SiLU, GELU, RoPE and attention
+    assert arm.keys() == native.keys() and len(arm) == 12 * len(PRODUCTS) + 14
     differ = [k for k in native if arm[k] != native[k]]
     assert not differ, f"aarch64 differs from this machine in {differ}"

@@ -17,8 +17,9 @@ rows with up to four 16-output blocks in registers, the weights decoded once for
 decoded once into a float buffer) performs exactly these operations for each output, and threads split output
 blocks, never a sum: a row's bits depend on its inputs only, whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
 
-GGUF's Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1 and Q4_0 can also take their rows quantized to 8 bits
-(activation_bits 8, the default on such files: `mm3k8`, `mm4k8`, `mm5k8`, `mm6k8`, `mm8r`, `mm5r`, `mm51r`, `mm4r`;
+GGUF's Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1, Q4_0, IQ4_NL and IQ4_XS can also take their rows quantized to 8 bits
+(activation_bits 8, the default on such files: `mm3k8`, `mm4k8`, `mm5k8`, `mm6k8`, `mm8r`, `mm5r`, `mm51r`, `mm4r`,
+`mmiq4r`;
 Q5_K and Q5_1 have no float32-row product, Q3_K's is the 16-input 8-bit one at 8 bits a weight): per row
 and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32 scale and int8 codes (`rows_as_8bit`), integer dot products with
 the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32 sums,
@@ -43,6 +44,9 @@ BLOB8R = 544  # 8-bit for 8-bit rows (`pack_q8r`): 512 bytes of codes, 16 float1
 BLOB5R = 352  # GGUF's Q5_0 for 8-bit rows (`pack_q5r`): 256 bytes of low nibbles, 64 of top bits, 16 float16 scales
 BLOB4R = 288  # GGUF's Q4_0 for 8-bit rows (`pack_q4r`): the 256 bytes of nibbles, 16 float16 scales: 4.5 bits
 BLOB51R = 384  # GGUF's Q5_1 for 8-bit rows (`pack_q51r`): Q5_0's, then 16 float16 mins: 6 bits, as the file
+BLOBIQ4 = 320  # GGUF's IQ4_NL / IQ4_XS for 8-bit rows (`pack_iq4r`): 256 bytes of table indices, 16 float32 scales
+# llama.cpp's kvalues_iq4nl: the 16 values an IQ4_NL or IQ4_XS index stands for (int8_rows32.h's IQ4_VALUES)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 GROUP6 = 16  # inputs per group of the 16-input 8-bit format (GGUF's Q6_K)
 BLOB6 = 320  # 16 outputs x one group of 16: 256 bytes of codes, 16 float32 scales
 SB4K = 256  # inputs per GGUF Q4_K super-block: 8 groups of 32 sharing d and dmin
@@ -149,13 +153,15 @@ class VectorKernel(ProductKernel):
         self._mm5r = self._entry("simllm_vec_q5r_mm", MM_ARGS)
         self._mm4r = self._entry("simllm_vec_q4r_mm", MM_ARGS)
         self._mm51r = self._entry("simllm_vec_q51r_mm", MM_ARGS)
+        self._mmiq4r = self._entry("simllm_vec_iq4r_mm", MM_ARGS)
         # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
                         "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
                         "q4k8": self._address("simllm_vec_q4k8_mm"), "q6k8": self._address("simllm_vec_q6k8_mm"),
                         "q5k8": self._address("simllm_vec_q5k8_mm"), "q3k8": self._address("simllm_vec_q3k8_mm"),
                         "q8r": self._address("simllm_vec_q8r_mm"), "q5r": self._address("simllm_vec_q5r_mm"),
-                        "q4r": self._address("simllm_vec_q4r_mm"), "q51r": self._address("simllm_vec_q51r_mm")}
+                        "q4r": self._address("simllm_vec_q4r_mm"), "q51r": self._address("simllm_vec_q51r_mm"),
+                        "iq4r": self._address("simllm_vec_iq4r_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
 
     @staticmethod
@@ -317,6 +323,23 @@ class VectorKernel(ProductKernel):
                          dim=-1).contiguous()
 
     @staticmethod
+    def pack_iq4r(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """GGUF IQ4_NL / IQ4_XS for the integer product with 8-bit rows (`mmiq4r`): values [N, K] (each one of
+        IQ4_VALUES: the file's indices looked up) with a float32 scale per 32 [N, K/32] (IQ4_NL's d, IQ4_XS's
+        d * (sub-scale - 32)) -> [N/16, K/32, 320] uint8: the values' indices as `pack_q4r`'s nibbles, then the 16
+        scales (float32): 5 bits a weight (the files' 4.5 and 4.25)."""
+        n, k = values.shape
+        if n % 16 or k % GROUP:
+            raise ValueError(f"IQ4 rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+        table = torch.full((256,), -1, dtype=torch.int16)
+        table[torch.tensor(IQ4_VALUES) + 128] = torch.arange(16, dtype=torch.int16)
+        idx = table[values.long().clamp(-128, 127) + 128]
+        if values.numel() and (int(values.min()) < -128 or int(values.max()) > 127 or int(idx.min()) < 0):
+            raise ValueError("IQ4 rows kernel: every weight code must be one of IQ4_NL's 16 table values")
+        sc = scale.float().reshape(n // 16, 16, k // GROUP).permute(0, 2, 1).contiguous().view(torch.uint8)
+        return torch.cat([_nibble_chunks(idx.to(torch.uint8)), sc], dim=-1).contiguous()
+
+    @staticmethod
     def pack_q4r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """GGUF Q4_0 for the integer product with 8-bit rows (`mm4r`): codes [N, K] (0..15: the file's, weight d *
         (code - 8)) with a scale per 32 [N, K/32] (float16 values: the file's) -> [N/16, K/32, 288] uint8: `pack_q5r`'s
@@ -442,13 +465,19 @@ class VectorKernel(ProductKernel):
         `pack_q51r` (integer dot products, then the mins times the rows' code sums) -> [M, n] float32."""
         return self._grouped(self._mm51r, x, blob, n, BLOB51R, "Q5_1", GROUP)
 
+    def mmiq4r(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous), quantized to 8 bits per 32 inputs, times GGUF IQ4_NL / IQ4_XS weights
+        packed by `pack_iq4r` (the table looked up in registers, integer dot products; the bits of `mm8r` of the same
+        values where the scales are float16 values) -> [M, n] float32."""
+        return self._grouped(self._mmiq4r, x, blob, n, BLOBIQ4, "IQ4", GROUP)
+
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`), "q6"
-        (`pack6`), or one of the 8-bit-row kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q51r", "q4r"
-        (`pack_<kind>`)."""
+        (`pack6`), or one of the 8-bit-row kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q51r", "q4r",
+        "iq4r" (`pack_<kind>`)."""
         return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q5k8": self.mm5k8, "q8": self.mm8, "q6": self.mm6,
                 "q3k8": self.mm3k8, "q6k8": self.mm6k8, "q51r": self.mm51r, "q8r": self.mm8r, "q5r": self.mm5r,
-                "q4r": self.mm4r}[kind]
+                "q4r": self.mm4r, "iq4r": self.mmiq4r}[kind]
 
 
 def rows_as_8bit(x: torch.Tensor, block: int = SB4K) -> torch.Tensor:
@@ -535,6 +564,14 @@ def _self_check(kernel: VectorKernel) -> str | None:
     q4 = q8.div(16, rounding_mode="floor").clamp(-8, 7)
     if not torch.equal(kernel.mm4r(x, kernel.pack_q4r(q4 + 8, d16), 80), kernel.mm8r(x, kernel.pack_q8r(q4, d16), 80)):
         return "the Q4_0 x 8-bit rows kernel does not compute the 8-bit kernel's bits here"
+    vi4 = torch.tensor(IQ4_VALUES)[q4 + 8]  # IQ4_NL: table values, float16 scales: the 8-bit kernel's bits
+    if not torch.equal(kernel.mmiq4r(x, kernel.pack_iq4r(vi4, d16), 80), kernel.mm8r(x, kernel.pack_q8r(vi4, d16), 80)):
+        return "the IQ4 x 8-bit rows kernel does not compute the 8-bit kernel's bits here"
+    sxs = d16 * torch.randint(-32, 32, (80, 3), generator=g).float()  # IQ4_XS: d * (sub-scale - 32), exact
+    want = rows_as_8bit(x, GROUP) @ (vi4.double().reshape(80, 3, GROUP) * sxs.double()[..., None]).reshape(80, 96).t()
+    err, alone = compare(kernel.mmiq4r, x, kernel.pack_iq4r(vi4, sxs), 80, want, rows=((3, 1), (5, 2), (7, 3)))
+    if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
+        return f"the IQ4 x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
     q51 = q8.div(8, rounding_mode="floor").clamp(-16, 15) + 16  # Q5_1: codes 0..31, a min per 32
     m16 = (torch.rand(80, 3, generator=g) * -0.05).half().float()
     want = rows_as_8bit(x, GROUP) @ (q51.double().reshape(80, 3, GROUP) * d16.double()[..., None]

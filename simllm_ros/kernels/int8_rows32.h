@@ -1,5 +1,5 @@
 /* Part of int8_rows.h (included at its end, after its row quantizer, integer vector helpers and DEFINE_PART8):
-   GGUF's formats with a scale per group of 32 inputs (Q8_0, Q5_0, Q5_1, Q4_0) times rows quantized to 8 bits per 32,
+   GGUF's formats with a scale per group of 32 inputs (Q8_0, Q5_0, Q5_1, Q4_0, IQ4_NL, IQ4_XS) times rows quantized to 8 bits per 32,
    as llama.cpp multiplies them by Q8_0. Not a header to include elsewhere. */
 #ifndef SIMLLM_INT8_ROWS32_H
 #define SIMLLM_INT8_ROWS32_H
@@ -136,5 +136,108 @@ DEFINE_MM8(simllm_vec_q51r_mm, part51r, GROUP)
 /* Q4_0 weights (BLOB4R: Q5_0's layout without the top bits) times rows quantized as for simllm_vec_q5r_mm. */
 DEFINE_MM8(simllm_vec_q4r_mm, part4r, GROUP)
 
+
+/* ---- IQ4_NL and IQ4_XS weights times 8-bit rows ("iq4r") ----
+   The rows as for q8r (per 32 inputs). The weights are 4-bit indices into llama.cpp's table of 16 values
+   (kvalues_iq4nl, -127..113) with a float scale per 32: IQ4_NL's d, IQ4_XS's d * (sub-scale - 32), a float16
+   times 6 bits, exact in float32. Per output and group of 32: isum = sum of value * code_x, exact in int32 (the
+   table looked up in registers: pshufb, tbl); then out = fma(s * dx, (float)isum, out), groups in order from 0:
+   q8r's bits for the same values and a float16 scale. Weights (BLOBIQ4 bytes per 16 outputs x group, 5 bits a weight
+   against the files' 4.5 and 4.25): the indices as q4r's nibbles (4 chunks of 64 bytes), then the 16 scales (float32).
+   VNNI takes unsigned weights: the table plus 128 and 128 times the row's code sum back, the same integer. */
+#define BLOBIQ4 320
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline void gdotiq4(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i T = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)IQ4_VALUES));
+#if defined(__AVX512VNNI__)
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i a = _mm512_set1_epi32(-128 * xs);
+    for (int p = 0; p < 4; p++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
+        const __m512i lo = _mm512_shuffle_epi8(T, _mm512_and_si512(v, m4));
+        const __m512i hi = _mm512_shuffle_epi8(T, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(lo, flip), _mm512_set1_epi32(rd32(xg + 8 * p)));
+        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(hi, flip), _mm512_set1_epi32(rd32(xg + 8 * p + 4)));
+    }
+    is[0] = _mm512_add_epi32(is[0], a);
+#else
+    (void)xs;
+    for (int p = 0; p < 4; p++) {  /* |w| * sign(x, w): int16 pairs at most 2 * 127 * 127 */
+        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
+        for (int h = 0; h < 2; h++) {
+            const __m512i w = _mm512_shuffle_epi8(T, _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, m4));
+            const __m512i x = _mm512_set1_epi32(rd32(xg + 8 * p + 4 * h));
+            const __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+            is[0] = _mm512_add_epi32(is[0], _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx),
+                                                              _mm512_set1_epi16(1)));
+        }
+    }
+#endif
+}
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+static inline void gdotiq4(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
+    (void)xs;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i T = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)IQ4_VALUES));
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 4; p++) {  /* |w| * sign(x, w): int16 pairs at most 2 * 127 * 127 */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * p + 32 * h));
+            const __m256i lo = _mm256_shuffle_epi8(T, _mm256_and_si256(v, m4));
+            const __m256i hi = _mm256_shuffle_epi8(T, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            const __m256i a = _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(_mm256_set1_epi32(rd32(xg + 8 * p)), lo));
+            const __m256i b = _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(_mm256_set1_epi32(rd32(xg + 8 * p + 4)), hi));
+            const __m256i one = _mm256_set1_epi16(1);
+            is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_add_epi32(_mm256_madd_epi16(a, one), _mm256_madd_epi16(b, one)));
+        }
+}
+#elif !defined(__AVX512F__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+static inline void gdotiq4(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
+    (void)xs;
+    const int8x16_t T = vld1q_s8(IQ4_VALUES);
+    const uint8x16_t m4 = vdupq_n_u8(15);
+    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+    for (int p = 0; p < 4; p++) {
+        const int8x16_t xa = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p)));
+        const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(rd32(xg + 8 * p + 4)));
+        for (int q = 0; q < 4; q++) {
+            const uint8x16_t v = vld1q_u8(c + 64 * p + 16 * q);
+            a[q] = vdotq_s32(a[q], vqtbl1q_s8(T, vandq_u8(v, m4)), xa);
+            a[q] = vdotq_s32(a[q], vqtbl1q_s8(T, vshrq_n_u8(v, 4)), xb);
+        }
+    }
+    add4q(is, a);
+}
+#else
+static inline void gdotiq4(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
+    (void)xs;
+    int32_t t[16] = {0};
+    for (int p = 0; p < 4; p++)
+        for (int j = 0; j < 16; j++)
+            for (int i = 0; i < 4; i++) {
+                const int v = c[64 * p + 4 * j + i];
+                t[j] += IQ4_VALUES[v & 15] * xg[8 * p + i] + IQ4_VALUES[v >> 4] * xg[8 * p + 4 + i];
+            }
+    add16(is, t);
+}
+#endif
+
+static inline __attribute__((always_inline)) void sbiq4(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    const float *d = (const float *)(const void *)(blk + 256);
+    for (int r = 0; r < NR; r++) {
+        vi is[NH];
+        for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
+        gdotiq4(blk, (const int8_t *)xr[r] + (long)s * GROUP, qrow_sums32(xr[r], K, GROUP)[s], is);
+        const float dx = qrow_scales(xr[r], K)[s];
+        for (int h = 0; h < NH; h++) o[r][h] = FMA(ld(d + VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
+    }
+}
+DEFINE_PART8(partiq4, sbiq4, BLOBIQ4, GROUP, GROUP)
+
+/* IQ4_NL / IQ4_XS weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
+DEFINE_MM8(simllm_vec_iq4r_mm, partiq4, GROUP)
 #endif
 #endif

@@ -8,7 +8,8 @@ each format maps onto a vector kernel product that computes with exactly those n
 - Q4_K, Q4_1, Q4_0: per group of 32, weight = step * code + base with code 0..15 (Q4_K: step = d * sub-scale,
   base = -dmin * sub-min): the 4-bit blob ("q4"); Q4_K in its own layout ("q4k": the sub-scales and sub-mins
   as bytes, d and dmin per 256, worked out by the kernel: the same numbers and bits in 4.75 bits a weight, not 6).
-- Q8_0: int8 codes, one scale per 32: the 8-bit blob ("q8", as the LM head of the embedded model).
+- Q8_0: int8 codes, one scale per 32: the 8-bit blob ("q8", as the LM head of the embedded model); IQ4_NL and IQ4_XS
+  too, their codes the values of llama.cpp's table (IQ4_XS's scale per 32 d * (sub-scale - 32), exact in float32).
 - Q6_K: codes -32..31, a scale per 16 (d * int8 sub-scale): the 16-input 8-bit blob ("q6"); Q5_0 (codes -16..15,
   d per 32) too, its scale given to both halves of a block.
 With rows quantized to 8 bits (activation_bits 8) Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 take their own integer-product
@@ -27,10 +28,10 @@ import torch
 
 # GGUF types each kind of our products takes
 KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6", "Q5_K": "q5k",
-         "Q3_K": "q6", "IQ4_NL": "q8", "Q5_1": "q51"}
+         "Q3_K": "q6", "IQ4_NL": "q8", "IQ4_XS": "q8", "Q5_1": "q51"}
 # ... and the kinds of those that take rows quantized to 8 bits (activation_bits 8)
 INT8_ROW_KINDS = {"Q4_K": "q4k8", "Q6_K": "q6k8", "Q8_0": "q8r", "Q5_0": "q5r", "Q4_0": "q4r", "Q5_K": "q5k8",
-                  "Q3_K": "q3k8", "IQ4_NL": "q8r", "Q5_1": "q51r"}
+                  "Q3_K": "q3k8", "IQ4_NL": "iq4r", "IQ4_XS": "iq4r", "Q5_1": "q51r"}
 # ... of which these have no product with float32 rows (activation_bits 32)
 INT8_ROWS_ONLY = frozenset({"Q5_K", "Q5_1"})
 # The projections of a Llama-family layer: GGUF name -> transformers module path within the layer
@@ -89,8 +90,10 @@ class FileWeight:
             return "q6k8", kernel.pack_q6k8(self.codes, *self.raw), self.codes.shape[0]
         if self.ggml == "Q3_K" and int8_rows:  # Q6_K's form: codes -4..3, int8 sub-scales per 16, d per 256
             return "q3k8", kernel.pack_q3k8(self.codes, *self.raw), self.codes.shape[0]
-        if self.ggml in ("Q8_0", "IQ4_NL") and int8_rows:  # IQ4_NL: Q8_0's form, its codes from a table
+        if self.ggml == "Q8_0" and int8_rows:
             return "q8r", kernel.pack_q8r(self.codes, self.step), self.codes.shape[0]
+        if self.ggml in ("IQ4_NL", "IQ4_XS") and int8_rows:  # table indices, a float32 scale per 32
+            return "iq4r", kernel.pack_iq4r(self.codes, self.step), self.codes.shape[0]
         if self.ggml == "Q5_0" and int8_rows:  # Q5_0's scale is kept per 16, the same for both halves
             return "q5r", kernel.pack_q5r(self.codes, self.step[:, ::2]), self.codes.shape[0]
         if self.kind == "q51":  # codes 0..31, step d, base m per 32: the file's values as they are
@@ -195,15 +198,33 @@ _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
 
 def _iq4_nl(blocks: np.ndarray):
     """18-byte blocks of 32: d (f16), then Q4_0's 16 bytes of nibbles (codes i and i + 16 share byte i), each an index
-    into _IQ4_VALUES. Weight d * value: Q8_0's form with 8-bit codes from the table (8.5 bits a weight on our
-    products against the file's 4.5), as llama.cpp's Q3_K and IQ4_XS files fall back to it where rows are not in
-    256s (Qwen2.5-0.5B's 896)."""
+    into _IQ4_VALUES. Weight d * value: Q8_0's form with 8-bit codes from the table (on 8-bit rows the IQ4 product
+    looks the table up itself, 5 bits a weight against the file's 4.5), as llama.cpp's Q3_K and IQ4_XS files fall
+    back to it where rows are not in 256s (Qwen2.5-0.5B's 896)."""
     b = np.array(blocks)
     nb = b.shape[0]
     d = torch.from_numpy(b[:, 0:2].copy().view(np.float16).astype(np.float32))
     qs = b[:, 2:18]
     idx = np.concatenate([qs & 15, qs >> 4], axis=1)  # [nb, 32]
     return torch.from_numpy(_IQ4_VALUES[idx].reshape(nb, 32)), d, None
+
+
+def _iq4_xs(blocks: np.ndarray):
+    """136-byte blocks of 256: d (f16), 2 bytes of sub-scales' top 2 bits (bits 2s..2s+1: sub-block s's), 4 bytes of
+    their low 4 bits (sub-block s's in byte s/2, low nibble where s is even), then 8 x IQ4_NL's 16 bytes of indices.
+    Weight d * (sub-scale - 32) * value: IQ4_NL's form with a scale per 32 that float16 cannot hold but float32 holds
+    exactly (11 bits times 6), as is each weight (and 7 bits more)."""
+    b = np.array(blocks)
+    nb = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
+    high = b[:, 2:4].copy().view("<u2").astype(np.int32)  # [nb, 1]
+    sub = np.arange(8)
+    low = (b[:, 4:8][:, sub // 2] >> (4 * (sub % 2))) & 15  # [nb, 8]
+    ls = low.astype(np.int32) | (((high >> (2 * sub)) & 3) << 4)
+    qs = b[:, 8:136].reshape(nb, 8, 16)
+    idx = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(nb, 256)
+    step = d * (ls - 32).astype(np.float32)
+    return torch.from_numpy(_IQ4_VALUES[idx]), torch.from_numpy(step), None
 
 
 def _q4_0_1(blocks: np.ndarray, with_min: bool):
@@ -248,7 +269,8 @@ def _q5_0(blocks: np.ndarray):
 _BLOCKS = {"Q3_K": (110, 256, _q3_k), "Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k),
            "Q8_0": (34, 32, _q8_0),
            "Q5_0": (22, 32, _q5_0), "Q4_0": (18, 32, lambda b: _q4_0_1(b, False)),
-           "Q4_1": (20, 32, lambda b: _q4_0_1(b, True)), "IQ4_NL": (18, 32, _iq4_nl), "Q5_1": (24, 32, _q5_1)}
+           "Q4_1": (20, 32, lambda b: _q4_0_1(b, True)), "IQ4_NL": (18, 32, _iq4_nl), "Q5_1": (24, 32, _q5_1),
+           "IQ4_XS": (136, 256, _iq4_xs)}
 DECODED = frozenset(_BLOCKS)  # the GGUF types `decode` reads (the token embedding's too: FileEmbedding)
 
 

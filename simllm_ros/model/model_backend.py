@@ -195,9 +195,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             if why:
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
-        # Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/IQ4_NL/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless float32 rows
-        # were asked
-        # for. Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows: the embedded model), an
+        # Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/IQ4_NL/IQ4_XS/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless
+        # float32 rows were asked for. Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows: the embedded model), an
         # 8-bit LM head alone would save little and make the logits a step function of the last hidden state; and a
         # product in a format with 8-bit rows only (Q5_K, Q5_1), the LM head's too.
         formats = self.model_file.formats if use_file else {}

@@ -21,8 +21,8 @@ EMBEDDED_MODELS = {
 }
 # 2: RoPE scaling read from the file (gguf_conversion.complete_config); 3: Phi-3 and Q5_K files (Q4_K_S, Q5_K_M) on
 # our kernels, whose earlier copies were transformers' whole conversions, which later loads would keep taking; 4: Q3_K,
-# IQ4_NL and Q5_1 tensors (Q3_K_S/M/L files, Q5_K_M files of models with rows not in 256s) the same
-CONVERSION_VERSION = 4
+# IQ4_NL and Q5_1 tensors (Q3_K_S/M/L files, Q5_K_M files of models with rows not in 256s) the same; 5: IQ4_XS files
+CONVERSION_VERSION = 5
 
 
 class ModelLoadError(RuntimeError):

@@ -64,24 +64,32 @@ int main(int argc, char **argv) {
     const int M = shape[0], N = shape[1], K = shape[2], E = shape[3], I = shape[4], H = shape[5], D = shape[6];
 
     void *vec = open_lib(libs, "int4_vector");
-    mm4_fn mm4 = (mm4_fn)sym(vec, "simllm_vec_int4_mm");
     mm8_fn mm8 = (mm8_fn)sym(vec, "simllm_vec_int8_mm");
-    mm4_fn mm6 = (mm4_fn)sym(vec, "simllm_vec_int8g16_mm");  /* 8-bit codes, a scale per 16 inputs (Q6_K) */
-    mm4_fn mm4k = (mm4_fn)sym(vec, "simllm_vec_int4k_mm");  /* GGUF Q4_K's own layout */
-    mm4_fn mm4k8 = (mm4_fn)sym(vec, "simllm_vec_q4k8_mm");  /* Q4_K times rows quantized to 8 bits */
-    mm4_fn mm6k8 = (mm4_fn)sym(vec, "simllm_vec_q6k8_mm");  /* Q6_K times rows quantized to 8 bits */
-    mm4_fn mm5k8 = (mm4_fn)sym(vec, "simllm_vec_q5k8_mm");  /* Q5_K times rows quantized to 8 bits */
-    mm4_fn mm3k8 = (mm4_fn)sym(vec, "simllm_vec_q3k8_mm");  /* Q3_K times rows quantized to 8 bits */
-    mm4_fn mm51r = (mm4_fn)sym(vec, "simllm_vec_q51r_mm");  /* Q5_1 times rows quantized to 8 bits per 32 */
-    mm4_fn mm8r = (mm4_fn)sym(vec, "simllm_vec_q8r_mm");  /* Q8_0 times rows quantized to 8 bits per 32 */
-    mm4_fn mm5r = (mm4_fn)sym(vec, "simllm_vec_q5r_mm");  /* Q5_0 times rows quantized to 8 bits per 32 */
-    mm4_fn mm4r = (mm4_fn)sym(vec, "simllm_vec_q4r_mm");  /* Q4_0 times rows quantized to 8 bits per 32 */
+    /* the products with simllm_vec_int4_mm's signature: name (PRODUCTS in test_numerics_contract), entry, weights */
+    static const char *const prods[][3] = {
+        {"mm4", "simllm_vec_int4_mm", "w4.u8"},
+        {"mm6", "simllm_vec_int8g16_mm", "w6.u8"},      /* 8-bit codes, a scale per 16 inputs (Q6_K) */
+        {"mm4k", "simllm_vec_int4k_mm", "w4k.u8"},      /* GGUF Q4_K's own layout */
+        {"mm4k8", "simllm_vec_q4k8_mm", "w4k8.u8"},     /* Q4_K times rows quantized to 8 bits */
+        {"mm5k8", "simllm_vec_q5k8_mm", "w5k8.u8"},     /* Q5_K times rows quantized to 8 bits */
+        {"mm6k8", "simllm_vec_q6k8_mm", "w6k8.u8"},     /* Q6_K times rows quantized to 8 bits */
+        {"mm8r", "simllm_vec_q8r_mm", "w8r.u8"},        /* Q8_0 times rows quantized to 8 bits per 32 */
+        {"mm5r", "simllm_vec_q5r_mm", "w5r.u8"},        /* Q5_0 times rows quantized to 8 bits per 32 */
+        {"mm4r", "simllm_vec_q4r_mm", "w4r.u8"},        /* Q4_0 times rows quantized to 8 bits per 32 */
+        {"mm3k8", "simllm_vec_q3k8_mm", "w3k8.u8"},     /* Q3_K times rows quantized to 8 bits */
+        {"mm51r", "simllm_vec_q51r_mm", "w51r.u8"},     /* Q5_1 times rows quantized to 8 bits per 32 */
+        {"mmiq4r", "simllm_vec_iq4r_mm", "wiq4r.u8"},   /* IQ4_NL / IQ4_XS times rows quantized to 8 bits per 32 */
+    };
+    enum { NPROD = sizeof prods / sizeof prods[0] };
+    mm4_fn fns[NPROD];
+    const uint8_t *ws[NPROD];
+    for (int p = 0; p < NPROD; p++) {
+        fns[p] = (mm4_fn)sym(vec, prods[p][1]);
+        ws[p] = slurp(dir, prods[p][2], 0);
+    }
     const long per_thread = ((floats_fn)sym(vec, "simllm_vec_buffer_floats"))();
     const float *x = slurp(dir, "x.f32", 0);
-    const uint8_t *w4 = slurp(dir, "w4.u8", 0), *w8 = slurp(dir, "w8.u8", 0), *w6 = slurp(dir, "w6.u8", 0);
-    const uint8_t *w4k = slurp(dir, "w4k.u8", 0), *w4k8 = slurp(dir, "w4k8.u8", 0), *w6k8 = slurp(dir, "w6k8.u8", 0);
-    const uint8_t *w5k8 = slurp(dir, "w5k8.u8", 0), *w3k8 = slurp(dir, "w3k8.u8", 0), *w51r = slurp(dir, "w51r.u8", 0);
-    const uint8_t *w8r = slurp(dir, "w8r.u8", 0), *w5r = slurp(dir, "w5r.u8", 0), *w4r = slurp(dir, "w4r.u8", 0);
+    const uint8_t *w8 = slurp(dir, "w8.u8", 0);
     float *y = calloc((size_t)M * N, 4), *xsum = calloc((size_t)M * (K / 4 + K / 8) + 1, 4);
     float *buf = calloc((size_t)per_thread * 2, 4);
     /* the whole (the buffered path of the float-row kernel), 1, 3, 7 and 2 rows (its register path) */
@@ -90,42 +98,14 @@ int main(int argc, char **argv) {
         for (int c = 0; c < 6; c++) {
             const int r0 = cuts[c][0], r1 = cuts[c][1] < 0 ? M : cuts[c][1];
             char name[64];
-            mm4(x + (long)r0 * K, K, w4, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm4_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
             mm8(x + (long)r0 * K, K, w8, y, N, r1 - r0, N, K, buf, per_thread, t);
             snprintf(name, sizeof name, "mm8_t%d_%d_%d.f32", t, r0, r1);
             spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm6(x + (long)r0 * K, K, w6, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm6_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm4k(x + (long)r0 * K, K, w4k, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm4k_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm4k8(x + (long)r0 * K, K, w4k8, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm4k8_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm5k8(x + (long)r0 * K, K, w5k8, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm5k8_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm6k8(x + (long)r0 * K, K, w6k8, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm6k8_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm8r(x + (long)r0 * K, K, w8r, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm8r_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm5r(x + (long)r0 * K, K, w5r, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm5r_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm4r(x + (long)r0 * K, K, w4r, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm4r_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm3k8(x + (long)r0 * K, K, w3k8, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm3k8_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
-            mm51r(x + (long)r0 * K, K, w51r, y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
-            snprintf(name, sizeof name, "mm51r_t%d_%d_%d.f32", t, r0, r1);
-            spill(dir, name, y, (long)(r1 - r0) * N * 4);
+            for (int p = 0; p < NPROD; p++) {
+                fns[p](x + (long)r0 * K, K, ws[p], y, N, r1 - r0, N, K, xsum, buf, per_thread, t);
+                snprintf(name, sizeof name, "%s_t%d_%d_%d.f32", prods[p][0], t, r0, r1);
+                spill(dir, name, y, (long)(r1 - r0) * N * 4);
+            }
         }
 
     void *norm = open_lib(libs, "rmsnorm");
