@@ -229,6 +229,21 @@ def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits
     assert torch.isfinite(c).all()
 
 
+def test_auto_dtype_runs_k_quant_files_at_their_own_bits_on_amx_too(files):
+    """dtype auto: bf16 on an AMX CPU is for the AMX kernel's 4-bit groups of 32 (Q4_0/Q4_1 projections); a file of
+    K-quants, Q8_0 or IQ4 would be dequantized to 16 bits there, so it takes float32 and the vector kernel at the
+    file's own bits, as on every other CPU."""
+    from simllm_ros.kernels import int4_kernel
+    from simllm_ros.model.model_backend import auto_dtype, native_bf16
+
+    amx = native_bf16() and int4_kernel.load() is not None
+    for name in ("q4_k_m", "q8_0", "q3_k_m", "iq4_xs", "phi3"):
+        dtype, why = auto_dtype("cpu", files[name])
+        assert dtype == "float32" and (not amx or "at their own bits on our vector kernel" in why), (name, why)
+    assert auto_dtype("cpu", files["q4_0"])[0] == ("bfloat16" if amx else "float32")  # the AMX kernel's own
+    assert auto_dtype("cpu", None)[0] == ("bfloat16" if amx else "float32")
+
+
 def test_q5_k_blocks_with_float32_rows_are_a_clear_load_error(files):
     """Q5_K has a product with 8-bit rows only: a Q4_K_S file asked for float32 rows is refused with the reason."""
     with pytest.raises(ModelLoadError, match="Q5_K blocks run on rows quantized to 8 bits only"):

@@ -155,14 +155,14 @@ def worker_ours(args) -> dict:
     from simllm_ros.settings import Settings
 
     t0 = time.perf_counter()
-    e = Engine(Settings.from_overrides(model=args.file, model_cache_dir=args.cache, dtype="auto", weight_bits=0,
+    e = Engine(Settings.from_overrides(model=args.file, model_cache_dir=args.cache, dtype=args.dtype, weight_bits=0,
                                        cache_size="1GB", enable_semantic_reuse=False))
     e.load()
     load = time.perf_counter() - t0
     b = e.backend
     ctx = bulletin(args.context)
     req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=args.new)  # noqa: E731
-    out = {"path": "simllm_ros", "load_s": load, "how": f"weight_bits={b.weight_bits} {b.dtype_name}, "
+    out = {"path": "simllm_ros" + ("" if args.dtype == "auto" else f" {args.dtype}"), "load_s": load, "how": f"weight_bits={b.weight_bits} {b.dtype_name}, "
            f"{'own blocks' if b.runner and b.runner.file else 'dense'}, layers {b.layers_kind}, "
            f"exact={b.exact_chunking}"}
     ids = [b.prompt_ids("", ctx, q) for q in QUESTIONS]
@@ -255,8 +255,9 @@ def worker_llama(args) -> dict:
     return out
 
 
-def run_worker(kind: str, path: str, args) -> dict | None:
+def run_worker(kind: str, path: str, args, dtype: str = "auto") -> dict | None:
     cmd = [sys.executable, "-m", __spec__.name, "--worker", kind, "--file", path, "--threads", str(args.threads),
+           "--dtype", dtype,
            "--new", str(args.new), "--context", str(args.context), "--cache", os.path.join(args.dir, "models"),
            "--ids", os.path.join(args.dir, "ids.json")]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT)
@@ -279,6 +280,9 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--context", type=int, default=600, help="bulletin length in tokens (about)")
     ap.add_argument("--warm", action="store_true", help="load each file once before measuring (converted, checked)")
+    ap.add_argument("--dtypes", default="auto", help="simllm_ros's dtype settings to run, each in its own process: "
+                    "auto,bfloat16 shows what auto chose against bf16's dense 16-bit weights")
+    ap.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)  # a worker's
     ap.add_argument("--worker", choices=["ours", "llama"])
     ap.add_argument("--file")
     ap.add_argument("--cache")
@@ -296,10 +300,12 @@ def main(argv=None) -> None:
         todo = [(make_file(shape, quant, args.dir), f"{shape} {quant}") for shape in args.shapes.split(",")
                 for quant in args.quants.split(",")]
     for path, label in todo:
+        dtypes = args.dtypes.split(",")
         if args.warm:
-            run_worker("ours", path, args)  # the first load converts the file and checks its blocks
-        for kind in ("ours", "llama"):
-            r = run_worker(kind, path, args)
+            for dtype in dtypes:
+                run_worker("ours", path, args, dtype)  # the first load converts the file and checks its blocks
+        for kind, dtype in [("ours", d) for d in dtypes] + [("llama", "auto")]:
+            r = run_worker(kind, path, args, dtype)
             if r:
                 r["file"] = f"{label or os.path.basename(path)} ({os.path.getsize(path) / 2**20:.0f} MiB)"
                 rows.append(r)
@@ -320,14 +326,20 @@ def main(argv=None) -> None:
     for r in rows:
         by_file.setdefault(r["file"], {})[r["path"]] = r
     for f, pair in by_file.items():
-        a, b = pair.get("simllm_ros"), pair.get("llama.cpp")
-        if not a or not b:
-            continue
-        ratio = lambda x, y: f"{x / y:.2f}" if y else "-"  # noqa: E731
-        print(f"| {f} | {ratio(a['prefill_s'], b['prefill_s'])} | {ratio(a['decode_ms'], b['decode_ms'])} | "
-              f"{ratio(a['cold']['total_s'], b['cold']['total_s'])} | {ratio(a['hit']['total_s'], b['hit']['total_s'])} | "
-              f"{ratio(a['repeat']['total_s'], b['repeat']['total_s'])} | {ratio(a['peak_rss_mb'], b['peak_rss_mb'])} | "
-              f"{agreement(a['greedy'], b['greedy'])} |")
+        b = pair.get("llama.cpp")
+        for path, a in pair.items():
+            if path == "llama.cpp" or not b:
+                continue
+            _ratio_row(f if path == "simllm_ros" else f"{f}, {path}", a, b)
+
+
+def _ratio_row(f: str, a: dict, b: dict) -> None:
+    """One row of ratios: simllm_ros's figures `a` over llama.cpp's `b` on the same file."""
+    ratio = lambda x, y: f"{x / y:.2f}" if y else "-"  # noqa: E731
+    print(f"| {f} | {ratio(a['prefill_s'], b['prefill_s'])} | {ratio(a['decode_ms'], b['decode_ms'])} | "
+          f"{ratio(a['cold']['total_s'], b['cold']['total_s'])} | {ratio(a['hit']['total_s'], b['hit']['total_s'])} | "
+          f"{ratio(a['repeat']['total_s'], b['repeat']['total_s'])} | {ratio(a['peak_rss_mb'], b['peak_rss_mb'])} | "
+          f"{agreement(a['greedy'], b['greedy'])} |")
 
 
 if __name__ == "__main__":

@@ -53,17 +53,37 @@ def native_bf16() -> bool:
         return False
 
 
-def auto_dtype(device: str) -> tuple[str, str]:
+# Projection formats our AMX kernel takes at the file's own bits (4-bit step/base per 32, the embedded model's)
+AMX_FILE_FORMATS = frozenset({"Q4_0", "Q4_1"})
+
+
+def projection_formats(src: str) -> set[str]:
+    """The GGUF types of a file's layer projections, from its header alone."""
+    kinds = set(gguf_weights.PROJECTIONS) | {"attn_qkv"}
+    return {t for kind, types in gguf_weights.formats(src).items() if kind in kinds for t in types}
+
+
+def auto_dtype(device: str, src: str | None = None) -> tuple[str, str]:
     """(dtype, why) for dtype auto: the fastest lossless path on cache hits for this CPU class. bfloat16 where
     our AMX kernels run (bf16 products on tiles, C layers); float32 on every other CPU, where our float32 vector
     kernel and C layers take a 4-bit model (measured on AVX-512 + AVX512_BF16 CPUs without AMX, README
     "Numerics and CPU classes": bf16 there runs ATen's int4 kernel with the layers in Python, and answers a hit
     slower). A float32 choice is provisional: where the model is not 4-bit and the CPU has native bf16, the
-    backend turns to bfloat16 after loading (float32's 16-bit products are not row-invariant). CUDA: bfloat16,
-    or float16 on older cards."""
+    backend turns to bfloat16 after loading (float32's 16-bit products are not row-invariant). On AMX too a GGUF
+    `src` whose projections are K-quants, Q8_0 or IQ4 takes float32: those run at their own bits only on the vector
+    kernel, where bf16 would dequantize them to 16 bits (~4x the file resident; measured in docs/gguf.md). CUDA:
+    bfloat16, or float16 on older cards."""
     if device.startswith("cuda"):
         return ("bfloat16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("float16", "CUDA without bf16")
     if native_bf16() and int4_kernel.load() is not None:
+        try:
+            types = projection_formats(src) if src else set()
+        except gguf_weights.GGUFError:
+            types = set()  # the load says what is wrong with the file
+        if types and types <= set(gguf_weights.KINDS) and not types <= AMX_FILE_FORMATS \
+                and int4_vector_kernel.load() is not None:
+            return "float32", (f"AMX, but the file's {'/'.join(sorted(types))} projections run at their own bits on "
+                               f"our vector kernel in float32 (bf16 would dequantize them to 16 bits)")
         return "bfloat16", "AMX: bf16 products on our AMX kernel"
     return "float32", ("no AMX: float32 on our vector kernel and C layers is the faster lossless path for hits"
                        + (" (native bf16 would take ATen's int4 kernel and Python layers)" if native_bf16() else ""))
@@ -88,7 +108,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         auto = dtype == "auto"
         self.dtype_why = "set by the dtype parameter"
         if auto:
-            dtype, self.dtype_why = auto_dtype(device)
+            dtype, self.dtype_why = auto_dtype(device, gguf_source(ref))
         if dtype not in _DTYPES:
             raise ModelLoadError(f"unknown dtype '{dtype}'")
         self.dtype = _DTYPES[dtype]
