@@ -323,6 +323,22 @@ def test_qwen_smollm3_phi3_and_gemma2_files_run_on_their_own_blocks_as_transform
         assert again.skeleton and torch.equal(again.run(ids, again.new_cache(20), logits="all"), ours)
 
 
+def test_an_iq4_xs_file_runs_on_its_own_blocks_as_transformers_computes_it(tmp_path):
+    """IQ4_XS projections (and an IQ4_NL attn_v, its fallback) on float32 rows: what the runner computes from the
+    file's table indices and sub-scales is what transformers' forward of the same file computes, to rounding."""
+    from random_gguf import write_llama
+
+    path = write_llama(str(tmp_path / "rand-iq4_xs-f32.gguf"), default="IQ4_XS", embed="IQ4_XS", seed=15,
+                       per_layer={(1, "attn_v"): "IQ4_NL"})
+    b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "models"), activation_bits=32)
+    assert b.runner.file is not None and b.exact_chunking and b.layers_kind == "c"
+    assert {p.kinds for _, qkv, o, _, gu, down, _ in b.runner.layers for p in (qkv, o, gu, down)} == {"q8"}
+    ids = [int(t) for t in range(400, 400 + 17 * 53, 53)]
+    ours, ref = _ours_and_transformers(b, ids)
+    assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
 def test_semantic_answers_on_a_gemma2_file_are_approximate_and_reported(files):
     """Gemma 2's SEMANTIC repair (early passes and recomputed tokens attend with its soft-capped scores, windows on
     sliding layers): a paraphrased question over an edited context takes the SEMANTIC tier where the caller allows
