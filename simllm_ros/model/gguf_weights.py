@@ -77,9 +77,10 @@ class FileWeight:
                           None if self.raw is None else tuple(t[perm] for t in self.raw))
 
     def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
-        """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel); `int8_rows`: Q4_K on rows
-        quantized to 8 bits (kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r": integer dot products, at the
-        file's bits or near them; Q5_K has no other; Q3_K otherwise takes the 16-input 8-bit product, "q6")."""
+        """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel); `int8_rows`: the blocks on
+        rows quantized to 8 bits (kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r", "q51r", "iq4r": integer
+        dot products, at the file's bits or near them; Q5_K and Q5_1 have no other; Q3_K otherwise takes the 16-input
+        8-bit product, "q6")."""
         if self.kind == "q4k" and int8_rows:
             return "q4k8", kernel.pack_q4k8(self.codes, *self.raw), self.codes.shape[0]
         if self.kind == "q5k":
