@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Command two: run the test suite (sets up first if needed; idempotent and quick when already set up).
-#   scripts/test.sh [pytest args]
+#   scripts/test.sh [pytest args]        e.g. scripts/test.sh test/test_kv_pool.py -k budget
+# One worker per core (pytest-xdist), each test file on one worker so a file's shared models load once;
+# SIMLLM_TEST_WORKERS=0 runs in this process. Each worker takes its own ROS_DOMAIN_ID (test/conftest.py).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/scripts/setup.sh" --setup-only
 cd "$REPO"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
-exec "${VENV:-$REPO/.venv}/bin/python" -m pytest test -q "$@"
+exec "${VENV:-$REPO/.venv}/bin/python" -m pytest -q -n "${SIMLLM_TEST_WORKERS:-auto}" --dist loadfile "$@"
