@@ -18,6 +18,11 @@ sys.path.insert(0, REPO)
 from simllm_ros.ros.domain import pick_domain  # noqa: E402  (no ROS import: runs before rclpy.init)
 
 os.environ["ROS_DOMAIN_ID"] = str(pick_domain(os.getpid()))
+# Under pytest-xdist (scripts/test.sh) each worker takes its share of the cores, read by torch at import: two
+# workers at two threads each on two cores spent ~50% more CPU on the same tests (threads waiting on each other).
+# Tests of thread counts set theirs explicitly; no bit of any result depends on the count (test_compute_threads).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,5 +1,5 @@
 """skeleton.build: the module tree a converted model's later loads run on without transformers' model classes.
-Its bits against transformers' classes are checked where files load twice (test_gguf_formats: Qwen2, Qwen3, the
+Its bits against transformers' classes are checked where files load twice (test_gguf_loading: Qwen2, Qwen3, the
 embedded Llama; test_gemma3_runner: Gemma 3); here, what it declines and what it builds from a config."""
 from __future__ import annotations
 

@@ -13,6 +13,20 @@
    the row's code sum back, the same integer. */
 #define BLOB8R 544
 
+/* Signed 8-bit weights times signed 8-bit row codes, four products summed into each int32 lane, where there is no
+   VNNI: pmaddubsw takes |w| as unsigned and x with w's sign (int16 pairs at most 2 * 128 * 127), pmaddwd adds the
+   pairs. Integer sums, exact: the same int32 as VNNI's or any other order. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(__AVX512VNNI__)
+static inline __m512i sdot4(__m512i w, __m512i x) {
+    const __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx), _mm512_set1_epi16(1));
+}
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+static inline __m256i sdot4(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
 #if defined(__AVX512VNNI__)
@@ -24,23 +38,19 @@ static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is)
     is[0] = _mm512_add_epi32(is[0], a);
 #else
     (void)xs;
-    for (int t = 0; t < 8; t++) {  /* |w| * sign(x, w): int16 pairs at most 2 * 128 * 127 */
-        const __m512i w = _mm512_loadu_si512((const void *)(c + 64 * t)), x = _mm512_set1_epi32(rd32(xg + 4 * t));
-        const __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-        is[0] = _mm512_add_epi32(is[0], _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx),
-                                                          _mm512_set1_epi16(1)));
-    }
+    for (int t = 0; t < 8; t++)
+        is[0] = _mm512_add_epi32(is[0], sdot4(_mm512_loadu_si512((const void *)(c + 64 * t)),
+                                              _mm512_set1_epi32(rd32(xg + 4 * t))));
 #endif
 }
 #elif !defined(__AVX512F__) && defined(__AVX2__)
 static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
     (void)xs;
     for (int h = 0; h < 2; h++)
-        for (int t = 0; t < 8; t++) {  /* |w| * sign(x, w): int16 pairs at most 2 * 128 * 127 */
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * t + 32 * h));
-            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(rd32(xg + 4 * t)), w));
-            is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-        }
+        for (int t = 0; t < 8; t++)
+            is[h] = (vi)_mm256_add_epi32((__m256i)is[h],
+                                         sdot4(_mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * t + 32 * h)),
+                                               _mm256_set1_epi32(rd32(xg + 4 * t))));
 }
 #elif !defined(__AVX512F__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
 static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is) {
@@ -165,14 +175,11 @@ static inline void gdotiq4(const uint8_t *c, const int8_t *xg, int32_t xs, vi *i
     is[0] = _mm512_add_epi32(is[0], a);
 #else
     (void)xs;
-    for (int p = 0; p < 4; p++) {  /* |w| * sign(x, w): int16 pairs at most 2 * 127 * 127 */
+    for (int p = 0; p < 4; p++) {
         const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
         for (int h = 0; h < 2; h++) {
             const __m512i w = _mm512_shuffle_epi8(T, _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, m4));
-            const __m512i x = _mm512_set1_epi32(rd32(xg + 8 * p + 4 * h));
-            const __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-            is[0] = _mm512_add_epi32(is[0], _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx),
-                                                              _mm512_set1_epi16(1)));
+            is[0] = _mm512_add_epi32(is[0], sdot4(w, _mm512_set1_epi32(rd32(xg + 8 * p + 4 * h))));
         }
     }
 #endif
@@ -183,14 +190,13 @@ static inline void gdotiq4(const uint8_t *c, const int8_t *xg, int32_t xs, vi *i
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i T = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)IQ4_VALUES));
     for (int h = 0; h < 2; h++)
-        for (int p = 0; p < 4; p++) {  /* |w| * sign(x, w): int16 pairs at most 2 * 127 * 127 */
+        for (int p = 0; p < 4; p++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(c + 64 * p + 32 * h));
             const __m256i lo = _mm256_shuffle_epi8(T, _mm256_and_si256(v, m4));
             const __m256i hi = _mm256_shuffle_epi8(T, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-            const __m256i a = _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(_mm256_set1_epi32(rd32(xg + 8 * p)), lo));
-            const __m256i b = _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(_mm256_set1_epi32(rd32(xg + 8 * p + 4)), hi));
-            const __m256i one = _mm256_set1_epi16(1);
-            is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_add_epi32(_mm256_madd_epi16(a, one), _mm256_madd_epi16(b, one)));
+            const __m256i a = sdot4(lo, _mm256_set1_epi32(rd32(xg + 8 * p)));
+            const __m256i b = sdot4(hi, _mm256_set1_epi32(rd32(xg + 8 * p + 4)));
+            is[h] = (vi)_mm256_add_epi32((__m256i)is[h], _mm256_add_epi32(a, b));
         }
 }
 #elif !defined(__AVX512F__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)

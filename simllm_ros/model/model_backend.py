@@ -57,13 +57,18 @@ def native_bf16() -> bool:
 AMX_FILE_FORMATS = frozenset({"Q4_0", "Q4_1"})
 
 
-def projection_formats(src: str) -> set[str]:
-    """The GGUF types of a file's layer projections, from its header alone."""
+def projection_formats(src: str, listed: list | None = None) -> set[str]:
+    """The GGUF types of a file's layer projections, from its header alone (`listed`: check_file(src) if read)."""
     kinds = set(gguf_weights.PROJECTIONS) | {"attn_qkv"}
-    return {t for kind, types in gguf_weights.formats(src).items() if kind in kinds for t in types}
+    return {t for kind, types in gguf_weights.formats(src, listed).items() if kind in kinds for t in types}
 
 
-def auto_dtype(device: str, src: str | None = None) -> tuple[str, str]:
+def amx_kernel_here() -> bool:
+    """Native bf16 and our AMX kernel built and granted: where dtype auto looks at a GGUF's formats."""
+    return native_bf16() and int4_kernel.load() is not None
+
+
+def auto_dtype(device: str, src: str | None = None, listed: list | None = None) -> tuple[str, str]:
     """(dtype, why) for dtype auto: the fastest lossless path on cache hits for this CPU class. bfloat16 where
     our AMX kernels run (bf16 products on tiles, C layers); float32 on every other CPU, where our float32 vector
     kernel and C layers take a 4-bit model (measured on AVX-512 + AVX512_BF16 CPUs without AMX, README
@@ -75,9 +80,9 @@ def auto_dtype(device: str, src: str | None = None) -> tuple[str, str]:
     bfloat16, or float16 on older cards."""
     if device.startswith("cuda"):
         return ("bfloat16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("float16", "CUDA without bf16")
-    if native_bf16() and int4_kernel.load() is not None:
+    if amx_kernel_here():
         try:
-            types = projection_formats(src) if src else set()
+            types = projection_formats(src, listed) if src else set()
         except gguf_weights.GGUFError:
             types = set()  # the load says what is wrong with the file
         if types and types <= set(gguf_weights.KINDS) and not types <= AMX_FILE_FORMATS \
@@ -107,8 +112,15 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         self.device = device
         auto = dtype == "auto"
         self.dtype_why = "set by the dtype parameter"
+        src = gguf_source(ref)
+        listed = None  # a GGUF's header (check_file), read at most once by this load (a large vocabulary: ~0.3 s)
         if auto:
-            dtype, self.dtype_why = auto_dtype(device, gguf_source(ref))
+            if src and device == "cpu" and amx_kernel_here():
+                try:
+                    listed = gguf_weights.check_file(src)
+                except gguf_weights.GGUFError:
+                    pass  # read again below, where a file that fails says so
+            dtype, self.dtype_why = auto_dtype(device, src, listed)
         if dtype not in _DTYPES:
             raise ModelLoadError(f"unknown dtype '{dtype}'")
         self.dtype = _DTYPES[dtype]
@@ -121,7 +133,6 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         file_blocks = device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4)
         path = resolve_model(ref, cache_dir, self.progress, dense=not file_blocks)
         self._path, self._dense_model = path, None
-        src = gguf_source(ref)
         # A GGUF whose own blocks were checked against its dequantized weights before (gguf_weights.Rows): the
         # runner takes them from the file again, so the dense projection weights are never read (a model's
         # float32 weights are ~4x its file: they set the peak memory and most of the load time).
@@ -175,7 +186,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         self.file_formats: dict[str, list[str]] = {}
         if src and fast and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4):
             try:
-                listed = gguf_weights.check_file(src)  # its header read once (a large vocabulary: ~0.3 s)
+                listed = listed if listed is not None else gguf_weights.check_file(src)
                 self.file_formats = gguf_weights.formats(src, listed)
                 self.model_file = gguf_weights.read_model(src, self.model, rows, listed)
                 if rows is None:

@@ -171,7 +171,7 @@ def load_tokenizer(path: str):
     the Rust tokenizer from a vocabulary dict and a merge list read in Python and keep both (`_vocab`,
     `_merges`), which only their constructors read: for Gemma 3's 262,144 tokens and 514,906 merges that is
     ~180 MB resident for as long as the model is loaded, more than the Rust tokenizer itself. Encoding and
-    decoding go through the Rust tokenizer only, so the tokens do not change (test_gguf_formats checks)."""
+    decoding go through the Rust tokenizer only, so the tokens do not change (test_gguf_loading checks)."""
     from transformers import AutoTokenizer
 
     from .model_config import own_config
@@ -193,7 +193,7 @@ def keep_added_tokens(folder: str) -> bool:
     """Writes tokenizer.json's added tokens into tokenizer_config.json (`added_tokens_decoder`, as transformers 4
     saved them) where it lacks them; whether it wrote. transformers 5 drops them on save and then, at every load,
     parses the whole tokenizer.json in Python to find them again: 1.3 s and a transient ~100 MB for Gemma 3's 33 MB
-    file. The same tokens either way (test_gguf_formats compares the two tokenizers)."""
+    file. The same tokens either way (test_gguf_loading compares the two tokenizers)."""
     cfg_path, tok_path = os.path.join(folder, "tokenizer_config.json"), os.path.join(folder, "tokenizer.json")
     if not (os.path.isfile(cfg_path) and os.path.isfile(tok_path)):
         return False
