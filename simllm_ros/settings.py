@@ -83,7 +83,7 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("schema_compile_timeout_s", 2.0, "budget for compiling a request's json_schema into a grammar: past it the request gets a clear error (and the same schema is refused at once after), and other requests never wait on it", live=True, min=0.1, max=120.0),
     ParamSpec("max_new_tokens", 64, "default tokens to generate when a request asks 0", live=True, min=1, max=4096),
     ParamSpec("max_new_tokens_limit", 512, "largest max_new_tokens a request may ask", live=True, min=1, max=4096),
-    ParamSpec("max_prompt_tokens", 1024, "prompt+context longer than this is refused, never truncated", live=True, min=16, max=32768),
+    ParamSpec("max_prompt_tokens", 1024, "prompt+context longer than this is refused, never truncated; at configure, with max_new_tokens_limit, the context a LongRoPE model's factors are chosen for", live=True, min=16, max=32768),
     ParamSpec("max_scope_length", 64, "longest cache_scope accepted", live=True, min=1, max=256),
     ParamSpec("max_batch", 8, "requests decoding together: each step runs one forward pass over all of them (continuous batching; answers bitwise the same as one at a time where the load-time invariance probe passed). 1: one request at a time", live=True, min=1, max=64),
     ParamSpec("prefill_chunk_tokens", 128, "with max_batch > 1: prompt tokens prefilled per step at most, so a long prompt delays the others' decoding by short steps, not one long one", live=True, min=1, max=32768),

@@ -196,14 +196,73 @@ def test_longrope_files_run_at_their_short_factors_within_the_original_context(t
     assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (ours - ref).abs().max()
     dense = ModelBackend(path, dtype="bfloat16", weight_bits=16, cache_dir=str(tmp_path / "b"))
     assert dense.config.rope_parameters["short_factor"] == rope["short_factor"] and dense.max_positions == 2048
+    # set up for 1024 + 512 positions: the short factors; max_prompt_tokens raised live cannot change them
     e = Engine(Settings.from_overrides(model=path, model_cache_dir=str(tmp_path / "a"), dtype="float32",
-                                       weight_bits=0, cache_size="64MB", max_prompt_tokens=4096))
+                                       weight_bits=0, cache_size="64MB", max_prompt_tokens=1024,
+                                       max_new_tokens_limit=512))
     e.load()
     try:
+        assert not e.backend.long_rope and "rope_factors" not in e.backend.identity
+        e.apply_settings({"max_prompt_tokens": 4096})
         long = e.handle(QueryRequest(prompt="Summarise.", context="the dock is closed " * 600, max_new_tokens=4))
         assert not long.success and "past the 2048 positions this model runs at" in long.error, long
+        assert "configure with more for the long ones" in long.error, long
         ok = e.handle(QueryRequest(prompt="Where is the dock?", context="The dock is in room 12.", max_new_tokens=4))
         assert ok.success and ok.exact and ok.generated_tokens > 0, ok
+    finally:
+        e.unload()
+
+
+def test_longrope_files_take_their_long_factors_where_a_load_serves_past_the_original_context(tmp_path):
+    """Set up for more positions than the original context (max_prompt_tokens + max_new_tokens_limit), a LongRoPE
+    file takes its long factors at every position, as llama.cpp does for a context that size: the runner computes
+    transformers' own forward of that config within and past the original context (1,024 here), the load says so,
+    a request past the original context is answered, and its repeat and an empty pool's answer are the same bits.
+    The identity says which factors (a snapshot of the short factors' KV is not this load's)."""
+    import gguf
+    from random_gguf import write_llama
+
+    from simllm_ros.request import QueryRequest
+    from simllm_ros.serving.engine import Engine
+    from simllm_ros.settings import Settings
+
+    path = write_llama(str(tmp_path / "rand-phi35-long.gguf"), arch="phi3", layers=2, default="Q8_0", embed="Q8_0",
+                       rope_factors=True, seed=17, metadata={"phi3.rope.scaling.attn_factor": 1.19,
+                                                             "phi3.rope.scaling.original_context_length": 1024})
+    reader = gguf.GGUFReader(path)
+    long = [t for t in reader.tensors if t.name == "rope_factors_long.weight"][0].data.astype(np.float64)
+    said: list[str] = []
+    b = ModelBackend(path, dtype="float32", weight_bits=0, activation_bits=32, cache_dir=str(tmp_path / "a"),
+                     context_length=1536, progress=said.append)
+    rope = b.config.rope_parameters
+    assert rope["original_max_position_embeddings"] == 1024 and b.long_rope and b.max_positions == 2048
+    assert rope["short_factor"] == [float(v) for v in long] and b.identity["rope_factors"] == "long"
+    assert any("LongRoPE: the long factors at every position" in m for m in said), said
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
+    assert torch.allclose(b._rope_inv_freqs()[0], plain / torch.tensor(long, dtype=torch.float), rtol=1e-6, atol=0)
+    for n in (17, 1100):  # within the original context and past it: the long factors both times
+        ids = [int(400 + (53 * t) % 40000) for t in range(n)]
+        ours = b.run(ids, b.new_cache(n + 3), logits="all")
+        with torch.inference_mode():
+            ref = b.hf_model(torch.tensor([ids])).logits[0].float()
+        assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), (n, (ours - ref).abs().max())
+    short = ModelBackend(path, dtype="float32", weight_bits=0, activation_bits=32, cache_dir=str(tmp_path / "a"))
+    assert not short.long_rope and short.max_positions == 1024 and short.identity != b.identity
+    assert not torch.equal(short.run(ids[:17], short.new_cache(20), logits="all"),
+                           b.run(ids[:17], b.new_cache(20), logits="all"))  # other tables, other numbers
+    e = Engine(Settings.from_overrides(model=path, model_cache_dir=str(tmp_path / "a"), dtype="float32",
+                                       weight_bits=0, cache_size="64MB", max_prompt_tokens=1536,
+                                       max_new_tokens_limit=64))
+    e.load()
+    try:
+        assert e.backend.long_rope
+        q = QueryRequest(prompt="Summarise.", context="the dock is closed " * 250, max_new_tokens=6)
+        first = e.handle(q)
+        assert first.success and first.exact and first.prompt_tokens > 1024, first
+        again = e.handle(q)
+        assert again.success and again.exact and again.answer == first.answer, again
+        e.clear_pool()
+        assert e.handle(q).answer == first.answer
     finally:
         e.unload()
 

@@ -102,8 +102,11 @@ _PROBED: dict[tuple, tuple] = {}
 class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadChecks):
     def __init__(self, ref: str, device: str = "cpu", dtype: str = "bfloat16", cache_dir: str = "",
                  progress: Callable[[str], None] | None = None, weight_bits: int = 16,
-                 activation_bits: int = 0):
+                 activation_bits: int = 0, context_length: int = 0):
+        """`context_length`: the longest prompt and answer this load serves (the engine's max_prompt_tokens +
+        max_new_tokens_limit); it chooses LongRoPE's factors (model_config.take_long_factors), 0 the short ones."""
         self.ref = ref
+        self.context_length = context_length
         self.progress = progress or (lambda msg: None)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,11 +150,12 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             self.skeleton = rows is not None  # the dense projection weights were never loaded
             if rows is not None:
                 self.progress("loading the GGUF's checked blocks (no dense projection weights)")
-                self.model = _load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed)
+                self.model = _load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed,
+                                            context_length=context_length)
             else:
                 # transformers' default attention: sdpa where the class has it, else eager (Gemma 2's soft-capping)
-                self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype,
-                                                                  local_files_only=True).to(device)
+                self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True,
+                                                                  **self._config_for(path)).to(device)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load model '{ref}': {e}") from e
         self.model.eval()
@@ -171,11 +175,21 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         self.kv_shape = KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
         self.has_sliding_layers = skeleton.has_sliding_layers(cfg)
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0) if self.has_sliding_layers else 0
-        # LongRoPE runs at its short factors, fixed at load: past the original context llama.cpp (and transformers)
-        # would take the long ones, so positions there are refused rather than computed as another model
-        rope = getattr(cfg, "rope_parameters", None)
-        self.max_positions = int(rope["original_max_position_embeddings"]) \
-            if isinstance(rope, dict) and rope.get("rope_type") == "longrope" else None
+        # LongRoPE's factors are fixed at load, as llama.cpp fixes them for its context size: the long ones where
+        # this load serves past the original context (then up to the model's longest), else the short ones, and
+        # positions past the original context are refused rather than computed as another model would
+        from .model_config import longrope_original
+
+        original = longrope_original(cfg)
+        self.long_rope = original is not None and context_length > original  # as take_long_factors chose
+        self.max_positions = None if original is None else \
+            int(cfg.max_position_embeddings) if self.long_rope else original
+        if original is not None:
+            self.progress(f"LongRoPE: the long factors at every position, up to {self.max_positions} (this load "
+                          f"serves {context_length} past the original {original}, as llama.cpp at that context size)"
+                          if self.long_rope else
+                          f"LongRoPE: the short factors, positions up to {original} (a load set up for more, "
+                          f"max_prompt_tokens + max_new_tokens_limit past {original}, takes the long ones)")
         self.runner = None
         self.reload_lighter = False
         fast = (self.model_type in FULL_ATTENTION_ARCHITECTURES and not self.has_sliding_layers
@@ -280,7 +294,9 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
                          "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits,
                          "activation_bits": self.activation_bits}
-        key = (path, device, dtype, weight_bits, self.activation_bits)  # the same model and settings in this process: the same answer
+        if self.long_rope:  # KV rotated by other tables than the short factors' (a snapshot or store must not mix)
+            self.identity["rope_factors"] = "long"
+        key = (path, device, dtype, weight_bits, self.activation_bits, self.long_rope)  # the same model and settings in this process: the same answer
         if key not in _PROBED:
             _PROBED[key] = self._load_checks(cache_dir, stamp)
             _return_freed_heap()  # the checks' passes (a first load's: ~0.1 GB at 0.5B) handed back, not kept
@@ -322,6 +338,16 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
                     return 16
         return 4
 
+    def _config_for(self, path: str) -> dict:
+        """from_pretrained's `config` where this load takes LongRoPE's long factors (take_long_factors), else
+        nothing: the folder's own config."""
+        from transformers import AutoConfig
+
+        from .model_config import take_long_factors
+
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        return {"config": cfg} if take_long_factors(cfg, self.context_length) else {}
+
     @property
     def hf_model(self):
         """The transformers model, ready for its own forward or `generate` (benchmark references): the runner
@@ -338,7 +364,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             if os.path.exists(os.path.join(self._path, SLIM_FILE)):  # its dense weights were dropped: convert again
                 self._path = resolve_model(self.ref, self._cache_dir, self.progress, dense=True)
             self._dense_model = AutoModelForCausalLM.from_pretrained(
-                self._path, dtype=self.dtype, local_files_only=True).to(self.device).eval()
+                self._path, dtype=self.dtype, local_files_only=True, **self._config_for(self._path)
+            ).to(self.device).eval()
         return self._dense_model
 
     # ---- forward passes ----------------------------------------------------

@@ -75,3 +75,24 @@ def load_config(path: str):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def longrope_original(cfg) -> int | None:
+    """The original context of a LongRoPE config (Phi-3.5-mini, Phi-3 128k, Phi-4-mini), else None."""
+    rope = getattr(cfg, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("rope_type") == "longrope":
+        return int(rope["original_max_position_embeddings"])
+    return None
+
+
+def take_long_factors(cfg, context_length: int) -> bool:
+    """LongRoPE's long factors at every position where the context a load is set up for (`context_length`: the
+    longest prompt and answer it serves) passes the original one: llama.cpp's choice for its context size (n_ctx past
+    the original: the long factors for the whole context), fixed at load so that a cached key never meets a table it
+    was not rotated with (transformers' classes switch tables with each sequence's length). The short factors in
+    `cfg` become the long ones, so transformers' classes compute the same at every length. Whether it did."""
+    original = longrope_original(cfg)
+    if original is None or context_length <= original:
+        return False
+    cfg.rope_parameters = dict(cfg.rope_parameters, short_factor=list(cfg.rope_parameters["long_factor"]))
+    return True

@@ -285,15 +285,16 @@ def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
     return freed
 
 
-def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
+def _load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length: int = 0):
     """A converted GGUF's model (float32) without its projection weights (and LM head if `skip_head`, token
     embedding if `skip_embed` and nothing else needs it): those are allocated, never written (so never resident) and
-    released by the runner, which takes the file's blocks."""
+    released by the runner, which takes the file's blocks. `context_length`: model_config.take_long_factors."""
     from safetensors import safe_open
 
-    from .model_config import load_config
+    from .model_config import load_config, take_long_factors
 
     cfg = load_config(path)
+    take_long_factors(cfg, context_length)
     skip = _skeleton_skips(cfg, skip_head, skip_embed)
     state, keys = {}, set()
     for shard in _model_shards(path):
@@ -308,6 +309,7 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool):
         from transformers.initialization import no_init_weights
 
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)  # transformers' own class, for its model
+        take_long_factors(cfg, context_length)
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # sdpa where it has it
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

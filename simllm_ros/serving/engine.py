@@ -145,7 +145,9 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
 
     def _open_backend(self, progress: Callable[[str], None]) -> ModelBackend:
         s = self.settings
-        return ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits, s.activation_bits)
+        # the longest prompt and answer at these settings: LongRoPE's factors are chosen by it, fixed for the load
+        return ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits, s.activation_bits,
+                            context_length=s.max_prompt_tokens + s.max_new_tokens_limit)
 
     def load(self, progress: Callable[[str], None] | None = None) -> None:
         progress = progress or (lambda m: self.log.info(m))
