@@ -112,7 +112,7 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     context]) written as `{arch}.rope.scaling.type` / `.factor` (/ `.original_context_length`) metadata, as
     llama.cpp's converter writes linear scaling (Gemma 3 4B) and YaRN (long-context Qwen files).
     `name`: the file's general.name (transformers reads a llama file named "mistral" as a Mistral model);
-    `metadata`: further float32 keys ({"qwen2.rope.scaling.yarn_log_multiplier": 0.1}); `vocab`: rows of the
+    `metadata`: further keys, float32 or uint32 ({"qwen2.rope.scaling.yarn_log_multiplier": 0.1}); `vocab`: rows of the
     embedding and LM head other than the tokenizer's token count (a file whose parts do not fit); `rope_dims`: RoPE's
     rotated dimensions per head where not all (Phi-4-mini's 96 of 128); `rope_factors`: LongRoPE's per-frequency
     factors (rope_factors_long / rope_factors_short tensors, Phi-3.5's). `pad_vocab`: the tokenizer's token list
@@ -153,8 +153,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
         w.add_rope_scaling_factor(rope_scaling[1])
         if len(rope_scaling) > 2:  # YaRN's original context
             w.add_rope_scaling_orig_ctx_len(rope_scaling[2])
-    for key, value in (metadata or {}).items():
-        w.add_float32(key, value)
+    for key, value in (metadata or {}).items():  # integers as uint32, as llama.cpp's converter writes them
+        w.add_uint32(key, value) if isinstance(value, int) else w.add_float32(key, value)
     for key, field in src.fields.items():  # the tokenizer as the embedded model has it
         if not key.startswith("tokenizer."):
             continue
