@@ -155,9 +155,9 @@ class RequestPipeline:
         max_new = self._answer_length(req)
         limit = getattr(backend, "max_positions", None)
         if limit and len(tokens) + max_new > limit:
-            why = ("the model's longest context" if backend.long_rope else
+            why = ("the model's longest context" if getattr(backend, "long_rope", False) else
                    "LongRoPE's short factors, chosen at configure for max_prompt_tokens + max_new_tokens_limit "
-                   f"{backend.context_length}; configure with more for the long ones")
+                   f"{getattr(backend, 'context_length', 0)}; configure with more for the long ones")
             return QueryResult.failure(f"prompt and context are {len(tokens)} tokens and the answer up to {max_new}: "
                                        f"past the {limit} positions this model runs at ({why}; nothing is truncated)",
                                        req.request_id)
