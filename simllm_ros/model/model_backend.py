@@ -178,10 +178,10 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         # LongRoPE's factors are fixed at load, as llama.cpp fixes them for its context size: the long ones where
         # this load serves past the original context (then up to the model's longest), else the short ones, and
         # positions past the original context are refused rather than computed as another model would
-        from .model_config import longrope_original
+        from .model_config import long_factors_for, longrope_original
 
         original = longrope_original(cfg)
-        self.long_rope = original is not None and context_length > original  # as take_long_factors chose
+        self.long_rope = long_factors_for(cfg, context_length)  # what the load's take_long_factors did
         self.max_positions = None if original is None else \
             int(cfg.max_position_embeddings) if self.long_rope else original
         if original is not None:

@@ -85,14 +85,19 @@ def longrope_original(cfg) -> int | None:
     return None
 
 
+def long_factors_for(cfg, context_length: int) -> bool:
+    """Whether a load of LongRoPE config `cfg` set up for `context_length` positions takes the long factors."""
+    original = longrope_original(cfg)
+    return original is not None and context_length > original
+
+
 def take_long_factors(cfg, context_length: int) -> bool:
     """LongRoPE's long factors at every position where the context a load is set up for (`context_length`: the
     longest prompt and answer it serves) passes the original one: llama.cpp's choice for its context size (n_ctx past
     the original: the long factors for the whole context), fixed at load so that a cached key never meets a table it
     was not rotated with (transformers' classes switch tables with each sequence's length). The short factors in
     `cfg` become the long ones, so transformers' classes compute the same at every length. Whether it did."""
-    original = longrope_original(cfg)
-    if original is None or context_length <= original:
+    if not long_factors_for(cfg, context_length):
         return False
     cfg.rope_parameters = dict(cfg.rope_parameters, short_factor=list(cfg.rope_parameters["long_factor"]))
     return True
