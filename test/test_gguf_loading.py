@@ -209,6 +209,41 @@ def test_the_file_embedding_is_the_files_rows(files):
         emb(torch.tensor([w.shape[0]]))
 
 
+def test_the_file_embedding_reads_its_rows_rather_than_mapping_the_file(files, tmp_path):
+    """A mapped lookup brought ~128 KB of neighbours into the process per row (for a tied model a second copy of the
+    LM head, growing with every new token); the rows are read instead: no map of the file stays with the embedding,
+    its one descriptor goes with it, and a file cut short under a running model is a clear error, not a crash."""
+    import gc
+    import os
+    import shutil
+
+    path = str(tmp_path / "copy.gguf")
+    shutil.copyfile(files["q4_k_m"], path)
+    tensor = next(x for x in gguf_weights.check_file(path) if x.name == "token_embd.weight")
+    w = torch.from_numpy(gguf.quants.dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType[tensor.ggml])
+                         .astype(np.float32)).reshape(tensor.shape)
+    emb = gguf_weights.FileEmbedding(tensor, *w.shape)
+    del tensor
+    gc.collect()
+    fds = len(os.listdir("/proc/self/fd"))
+    ids = torch.tensor([3, w.shape[0] - 1, 3, 40])
+    assert torch.equal(emb(ids), w[ids])
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as f:
+            return any(line.rstrip().endswith(path) for line in f)
+
+    assert not mapped()  # the load's map of the file went; the lookups made none
+    with open(path, "r+b") as f:
+        f.truncate(emb.tensor.offset + (w.shape[0] - 1) * emb.row_bytes)  # the embedding's last row gone
+    assert torch.equal(emb(torch.tensor([5])), w[5:6])
+    with pytest.raises(gguf_weights.GGUFError, match="shorter than when it was loaded"):
+        emb(torch.tensor([w.shape[0] - 1]))
+    del emb
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds - 1  # its descriptor closed with it
+
+
 def test_later_loads_map_the_packed_blocks_and_refuse_a_damaged_file(files, monkeypatch):
     """The first load packs the file's blocks for the kernel and keeps them (packed_weights); a later load maps them
     instead of packing again, with the same bits; a damaged file, or one packed for another kernel layout, is

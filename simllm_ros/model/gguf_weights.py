@@ -311,30 +311,59 @@ class PendingWeight:
 
 
 class FileEmbedding:
-    """The token embedding looked up from the file's blocks (memory-mapped, as llama.cpp keeps it): the rows asked
-    for are decoded to float32 on each call, bitwise the float32 embedding the model would hold (read_model checks
-    that once per file). A model's embedding is then its file's size in the page cache, not 4 bytes a weight (a
-    Qwen-sized vocabulary of 151,936 x 1,536: 0.9 GB in float32)."""
+    """The token embedding looked up from the file's blocks: the rows asked for are decoded to float32 on each call,
+    bitwise the float32 embedding the model would hold (read_model checks that once per file). A model's embedding
+    is then its file's size on disk, not 4 bytes a weight (a Qwen-sized vocabulary of 151,936 x 1,536: 0.9 GB in
+    float32).
+
+    The rows are read from the file (pread), not through a map: a mapped lookup brings the pages around each row
+    into the process too (the kernel maps ~64-128 KB of neighbours a fault), so a 600-token prompt left ~80 MB of a
+    1.5B Q8_0's embedding resident, growing toward the whole table with every new token. For a tied model that is a
+    second copy of the LM head, whose packed blocks are resident already. Read, the rows pass through the page cache
+    (reclaimable, not the process's) and the process keeps only what it decoded."""
 
     def __init__(self, tensor: Tensor, vocab: int, hidden: int):
         size, per, _ = BLOCKS[tensor.ggml]
-        self.tensor, self.num_embeddings, self.embedding_dim = tensor, vocab, hidden
-        # a map of its own bytes only: the whole file's map (whose pages the load touched) can then go
-        data = np.memmap(tensor.path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(tensor.data.size,)) \
-            if tensor.path else np.asarray(tensor.data)
-        self.tensor = dataclasses.replace(tensor, data=data)
-        self._rows = data.reshape(vocab, hidden // per * size)
+        self.num_embeddings, self.embedding_dim = vocab, hidden
+        self.row_bytes = hidden // per * size
+        self._fd, self._rows = -1, None
+        if tensor.path:
+            self._fd = os.open(tensor.path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # no readahead for a row here and there
+                os.posix_fadvise(self._fd, tensor.offset, tensor.data.size, os.POSIX_FADV_RANDOM)
+            # not the file's map (whose pages the load touched): it can then go
+            tensor = dataclasses.replace(tensor, data=np.empty(0, dtype=np.uint8))
+        else:
+            self._rows = np.asarray(tensor.data).reshape(vocab, self.row_bytes)
+        self.tensor = tensor
 
     @property
     def ggml(self) -> str:
         return self.tensor.ggml
 
+    def _read(self, rows: np.ndarray) -> np.ndarray:
+        """The raw blocks of `rows` (distinct ids) [len(rows), row_bytes]."""
+        if self._rows is not None:
+            return self._rows[rows]
+        rb, at = self.row_bytes, self.tensor.offset
+        out = np.empty((rows.size, rb), dtype=np.uint8)
+        for i, r in enumerate(rows.tolist()):
+            if os.preadv(self._fd, [out[i]], at + r * rb) != rb:
+                raise GGUFError(f"'{self.tensor.path}' is shorter than when it was loaded (token {r}'s row)")
+        return out
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).cpu().numpy()
         if flat.size and (flat.min() < 0 or flat.max() >= self.num_embeddings):
             raise IndexError(f"token id out of range for a vocabulary of {self.num_embeddings}")
-        rows = decode(self.tensor.ggml, self._rows[flat], (flat.size, self.embedding_dim)).dequantized()
-        return rows.reshape(*ids.shape, self.embedding_dim)
+        distinct, where = np.unique(flat, return_inverse=True)
+        rows = decode(self.tensor.ggml, self._read(distinct), (distinct.size, self.embedding_dim)).dequantized()
+        return rows[torch.from_numpy(where.reshape(-1))].reshape(*ids.shape, self.embedding_dim)
+
+    def __del__(self):
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 @dataclasses.dataclass

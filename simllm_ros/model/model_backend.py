@@ -339,14 +339,15 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         return 4
 
     def _config_for(self, path: str) -> dict:
-        """from_pretrained's `config` where this load takes LongRoPE's long factors (take_long_factors), else
-        nothing: the folder's own config."""
+        """from_pretrained's `config`: the folder's, read once here, with LongRoPE's long factors where this load
+        takes them (take_long_factors), so from_pretrained does not read it again."""
         from transformers import AutoConfig
 
         from .model_config import take_long_factors
 
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-        return {"config": cfg} if take_long_factors(cfg, self.context_length) else {}
+        take_long_factors(cfg, self.context_length)
+        return {"config": cfg}
 
     @property
     def hf_model(self):
