@@ -28,22 +28,14 @@ Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_
 
 
 def layout_id() -> str:
-    """What the blobs' layout depends on: the packing functions' code and the kernel's C sources that read them
-    (not the rest of the module: a comment elsewhere must not repack every model)."""
-    import inspect
-
-    from ..kernels import int4_vector_kernel as ivk
+    """What the blobs' layout depends on: the packing module's code (kernels/vector_blobs.py) and the kernel's C
+    sources that read them (not the rest of the kernel's Python: a comment there must not repack every model)."""
+    from ..kernels import vector_blobs
 
     h = hashlib.sha256()
-    for fn in (ivk._code_pairs, ivk._q4k_blob, ivk.VectorKernel.pack_affine, ivk.VectorKernel.pack_q4k,
-               ivk.VectorKernel.pack_q4k8, ivk.VectorKernel.pack_q6k8, ivk.VectorKernel.pack_q8r,
-               ivk.VectorKernel.pack_q5r, ivk.VectorKernel.pack_q4r, ivk._nibble_chunks, ivk._f16_scales,
-               ivk.VectorKernel.pack_q5k8, ivk._top_bits, ivk._k8_head, ivk.VectorKernel.pack_q3k8,
-               ivk.VectorKernel.pack_q51r,
-               ivk.VectorKernel.pack6, ivk.VectorKernel.pack8):
-        h.update(inspect.getsource(fn).encode())
-    for source in ("int4_vector.c", "int8_rows.h", "int8_rows32.h"):
-        with open(os.path.join(os.path.dirname(os.path.abspath(ivk.__file__)), source), "rb") as f:
+    here = os.path.dirname(os.path.abspath(vector_blobs.__file__))
+    for source in ("vector_blobs.py", "int4_vector.c", "int8_rows.h", "int8_rows32.h"):
+        with open(os.path.join(here, source), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
 
