@@ -62,7 +62,7 @@ def test_products_are_the_files_weights_and_row_invariant(ggml):
 
 @pytest.mark.parametrize("ggml,kind,bits", [("Q3_K", "q3k8", 4.625), ("Q4_K", "q4k8", 4.5), ("Q5_K", "q5k8", 5.5),
                                            ("Q6_K", "q6k8", 6.625), ("Q8_0", "q8r", 8.5), ("Q5_0", "q5r", 5.5),
-                                           ("Q4_0", "q4r", 4.5), ("IQ4_NL", "iq4r", 5.0), ("IQ4_XS", "iq4r", 5.0),
+                                           ("Q4_0", "q4r", 4.5), ("IQ4_NL", "iq4r", 4.5), ("IQ4_XS", "iq4xs", 4.3125),
                                            ("Q5_1", "q51r", 6.0)])
 def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_and_row_invariant(ggml, kind, bits):
     """activation_bits 8: the integer product is exactly (to float32 rounding of its few float steps) the file's
@@ -77,7 +77,8 @@ def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_an
     x[4] = 0  # a row of zeros: scale 0, codes 0
     x[6, 5] = 1e4  # an outlier takes its block's range
     whole = mm(x, blob, outs)
-    want = int4_vector_kernel.rows_as_8bit(x, 32 if kind in ("q8r", "q5r", "q51r", "q4r", "iq4r") else 256) @ w.double().t()
+    want = int4_vector_kernel.rows_as_8bit(x, 32 if kind in ("q8r", "q5r", "q51r", "q4r", "iq4r", "iq4xs") else 256) \
+        @ w.double().t()
     assert (whole.double() - want).abs().max() <= 2e-6 * want.abs().max()
     assert torch.equal(whole[4], torch.zeros(n))
     for r0, r1 in ((0, 1), (1, 3), (3, 7), (7, 30), (30, 37), (5, 6), (6, 11)):
@@ -88,8 +89,9 @@ def test_k_quants_on_8bit_rows_are_the_files_weights_times_the_quantized_rows_an
 
 
 def test_iq4_nl_on_its_table_product_computes_the_8bit_products_bits():
-    """IQ4_NL's indices looked up in registers (5 bits a weight) give bitwise Q8_0's product of the table's values with
-    the same float16 scales (8.5 bits): one number per weight either way, and the same integer sums and float steps."""
+    """IQ4_NL's indices looked up in registers (4.5 bits a weight) give bitwise Q8_0's product of the table's values
+    with the same float16 scales (8.5 bits): one number per weight either way, and the same integer sums and float
+    steps."""
     fw, _ = _tensor("IQ4_NL", 64, 512, seed=7)
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(2))
     kind, blob, outs = fw.pack(KERNEL, int8_rows=True)
@@ -97,6 +99,28 @@ def test_iq4_nl_on_its_table_product_computes_the_8bit_products_bits():
     assert torch.equal(KERNEL.mmiq4r(x, blob, outs), KERNEL.mm8r(x, KERNEL.pack_q8r(fw.codes, fw.step), outs))
     with pytest.raises(ValueError, match="table values"):
         KERNEL.pack_iq4r(fw.codes.clamp(-100, 100), fw.step)  # -127 and 113 clamped: not the table's
+
+
+def test_iq4_xs_keeps_its_sub_scales_and_computes_the_bits_of_its_scales_per_32():
+    """IQ4_XS at the file's sub-scales and d (4.3125 bits a weight; it was 5 with a float32 scale per 32): the kernel
+    works out d * (sub-scale - 32) exactly, so the bits are those of the table product given that float32 scale per
+    32, which float16 cannot hold (the IQ4_NL product where it can: sub-scales of 1). Bad sub-scales are refused."""
+    fw, w = _tensor("IQ4_XS", 64, 512, seed=9)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(4))
+    kind, blob, outs = fw.pack(KERNEL, int8_rows=True)
+    assert kind == "iq4xs" and blob.numel() * 8 / w.numel() == 4.3125
+    sub, d = fw.raw
+    assert torch.equal(d.repeat_interleave(8, dim=1) * sub.float(), fw.step)  # the file's scales, exactly
+    want = int4_vector_kernel.rows_as_8bit(x, 32) @ w.double().t()
+    got = KERNEL.mmiq4xs(x, blob, outs)
+    assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max()
+    ones = KERNEL.pack_iq4xs(fw.codes, torch.ones_like(sub), d)
+    assert torch.equal(KERNEL.mmiq4xs(x, ones, outs),
+                       KERNEL.mmiq4r(x, KERNEL.pack_iq4r(fw.codes, d.repeat_interleave(8, dim=1)), outs))
+    with pytest.raises(ValueError, match="-32..31"):
+        KERNEL.pack_iq4xs(fw.codes, sub + 40, d)
+    with pytest.raises(ValueError, match="float16"):
+        KERNEL.pack_iq4xs(fw.codes, sub, d * (1 + 2 ** -20))
 
 
 def test_a_projection_of_mixed_parts_is_each_parts_product():
@@ -122,13 +146,13 @@ def test_a_projection_of_mixed_parts_is_each_parts_product():
     ("q4_0", 0, [["q4r", "q4r", "q4r", "q4r"]] * 2, "Q8_0"),
     ("q4_k_s", 0, [["q4k8+q5k8", "q4k8", "q4k8", "q5k8"], ["q4k8", "q4k8", "q4k8", "q4k8"]], "Q6_K"),
     ("q3_k_m", 0, [["q3k8+q5k8", "q4k8", "q3k8", "q4k8"], ["q3k8+q51r", "q4k8", "q3k8", "q3k8"]], "Q6_K"),
-    ("iq4_xs", 0, [["iq4r+q5k8", "iq4r", "iq4r", "iq4r"], ["iq4r", "iq4r", "iq4r", "iq4r"]], "Q6_K"),
+    ("iq4_xs", 0, [["iq4xs+q5k8", "iq4xs", "iq4xs", "iq4xs"], ["iq4xs+iq4r", "iq4xs", "iq4xs", "iq4xs"]], "Q6_K"),
 ])
 def test_the_file_runs_on_its_own_blocks_losslessly(files, name, activation_bits, layer_kinds, head):
     b = file_backend(files, name, activation_bits)
     r = b.runner
     assert b.weight_bits == 4 and b.int4_kind == "vector" and r.file is not None  # weight_bits auto picked it
-    int8_kinds = ("q3k8", "q4k8", "q5k8", "q8r", "q5r", "q4r", "iq4r")
+    int8_kinds = ("q3k8", "q4k8", "q5k8", "q8r", "q5r", "q4r", "iq4r", "iq4xs")
     assert b.activation_bits == (8 if layer_kinds[0][1] in int8_kinds else 32)
     assert ("integer dot products" in b.int4_path) == (b.activation_bits == 8)
     assert [[p.kinds for p in (qkv, o, gu, down)] for _, qkv, o, _, gu, down, _ in r.layers] == layer_kinds

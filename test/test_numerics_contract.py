@@ -117,10 +117,13 @@ def _case(path, seed=0):
         "w51r.u8": kernel.pack_q51r(torch.randint(0, 32, (n, k), generator=g),  # Q5_1 for 8-bit rows per 32
                                     (torch.rand(n, k // 32, generator=g) * 0.01).half().float(),
                                     (torch.rand(n, k // 32, generator=g) * -0.1).half().float()).numpy().tobytes(),
-        "wiq4r.u8": kernel.pack_iq4r(  # IQ4_XS for 8-bit rows per 32: table values, d * (sub-scale - 32) in float32
+        "wiq4r.u8": kernel.pack_iq4r(  # IQ4_NL for 8-bit rows per 32: table values, a float16 d per 32
             torch.tensor(int4_vector_kernel.IQ4_VALUES)[torch.randint(0, 16, (n, k), generator=g)],
-            (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
-            * torch.randint(-32, 32, (n, k // 32), generator=g).float()).numpy().tobytes(),
+            (torch.rand(n, k // 32, generator=g) * 0.01).half().float()).numpy().tobytes(),
+        "wiq4xs.u8": kernel.pack_iq4xs(  # IQ4_XS: table values, sub-scales less 32 per 32, d per 256
+            torch.tensor(int4_vector_kernel.IQ4_VALUES)[torch.randint(0, 16, (n, k), generator=g)],
+            torch.randint(-32, 32, (n, k // 32), generator=g),
+            (torch.rand(n, k // 256, generator=g) * 0.01).half().float()).numpy().tobytes(),
         "nx.f32": (torch.randn(m, e, generator=g) * 3).numpy().tobytes(),
         "nw.f32": torch.randn(e, generator=g).numpy().tobytes(),
         "nx.bf16": _bf16_bits(torch.randn(m, e, generator=g) * 3),
@@ -141,7 +144,7 @@ def _case(path, seed=0):
 
 # The driver's products, each run on row cuts at 1 and 2 threads (its outputs <product>_t<threads>_<r0>_<r1>.f32)
 PRODUCTS = ("mm3k8", "mm4", "mm4k", "mm4k8", "mm5k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm51r", "mm4r",
-            "mmiq4r")
+            "mmiq4r", "mmiq4xs")
 
 
 def _outputs(path) -> dict[str, bytes]:

@@ -145,6 +145,30 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def resident_parts(model_file: str) -> dict[str, float]:
+    """This process's resident MiB by what is mapped (/proc/self/smaps): the model's files (the GGUF, and our packed
+    blocks beside its converted copy), other .safetensors (the fingerprint's MiniLM), torch's libraries, the heap,
+    other anonymous memory and every other file. Where a process's memory is, not only how much."""
+    parts = dict.fromkeys(("model files", "embedder", "torch libraries", "heap", "anonymous", "other files"), 0.0)
+    name = "anonymous"
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 5)
+                if head and "-" in head[0] and not head[0].endswith(":"):
+                    path = head[5].strip() if len(head) > 5 else ""
+                    name = ("model files" if path == model_file or path.endswith("simllm_packed.safetensors")
+                            else "embedder" if path.endswith(".safetensors")
+                            else "torch libraries" if "/torch/" in path
+                            else "heap" if path == "[heap]" else "anonymous" if not path or path.startswith("[")
+                            else "other files")
+                elif head and head[0] == "Rss:":
+                    parts[name] += int(head[1]) / 1024
+    except OSError:
+        return {}
+    return parts
+
+
 def worker_ours(args) -> dict:
     import torch
 
@@ -172,6 +196,7 @@ def worker_ours(args) -> dict:
         out[name] = {"total_s": r.total_ms / 1000, "ttft_s": r.ttft_ms / 1000, "tokens": r.generated_tokens,
                      "exact": r.exact, "reused": r.reused_tokens, "answer": r.answer[:40],
                      "drafted": r.draft_tokens_proposed, "accepted": r.draft_tokens_accepted}
+    out["resident_mb"] = resident_parts(os.path.realpath(args.file))  # after the three requests
     # prefill and decode with nothing cached, on the backend, with the cores arranged as the engine's requests
     # have them (torch at one thread while our kernels' workers compute: compute_threads)
     cache = b.new_cache(len(ids[0]) + args.new + 2)
@@ -239,6 +264,7 @@ def worker_llama(args) -> dict:
     for name, p in (("cold", ids[0]), ("hit", ids[1]), ("repeat", ids[1])):
         total, ttft, n, common = answer(p)
         out[name] = {"total_s": total, "ttft_s": ttft, "tokens": n, "reused": common}
+    out["resident_mb"] = resident_parts(os.path.realpath(args.file))
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ids[0])
@@ -331,6 +357,15 @@ def main(argv=None) -> None:
             if path == "llama.cpp" or not b:
                 continue
             _ratio_row(f if path == "simllm_ros" else f"{f}, {path}", a, b)
+    parts = [r for r in rows if r.get("resident_mb")]
+    if parts:
+        names = list(parts[0]["resident_mb"])
+        print("\nResident MB by what is mapped, after the three requests (/proc/self/smaps; model files: the GGUF and "
+              "our packed blocks):")
+        print("| file | path | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))
+        for r in parts:
+            print(f"| {r['file']} | {r['path']} | " + " | ".join(f"{r['resident_mb'].get(n, 0):.0f}" for n in names)
+                  + " |")
 
 
 def _ratio_row(f: str, a: dict, b: dict) -> None:

@@ -19,7 +19,7 @@ blocks, never a sum: a row's bits depend on its inputs only, whatever rows ran w
 
 GGUF's Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1, Q4_0, IQ4_NL and IQ4_XS can also take their rows quantized to 8 bits
 (activation_bits 8, the default on such files: `mm3k8`, `mm4k8`, `mm5k8`, `mm6k8`, `mm8r`, `mm5r`, `mm51r`, `mm4r`,
-`mmiq4r`;
+`mmiq4r`, `mmiq4xs`;
 Q5_K and Q5_1 have no float32-row product, Q3_K's is the 16-input 8-bit one at 8 bits a weight): per row
 and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32 scale and int8 codes (`rows_as_8bit`), integer dot products with
 the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32 sums,
@@ -37,7 +37,7 @@ import torch
 from . import compute_threads, vector_blobs
 from .product_kernel import MM_ARGS, Loader, ProductKernel, compare
 from .vector_blobs import (BLOB, BLOB3K, BLOB4K, BLOB4K8, BLOB4R, BLOB5K8, BLOB5R, BLOB6, BLOB6K, BLOB8, BLOB8R,
-                           BLOB51R, BLOBIQ4, GROUP, GROUP6, IQ4_VALUES, SB4K)
+                           BLOB51R, BLOBIQ4, BLOBIQ4XS, GROUP, GROUP6, IQ4_VALUES, SB4K)
 
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
 THREAD_MIN_MACS = 250_000
@@ -64,6 +64,7 @@ class VectorKernel(ProductKernel):
         self._mm4r = self._entry("simllm_vec_q4r_mm", MM_ARGS)
         self._mm51r = self._entry("simllm_vec_q51r_mm", MM_ARGS)
         self._mmiq4r = self._entry("simllm_vec_iq4r_mm", MM_ARGS)
+        self._mmiq4xs = self._entry("simllm_vec_iq4xs_mm", MM_ARGS)
         # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
         self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
                         "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
@@ -71,7 +72,7 @@ class VectorKernel(ProductKernel):
                         "q5k8": self._address("simllm_vec_q5k8_mm"), "q3k8": self._address("simllm_vec_q3k8_mm"),
                         "q8r": self._address("simllm_vec_q8r_mm"), "q5r": self._address("simllm_vec_q5r_mm"),
                         "q4r": self._address("simllm_vec_q4r_mm"), "q51r": self._address("simllm_vec_q51r_mm"),
-                        "iq4r": self._address("simllm_vec_iq4r_mm")}
+                        "iq4r": self._address("simllm_vec_iq4r_mm"), "iq4xs": self._address("simllm_vec_iq4xs_mm")}
         self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
 
     # the layouts (vector_blobs), where the kernel is at hand
@@ -86,6 +87,7 @@ class VectorKernel(ProductKernel):
     pack_q5r = staticmethod(vector_blobs.pack_q5r)
     pack_q51r = staticmethod(vector_blobs.pack_q51r)
     pack_iq4r = staticmethod(vector_blobs.pack_iq4r)
+    pack_iq4xs = staticmethod(vector_blobs.pack_iq4xs)
     pack_q4r = staticmethod(vector_blobs.pack_q4r)
     pack6 = staticmethod(vector_blobs.pack6)
     pack8 = staticmethod(vector_blobs.pack8)
@@ -180,18 +182,23 @@ class VectorKernel(ProductKernel):
         return self._grouped(self._mm51r, x, blob, n, BLOB51R, "Q5_1", GROUP)
 
     def mmiq4r(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
-        """x [M, K] float32 (rows contiguous), quantized to 8 bits per 32 inputs, times GGUF IQ4_NL / IQ4_XS weights
-        packed by `pack_iq4r` (the table looked up in registers, integer dot products; the bits of `mm8r` of the same
-        values where the scales are float16 values) -> [M, n] float32."""
+        """x [M, K] float32 (rows contiguous), quantized to 8 bits per 32 inputs, times GGUF IQ4_NL weights packed by
+        `pack_iq4r` (the table looked up in registers, integer dot products; the bits of `mm8r` of the same values)
+        -> [M, n] float32."""
         return self._grouped(self._mmiq4r, x, blob, n, BLOBIQ4, "IQ4", GROUP)
+
+    def mmiq4xs(self, x: torch.Tensor, blob: torch.Tensor, n: int) -> torch.Tensor:
+        """The same times GGUF IQ4_XS weights packed by `pack_iq4xs` (K in 256s): `mmiq4r`'s bits for the scales
+        d * (sub-scale - 32)."""
+        return self._grouped(self._mmiq4xs, x, blob, n, BLOBIQ4XS, "IQ4_XS", SB4K)
 
     def product(self, kind: str):
         """The product of a blob kind: "q4" (`pack`/`pack_affine`), "q4k" (`pack_q4k`), "q8" (`pack8`), "q6"
         (`pack6`), or one of the 8-bit-row kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q51r", "q4r",
-        "iq4r" (`pack_<kind>`)."""
+        "iq4r", "iq4xs" (`pack_<kind>`)."""
         return {"q4": self.mm, "q4k": self.mm4k, "q4k8": self.mm4k8, "q5k8": self.mm5k8, "q8": self.mm8, "q6": self.mm6,
                 "q3k8": self.mm3k8, "q6k8": self.mm6k8, "q51r": self.mm51r, "q8r": self.mm8r, "q5r": self.mm5r,
-                "q4r": self.mm4r, "iq4r": self.mmiq4r}[kind]
+                "q4r": self.mm4r, "iq4r": self.mmiq4r, "iq4xs": self.mmiq4xs}[kind]
 
 
 def rows_as_8bit(x: torch.Tensor, block: int = SB4K) -> torch.Tensor:
@@ -281,11 +288,18 @@ def _self_check(kernel: VectorKernel) -> str | None:
     vi4 = torch.tensor(IQ4_VALUES)[q4 + 8]  # IQ4_NL: table values, float16 scales: the 8-bit kernel's bits
     if not torch.equal(kernel.mmiq4r(x, kernel.pack_iq4r(vi4, d16), 80), kernel.mm8r(x, kernel.pack_q8r(vi4, d16), 80)):
         return "the IQ4 x 8-bit rows kernel does not compute the 8-bit kernel's bits here"
-    sxs = d16 * torch.randint(-32, 32, (80, 3), generator=g).float()  # IQ4_XS: d * (sub-scale - 32), exact
-    want = rows_as_8bit(x, GROUP) @ (vi4.double().reshape(80, 3, GROUP) * sxs.double()[..., None]).reshape(80, 96).t()
-    err, alone = compare(kernel.mmiq4r, x, kernel.pack_iq4r(vi4, sxs), 80, want, rows=((3, 1), (5, 2), (7, 3)))
+    # IQ4_XS (2 super-blocks): scales d * (sub-scale - 32) against the float64 product; with sub-scales of one, the
+    # bits of IQ4_NL's product of the same d
+    vk = torch.tensor(IQ4_VALUES)[torch.randint(0, 16, (32, 512), generator=g)]
+    subk = torch.randint(-32, 32, (32, 16), generator=g)
+    sxs = dk.repeat_interleave(8, dim=1) * subk.float()  # exact in float32
+    want = rows_as_8bit(xk, GROUP) @ (vk.double().reshape(32, 16, GROUP) * sxs.double()[..., None]).reshape(32, 512).t()
+    err, alone = compare(kernel.mmiq4xs, xk, kernel.pack_iq4xs(vk, subk, dk), 32, want, rows=((2, 1), (1, 4), (6, 1)))
     if err > 1e-5 * want.abs().max().item() + 1e-6 or not alone:
-        return f"the IQ4 x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
+        return f"the IQ4_XS x 8-bit rows kernel is off by {err:.3g} or not row-invariant here"
+    if not torch.equal(kernel.mmiq4xs(xk, kernel.pack_iq4xs(vk, torch.ones_like(subk), dk), 32),
+                       kernel.mmiq4r(xk, kernel.pack_iq4r(vk, dk.repeat_interleave(8, dim=1)), 32)):
+        return "the IQ4_XS x 8-bit rows kernel does not compute the IQ4_NL kernel's bits here"
     q51 = q8.div(8, rounding_mode="floor").clamp(-16, 15) + 16  # Q5_1: codes 0..31, a min per 32
     m16 = (torch.rand(80, 3, generator=g) * -0.05).half().float()
     want = rows_as_8bit(x, GROUP) @ (q51.double().reshape(80, 3, GROUP) * d16.double()[..., None]

@@ -147,15 +147,20 @@ DEFINE_MM8(simllm_vec_q51r_mm, part51r, GROUP)
 DEFINE_MM8(simllm_vec_q4r_mm, part4r, GROUP)
 
 
-/* ---- IQ4_NL and IQ4_XS weights times 8-bit rows ("iq4r") ----
+/* ---- IQ4_NL and IQ4_XS weights times 8-bit rows ("iq4r", "iq4xs") ----
    The rows as for q8r (per 32 inputs). The weights are 4-bit indices into llama.cpp's table of 16 values
-   (kvalues_iq4nl, -127..113) with a float scale per 32: IQ4_NL's d, IQ4_XS's d * (sub-scale - 32), a float16
+   (kvalues_iq4nl, -127..113) with a scale per 32: IQ4_NL's d (float16), IQ4_XS's d * (sub-scale - 32), a float16
    times 6 bits, exact in float32. Per output and group of 32: isum = sum of value * code_x, exact in int32 (the
    table looked up in registers: pshufb, tbl); then out = fma(s * dx, (float)isum, out), groups in order from 0:
-   q8r's bits for the same values and a float16 scale. Weights (BLOBIQ4 bytes per 16 outputs x group, 5 bits a weight
-   against the files' 4.5 and 4.25): the indices as q4r's nibbles (4 chunks of 64 bytes), then the 16 scales (float32).
-   VNNI takes unsigned weights: the table plus 128 and 128 times the row's code sum back, the same integer. */
-#define BLOBIQ4 320
+   q8r's bits for the same values and scale. Weights, at the files' bits: "iq4r" (IQ4_NL, BLOBIQ4 bytes per 16
+   outputs x group, 4.5 bits a weight) the indices as q4r's nibbles (4 chunks of 64 bytes), then the 16 d (float16);
+   "iq4xs" (BLOBIQ4XS bytes per 16 outputs x super-block of 256, 4.3125 bits against the file's 4.25) the 16 d
+   (float16), then per group of 32 the nibbles and the 16 sub-scales less 32 (int8), s = d * that worked out in
+   float32 (exact: the same number as the file's dequantization takes). VNNI takes unsigned weights: the table plus
+   128 and 128 times the row's code sum back, the same integer. */
+#define BLOBIQ4 288
+#define GRPIQ4XS 272
+#define BLOBIQ4XS (32 + 8 * GRPIQ4XS)
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -232,18 +237,39 @@ static inline void gdotiq4(const uint8_t *c, const int8_t *xg, int32_t xs, vi *i
 
 static inline __attribute__((always_inline)) void sbiq4(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
                                                          vw o[QROWS][NH], const int NR) {
-    const float *d = (const float *)(const void *)(blk + 256);
     for (int r = 0; r < NR; r++) {
         vi is[NH];
         for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
         gdotiq4(blk, (const int8_t *)xr[r] + (long)s * GROUP, qrow_sums32(xr[r], K, GROUP)[s], is);
         const float dx = qrow_scales(xr[r], K)[s];
-        for (int h = 0; h < NH; h++) o[r][h] = FMA(ld(d + VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
+        for (int h = 0; h < NH; h++) o[r][h] = FMA(VW_F16(blk + 256 + 2 * VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
     }
 }
 DEFINE_PART8(partiq4, sbiq4, BLOBIQ4, GROUP, GROUP)
 
-/* IQ4_NL / IQ4_XS weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
+/* IQ4_NL weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
 DEFINE_MM8(simllm_vec_iq4r_mm, partiq4, GROUP)
+
+/* IQ4_XS: a super-block's 8 groups in order, each group's scales d * (sub-scale - 32) worked out once for the rows. */
+static inline __attribute__((always_inline)) void sbiq4xs(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                           vw o[QROWS][NH], const int NR) {
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *wg = blk + 32 + g * GRPIQ4XS;
+        const int q = 8 * s + g;  /* the rows' group of 32 */
+        vw sc[NH];
+        for (int h = 0; h < NH; h++) sc[h] = VW_F16(blk + 2 * VL * h) * VI_F(VI_I8(wg + 256 + VL * h));
+        for (int r = 0; r < NR; r++) {
+            vi is[NH];
+            for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
+            gdotiq4(wg, (const int8_t *)xr[r] + (long)q * GROUP, qrow_sums32(xr[r], K, GROUP)[q], is);
+            const float dx = qrow_scales(xr[r], K)[q];
+            for (int h = 0; h < NH; h++) o[r][h] = FMA(sc[h] * bc(dx), VI_F(is[h]), o[r][h]);
+        }
+    }
+}
+DEFINE_PART8(partiq4xs, sbiq4xs, BLOBIQ4XS, QBLK, GROUP)
+
+/* IQ4_XS weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. K in 256s. */
+DEFINE_MM8(simllm_vec_iq4xs_mm, partiq4xs, GROUP)
 #endif
 #endif

@@ -16,7 +16,9 @@ BLOB8R = 544  # 8-bit for 8-bit rows (`pack_q8r`): 512 bytes of codes, 16 float1
 BLOB5R = 352  # GGUF's Q5_0 for 8-bit rows (`pack_q5r`): 256 bytes of low nibbles, 64 of top bits, 16 float16 scales
 BLOB4R = 288  # GGUF's Q4_0 for 8-bit rows (`pack_q4r`): the 256 bytes of nibbles, 16 float16 scales: 4.5 bits
 BLOB51R = 384  # GGUF's Q5_1 for 8-bit rows (`pack_q51r`): Q5_0's, then 16 float16 mins: 6 bits, as the file
-BLOBIQ4 = 320  # GGUF's IQ4_NL / IQ4_XS for 8-bit rows (`pack_iq4r`): 256 bytes of table indices, 16 float32 scales
+BLOBIQ4 = 288  # GGUF's IQ4_NL for 8-bit rows (`pack_iq4r`): 256 bytes of table indices, 16 float16 d: 4.5 bits
+BLOBIQ4XS = 2208  # GGUF's IQ4_XS (`pack_iq4xs`): per 16 outputs x 256 inputs 16 float16 d, then per group of 32 the
+#                   indices and 16 int8 sub-scales: 4.3125 bits a weight (the file's 4.25)
 # llama.cpp's kvalues_iq4nl: the 16 values an IQ4_NL or IQ4_XS index stands for (int8_rows32.h's IQ4_VALUES)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 GROUP6 = 16  # inputs per group of the 16-input 8-bit format (GGUF's Q6_K)
@@ -251,21 +253,46 @@ def pack_q51r(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Te
     return torch.cat([_nibble_chunks(u & 15), _top_bits(u >> 4), _f16_scales(d, n, g), _f16_scales(m, n, g)],
                      dim=-1).contiguous()
 
-def pack_iq4r(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """GGUF IQ4_NL / IQ4_XS for the integer product with 8-bit rows (`mmiq4r`): values [N, K] (each one of
-    IQ4_VALUES: the file's indices looked up) with a float32 scale per 32 [N, K/32] (IQ4_NL's d, IQ4_XS's
-    d * (sub-scale - 32)) -> [N/16, K/32, 320] uint8: the values' indices as `pack_q4r`'s nibbles, then the 16
-    scales (float32): 5 bits a weight (the files' 4.5 and 4.25)."""
-    n, k = values.shape
-    if n % 16 or k % GROUP:
-        raise ValueError(f"IQ4 rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+def _iq4_indices(values: torch.Tensor) -> torch.Tensor:
+    """Weight values [N, K], each one of IQ4_VALUES (the file's indices looked up) -> their indices (uint8 0..15)."""
     table = torch.full((256,), -1, dtype=torch.int16)
     table[torch.tensor(IQ4_VALUES) + 128] = torch.arange(16, dtype=torch.int16)
     idx = table[values.long().clamp(-128, 127) + 128]
     if values.numel() and (int(values.min()) < -128 or int(values.max()) > 127 or int(idx.min()) < 0):
         raise ValueError("IQ4 rows kernel: every weight code must be one of IQ4_NL's 16 table values")
-    sc = scale.float().reshape(n // 16, 16, k // GROUP).permute(0, 2, 1).contiguous().view(torch.uint8)
-    return torch.cat([_nibble_chunks(idx.to(torch.uint8)), sc], dim=-1).contiguous()
+    return idx.to(torch.uint8)
+
+
+def pack_iq4r(values: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ4_NL for the integer product with 8-bit rows (`mmiq4r`): values [N, K] (each one of IQ4_VALUES: the
+    file's indices looked up) with a scale per 32 [N, K/32] (float16 values: the file's d) -> [N/16, K/32, 288]
+    uint8: the indices as `pack_q4r`'s nibbles, then the 16 scales (float16): 4.5 bits a weight, as the file."""
+    n, k = values.shape
+    if n % 16 or k % GROUP:
+        raise ValueError(f"IQ4 rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+    return torch.cat([_nibble_chunks(_iq4_indices(values)), _f16_scales(d, n, k // GROUP)], dim=-1).contiguous()
+
+
+def pack_iq4xs(values: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ4_XS for the integer product with 8-bit rows (`mmiq4xs`): values [N, K] (each one of IQ4_VALUES), the
+    sub-scales less 32 [N, K/32] (-32..31) and d [N, K/256] (float16 values: the file's; weight d * sub * value)
+    -> [N/16, K/256, 2208] uint8: per 16 outputs and super-block the 16 d (float16), then per group of 32 the indices
+    as `pack_iq4r` lays them out and the 16 sub-scales (int8): 4.3125 bits a weight. The kernel works out d * sub in
+    float32, exactly: the scale `pack_iq4r`'s product would take, the same bits."""
+    n, k = values.shape
+    if n % 16 or k % SB4K:
+        raise ValueError(f"IQ4_XS rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
+    if sub.numel() and (int(sub.min()) < -32 or int(sub.max()) > 31):
+        raise ValueError("IQ4_XS rows kernel: sub-scales (less 32) must lie in -32..31")
+    g, sb = k // GROUP, k // SB4K
+    d16 = d.to(torch.float16)
+    if not torch.equal(d16.float(), d.float()):
+        raise ValueError("IQ4_XS rows kernel: d must be float16 values (a GGUF block's d)")
+    subs = sub.to(torch.int8).view(torch.uint8).reshape(n // 16, 16, g).permute(0, 2, 1)  # [b, g, 16]
+    groups = torch.cat([_nibble_chunks(_iq4_indices(values)), subs], dim=-1).reshape(n // 16, sb, 8 * 272)
+    head = d16.reshape(n // 16, 16, sb).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 32]
+    return torch.cat([head, groups], dim=-1).contiguous()
+
 
 def pack_q4r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """GGUF Q4_0 for the integer product with 8-bit rows (`mm4r`): codes [N, K] (0..15: the file's, weight d *

@@ -97,7 +97,7 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 def _iq4_nl(blocks: np.ndarray):
     """18-byte blocks of 32: d (f16), then Q4_0's 16 bytes of nibbles (codes i and i + 16 share byte i), each an index
     into IQ4_VALUES. Weight d * value: Q8_0's form with 8-bit codes from the table (on 8-bit rows the IQ4 product
-    looks the table up itself, 5 bits a weight against the file's 4.5), as llama.cpp's Q3_K and IQ4_XS files fall
+    looks the table up itself, 4.5 bits a weight, as the file), as llama.cpp's Q3_K and IQ4_XS files fall
     back to it where rows are not in 256s (Qwen2.5-0.5B's 896)."""
     b = np.array(blocks)
     nb = b.shape[0]
@@ -111,7 +111,7 @@ def _iq4_xs(blocks: np.ndarray):
     """136-byte blocks of 256: d (f16), 2 bytes of sub-scales' top 2 bits (bits 2s..2s+1: sub-block s's), 4 bytes of
     their low 4 bits (sub-block s's in byte s/2, low nibble where s is even), then 8 x IQ4_NL's 16 bytes of indices.
     Weight d * (sub-scale - 32) * value: IQ4_NL's form with a scale per 32 that float16 cannot hold but float32 holds
-    exactly (11 bits times 6), as is each weight (and 7 bits more)."""
+    exactly (11 bits times 6), as is each weight (and 7 bits more); raw: the sub-scales less 32 and d, as the file."""
     b = np.array(blocks)
     nb = b.shape[0]
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
@@ -122,7 +122,8 @@ def _iq4_xs(blocks: np.ndarray):
     qs = b[:, 8:136].reshape(nb, 8, 16)
     idx = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(nb, 256)
     step = d * (ls - 32).astype(np.float32)
-    return torch.from_numpy(IQ4_VALUES[idx]), torch.from_numpy(step), None
+    raw = (torch.from_numpy((ls - 32).astype(np.int8)), torch.from_numpy(d[:, 0]))  # what the IQ4_XS product keeps
+    return torch.from_numpy(IQ4_VALUES[idx]), torch.from_numpy(step), None, raw
 
 
 def _q4_0_1(blocks: np.ndarray, with_min: bool):

@@ -9,7 +9,8 @@ each format maps onto a vector kernel product that computes with exactly those n
   base = -dmin * sub-min): the 4-bit blob ("q4"); Q4_K in its own layout ("q4k": the sub-scales and sub-mins
   as bytes, d and dmin per 256, worked out by the kernel: the same numbers and bits in 4.75 bits a weight, not 6).
 - Q8_0: int8 codes, one scale per 32: the 8-bit blob ("q8", as the LM head of the embedded model); IQ4_NL and IQ4_XS
-  too, their codes the values of llama.cpp's table (IQ4_XS's scale per 32 d * (sub-scale - 32), exact in float32).
+  too, their codes the values of llama.cpp's table (IQ4_XS's scale per 32 d * (sub-scale - 32), exact in float32;
+  on 8-bit rows IQ4_XS keeps its sub-scales and d, as the file: "iq4xs").
 - Q6_K: codes -32..31, a scale per 16 (d * int8 sub-scale): the 16-input 8-bit blob ("q6"); Q5_0 (codes -16..15,
   d per 32) too, its scale given to both halves of a block.
 With rows quantized to 8 bits (activation_bits 8) Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 take their own integer-product
@@ -33,7 +34,7 @@ KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", 
          "Q3_K": "q6", "IQ4_NL": "q8", "IQ4_XS": "q8", "Q5_1": "q51"}
 # ... and the kinds of those that take rows quantized to 8 bits (activation_bits 8)
 INT8_ROW_KINDS = {"Q4_K": "q4k8", "Q6_K": "q6k8", "Q8_0": "q8r", "Q5_0": "q5r", "Q4_0": "q4r", "Q5_K": "q5k8",
-                  "Q3_K": "q3k8", "IQ4_NL": "iq4r", "IQ4_XS": "iq4r", "Q5_1": "q51r"}
+                  "Q3_K": "q3k8", "IQ4_NL": "iq4r", "IQ4_XS": "iq4xs", "Q5_1": "q51r"}
 # ... of which these have no product with float32 rows (activation_bits 32)
 INT8_ROWS_ONLY = frozenset({"Q5_K", "Q5_1"})
 # The projections of a Llama-family layer: GGUF name -> transformers module path within the layer
@@ -80,7 +81,7 @@ class FileWeight:
 
     def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
         """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel); `int8_rows`: the blocks on
-        rows quantized to 8 bits (kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r", "q51r", "iq4r": integer
+        rows quantized to 8 bits (kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r", "q51r", "iq4r", "iq4xs": integer
         dot products, at the file's bits or near them; Q5_K and Q5_1 have no other; Q3_K otherwise takes the 16-input
         8-bit product, "q6")."""
         if self.kind == "q4k" and int8_rows:
@@ -95,8 +96,10 @@ class FileWeight:
             return "q3k8", kernel.pack_q3k8(self.codes, *self.raw), self.codes.shape[0]
         if self.ggml == "Q8_0" and int8_rows:
             return "q8r", kernel.pack_q8r(self.codes, self.step), self.codes.shape[0]
-        if self.ggml in ("IQ4_NL", "IQ4_XS") and int8_rows:  # table indices, a float32 scale per 32
+        if self.ggml == "IQ4_NL" and int8_rows:  # table indices, the file's float16 d per 32
             return "iq4r", kernel.pack_iq4r(self.codes, self.step), self.codes.shape[0]
+        if self.ggml == "IQ4_XS" and int8_rows:  # table indices, sub-scales per 32, d per 256: the file's
+            return "iq4xs", kernel.pack_iq4xs(self.codes, *self.raw), self.codes.shape[0]
         if self.ggml == "Q5_0" and int8_rows:  # Q5_0's scale is kept per 16, the same for both halves
             return "q5r", kernel.pack_q5r(self.codes, self.step[:, ::2]), self.codes.shape[0]
         if self.kind == "q51":  # codes 0..31, step d, base m per 32: the file's values as they are
@@ -132,6 +135,9 @@ def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
         sc, mn, d, dmin = raw[0]
         kept = (sc.reshape(n, k // 32).contiguous(), mn.reshape(n, k // 32).contiguous(), d.reshape(n, k // 256),
                 dmin.reshape(n, k // 256))
+    elif raw and ggml == "IQ4_XS":  # sub-scales less 32 per 32, d per 256
+        sub, d = raw[0]
+        kept = (sub.reshape(n, k // 32).contiguous(), d.reshape(n, k // 256))
     elif raw:  # Q6_K, Q3_K: int8 sub-scales per 16, d per 256
         sc, d = raw[0]
         kept = (sc.reshape(n, k // 16).contiguous(), d.reshape(n, k // 256))

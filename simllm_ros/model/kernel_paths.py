@@ -61,7 +61,8 @@ class KernelPaths:
                          "q5r": "5-bit Q5_0 layout x 8-bit rows, integer dot products",
                          "q4r": "4-bit Q4_0 layout x 8-bit rows, integer dot products",
                          "q51r": "5-bit Q5_1 layout x 8-bit rows, integer dot products",
-                         "iq4r": "4-bit IQ4 table indices x 8-bit rows, integer dot products (5 bits a weight)"}
+                         "iq4r": "IQ4_NL table indices x 8-bit rows, integer dot products",
+                         "iq4xs": "IQ4_XS table indices x 8-bit rows, integer dot products (4.3125 bits a weight)"}
 
                 def kind(ggml_type: str) -> str:
                     k = gguf_weights.KINDS[ggml_type]

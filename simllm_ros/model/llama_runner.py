@@ -150,7 +150,7 @@ class LlamaRunner(LayerSteps, EarlyPasses):
             self.lm_head = _Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
             self.lm_head.ggml, self.lm_head.bits = self.file.head.ggml, {
                 "q4": 4, "q4k": 4, "q4k8": 4, "q5k8": 5, "q8": 8, "q6": 6, "q6k8": 6, "q3k8": 3, "q8r": 8,
-                "q5r": 5, "q51r": 5, "q4r": 4}[kind]
+                "q5r": 5, "q51r": 5, "q4r": 4, "iq4r": 4, "iq4xs": 4}[kind]
         elif self.int4 is not None and lm.bias is None and lm_w.shape[0] % 16 == 0 and on_q8_grid(lm_w):
             self.lm_head = _Head8(lm_w, self.int4)
         else:

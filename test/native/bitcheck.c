@@ -78,7 +78,8 @@ int main(int argc, char **argv) {
         {"mm4r", "simllm_vec_q4r_mm", "w4r.u8"},        /* Q4_0 times rows quantized to 8 bits per 32 */
         {"mm3k8", "simllm_vec_q3k8_mm", "w3k8.u8"},     /* Q3_K times rows quantized to 8 bits */
         {"mm51r", "simllm_vec_q51r_mm", "w51r.u8"},     /* Q5_1 times rows quantized to 8 bits per 32 */
-        {"mmiq4r", "simllm_vec_iq4r_mm", "wiq4r.u8"},   /* IQ4_NL / IQ4_XS times rows quantized to 8 bits per 32 */
+        {"mmiq4r", "simllm_vec_iq4r_mm", "wiq4r.u8"},   /* IQ4_NL times rows quantized to 8 bits per 32 */
+        {"mmiq4xs", "simllm_vec_iq4xs_mm", "wiq4xs.u8"}, /* IQ4_XS (sub-scales, d per 256) times the same rows */
     };
     enum { NPROD = sizeof prods / sizeof prods[0] };
     mm4_fn fns[NPROD];
