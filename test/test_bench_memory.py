@@ -16,11 +16,13 @@ def test_a_mapped_model_file_counts_as_model_files_and_the_parts_add_up(tmp_path
     path = tmp_path / "model.gguf"
     size = 24 << 20
     path.write_bytes(b"\x01" * size)
-    before = resident_parts(str(path))["model files"]
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         assert sum(m[i] for i in range(0, size, mmap.PAGESIZE)) == size // mmap.PAGESIZE  # every page touched
-        parts = resident_parts(str(path))
+        named = resident_parts(str(path))
+        other = resident_parts(str(tmp_path / "another.gguf"))
         rss = _vmrss_mb()
-        assert before == 0 and parts["model files"] >= 23.9  # the 24 MiB read through the map
-        assert abs(sum(parts.values()) - rss) < 0.05 * rss + 2  # smaps' sum is the resident set
-        assert resident_parts(str(tmp_path / "another.gguf"))["model files"] == 0  # only the file named
+        # the 24 MiB read through the map count as the model's files only where that file is named (a test worker
+        # may hold other models' packed blocks: in both)
+        assert named["model files"] - other["model files"] >= 23.9
+        assert other["other files"] - named["other files"] >= 23.9
+        assert abs(sum(named.values()) - rss) < 0.05 * rss + 2  # smaps' sum is the resident set
