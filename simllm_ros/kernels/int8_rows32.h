@@ -235,15 +235,22 @@ static inline void gdotiq4(const uint8_t *c, const int8_t *xg, int32_t xs, vi *i
 }
 #endif
 
-static inline __attribute__((always_inline)) void sbiq4(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
-                                                         vw o[QROWS][NH], const int NR) {
+/* One group of 32 (its 256 index bytes at c, the rows' group q) for NR rows with the 16 outputs' scales sc. */
+static inline __attribute__((always_inline)) void iq4group(const uint8_t *c, const vw sc[NH], const uint8_t *const *xr,
+                                                           int q, int K, vw o[QROWS][NH], const int NR) {
     for (int r = 0; r < NR; r++) {
         vi is[NH];
         for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
-        gdotiq4(blk, (const int8_t *)xr[r] + (long)s * GROUP, qrow_sums32(xr[r], K, GROUP)[s], is);
-        const float dx = qrow_scales(xr[r], K)[s];
-        for (int h = 0; h < NH; h++) o[r][h] = FMA(VW_F16(blk + 256 + 2 * VL * h) * bc(dx), VI_F(is[h]), o[r][h]);
+        gdotiq4(c, (const int8_t *)xr[r] + (long)q * GROUP, qrow_sums32(xr[r], K, GROUP)[q], is);
+        const float dx = qrow_scales(xr[r], K)[q];
+        for (int h = 0; h < NH; h++) o[r][h] = FMA(sc[h] * bc(dx), VI_F(is[h]), o[r][h]);
     }
+}
+static inline __attribute__((always_inline)) void sbiq4(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
+                                                         vw o[QROWS][NH], const int NR) {
+    vw sc[NH];
+    for (int h = 0; h < NH; h++) sc[h] = VW_F16(blk + 256 + 2 * VL * h);
+    iq4group(blk, sc, xr, s, K, o, NR);
 }
 DEFINE_PART8(partiq4, sbiq4, BLOBIQ4, GROUP, GROUP)
 
@@ -255,16 +262,9 @@ static inline __attribute__((always_inline)) void sbiq4xs(const uint8_t *blk, co
                                                            vw o[QROWS][NH], const int NR) {
     for (int g = 0; g < 8; g++) {
         const uint8_t *wg = blk + 32 + g * GRPIQ4XS;
-        const int q = 8 * s + g;  /* the rows' group of 32 */
         vw sc[NH];
         for (int h = 0; h < NH; h++) sc[h] = VW_F16(blk + 2 * VL * h) * VI_F(VI_I8(wg + 256 + VL * h));
-        for (int r = 0; r < NR; r++) {
-            vi is[NH];
-            for (int h = 0; h < NH; h++) is[h] = VI_ZERO;
-            gdotiq4(wg, (const int8_t *)xr[r] + (long)q * GROUP, qrow_sums32(xr[r], K, GROUP)[q], is);
-            const float dx = qrow_scales(xr[r], K)[q];
-            for (int h = 0; h < NH; h++) o[r][h] = FMA(sc[h] * bc(dx), VI_F(is[h]), o[r][h]);
-        }
+        iq4group(wg, sc, xr, 8 * s + g, K, o, NR);
     }
 }
 DEFINE_PART8(partiq4xs, sbiq4xs, BLOBIQ4XS, QBLK, GROUP)

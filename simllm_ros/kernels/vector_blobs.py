@@ -34,6 +34,20 @@ BLOB4K = 2432  # 16 outputs x one super-block: 16 d and 16 dmin (float32), then 
 #                16 sub-scales and 16 sub-mins (bytes): 4.75 bits a weight
 
 
+def _shape(codes: torch.Tensor, unit: int, what: str) -> tuple[int, int]:
+    """codes' [N, K], checked to be whole blobs: outputs in 16s, inputs in `unit`s (a group or super-block)."""
+    n, k = codes.shape
+    if n % 16 or k % unit:
+        raise ValueError(f"{what}: weights [{n}, {k}] need outputs in 16s and inputs in {unit}s")
+    return n, k
+
+
+def _within(codes: torch.Tensor, lo: int, hi: int, what: str) -> None:
+    """codes all in lo..hi, the range the layout's bits hold; ValueError naming `what` otherwise."""
+    if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+        raise ValueError(f"{what} must lie in {lo}..{hi}")
+
+
 def _f16_scales(d: torch.Tensor, n: int, g: int) -> torch.Tensor:
     """Scales [N, G] as float16 per 16 outputs and group -> [N/16, G, 32] uint8; a scale float16 cannot hold exactly
     (not a GGUF file's) is refused, since the kernel would compute with another number."""
@@ -109,9 +123,7 @@ def pack(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """codes [N, K] (0..15) and scales_and_zeros [K/32, N, 2] (step, zero: weight = (code - 8) * step + zero)
     -> [N/16, K/32, 384] uint8: per 16 outputs and group, the codes (`_code_pairs`), then the 16 steps and 16
     bases (zero - 8 * step), float32."""
-    n, k = codes.shape
-    if n % 16 or k % GROUP:
-        raise ValueError(f"int4 vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+    n, k = _shape(codes, GROUP, "int4 vector kernel")
     g = k // GROUP
     byte = _code_pairs(codes)
     step = scales_and_zeros[..., 0].float()  # [g, N]
@@ -123,9 +135,7 @@ def pack(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
 def pack_affine(codes: torch.Tensor, step: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """codes [N, K] (0..15), step and base [N, K/32] float32 (weight = step * code + base: a GGUF file's
     Q4_K, Q4_1 or Q4_0 groups as they are, no zero point to convert) -> `pack`'s layout."""
-    n, k = codes.shape
-    if n % 16 or k % GROUP:
-        raise ValueError(f"int4 vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+    n, k = _shape(codes, GROUP, "int4 vector kernel")
     g = k // GROUP
     byte = _code_pairs(codes)
     sb = torch.cat([step.float().reshape(n // 16, 16, g), base.float().reshape(n // 16, 16, g)], dim=1)
@@ -139,9 +149,7 @@ def pack_q4k(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.T
     and super-block, the 16 d then 16 dmin, then per group the codes as `pack_affine` lays them out, the 16
     sub-scales and the 16 sub-mins. The kernel works out d * sc and -(dmin * mn) exactly: the same numbers,
     and the same bits, as `pack_affine` of the dequantized steps and bases."""
-    n, k = codes.shape
-    if n % 16 or k % SB4K:
-        raise ValueError(f"Q4_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
+    n, k = _shape(codes, SB4K, "Q4_K vector kernel")
     return _q4k_blob(_code_pairs(codes), sc, mn, d, dmin)
 
 def pack_q4k8(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
@@ -153,9 +161,7 @@ def pack_q4k8(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.
     chunks of 64 bytes, chunk p's byte 4j + i holding output j's codes of inputs 8p + i (low nibble) and
     8p + 4 + i (high): four inputs of one output side by side, as a dot-product instruction (VNNI's vpdpbusd,
     NEON's sdot, AVX2's pmaddubsw) takes them."""
-    n, k = codes.shape
-    if n % 16 or k % SB4K:
-        raise ValueError(f"Q4_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
+    n, k = _shape(codes, SB4K, "Q4_K vector kernel")
     byte = _nibble_chunks(codes.to(torch.uint8)).reshape(n // 16, k // SB4K, 2048)
     return torch.cat([_k8_head(sc, mn, d, dmin), byte], dim=-1).contiguous()
 
@@ -165,11 +171,8 @@ def pack_q5k8(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.
     [N, K/32] (0..63), d and dmin [N, K/256] (weight = d * sc * code - dmin * mn, Q4_K's form) -> [N/16, K/256,
     2816] uint8: `pack_q4k8`'s head, then per group the codes' low 4 bits as `pack_q4k8` lays them out and their
     fifth bits as `pack_q5r` does: 5.5 bits a weight, as the file."""
-    n, k = codes.shape
-    if n % 16 or k % SB4K:
-        raise ValueError(f"Q5_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 31):
-        raise ValueError("Q5_K vector kernel: codes must lie in 0..31")
+    n, k = _shape(codes, SB4K, "Q5_K vector kernel")
+    _within(codes, 0, 31, "Q5_K vector kernel: codes")
     u = codes.to(torch.uint8)
     groups = torch.cat([_nibble_chunks(u & 15), _top_bits(u >> 4)], dim=-1)  # [b, g, 320]
     return torch.cat([_k8_head(sc, mn, d, dmin), groups.reshape(n // 16, k // SB4K, 8 * 320)], dim=-1).contiguous()
@@ -180,9 +183,7 @@ def pack_q6k8(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.T
     and super-block the 16 d, then per group of 16 inputs (u = code + 32) u's low 4 bits in 2 chunks of 64 bytes
     (chunk p, byte 4j + i: output j's input 8p + i low, 8p + 4 + i high nibble), u's top 2 bits in 64 bytes
     (byte 4j + i, bits 2t..2t+1: output j's input 4t + i) and the 16 sub-scales: 6.625 bits a weight."""
-    n, k = codes.shape
-    if n % 16 or k % SB4K:
-        raise ValueError(f"Q6_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
+    n, k = _shape(codes, SB4K, "Q6_K vector kernel")
     g, sb = k // GROUP6, k // SB4K
     u = (codes.to(torch.int16) + 32).to(torch.uint8).reshape(n // 16, 16, g, 4, 4)  # block, j, group, quad, i
     low = (u & 15).reshape(n // 16, 16, g, 2, 2, 4)  # block, j, group, chunk p, high nibble?, i
@@ -199,11 +200,8 @@ def pack_q3k8(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.T
     """GGUF Q3_K for the integer product with 8-bit rows (`mm3k8`): codes [N, K] (-4..3), int8 sub-scales [N, K/16]
     (the file's 6-bit values less 32), d [N, K/256] float32 (weight = d * sub-scale * code) -> [N/16, K/256, 2368]
     uint8: `pack_q6k8`'s layout with u = code + 4 (0..7) in the nibbles and no plane of top bits."""
-    n, k = codes.shape
-    if n % 16 or k % SB4K:
-        raise ValueError(f"Q3_K vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
-    if codes.numel() and (int(codes.min()) < -4 or int(codes.max()) > 3):
-        raise ValueError("Q3_K vector kernel: codes must lie in -4..3")
+    n, k = _shape(codes, SB4K, "Q3_K vector kernel")
+    _within(codes, -4, 3, "Q3_K vector kernel: codes")
     g, sb = k // GROUP6, k // SB4K
     u = (codes.to(torch.int16) + 4).to(torch.uint8).reshape(n // 16, 16, g, 2, 2, 4)  # b, j, group, p, high?, i
     nib = (u[..., 0, :] | (u[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 128)
@@ -217,9 +215,7 @@ def pack_q8r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     [N, K/32] (float16 values: the file's) -> [N/16, K/32, 544] uint8: per 16 outputs and group, 8 chunks of 64
     bytes (chunk t, byte 4j + i: output j's code of input 4t + i), then the 16 scales (float16): 8.5 bits a
     weight, as the file."""
-    n, k = codes.shape
-    if n % 16 or k % GROUP:
-        raise ValueError(f"8-bit rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+    n, k = _shape(codes, GROUP, "8-bit rows kernel")
     g = k // GROUP
     q = codes.to(torch.int8).reshape(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 512)
     return torch.cat([q.view(torch.uint8), _f16_scales(d, n, g)], dim=-1).contiguous()
@@ -230,11 +226,8 @@ def pack_q5r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     u's low 4 bits in 4 chunks of 64 bytes (chunk p, byte 4j + i: output j's input 8p + i low, 8p + 4 + i high
     nibble), u's top bits in 64 bytes (byte 4j + i, bit 2p: output j's input 8p + i, bit 2p + 1: 8p + 4 + i),
     then the 16 scales (float16): 5.5 bits a weight, as the file."""
-    n, k = codes.shape
-    if n % 16 or k % GROUP:
-        raise ValueError(f"Q5_0 rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
-    if codes.numel() and (int(codes.min()) < -16 or int(codes.max()) > 15):
-        raise ValueError("Q5_0 rows kernel: codes must lie in -16..15")
+    n, k = _shape(codes, GROUP, "Q5_0 rows kernel")
+    _within(codes, -16, 15, "Q5_0 rows kernel: codes")
     g = k // GROUP
     u = (codes.to(torch.int16) + 16).to(torch.uint8)
     return torch.cat([_nibble_chunks(u & 15), _top_bits(u >> 4), _f16_scales(d, n, g)], dim=-1).contiguous()
@@ -243,11 +236,8 @@ def pack_q51r(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Te
     """GGUF Q5_1 for the integer product with 8-bit rows (`mm51r`): codes [N, K] (0..31), a scale and a min per 32
     [N, K/32] each (float16 values: the file's; weight d * code + m) -> [N/16, K/32, 384] uint8: `pack_q5r`'s
     layout of the codes as they are, its 16 scales, then the 16 mins: 6 bits a weight, as the file."""
-    n, k = codes.shape
-    if n % 16 or k % GROUP:
-        raise ValueError(f"Q5_1 rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 31):
-        raise ValueError("Q5_1 rows kernel: codes must lie in 0..31")
+    n, k = _shape(codes, GROUP, "Q5_1 rows kernel")
+    _within(codes, 0, 31, "Q5_1 rows kernel: codes")
     g = k // GROUP
     u = codes.to(torch.uint8)
     return torch.cat([_nibble_chunks(u & 15), _top_bits(u >> 4), _f16_scales(d, n, g), _f16_scales(m, n, g)],
@@ -267,9 +257,7 @@ def pack_iq4r(values: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """GGUF IQ4_NL for the integer product with 8-bit rows (`mmiq4r`): values [N, K] (each one of IQ4_VALUES: the
     file's indices looked up) with a scale per 32 [N, K/32] (float16 values: the file's d) -> [N/16, K/32, 288]
     uint8: the indices as `pack_q4r`'s nibbles, then the 16 scales (float16): 4.5 bits a weight, as the file."""
-    n, k = values.shape
-    if n % 16 or k % GROUP:
-        raise ValueError(f"IQ4 rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+    n, k = _shape(values, GROUP, "IQ4 rows kernel")
     return torch.cat([_nibble_chunks(_iq4_indices(values)), _f16_scales(d, n, k // GROUP)], dim=-1).contiguous()
 
 
@@ -279,39 +267,26 @@ def pack_iq4xs(values: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> torc
     -> [N/16, K/256, 2208] uint8: per 16 outputs and super-block the 16 d (float16), then per group of 32 the indices
     as `pack_iq4r` lays them out and the 16 sub-scales (int8): 4.3125 bits a weight. The kernel works out d * sub in
     float32, exactly: the scale `pack_iq4r`'s product would take, the same bits."""
-    n, k = values.shape
-    if n % 16 or k % SB4K:
-        raise ValueError(f"IQ4_XS rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {SB4K}s")
-    if sub.numel() and (int(sub.min()) < -32 or int(sub.max()) > 31):
-        raise ValueError("IQ4_XS rows kernel: sub-scales (less 32) must lie in -32..31")
+    n, k = _shape(values, SB4K, "IQ4_XS rows kernel")
+    _within(sub, -32, 31, "IQ4_XS rows kernel: sub-scales (less 32)")
     g, sb = k // GROUP, k // SB4K
-    d16 = d.to(torch.float16)
-    if not torch.equal(d16.float(), d.float()):
-        raise ValueError("IQ4_XS rows kernel: d must be float16 values (a GGUF block's d)")
     subs = sub.to(torch.int8).view(torch.uint8).reshape(n // 16, 16, g).permute(0, 2, 1)  # [b, g, 16]
     groups = torch.cat([_nibble_chunks(_iq4_indices(values)), subs], dim=-1).reshape(n // 16, sb, 8 * 272)
-    head = d16.reshape(n // 16, 16, sb).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, sb, 32]
-    return torch.cat([head, groups], dim=-1).contiguous()
+    return torch.cat([_f16_scales(d, n, sb), groups], dim=-1).contiguous()  # the 16 d per super-block first
 
 
 def pack_q4r(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """GGUF Q4_0 for the integer product with 8-bit rows (`mm4r`): codes [N, K] (0..15: the file's, weight d *
     (code - 8)) with a scale per 32 [N, K/32] (float16 values: the file's) -> [N/16, K/32, 288] uint8: `pack_q5r`'s
     nibbles of the codes, then the 16 scales (float16): 4.5 bits a weight, as the file."""
-    n, k = codes.shape
-    if n % 16 or k % GROUP:
-        raise ValueError(f"Q4_0 rows kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
-        raise ValueError("Q4_0 rows kernel: codes must lie in 0..15")
+    n, k = _shape(codes, GROUP, "Q4_0 rows kernel")
+    _within(codes, 0, 15, "Q4_0 rows kernel: codes")
     return torch.cat([_nibble_chunks(codes.to(torch.uint8)), _f16_scales(d, n, k // GROUP)], dim=-1).contiguous()
 
 def pack6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """codes [N, K] (int8; GGUF's Q6_K: -32..31) and scales [N, K/16] float32 -> [N/16, K/16, 320] uint8: per
     16 outputs and group of 16 inputs, byte 16k + j holds input k's code of output j, then the 16 scales."""
-    n, k = codes.shape
-    if n % 16 or k % GROUP6:
-        raise ValueError(f"16-input 8-bit vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in "
-                         f"{GROUP6}s")
+    n, k = _shape(codes, GROUP6, "16-input 8-bit vector kernel")
     g = k // GROUP6
     q = codes.to(torch.int8).reshape(n // 16, 16, g, GROUP6).permute(0, 2, 3, 1).reshape(n // 16, g, 256)
     d = scales.float().reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)
@@ -320,9 +295,7 @@ def pack6(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """codes [N, K] (-127..127) and scales [N, K/32] -> [N/16, K/32, 576] uint8: per 16 outputs and group,
     byte 16k + j holds input k's code of output j, then the 16 scales (float32)."""
-    n, k = codes.shape
-    if n % 16 or k % GROUP:
-        raise ValueError(f"int8 vector kernel: weights [{n}, {k}] need outputs in 16s and inputs in {GROUP}s")
+    n, k = _shape(codes, GROUP, "int8 vector kernel")
     g = k // GROUP
     q = codes.to(torch.int8).reshape(n // 16, 16, g, GROUP).permute(0, 2, 3, 1).reshape(n // 16, g, 512)
     d = scales.float().reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, g, 64]
