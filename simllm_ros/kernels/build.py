@@ -29,7 +29,7 @@ CONTRACT = "fma-explicit-1"
 # -Wno-psabi: GCC notes that 32-byte vectors pass differently without AVX; only static functions take them.
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread",
          "-Wall", "-Wextra", "-Wno-psabi")
-KERNELS = ("attention", "int4_amx", "int4_vector", "layers", "rmsnorm")
+KERNELS = ("attention", "int4_amx", "int4_vector", "layers", "membw", "rmsnorm")
 
 
 def kernel_dir() -> str:

@@ -66,6 +66,72 @@ def kernels_alone():
         _local.n = before
 
 
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity: a container's or taskset's share, not the machine's)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def _core_of(cpu: int, sysfs: str) -> str | None:
+    try:
+        with open(f"{sysfs}/cpu{cpu}/topology/core_id") as f:
+            core = f.read().strip()
+        with open(f"{sysfs}/cpu{cpu}/topology/physical_package_id") as f:
+            return f.read().strip() + "/" + core
+    except OSError:
+        return None
+
+
+def by_core(cpus: list[int], sysfs: str = "/sys/devices/system/cpu") -> tuple[list[int], int]:
+    """(`cpus` ordered one per physical core first, then the cores' second hardware threads; the physical cores).
+    Decode is memory-bound, and a core's second thread adds no bandwidth. Where the topology cannot be read: as
+    they are, each its own core."""
+    first, rest, seen = [], [], set()
+    for cpu in cpus:
+        core = _core_of(cpu, sysfs)
+        if core is None:
+            return list(cpus), len(cpus)
+        (rest if core in seen else first).append(cpu)
+        seen.add(core)
+    return first + rest, len(first)
+
+
+def choose(requested: int, cpus: list[int] | None = None, sysfs: str = "/sys/devices/system/cpu") -> tuple[int, str]:
+    """The thread count a model computes with, and why (for the load log). `requested` (compute_threads) 0: torch's
+    count, which is OMP_NUM_THREADS where set, else one thread per physical core; from 1 up to the CPUs this
+    process may use: that many. More than those is refused: threads beyond the cores only wait on each other."""
+    cpus = usable_cpus() if cpus is None else cpus
+    _, physical = by_core(cpus, sysfs)
+    if requested < 0 or requested > len(cpus):
+        raise ValueError(f"compute_threads {requested}: this process may run on {len(cpus)} CPU(s) "
+                         f"({_ranges(cpus)}); set 1..{len(cpus)}, or 0 for one thread per physical core")
+    where = f"{len(cpus)} CPUs this process may use ({_ranges(cpus)}), {physical} physical cores"
+    if requested:
+        return requested, f"compute_threads {requested}; {where}"
+    n = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS"):
+        why = f"torch's count, from OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    elif n == physical:
+        why = "one per physical core"
+    else:
+        why = "torch's count as set in this process"
+    return n, f"compute_threads 0 (auto): {why}; {where}"
+
+
+def _ranges(cpus: list[int]) -> str:
+    """0-3,6 for [0, 1, 2, 3, 6]."""
+    out, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            out.append(f"{start}-{c}" if c != start else f"{c}")
+            start = None
+    return ",".join(out)
+
+
 def own_count(n: int):
     """A thread initializer: this thread runs torch with n threads, whatever the model's thread set meanwhile."""
     def init() -> None:

@@ -204,4 +204,10 @@ void simllm_int8_mm(const void *x, long xs, const void *w, void *y, long ys, int
 void simllm_pool_call(void *(*fn)(void *), void *args, long size, int n) {
     for (int i = 0; i < n; i++) fn((char *)args + i * size);
 }
+/* pool.h's other entries: no workers here */
+void simllm_pool_profile(int on, double *out) { if (out) memset(out, 0, 4 * sizeof(double)); }
+void simllm_pool_stop(void) {}
+void simllm_pool_tune(long spin_ns) {}
+void simllm_pool_pin(const int *cpus, int n) {}
+int simllm_pool_workers(void) { return 0; }
 #endif

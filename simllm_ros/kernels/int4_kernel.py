@@ -151,3 +151,8 @@ def load() -> "Int4Kernel | None":
 
 def why_not() -> str | None:
     return _LOADER.why_not
+
+
+def loaded():
+    """The kernel if this process has loaded it already (nothing is built or checked here), else None."""
+    return _LOADER.kernel

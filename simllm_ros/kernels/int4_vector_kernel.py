@@ -329,3 +329,8 @@ def load() -> "VectorKernel | None":
 
 def why_not() -> str | None:
     return _LOADER.why_not
+
+
+def loaded():
+    """The kernel if this process has loaded it already (nothing is built or checked here), else None."""
+    return _LOADER.kernel

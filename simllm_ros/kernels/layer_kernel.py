@@ -37,7 +37,10 @@ class _Pass(ctypes.Structure):
                 ("xsum", _P), ("scratch", _P), ("per_thread", _L), ("threads", _I), ("thread_min_macs", _L),
                 ("pool", _P), ("glue_min_rows", _I),
                 ("wnseq", _I), ("wtable", _P), ("wawork", _P), ("wastride", _L), ("wathreads", _I), ("act", _I),
-                ("rot", _I)]
+                ("rot", _I), ("prof", _P)]
+
+# layer_stack.h's PROF_* slots: what a profiled pass's steps add their nanoseconds to, in this order
+PROFILE_STEPS = ("qkv", "attention", "o", "gate_up", "down", "norms", "rope", "activation")
 
 
 ACT_SILU, ACT_GELU_TANH = 0, 1  # layers.c's activations of the MLP's gate
@@ -135,6 +138,11 @@ class Layers:
         self._pool = int4.pool_call  # simllm_pool_call: the steps between products split on its workers
         self._ws = threading.local()
         self.widest = max(E, Hq * D, inter)  # the longest input row of a product
+        self.profile: torch.Tensor | None = None  # float64 [PROFILE_STEPS]: nanoseconds per step, while profiled
+
+    def profiling(self, on: bool) -> None:
+        """Start (zeroed) or stop adding each pass step's wall time to `profile` (simllm-bench decode_profile)."""
+        self.profile = torch.zeros(len(PROFILE_STEPS), dtype=torch.float64) if on else None
 
     def act_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """The MLP's activation times up, as these layers compute it, for a layer's MLP run from Python."""
@@ -205,7 +213,7 @@ class Layers:
                   self.inter, self.scale, self.softcap, plan.table.shape[0], plan.table.data_ptr(), work.data_ptr(),
                   stride, athreads, xsum, tiles, per_thread, threads, int4_kernel.THREAD_MIN_MACS,
                   self._pool, GLUE_MIN_ROWS, wp.table.shape[0], wp.table.data_ptr(), work.data_ptr(), wstride,
-                  wthreads, self.act, self.rot)
+                  wthreads, self.act, self.rot, self.profile.data_ptr() if self.profile is not None else 0)
         ws = self._workspace(M)
         self.kernel._stack[self.dtype](ctypes.byref(P), h.data_ptr(), M, first, last, self.weights.data_ptr(),
                             self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())

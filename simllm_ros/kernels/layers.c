@@ -88,6 +88,7 @@ typedef struct {
     int wnseq; const int64_t *wtable; float *wawork; long wastride; int wathreads;  /* unused here: pass32_t's */
     int act;                                                                          /* layout is _Pass's too */
     int rot;                                                                          /* unused here */
+    double *prof;  /* where a profiled pass adds its steps' nanoseconds (layer_stack.h's PROF_*), or 0 */
 } pass_t;
 
 /* The steps between products (norms, residual adds, RoPE, SiLU; layer_stack.h) are per row. */
@@ -165,6 +166,7 @@ typedef struct {  /* the layout of pass_t (the _Pass structure), float32 entry p
     int wnseq; const int64_t *wtable; float *wawork; long wastride; int wathreads;  /* sliding layers' attention */
     int act;  /* the MLP's activation: ACT_SILU or ACT_GELU_TANH */
     int rot;  /* RoPE's rotated dimensions of a head (D; Phi-4-mini's 96 of 128) */
+    double *prof;  /* where a profiled pass adds its steps' nanoseconds (layer_stack.h's PROF_*), or 0 */
 } pass32_t;
 enum { ACT_SILU, ACT_GELU_TANH };
 

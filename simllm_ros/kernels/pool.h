@@ -8,6 +8,8 @@
 #define SIMLLM_POOL_H
 
 #include <pthread.h>
+#include <string.h>
+#include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 static inline void pool_relax(void) { _mm_pause(); }
@@ -17,26 +19,68 @@ static inline void pool_relax(void) { __asm__ __volatile__("yield"); }
 static inline void pool_relax(void) { }
 #endif
 /* Worker threads kept for the process: a decode step makes ~120 small products, and starting threads per
-   product costs more than it saves. Between products a worker spins briefly (~100 us: the next product of a
-   step comes sooner), then sleeps on a condition variable. One caller at a time uses them (trylock); another
-   caller meanwhile computes alone: threads split outputs, never a sum, so the bits are the same either way.
-   After fork() the child starts without workers. */
+   product costs more than it saves. Between products a worker spins for a set time (simllm_pool_tune; 200 us by
+   default: the next product of a step comes sooner, and a futex wake-up costs tens of us on a VM or an ARM core),
+   then sleeps on a condition variable. The spin is timed, not counted: a pause lasts ~140 cycles on a recent Xeon,
+   a yield ~1 on ARM, so a count meant 100 us on one and a few on the other. One caller at a time uses them
+   (trylock); another caller meanwhile computes alone: threads split outputs, never a sum, so the bits are the
+   same either way. simllm_pool_pin puts worker i on a CPU of a list; simllm_pool_stop ends them (an engine's
+   unload), and the next product starts them again. After fork() the child starts without workers. */
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define MAXT 64
-#define SPIN 2000
 static pthread_mutex_t pool_use = PTHREAD_MUTEX_INITIALIZER, pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER;
 static int pool_size, pool_gen, pool_pending, pool_active, pool_sleepers, pool_atfork;
+static int pool_quit, pool_alive;  /* simllm_pool_stop: workers leave at their next wake-up; those still running */
 static int pool_born[MAXT];  /* the generation a worker was started in: it waits for the next */
 static void *(*pool_fn)(void *);
+static long pool_spin_ns = 200000;
+/* simllm_pool_pin: worker i runs on pool_cpus[i % pool_ncpus] (none: where the OS puts it); pool_pins counts
+   changes, so a worker moves at its next wake-up */
+static int pool_cpus[MAXT], pool_ncpus, pool_pins;
+/* simllm_pool_profile: while on, [0] dispatches, [1] of them finding a worker asleep (a futex wake-up before it
+   starts), [2] nanoseconds the caller waited for workers after its own job, [3] products computed alone because
+   another caller held the workers. Read by simllm-bench decode_profile; off, a test of an int. */
+static int pool_prof;
+static double pool_stat[4];
+static inline double pool_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
 static char *pool_args;  /* worker i runs pool_fn(pool_args + i * pool_arg_size) */
 static long pool_arg_size;
 
+/* The calling thread on one CPU (the raw system call: no _GNU_SOURCE needed for cpu_set_t); 0 where it is. */
+static int pool_bind_self(int cpu) {
+    unsigned long mask[16] = {0};  /* 1024 CPUs */
+    if (cpu < 0 || cpu >= 1024) return -1;
+    mask[cpu / (8 * (int)sizeof(long))] = 1UL << (cpu % (8 * (int)sizeof(long)));
+    return (int)syscall(SYS_sched_setaffinity, 0, sizeof mask, mask);
+}
+
 static void *worker(void *arg) {
     const int i = (int)(long)arg;
-    int seen = pool_born[i];
+    int seen = pool_born[i], pinned = -1;
+    prctl(PR_SET_NAME, "simllm-pool", 0, 0, 0);
     for (;;) {
+        const int pins = __atomic_load_n(&pool_pins, __ATOMIC_ACQUIRE);
+        if (pins != pinned) {
+            pinned = pins;
+            if (pool_ncpus > 0) pool_bind_self(pool_cpus[i % pool_ncpus]);
+        }
         int g = seen;
-        for (int s = 0; s < SPIN && g == seen; s++) { pool_relax(); g = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE); }
+        const long spin = __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+        if (spin > 0) {
+            const double t0 = pool_now_ns();
+            for (int s = 1; g == seen; s++) {
+                pool_relax();
+                g = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE);
+                if ((s & 63) == 0 && pool_now_ns() - t0 > (double)spin) break;
+            }
+        }
         if (g == seen) {
             pthread_mutex_lock(&pool_mu);
             pool_sleepers++;
@@ -45,6 +89,10 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&pool_mu);
         }
         seen = g;
+        if (__atomic_load_n(&pool_quit, __ATOMIC_ACQUIRE)) {
+            __atomic_sub_fetch(&pool_alive, 1, __ATOMIC_RELEASE);
+            return 0;
+        }
         if (i < __atomic_load_n(&pool_active, __ATOMIC_ACQUIRE)) {  /* jobs 1..active-1 of this product */
             pool_fn(pool_args + i * pool_arg_size);
             __atomic_sub_fetch(&pool_pending, 1, __ATOMIC_RELEASE);
@@ -54,7 +102,8 @@ static void *worker(void *arg) {
 }
 
 static void pool_after_fork(void) {  /* the child has none of the parent's threads */
-    pool_size = 0; pool_gen = 0; pool_pending = 0; pool_active = 0; pool_sleepers = 0;
+    pool_size = 0; pool_gen = 0; pool_pending = 0; pool_active = 0; pool_sleepers = 0; pool_alive = 0;
+    pool_quit = 0;
     pthread_mutex_init(&pool_use, 0); pthread_mutex_init(&pool_mu, 0); pthread_cond_init(&pool_go, 0);
 }
 
@@ -64,12 +113,48 @@ static int pool_start(int n) {
     while (pool_size < n - 1) {  /* worker i computes job i (1..) */
         pthread_t t;
         pool_born[pool_size + 1] = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE);
-        if (pthread_create(&t, 0, worker, (void *)(long)(pool_size + 1)) != 0) break;
+        __atomic_add_fetch(&pool_alive, 1, __ATOMIC_ACQ_REL);
+        if (pthread_create(&t, 0, worker, (void *)(long)(pool_size + 1)) != 0) {
+            __atomic_sub_fetch(&pool_alive, 1, __ATOMIC_ACQ_REL);
+            break;
+        }
         pthread_detach(t);
         pool_size++;
     }
     return pool_size >= n - 1;
 }
+
+/* Ends every worker (they leave at once, asleep or spinning) and returns when none is left; a later product starts
+   them again. Waits for a product in progress to finish first. */
+void simllm_pool_stop(void) {
+    pthread_mutex_lock(&pool_use);
+    if (pool_size > 0) {
+        __atomic_store_n(&pool_active, 0, __ATOMIC_RELEASE);
+        __atomic_store_n(&pool_quit, 1, __ATOMIC_RELEASE);
+        pthread_mutex_lock(&pool_mu);
+        __atomic_add_fetch(&pool_gen, 1, __ATOMIC_ACQ_REL);
+        pthread_cond_broadcast(&pool_go);
+        pthread_mutex_unlock(&pool_mu);
+        while (__atomic_load_n(&pool_alive, __ATOMIC_ACQUIRE) > 0) sched_yield();
+        __atomic_store_n(&pool_quit, 0, __ATOMIC_RELEASE);
+        pool_size = 0;
+    }
+    pthread_mutex_unlock(&pool_use);
+}
+/* How long an idle worker spins before it sleeps (ns; 0: it sleeps at once). */
+void simllm_pool_tune(long spin_ns) { __atomic_store_n(&pool_spin_ns, spin_ns < 0 ? 0 : spin_ns, __ATOMIC_RELAXED); }
+/* Worker i (1..) on cpus[i % n] from its next wake-up; n 0 leaves them where they are (no longer pinned for new
+   ones). The bits do not depend on where a worker runs. */
+void simllm_pool_pin(const int *cpus, int n) {
+    pthread_mutex_lock(&pool_use);
+    if (n > MAXT) n = MAXT;
+    for (int i = 0; i < n; i++) pool_cpus[i] = cpus[i];
+    pool_ncpus = n < 0 ? 0 : n;
+    __atomic_add_fetch(&pool_pins, 1, __ATOMIC_ACQ_REL);
+    pthread_mutex_unlock(&pool_use);
+}
+/* Workers running now (started, not ended): what a test of the engine's cleanup reads. */
+int simllm_pool_workers(void) { return __atomic_load_n(&pool_alive, __ATOMIC_ACQUIRE); }
 /* fn(args + i * size) for i < n: job 0 in the caller, the others on the workers; returns when all are done and
    releases pool_use (held by the caller, the workers started). */
 static void pool_dispatch(void *(*fn)(void *), void *args, long size, int n) {
@@ -78,11 +163,20 @@ static void pool_dispatch(void *(*fn)(void *), void *args, long size, int n) {
     __atomic_store_n(&pool_pending, n - 1, __ATOMIC_RELEASE);
     pthread_mutex_lock(&pool_mu);
     __atomic_add_fetch(&pool_gen, 1, __ATOMIC_ACQ_REL);
+    if (pool_prof) { pool_stat[0] += 1; pool_stat[1] += pool_sleepers > 0; }
     if (pool_sleepers) pthread_cond_broadcast(&pool_go);
     pthread_mutex_unlock(&pool_mu);
     fn(args);
+    const double waited = pool_prof ? pool_now_ns() : 0.0;
     while (__atomic_load_n(&pool_pending, __ATOMIC_ACQUIRE)) pool_relax();
+    if (pool_prof) pool_stat[2] += pool_now_ns() - waited;
     pthread_mutex_unlock(&pool_use);
+}
+/* out[4] (or 0) <- the counts since the last call (see pool_stat), which start again from zero; counting on or off. */
+void simllm_pool_profile(int on, double *out) {
+    if (out) memcpy(out, pool_stat, sizeof pool_stat);
+    memset(pool_stat, 0, sizeof pool_stat);
+    pool_prof = on;
 }
 /* The same for other kernels' jobs (attention_kernel's row blocks): where the workers are busy (another caller's
    product) or cannot start, every job runs in the caller, one after the other. Jobs must not depend on which
@@ -92,6 +186,8 @@ void simllm_pool_call(void *(*fn)(void *), void *args, long size, int n) {
     if (n > 1 && pthread_mutex_trylock(&pool_use) == 0) {
         if (pool_start(n)) { pool_dispatch(fn, args, size, n); return; }
         pthread_mutex_unlock(&pool_use);
+    } else if (n > 1 && pool_prof) {
+        pool_stat[3] += 1;
     }
     for (int i = 0; i < n; i++) fn((char *)args + i * size);
 }

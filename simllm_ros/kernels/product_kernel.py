@@ -42,7 +42,36 @@ class ProductKernel:
         self._mm = self._entry(mm, MM_ARGS)
         self._mm8 = self._entry(mm8, MM8_ARGS)
         self.pool_call = self._address("simllm_pool_call")
+        self._pool_profile = self._entry("simllm_pool_profile", [I, P])
+        self._pool_stop = self._entry("simllm_pool_stop", [])
+        self._pool_pin = self._entry("simllm_pool_pin", [P, I])
+        self._pool_tune = self._entry("simllm_pool_tune", [L])
+        self._pool_workers = self._entry("simllm_pool_workers", [], restype=ctypes.c_int)
         self._scratch = threading.local()  # per calling thread: a product runs without the GIL
+
+    def stop_workers(self) -> None:
+        """End the kept workers (an engine's unload); the next threaded product starts them again."""
+        self._pool_stop()
+
+    def workers(self) -> int:
+        """Kept workers running now."""
+        return int(self._pool_workers())
+
+    def pin_workers(self, cpus: Sequence[int]) -> None:
+        """Worker i on cpus[i % len(cpus)] (the caller's CPU first, so worker 1 takes cpus[1]); [] unpinned."""
+        arr = (ctypes.c_int * max(1, len(cpus)))(*cpus)
+        self._pool_pin(arr, len(cpus))
+
+    def spin_workers(self, microseconds: float) -> None:
+        """How long an idle worker spins before it sleeps."""
+        self._pool_tune(int(microseconds * 1000))
+
+    def pool_profile(self, on: bool) -> dict[str, float]:
+        """The kept workers' counts since the last call (pool.h), counting from now on while `on`: dispatches, how
+        many found a worker asleep, the caller's wait for its workers (ms), products computed alone (workers busy)."""
+        out = (ctypes.c_double * 4)()
+        self._pool_profile(int(on), out)
+        return {"dispatches": out[0], "woke_sleeper": out[1], "wait_ms": out[2] / 1e6, "alone": out[3]}
 
     def _entry(self, name: str, argtypes: list, restype=None):
         """The library's function `name`, typed."""

@@ -21,7 +21,10 @@ static void run(void *(*part)(void *), const X_T *x, long x_stride, const uint8_
     const int nb = N / 16;                                                                                        \
     if (nthreads > nb) nthreads = nb;                                                                             \
     if (nthreads > MAXT) nthreads = MAXT;                                                                         \
-    if (nthreads > 1 && pthread_mutex_trylock(&pool_use) != 0) nthreads = 1;  /* busy: compute alone */           \
+    if (nthreads > 1 && pthread_mutex_trylock(&pool_use) != 0) {  /* busy: compute alone */                       \
+        nthreads = 1;                                                                                             \
+        if (pool_prof) pool_stat[3] += 1;                                                                         \
+    }                                                                                                             \
     if (nthreads < 1) nthreads = 1;                                                                               \
     job_t alone[1];                                                                                               \
     job_t *jobs = nthreads > 1 ? pool_jobs : alone;                                                               \

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import approx_gate
-from ..kernels import compute_threads
+from ..kernels import compute_threads, kernel_pool
 from ..cache import fleet_store
 from .. import path_checks
 from ..cache.answer_memo import AnswerMemo
@@ -119,6 +119,7 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         # Early passes run while a fingerprint was computed (see _early_start): how many, and how many a SEMANTIC
         # plan then used.
         self.early_starts = 0
+        self._pinned: list[int] = []  # the CPUs the compute workers keep to (compute_pinning), the caller's first
         self.early_starts_used = 0
         # Called with an Observation after every executed request (the benchmark's hook); None: nobody.
         self.observer: Callable[[Observation], None] | None = None
@@ -149,12 +150,28 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         return ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits, s.activation_bits,
                             context_length=s.max_prompt_tokens + s.max_new_tokens_limit)
 
+    def _arrange_cores(self, progress: Callable[[str], None]) -> None:
+        """compute_threads and compute_pinning: the thread count the model computes with (set before the load, whose
+        pass-cost timing uses it) and the CPUs its workers keep to; a count beyond this process's CPUs is refused."""
+        s = self.settings
+        try:
+            n, why = compute_threads.choose(s.compute_threads)
+        except ValueError as e:
+            raise SettingError(str(e)) from None
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        order, _ = compute_threads.by_core(compute_threads.usable_cpus())
+        self._pinned = order[:n] if s.compute_pinning and n > 1 else []
+        progress(f"compute threads: {n} ({why})" + (f"; workers pinned to CPUs {self._pinned[1:]}, the caller "
+                                                     "unpinned" if self._pinned else ""))
+
     def load(self, progress: Callable[[str], None] | None = None) -> None:
         progress = progress or (lambda m: self.log.info(m))
         s = self.settings
         try:
             t0 = time.monotonic()
             path_checks.check_all(s, create=True)  # before the model: a path that cannot work fails now
+            self._arrange_cores(progress)
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
             self.backend = self._open_backend(progress)
             if self.backend.reload_lighter:
@@ -185,6 +202,7 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             if compute_threads.hands_over(self.backend.kernels_do_the_work):
                 progress(f"threads: {torch.get_num_threads()} for our kernels' workers while the model runs, "
                          "torch one (compute_threads)")
+            kernel_pool.pin_workers(self._pinned)
             self._token_bytes = max_token_bytes(self.backend.tokenizer)
             progress(f"loading embedder {s.embedder}")
             self.fingerprinter = Fingerprinter(s.embedder, self.backend.device)
@@ -284,6 +302,7 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
                 self.semantic_log.close()
                 self.semantic_log = None
             if owned:
+                kernel_pool.stop_workers()  # no thread of ours outlives the model (the next load starts them)
                 # the model's and the pool's freed heap handed back to the system: without it a cleaned-up node kept
                 # ~0.4 GB of a 0.5B model resident (glibc keeps freed pages) until its next load reused them
                 release_heap()

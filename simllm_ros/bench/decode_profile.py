@@ -1,0 +1,278 @@
+"""Where a decode step's time goes, at 1..N threads, against what this machine's memory gives.
+
+Per decode step of a GGUF file (after a ~--context-token prompt, nothing cached, greedy): the time in each product
+(qkv, o, gate_up, down), attention, norms and residual adds, RoPE, the MLP's activation, the caller's wait for its
+workers after its own share (layer_stack.h's and pool.h's counters, read from C), the LM head, the embedding and
+final norm, the Python of a pass outside those, picking the token, and proposing a draft from the prompt (what the
+engine's draft proposer does each step). Then the bytes a step reads (every weight once, the KV it attends) against
+the read rate of 1..N threads over memory (membw.c, a STREAM-like read and copy): the floor memory sets a step, and
+how near the step comes to it. With --llama, llama.cpp's decode on the same file and thread counts, side by side.
+
+Usage: simllm-bench decode_profile --file model.gguf [--threads 1,2] [--steps 32] [--context 450] [--llama]
+       simllm-bench decode_profile --shape qwen2.5-1.5b --quant Q4_K_M   (a file of that shape, as gguf_models makes)
+       simllm-bench decode_profile --shape qwen2.5-0.5b --quant random   (random Q4_K/Q6_K blocks, no llama.cpp)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from .shared import REPO_ROOT as ROOT, use_test_helpers
+
+
+class _Timed:
+    """A callable of the runner's (LM head, norm, embedding, C layers) that adds its wall time to `ns`."""
+
+    def __init__(self, inner):
+        self.inner, self.ns = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.ns += time.perf_counter_ns() - t0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def random_file(shape: str, folder: str) -> str:
+    """A file of `shape` (gguf_models.SHAPES) with random Q4_K projections, Q6_K attn_v / ffn_down and a Q6_K
+    embedding (Q4_K_M's mix), written without llama.cpp."""
+    use_test_helpers()
+    from random_gguf import write_llama
+
+    from .gguf_models import SHAPES, TIED, VOCAB
+
+    layers, hidden, inter, heads, kv, arch, head_dim = SHAPES[shape]
+    if hidden % 256 or inter % 256:
+        raise SystemExit(f"{shape}: rows of {hidden} / {inter} are not in K-quant super-blocks of 256; "
+                         "use --quant Q4_K_M (llama.cpp's quantizer picks other types for those)")
+    path = os.path.join(folder, f"randblocks-{shape}-{arch}-q4k-mix.gguf")
+    if not os.path.exists(path):
+        write_llama(path + ".tmp", layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv,
+                    default="Q4_K", types={"attn_v": "Q6_K", "ffn_down": "Q6_K"}, embed="Q6_K",
+                    output=None if shape in TIED else "Q6_K", arch=arch, head_dim=head_dim,
+                    pad_vocab=VOCAB.get(shape))
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def weight_bytes(runner) -> int:
+    """Bytes of every weight a decode step reads once: the projections' packed blocks and the LM head's."""
+    def nbytes(proj) -> int:
+        if getattr(proj, "parts", None):
+            return sum(blob.nbytes for _, blob, _ in proj.parts)
+        return proj.blob.nbytes  # _Head8
+
+    return sum(nbytes(p) for layer in runner.layers for p in (layer[1], layer[2], layer[4], layer[5])) \
+        + nbytes(getattr(runner.lm_head, "inner", runner.lm_head))
+
+
+def profile_ours(args) -> dict:
+    import torch
+
+    from simllm_ros.kernels import compute_threads, memory_rate
+    from simllm_ros.model.draft_proposer import DraftProposer
+    from simllm_ros.serving.engine import Engine
+    from simllm_ros.settings import Settings
+
+    from .gguf_models import QUESTIONS, bulletin
+
+    threads = [int(t) for t in args.threads.split(",")]
+    torch.set_num_threads(max(threads))
+    e = Engine(Settings.from_overrides(model=args.file, model_cache_dir=args.cache, weight_bits=0, cache_size="1GB",
+                                       enable_semantic_reuse=False))
+    e.load()
+    b = e.backend
+    runner = b.runner
+    if runner is None or runner.fused is None or runner.int4 is None:
+        raise SystemExit(f"{args.file}: its layers do not run in one C call here (layers {b.layers_kind}); "
+                         "this profile reads their counters")
+    ids = b.prompt_ids("", bulletin(args.context), QUESTIONS[0])
+    L, Hkv, D = len(runner.layers), runner.n_kv, runner.head_dim
+    weights = weight_bytes(runner)
+    rate = memory_rate.load()
+    out = {"file": os.path.basename(args.file), "how": f"{b.dtype_name}, layers {b.layers_kind}",
+           "prompt_tokens": len(ids), "prompt_ids": ids, "weight_mb": weights / 1e6, "rows": []}
+    timed = {"head": _Timed(runner.lm_head), "norm": _Timed(runner.norm), "embed": _Timed(runner.embed),
+             "layers": _Timed(runner.fused.run)}
+    runner.lm_head, runner.norm, runner.embed, runner.fused.run = (timed["head"], timed["norm"], timed["embed"],
+                                                                   timed["layers"])
+    proposer = DraftProposer(prompt=ids, max_tokens=8)
+    for n in threads:
+        torch.set_num_threads(n)
+        with compute_threads.kernels_own_cores(b.kernels_do_the_work):
+            cache = b.new_cache(len(ids) + args.steps + args.warmup + 2)
+            logits = b.run(ids, cache, logits="last")
+            kv_bytes = 0
+            for step in range(args.warmup + args.steps):
+                if step == args.warmup:  # counting from here
+                    for t in timed.values():
+                        t.ns = 0
+                    runner.fused.profiling(True)
+                    runner.int4.pool_profile(True)
+                    pick_ns = draft_ns = 0
+                    generated: list[int] = []
+                    t_start = time.perf_counter_ns()
+                t0 = time.perf_counter_ns()
+                tok = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+                t1 = time.perf_counter_ns()
+                if step >= args.warmup:
+                    generated.append(tok)
+                    proposer.propose(generated, 8)
+                    t2 = time.perf_counter_ns()
+                    pick_ns += t1 - t0
+                    draft_ns += t2 - t1
+                    kv_bytes += cache.length * L * 2 * Hkv * D * runner.dtype.itemsize
+                logits = b.run([tok], cache, logits="last")
+            total_ns = time.perf_counter_ns() - t_start
+            steps_c = runner.fused.profile.tolist()
+            pool = runner.int4.pool_profile(False)
+            runner.fused.profiling(False)
+        k = args.steps
+        ms = lambda ns: ns / k / 1e6  # noqa: E731
+        from simllm_ros.kernels.layer_kernel import PROFILE_STEPS
+
+        row = {"threads": n, "step_ms": ms(total_ns)}
+        row.update({name: ms(v) for name, v in zip(PROFILE_STEPS, steps_c)})
+        row["wait_for_workers"] = pool["wait_ms"] / k
+        row["dispatches"] = pool["dispatches"] / k
+        row["woke_sleeper"] = pool["woke_sleeper"] / k
+        row["layers_python"] = ms(timed["layers"].ns - sum(steps_c))  # Layers.run's own arguments and the call
+        row["lm_head"] = ms(timed["head"].ns)
+        row["embed_and_norm"] = ms(timed["embed"].ns + timed["norm"].ns)
+        row["pick"] = ms(pick_ns)
+        row["draft_propose"] = ms(draft_ns)
+        row["pass_python"] = row["step_ms"] - sum(row[x] for x in (*PROFILE_STEPS, "layers_python", "lm_head",
+                                                                  "embed_and_norm", "pick", "draft_propose"))
+        row["mb_per_token"] = (weights + kv_bytes / k) / 1e6
+        row["effective_gbs"] = row["mb_per_token"] / row["step_ms"]
+        if rate is not None:
+            row["memory_read_gbs"] = rate.measure(n)
+            row["floor_ms"] = row["mb_per_token"] / row["memory_read_gbs"]
+        out["rows"].append(row)
+    out["greedy_tail"] = generated[-4:]
+    e.unload()
+    return out
+
+
+def profile_llama(args) -> dict:
+    """llama.cpp's decode ms/token on the same file and prompt length at each thread count (a process of its own)."""
+    from llama_cpp import Llama
+    import numpy as np
+
+    with open(args.ids) as f:
+        ids = json.load(f)
+    rows = []
+    for n in [int(t) for t in args.threads.split(",")]:
+        llm = Llama(model_path=args.file, n_ctx=2048, n_threads=n, n_threads_batch=n, n_batch=512, verbose=False)
+        llm.eval(ids)
+        n_vocab = llm.n_vocab()
+        for _ in range(args.warmup):
+            llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))])
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))])
+        rows.append({"threads": n, "step_ms": (time.perf_counter() - t0) / args.steps * 1000})
+        del llm
+    return {"rows": rows}
+
+
+def _worker(kind: str, args) -> dict | None:
+    cmd = [sys.executable, "-m", __spec__.name, "--worker", kind, "--file", args.file, "--threads", args.threads,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--context", str(args.context),
+           "--cache", args.cache, "--ids", args.ids]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    print(f"{kind} failed (rc {p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}", flush=True)
+    return None
+
+
+COLUMNS = ("qkv", "o", "gate_up", "down", "attention", "norms", "rope", "activation", "wait_for_workers",
+           "layers_python", "lm_head", "embed_and_norm", "pass_python", "pick", "draft_propose")
+
+
+def report(ours: dict, llama: dict | None) -> None:
+    print(f"\n{ours['file']} ({ours['how']}), {ours['prompt_tokens']}-token prompt, greedy; ms per decode step "
+          f"(wait_for_workers is inside the products and attention)")
+    print("| threads | step | " + " | ".join(COLUMNS) + " | dispatches | woke a sleeper |\n|" + "---|" * (len(COLUMNS) + 4))
+    for r in ours["rows"]:
+        print(f"| {r['threads']} | {r['step_ms']:.2f} | " + " | ".join(f"{r[c]:.2f}" for c in COLUMNS)
+              + f" | {r['dispatches']:.0f} | {r['woke_sleeper']:.0f} |")
+    print("\nBytes and memory: MB read per token (weights once + the KV attended), the rate the step reaches, what "
+          "1..N threads read from memory here (membw.c), the floor that sets a step, and llama.cpp's step")
+    print("| threads | MB/token | step ms | effective GB/s | memory read GB/s | floor ms | step / floor | "
+          "llama.cpp ms | ours / llama.cpp | speed-up from 1 thread |\n|" + "---|" * 10)
+    base = {}
+    for r in ours["rows"]:
+        lr = next((x for x in (llama or {}).get("rows", []) if x["threads"] == r["threads"]), None)
+        base.setdefault("ours", r["step_ms"])
+        print(f"| {r['threads']} | {r['mb_per_token']:.0f} | {r['step_ms']:.2f} | {r['effective_gbs']:.1f} | "
+              f"{r.get('memory_read_gbs', float('nan')):.1f} | {r.get('floor_ms', float('nan')):.2f} | "
+              f"{r['step_ms'] / r.get('floor_ms', float('nan')):.2f} | "
+              + (f"{lr['step_ms']:.2f} | {r['step_ms'] / lr['step_ms']:.2f}" if lr else "- | -")
+              + f" | {base['ours'] / r['step_ms']:.2f} |")
+    if llama and len(llama["rows"]) > 1:
+        one = llama["rows"][0]["step_ms"]
+        print("llama.cpp speed-up from its first thread count: "
+              + ", ".join(f"{x['threads']}: {one / x['step_ms']:.2f}x" for x in llama["rows"]))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--file", help="a GGUF file")
+    ap.add_argument("--shape", help="or a shape of gguf_models (qwen2.5-1.5b, ...) ...")
+    ap.add_argument("--quant", default="Q4_K_M", help="... quantized by llama.cpp (Q4_K_M, Q8_0), or 'random': "
+                    "random Q4_K/Q6_K blocks written without llama.cpp")
+    ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "bench-models"))
+    ap.add_argument("--threads", default="1,2", help="thread counts, in one process")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--context", type=int, default=450, help="prompt length in tokens (about)")
+    ap.add_argument("--llama", action="store_true", help="llama.cpp's decode on the same file, side by side")
+    ap.add_argument("--json", default="", help="also write the figures to this file")
+    ap.add_argument("--worker", choices=["ours", "llama"], help=argparse.SUPPRESS)
+    ap.add_argument("--cache", help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        out = profile_ours(args) if args.worker == "ours" else profile_llama(args)
+        print("RESULT " + json.dumps(out), flush=True)
+        return
+    os.makedirs(args.dir, exist_ok=True)
+    if not args.file:
+        if not args.shape:
+            ap.error("--file or --shape")
+        if args.quant == "random":
+            args.file = random_file(args.shape, args.dir)
+        else:
+            from .gguf_models import make_file
+
+            args.file = make_file(args.shape, args.quant, args.dir)
+    args.cache = os.path.join(args.dir, "models")
+    args.ids = os.path.join(args.dir, "decode-profile-ids.json")
+    ours = _worker("ours", args)
+    if ours is None:
+        raise SystemExit(1)
+    llama = None
+    if args.llama:
+        with open(args.ids, "w") as f:
+            json.dump(ours.pop("prompt_ids", None) or [], f)
+        llama = _worker("llama", args)
+    report(ours, llama)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ours": ours, "llama": llama}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Every core, the same bits: a row's logits and KV do not depend on how many threads compute it, or on the rows
+beside it in a batch; the compute workers end with the engine; compute_threads is checked at configure.
+
+Files large enough that the products, attention and LM head of a decode step run on several threads (below
+THREAD_MIN_MACS a product computes alone, and a thread test would test nothing)."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from random_gguf import Q4_K_M, write_llama
+from simllm_ros.kernels import compute_threads, int4_vector_kernel, kernel_pool
+from simllm_ros.model.model_backend import ModelBackend
+from simllm_ros.request import QueryRequest
+from simllm_ros.serving.engine import Engine, EngineLoadError
+from simllm_ros.settings import Settings
+
+SHAPE = dict(layers=2, hidden=512, inter=1024, heads=8, kv_heads=2)
+PROMPTS = [[(7 * i + 3) % 4000 + 10 for i in range(37)], [(11 * i + 5) % 4000 + 10 for i in range(23)]]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cores")
+    return {"q4_k_m": write_llama(str(d / "q4km.gguf"), types=Q4_K_M, seed=21, **SHAPE),
+            "q8_0": write_llama(str(d / "q80.gguf"), default="Q8_0", embed="Q8_0", output=None, seed=22, **SHAPE),
+            "cache": str(d / "models")}
+
+
+@pytest.fixture(scope="module")
+def backends(files):
+    return {name: ModelBackend(files[name], dtype="float32", weight_bits=0, cache_dir=files["cache"])
+            for name in ("q4_k_m", "q8_0")}
+
+
+@pytest.fixture
+def threads_restored():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _bits(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _answers(b: ModelBackend, threads: int, batched: bool) -> dict:
+    """Per prompt: the prompt's logits, 8 greedy steps' logits and the KV after them, at `threads` threads; batched:
+    both prompts' steps in one pass each (run_batch), else one prompt at a time. Plus the numerics digest."""
+    torch.set_num_threads(threads)
+    out: dict = {}
+    with compute_threads.kernels_own_cores(b.kernels_do_the_work):
+        out["digest"] = b.numerics_digest()
+        caches = [b.new_cache(64) for _ in PROMPTS]
+        logits = [b.run(p, c, logits="last") for p, c in zip(PROMPTS, caches)]
+        seen = [[_bits(x)] for x in logits]
+        for _ in range(8):
+            toks = [[int(x.argmax())] for x in logits]
+            if batched:
+                logits = b.run_batch([(t, c, "last") for t, c in zip(toks, caches)])
+            else:
+                logits = [b.run(t, c, logits="last") for t, c in zip(toks, caches)]
+            for s, x in zip(seen, logits):
+                s.append(_bits(x))
+        out["steps"] = seen
+        out["kv"] = [_bits(torch.cat([t.flatten() for t in b.cache_tensors(c)])) for c in caches]
+    return out
+
+
+@pytest.mark.parametrize("name", ["q4_k_m", "q8_0"])
+def test_the_same_bits_at_1_2_and_3_threads_alone_and_batched(backends, name, threads_restored):
+    b = backends[name]
+    assert b.runner is not None and b.runner.fused is not None and b.exact_chunking, "the C layers must run here"
+    assert b.batches_exactly
+    want = _answers(b, 1, batched=False)
+    for threads, batched in ((2, False), (3, False), (2, True), (3, True), (1, True)):
+        got = _answers(b, threads, batched)
+        assert got == want, f"{name}: {threads} threads{' batched' if batched else ''} changed bits"
+
+
+def test_a_step_is_split_over_the_workers_at_two_threads(backends, threads_restored):
+    """The bits test above would pass with every product on one thread: here the kept workers do run."""
+    b = backends["q4_k_m"]
+    kernel = b.runner.int4
+    torch.set_num_threads(2)
+    with compute_threads.kernels_own_cores(b.kernels_do_the_work):
+        cache = b.new_cache(64)
+        logits = b.run(PROMPTS[0], cache, logits="last")
+        kernel.pool_profile(True)
+        b.run([int(logits.argmax())], cache, logits="last")
+        counts = kernel.pool_profile(False)
+    assert counts["dispatches"] >= 2 * 4, counts  # the products of two layers at least
+    assert kernel.workers() >= 1
+
+
+def _pool_threads() -> int:
+    """Threads of this process named as the kept workers name themselves (pool.h)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == "simllm-pool"
+        except OSError:
+            pass
+    return n
+
+
+def test_the_workers_end_with_the_engine(files, threads_restored):
+    e = Engine(Settings.from_overrides(model=files["q4_k_m"], model_cache_dir=files["cache"],
+                                       compute_threads=min(2, len(compute_threads.usable_cpus())),
+                                       cache_size="64MB"))
+    e.load()
+    try:
+        r = e.handle(QueryRequest(prompt="Which road is closed?", context="Main street is closed until noon.",
+                                  max_new_tokens=4))
+        assert r.success, r.error
+        assert kernel_pool.workers() >= 1 and _pool_threads() >= 1
+    finally:
+        e.unload()
+    assert kernel_pool.workers() == 0 and _pool_threads() == 0
+
+
+def test_compute_threads_beyond_the_cores_is_refused_at_configure(tmp_path):
+    cpus = len(compute_threads.usable_cpus())
+    e = Engine(Settings.from_overrides(compute_threads=cpus + 1, cache_size="64MB"))
+    with pytest.raises(EngineLoadError, match=rf"compute_threads {cpus + 1}: this process may run on {cpus} CPU"):
+        e.load()
+    assert e.backend is None
+    with pytest.raises(Exception, match="compute_threads"):
+        Settings.from_overrides(compute_threads=-1)
+
+
+def test_auto_counts_physical_cores_from_the_topology(tmp_path):
+    """Four CPUs on two cores (two hardware threads each): one per core first, the second threads after."""
+    for cpu, core in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "core_id").write_text(f"{core}\n")
+        (d / "physical_package_id").write_text("0\n")
+    assert compute_threads.by_core([0, 1, 2, 3], str(tmp_path)) == ([0, 1, 2, 3], 2)
+    assert compute_threads.by_core([0, 2, 1, 3], str(tmp_path)) == ([0, 1, 2, 3], 2)
+    n, why = compute_threads.choose(3, [0, 1, 2, 3], str(tmp_path))
+    assert n == 3 and "2 physical cores" in why
+    assert int4_vector_kernel.loaded() is not None or int4_vector_kernel.why_not() is None
