@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 
-from simllm_ros.model.draft_proposer import DraftProposer, DraftStats, best_length
+from simllm_ros.model.draft_proposer import DRAFT_MARGIN, DraftProposer, DraftStats, best_length
 from simllm_ros.model.model_backend import MAX_PASS_ROWS
 
 from core_fixtures import LOSSLESS, shared_engine
@@ -32,6 +32,9 @@ def test_best_length_is_the_length_with_most_tokens_per_cost():
         d = best_length(rate, costs, available)
         best = max(_value(rate, costs, k) for k in range(available + 1))
         assert 0 <= d <= available
+        if best <= _value(rate, costs, 0) * (1 + DRAFT_MARGIN):  # not worth the estimates' error: no draft
+            assert d == 0, (rate, costs, available, d)
+            continue
         assert math.isclose(_value(rate, costs, d), best, rel_tol=1e-9), (rate, costs, available, d)
         # the shortest of the best: a shorter length that is as good would have been taken
         assert all(_value(rate, costs, k) < best * (1 + 1e-9) for k in range(d)) or d == 0
@@ -97,3 +100,22 @@ def test_the_backend_measures_its_pass_costs_at_load():
     assert costs[0] == 0.0 and costs[1] == 1.0
     assert all(b >= a for a, b in zip(costs[1:], costs[2:])), "more rows never cost less"
     assert all(math.isfinite(c) for c in costs)
+
+
+def test_pass_costs_learn_from_the_passes_timed_here():
+    """A prior timed at load (here: a second row nearly free) gives way to what this process's passes take
+    (a second row at 1.3x one): a guess accepted 20% of the time then no longer pays."""
+    from simllm_ros.model.pass_costs import PassCosts
+
+    costs = PassCosts([0.0, 1.0, 1.01, 1.02, 1.03])
+    assert best_length(0.2, costs, 3) >= 1
+    for _ in range(PassCosts.TRUST):
+        costs.observe(1, 0.010)
+        costs.observe(2, 0.013)
+    assert math.isclose(costs[2], 1.3, rel_tol=1e-6)
+    assert costs[3] >= costs[2] and costs[4] >= costs[3], "never cheaper for more rows"
+    assert best_length(0.2, costs, 3) == 0
+    costs.observe(0, 1.0)
+    costs.observe(9, 1.0)  # outside the table: ignored
+    costs.observe(2, float("nan"))
+    assert math.isclose(costs[2], 1.3, rel_tol=1e-6) and len(costs) == 5

@@ -2,8 +2,12 @@
    Why kept: a decode step makes ~120 small products, and starting threads per product costs more than it saves.
    Threads split a product's outputs (or attention's rows), never a sum, so a result's bits do not depend on how
    many workers ran it, or on whether they were busy and the caller computed alone. The including source supplies
-   nothing; it gets `pool_start`, `pool_dispatch` (with the `pool_use` lock held) and the exported
-   `simllm_pool_call`, which attention passes use through its address (AttentionKernel.use_pool). */
+   nothing; it gets `pool_start`, `pool_run` (with the `pool_use` lock held) and the exported `simllm_pool_call`,
+   which attention passes use through its address (AttentionKernel.use_pool).
+   Work is claimed, not assigned: a dispatch is a number of chunks, and the caller and each worker take the next
+   chunk until none is left. A worker that is asleep, late to wake or slowed by another tenant of its core (a VM's
+   steal time, a smaller core) then costs what it did not take, not the whole product: with fixed shares the
+   caller waited for the slowest share every product. Which thread computes a chunk changes no bit. */
 #ifndef SIMLLM_POOL_H
 #define SIMLLM_POOL_H
 
@@ -32,10 +36,17 @@ static inline void pool_relax(void) { }
 #define MAXT 64
 static pthread_mutex_t pool_use = PTHREAD_MUTEX_INITIALIZER, pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER;
-static int pool_size, pool_gen, pool_pending, pool_active, pool_sleepers, pool_atfork;
+static int pool_size, pool_gen, pool_active, pool_sleepers, pool_atfork;
 static int pool_quit, pool_alive;  /* simllm_pool_stop: workers leave at their next wake-up; those still running */
 static int pool_born[MAXT];  /* the generation a worker was started in: it waits for the next */
-static void *(*pool_fn)(void *);
+/* The dispatch in progress: task(ctx, chunk, tid) for chunk 0..pool_chunks-1, tid the thread's index (0: the caller).
+   pool_claim is (dispatch number << 32) | next chunk, claimed by compare-and-swap: a worker late for one dispatch
+   finds another number there and takes nothing of the next. pool_done counts finished chunks. */
+static void (*pool_task)(void *ctx, int chunk, int tid);
+static void *pool_ctx;
+static unsigned long pool_claim;
+static unsigned pool_number;
+static int pool_chunks, pool_done;
 static long pool_spin_ns = 200000;
 /* simllm_pool_pin: worker i runs on pool_cpus[i % pool_ncpus] (none: where the OS puts it); pool_pins counts
    changes, so a worker moves at its next wake-up */
@@ -50,8 +61,24 @@ static inline double pool_now_ns(void) {
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
 }
-static char *pool_args;  /* worker i runs pool_fn(pool_args + i * pool_arg_size) */
-static long pool_arg_size;
+
+/* The next chunk of dispatch `number`, or -1 when it has none left (or is over). */
+static int pool_take(unsigned number) {
+    unsigned long v = __atomic_load_n(&pool_claim, __ATOMIC_ACQUIRE);
+    for (;;) {
+        if ((unsigned)(v >> 32) != number || (int)(v & 0xffffffffUL) >= pool_chunks) return -1;
+        if (__atomic_compare_exchange_n(&pool_claim, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return (int)(v & 0xffffffffUL);
+    }
+}
+/* Chunks of dispatch `number` until none is left, as thread `tid`. */
+static void pool_work(unsigned number, int tid) {
+    int c;
+    while ((c = pool_take(number)) >= 0) {
+        pool_task(pool_ctx, c, tid);  /* read after the claim: the dispatch cannot end before this chunk does */
+        __atomic_add_fetch(&pool_done, 1, __ATOMIC_RELEASE);
+    }
+}
 
 /* The calling thread on one CPU (the raw system call: no _GNU_SOURCE needed for cpu_set_t); 0 where it is. */
 static int pool_bind_self(int cpu) {
@@ -93,16 +120,14 @@ static void *worker(void *arg) {
             __atomic_sub_fetch(&pool_alive, 1, __ATOMIC_RELEASE);
             return 0;
         }
-        if (i < __atomic_load_n(&pool_active, __ATOMIC_ACQUIRE)) {  /* jobs 1..active-1 of this product */
-            pool_fn(pool_args + i * pool_arg_size);
-            __atomic_sub_fetch(&pool_pending, 1, __ATOMIC_RELEASE);
-        }
+        if (i < __atomic_load_n(&pool_active, __ATOMIC_ACQUIRE))  /* threads 1..active-1 of this dispatch */
+            pool_work((unsigned)(__atomic_load_n(&pool_claim, __ATOMIC_ACQUIRE) >> 32), i);
     }
     return 0;
 }
 
 static void pool_after_fork(void) {  /* the child has none of the parent's threads */
-    pool_size = 0; pool_gen = 0; pool_pending = 0; pool_active = 0; pool_sleepers = 0; pool_alive = 0;
+    pool_size = 0; pool_gen = 0; pool_active = 0; pool_sleepers = 0; pool_alive = 0;
     pool_quit = 0;
     pthread_mutex_init(&pool_use, 0); pthread_mutex_init(&pool_mu, 0); pthread_cond_init(&pool_go, 0);
 }
@@ -155,20 +180,23 @@ void simllm_pool_pin(const int *cpus, int n) {
 }
 /* Workers running now (started, not ended): what a test of the engine's cleanup reads. */
 int simllm_pool_workers(void) { return __atomic_load_n(&pool_alive, __ATOMIC_ACQUIRE); }
-/* fn(args + i * size) for i < n: job 0 in the caller, the others on the workers; returns when all are done and
-   releases pool_use (held by the caller, the workers started). */
-static void pool_dispatch(void *(*fn)(void *), void *args, long size, int n) {
-    pool_fn = fn; pool_args = (char *)args; pool_arg_size = size;
-    __atomic_store_n(&pool_active, n, __ATOMIC_RELEASE);
-    __atomic_store_n(&pool_pending, n - 1, __ATOMIC_RELEASE);
+/* task(ctx, chunk, tid) for every chunk < chunks, on the caller (tid 0) and workers 1..threads-1, each taking the
+   next chunk until none is left; returns when all are done and releases pool_use (held by the caller, the workers
+   started). */
+static void pool_run(void (*task)(void *, int, int), void *ctx, int chunks, int threads) {
+    pool_task = task; pool_ctx = ctx; pool_chunks = chunks;
+    __atomic_store_n(&pool_done, 0, __ATOMIC_RELAXED);
+    const unsigned number = ++pool_number;
+    __atomic_store_n(&pool_active, threads, __ATOMIC_RELEASE);
+    __atomic_store_n(&pool_claim, (unsigned long)number << 32, __ATOMIC_RELEASE);
     pthread_mutex_lock(&pool_mu);
     __atomic_add_fetch(&pool_gen, 1, __ATOMIC_ACQ_REL);
     if (pool_prof) { pool_stat[0] += 1; pool_stat[1] += pool_sleepers > 0; }
     if (pool_sleepers) pthread_cond_broadcast(&pool_go);
     pthread_mutex_unlock(&pool_mu);
-    fn(args);
+    pool_work(number, 0);
     const double waited = pool_prof ? pool_now_ns() : 0.0;
-    while (__atomic_load_n(&pool_pending, __ATOMIC_ACQUIRE)) pool_relax();
+    while (__atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < chunks) pool_relax();
     if (pool_prof) pool_stat[2] += pool_now_ns() - waited;
     pthread_mutex_unlock(&pool_use);
 }
@@ -178,13 +206,23 @@ void simllm_pool_profile(int on, double *out) {
     memset(pool_stat, 0, sizeof pool_stat);
     pool_prof = on;
 }
-/* The same for other kernels' jobs (attention_kernel's row blocks): where the workers are busy (another caller's
-   product) or cannot start, every job runs in the caller, one after the other. Jobs must not depend on which
-   thread runs them. */
+/* Other kernels' jobs (attention_kernel's row blocks): fn(args + i * size) for i < n, each job on whichever thread
+   claims it; where the workers are busy (another caller's product) or cannot start, every job runs in the caller,
+   one after the other. Jobs must not depend on which thread runs them. */
+typedef struct { void *(*fn)(void *); char *args; long size; } pool_jobs_t;
+static void pool_job(void *ctx, int chunk, int tid) {
+    const pool_jobs_t *j = ctx;
+    (void)tid;
+    j->fn(j->args + chunk * j->size);
+}
 void simllm_pool_call(void *(*fn)(void *), void *args, long size, int n) {
     if (n > MAXT) n = MAXT;
     if (n > 1 && pthread_mutex_trylock(&pool_use) == 0) {
-        if (pool_start(n)) { pool_dispatch(fn, args, size, n); return; }
+        if (pool_start(n)) {
+            pool_jobs_t jobs = {fn, (char *)args, size};
+            pool_run(pool_job, &jobs, n, n);
+            return;
+        }
         pthread_mutex_unlock(&pool_use);
     } else if (n > 1 && pool_prof) {
         pool_stat[3] += 1;

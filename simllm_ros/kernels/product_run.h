@@ -5,17 +5,30 @@
        static void run(void *(*part)(void *), const X_T *x, long x_stride, const uint8_t *w, Y_T *y, long y_stride,
                        int M, int N, int K, XSUM_T *xsum, SCRATCH_T *scratch, long scratch_per_thread, int nthreads)
 
-   Threads split the N/16 output blocks, never a sum: job i takes blocks nb*i/n .. nb*(i+1)/n - 1 and the scratch
-   at scratch + i * scratch_per_thread (in SCRATCH_Ts). Where the pool's workers are busy (another caller's
-   product) or cannot start, the caller computes every block alone: the same bits either way. */
+   Threads split the N/16 output blocks, never a sum: the blocks are cut into chunks (chunk c: blocks nb*c/chunks ..
+   nb*(c+1)/chunks - 1), each computed whole by the thread that claims it with its scratch at scratch + tid *
+   scratch_per_thread (in SCRATCH_Ts). Where the pool's workers are busy (another caller's product) or cannot
+   start, the caller computes every block alone: the same bits either way. */
 #ifndef SIMLLM_PRODUCT_RUN_H
 #define SIMLLM_PRODUCT_RUN_H
 
 #include <stdint.h>
 #include "pool.h"
 
+/* Chunks per thread a product is cut into: the threads take chunks until none is left (pool.h), so a thread that
+   starts late or runs slow takes fewer; more chunks balance better and cost a claim each (~0.1 us). */
+#define PRODUCT_CHUNKS_PER_THREAD 8
+
 #define PRODUCT_RUN(X_T, Y_T, XSUM_T, SCRATCH_T)                                                                  \
-static job_t pool_jobs[MAXT];                                                                                     \
+typedef struct { job_t job; void *(*part)(void *); int nb, chunks; long scratch_per_thread; } product_ctx_t;       \
+static void product_chunk(void *ctx, int c, int tid) {                                                            \
+    const product_ctx_t *p = ctx;                                                                                 \
+    job_t j = p->job;                                                                                             \
+    j.b0 = (int)((long)p->nb * c / p->chunks);                                                                    \
+    j.b1 = (int)((long)p->nb * (c + 1) / p->chunks);                                                              \
+    j.scratch = p->job.scratch + tid * p->scratch_per_thread;                                                     \
+    p->part(&j);                                                                                                  \
+}                                                                                                                 \
 static void run(void *(*part)(void *), const X_T *x, long x_stride, const uint8_t *w, Y_T *y, long y_stride,     \
                 int M, int N, int K, XSUM_T *xsum, SCRATCH_T *scratch, long scratch_per_thread, int nthreads) {  \
     const int nb = N / 16;                                                                                        \
@@ -25,21 +38,18 @@ static void run(void *(*part)(void *), const X_T *x, long x_stride, const uint8_
         nthreads = 1;                                                                                             \
         if (pool_prof) pool_stat[3] += 1;                                                                         \
     }                                                                                                             \
-    if (nthreads < 1) nthreads = 1;                                                                               \
-    job_t alone[1];                                                                                               \
-    job_t *jobs = nthreads > 1 ? pool_jobs : alone;                                                               \
-    for (int i = 0; i < nthreads; i++)                                                                            \
-        jobs[i] = (job_t){.x = x, .x_stride = x_stride, .w = w, .y = y, .y_stride = y_stride, .M = M, .K = K,     \
-                          .xsum = xsum, .b0 = (int)((long)nb * i / nthreads),                                     \
-                          .b1 = (int)((long)nb * (i + 1) / nthreads), .scratch = scratch + i * scratch_per_thread}; \
-    if (nthreads == 1) { part(&jobs[0]); return; }                                                                \
+    job_t one = {.x = x, .x_stride = x_stride, .w = w, .y = y, .y_stride = y_stride, .M = M, .K = K,              \
+                 .xsum = xsum, .b0 = 0, .b1 = nb, .scratch = scratch};                                            \
+    if (nthreads <= 1) { part(&one); return; }                                                                    \
     if (!pool_start(nthreads)) {  /* could not start workers: alone, the same bits */                             \
-        job_t one = jobs[0]; one.b1 = nb;                                                                         \
         part(&one);                                                                                               \
         pthread_mutex_unlock(&pool_use);                                                                          \
         return;                                                                                                   \
     }                                                                                                             \
-    pool_dispatch(part, jobs, sizeof(job_t), nthreads);                                                           \
+    int chunks = nthreads * PRODUCT_CHUNKS_PER_THREAD;                                                            \
+    if (chunks > nb) chunks = nb;                                                                                 \
+    product_ctx_t ctx = {one, part, nb, chunks, scratch_per_thread};                                              \
+    pool_run(product_chunk, &ctx, chunks, nthreads);                                                              \
 }
 
 #endif

@@ -68,15 +68,23 @@ class DraftStats:
             self._seen[kind] = self._seen[kind] * self.DECAY + checked
 
 
+# A draft must promise this much more than plain decoding per unit of cost before it is checked: rates and costs are
+# estimates, and a draft that only breaks even on paper costs time where the estimate is off (issue 55: drafts at
+# 2 threads that were rarely accepted made decode slower than none). A repeated answer (rate ~1) clears it by far.
+DRAFT_MARGIN = 0.03
+
+
 def best_length(rate: float, costs, available: int) -> int:
     """The draft length d in 0..available with the most expected tokens per cost of its pass:
-    (1 + rate + ... + rate^d) / costs[1 + d]; the shorter one on a tie."""
-    best, best_value, expected, p = 0, 1.0 / costs[1], 1.0, 1.0
+    (1 + rate + ... + rate^d) / costs[1 + d]; the shorter one on a tie, and 0 unless it beats plain decoding by
+    DRAFT_MARGIN."""
+    plain = 1.0 / costs[1]
+    best, best_value, expected, p = 0, plain, 1.0, 1.0
     for d in range(1, min(available, len(costs) - 2) + 1):
         p *= rate
         expected += p
         value = expected / costs[1 + d]
-        if value > best_value * (1 + 1e-9):
+        if value > best_value * (1 + 1e-9) and value > plain * (1 + DRAFT_MARGIN):
             best, best_value = d, value
     return best
 

@@ -12,6 +12,7 @@ passes and key rotation in semantic_passes.py.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -447,9 +448,18 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
     def decode(self, first_logits: torch.Tensor, cache, max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0, t_start: float | None = None, should_stop: Callable[[], bool] | None = None,
                drafts: DraftSource | None = None, on_token: Callable[[list[int]], None] | None = None,
-               constraint: Constraint | None = None) -> Generation:
-        """The answer after a prefill, checking `drafts` in one pass where given (decoding.generate)."""
-        gen = generate(lambda toks: self.run(toks, cache, logits="all"), lambda n: self.truncate(cache, n),
+               constraint: Constraint | None = None,
+               on_pass: Callable[[int, float], None] | None = None) -> Generation:
+        """The answer after a prefill, checking `drafts` in one pass where given (decoding.generate);
+        on_pass(rows, seconds) hears how long each decode pass took (the engine's learnt pass costs)."""
+        def step(toks: list[int]) -> torch.Tensor:
+            t0 = time.perf_counter()
+            rows = self.run(toks, cache, logits="all")
+            if on_pass is not None:
+                on_pass(len(toks), time.perf_counter() - t0)
+            return rows
+
+        gen = generate(step, lambda n: self.truncate(cache, n),
                        lambda: self.cache_len(cache), first_logits, max_new_tokens,
                        sampler=Sampler(temperature, seed), stop_ids=self.stop_ids, drafts=drafts, t_start=t_start,
                        on_token=on_token, should_stop=should_stop, constraint=constraint)

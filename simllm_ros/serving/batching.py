@@ -7,6 +7,7 @@ per step (`_shared_prefixes`). The phases themselves are request_pipeline's. Mix
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryResult
@@ -88,7 +89,10 @@ class Batching:
                         budget = None if budget is None else budget - n
                 except Exception as e:
                     out[i] = self._fault(f.p, e)
+            t0 = time.perf_counter()
             outs = self._run_isolated(flights, work, out)
+            if work and all(flights[i].decoder is not None for i, *_ in work):  # a decode pass: its cost per rows
+                self.observe_pass(sum(len(ids) for _, ids, _, _ in work), time.perf_counter() - t0)
             for (i, ids, mode, base), rows in zip(work, outs):
                 if out[i] is not None:
                     continue

@@ -39,6 +39,7 @@ from ..cache.answer_memo import AnswerMemo
 from .batching import Batching
 from ..cache.cache_stats import CacheStatsRecorder
 from ..model.draft_proposer import DraftStats
+from ..model.pass_costs import PassCosts
 from ..cache.error_bound import ErrorBound
 from ..cache.fleet_store import FleetStore
 from ..cache.fingerprint import Fingerprinter
@@ -112,6 +113,7 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         # How often each kind of draft is accepted (learnt over requests): with the backend's pass costs it
         # decides how long a draft is checked.
         self._draft_stats = DraftStats()
+        self._pass_costs: PassCosts | None = None  # the backend's pass costs, learnt from this engine's passes
         self._owns_models = True  # False for a fork(): the backend belongs to another engine
         self._warming = False  # requests now are warm-up: the semantic log marks them so they do not count
         # Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time.
@@ -149,6 +151,22 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         # the longest prompt and answer at these settings: LongRoPE's factors are chosen by it, fixed for the load
         return ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits, s.activation_bits,
                             context_length=s.max_prompt_tokens + s.max_new_tokens_limit)
+
+    def pass_costs(self) -> PassCosts | None:
+        """What a pass of m rows costs against one (draft lengths follow it): the backend's, timed at load, as the
+        prior, then learnt from the decode passes this engine times (observe_pass). None where not measured."""
+        prior = self.backend.pass_costs if self.backend is not None else None
+        if prior is None:
+            return None
+        if self._pass_costs is None or self._pass_costs.prior is not prior:
+            self._pass_costs = PassCosts(prior)
+        return self._pass_costs
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        """A decode pass of `rows` rows took `seconds` (a request's step, or a batch of decoding requests)."""
+        costs = self.pass_costs()
+        if costs is not None:
+            costs.observe(rows, seconds)
 
     def _arrange_cores(self, progress: Callable[[str], None]) -> None:
         """compute_threads and compute_pinning: the thread count the model computes with (set before the load, whose

@@ -106,7 +106,7 @@ class RequestMemory:
         return DraftProposer(answers=ids, repeat=repeat_ids,
                              history=list(self._recent_answers.get(req.scope, ())),
                              prompt=tokens, max_tokens=s.max_draft_tokens,
-                             costs=self.backend.pass_costs, stats=self._draft_stats)
+                             costs=self.pass_costs(), stats=self._draft_stats)
 
     def _answer_ids(self, text: str) -> list[int]:
         ids = self._answer_tokens.get(text)

@@ -140,7 +140,7 @@ class RequestPipeline:
         self._after_prefill(f)
         gen = self.backend.decode(logits, f.cache, f.max_new, f.temperature, f.seed, t_start=p.t_arrival,
                                   drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
-                                  constraint=f.constraint)
+                                  constraint=f.constraint, on_pass=self.observe_pass)
         return self._conclude(f, gen)
 
     def _plan(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
