@@ -267,9 +267,8 @@ def test_sampler_thread_closes_each_answer_at_its_end(tmp_path):
         time.sleep(0.3)
         f = m.end(t)
         assert f.joules == pytest.approx(1.0, abs=1e-9) and f.source.startswith("rapl: package-0")
-        t0 = time.monotonic()
         f = m.end(m.begin())
-        assert f.joules == 0.0 and time.monotonic() - t0 < 0.2  # the end's own sample, not the next period's
+        assert f.joules == 0.0 and f.source.startswith("rapl: ")  # read, and nothing drawn: a true 0
     finally:
         m.stop()
 
