@@ -53,7 +53,9 @@ def jetson_hwmon(root, rails):
         write(os.path.join(dev, f"in{i}_label"), name)
         write(os.path.join(dev, f"in{i}_input"), mv)
         write(os.path.join(dev, f"curr{i}_input"), ma)
-    write(os.path.join(dev, "in7_input"), 30)  # the shunt sum: no label, no current: not a rail
+    write(os.path.join(dev, "in7_input"), 30)  # the driver's sums of the three channels: not rails
+    write(os.path.join(dev, "in7_label"), "sum of shunt voltages")
+    write(os.path.join(dev, "curr4_input"), 9999)
     os.makedirs(os.path.join(root, "class/hwmon"), exist_ok=True)
     os.symlink(dev, os.path.join(root, "class/hwmon/hwmon1"))  # the same device, as sysfs links it
     return dev

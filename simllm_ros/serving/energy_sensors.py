@@ -149,6 +149,8 @@ def _ina3221_sensors(root: str) -> tuple[list[tuple[str, tuple[str, ...], float]
     for h in hwmons:
         for f in sorted(glob.glob(os.path.join(h, "in*_label"))):
             m = re.fullmatch(r"in(\d+)_label", os.path.basename(f))
+            if not m or not 1 <= int(m.group(1)) <= 3:
+                continue  # channels 1-3 are the rails; in7 and curr4 are the driver's sums of them
             label = _read_label(f)
             volts, amps = os.path.join(h, f"in{m.group(1)}_input"), os.path.join(h, f"curr{m.group(1)}_input")
             if label and os.path.exists(volts) and os.path.exists(amps):
