@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 DEFAULT_SCOPE = "default"  # the pool's name for the shared scope of requests with an empty cache_scope
 
@@ -102,6 +103,10 @@ class QueryResult:
     # The 95% upper bound on the chance that this answer differs from the model's own, for an approximate answer
     # served under approx_error_bound; 0 for an exact one (and for approximate ones served with no bound asked).
     error_estimate: float = 0.0
+    # Joules the computer drew while the engine ran this request (shared with requests in flight together); NaN
+    # where it cannot be known, and then energy_source says why ("none: <why>"), else it names the sensor.
+    energy_j: float = math.nan
+    energy_source: str = "none: not measured (the request never ran)"
 
     @classmethod
     def failure(cls, error: str, request_id: str = "") -> "QueryResult":

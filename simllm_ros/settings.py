@@ -59,7 +59,11 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("fleet_timeout_ms", 50.0, "bound on each fleet store call: a slow or dead store costs a request at most this, then is skipped until it answers again (checked in the background with growing pauses)", min=1.0, max=10000.0),
     ParamSpec("fleet_share_kv", True, "fleet: publish exact-prefix KV blocks and fetch another node's where the fetch is estimated faster than the prefill it replaces (only between nodes with the same numerics digest, lossless KV)"),
     ParamSpec("thermal_root", "/sys/class/thermal", "sysfs thermal root (tests point it at a fake tree)"),
-    ParamSpec("thermal_zones", "", "comma-separated zone types to watch (empty: all zones found)"),
+    ParamSpec("thermal_zones", "auto", "comma-separated zone types to watch; auto: the chip's own sensors by their names where there are such zones (Jetson CPU-therm, GPU-therm, SOC0..2-therm, CV0..2-therm, Tj-therm and their JetPack 6 names cpu-thermal, gpu-thermal, soc0-thermal, tj-thermal, cv0-thermal..; Raspberry Pi's cpu-thermal), else every zone except placeholders (Jetson's PMIC-Die reads a fixed 100 C, thermal-fan-est is an estimate from the others); empty: every zone found"),
+    ParamSpec("energy_source", "auto", "where answers' energy is measured: auto (the first found of ina3221, rapl, hwmon), ina3221 (Jetson power rails), rapl (x86 powercap energy counters), hwmon (power*_input sensors) or off. Without a readable sensor answers report energy NaN and energy_source 'none: <why>'", choices=("auto", "ina3221", "rapl", "hwmon", "off")),
+    ParamSpec("energy_rails", "", "comma-separated sensors to sum: INA3221 rail labels (VDD_IN, VDD_CPU_GPU_CV, VDD_SOC), RAPL zone names (package-0, dram, psys) or hwmon labels (<device>/<label>); empty: the whole computer where the platform says it (Jetson's input rail VDD_IN / POM_5V_IN, RAPL psys), else every sensor of the source"),
+    ParamSpec("energy_sample_period_s", 0.1, "the power source is sampled this often (and once more at each answer's end); power between samples is integrated by the trapezoid rule", min=0.005, max=10.0),
+    ParamSpec("energy_sysfs_root", "/sys", "sysfs root the power sensors are found under (tests point it at a written tree)"),
     # --- live: validated and applied while active ---
     ParamSpec("cache_threshold", 0.8, "cosine similarity needed for SEMANTIC reuse", live=True, min=0.0, max=1.0),
     ParamSpec("answer_threshold", 0.95, "cosine similarity needed for ANSWER reuse", live=True, min=0.0, max=1.0),

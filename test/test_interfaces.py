@@ -11,6 +11,7 @@ each brings the node to the state it needs. The claims:
 - ~/embed returns unit vectors from the loaded MiniLM and refuses bad input.
 """
 import json
+import math
 import threading
 import time
 import uuid
@@ -85,6 +86,9 @@ def test_goal_streams_growing_text_and_succeeds(h):
     assert [f.generated_tokens for f in feedback] == sorted(f.generated_tokens for f in feedback)
     assert feedback[-1].generated_tokens == res.generated_tokens and res.stop_reason in ("eos", "length")
     assert res.prompt_tokens > 0 and res.exact and res.ttft_ms > 0
+    # the result's energy: a figure from this machine's sensor, or NaN and why (never 0 J for unknown)
+    assert (math.isnan(res.energy_j) and res.energy_source.startswith("none: ")) or \
+        (res.energy_j >= 0 and not res.energy_source.startswith("none")), (res.energy_j, res.energy_source)
     again = outcome(send_goal(h, prompt="Tell me about the buses tonight.", max_new_tokens=32, cache_scope="stream"))[1]
     assert again.answer == res.answer and again.cache_result == CacheResult.EXACT_PREFIX
 

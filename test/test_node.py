@@ -44,6 +44,7 @@ def h(ros_harness_factory, thermal, tmp_path_factory):
         f"    cache_size: \"32MB\"\n"
         f"    persist_path: \"{d / 'pool'}\"\n"
         f"    thermal_root: \"{thermal.root}\"\n"
+        f"    energy_sysfs_root: \"{d / 'no_power_sensors'}\"\n"  # no sensor: answers say so, never 0 J
         f"    telemetry_period_s: 0.2\n"
         f"    max_new_tokens: 12\n"
         f"    queue_limit: 4\n"
@@ -116,6 +117,7 @@ def test_query_answered_by_real_model(h):
     assert r.prompt_tokens > 0 and r.generated_tokens > 0
     assert 0 < r.ttft_ms <= r.total_ms
     assert r.cache_result == CacheResult.MISS and r.recomputed_tokens == r.prompt_tokens
+    assert math.isnan(r.energy_j) and r.energy_source.startswith("none: ina3221: no INA3221 rail"), r.energy_source
 
 
 def test_repeated_query_reuses_cache(h):
@@ -160,6 +162,7 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
     assert st.ttft_miss_mean_ms > 0 and st.ttft_miss_p95_ms >= st.ttft_miss_mean_ms * 0.5
     assert st.queue_depth == 0 and st.stamp.sec > 0
     assert st.approx_checks >= st.approx_checks_differ and 0.0 < st.approx_differ_high <= 1.0  # error_bound totals
+    assert st.energy_source.startswith("none: ") and math.isnan(st.energy_mean_j_miss)  # no sensor: not 0 J
 
     th = h.wait_message(f"{N}/thermal", timeout=10, after=after[f"{N}/thermal"])
     assert list(th.zone_names) == ["cpu-thermal", "gpu-thermal", "cv0-thermal"]
@@ -180,6 +183,7 @@ def test_telemetry_cache_stats_thermal_diagnostics_map(h, thermal):
         kv["precision"].split(", ")[1] in ("4-bit weights", "8-bit weights", "16-bit weights"), kv["precision"]
     assert int(kv["entries"]) >= 2 and kv["hottest_zone"] == "gpu-thermal" and kv["thermal_level"] == "OK"
     assert "ttft_miss_p95_ms" in kv and "hit_rate_any_recent" in kv
+    assert kv["energy_source"].startswith("none: ") and kv["energy_mean_j_miss"] == "nan"
     assert kv["lossless_reuse"] == "true"  # the load-time batch-invariance probe passed on this machine
     from simllm_ros.kernels.build import CONTRACT
     digest, contract = kv["numerics"].split()

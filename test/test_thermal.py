@@ -320,3 +320,59 @@ def test_policy_sheds_load_only_while_critical_and_reports_each_change_once(jets
     set_temp(jetson, 2, 50000)
     _, change = policy.read()
     assert change.level == ThermalLevel.OK and change.message == "thermal level WARN -> OK" and policy.state.reason == ""
+
+
+# --- "auto": the chip's own zones by the names real boards give them (recorded zone lists) ---
+JETSON_XAVIER_NX = [("AO-therm", 36500), ("CPU-therm", 38000), ("GPU-therm", 37500), ("PMIC-Die", 100000),
+                    ("AUX-therm", 37000), ("thermal-fan-est", 37800), ("Tboard_tegra", 33000),
+                    ("Tdiode_tegra", 35000)]
+JETSON_ORIN_JP6 = [("cpu-thermal", 47000), ("gpu-thermal", 45000), ("cv0-thermal", -256000),
+                   ("cv1-thermal", -256000), ("cv2-thermal", -256000), ("soc0-thermal", 46000),
+                   ("soc1-thermal", 44000), ("soc2-thermal", 45500), ("tj-thermal", 47500), ("tboard-thermal", 40000)]
+JETSON_ORIN_JP5 = [("CPU-therm", 51000), ("GPU-therm", 49000), ("CV0-therm", -256000), ("SOC0-therm", 48000),
+                   ("SOC1-therm", 47000), ("SOC2-therm", 47500), ("Tj-therm", 51500)]
+RASPBERRY_PI_5 = [("cpu-thermal", 52000)]
+X86 = [("acpitz", 27800), ("x86_pkg_temp", 56000), ("INT3400 Thermal", 20000), ("pch_cannonlake", 48000)]
+
+
+def board(root, zones):
+    root.mkdir(exist_ok=True)
+    for i, (zone_type, milli) in enumerate(zones):
+        write_zone(root, i, zone_type, milli)
+    return root
+
+
+@pytest.mark.parametrize("zones, watched, hottest", [
+    (JETSON_XAVIER_NX, ["AO-therm", "CPU-therm", "GPU-therm", "AUX-therm"], ("CPU-therm", 38.0)),
+    (JETSON_ORIN_JP6, ["cpu-thermal", "gpu-thermal", "cv0-thermal", "cv1-thermal", "cv2-thermal", "soc0-thermal",
+                       "soc1-thermal", "soc2-thermal", "tj-thermal"], ("tj-thermal", 47.5)),
+    (JETSON_ORIN_JP5, [t for t, _ in JETSON_ORIN_JP5], ("Tj-therm", 51.5)),
+    (RASPBERRY_PI_5, ["cpu-thermal"], ("cpu-thermal", 52.0)),
+    (X86, [t for t, _ in X86], ("x86_pkg_temp", 56.0)),
+])
+def test_auto_watches_the_chips_own_zones(tmp_path, zones, watched, hottest):
+    r = ThermalMonitor(str(board(tmp_path, zones)), zone_filter="auto").read()
+    assert [z.name for z in r.zones] == watched
+    assert (r.hottest_name, r.hottest_c) == hottest and r.level == ThermalLevel.OK
+
+
+def test_auto_leaves_out_the_jetson_pmic_placeholder(tmp_path):
+    """Every zone (the filter "") would read PMIC-Die's fixed 100 C and shed every request."""
+    root = board(tmp_path, JETSON_XAVIER_NX)
+    assert ThermalMonitor(str(root), zone_filter="").read().level == ThermalLevel.CRITICAL
+    assert ThermalMonitor(str(root), zone_filter="auto").read().level == ThermalLevel.OK
+    # a board with no known chip zone: every zone but the placeholders
+    other = board(root / "other", [("PMIC-Die", 100000), ("board", 30000)])
+    assert [z.name for z in ThermalMonitor(str(other), zone_filter="auto").read().zones] == ["board"]
+
+
+def test_auto_is_the_node_default_and_documented():
+    from simllm_ros.settings import Settings
+
+    assert Settings.from_overrides().thermal_zones == "auto"
+    edge = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "edge.yaml")
+    text = open(edge, encoding="utf-8").read()
+    assert 'thermal_zones: "auto"' in text
+    for name in ("CPU-therm", "GPU-therm", "SOC0-therm", "Tj-therm", "tj-thermal", "cv0-thermal", "PMIC-Die",
+                 "Raspberry Pi 4/5: cpu-thermal"):
+        assert name in text, name

@@ -50,6 +50,8 @@ def fill_result(msg, result: QueryResult):
     msg.decode_passes = u32(result.decode_passes)
     msg.stop_reason = str(result.stop_reason or "")
     msg.error_estimate = float(result.error_estimate)
+    msg.energy_j = float(result.energy_j)
+    msg.energy_source = str(result.energy_source or "none: not measured")
     return msg
 
 
@@ -87,7 +89,8 @@ def cache_stats(stats: dict, stamp) -> CacheStats:
         if field == "stamp" or field not in stats:
             continue
         v = stats[field]
-        setattr(m, field, u32(v) if ftype == "uint32" else u64(v) if ftype == "uint64" else float(v))
+        setattr(m, field, u32(v) if ftype == "uint32" else u64(v) if ftype == "uint64" else
+                str(v) if ftype == "string" else float(v))
     return m
 
 

@@ -372,7 +372,7 @@ class SimLLMNode(LifecycleNode):
                                                                   thermal.monitor.critical_c, now))
         with self._telemetry_part("cache_stats"):
             stats = {**engine.stats(queue_depth=server.queue_depth if server is not None else 0),
-                     **engine.error_bound.totals()}
+                     **engine.error_bound.totals(), **engine.energy_stats()}
             if self._pub_stats is not None:
                 self._pub_stats.publish(messages.cache_stats(stats, now))
         with self._telemetry_part("diagnostics"):
@@ -382,7 +382,7 @@ class SimLLMNode(LifecycleNode):
                     engine.settings, health.BackendFacts.of(engine.backend), state=self.state_label(),
                     queue_limit=server.queue_limit if server is not None else engine.settings.queue_limit,
                     fleet=engine.fleet.status() if engine.fleet is not None else None,
-                    approx=engine.error_bound.summary())
+                    approx=engine.error_bound.summary(), energy=engine.energy.status())
                 self._pub_diag.publish(messages.diagnostics(h, diagnostic_name(self.get_fully_qualified_name()), now))
         with self._telemetry_part("cache_map"):
             if self._pub_map is not None:

@@ -26,20 +26,22 @@ class Batching:
             if not self.loaded:
                 self.recorder.record_error()
                 return QueryResult.failure("engine is not loaded", p.req.request_id)
+            token = self.energy.begin(p)
             try:
                 result = self._cancelled_while_waiting(p, should_stop)
                 if result is not None:
-                    self._record(result)
+                    self._record(result, token)
                     return result
                 f = self._plan(p, on_progress, should_stop)
                 if isinstance(f, QueryResult):
-                    self._record(f)
+                    self._record(f, token)
                     return f
+                f.energy_token = token
                 if f.plan.tier == CacheResult.SEMANTIC:
                     logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve, f.early)
                     result = self._start_decoding(f, logits)
                     if result is not None:
-                        self._record(result)
+                        self._record(result, token)
                     return result or f
                 n = f.plan.prefix.n_tokens if f.plan.tier == CacheResult.EXACT_PREFIX else 0
                 f.res.reused_tokens, f.res.recomputed_tokens = n, len(f.tokens) - n
@@ -52,7 +54,7 @@ class Batching:
                 return f
             except Exception as e:
                 result = self._fault(p, e)
-                self._record(result)
+                self._record(result, token)
                 return result
 
     def step(self, flights: list[Flight]) -> list[QueryResult | None]:
@@ -65,7 +67,7 @@ class Batching:
             if not self.loaded:
                 for i, f in enumerate(flights):
                     out[i] = QueryResult.failure("engine is not loaded", f.p.req.request_id)
-                    self.recorder.record_error()
+                    self._record(out[i], f.energy_token)
                 return out
             backend = self.backend
             budget = self.settings.prefill_chunk_tokens if backend.exact_chunking else None  # None: whole prompts
@@ -108,9 +110,9 @@ class Batching:
                         out[i] = self._conclude(f, f.decoder.gen)
                 except Exception as e:
                     out[i] = self._fault(f.p, e)
-            for r in out:
+            for f, r in zip(flights, out):
                 if r is not None:
-                    self._record(r)
+                    self._record(r, f.energy_token)
         return out
 
     def _run_isolated(self, flights: list[Flight], work: list, out: list) -> list:

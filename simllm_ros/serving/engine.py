@@ -41,6 +41,7 @@ from ..cache.cache_stats import CacheStatsRecorder
 from ..model.draft_proposer import DraftStats
 from ..model.pass_costs import PassCosts
 from ..cache.error_bound import ErrorBound
+from .energy import EnergyMeter, EnergyTally
 from ..cache.fleet_store import FleetStore
 from ..cache.fingerprint import Fingerprinter
 from ..cache.kv_pool import KVPool
@@ -60,8 +61,9 @@ from ..validation import check_text_field, is_invisible_only, normalize_text, va
 from .warm_start import WarmStart, read_requests_jsonl  # noqa: F401 (read_requests_jsonl: re-exported)
 
 RELOAD_PARAMS = {s.name for s in SPECS if not s.live}
-# What a fork may set for itself: its own fleet connection and its own snapshot folder (restore() is the caller's).
-FORK_OWN_PARAMS = {s.name for s in SPECS if s.name.startswith("fleet_")} | {"persist_path"}
+# What a fork may set for itself: its own fleet connection, its own snapshot folder (restore() is the caller's) and
+# its own energy meter.
+FORK_OWN_PARAMS = {s.name for s in SPECS if s.name.startswith(("fleet_", "energy_"))} | {"persist_path"}
 
 
 class EngineLoadError(RuntimeError):
@@ -131,6 +133,9 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         self.error_bound = ErrorBound()
         self.audits: collections.deque[approx_gate.Audit] = collections.deque(maxlen=approx_gate.AUDITS_MAX)
         self._prefill_s_per_token = 0.0  # measured at load with a fleet store: the fetch-or-prefill estimate
+        # Joules per answer (energy.py): the meter opens at load; the tally keeps the means per tier and the savings.
+        self.energy = EnergyMeter(None, "the engine is not loaded")
+        self.energy_tally = EnergyTally(window=100)
 
     # ---- lifecycle -------------------------------------------------------------
     @property
@@ -231,6 +236,7 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
                                fingerprint_dim=self.fingerprinter.dim, device=self.backend.device)
             self._apply_pool_knobs()
             self._prime()
+            self._open_energy(progress)
             self._open_fleet(progress)
             if s.semantic_log_path:
                 self.semantic_log = SemanticLog(s.semantic_log_path)
@@ -268,8 +274,18 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         other._apply_pool_knobs()
         other._owns_models = False
         other._prefill_s_per_token = self._prefill_s_per_token
+        other._open_energy(lambda m: other.log.info(m))
         other._open_fleet(lambda m: other.log.info(m))
         return other
+
+    def _open_energy(self, progress) -> None:
+        """The power source answers' energy is measured with (energy_source); none found is not an error: answers
+        then say why they have no figure."""
+        s = self.settings
+        self.energy = EnergyMeter.open(s.energy_source, s.energy_sysfs_root, s.energy_rails,
+                                       s.energy_sample_period_s)
+        self.energy.start()
+        progress(f"energy per answer: {self.energy.description}")
 
     def _open_fleet(self, progress) -> None:
         """Connect to the fleet store (fleet_store_url) if one is set. Its digest is this node's arithmetic, so
@@ -302,6 +318,8 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         self.fingerprinter.embed(["hello"])
 
     def unload(self) -> None:
+        self.energy.stop()
+        self.energy = EnergyMeter(None, "the engine is not loaded")
         with self._exec_lock:
             if self.fleet is not None:
                 self.fleet.close()
@@ -432,12 +450,13 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             if not self.loaded:
                 self.recorder.record_error()
                 return QueryResult.failure("engine is not loaded", p.req.request_id)
+            token = self.energy.begin(p)
             try:
                 result = self._cancelled_while_waiting(p, should_stop) or self._execute(p, on_progress, should_stop)
             except Exception as e:  # a fault inside generation fails this request only
                 result = self._fault(p, e)
             result.request_id = p.req.request_id
-            self._record(result)
+            self._record(result, token)
             return result
 
     @staticmethod
@@ -453,9 +472,13 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         self.log.error(f"request {p.req.request_id!r} failed inside the engine", exc_info=e)
         return QueryResult.failure(f"internal error: {type(e).__name__}: {e}", p.req.request_id)
 
-    def _record(self, result: QueryResult) -> None:
+    def _record(self, result: QueryResult, energy_token: int | None = None) -> None:
+        """Count the result in the statistics; with the request's energy span, its joules first."""
+        figure = self.energy.end(energy_token)
+        result.energy_j, result.energy_source = figure.joules, figure.source
         if result.success:
             self.recorder.record(result)
+            self.energy_tally.record(result)
         elif result.stop_reason != "cancel":  # a cancel is the caller's choice, not a fault
             self.recorder.record_error()
 
@@ -511,6 +534,10 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             # the request itself, so that warmup_queries: N can replay the most-used tasks
             **request_record(req),
             **({"warmup": True} if self._warming else {})})
+
+    def energy_stats(self) -> dict:
+        """CacheStats' energy fields (energy.EnergyTally.snapshot): NaN where no answer has a figure."""
+        return self.energy_tally.snapshot(self.energy.description)
 
     def stats(self, queue_depth: int = 0) -> dict:
         pool = self.pool

@@ -34,6 +34,11 @@ REPORTED_STATS = (
     "ttft_hit_mean_ms", "ttft_hit_p95_ms", "ttft_miss_mean_ms", "ttft_miss_p95_ms")
 
 
+# CacheStats energy figures shown as key-values (energy_source comes from the meter itself).
+ENERGY_STATS = ("energy_mean_j_miss", "energy_mean_j_exact", "energy_mean_j_semantic", "energy_mean_j_answer",
+                "energy_saved_j_exact", "energy_saved_j_semantic", "energy_saved_j_answer")
+
+
 class HealthLevel(enum.IntEnum):
     """The same numbers as diagnostic_msgs/DiagnosticStatus OK, WARN, ERROR."""
 
@@ -114,7 +119,7 @@ def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | Non
            queue_limit: int, window_s: float = WINDOW_S, state: str = "",
            reading: ThermalReading | None = None, no_data_level: HealthLevel = HealthLevel.WARN,
            lossless: bool | None = None, fleet: dict | None = None, approx: dict | None = None,
-           approx_bound: float = 1.0) -> Health:
+           approx_bound: float = 1.0, energy: tuple[tuple[str, str], ...] = ()) -> Health:
     """Level and message from the statistics (None: unavailable), thermal state and recent counts.
     A reading with no readable zone (no sensors, or all failing) adds "no thermal data" at no_data_level
     (the thermal_no_data_level parameter): unknown is never reported as fine. `lossless`: whether the
@@ -124,7 +129,9 @@ def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | Non
     store's status (FleetStore.status), None when there is none; unreachable is a WARN (requests go on
     without it, each waiting on it at most fleet_timeout_ms). `approx`: ErrorBound.summary() per tier and scope;
     a group whose served approximate answers differ from the model's own more often than approx_bound (the
-    lower end of the 95% interval above it) is a WARN (the bound then keeps the tier back on its own)."""
+    lower end of the 95% interval above it) is a WARN (the bound then keeps the tier back on its own). `energy`: the
+    energy meter's key-values (EnergyMeter.status); a sensor that fails now (energy_error) is a WARN: answers get
+    no energy figure meanwhile. No sensor at all is only a value (energy_source "none: <why>")."""
     level, reasons = _judge(stats, thermal, recent, ttft_warn_ms, queue_limit, window_s)
     if lossless is False:
         level = max(level, HealthLevel.WARN)
@@ -143,7 +150,16 @@ def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | Non
             level = max(level, HealthLevel.WARN)
             reasons.append(f"approximate answers ({group}) differ from the model's own in {100 * g['observed']:.0f}% "
                            f"of checks, above approx_error_bound {approx_bound:g}: the tier holds back")
+    energy = dict(energy)
+    if energy.get("energy_error"):
+        level = max(level, HealthLevel.WARN)
+        reasons.append(f"energy sensor failing, answers have no energy figure: {energy['energy_error']}")
     values = _values(stats, thermal, queue_limit, state, reading)
+    values += tuple(energy.items())
+    for k in ENERGY_STATS:
+        if stats is not None and k in stats:
+            v = float(stats[k])
+            values += ((k, "nan" if math.isnan(v) else f"{v:.4g}"),)
     for group, g in list((approx or {}).items())[:MAX_APPROX_VALUES]:
         values += ((f"approx[{group}]", f"served {g['served']}, checked {g['labels']}, differ {g['observed']:.3f} "
                                         f"[{g['low']:.3f}, {g['high']:.3f}]"),)
@@ -215,7 +231,8 @@ class ServiceHealth:
 
     def report(self, now: float, stats: dict | None, thermal: ThermalState, reading: ThermalReading | None,
                settings, backend: BackendFacts | None, *, queue_limit: int, state: str,
-               fleet: dict | None = None, approx: dict | None = None) -> Health:
+               fleet: dict | None = None, approx: dict | None = None,
+               energy: tuple[tuple[str, str], ...] = ()) -> Health:
         """Health from this tick's statistics (None: unavailable) and thermal state; `settings` gives
         ttft_warn_ms, thermal_no_data_level, model and hardware_id."""
         recent = self.window.update(now, stats) if stats is not None else None
@@ -223,6 +240,6 @@ class ServiceHealth:
                    window_s=self.window.window_s, state=state, reading=reading,
                    no_data_level=HealthLevel.ERROR if settings.thermal_no_data_level == "error" else HealthLevel.WARN,
                    lossless=backend.lossless if backend is not None else None, fleet=fleet, approx=approx,
-                   approx_bound=settings.approx_error_bound)
+                   approx_bound=settings.approx_error_bound, energy=energy)
         values = h.values + (("model", str(settings.model)),) + (backend.values() if backend is not None else ())
         return Health(h.level, h.message, values, settings.hardware_id or socket.gethostname())

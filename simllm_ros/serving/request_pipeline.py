@@ -113,6 +113,7 @@ class Flight:
     candidate: "approx_gate.Candidate | None" = None  # the stored answer the ANSWER tier would have looked at
     refused: "reuse_planner.ReusePlan | None" = None  # an approximate plan the error bound turned down
     delta: float = 1.0  # the approx_error_bound this request is served under
+    energy_token: int | None = None  # its span in the engine's EnergyMeter (begin() to its result)
 
 
 @dataclasses.dataclass

@@ -21,6 +21,12 @@ hangs).
 sysfs layout read here: <root>/thermal_zone*/type (zone name, e.g. 'gpu-thermal')
 and <root>/thermal_zone*/temp (milli-degrees Celsius as an integer).
 
+Which zones: the filter "auto" (the default) watches the chip's own sensors by the names boards give them where
+the board has such zones (Jetson JetPack 4/5: CPU-therm, GPU-therm, SOC0-therm, CV0-therm, Tj-therm, AUX-therm,
+AO-therm, PLL-therm; JetPack 6: cpu-thermal, gpu-thermal, soc0-thermal, cv0-thermal, tj-thermal; Raspberry Pi:
+cpu-thermal), else every zone except placeholders: Jetson's PMIC-Die reads a fixed 100 C on Nano, TX2 and Xavier
+(watching it would shed every request) and thermal-fan-est is an estimate made from the other zones.
+
 What the service does with a level is ThermalPolicy: shed load while CRITICAL and act
 once on each change (the node only applies it to its request server, engine and log).
 """
@@ -42,6 +48,18 @@ _PLAUSIBLE_MIN_C = -60.0
 _PLAUSIBLE_MAX_C = 200.0
 
 _ZONE_DIR_RE = re.compile(r"^thermal_zone(\d+)$")
+
+AUTO = "auto"  # the zone filter that picks the chip's own sensors (see the module's docstring)
+CHIP_ZONE_RE = re.compile(r"^(cpu|gpu|soc\d?|cv\d|tj|aux|ao|pll)-therm(al)?$", re.IGNORECASE)
+PLACEHOLDER_ZONES = frozenset({"pmic-die", "thermal-fan-est"})  # lower case
+
+
+def auto_zones(zone_types: Iterable[str]) -> set[str]:
+    """The zone types "auto" watches among these: the chip's own sensors where there are any, else every
+    type but the placeholders."""
+    types = set(zone_types)
+    chip = {t for t in types if CHIP_ZONE_RE.match(t)}
+    return chip or {t for t in types if t.lower() not in PLACEHOLDER_ZONES}
 
 
 class ThermalLevel(enum.IntEnum):
@@ -74,7 +92,8 @@ class ThermalReading:
 
 
 def parse_zone_filter(zone_filter: str | Iterable[str] | None) -> tuple[str, ...]:
-    """'cpu-thermal, gpu-thermal' or ['cpu-thermal'] -> ('cpu-thermal', 'gpu-thermal'); empty -> ()."""
+    """'cpu-thermal, gpu-thermal' or ['cpu-thermal'] -> ('cpu-thermal', 'gpu-thermal'); empty -> ();
+    'auto' -> ('auto',) (auto_zones decides at each scan)."""
     if zone_filter is None:
         return ()
     items = zone_filter.split(",") if isinstance(zone_filter, str) else list(zone_filter)
@@ -130,9 +149,14 @@ def _scan_keyed(root: str, zone_filter: tuple[str, ...] = ()) -> list[tuple[str,
             dirs.append((int(m.group(1)), e))
     dirs.sort()
 
+    typed = [((_read_text(os.path.join(root, d, "type")) or "").strip() or d, d) for _, d in dirs]
+    auto = zone_filter == (AUTO,)
+    if auto:
+        keep = auto_zones(t for t, _ in typed)
+        typed = [(t, d) for t, d in typed if t in keep]
+        zone_filter = ()
     raw = []  # (type name, dir name, temp)
-    for _, d in dirs:
-        zone_type = (_read_text(os.path.join(root, d, "type")) or "").strip() or d
+    for zone_type, d in typed:
         if zone_filter and zone_type not in zone_filter and d not in zone_filter:
             continue
         raw.append((zone_type, d, _parse_temp(_read_text(os.path.join(root, d, "temp")))))
