@@ -53,9 +53,10 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("fleet_namespace", "simllm", "first part of every fleet key (one per deployment: Redis ACL key patterns such as ~simllm:* start from it)"),
     ParamSpec("fleet_password", "", "Redis password (prefer fleet_password_file: a parameter can be read back); never logged"),
     ParamSpec("fleet_password_file", "", "file holding the Redis password (read at configure); never logged"),
-    ParamSpec("fleet_secret_file", "", "file holding the fleet's shared secret (16+ bytes): scope tags in keys and blob MACs are keyed with it, so only nodes that hold it can read or write a scope's entries; empty: scopes are walled by their names only"),
+    ParamSpec("fleet_secret_file", "", "file holding the fleet's shared secret (16+ bytes): scope tags in keys and blob MACs are keyed with it, so only nodes that hold it can read or write a scope's entries; empty: scopes are walled by their names only and no KV blocks are shared (anyone who can write to Redis could forge them; answers are still shared as drafts the model checks)"),
     ParamSpec("fleet_timeout_ms", 50.0, "bound on each fleet store call: a slow or dead store costs a request at most this, then is skipped until it answers again (checked in the background with growing pauses)", min=1.0, max=10000.0),
     ParamSpec("fleet_share_kv", True, "fleet: publish exact-prefix KV blocks and fetch another node's where the fetch is estimated faster than the prefill it replaces (only between nodes with the same numerics digest, lossless KV)"),
+    ParamSpec("fleet_kv_verify_rate", 1.0, "fleet: share of the KV prefixes fetched from the fleet whose last positions this node recomputes before using them (bitwise: a prefix that differs is dropped, its blocks distrusted and deleted, and counted); every fetched block's values are checked finite whatever this is; 0: no recompute", min=0.0, max=1.0),
     ParamSpec("thermal_root", "/sys/class/thermal", "sysfs thermal root (tests point it at a fake tree)"),
     ParamSpec("thermal_zones", "", "comma-separated zone types to watch (empty: all zones found)"),
     # --- live: validated and applied while active ---
