@@ -131,7 +131,7 @@ def test_a_sealed_answer_with_a_deep_header_or_bad_ids_is_a_miss_not_a_failed_re
 def test_forged_duplicated_and_50mb_recent_items_keep_the_writer_and_the_store_up(base, redis_server, secret_file,
                                                                                    alone):
     redis_server.client().flushall()
-    made = [robot(base, redis_server, secret_file, fleet_timeout_ms=50.0) for _ in range(2)]  # the default bound
+    made = [robot(base, redis_server, secret_file) for _ in range(2)]
     try:
         robot1, robot2 = made
         r, f = redis_server.client(), robot1.fleet

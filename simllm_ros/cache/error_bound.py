@@ -10,13 +10,13 @@ similarity is never served at that similarity or below again), then its scope, t
 labels the bound is 1 and the request takes the lossless path (cold start = lossless). A share of the hits
 that pass is still verified (exploration), so the estimate keeps learning.
 
-Labels are a bounded list (newest kept), persisted as JSON with the numerics digest beside the pool snapshot.
+Labels are a bounded list (newest kept), persisted as JSON with the numerics digest beside the pool snapshot and
+read back within a size, a depth and the list's cap (a damaged or hostile file is refused by name, never a crash).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import os
 import random
