@@ -22,6 +22,7 @@ max_prompt_tokens can exceed.
 """
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 
@@ -190,6 +191,17 @@ def validate_generation(req: QueryRequest) -> str | None:
     seed = req.seed
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         return f"seed must be an integer >= 0 (negative: the node's default), got {seed!r}"
+    return check_error_bound(req.approx_error_bound)
+
+
+def check_error_bound(bound) -> str | None:
+    """approx_error_bound: a chance, 0 to 1; negative (finite) asks for the node's; NaN, infinities, more than 1
+    and non-numbers are refused (a NaN would compare false everywhere and slip past every bound)."""
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)):
+        return f"approx_error_bound must be a number, got {type(bound).__name__}"
+    if not math.isfinite(bound) or bound > 1.0:
+        return (f"approx_error_bound must be between 0 and 1 (the largest chance an approximate answer may differ "
+                f"from the model's own; negative: the node's default), got {bound!r}")
     return None
 
 

@@ -67,6 +67,62 @@ def test_labels_survive_a_save_and_a_damaged_or_foreign_file_is_refused(tmp_path
     assert data["digest"] == "digest-a"
 
 
+def _labels_file(tmp_path, rows: int, scope: str = "kiosk") -> str:
+    """An error-bound file of `rows` labels written as save() writes them (the last rows newest)."""
+    labels = ",".join(f'["answer","{scope}","t{i}",0.9,{int(i % 5 == 0)}]' for i in range(rows))
+    (tmp_path / FILE_NAME).write_text('{"format":1,"digest":"digest-a","labels":[' + labels + "]}")
+    return str(tmp_path)
+
+
+def test_a_deeply_nested_or_oversized_labels_file_is_refused_by_name(tmp_path):
+    for doc in ('{"format": 1, "digest": "digest-a", "labels": ' + "[" * 50000 + "]" * 50000 + "}",
+                '{"format": 1, "digest": "digest-a", "labels": [[' + "[" * 3000 + "]" * 3000 + "]]}"):
+        (tmp_path / FILE_NAME).write_text(doc)
+        with pytest.raises(ValueError, match="nests more than"):  # was RecursionError: the node did not start
+            ErrorBound().load(str(tmp_path), "digest-a")
+    with open(tmp_path / FILE_NAME, "wb") as f:  # 60 MB: refused by its size, before it is read whole
+        f.write(b'{"format":1,"digest":"digest-a","labels":[' + b'["answer","s","t",0.9,0],' * 2_500_000)
+    with pytest.raises(ValueError, match="larger than"):
+        ErrorBound().load(str(tmp_path), "digest-a")
+    for bad_row in ('["answer","s","t",NaN,0]', '["answer","s","t",Infinity,0]', '["answer","s","t",true,0]',
+                    '["answer","' + "s" * 300 + '","t",0.5,0]', '["answer","s","t",0.5,1.0]'):
+        (tmp_path / FILE_NAME).write_text('{"format":1,"digest":"digest-a","labels":[' + bad_row + "]}")
+        with pytest.raises(ValueError):
+            ErrorBound().load(str(tmp_path), "digest-a")
+
+
+def test_a_labels_file_keeps_the_newest_rows_up_to_the_cap_in_the_memory_the_cap_needs(tmp_path):
+    import tracemalloc
+
+    folder = _labels_file(tmp_path, 150_000)  # ~6 MB: within the file bound, 7.5 times the cap
+    size = os.path.getsize(tmp_path / FILE_NAME)
+    tracemalloc.start()
+    try:
+        b = ErrorBound(max_labels=20_000)
+        assert b.load(folder, "digest-a") == 20_000
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # the text (bytes, then str) and 20000 labels; json.loads of the whole file took ~12 times its size
+    assert peak < 2 * size + 20_000 * 400, (peak, size)
+    kept = b._labels
+    assert kept[0].entry == "t130000" and kept[-1].entry == "t149999"  # the newest, in order
+    assert b.totals()["approx_checks_differ"] == 4000
+
+
+def test_a_labels_file_written_by_hand_with_spaces_and_fields_in_another_order_loads(tmp_path):
+    (tmp_path / FILE_NAME).write_text('{ "labels" : [ [ "semantic", "s", "t1", 0.5, 1 ] ,\n ["answer","s","t2",1,0] ],'
+                                      ' "extra": {"x": [1]}, "digest": "digest-a", "format": 1 }\n')
+    b = ErrorBound()
+    assert b.load(str(tmp_path), "digest-a") == 2
+    assert [lb.entry for lb in b._labels] == ["t1", "t2"] and b._labels[0].wrong
+    for bad in ('{"labels": [["answer","s","t",0.5,0]] "digest": "digest-a"}', '{"format":1} []',
+                '{"format":1,"digest":"digest-a","labels":[["answer","s","t",0.5,0],]}'):
+        (tmp_path / FILE_NAME).write_text(bad)
+        with pytest.raises(ValueError):
+            ErrorBound().load(str(tmp_path), "digest-a")
+
+
 # ---- the engine ---------------------------------------------------------------------------------------
 TRAPS = [("Can I park on Elm Street today?", "Can I not park on Elm Street today?"),
          ("Is the pharmacy on Oak Avenue open at 08:30?", "Is the pharmacy on Oak Avenue closed at 08:30?"),

@@ -131,6 +131,18 @@ def test_max_new_tokens():
     assert "max_new_tokens" in check(max_new_tokens=-1)
 
 
+@pytest.mark.parametrize("bound", [0.0, 0.02, 1.0, 1, -1.0, -0.5])
+def test_approx_error_bound_in_range_or_negative_for_the_nodes_accepted(bound):
+    assert check(approx_error_bound=bound) is None
+
+
+@pytest.mark.parametrize("bound", [math.nan, math.inf, -math.inf, 1.0000001, 2.0, 1e300, "0.1", None, True])
+def test_approx_error_bound_nan_infinite_above_one_or_not_a_number_refused(bound):
+    err = check(approx_error_bound=bound)
+    assert err and "approx_error_bound" in err
+    assert ("between 0 and 1" in err) if isinstance(bound, float) else ("must be a number" in err)
+
+
 def test_limits_are_parameters():
     req = QueryRequest(prompt="hi", cache_scope="abcd", max_new_tokens=20)
     assert validate_request(req, max_scope_length=4, max_new_tokens_limit=20) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import threading
 import time
@@ -68,7 +69,10 @@ def main(argv=None) -> None:
     server = RedisServer()
     base = Engine(Settings.from_overrides(max_prompt_tokens=4096, cache_size="2GB", **lossless))
     base.load(lambda m: None)
-    fleet = dict(fleet_store_url=server.url, fleet_timeout_ms=50.0)
+    secret = os.path.join(server.dir, "fleet.secret")  # KV blocks are shared only with a secret of the fleet's own
+    with open(secret, "w", encoding="utf-8") as f:
+        f.write(secrets.token_hex(32))
+    fleet = dict(fleet_store_url=server.url, fleet_timeout_ms=50.0, fleet_secret_file=secret)
     robot1 = base.fork(base.settings.replace(**fleet))
     robot2 = base.fork(base.settings.replace(**fleet))
     cold = base.fork()

@@ -10,18 +10,21 @@ similarity is never served at that similarity or below again), then its scope, t
 labels the bound is 1 and the request takes the lossless path (cold start = lossless). A share of the hits
 that pass is still verified (exploration), so the estimate keeps learning.
 
-Labels are a bounded list (newest kept), persisted as JSON with the numerics digest beside the pool snapshot.
+Labels are a bounded list (newest kept), persisted as JSON with the numerics digest beside the pool snapshot and
+read back within a size, a depth and the list's cap (a damaged or hostile file is refused by name, never a crash).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import os
 import random
+import re
+import sys
 import threading
 
+from .. import bounded_json
 from ..safe_io import read_regular, write_json
 
 TIERS = ("answer", "semantic")
@@ -31,6 +34,9 @@ EXPLORE_RATE = 0.1  # share of would-be approximate hits verified anyway (their 
 Z95 = 1.6449  # one-sided 95%
 FILE_NAME = "error_bound.json"
 FORMAT = 1
+MAX_NAME_CHARS = 256  # a label's scope (max_scope_length is at most 256) and its task id (16 hex)
+MAX_FILE_BYTES = 8 * 2**20  # MAX_LABELS rows of the longest names fit; a larger file is not one this node wrote
+MAX_DEPTH = 3  # {"labels": [[...], ...]}
 
 
 def wilson_upper(wrong: int, n: int, z: float = Z95) -> float:
@@ -43,7 +49,7 @@ def wilson_upper(wrong: int, n: int, z: float = Z95) -> float:
     return min(1.0, (centre + spread) / (1 + z * z / n))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Label:
     tier: str
     scope: str
@@ -146,28 +152,93 @@ class ErrorBound:
         return path
 
     def load(self, folder: str, digest: str) -> int:
-        """Labels from a saved file of the same numerics digest; returns how many. Raises ValueError with the
-        reason for a file that is not ours, damaged or foreign (and keeps the labels it had)."""
+        """Labels from a saved file of the same numerics digest; returns how many (the newest max_labels of the
+        file). Raises ValueError with the reason for a file that is not ours, damaged, foreign, too large or too
+        deep (and keeps the labels it had). Rows are parsed one at a time into the bounded list: the file's text
+        and the kept labels are all the memory it takes."""
         path = os.path.join(folder, FILE_NAME)
         if not os.path.exists(path):
             return 0
         try:
-            data = json.loads(read_regular(path, 64 * 2**20).decode("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+            data = read_regular(path, MAX_FILE_BYTES)
+            bounded_json.check_depth(data, MAX_DEPTH)
+            text = data.decode("utf-8")
+            del data
+            fields, got = _read_file(text, path, self._labels.maxlen)
+        except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: unreadable ({e})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("labels"), list):
+        except ValueError as e:
+            raise ValueError(f"{path}: unreadable ({e})" if not str(e).startswith(path) else str(e)) from None
+        if fields.get("format") != FORMAT or "labels" not in fields:
             raise ValueError(f"{path}: not an error-bound file of format {FORMAT}")
-        if data.get("digest") != digest:
-            raise ValueError(f"{path}: written by a process computing other bits (digest {data.get('digest')!r})")
-        got = []
-        for row in data["labels"]:
-            if (not isinstance(row, list) or len(row) != 5 or row[0] not in TIERS or not isinstance(row[1], str)
-                    or not isinstance(row[2], str) or not isinstance(row[3], (int, float))
-                    or not 0.0 <= float(row[3]) <= 1.0 + 1e-6 or row[4] not in (0, 1)):
-                raise ValueError(f"{path}: malformed label {str(row)[:80]}")
-            got.append(Label(row[0], row[1], row[2], float(row[3]), bool(row[4])))
+        if fields.get("digest") != digest:
+            raise ValueError(f"{path}: written by a process computing other bits (digest {fields.get('digest')!r})")
         with self._lock:
             self._labels.clear()
             self._labels.extend(got)
             self.changes = 0
         return len(got)
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _label(row, path: str) -> Label:
+    if (not isinstance(row, list) or len(row) != 5 or row[0] not in TIERS or not isinstance(row[1], str)
+            or not isinstance(row[2], str) or len(row[1]) > MAX_NAME_CHARS or len(row[2]) > MAX_NAME_CHARS
+            or isinstance(row[3], bool) or not isinstance(row[3], (int, float))
+            or not 0.0 <= float(row[3]) <= 1.0 + 1e-6 or row[4] not in (0, 1) or isinstance(row[4], float)):
+        raise ValueError(f"{path}: malformed label {str(row)[:80]}")
+    return Label(row[0], sys.intern(row[1]), row[2], float(row[3]), bool(row[4]))  # scopes repeat: one copy
+
+
+def _read_file(text: str, path: str, keep: int | None) -> tuple[dict, collections.deque]:
+    """({field: value} of the top-level object, with "labels" present as True, the newest `keep` labels). The text
+    is depth-checked already; each row is decoded alone, so no list of every row is ever built."""
+    dec = bounded_json.decoder()
+    fields: dict = {}
+    labels: collections.deque = collections.deque(maxlen=keep)
+
+    def at(i: int) -> tuple[int, str]:
+        i = _WS.match(text, i).end()
+        return i, text[i:i + 1]
+
+    def expect(i: int, ch: str) -> int:
+        i, c = at(i)
+        if c != ch:
+            raise ValueError(f"expected {ch!r} at character {i}, found {c or 'the end'!r}")
+        return i + 1
+
+    i = expect(0, "{")
+    i, c = at(i)
+    while c != "}":
+        key, i = dec.raw_decode(text, i)
+        if not isinstance(key, str):
+            raise ValueError(f"a key that is not a string at character {i}")
+        i, c = at(expect(i, ":"))
+        if key == "labels" and c == "[":
+            fields["labels"] = True
+            i, c = at(i + 1)
+            while c != "]":
+                row, i = dec.raw_decode(text, i)
+                labels.append(_label(row, path))
+                i, c = at(i)
+                if c == ",":
+                    i, c = at(i + 1)
+                    if c == "]":
+                        raise ValueError(f"a trailing ',' at character {i}")
+                elif c != "]":
+                    raise ValueError(f"expected ',' or ']' at character {i}")
+            i += 1
+        else:
+            fields[key], i = dec.raw_decode(text, i)
+        i, c = at(i)
+        if c == ",":
+            i, c = at(i + 1)
+            if c == "}":
+                raise ValueError(f"a trailing ',' at character {i}")
+        elif c != "}":
+            raise ValueError(f"expected ',' or '}}' at character {i}")
+    if at(i + 1)[1]:
+        raise ValueError(f"text after the object at character {at(i + 1)[0]}")
+    return fields, labels

@@ -11,9 +11,15 @@ import hmac
 import json
 import struct
 
+from .. import bounded_json
+
 MAGIC = b"SIMLLMF1"
 MAC_BYTES = 32
 DEFAULT_SECRET = b"simllm-fleet-default-secret"  # without fleet_secret_file: scopes are walled by name only
+MAX_HEADER_BYTES = 256 * 1024  # an answer's header: its question (500 characters) and up to MAX_IDS token ids
+MAX_HEADER_DEPTH = 6  # what seal writes nests 4 deep at most (a task's messages: [[role, content]])
+MAX_IDS = 16384  # token ids in one header
+MAX_ID = 2**31 - 1  # token ids are int32 everywhere
 
 
 class BlobRefused(ValueError):
@@ -31,8 +37,9 @@ def seal(secret: bytes, key: str, header: dict, payload: bytes) -> bytes:
     return body + _mac(secret, key, body)
 
 
-def unseal(secret: bytes, key: str, blob: bytes) -> tuple[dict, bytes]:
-    """The header and payload of a blob stored under `key`, or BlobRefused saying why."""
+def unseal(secret: bytes, key: str, blob: bytes, max_header: int = MAX_HEADER_BYTES) -> tuple[dict, bytes]:
+    """The header and payload of a blob stored under `key`, or BlobRefused saying why (the header parsed within
+    max_header bytes and MAX_HEADER_DEPTH levels, finite numbers only)."""
     if not isinstance(blob, (bytes, bytearray)) or len(blob) < len(MAGIC) + 4 + MAC_BYTES:
         raise BlobRefused("truncated blob")
     body, mac = bytes(blob[:-MAC_BYTES]), bytes(blob[-MAC_BYTES:])
@@ -44,13 +51,27 @@ def unseal(secret: bytes, key: str, blob: bytes) -> tuple[dict, bytes]:
     start = len(MAGIC) + 4
     if start + n > len(body):
         raise BlobRefused("header runs past the blob")
-    try:
-        header = json.loads(body[start:start + n])
+    if n > max_header:
+        raise BlobRefused(f"header of {n} bytes, more than {max_header}")
+    try:  # bounded: a sealed blob is only as trustworthy as the least careful node holding the secret
+        header = bounded_json.loads(body[start:start + n], max_bytes=max_header, max_depth=MAX_HEADER_DEPTH)
     except ValueError as e:
         raise BlobRefused(f"unreadable header: {e}") from None
     if not isinstance(header, dict):
         raise BlobRefused("header is not an object")
     return header, body[start + n:]
+
+
+def token_ids(value, what: str = "ids", max_len: int = MAX_IDS) -> list[int]:
+    """A header's token ids, checked: a list of at most max_len int32 ids >= 0; BlobRefused naming the problem."""
+    if not isinstance(value, list):
+        raise BlobRefused(f"{what} is not a list")
+    if len(value) > max_len:
+        raise BlobRefused(f"{what} holds {len(value)} ids, more than {max_len}")
+    for t in value:
+        if type(t) is not int or not 0 <= t <= MAX_ID:
+            raise BlobRefused(f"{what} holds {str(t)[:20]!r}, not a token id")
+    return value
 
 
 def scope_tag(secret: bytes, scope: str) -> str:

@@ -12,6 +12,15 @@ scope's keys are reachable only by a node that knows both, and Redis ACLs can li
 The store never makes a node worse: every call is bounded by fleet_timeout_ms (socket timeouts, no retries),
 a failed call opens a breaker (the next calls skip the store at once; the writer thread pings it again after
 a pause of 0.25 s growing to 2 s), and writes run on a background thread with a bounded queue (dropped, and counted, when it is full).
+
+Nor can what another writer put in Redis (a forged entry, a faulty robot's) stop or mislead a node: every value is
+read with a size bound (GETRANGE, STRLEN, or a server-side script that leaves out list and set members over their
+bound, so one 50 MB item is never sent), parsed with depth and type limits (fleet_blob), and a value that fails is
+a refusal (counted, logged), never an exception on a request or the writer thread; the writer is restarted, with a
+WARN, should it ever die. KV blocks, the one shared thing used as exact, need a secret of the fleet's own
+(fleet_secret_file: without it no KV is sealed or accepted, as anyone who can write to Redis could forge them), hold
+finite values only, and the engine recomputes the last positions of a share of the prefixes it fetches
+(fleet_kv_verify_rate): a prefix that differs from this node's bits is dropped, distrusted and deleted.
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .fleet_blob import DEFAULT_SECRET, BlobRefused, read_secret, scope_tag, seal, unseal
+from .fleet_blob import DEFAULT_SECRET, MAX_HEADER_BYTES, BlobRefused, read_secret, scope_tag, seal, token_ids, unseal
 
 BLOCK_TOKENS = 32  # tokens per shared KV block: the granularity of shared prefixes across prompts
 MAX_QUEUE = 64
@@ -36,6 +45,28 @@ RECENT_PER_SCOPE = 256  # answers with fingerprints listed per scope: other node
 MIRROR_REFRESH_S = 2.0  # a scope's listed answers are read again this often while the node asks in it
 MIRROR_SCOPES = 64  # scopes mirrored at most (those asked in most recently)
 _BACKOFF_S = (0.25, 0.5, 1.0, 2.0)
+# Size bounds of what is read (an honest value is far below each): more is never read whole.
+MAX_ANSWER_BLOB = MAX_HEADER_BYTES + 1024
+MAX_RECENT_ITEM = MAX_HEADER_BYTES + 64 * 1024  # header and a float16 fingerprint
+MAX_RECENT_LIST = 4 * 2**20  # a scope's whole recent list (MEMORY USAGE): 256 honest items take ~1 MB
+MAX_ASKED_SET = 16 * 2**20  # the asked-most set, where the server refuses the script that bounds its members
+MAX_TASK_BLOB = 4 * 2**20  # a task's record holds its context (max_prompt_tokens)
+MAX_TASK_HEADER = MAX_TASK_BLOB - 1024
+MAX_MEMBER = 64  # an asked-most member: "<scope tag 20 hex>:<task id 24 hex>"
+MAX_DISTRUSTED = 4096  # KV keys this node no longer fetches (a recompute differed)
+THREAD_WARN_S = 300.0  # a restarted writer shows in the health reasons this long
+REFUSAL_LOG_S = 60.0  # the same refusal logged again after this long
+# The highest members of the asked-most set with those over a byte bound left out on the server (false -> nil):
+# an oversized member is never sent. Where scripts are not allowed, MEMORY USAGE bounds the whole set instead.
+_TOP_MEMBERS = """
+local got = redis.call('ZREVRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+local limit = tonumber(ARGV[2])
+local out = {}
+for i, item in ipairs(got) do
+  if string.len(item) <= limit then out[i] = item else out[i] = false end
+end
+return out
+"""
 
 
 def _ids_bytes(tokens) -> bytes:
@@ -57,8 +88,9 @@ class FleetPrefix:
     v: torch.Tensor
     n_tokens: int
     fetch_ms: float
-    entry_keys: tuple = ()
+    entry_keys: tuple = ()  # (pool entries: none)
     source_question: str = "(fleet)"
+    block_keys: tuple = ()  # the store's keys of the blocks fetched (dropped if the recompute differs)
 
     @property
     def source_key(self):
@@ -78,6 +110,10 @@ class FleetCounters:
     writes_dropped: int = 0
     errors: int = 0  # failed calls on a request's path (each cost it at most fleet_timeout_ms)
     write_errors: int = 0  # failed calls of the background writer
+    oversized: int = 0  # values left unread for their size (also counted in refused)
+    kv_verified: int = 0  # fetched prefixes whose last positions this node recomputed
+    kv_mismatches: int = 0  # ... and found different: dropped, distrusted, deleted
+    thread_restarts: int = 0  # the writer died (a bug) and was started again
 
 
 @dataclass
@@ -117,14 +153,24 @@ class FleetStore:
 
     def __init__(self, url: str, *, digest: str, kv_shape, dtype: torch.dtype, namespace: str = "simllm",
                  secret: bytes = DEFAULT_SECRET, password: str | None = None, timeout_ms: float = 50.0,
-                 share_kv: bool = True, log: logging.Logger | None = None, client=None):
+                 share_kv: bool = True, verify_rate: float = 1.0, log: logging.Logger | None = None, client=None):
+        import random
+
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
         self.log = log or logging.getLogger("simllm_ros.fleet_store")
         self.url, self.namespace, self.digest = _redact(url), namespace, digest
-        self.secret, self.timeout_s, self.share_kv = secret, timeout_ms / 1000.0, share_kv
+        self.secret, self.timeout_s = secret, timeout_ms / 1000.0
+        # KV is used as exact: only between holders of a secret of the fleet's own (the default one is public)
+        self.kv_off_reason = ("" if secret != DEFAULT_SECRET else
+                              "no fleet_secret_file: without a secret of the fleet's own anyone who can write to "
+                              "Redis could forge KV blocks; answers are still shared as drafts the model checks")
+        self.share_kv = share_kv and not self.kv_off_reason
+        self.verify_rate, self._rng = verify_rate, random.Random()
+        self._distrusted: dict[str, None] = {}  # KV keys not fetched again (insertion-ordered, bounded)
+        self._logged: dict[str, float] = {}  # refusal line -> when it was last logged
         self.kv_shape, self.dtype = kv_shape, dtype
         self._elem = torch.empty((), dtype=dtype).element_size()
         L, H, D = kv_shape.layers, kv_shape.kv_heads, kv_shape.head_dim
@@ -145,8 +191,11 @@ class FleetStore:
         self._mirror_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUE)
         self._closing = threading.Event()
-        self._writer = threading.Thread(target=self._write_loop, name="fleet-writer", daemon=True)
-        self._writer.start()
+        self._top_script = self.redis.register_script(_TOP_MEMBERS)
+        self._scripts = True  # False once the server refused the script (ACL, scripting off): MEMORY USAGE then
+        self._restart_lock = threading.Lock()
+        self._writer_death, self._restarted_at = "", 0.0
+        self._start_writer()
 
     # ---- keys ---------------------------------------------------------------------------------------
     def _scope_key(self, scope: str, *parts: str) -> str:
@@ -167,10 +216,19 @@ class FleetStore:
     # ---- calls with a bound -------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable, write: bool = False):
         """fn() against Redis, or None at once while the breaker is open / on any failure (logged, counted)."""
+        from redis.exceptions import ResponseError
+
         if self.breaker.open():
             return None
         try:
             out = fn()
+        except ResponseError as e:  # the store answered: a refused command or a value of the wrong type
+            if write:
+                self.counters.write_errors += 1
+            else:
+                self.counters.errors += 1
+            self.log.warning(f"fleet store: {what} refused by the server ({e}); skipped")
+            return None
         except Exception as e:  # noqa: BLE001 - the store must never fail a request
             first = self.breaker.failures == 0
             self.breaker.fail(e)
@@ -228,18 +286,21 @@ class FleetStore:
 
         def ask():
             pipe = self.redis.pipeline(transaction=False)
-            pipe.get(akey)
+            pipe.getrange(akey, 0, MAX_ANSWER_BLOB)  # at most the bound + 1 byte, however large the value
             for k in keys[first:]:
-                pipe.exists(k)
-            return pipe.execute()
+                pipe.strlen(k)  # 0: not there; its size is checked before it is read
+            return pipe.execute(raise_on_error=False)
         t0 = time.perf_counter()
         got = self._call("lookup", ask)
         if got is None:
             return None, None
         answer = self._answer_ids(akey, got[0])
-        run = first
-        for e in got[1:]:
-            if not e:
+        run, most = first, self._block_bound()
+        for key, e in zip(keys[first:], got[1:]):
+            if not isinstance(e, int) or e <= 0 or key in self._distrusted:
+                break
+            if e > most:
+                self._refuse(key, BlobRefused(f"KV block of {e} bytes, more than {most}: not read"), oversized=True)
                 break
             run += 1
         prefix = None
@@ -248,15 +309,18 @@ class FleetStore:
         return prefix, answer
 
     def _answer_ids(self, key: str, blob) -> list[int] | None:
-        if blob is None:
+        if not blob or not isinstance(blob, bytes):  # b"": no such key (GETRANGE); an error reply: a wrong type
             self.counters.answers_missed += 1
+            return None
+        if len(blob) > MAX_ANSWER_BLOB:
+            self._refuse(key, BlobRefused(f"answer of more than {MAX_ANSWER_BLOB} bytes: not read"), oversized=True)
             return None
         try:
             header, _ = unseal(self.secret, key, blob)
             if header.get("kind") != "answer" or header.get("digest") != self.digest:
                 raise BlobRefused("not an answer of this model")
-            ids = [int(t) for t in header["ids"]]
-        except (BlobRefused, KeyError, TypeError, ValueError) as e:
+            ids = list(token_ids(header.get("ids")))
+        except BlobRefused as e:
             self._refuse(key, e)
             return None
         self.counters.answers_found += 1
@@ -265,6 +329,7 @@ class FleetStore:
     def similar_answers(self, scope: str, fingerprint, min_cosine: float, k: int = 2) -> list[list[int]]:
         """Token ids of the fleet's answers to the k questions of this scope most similar to this one (cosine
         at least min_cosine), from the background mirror: no wait on the store. Drafts, checked by the model."""
+        self._watch_writer()
         now = time.monotonic()
         with self._mirror_lock:
             self._wanted[scope] = now
@@ -295,18 +360,24 @@ class FleetStore:
                 del self._mirror[sc]
         for scope in todo:
             lkey = self._scope_key(scope, "recent", self.digest)
-            items = self._call("answers read", lambda: self.redis.lrange(lkey, 0, RECENT_PER_SCOPE - 1), write=True)
+            items = self._call("answers read", lambda: self._recent_items(lkey), write=True)
             if items is None:
                 return
             fps, ids, seen = [], [], set()
             for item in items:
                 try:
+                    if not isinstance(item, bytes) or len(item) > MAX_RECENT_ITEM:
+                        raise BlobRefused(f"item of more than {MAX_RECENT_ITEM} bytes")
                     header, payload = unseal(self.secret, lkey, item)
                     if header.get("kind") != "recent" or header.get("digest") != self.digest:
                         raise BlobRefused("not an answer of this model")
-                    answer = tuple(int(t) for t in header["ids"])
+                    answer = tuple(token_ids(header.get("ids")))
+                    if len(payload) % 2 or not payload:
+                        raise BlobRefused(f"fingerprint of {len(payload)} bytes")
                     fp = np.frombuffer(payload, dtype="<f2").astype(np.float32)
-                except (BlobRefused, KeyError, TypeError, ValueError) as e:
+                    if not np.isfinite(fp).all():
+                        raise BlobRefused("fingerprint with non-finite values")
+                except BlobRefused as e:
                     self._refuse(lkey, e)
                     continue
                 if answer in seen or (fps and fp.shape != fps[0].shape):
@@ -316,6 +387,80 @@ class FleetStore:
                 ids.append(list(answer))
             with self._mirror_lock:
                 self._mirror[scope] = (time.monotonic(), np.stack(fps) if fps else np.zeros((0, 0), np.float32), ids)
+
+    def _recent_items(self, lkey: str) -> list:
+        """A scope's recent answers as bytes, read only when the whole list is within MAX_RECENT_LIST (MEMORY USAGE:
+        the server walks its nodes, nothing is sent). A larger list is not one the fleet's writers left (they trim
+        it to RECENT_PER_SCOPE small items): it is unlinked, counted and logged; its answers were only drafts and
+        the writers fill it again. A key of another type reads as empty."""
+        from redis.exceptions import ResponseError
+
+        try:
+            size = self.redis.memory_usage(lkey, samples=0)
+        except ResponseError:
+            size = None  # not allowed (ACL): read as is; the socket timeout still bounds the call
+        if size is not None and size > MAX_RECENT_LIST:
+            self._refuse(lkey, BlobRefused(f"recent list of {size} bytes, more than {MAX_RECENT_LIST}: not read, "
+                                           "unlinked"), oversized=True)
+            self.redis.unlink(lkey)
+            return []
+        try:
+            return list(self.redis.lrange(lkey, 0, RECENT_PER_SCOPE - 1))
+        except ResponseError as e:
+            if "WRONGTYPE" in str(e):
+                return []
+            raise
+
+    def _top_members(self, zkey: str, n: int) -> list:
+        """The n highest members of the asked-most set, each as bytes, or None where it is over MAX_MEMBER (left
+        out by a server-side script: never sent). Where the server refuses scripts: the set read if MEMORY USAGE
+        puts it within MAX_ASKED_SET, else nothing (counted). A key of another type reads as empty."""
+        from redis.exceptions import ResponseError
+
+        if self._scripts:
+            try:
+                return list(self._top_script(keys=[zkey], args=[n, MAX_MEMBER]))
+            except ResponseError as e:
+                if "WRONGTYPE" in str(e):
+                    return []
+                self._scripts = False
+                self.log.warning(f"fleet store: scripts refused ({e}); the asked-most set is bounded by MEMORY USAGE "
+                                 "instead")
+        try:
+            size = self.redis.memory_usage(zkey, samples=0)
+        except ResponseError:
+            size = None
+        if size is not None and size > MAX_ASKED_SET:
+            self._refuse(zkey, BlobRefused(f"{size} bytes, more than {MAX_ASKED_SET}: not read"), oversized=True)
+            return []
+        try:
+            return list(self.redis.zrevrange(zkey, 0, n - 1))
+        except ResponseError as e:
+            if "WRONGTYPE" in str(e):
+                return []
+            raise
+
+    def _block_bound(self) -> int:
+        """Most bytes a sealed KV block can take: its payload, a header of BLOCK_TOKENS ids, the seal."""
+        return self.bytes_per_token * BLOCK_TOKENS + 4096
+
+    def should_verify(self) -> bool:
+        """Whether the engine recomputes this fetched prefix's last positions (fleet_kv_verify_rate)."""
+        return self.verify_rate > 0 and self._rng.random() < self.verify_rate
+
+    def distrust(self, prefix: "FleetPrefix", why: str) -> None:
+        """A fetched prefix that differs from this node's own bits: never used, its blocks not fetched again by
+        this node, and deleted from the store (an honest node writes them again)."""
+        self.counters.kv_mismatches += 1
+        keys = list(prefix.block_keys)
+        for k in keys:
+            self._distrusted[k] = None
+        while len(self._distrusted) > MAX_DISTRUSTED:
+            self._distrusted.pop(next(iter(self._distrusted)))
+        self.log.warning(f"fleet store: a KV prefix of {prefix.n_tokens} tokens from the fleet differs from this "
+                         f"node's recompute ({why}); dropped, its {len(keys)} blocks deleted")
+        if keys:
+            self._call("kv drop", lambda: self.redis.delete(*keys), write=True)
 
     def _fetch_blocks(self, tokens: list[int], keys: list[str], have: int, capacity: int,
                       prefill_s_per_token: float, t0: float) -> FleetPrefix | None:
@@ -334,9 +479,16 @@ class FleetStore:
         v = torch.empty_like(k)
         n, t_fetch = 0, time.perf_counter()
         per_round = max(1, int(8 * 2**20 // block_bytes))  # ~8 MB a round trip
+        most = self._block_bound()
+
+        def fetch(batch):
+            pipe = self.redis.pipeline(transaction=False)
+            for key in batch:
+                pipe.getrange(key, 0, most)  # bounded even if the value grew since its STRLEN
+            return pipe.execute(raise_on_error=False)
         for start in range(0, run, per_round):
             batch = keys[start:start + per_round]
-            blobs = self._call("kv fetch", lambda: self.redis.mget(batch))
+            blobs = self._call("kv fetch", lambda: fetch(batch))
             if not blobs:
                 break
             for i, (key, blob) in enumerate(zip(batch, blobs)):
@@ -358,10 +510,11 @@ class FleetStore:
             return None
         self.counters.kv_fetches += 1
         self.counters.kv_tokens_fetched += n - have
-        return FleetPrefix(k[:, :, :n], v[:, :, :n], n, (time.perf_counter() - t0) * 1000)
+        return FleetPrefix(k[:, :, :n], v[:, :, :n], n, (time.perf_counter() - t0) * 1000,
+                           block_keys=tuple(keys[have // BLOCK_TOKENS:n // BLOCK_TOKENS]))
 
     def _block_tensors(self, key: str, blob, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        if blob is None:
+        if not blob or not isinstance(blob, bytes):
             raise BlobRefused("gone (evicted between lookup and fetch)")
         header, payload = unseal(self.secret, key, blob)
         L, H, D = self.kv_shape.layers, self.kv_shape.kv_heads, self.kv_shape.head_dim
@@ -372,11 +525,22 @@ class FleetStore:
         if len(payload) != 2 * L * H * BLOCK_TOKENS * D * self._elem:
             raise BlobRefused(f"payload of {len(payload)} bytes, expected {2 * L * H * BLOCK_TOKENS * D * self._elem}")
         t = torch.frombuffer(bytearray(payload), dtype=self.dtype).view(2, L, H, BLOCK_TOKENS, D)
+        if not bool(torch.isfinite(t).all()):
+            raise BlobRefused("KV block with non-finite values")
         return t[0], t[1]
 
-    def _refuse(self, key: str, e: BaseException) -> None:
+    def _refuse(self, key: str, e: BaseException, oversized: bool = False) -> None:
+        """Count a value not used; log it, once a minute per key and reason (a bad item in a mirrored list is
+        met again at every refresh)."""
         self.counters.refused += 1
-        self.log.warning(f"fleet store: refused {key.rsplit(':', 1)[-1][:12]}: {e}")
+        self.counters.oversized += oversized
+        line = f"fleet store: refused {key.rsplit(':', 1)[-1][:12]}: {e}"
+        now = time.monotonic()
+        if now - self._logged.get(line, -REFUSAL_LOG_S) >= REFUSAL_LOG_S:
+            if len(self._logged) >= 256:
+                self._logged.clear()
+            self._logged[line] = now
+            self.log.warning(line)
 
     # ---- writes (background) ------------------------------------------------------------------------
     def publish(self, scope: str, tokens: list[int], *, answer_ids: list[int] | None, question: str,
@@ -385,6 +549,7 @@ class FleetStore:
         """After a finished exact answer, off the request's path: the answer (a draft for the fleet), the
         prompt's full KV blocks (read_kv(n) gives this node's exact KV of tokens[:n], or None), and one more ask
         of the task. Dropped (counted) when the writer is behind or the store is down."""
+        self._watch_writer()
         if self.breaker.open():
             self.counters.writes_dropped += 1
             return
@@ -393,17 +558,43 @@ class FleetStore:
         except queue.Full:
             self.counters.writes_dropped += 1
 
+    def _start_writer(self) -> None:
+        self._writer = threading.Thread(target=self._write_loop, name="fleet-writer", daemon=True)
+        self._writer.start()
+
+    def _watch_writer(self) -> None:
+        """Start the writer again should it have died (it survives any item: this is the net under that)."""
+        if self._writer.is_alive() or self._closing.is_set():
+            return
+        with self._restart_lock:
+            if self._writer.is_alive() or self._closing.is_set():
+                return
+            self.counters.thread_restarts += 1
+            self._restarted_at = time.monotonic()
+            self.log.warning(f"fleet store: the fleet-writer thread died ({self._writer_death or 'no reason seen'});"
+                             f" started again (restart {self.counters.thread_restarts})")
+            self._start_writer()
+
     def _write_loop(self) -> None:
         """The writer; while the store is down it also pings it when the pause is over, so the node sees the
-        store back without waiting for a request."""
+        store back without waiting for a request. Nothing a job or the store does ends it."""
+        try:
+            self._write_jobs()
+        except BaseException as e:  # noqa: BLE001 - the thread ends; recorded for the restart's WARN
+            self._writer_death = f"{type(e).__name__}: {e}"[:200]
+
+    def _write_jobs(self) -> None:
         while not self._closing.is_set():
             try:
                 job = self._queue.get(timeout=0.05)
             except queue.Empty:
-                if self.breaker.failures and not self.breaker.open():
-                    self._call("ping", self.redis.ping, write=True)
-                elif not self.breaker.failures:
-                    self._refresh_mirrors()
+                try:
+                    if self.breaker.failures and not self.breaker.open():
+                        self._call("ping", self.redis.ping, write=True)
+                    elif not self.breaker.failures:
+                        self._refresh_mirrors()
+                except Exception as e:  # noqa: BLE001 - a bad item must not end the writer
+                    self.log.warning(f"fleet store mirror refresh failed: {type(e).__name__}: {e}")
                 continue
             if job is None:
                 self._queue.task_done()
@@ -496,21 +687,32 @@ class FleetStore:
     # ---- the tasks the fleet asks most ----------------------------------------------------------------
     def most_asked(self, n: int) -> list[dict]:
         """The n tasks asked most across the fleet (this node's readable scopes), most asked first."""
-        top = self._call("most asked", lambda: self.redis.zrevrange(f"{self.namespace}:asked", 0, max(0, 4 * n - 1)))
+        zkey = f"{self.namespace}:asked"
+        top = self._call("most asked", lambda: self._top_members(zkey, max(1, 4 * n)))
         out = []
         for member in top or []:
-            tag, _, tid = member.decode().partition(":")
+            try:  # "<scope tag>:<task id>", both hex: anything else is not one of ours
+                text = member.decode("ascii") if isinstance(member, bytes) else ""
+                tag, _, tid = text.partition(":")
+                if len(tag) != 20 or len(tid) != 24 or not all(c in "0123456789abcdef" for c in tag + tid):
+                    raise ValueError
+            except ValueError:
+                self._refuse(zkey, BlobRefused(f"malformed member {bytes(member or b'')[:24]!r}"),
+                             oversized=member is None)
+                continue
             key = ":".join((self.namespace, "s", tag, "task", tid))
-            blob = self._call("task read", lambda: self.redis.get(key))
-            if blob is None:
+            blob = self._call("task read", lambda: self.redis.getrange(key, 0, MAX_TASK_BLOB))
+            if not blob:
                 continue
             try:
-                header, _ = unseal(self.secret, key, blob)
-                task = header["task"]
+                if len(blob) > MAX_TASK_BLOB:
+                    raise BlobRefused(f"task of more than {MAX_TASK_BLOB} bytes: not read")
+                header, _ = unseal(self.secret, key, blob, max_header=MAX_TASK_HEADER)
+                task = header.get("task")
                 if not isinstance(task, dict):
                     raise BlobRefused("task is not an object")
-            except (BlobRefused, KeyError) as e:
-                self._refuse(key, e)
+            except BlobRefused as e:
+                self._refuse(key, e, oversized=len(blob) > MAX_TASK_BLOB)
                 continue
             out.append(task)
             if len(out) >= n:
@@ -520,12 +722,23 @@ class FleetStore:
     # ---- telemetry / shutdown -----------------------------------------------------------------------
     def status(self) -> dict:
         """Plain values for /diagnostics (no password: the URL is redacted)."""
+        self._watch_writer()
         c = self.counters
+        recent = self._restarted_at and time.monotonic() - self._restarted_at < THREAD_WARN_S
         return {"fleet_store": self.state, "fleet_url": self.url, "fleet_last_error": self.breaker.last_error,
                 "fleet_answers_found": c.answers_found, "fleet_kv_fetches": c.kv_fetches,
                 "fleet_kv_tokens_fetched": c.kv_tokens_fetched, "fleet_refused_blobs": c.refused,
                 "fleet_published_answers": c.published_answers, "fleet_published_blocks": c.published_blocks,
-                "fleet_writes_dropped": c.writes_dropped, "fleet_errors": c.errors + c.write_errors}
+                "fleet_writes_dropped": c.writes_dropped, "fleet_errors": c.errors + c.write_errors,
+                "fleet_oversized_skipped": c.oversized, "fleet_kv_shared": self.share_kv,
+                "fleet_kv_verified": c.kv_verified, "fleet_kv_mismatches": c.kv_mismatches,
+                "fleet_thread_restarts": c.thread_restarts,
+                "fleet_thread_warning": (f"fleet-writer thread died ({self._writer_death}) and was restarted"
+                                         if recent else "")}
+
+    @property
+    def writer_alive(self) -> bool:
+        return self._writer.is_alive()
 
     def close(self) -> None:
         self._closing.set()
@@ -566,4 +779,5 @@ def open_store(settings, *, digest: str, kv_shape, dtype: torch.dtype, share_kv:
         raise ValueError(f"fleet store: {e}") from None
     return FleetStore(s.fleet_store_url, digest=digest, kv_shape=kv_shape, dtype=dtype,
                       namespace=s.fleet_namespace, secret=secret, password=password,
-                      timeout_ms=s.fleet_timeout_ms, share_kv=s.fleet_share_kv and share_kv, log=log)
+                      timeout_ms=s.fleet_timeout_ms, share_kv=s.fleet_share_kv and share_kv,
+                      verify_rate=s.fleet_kv_verify_rate, log=log)

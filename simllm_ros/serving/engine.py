@@ -306,8 +306,13 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         up = self.fleet.ping()
         if up:
             self.fleet.measure_link()
+        if self.fleet.kv_off_reason and s.fleet_share_kv and self.lossless_reuse:
+            self.log.warning(f"fleet store: KV blocks are not shared: {self.fleet.kv_off_reason}")
+        why = ("fleet_share_kv is false" if not s.fleet_share_kv else "KV is not lossless here"
+               if not self.lossless_reuse else self.fleet.kv_off_reason)
+        kv = "shared" if self.fleet.share_kv else f"not shared ({why})"
         progress(f"fleet store {self.fleet.url}: {'connected' if up else 'not reachable now (retried in the background)'}"
-                 f"; digest {self.fleet.digest}; KV blocks {'shared' if self.fleet.share_kv else 'not shared (KV is not lossless here)'}"
+                 f"; digest {self.fleet.digest}; KV blocks {kv}"
                  f"; prefill {self._prefill_s_per_token * 1000:.2f} ms/token, link {self.fleet.bytes_per_s / 1e6:.0f} MB/s")
 
     def _prime(self) -> None:

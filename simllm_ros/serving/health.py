@@ -145,6 +145,9 @@ def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | Non
     if fleet is not None and fleet.get("fleet_store") != "connected":
         level = max(level, HealthLevel.WARN)
         reasons.append(f"fleet store unreachable ({fleet.get('fleet_last_error', '')}): serving without it")
+    if fleet is not None and fleet.get("fleet_thread_warning"):
+        level = max(level, HealthLevel.WARN)
+        reasons.append(str(fleet["fleet_thread_warning"]))
     for group, g in (approx or {}).items():
         if g["served"] and g["labels"] >= MIN_LABELS_FOR_WARN and g["low"] > approx_bound:
             level = max(level, HealthLevel.WARN)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import approx_gate, semantic_reuse
+from . import approx_gate, fleet_checks, semantic_reuse
 from ..kernels import compute_threads
 from ..cache import reuse_planner
 from ..cache.answer_memo import Memo, Signature
@@ -319,6 +319,15 @@ class RequestPipeline:
         got, answer = self.fleet.lookup(scope, tokens, have=have, limit=len(tokens) - 1,
                                         capacity=len(tokens) + reserve,
                                         prefill_s_per_token=self._prefill_s_per_token, want_kv=want_kv)
+        if got is not None and self.fleet.should_verify():  # one robot's fault must not spread as exact
+            try:
+                why = fleet_checks.prefix_differs(self.backend, tokens, got)
+            except Exception as e:  # noqa: BLE001 - unverifiable: not used
+                why = f"recompute failed: {type(e).__name__}: {e}"
+            self.fleet.counters.kv_verified += 1
+            if why:
+                self.fleet.distrust(got, why)
+                got = None
         return (got or prefix), answer
 
     def _prefill(self, plan: reuse_planner.ReusePlan, tokens: list[int], res: QueryResult, reserve: int,
