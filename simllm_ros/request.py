@@ -76,6 +76,18 @@ class Progress:
 
 
 @dataclasses.dataclass
+class ToolCallRecord:
+    """A call the model made and what the node did with it (msg/ToolCall): status refused, dry_run,
+    not_executable, executed, failed or canceled; arguments and result as JSON."""
+
+    name: str
+    arguments: str
+    status: str
+    result: str = ""
+    error: str = ""
+
+
+@dataclasses.dataclass
 class QueryResult:
     success: bool
     error: str = ""
@@ -102,6 +114,7 @@ class QueryResult:
     # The 95% upper bound on the chance that this answer differs from the model's own, for an approximate answer
     # served under approx_error_bound; 0 for an exact one (and for approximate ones served with no bound asked).
     error_estimate: float = 0.0
+    tool_calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)  # requests with tools
 
     @classmethod
     def failure(cls, error: str, request_id: str = "") -> "QueryResult":

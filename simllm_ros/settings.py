@@ -58,6 +58,8 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("fleet_share_kv", True, "fleet: publish exact-prefix KV blocks and fetch another node's where the fetch is estimated faster than the prefill it replaces (only between nodes with the same numerics digest, lossless KV)"),
     ParamSpec("thermal_root", "/sys/class/thermal", "sysfs thermal root (tests point it at a fake tree)"),
     ParamSpec("thermal_zones", "", "comma-separated zone types to watch (empty: all zones found)"),
+    ParamSpec("tools", "", "tools file (YAML, read at configure): the ROS services and actions the model may call, their types, bounds per field, and which are executable (config/tools.example.yaml); a bad file fails configure with the reason. Empty: no tools"),
+    ParamSpec("tools_execute", False, "send the calls of tools the tools file marks executable (service calls, action goals); false: every call is only proposed and checked (dry run). Nothing a request says can turn this on", live=True),
     # --- live: validated and applied while active ---
     ParamSpec("cache_threshold", 0.8, "cosine similarity needed for SEMANTIC reuse", live=True, min=0.0, max=1.0),
     ParamSpec("answer_threshold", 0.95, "cosine similarity needed for ANSWER reuse", live=True, min=0.0, max=1.0),

@@ -23,6 +23,8 @@ from simllm_ros.request import Progress, QueryResult
 from simllm_ros.serving.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
 from simllm_ros.ros.messages import fill_result, request_from, u32
 from simllm_ros.ros.qos import REQUEST_QOS, RESPONSE_QOS
+from simllm_ros.ros.tool_executor import ToolRunner
+from simllm_ros.serving.tool_calls import ToolError
 from simllm_ros.srv import Embed, Query
 
 GOAL_POLL_S = 0.1  # a goal cancelled while it waits in the queue is withdrawn within this
@@ -40,8 +42,9 @@ class RequestEndpoints:
     `wait_for_replies` and `destroy` at cleanup."""
 
     def __init__(self, node, server: Callable[[], RequestServer | None], engine: Callable[[], Engine | None],
-                 state: Callable[[], str]):
+                 state: Callable[[], str], tools: Callable[[], "ToolRunner | None"] = lambda: None):
         self._node, self._server, self._engine, self._state = node, server, engine, state
+        self._tools = tools  # the configured node's ToolRunner: requests with tools go through it
         self._log = node.get_logger()
         self._group = ReentrantCallbackGroup()
         self._scope_pubs: dict[str, object] = {}  # responses_per_scope: topic -> publisher
@@ -126,21 +129,40 @@ class RequestEndpoints:
                 self._calls.notify_all()
 
     # ------------------------------------------------------------------ callbacks
-    def _answer(self, what: str, make_request, poll_s: float = 1.0, **submit) -> QueryResult:
-        """One request through the request server, waited for; a refusal or a fault as a failed result."""
+    def _answer(self, what: str, make_request, msg, poll_s: float = 1.0,
+                tool_feedback: Callable[[str], None] | None = None, **submit) -> QueryResult:
+        """One request through the request server, waited for; a refusal or a fault as a failed result. With
+        tools (msg.tools, msg.tool_choice) the answer is a checked call, sent where the node allows it."""
         try:
             req = make_request()
             server = self._server()
             if server is None:
                 return QueryResult.failure(not_active_error(self._state()))
-            return server.wait(server.submit(req, **submit), poll_s=poll_s)
+            req, plan = self._tool_plan(req, msg)
+            result = server.wait(server.submit(req, **submit), poll_s=poll_s)
+            if plan is not None:
+                result = self._tools().conclude(plan, result, req.request_id, tool_feedback,
+                                                submit.get("should_stop"))
+            return result
+        except ToolError as e:
+            return QueryResult.failure(str(e))
         except Exception as e:
             self._log.error(f"{what}: {type(e).__name__}: {e}")
             return QueryResult.failure(internal_error(e))
 
+    def _tool_plan(self, req, msg):
+        """(the request the engine answers, the tool plan or None); ToolError for tools the node cannot offer."""
+        names, choice = list(msg.tools), str(msg.tool_choice)
+        runner = self._tools()
+        if runner is None:
+            if names and choice != "none":
+                raise ToolError("this node has no tools (its tools parameter names no tools file)")
+            return req, None
+        return runner.prepare(req, names, choice)
+
     def _on_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:
         with self._service_call():
-            result = self._answer("query service", lambda: request_from(request))
+            result = self._answer("query service", lambda: request_from(request), request)
         return fill_result(response, result)
 
     def _on_request_msg(self, msg: QueryRequestMsg) -> None:
@@ -154,7 +176,14 @@ class RequestEndpoints:
                     f"cache_scope {scope[:80]!r} cannot name a topic: with responses_per_scope, a scope must be a "
                     "ROS name (letters, digits, _ and /, no part starting with a digit)", req.request_id), scope)
             else:
-                server.submit(req, lambda r: self.publish_response(r, scope), unique_id=True)
+                try:
+                    req, plan = self._tool_plan(req, msg)
+                except ToolError as e:
+                    self.publish_response(QueryResult.failure(str(e), req.request_id), scope)
+                    return
+                done = (lambda r: self.publish_response(r, scope)) if plan is None else \
+                    (lambda r: self._conclude_later(plan, r, scope))
+                server.submit(req, done, unique_id=True)
         except Exception as e:
             self._log.error(f"request topic: {type(e).__name__}: {e}")
             self.publish_response(QueryResult.failure(internal_error(e), getattr(msg, "request_id", "")),
@@ -168,7 +197,8 @@ class RequestEndpoints:
             result = self._answer(
                 "generate action",
                 lambda: request_from(goal_handle.request, "goal-" + bytes(goal_handle.goal_id.uuid).hex()[:8]),
-                poll_s=GOAL_POLL_S, on_progress=lambda p: self._send_feedback(goal_handle, p),
+                goal_handle.request, poll_s=GOAL_POLL_S, on_progress=lambda p: self._send_feedback(goal_handle, p),
+                tool_feedback=lambda fb: goal_handle.publish_feedback(Generate.Feedback(tool_feedback=fb)),
                 should_stop=lambda: goal_handle.is_cancel_requested)
         try:
             if result.stop_reason == "cancel" and goal_handle.is_cancel_requested:
@@ -180,6 +210,18 @@ class RequestEndpoints:
         except Exception as e:  # the goal may already be gone (node shutting down)
             self._log.warning(f"generate action: ending goal: {type(e).__name__}: {e}")
         return fill_result(Generate.Result(), result)
+
+    def _conclude_later(self, plan, result: QueryResult, scope: str) -> None:
+        """A topic request's calls are checked and sent on a thread of their own: the request server's worker,
+        which hands the answer over, must not wait for a tool."""
+        def run():
+            try:
+                out = self._tools().conclude(plan, result, result.request_id)
+            except Exception as e:
+                self._log.error(f"request topic, tools: {type(e).__name__}: {e}")
+                out = QueryResult.failure(internal_error(e), result.request_id)
+            self.publish_response(out, scope)
+        threading.Thread(target=run, name="tool-call", daemon=True).start()
 
     @staticmethod
     def _send_feedback(goal_handle, p: Progress) -> None:
