@@ -157,9 +157,9 @@ class SimLLMNode(LifecycleNode):
             self._create_entities()
             if toolbox is not None:
                 self._tools = ToolRunner(self, toolbox, execute=lambda: bool(engine.settings.tools_execute))
-                log.info(f"tools: {', '.join(f'{n} ({t.kind} {t.ros_name}' + (', executable)' if t.executable else ')')
-                                             for n, t in toolbox.tools.items()) or 'none'}; tools_execute="
-                         f"{settings.tools_execute}")
+                listed = ", ".join(f"{n} ({t.kind} {t.ros_name}{', executable' if t.executable else ''})"
+                                   for n, t in toolbox.tools.items())
+                log.info(f"tools: {listed or 'none'}; tools_execute={settings.tools_execute}")
             self._server.start()
             if settings.persist_path:
                 self._checkpointer = Checkpointer(engine.save, lambda: engine.settings.persist_interval_s,
