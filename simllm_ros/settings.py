@@ -60,6 +60,7 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("thermal_zones", "", "comma-separated zone types to watch (empty: all zones found)"),
     ParamSpec("tools", "", "tools file (YAML, read at configure): the ROS services and actions the model may call, their types, bounds per field, and which are executable (config/tools.example.yaml); a bad file fails configure with the reason. Empty: no tools"),
     ParamSpec("tools_execute", False, "send the calls of tools the tools file marks executable (service calls, action goals); false: every call is only proposed and checked (dry run). Nothing a request says can turn this on", live=True),
+    ParamSpec("tool_max_steps", 1, "model steps of a ~/query or ~/generate request with tools: after every call of a step was executed, the calls and their results are given to the model as the next turns and it answers again (text or more calls, tool_choice auto), up to this many steps", live=True, min=1, max=8),
     # --- live: validated and applied while active ---
     ParamSpec("cache_threshold", 0.8, "cosine similarity needed for SEMANTIC reuse", live=True, min=0.0, max=1.0),
     ParamSpec("answer_threshold", 0.95, "cosine similarity needed for ANSWER reuse", live=True, min=0.0, max=1.0),

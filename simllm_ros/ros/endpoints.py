@@ -25,7 +25,8 @@ from simllm_ros.ros.messages import fill_result, request_from, u32
 from simllm_ros.ros.qos import REQUEST_QOS, RESPONSE_QOS
 from simllm_ros.ros.tool_executor import ToolRunner
 from simllm_ros.serving.tool_calls import ToolError
-from simllm_ros.srv import Embed, Query
+from simllm_ros.serving import tokens
+from simllm_ros.srv import Detokenize, Embed, Query, Tokenize
 
 GOAL_POLL_S = 0.1  # a goal cancelled while it waits in the queue is withdrawn within this
 # How long an ended goal's result and status are kept (rclpy's default is 10 s): within it a cancel of an ended
@@ -53,6 +54,7 @@ class RequestEndpoints:
         self._calls = threading.Condition()
         self._service_calls = 0
         self._srv = self._embed_srv = self._action = self._sub = self._pub_responses = None
+        self._tokenize_srv = self._detokenize_srv = None
 
     # ------------------------------------------------------------------ entities
     def create_responses(self) -> None:
@@ -69,6 +71,11 @@ class RequestEndpoints:
         if self._embed_srv is None:
             self._embed_srv = node.create_service(Embed, "~/embed", self._on_embed_service, qos_profile=REQUEST_QOS,
                                                   callback_group=group)
+        if self._tokenize_srv is None:
+            self._tokenize_srv = node.create_service(Tokenize, "~/tokenize", self._on_tokenize_service,
+                                                     qos_profile=REQUEST_QOS, callback_group=group)
+            self._detokenize_srv = node.create_service(Detokenize, "~/detokenize", self._on_detokenize_service,
+                                                       qos_profile=REQUEST_QOS, callback_group=group)
         if self._action is None:
             self._action = ActionServer(node, Generate, "~/generate", execute_callback=self._on_goal,
                                         goal_callback=lambda goal: GoalResponse.ACCEPT,
@@ -91,6 +98,7 @@ class RequestEndpoints:
             except Exception as e:
                 self._log.warning(f"destroying a per-scope responses publisher: {e}")
         destroyers = {"_srv": node.destroy_service, "_embed_srv": node.destroy_service,
+                      "_tokenize_srv": node.destroy_service, "_detokenize_srv": node.destroy_service,
                       "_action": lambda action: action.destroy(), "_sub": node.destroy_subscription,
                       "_pub_responses": node.destroy_publisher}
         for attr, destroy in destroyers.items():
@@ -138,11 +146,25 @@ class RequestEndpoints:
             server = self._server()
             if server is None:
                 return QueryResult.failure(not_active_error(self._state()))
+            asked = req
             req, plan = self._tool_plan(req, msg)
             result = server.wait(server.submit(req, **submit), poll_s=poll_s)
-            if plan is not None:
-                result = self._tools().conclude(plan, result, req.request_id, tool_feedback,
-                                                submit.get("should_stop"))
+            if plan is None:
+                return result
+            runner, engine = self._tools(), self._engine()
+            max_steps = engine.settings.tool_max_steps if engine is not None else 1
+            result = runner.conclude(plan, result, req.request_id, tool_feedback, submit.get("should_stop"))
+            calls = list(result.tool_calls)
+            for _ in range(max_steps - 1):  # the results as turns, the model answers again
+                if not (result.success and result.tool_calls
+                        and all(c.status == "executed" for c in result.tool_calls)):
+                    break
+                asked = runner.follow_up(asked, result)
+                req, plan = runner.prepare(asked, [t.name for t in plan.tools], "auto")
+                result = server.wait(server.submit(req, **submit), poll_s=poll_s)
+                result = runner.conclude(plan, result, req.request_id, tool_feedback, submit.get("should_stop"))
+                calls += result.tool_calls
+            result.tool_calls = calls
             return result
         except ToolError as e:
             return QueryResult.failure(str(e))
@@ -245,6 +267,33 @@ class RequestEndpoints:
                 response.vectors = vectors.reshape(-1).astype("float32").tolist()
             except Exception as e:
                 self._log.error(f"embed service: {type(e).__name__}: {e}")
+                response.success, response.error = False, internal_error(e)
+        return response
+
+    def _on_tokenize_service(self, request: Tokenize.Request, response: Tokenize.Response) -> Tokenize.Response:
+        def run():
+            response.tokens, response.pieces = tokens.tokenize(self._engine(), request.text)
+        return self._tokenizer_call("tokenize", run, response)
+
+    def _on_detokenize_service(self, request: Detokenize.Request,
+                               response: Detokenize.Response) -> Detokenize.Response:
+        def run():
+            response.text = tokens.detokenize(self._engine(), list(request.tokens), request.skip_special_tokens)
+        return self._tokenizer_call("detokenize", run, response)
+
+    def _tokenizer_call(self, what: str, run, response):
+        """~/tokenize and ~/detokenize: no queue (the model does not run); bad input gets the reason."""
+        with self._service_call():
+            try:
+                if self._engine() is None or self._state() != "active":
+                    response.success, response.error = False, not_active_error(self._state())
+                    return response
+                run()
+                response.success = True
+            except ValueError as e:
+                response.success, response.error = False, str(e)
+            except Exception as e:
+                self._log.error(f"{what} service: {type(e).__name__}: {e}")
                 response.success, response.error = False, internal_error(e)
         return response
 

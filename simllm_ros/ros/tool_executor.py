@@ -26,7 +26,7 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
-from simllm_ros.request import QueryRequest, QueryResult, ToolCallRecord
+from simllm_ros.request import ChatTurn, QueryRequest, QueryResult, ToolCallRecord
 from simllm_ros.serving.tool_calls import (Call, CallPlan, RateLimiter, ToolError, Toolbox, message_to_dict,
                                            to_message)
 
@@ -102,6 +102,16 @@ class ToolRunner:
             return req, None
         context = plan.prompt_text + ("\n\n" + req.context if req.context else "")
         return dataclasses.replace(req, json_schema=plan.schema_text, context=context, allow_approximate=False), plan
+
+    @staticmethod
+    def follow_up(req: QueryRequest, result: QueryResult) -> QueryRequest:
+        """The request of the next step: the conversation so far, the calls as the assistant's turn and their
+        results as a user turn (the generic format has no tool role), the question asked again."""
+        calls = [{"name": c.name, "arguments": json.loads(c.arguments or "{}")} for c in result.tool_calls]
+        results = "; ".join(f"{c.name} returned {c.result or '{}'}" for c in result.tool_calls)
+        turns = [*req.turns(), ChatTurn("assistant", json.dumps(calls[0] if len(calls) == 1 else calls)),
+                 ChatTurn("user", f"Tool results: {results}. Reply to the user, or call another tool.")]
+        return dataclasses.replace(req, prompt="", messages=turns)
 
     def conclude(self, plan: CallPlan, result: QueryResult, request_id: str,
                  on_feedback: Callable[[str], None] | None = None,
