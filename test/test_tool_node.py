@@ -39,6 +39,10 @@ tools:
   - {{name: go_far, description: Drive to the far dock., action: {NS}/nav_long, type: simllm_ros/action/NavigateTo,
      executable: true, timeout_s: 60, fields: {{place: {{allowed: [dock]}}, speed: {{minimum: 0.1, maximum: 0.5}}}},
      {NAV_FIXED}}}
+  - {{name: navigate_to, description: "Drive the robot to a named place (dock, kitchen, door) or to a point.",
+     action: {NS}/navigate_to, type: simllm_ros/action/NavigateTo, executable: true, timeout_s: 120,
+     fields: {{speed: {{minimum: 0.1, maximum: 0.2}}, target: {{minimum: -20.0, maximum: 20.0}},
+              avoid_zones: {{maximum: 9, max_items: 2}}, note: {{max_length: 16}}}}}}
   - {{name: go_door, description: Drive to the door., action: {NS}/nav_abort, type: simllm_ros/action/NavigateTo,
      executable: true, timeout_s: 20, fields: {{place: {{allowed: [door]}}, speed: {{minimum: 0.1, maximum: 0.5}}}},
      {NAV_FIXED}}}
@@ -293,19 +297,21 @@ def test_identical_commands_give_identical_calls_with_and_without_the_cache(h):
 
 
 def test_diagnostics_count_every_call(h):
-    events = audit_events(h)
-    want = {f"tool_calls_{e}": str(sum(1 for x in events if x["event"] == e))
-            for e in ("proposed", "refused", "executed", "failed", "canceled", "dry_run", "not_executable")}
+    names = ("proposed", "refused", "executed", "failed", "canceled", "dry_run", "not_executable")
+
+    def audited():
+        events = audit_events(h)
+        return {f"tool_calls_{e}": str(sum(1 for x in events if x["event"] == e)) for e in names}
 
     def counted():
         for m in reversed(h.messages("/diagnostics")):
             for st in m.status:
                 vals = {kv.key: kv.value for kv in st.values}
                 if "tool_calls_proposed" in vals:
-                    return {k: vals[k] for k in want}
+                    return {f"tool_calls_{e}": vals[f"tool_calls_{e}"] for e in names}
         return None
-    assert wait_until(lambda: counted() == want, 10), (counted(), want)
-
+    assert wait_until(lambda: counted() == audited(), 10), (counted(), audited())
+    assert int(audited()["tool_calls_executed"]) >= 3 and int(audited()["tool_calls_canceled"]) >= 1
 
 def test_tokenize_and_detokenize_services(h):
     """~/tokenize and ~/detokenize (item 6 of the issue) on the same node: the model's own tokenizer, round trip,
@@ -374,3 +380,37 @@ def test_results_go_back_to_the_model_up_to_tool_max_steps(h):
     else:
         assert "reached max_new_tokens (96)" in r.error and r.generated_tokens == 96
     assert len(h.robot.got["nav_quick"]) == n + len(r.tool_calls)
+
+
+def test_the_robot_example_a_command_becomes_a_goal_and_cancel_stops_it(h):
+    """README's robot example as written there: the client library sends a command with the navigate_to tool to
+    ~/generate; the package's example server (examples/navigate_server.py) drives, its feedback comes back as the
+    Generate goal's tool_feedback; cancelling the Generate goal stops the drive."""
+    import importlib.util
+
+    from conftest import REPO
+    from simllm_ros.ros.client import SimllmClient
+    spec = importlib.util.spec_from_file_location("navigate_server", f"{REPO}/examples/navigate_server.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    h.ensure_active()
+    server = example.NavigateToServer(h.robot.node, f"{NS}/navigate_to", start=(8.0, 8.0))  # far from every place
+    client = SimllmClient(f"/{NODE}", context=h.context)
+    try:
+        feedback = []
+        run = client.generate("Go to the kitchen.", tools=["navigate_to"], tool_choice="navigate_to",
+                              max_new_tokens=96, on_tool_feedback=feedback.append)
+        assert server.running.wait(180), "the goal never started"
+        assert wait_until(lambda: any(feedback), 10)
+        run.cancel()
+        result = run.result.result(timeout=30)
+        assert result.stop_reason == "cancel" and not result.success
+        call = result.tool_calls[0]
+        assert call.name == "navigate_to" and call.status == "canceled"
+        assert json.loads(call.result)["message"].startswith("stopped")
+        assert server.outcomes == ["canceled"]
+        assert "distance_remaining" in json.loads(next(f for f in feedback if f))
+    finally:
+        client.close()
+        server.destroy()
+
