@@ -414,3 +414,21 @@ def test_the_robot_example_a_command_becomes_a_goal_and_cancel_stops_it(h):
         client.close()
         server.destroy()
 
+
+
+def test_simllm_query_names_tools_and_prints_the_calls(h):
+    """simllm-query --tool/--tool-choice as a process on the test's ROS domain: the calls come back as JSON."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    h.ensure_active()
+    q = subprocess.run([sys.executable, "-m", "simllm_ros.cli.query", "Engage the parking brake.", "--tool",
+                        "set_brake", "--tool-choice", "set_brake", "--max-new-tokens", "64", "--timeout", "120"],
+                       cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=180)
+    assert q.returncode == 0, q.stderr[-2000:]
+    out = json.loads(q.stdout)
+    assert out["success"], out["error"]
+    assert [(c["name"], c["status"]) for c in out["tool_calls"]] == [("set_brake", "not_executable")]
+    assert isinstance(json.loads(out["tool_calls"][0]["arguments"])["data"], bool)
