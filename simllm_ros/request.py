@@ -77,6 +77,18 @@ class Progress:
 
 
 @dataclasses.dataclass
+class ToolCallRecord:
+    """A call the model made and what the node did with it (msg/ToolCall): status refused, dry_run,
+    not_executable, executed, failed or canceled; arguments and result as JSON."""
+
+    name: str
+    arguments: str
+    status: str
+    result: str = ""
+    error: str = ""
+
+
+@dataclasses.dataclass
 class QueryResult:
     success: bool
     error: str = ""
@@ -107,6 +119,7 @@ class QueryResult:
     # where it cannot be known, and then energy_source says why ("none: <why>"), else it names the sensor.
     energy_j: float = math.nan
     energy_source: str = "none: not measured (the request never ran)"
+    tool_calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)  # requests with tools
 
     @classmethod
     def failure(cls, error: str, request_id: str = "") -> "QueryResult":

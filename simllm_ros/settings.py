@@ -65,6 +65,9 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("energy_rails", "", "comma-separated sensors to sum: INA3221 rail labels (VDD_IN, VDD_CPU_GPU_CV, VDD_SOC), RAPL zone names (package-0, dram, psys) or hwmon labels (<device>/<label>); empty: the whole computer where the platform says it (Jetson's input rail VDD_IN / POM_5V_IN, RAPL psys), else every sensor of the source"),
     ParamSpec("energy_sample_period_s", 0.1, "the power source is sampled this often (and once more at each answer's end); power between samples is integrated by the trapezoid rule", min=0.005, max=10.0),
     ParamSpec("energy_sysfs_root", "/sys", "sysfs root the power sensors are found under (tests point it at a written tree)"),
+    ParamSpec("tools", "", "tools file (YAML, read at configure): the ROS services and actions the model may call, their types, bounds per field, and which are executable (config/tools.example.yaml); a bad file fails configure with the reason. Empty: no tools"),
+    ParamSpec("tools_execute", False, "send the calls of tools the tools file marks executable (service calls, action goals); false: every call is only proposed and checked (dry run). Nothing a request says can turn this on", live=True),
+    ParamSpec("tool_max_steps", 1, "model steps of a ~/query or ~/generate request with tools: after every call of a step was executed, the calls and their results are given to the model as the next turns and it answers again (text or more calls, tool_choice auto), up to this many steps", live=True, min=1, max=8),
     # --- live: validated and applied while active ---
     ParamSpec("cache_threshold", 0.8, "cosine similarity needed for SEMANTIC reuse", live=True, min=0.0, max=1.0),
     ParamSpec("answer_threshold", 0.95, "cosine similarity needed for ANSWER reuse", live=True, min=0.0, max=1.0),

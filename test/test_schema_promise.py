@@ -67,6 +67,8 @@ ACCEPTED = [
     '{"anyOf": [{"type": "integer"}, {"type": "boolean"}]}',
     '{"type": "string", "pattern": "^[A-Z][a-z]+ Street$"}',
     '{"type": "string", "const": "Elm Street"}',
+    '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": false}',
+    '{"type": "array", "items": false, "maxItems": 0}',
 ]
 
 

@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="constrain the answer to JSON valid under this schema (its text, or @FILE)")
     p.add_argument("--message", action="append", default=[], metavar="ROLE:TEXT",
                    help="a conversation turn before the prompt (system, user or assistant); repeatable, in order")
+    p.add_argument("--tool", action="append", default=[], metavar="NAME",
+                   help="a tool (from the node's tools file) the model may call; repeatable")
+    p.add_argument("--tool-choice", default="", metavar="C",
+                   help="auto (default with --tool), none, required, or a tool's name")
     p.add_argument("--stop", action="append", default=[], metavar="S", help="end the answer before S; repeatable")
     p.add_argument("--temperature", type=float, default=-1.0, metavar="T", help="sampling temperature; "
                    "negative: the node's")
@@ -73,7 +77,7 @@ def _fields(args, parser, context: str) -> dict:
     return dict(prompt=" ".join(args.prompt), context=context, cache_scope=args.scope,
                 max_new_tokens=args.max_new_tokens, allow_approximate=not args.no_approximate, messages=messages,
                 json_schema=schema, stop=list(args.stop), temperature=float(args.temperature), seed=int(args.seed),
-                approx_error_bound=float(args.approx_error_bound))
+                approx_error_bound=float(args.approx_error_bound), tools=list(args.tool), tool_choice=args.tool_choice)
 
 
 def response_to_dict(resp) -> dict:
@@ -83,6 +87,8 @@ def response_to_dict(resp) -> dict:
         v = getattr(resp, field)
         if isinstance(v, float):
             v = round(v, 3) if math.isfinite(v) else None
+        elif field == "tool_calls":
+            v = [{f: getattr(c, f) for f in c.get_fields_and_field_types()} for c in v]
         d[field] = v
     try:
         d["cache_result"] = CacheResult(resp.cache_result).name

@@ -76,7 +76,8 @@ def _subschemas(schema: dict, path: tuple):
             for name, sub in schema[key].items():
                 yield sub, (*path, key, name)
     for key in ("items", "additionalProperties"):
-        if isinstance(schema.get(key), (dict, bool)):
+        # false here only forbids more keys or items (the object or array itself still has values)
+        if isinstance(schema.get(key), dict) or schema.get(key) is True:
             yield schema[key], (*path, key)
     for key in ("anyOf", "oneOf", "prefixItems"):
         if isinstance(schema.get(key), list):

@@ -118,11 +118,20 @@ class SimllmClient:
         raw.add_done_callback(done)
         return out
 
-    def generate(self, prompt: str = "", on_feedback=None, timeout: float = 300.0, **fields) -> GenerateRun:
-        """A Generate goal: `on_feedback(text_so_far)` as the answer grows (on the client's thread); the run's
-        `result` Future holds Generate.Result; `cancel()` ends it."""
+    def generate(self, prompt: str = "", on_feedback=None, timeout: float = 300.0, on_tool_feedback=None,
+                 **fields) -> GenerateRun:
+        """A Generate goal: `on_feedback(text_so_far)` as the answer grows (on the client's thread), and with tools
+        `on_tool_feedback(json)` as the tool's action reports; the run's `result` Future holds Generate.Result;
+        `cancel()` ends it (and the tool's goal)."""
         run = GenerateRun(self)
         goal = self._Generate.Goal(prompt=prompt, **_request_fields(fields))
+
+        def feedback(m) -> None:
+            if m.feedback.tool_feedback:
+                if on_tool_feedback is not None:
+                    on_tool_feedback(m.feedback.tool_feedback)
+            elif on_feedback is not None:
+                on_feedback(m.feedback.text)
 
         def start():
             if not self._action.server_is_ready():
@@ -130,7 +139,7 @@ class SimllmClient:
                     run.result.set_exception(TimeoutError(f"{self.target}/generate not available"))
                     return
             sent = self._action.send_goal_async(
-                goal, feedback_callback=(lambda m: on_feedback(m.feedback.text)) if on_feedback else None)
+                goal, feedback_callback=feedback if (on_feedback or on_tool_feedback) else None)
             sent.add_done_callback(lambda f: accepted(f.result()))
 
         def accepted(handle):

@@ -23,7 +23,10 @@ from simllm_ros.request import Progress, QueryResult
 from simllm_ros.serving.request_server import DRAIN_TIMEOUT_S, RequestServer, internal_error, not_active_error
 from simllm_ros.ros.messages import fill_result, request_from, u32
 from simllm_ros.ros.qos import REQUEST_QOS, RESPONSE_QOS
-from simllm_ros.srv import Embed, Query
+from simllm_ros.ros.tool_executor import ToolRunner
+from simllm_ros.serving.tool_calls import ToolError
+from simllm_ros.serving import tokens
+from simllm_ros.srv import Detokenize, Embed, Query, Tokenize
 
 GOAL_POLL_S = 0.1  # a goal cancelled while it waits in the queue is withdrawn within this
 # How long an ended goal's result and status are kept (rclpy's default is 10 s): within it a cancel of an ended
@@ -40,8 +43,9 @@ class RequestEndpoints:
     `wait_for_replies` and `destroy` at cleanup."""
 
     def __init__(self, node, server: Callable[[], RequestServer | None], engine: Callable[[], Engine | None],
-                 state: Callable[[], str]):
+                 state: Callable[[], str], tools: Callable[[], "ToolRunner | None"] = lambda: None):
         self._node, self._server, self._engine, self._state = node, server, engine, state
+        self._tools = tools  # the configured node's ToolRunner: requests with tools go through it
         self._log = node.get_logger()
         self._group = ReentrantCallbackGroup()
         self._scope_pubs: dict[str, object] = {}  # responses_per_scope: topic -> publisher
@@ -50,6 +54,7 @@ class RequestEndpoints:
         self._calls = threading.Condition()
         self._service_calls = 0
         self._srv = self._embed_srv = self._action = self._sub = self._pub_responses = None
+        self._tokenize_srv = self._detokenize_srv = None
 
     # ------------------------------------------------------------------ entities
     def create_responses(self) -> None:
@@ -66,6 +71,11 @@ class RequestEndpoints:
         if self._embed_srv is None:
             self._embed_srv = node.create_service(Embed, "~/embed", self._on_embed_service, qos_profile=REQUEST_QOS,
                                                   callback_group=group)
+        if self._tokenize_srv is None:
+            self._tokenize_srv = node.create_service(Tokenize, "~/tokenize", self._on_tokenize_service,
+                                                     qos_profile=REQUEST_QOS, callback_group=group)
+            self._detokenize_srv = node.create_service(Detokenize, "~/detokenize", self._on_detokenize_service,
+                                                       qos_profile=REQUEST_QOS, callback_group=group)
         if self._action is None:
             self._action = ActionServer(node, Generate, "~/generate", execute_callback=self._on_goal,
                                         goal_callback=lambda goal: GoalResponse.ACCEPT,
@@ -88,6 +98,7 @@ class RequestEndpoints:
             except Exception as e:
                 self._log.warning(f"destroying a per-scope responses publisher: {e}")
         destroyers = {"_srv": node.destroy_service, "_embed_srv": node.destroy_service,
+                      "_tokenize_srv": node.destroy_service, "_detokenize_srv": node.destroy_service,
                       "_action": lambda action: action.destroy(), "_sub": node.destroy_subscription,
                       "_pub_responses": node.destroy_publisher}
         for attr, destroy in destroyers.items():
@@ -126,21 +137,54 @@ class RequestEndpoints:
                 self._calls.notify_all()
 
     # ------------------------------------------------------------------ callbacks
-    def _answer(self, what: str, make_request, poll_s: float = 1.0, **submit) -> QueryResult:
-        """One request through the request server, waited for; a refusal or a fault as a failed result."""
+    def _answer(self, what: str, make_request, msg, poll_s: float = 1.0,
+                tool_feedback: Callable[[str], None] | None = None, **submit) -> QueryResult:
+        """One request through the request server, waited for; a refusal or a fault as a failed result. With
+        tools (msg.tools, msg.tool_choice) the answer is a checked call, sent where the node allows it."""
         try:
             req = make_request()
             server = self._server()
             if server is None:
                 return QueryResult.failure(not_active_error(self._state()))
-            return server.wait(server.submit(req, **submit), poll_s=poll_s)
+            asked = req
+            req, plan = self._tool_plan(req, msg)
+            result = server.wait(server.submit(req, **submit), poll_s=poll_s)
+            if plan is None:
+                return result
+            runner, engine = self._tools(), self._engine()
+            max_steps = engine.settings.tool_max_steps if engine is not None else 1
+            result = runner.conclude(plan, result, req.request_id, tool_feedback, submit.get("should_stop"))
+            calls = list(result.tool_calls)
+            for _ in range(max_steps - 1):  # the results as turns, the model answers again
+                if not (result.success and result.tool_calls
+                        and all(c.status == "executed" for c in result.tool_calls)):
+                    break
+                asked = runner.follow_up(asked, result)
+                req, plan = runner.prepare(asked, [t.name for t in plan.tools], "auto")
+                result = server.wait(server.submit(req, **submit), poll_s=poll_s)
+                result = runner.conclude(plan, result, req.request_id, tool_feedback, submit.get("should_stop"))
+                calls += result.tool_calls
+            result.tool_calls = calls
+            return result
+        except ToolError as e:
+            return QueryResult.failure(str(e))
         except Exception as e:
             self._log.error(f"{what}: {type(e).__name__}: {e}")
             return QueryResult.failure(internal_error(e))
 
+    def _tool_plan(self, req, msg):
+        """(the request the engine answers, the tool plan or None); ToolError for tools the node cannot offer."""
+        names, choice = list(msg.tools), str(msg.tool_choice)
+        runner = self._tools()
+        if runner is None:
+            if names and choice != "none":
+                raise ToolError("this node has no tools (its tools parameter names no tools file)")
+            return req, None
+        return runner.prepare(req, names, choice)
+
     def _on_query_service(self, request: Query.Request, response: Query.Response) -> Query.Response:
         with self._service_call():
-            result = self._answer("query service", lambda: request_from(request))
+            result = self._answer("query service", lambda: request_from(request), request)
         return fill_result(response, result)
 
     def _on_request_msg(self, msg: QueryRequestMsg) -> None:
@@ -154,7 +198,14 @@ class RequestEndpoints:
                     f"cache_scope {scope[:80]!r} cannot name a topic: with responses_per_scope, a scope must be a "
                     "ROS name (letters, digits, _ and /, no part starting with a digit)", req.request_id), scope)
             else:
-                server.submit(req, lambda r: self.publish_response(r, scope), unique_id=True)
+                try:
+                    req, plan = self._tool_plan(req, msg)
+                except ToolError as e:
+                    self.publish_response(QueryResult.failure(str(e), req.request_id), scope)
+                    return
+                done = (lambda r: self.publish_response(r, scope)) if plan is None else \
+                    (lambda r: self._conclude_later(plan, r, scope))
+                server.submit(req, done, unique_id=True)
         except Exception as e:
             self._log.error(f"request topic: {type(e).__name__}: {e}")
             self.publish_response(QueryResult.failure(internal_error(e), getattr(msg, "request_id", "")),
@@ -168,7 +219,8 @@ class RequestEndpoints:
             result = self._answer(
                 "generate action",
                 lambda: request_from(goal_handle.request, "goal-" + bytes(goal_handle.goal_id.uuid).hex()[:8]),
-                poll_s=GOAL_POLL_S, on_progress=lambda p: self._send_feedback(goal_handle, p),
+                goal_handle.request, poll_s=GOAL_POLL_S, on_progress=lambda p: self._send_feedback(goal_handle, p),
+                tool_feedback=lambda fb: goal_handle.publish_feedback(Generate.Feedback(tool_feedback=fb)),
                 should_stop=lambda: goal_handle.is_cancel_requested)
         try:
             if result.stop_reason == "cancel" and goal_handle.is_cancel_requested:
@@ -180,6 +232,18 @@ class RequestEndpoints:
         except Exception as e:  # the goal may already be gone (node shutting down)
             self._log.warning(f"generate action: ending goal: {type(e).__name__}: {e}")
         return fill_result(Generate.Result(), result)
+
+    def _conclude_later(self, plan, result: QueryResult, scope: str) -> None:
+        """A topic request's calls are checked and sent on a thread of their own: the request server's worker,
+        which hands the answer over, must not wait for a tool."""
+        def run():
+            try:
+                out = self._tools().conclude(plan, result, result.request_id)
+            except Exception as e:
+                self._log.error(f"request topic, tools: {type(e).__name__}: {e}")
+                out = QueryResult.failure(internal_error(e), result.request_id)
+            self.publish_response(out, scope)
+        threading.Thread(target=run, name="tool-call", daemon=True).start()
 
     @staticmethod
     def _send_feedback(goal_handle, p: Progress) -> None:
@@ -203,6 +267,33 @@ class RequestEndpoints:
                 response.vectors = vectors.reshape(-1).astype("float32").tolist()
             except Exception as e:
                 self._log.error(f"embed service: {type(e).__name__}: {e}")
+                response.success, response.error = False, internal_error(e)
+        return response
+
+    def _on_tokenize_service(self, request: Tokenize.Request, response: Tokenize.Response) -> Tokenize.Response:
+        def run():
+            response.tokens, response.pieces = tokens.tokenize(self._engine(), request.text)
+        return self._tokenizer_call("tokenize", run, response)
+
+    def _on_detokenize_service(self, request: Detokenize.Request,
+                               response: Detokenize.Response) -> Detokenize.Response:
+        def run():
+            response.text = tokens.detokenize(self._engine(), list(request.tokens), request.skip_special_tokens)
+        return self._tokenizer_call("detokenize", run, response)
+
+    def _tokenizer_call(self, what: str, run, response):
+        """~/tokenize and ~/detokenize: no queue (the model does not run); bad input gets the reason."""
+        with self._service_call():
+            try:
+                if self._engine() is None or self._state() != "active":
+                    response.success, response.error = False, not_active_error(self._state())
+                    return response
+                run()
+                response.success = True
+            except ValueError as e:
+                response.success, response.error = False, str(e)
+            except Exception as e:
+                self._log.error(f"{what} service: {type(e).__name__}: {e}")
                 response.success, response.error = False, internal_error(e)
         return response
 

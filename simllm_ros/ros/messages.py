@@ -15,7 +15,7 @@ from visualization_msgs.msg import Marker, MarkerArray
 
 from simllm_ros.cache.cache_map import Sphere
 from simllm_ros.serving.health import Health
-from simllm_ros.msg import CacheStats, ThermalStatus
+from simllm_ros.msg import CacheStats, ThermalStatus, ToolCall
 from simllm_ros.request import CacheResult, ChatTurn, QueryRequest, QueryResult
 from simllm_ros.serving.thermal import ThermalReading
 
@@ -52,6 +52,8 @@ def fill_result(msg, result: QueryResult):
     msg.error_estimate = float(result.error_estimate)
     msg.energy_j = float(result.energy_j)
     msg.energy_source = str(result.energy_source or "none: not measured")
+    msg.tool_calls = [ToolCall(name=c.name, arguments=c.arguments, status=c.status, result=c.result, error=c.error)
+                      for c in result.tool_calls]
     return msg
 
 

@@ -41,7 +41,7 @@ import os
 import time
 from typing import Callable
 
-from diagnostic_msgs.msg import DiagnosticArray
+from diagnostic_msgs.msg import DiagnosticArray, KeyValue
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
@@ -57,6 +57,8 @@ from simllm_ros.msg import CacheStats, ThermalStatus
 from simllm_ros.serving.request_server import RequestServer
 from simllm_ros.ros import messages
 from simllm_ros.ros.endpoints import RequestEndpoints
+from simllm_ros.ros.tool_executor import ToolRunner
+from simllm_ros.serving.tool_calls import ToolError, load_tools
 from simllm_ros.ros.params import ParameterGate, check_undeclared, declare_all, settings_from_node
 from simllm_ros.settings import SettingError, Settings
 from simllm_ros.serving.thermal import ThermalMonitor, ThermalPolicy, ThermalReading, ThermalState
@@ -114,8 +116,9 @@ class SimLLMNode(LifecycleNode):
         self._thermal: ThermalPolicy | None = None
         self._health = health.ServiceHealth()
         self._map_salt = os.urandom(16)  # cache_map namespaces are scope tags, never scope names
+        self._tools: ToolRunner | None = None  # the tools file's tools, from configure to cleanup
         self._endpoints = RequestEndpoints(self, server=lambda: self._server, engine=lambda: self._engine,
-                                           state=self.state_label)
+                                           state=self.state_label, tools=lambda: self._tools)
         self._telemetry_group = MutuallyExclusiveCallbackGroup()
         self._pub_stats = self._pub_thermal = self._pub_diag = self._pub_map = self._timer = None
 
@@ -145,12 +148,18 @@ class SimLLMNode(LifecycleNode):
         try:
             monitor = ThermalMonitor(settings.thermal_root, settings.thermal_zones, settings.thermal_warn_c,
                                      settings.thermal_critical_c, settings.thermal_hysteresis_c)
+            toolbox = load_tools(settings.tools) if settings.tools else None  # a bad file fails here, before the load
             engine = Engine(settings, log=self._py_log)
             t0 = time.monotonic()
             engine.load(progress=self._progress)
             self._thermal = ThermalPolicy(monitor)
             self._server = RequestServer.for_engine(engine, state=self.state_label, log=self._py_log)
             self._create_entities()
+            if toolbox is not None:
+                self._tools = ToolRunner(self, toolbox, execute=lambda: bool(engine.settings.tools_execute))
+                listed = ", ".join(f"{n} ({t.kind} {t.ros_name}{', executable' if t.executable else ''})"
+                                   for n, t in toolbox.tools.items())
+                log.info(f"tools: {listed or 'none'}; tools_execute={settings.tools_execute}")
             self._server.start()
             if settings.persist_path:
                 self._checkpointer = Checkpointer(engine.save, lambda: engine.settings.persist_interval_s,
@@ -161,11 +170,15 @@ class SimLLMNode(LifecycleNode):
             log.info(f"configured in {time.monotonic() - t0:.1f} s: restored {rep.get('restored', 0)} cached "
                      f"entries, {rep.get('warmup', 0)} warm-up requests")
         except Exception as e:
-            kind = "" if isinstance(e, EngineLoadError) else f"{type(e).__name__}: "
+            kind = "tools: " if isinstance(e, ToolError) else "" if isinstance(e, EngineLoadError) else \
+                f"{type(e).__name__}: "
             log.error(f"configure failed: {kind}{e}")
             self._engine = None
             self._stop_server()
             self._destroy_entities()
+            tools, self._tools = self._tools, None
+            if tools is not None:
+                tools.destroy()
             if engine is not None:
                 try:
                     engine.unload()
@@ -263,6 +276,9 @@ class SimLLMNode(LifecycleNode):
                 self.get_logger().error(f"{why}: unloading the engine failed: {type(e).__name__}: {e}")
         self._endpoints.wait_for_replies(why)
         self._destroy_entities()
+        tools, self._tools = self._tools, None
+        if tools is not None:
+            tools.destroy()
         self._thermal = None
 
     def checkpoint(self, why: str) -> str | None:
@@ -383,7 +399,10 @@ class SimLLMNode(LifecycleNode):
                     queue_limit=server.queue_limit if server is not None else engine.settings.queue_limit,
                     fleet=engine.fleet.status() if engine.fleet is not None else None,
                     approx=engine.error_bound.summary(), energy=engine.energy.status())
-                self._pub_diag.publish(messages.diagnostics(h, diagnostic_name(self.get_fully_qualified_name()), now))
+                diag = messages.diagnostics(h, diagnostic_name(self.get_fully_qualified_name()), now)
+                if self._tools is not None:  # every tool call, by what became of it
+                    diag.status[0].values.extend(KeyValue(key=k, value=v) for k, v in self._tools.diagnostic_values())
+                self._pub_diag.publish(diag)
         with self._telemetry_part("cache_map"):
             if self._pub_map is not None:
                 frame = namespaced_frame(engine.settings.cache_map_frame, self.get_namespace())

@@ -1,0 +1,254 @@
+"""The node's tools at run time: a request's tools become its answer's constraint, the model's calls are checked, the
+allowed ones sent (a service call or an action goal), and every step is published on `~/tool_audit`.
+
+Why in the ROS layer: sending is ROS work (clients, goals, feedback, cancel); what a call may hold and whether it is
+valid is decided in serving/tool_calls.py, which this module only applies. The gate, in order: the call is valid
+under its tool's schema and bounds (else refused, nothing sent), it becomes the tool's message with the bounds
+checked again there, the tools file marks the tool executable (else not_executable), the node's tools_execute
+parameter is true (else dry_run), the tool's rate limit has room (else refused). Only then is it sent, with the
+tool's timeout; a missing, slow or failing server gives the call status failed and the reason, and the node goes on.
+
+Every event (proposed, refused, dry_run, not_executable, executed, failed, canceled) is one std_msgs/String on
+~/tool_audit, a JSON object: request_id, event, tool, arguments, reason, result, time; `counts` feed /diagnostics.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+import time
+from typing import Callable
+
+from action_msgs.msg import GoalStatus
+from rclpy.action import ActionClient
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from std_msgs.msg import String
+
+from simllm_ros.request import ChatTurn, QueryRequest, QueryResult, ToolCallRecord
+from simllm_ros.serving.tool_calls import (Call, CallPlan, RateLimiter, ToolError, Toolbox, message_to_dict,
+                                           to_message)
+
+AUDIT_QOS = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE)
+SERVER_WAIT_S = 1.0  # how long a call waits for its server to be discovered before it fails as missing
+POLL_S = 0.05  # cancel checks while a tool runs
+EVENTS = ("proposed", "refused", "dry_run", "not_executable", "executed", "failed", "canceled")
+
+
+class ToolRunner:
+    """The tools of one configured node (`toolbox`), their clients, rate limits and audit publisher.
+    `execute()` reads the node's tools_execute parameter at each call (it changes live)."""
+
+    def __init__(self, node, toolbox: Toolbox, execute: Callable[[], bool]):
+        self._node, self.toolbox, self._execute = node, toolbox, execute
+        self._log = node.get_logger()
+        self._group = ReentrantCallbackGroup()
+        self._limiter = RateLimiter()
+        self._lock = threading.Lock()
+        self.counts: collections.Counter = collections.Counter({e: 0 for e in EVENTS})
+        self._pub = node.create_publisher(String, "~/tool_audit", AUDIT_QOS)
+        self._clients: dict[str, object] = {}
+        for tool in toolbox.tools.values():
+            if not tool.executable:
+                continue  # never sent: no client
+            if tool.kind == "service":
+                self._clients[tool.name] = node.create_client(tool.iface, tool.ros_name, callback_group=self._group)
+            else:
+                self._clients[tool.name] = ActionClient(node, tool.iface, tool.ros_name, callback_group=self._group)
+
+    def destroy(self) -> None:
+        node = self._node
+        for name, client in list(self._clients.items()):
+            try:
+                client.destroy() if isinstance(client, ActionClient) else node.destroy_client(client)
+            except Exception as e:
+                self._log.warning(f"destroying the client of tool {name}: {e}")
+        self._clients.clear()
+        try:
+            node.destroy_publisher(self._pub)
+        except Exception as e:
+            self._log.warning(f"destroying ~/tool_audit: {e}")
+
+    # ------------------------------------------------------------------ audit
+    def audit(self, request_id: str, event: str, tool: str, arguments: str = "", reason: str = "",
+              result: str = "") -> None:
+        with self._lock:
+            self.counts[event] += 1
+        try:
+            self._pub.publish(String(data=json.dumps(
+                {"request_id": request_id, "event": event, "tool": tool, "arguments": arguments, "reason": reason,
+                 "result": result, "time": time.time()}, ensure_ascii=False)))
+        except Exception as e:  # the node is shutting down: the call's own result still says what happened
+            self._log.warning(f"tool audit: {type(e).__name__}: {e}")
+
+    def diagnostic_values(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return [(f"tool_calls_{e}", str(self.counts[e])) for e in EVENTS]
+
+    # ------------------------------------------------------------------ requests
+    def prepare(self, req: QueryRequest, names: list[str], choice: str) -> tuple[QueryRequest, CallPlan | None]:
+        """The request the engine answers: for tools, its answer constrained to the calls' schema, the tools
+        described before the context, and exact reuse only (no approximate call is ever served). ToolError
+        (audited as refused) for unknown tools, a bad tool_choice, or tools with a json_schema."""
+        try:
+            plan = self.toolbox.plan(names, choice)
+            if plan is not None and req.json_schema:
+                raise ToolError("json_schema and tools cannot be combined: the tools' schemas constrain the answer")
+        except ToolError as e:
+            self.audit(req.request_id, "refused", ",".join(names), reason=str(e))
+            raise
+        if plan is None:
+            return req, None
+        context = plan.prompt_text + ("\n\n" + req.context if req.context else "")
+        return dataclasses.replace(req, json_schema=plan.schema_text, context=context, allow_approximate=False), plan
+
+    @staticmethod
+    def follow_up(req: QueryRequest, result: QueryResult) -> QueryRequest:
+        """The request of the next step: the conversation so far, the calls as the assistant's turn and their
+        results as a user turn (the generic format has no tool role), the question asked again."""
+        calls = [{"name": c.name, "arguments": json.loads(c.arguments or "{}")} for c in result.tool_calls]
+        results = "; ".join(f"{c.name} returned {c.result or '{}'}" for c in result.tool_calls)
+        turns = [*req.turns(), ChatTurn("assistant", json.dumps(calls[0] if len(calls) == 1 else calls)),
+                 ChatTurn("user", f"Tool results: {results}. Reply to the user, or call another tool.")]
+        return dataclasses.replace(req, prompt="", messages=turns)
+
+    def conclude(self, plan: CallPlan, result: QueryResult, request_id: str,
+                 on_feedback: Callable[[str], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> QueryResult:
+        """The answer's calls checked and, where allowed, sent; the result gains them (answer: the text reply)."""
+        if not result.success:
+            return result
+        try:
+            text, calls = self.toolbox.parse(plan, result.answer)
+        except ToolError as e:
+            name, args = _name_args(result.answer)
+            self.audit(request_id, "proposed", name, args)
+            self.audit(request_id, "refused", name, args, reason=str(e))
+            result.tool_calls = [ToolCallRecord(name, args, "refused", error=str(e))]
+            result.success, result.error = False, f"tool call refused (nothing sent): {e}"
+            return result
+        result.answer = text
+        for call in calls:
+            self.audit(request_id, "proposed", call.name, call.arguments_json)
+            rec = self._run(call, request_id, on_feedback, should_stop)
+            result.tool_calls.append(rec)
+            if rec.status in ("refused", "failed", "canceled") and result.success:
+                result.success = False
+                result.error = f"tool {call.name} {rec.status}: {rec.error}"
+                if rec.status == "canceled":
+                    result.stop_reason = "cancel"
+        return result
+
+    def _run(self, call: Call, request_id: str, on_feedback, should_stop) -> ToolCallRecord:
+        tool = self.toolbox.tools[call.name]
+        args = call.arguments_json
+
+        def end(status: str, error: str = "", result: str = "") -> ToolCallRecord:
+            self.audit(request_id, status, call.name, args, reason=error, result=result)
+            return ToolCallRecord(call.name, args, status, result, error)
+
+        try:
+            msg = to_message(tool, call)
+        except ToolError as e:
+            return end("refused", str(e))
+        if not tool.executable:
+            return end("not_executable", "the tools file does not mark this tool executable; nothing was sent")
+        if not self._execute():
+            return end("dry_run", "tools_execute is false: the call was checked, not sent")
+        why = self._limiter.take(tool)
+        if why:
+            return end("refused", why + "; nothing was sent")
+        try:
+            if tool.kind == "service":
+                return end(*self._call_service(tool, msg, should_stop))
+            return end(*self._send_goal(tool, msg, on_feedback, should_stop))
+        except Exception as e:  # a fault while sending fails this call only
+            self._log.error(f"tool {tool.name}: {type(e).__name__}: {e}")
+            return end("failed", f"{type(e).__name__}: {e}")
+
+    def _wait(self, future, timeout_s: float, should_stop) -> str:
+        """'done', 'timeout' or 'cancel' for a future, waited for on this thread (the executor completes it)."""
+        done = threading.Event()
+        future.add_done_callback(lambda _f: done.set())
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(POLL_S):
+            if should_stop is not None and should_stop():
+                return "cancel"
+            if time.monotonic() >= deadline:
+                return "timeout"
+        return "done"
+
+    def _call_service(self, tool, request, should_stop) -> tuple[str, str, str]:
+        client = self._clients[tool.name]
+        if not client.wait_for_service(timeout_sec=min(SERVER_WAIT_S, tool.timeout_s)):
+            return "failed", f"service {tool.ros_name} is not available (no server answered discovery)", ""
+        future = client.call_async(request)
+        how = self._wait(future, tool.timeout_s, should_stop)
+        if how != "done":
+            client.remove_pending_request(future)
+            if how == "cancel":
+                return "canceled", "the request was cancelled while the service ran", ""
+            return "failed", f"service {tool.ros_name} gave no response within {tool.timeout_s:g} s", ""
+        if future.exception() is not None:
+            return "failed", f"service {tool.ros_name}: {future.exception()}", ""
+        return "executed", "", json.dumps(message_to_dict(future.result()), ensure_ascii=False)
+
+    def _send_goal(self, tool, goal, on_feedback, should_stop) -> tuple[str, str, str]:
+        client = self._clients[tool.name]
+        if not client.wait_for_server(timeout_sec=min(SERVER_WAIT_S, tool.timeout_s)):
+            return "failed", f"action server {tool.ros_name} is not available", ""
+
+        def feedback(fb) -> None:
+            if on_feedback is not None:
+                try:
+                    on_feedback(json.dumps(message_to_dict(fb.feedback), ensure_ascii=False))
+                except Exception as e:
+                    self._log.warning(f"tool {tool.name}: relaying feedback: {e}")
+
+        t0 = time.monotonic()
+        sent = client.send_goal_async(goal, feedback_callback=feedback)
+        how = self._wait(sent, tool.timeout_s, None)
+        if how != "done":
+            return "failed", f"action server {tool.ros_name} did not answer the goal within {tool.timeout_s:g} s", ""
+        handle = sent.result()
+        if not handle.accepted:
+            return "failed", f"action server {tool.ros_name} rejected the goal", ""
+        got = handle.get_result_async()
+        how = self._wait(got, max(0.0, tool.timeout_s - (time.monotonic() - t0)), should_stop)
+        if how != "done":
+            handle.cancel_goal_async()
+            self._wait(got, 5.0, None)  # the server's answer to the cancel: the goal's end
+            if how == "cancel":
+                return "canceled", "the Generate goal was cancelled: the tool's goal was cancelled", _result(got)
+            return "failed", f"no result from {tool.ros_name} within {tool.timeout_s:g} s; the goal was cancelled", \
+                _result(got)
+        res = got.result()
+        status = res.status
+        if status == GoalStatus.STATUS_SUCCEEDED:
+            return "executed", "", _result(got)
+        if status == GoalStatus.STATUS_CANCELED:
+            return "canceled", f"the goal was cancelled by {tool.ros_name}", _result(got)
+        return "failed", f"the goal ended {_STATUS.get(status, status)}", _result(got)
+
+
+_STATUS = {GoalStatus.STATUS_ABORTED: "aborted", GoalStatus.STATUS_CANCELED: "canceled",
+           GoalStatus.STATUS_UNKNOWN: "unknown"}
+
+
+def _result(future) -> str:
+    if not future.done() or future.result() is None:
+        return ""
+    return json.dumps(message_to_dict(future.result().result), ensure_ascii=False)
+
+
+def _name_args(answer: str) -> tuple[str, str]:
+    """The name and arguments an invalid call tried (for the audit), as far as the answer gives them."""
+    try:
+        doc = json.loads(answer)
+    except ValueError:
+        return "", ""
+    if not isinstance(doc, dict):
+        return "", ""
+    args = doc.get("arguments")
+    return str(doc.get("name", ""))[:64], json.dumps(args, ensure_ascii=False, sort_keys=True) if args else ""
