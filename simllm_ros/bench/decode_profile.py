@@ -158,8 +158,47 @@ def profile_ours(args) -> dict:
             row["floor_ms"] = row["mb_per_token"] / row["memory_read_gbs"]
         out["rows"].append(row)
     out["greedy_tail"] = generated[-4:]
+    if args.answers:
+        out["answers"] = answers_with_and_without_drafts(e, threads, args)
     e.unload()
     return out
+
+
+def answers_with_and_without_drafts(e, threads: list[int], args) -> list[dict]:
+    """Whole requests through the engine at each thread count, with the defaults (verified drafts on) and with
+    drafts off, interleaved: decode ms a token after the first (total - TTFT over the tokens after it). A new
+    scope and question each, so nothing but the bulletin's exact prefix is reused, and the drafts are what the
+    prompt and recent answers offer."""
+    import torch
+
+    from simllm_ros.request import QueryRequest
+
+    from .gguf_models import bulletin
+
+    ctx = bulletin(args.context)
+    base = e.settings
+    rows = []
+    k = 0
+    for n in threads:
+        torch.set_num_threads(n)
+        took: dict[bool, list[float]] = {True: [], False: []}
+        drafted = {True: [0, 0], False: [0, 0]}
+        for i in range(args.answers):
+            for drafts in (True, False):
+                k += 1
+                e.update_settings(base.replace(enable_drafts=drafts))
+                r = e.handle(QueryRequest(prompt=f"Question {k}: what changes on route {k % 7} tonight?",
+                                          context=ctx, scope=f"profile-{k}", max_new_tokens=args.steps))
+                if not r.success or r.generated_tokens < 2:
+                    raise SystemExit(f"request failed or too short: {r.error or r.generated_tokens}")
+                took[drafts].append((r.total_ms - r.ttft_ms) / (r.generated_tokens - 1))
+                drafted[drafts][0] += r.draft_tokens_proposed
+                drafted[drafts][1] += r.draft_tokens_accepted
+        on, off = sorted(took[True])[len(took[True]) // 2], sorted(took[False])[len(took[False]) // 2]
+        rows.append({"threads": n, "drafts_ms": on, "no_drafts_ms": off, "ratio": on / off,
+                     "proposed": drafted[True][0], "accepted": drafted[True][1]})
+    e.update_settings(base)
+    return rows
 
 
 def profile_llama(args) -> dict:
@@ -187,7 +226,7 @@ def profile_llama(args) -> dict:
 def _worker(kind: str, args) -> dict | None:
     cmd = [sys.executable, "-m", __spec__.name, "--worker", kind, "--file", args.file, "--threads", args.threads,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--context", str(args.context),
-           "--cache", args.cache, "--ids", args.ids]
+           "--cache", args.cache, "--ids", args.ids, "--answers", str(args.answers)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in reversed(p.stdout.splitlines()):
@@ -221,6 +260,13 @@ def report(ours: dict, llama: dict | None) -> None:
               f"{r['step_ms'] / r.get('floor_ms', float('nan')):.2f} | "
               + (f"{lr['step_ms']:.2f} | {r['step_ms'] / lr['step_ms']:.2f}" if lr else "- | -")
               + f" | {base['ours'] / r['step_ms']:.2f} |")
+    if ours.get("answers"):
+        print("\nWhole requests through the engine (median decode ms a token after the first): the defaults (verified "
+              "drafts) against drafts off")
+        print("| threads | drafts on | drafts off | on / off | draft tokens proposed | accepted |\n|---|---|---|---|---|---|")
+        for r in ours["answers"]:
+            print(f"| {r['threads']} | {r['drafts_ms']:.2f} | {r['no_drafts_ms']:.2f} | {r['ratio']:.3f} | "
+                  f"{r['proposed']} | {r['accepted']} |")
     if llama and len(llama["rows"]) > 1:
         one = llama["rows"][0]["step_ms"]
         print("llama.cpp speed-up from its first thread count: "
@@ -239,6 +285,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--context", type=int, default=450, help="prompt length in tokens (about)")
     ap.add_argument("--llama", action="store_true", help="llama.cpp's decode on the same file, side by side")
+    ap.add_argument("--answers", type=int, default=0, help="also N whole requests per thread count through the "
+                    "engine, with verified drafts (the default) and without, interleaved: what drafts cost or save")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     ap.add_argument("--worker", choices=["ours", "llama"], help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
