@@ -92,8 +92,9 @@ def _layer_needs(arch: str, hidden: int, heads: int, kv: int, hd: int, inter: in
                  fused: bool) -> dict[str, tuple]:
     """Each layer's tensors (name within blk.N -> shape, outermost first; None: any width) for `arch`."""
     q, kvd = heads * hd, kv * hd
-    need = {"attn_norm.weight": (hidden,), "attn_output.weight": (hidden, q), "ffn_down.weight": (hidden, inter),
-            "ffn_norm.weight": (hidden,)}
+    need = {"attn_norm.weight": (hidden,), "attn_output.weight": (hidden, q), "ffn_down.weight": (hidden, inter)}
+    if arch != "stablelm":  # StableLM 2's larger models run attention and MLP in parallel from one norm
+        need["ffn_norm.weight"] = (hidden,)
     if fused:  # Phi-3's q/k/v in one tensor
         need["attn_qkv.weight"] = (q + 2 * kvd, hidden)
     else:
@@ -109,7 +110,7 @@ def _layer_needs(arch: str, hidden: int, heads: int, kv: int, hd: int, inter: in
     if arch in ("gemma2", "gemma3"):
         need.update({"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
     if arch == "stablelm":
-        need.update({"attn_norm.bias": (hidden,), "ffn_norm.bias": (hidden,)})
+        need["attn_norm.bias"] = (hidden,)
     return need
 
 

@@ -140,7 +140,10 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         # runner takes them from the file again, so the dense projection weights are never read (a model's
         # float32 weights are ~4x its file: they set the peak memory and most of the load time).
         # the file's whole content (file_digest): hashed at resolve_model, remembered for an unchanged file
-        stamp = _conversion_stamp(src, cache_dir or default_cache_dir()) if src else None
+        try:
+            stamp = _conversion_stamp(src, cache_dir or default_cache_dir()) if src else None
+        except OSError as e:  # replaced or removed since resolve_model read it
+            raise ModelLoadError(f"model '{ref}': {e}") from e
         rows = gguf_weights.load_rows(path, stamp) if src and file_blocks else None
         if rows is None and os.path.exists(os.path.join(path, SLIM_FILE)):  # this load needs the dense weights
             path = resolve_model(ref, cache_dir, self.progress, dense=True)
