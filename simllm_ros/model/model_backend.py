@@ -31,7 +31,7 @@ from .chat_prompts import ChatPrompts
 from .semantic_passes import EarlyStart, SemanticPasses  # noqa: F401 (EarlyStart importable from here)
 # Re-exported: what `from simllm_ros.model.model_backend import ...` has always given.
 from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_json, _update_json  # noqa: F401
-from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, default_cache_dir  # noqa: F401
+from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, default_cache_dir  # noqa: F401
 
 # Architectures the batch-invariant runner takes where every layer is full attention with one RoPE table.
 FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"}

@@ -352,10 +352,3 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length:
     if getattr(cfg, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
-
-
-def _head_digest(path: str, n: int = 1 << 20) -> str:
-    import hashlib
-
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read(n)).hexdigest()
