@@ -71,8 +71,10 @@ def check_metadata(bad: Bad, meta: dict) -> None:
             continue
         if key.endswith(("layer_norm_rms_epsilon", "layer_norm_epsilon")) and not 0 < v < 1:
             bad(f"metadata {key} is {v}, not an epsilon in (0, 1)")
-        if key.endswith((".rope.freq_base", ".rope.freq_base_swa", ".rope.scaling.factor")) and not 0 < v <= 1e12:
-            bad(f"metadata {key} is {v}, not a positive RoPE base or factor")
+        if key.endswith((".rope.freq_base", ".rope.freq_base_swa")) and not 0 < v <= 1e12:
+            bad(f"metadata {key} is {v}, not a positive RoPE base")
+        if key.endswith(".rope.scaling.factor") and not 0 <= v <= 1e6:  # 0: no scaling, as llama.cpp reads it
+            bad(f"metadata {key} is {v}, not a RoPE scaling factor")
         if key.endswith("softcapping") and v < 0:
             bad(f"metadata {key} is {v}, a negative soft-cap")
 

@@ -49,7 +49,7 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
     logits from the file's keys, where transformers keeps its defaults (50 and 30, the released models' values)."""
     arch = meta.get("general.architecture", "")
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0)) or 1.0  # 0: none, as llama.cpp reads it
     gemma = cfg.model_type == "gemma3_text"
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if cfg.model_type == "gemma2":
