@@ -94,7 +94,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 rope_base: float = 10000.0, llama3_rope: dict | None = None,
                 rope_scaling: tuple | None = None, name: str | None = None, metadata: dict | None = None,
                 vocab: int | None = None, rope_dims: int | None = None, rope_factors: bool = False,
-                softcaps: tuple[float, float] | None = None, pad_vocab: int | None = None) -> str:
+                softcaps: tuple[float, float] | None = None, pad_vocab: int | None = None,
+                chat_template: str | None = None) -> str:
     """A Llama-family GGUF at `path`: every projection in `default`, tensor kinds in `types` ({"attn_v": "Q6_K"})
     and (layer, kind) in `per_layer` otherwise; token_embd in `embed`; `output` None ties the LM head to the
     embedding. `arch` "qwen2" adds q/k/v biases, "qwen3" per-head q/k norms (and `head_dim` may differ from
@@ -117,7 +118,8 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
     rotated dimensions per head where not all (Phi-4-mini's 96 of 128); `rope_factors`: LongRoPE's per-frequency
     factors (rope_factors_long / rope_factors_short tensors, Phi-3.5's). `pad_vocab`: the tokenizer's token list
     padded to this many with unused "[PAD<i>]" tokens, as llama.cpp's converter pads a model whose embedding has more
-    rows than its tokenizer has tokens (Qwen2.5's 151,936), so a file has a real model's vocabulary size."""
+    rows than its tokenizer has tokens (Qwen2.5's 151,936), so a file has a real model's vocabulary size.
+    `chat_template`: the file's tokenizer.chat_template in place of the embedded model's."""
     import gguf
 
     src = gguf.GGUFReader(tokenizer or tokenizer_source())
@@ -170,7 +172,9 @@ def write_llama(path: str, *, layers: int = 2, hidden: int = 256, inter: int = 5
                 contents = contents + [0.0] * len(padding)
             w.add_key_value(key, contents, vtype, sub_type=field.types[1])
         else:
-            w.add_key_value(key, field.contents(), vtype)
+            value = chat_template if key == "tokenizer.chat_template" and chat_template is not None else \
+                field.contents()
+            w.add_key_value(key, value, vtype)
     types = types or {}
     per_layer = per_layer or {}
 

