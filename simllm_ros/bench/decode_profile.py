@@ -188,7 +188,7 @@ def answers_with_and_without_drafts(e, threads: list[int], args) -> list[dict]:
                 k += 1
                 e.update_settings(base.replace(enable_drafts=drafts))
                 r = e.handle(QueryRequest(prompt=f"Question {k}: what changes on route {k % 7} tonight?",
-                                          context=ctx, scope=f"profile-{k}", max_new_tokens=args.steps))
+                                          context=ctx, cache_scope=f"profile-{k}", max_new_tokens=args.steps))
                 if not r.success or r.generated_tokens < 2:
                     raise SystemExit(f"request failed or too short: {r.error or r.generated_tokens}")
                 took[drafts].append((r.total_ms - r.ttft_ms) / (r.generated_tokens - 1))
