@@ -289,8 +289,9 @@ def run(args) -> dict:
     threads, blas = set_threads(args.threads)
     clients = [int(c) for c in args.clients.split(",")]
     max_new = args.max_new_tokens or (8 if args.smoke else 32)
+    model = {"model": args.model} if args.model else {}
     settings = Settings.from_overrides(cache_size="256MB", max_new_tokens=max(max_new, args.four_max_new_tokens),
-                                       max_batch=BATCH, enable_drafts=not args.no_drafts)
+                                       max_batch=BATCH, enable_drafts=not args.no_drafts, **model)
     engine = Engine(settings, log=logging.getLogger("simllm_ros.engine"))
     engine.load(progress=lambda m: log.info(m))
     rows = wl.generate(args.workload, n=None, seed=args.seed)
@@ -458,6 +459,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--four-trials", type=int, default=-1, help="trials of the four-at-once phase (default 3)")
     ap.add_argument("--ttft-target-ms", type=float, default=1000.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    ap.add_argument("--model", default="", help="the engines' model (a GGUF path; default the embedded one); "
+                    "peers other than the engines need --engines-only then")
     ap.add_argument("--no-llama", action="store_true", help="leave llama-cpp out even where it is installed")
     ap.add_argument("--engines-only", action="store_true", help="only batched and one-at-a-time (no peers)")
     ap.add_argument("--no-drafts", action="store_true",
