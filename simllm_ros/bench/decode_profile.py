@@ -260,6 +260,7 @@ def report(ours: dict, llama: dict | None) -> None:
               f"{r['step_ms'] / r.get('floor_ms', float('nan')):.2f} | "
               + (f"{lr['step_ms']:.2f} | {r['step_ms'] / lr['step_ms']:.2f}" if lr else "- | -")
               + f" | {base['ours'] / r['step_ms']:.2f} |")
+    projection(ours["rows"], (llama or {}).get("rows", []))
     if ours.get("answers"):
         print("\nWhole requests through the engine (median decode ms a token after the first): the defaults (verified "
               "drafts) against drafts off")
@@ -271,6 +272,35 @@ def report(ours: dict, llama: dict | None) -> None:
         one = llama["rows"][0]["step_ms"]
         print("llama.cpp speed-up from its first thread count: "
               + ", ".join(f"{x['threads']}: {one / x['step_ms']:.2f}x" for x in llama["rows"]))
+
+
+def amdahl(rows: list[dict]) -> tuple[float, float] | None:
+    """(serial ms, parallel ms) of step = serial + parallel / threads, fitted by least squares to the measured rows
+    (at least two thread counts), or None."""
+    pts = [(1.0 / r["threads"], r["step_ms"]) for r in rows]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    p = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return my - p * mx, p
+
+
+def projection(ours: list[dict], llama: list[dict]) -> None:
+    """A model, not a measurement: the step at 4, 6 and 12 threads from the serial and parallel parts fitted to the
+    thread counts measured here (Amdahl), beside the same fit of llama.cpp's steps. Memory bandwidth stops both
+    sooner than this says on a machine whose memory the threads share (the floor column above); run this command
+    on a machine with more cores (--threads 1,2,4,6,...) for the measured table."""
+    fits = [("simllm_ros", amdahl(ours)), ("llama.cpp", amdahl(llama) if llama else None)]
+    fits = [(name, f) for name, f in fits if f is not None]
+    if not fits:
+        return
+    print("\nA model, not a measurement (Amdahl's law fitted to the thread counts above: step = serial + "
+          "parallel / threads); memory bandwidth caps it sooner")
+    print("| system | serial ms | parallel ms | 4 threads | 6 threads | 12 threads |\n|---|---|---|---|---|---|")
+    for name, (serial, par) in fits:
+        print(f"| {name} | {serial:.1f} | {par:.1f} | " + " | ".join(f"{serial + par / t:.1f}" for t in (4, 6, 12))
+              + " |")
 
 
 def main(argv=None) -> None:
