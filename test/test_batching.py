@@ -292,6 +292,39 @@ def test_flights_on_one_context_share_it_and_answer_as_alone(engine):
     assert max(shared) == 3, shared
 
 
+def test_requests_arriving_together_prefill_their_common_start_once(engine):
+    """Four questions on a bulletin no pool entry holds, sent together: the first prefills it, the other three
+    wait for it and take its KV (reused tokens: the bulletin's), and every answer is the one max_batch 1 gives.
+    Another scope's request never takes it (scopes are walled)."""
+    qs = ("is elm street open", "when does the market open", "what is on at the library", "is it going to rain")
+    reqs = [QueryRequest(prompt=q, context=BULLETIN_REVISED, cache_scope="herd", request_id=f"h{i}",
+                         max_new_tokens=12, allow_approximate=False) for i, q in enumerate(qs)]
+    reqs.append(QueryRequest(prompt=qs[0], context=BULLETIN_REVISED, cache_scope="other", request_id="h-other",
+                             max_new_tokens=12, allow_approximate=False))
+    waited = []
+
+    class Waits(Recorder):
+        def step(self, flights):
+            waited.append(sum(1 for f in flights if f.leader is not None))
+            return super().step(flights)
+
+    alone = {}  # one at a time, each on an empty pool
+    for r in reqs:
+        fresh(engine)
+        alone[r.request_id] = engine.handle(r)
+    fresh(engine)
+    together, _ = _serve(engine, reqs, 8, Waits(engine))
+    fresh(engine)
+    by_id = {r.request_id: r for r in together}
+    common = len(_ids(engine, qs[0], BULLETIN_REVISED)) - 12  # the start the four prompts share, about
+    followers = [by_id[f"h{i}"] for i in range(1, 4)]
+    for r in reqs:
+        assert by_id[r.request_id].success and by_id[r.request_id].answer == alone[r.request_id].answer, r.request_id
+    assert max(waited) >= 3, waited
+    assert all(f.reused_tokens >= common for f in followers), [f.reused_tokens for f in followers]
+    assert by_id["h-other"].reused_tokens < common and by_id["h0"].reused_tokens < common
+
+
 def test_long_prefill_is_chunked_and_others_decode_every_step(engine):
     fresh(engine, prefill_chunk_tokens=32, enable_drafts=False)
     rec = Recorder(engine)

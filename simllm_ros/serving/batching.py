@@ -78,6 +78,8 @@ class Batching:
             cap = None if n_decoding <= 1 else max(1, self.settings.max_draft_tokens // n_decoding)
             for i, f in enumerate(flights):
                 try:
+                    if f.decoder is None and backend.exact_chunking and self._waits_for_leader(f, flights[:i]):
+                        continue  # its prompt's start is being prefilled by an earlier flight: taken from it later
                     if f.decoder is None and f.watch.should_stop():  # cancelled before its prompt was in
                         out[i] = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel",
                                              request_id=f.p.req.request_id)
@@ -114,6 +116,46 @@ class Batching:
                 if r is not None:
                     self._record(r, f.energy_token)
         return out
+
+    # A leader's prefix is waited for only where it saves at least this many prompt tokens of this flight's prefill.
+    LEADER_MIN_TOKENS = 32
+
+    def _waits_for_leader(self, f: Flight, earlier: list[Flight]) -> bool:
+        """Requests that arrive together often share a long start (one system prompt, one bulletin) that no pool
+        entry holds yet: each would prefill it in full, N times the work of one (8 robots asking about a new
+        bulletin at 1.5B: every answer waited for eight prefills). A flight whose prompt shares at least
+        LEADER_MIN_TOKENS more leading tokens with an earlier flight of its scope than it reused waits while that
+        leader prefills them, then takes their KV: the leader's bits, which it would have computed itself
+        (exact chunking: a token's KV does not depend on the passes its prefix ran in). Whether it waits now."""
+        if not f.leader_checked:
+            f.leader_checked = True
+            have = len(f.tokens) - f.todo
+            for g in earlier:
+                if g.p.req.scope != f.p.req.scope or g.leader is not None:
+                    continue
+                n, limit = 0, min(len(g.tokens), len(f.tokens) - 1)  # the last token is run for its logits
+                while n < limit and g.tokens[n] == f.tokens[n]:
+                    n += 1
+                if n >= have + self.LEADER_MIN_TOKENS and n > f.leader_tokens:
+                    f.leader, f.leader_tokens = g, n
+        g = f.leader
+        if g is None:
+            return False
+        if g not in earlier or g.cache is None:  # the leader ended (or failed) first: prefill alone, as planned
+            f.leader = None
+            return False
+        if len(g.tokens) - (g.todo if g.decoder is None else 0) < f.leader_tokens:
+            return True  # not yet
+        n = f.leader_tokens
+        k, v = self.backend.cache_tensors(g.cache)
+        f.cache = self.backend.cache_from_tensors(k[:, :, :n].clone(), v[:, :, :n].clone(),
+                                                  reserve=len(f.tokens) - n + f.reserve)
+        f.todo = len(f.tokens) - n
+        f.res.reused_tokens, f.res.recomputed_tokens = n, f.todo
+        if f.res.cache_result == CacheResult.MISS:
+            f.res.cache_result = CacheResult.EXACT_PREFIX
+        f.leader = None
+        return False
 
     def _run_isolated(self, flights: list[Flight], work: list, out: list) -> list:
         """The work's forward pass, all together; if it raises, each flight's part alone, so that a fault fails

@@ -114,6 +114,11 @@ class Flight:
     refused: "reuse_planner.ReusePlan | None" = None  # an approximate plan the error bound turned down
     delta: float = 1.0  # the approx_error_bound this request is served under
     energy_token: int | None = None  # its span in the engine's EnergyMeter (begin() to its result)
+    # A flight of the same scope admitted before this one whose prompt shares more leading tokens than this one
+    # reused: this one waits until the leader has prefilled them, then takes their KV (batching._from_leader).
+    leader: "Flight | None" = None
+    leader_tokens: int = 0
+    leader_checked: bool = False
 
 
 @dataclasses.dataclass
