@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
-from .shared import QUESTIONS, REPO_ROOT as ROOT, SHAPES, TIED, VOCAB, bulletin, make_file, use_test_helpers
+from .shared import QUESTIONS, SHAPES, TIED, VOCAB, bulletin, make_file, run_worker_process, use_test_helpers
 
 
 class _Timed:
@@ -221,13 +220,7 @@ def _worker(kind: str, args) -> dict | None:
     cmd = [sys.executable, "-m", __spec__.name, "--worker", kind, "--file", args.file, "--threads", args.threads,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--context", str(args.context),
            "--cache", args.cache, "--ids", args.ids, "--answers", str(args.answers)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    print(f"{kind} failed (rc {p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}", flush=True)
-    return None
+    return run_worker_process(kind, cmd)
 
 
 COLUMNS = ("qkv", "o", "gate_up", "down", "attention", "norms", "rope", "activation", "wait_for_workers",
@@ -237,7 +230,8 @@ COLUMNS = ("qkv", "o", "gate_up", "down", "attention", "norms", "rope", "activat
 def report(ours: dict, llama: dict | None) -> None:
     print(f"\n{ours['file']} ({ours['how']}), {ours['prompt_tokens']}-token prompt, greedy; ms per decode step "
           f"(wait_for_workers is inside the products and attention)")
-    print("| threads | step | " + " | ".join(COLUMNS) + " | dispatches | woke a sleeper |\n|" + "---|" * (len(COLUMNS) + 4))
+    print("| threads | step | " + " | ".join(COLUMNS) + " | dispatches | woke a sleeper |\n|"
+          + "---|" * (len(COLUMNS) + 4))
     for r in ours["rows"]:
         print(f"| {r['threads']} | {r['step_ms']:.2f} | " + " | ".join(f"{r[c]:.2f}" for c in COLUMNS)
               + f" | {r['dispatches']:.0f} | {r['woke_sleeper']:.0f} |")
@@ -258,7 +252,8 @@ def report(ours: dict, llama: dict | None) -> None:
     if ours.get("answers"):
         print("\nWhole requests through the engine (median decode ms a token after the first): the defaults (verified "
               "drafts) against drafts off")
-        print("| threads | drafts on | drafts off | on / off | draft tokens proposed | accepted |\n|---|---|---|---|---|---|")
+        print("| threads | drafts on | drafts off | on / off | draft tokens proposed | accepted |\n"
+              "|---|---|---|---|---|---|")
         for r in ours["answers"]:
             print(f"| {r['threads']} | {r['drafts_ms']:.2f} | {r['no_drafts_ms']:.2f} | {r['ratio']:.3f} | "
                   f"{r['proposed']} | {r['accepted']} |")

@@ -20,12 +20,11 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 
 # the files' shapes and prompts live in shared.py, where decode_profile takes them too
-from .shared import QUESTIONS, REPO_ROOT as ROOT, bulletin, make_file, real_file
+from .shared import QUESTIONS, bulletin, make_file, real_file, run_worker_process
 
 
 def agreement(a: list[int], b: list[int]) -> str:
@@ -188,13 +187,7 @@ def run_worker(kind: str, path: str, args, dtype: str = "auto") -> dict | None:
            "--dtype", dtype,
            "--new", str(args.new), "--context", str(args.context), "--cache", os.path.join(args.dir, "models"),
            "--ids", os.path.join(args.dir, "ids.json")]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    print(f"{kind} failed (rc {p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}", flush=True)
-    return None
+    return run_worker_process(kind, cmd)
 
 
 def main(argv=None) -> None:

@@ -345,3 +345,17 @@ def make_file(shape: str, quant: str, folder: str) -> str:
     os.replace(path + ".tmp", path)
     print(f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s", flush=True)
     return path
+
+
+def run_worker_process(kind: str, cmd: list[str]) -> dict | None:
+    """A benchmark's worker process (`cmd`, offline, this checkout first on its path): the JSON of its last
+    `RESULT ` line, or None after printing why it failed."""
+    import subprocess
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    print(f"{kind} failed (rc {p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}", flush=True)
+    return None
