@@ -167,3 +167,50 @@ def test_decode_profile_prints_where_a_step_goes(files, tmp_path):
     assert [r["threads"] for r in rows] == [1, 2]
     assert all(r["gate_up"] > 0 and r["memory_read_gbs"] > 0 for r in rows)
     assert rows[1]["dispatches"] > 0 and rows[0]["dispatches"] == 0  # one thread: no worker ever woken
+
+
+def test_products_from_many_threads_at_once_keep_their_bits(threads_restored):
+    """The kept workers serve one caller at a time (the others compute alone) and claim chunks by compare-and-swap:
+    products from four Python threads at once, while another thread stops the workers now and then (an engine's
+    unload beside a running one), each give the bits of the product computed alone."""
+    import threading
+
+    kernel = int4_vector_kernel.load()
+    if kernel is None:
+        pytest.skip(f"vector kernel: {int4_vector_kernel.why_not()}")
+    g = torch.Generator().manual_seed(5)
+    n, k = 2048, 512
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    step = torch.rand(n, k // 32, generator=g) * 0.01 + 0.001
+    blob = kernel.pack_affine(codes, step, -8 * step)
+    xs = [torch.randn(m, k, generator=g) for m in (1, 2, 3, 5)]
+    torch.set_num_threads(1)
+    want = [kernel.mm(x, blob, n) for x in xs]
+    torch.set_num_threads(2)
+    bad, stop = [], threading.Event()
+
+    def caller(i):
+        torch.set_num_threads(2)
+        for _ in range(60):
+            got = kernel.mm(xs[i], blob, n)
+            if not torch.equal(got, want[i]):
+                bad.append(i)
+
+    def stopper():
+        while not stop.is_set():
+            kernel.stop_workers()
+            stop.wait(0.005)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    s = threading.Thread(target=stopper)
+    s.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    stop.set()
+    s.join(timeout=60)
+    assert not bad, bad
+    assert not any(t.is_alive() for t in threads)
+    kernel.stop_workers()
+    assert kernel.workers() == 0
