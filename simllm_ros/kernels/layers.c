@@ -60,16 +60,20 @@ void simllm_rope_bf16(const bf16 *x, long row_stride, int M, int H, int D, const
 }
 
 /* a [M, I] = bf16(silu(g)) * u, rounded, of gu [M, 2I] (g: the first I columns, u: the rest). I % 16 == 0. */
-void simllm_silu_mul_bf16(const bf16 *gu, long gu_stride, int M, int I, bf16 *a, long a_stride) {
+/* columns c0..c1-1 of it (multiples of 16): a step of few rows splits its columns over threads (glue_rows) */
+static void silu_mul_bf16_cols(const bf16 *gu, long gu_stride, int M, int I, int c0, int c1, bf16 *a, long a_stride) {
     for (int m = 0; m < M; m++) {
         const bf16 *g = gu + (long)m * gu_stride, *u = g + I;
         bf16 *o = a + (long)m * a_stride;
-        for (int j = 0; j < I; j += 16) {
+        for (int j = c0; j < c1; j += 16) {
             __m512 x = ld(g + j);
             __m512 sl = rnd(_mm512_div_ps(x, one_plus_exp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
             st(o + j, rnd(_mm512_mul_ps(sl, ld(u + j))));
         }
     }
+}
+void simllm_silu_mul_bf16(const bf16 *gu, long gu_stride, int M, int I, bf16 *a, long a_stride) {
+    silu_mul_bf16_cols(gu, gu_stride, M, I, 0, I, a, a_stride);
 }
 
 /* h [M, E] += t [M, E], rounded as torch's bf16 add. E % 16 == 0. */
@@ -93,7 +97,7 @@ typedef struct {
 
 /* The steps between products (norms, residual adds, RoPE, SiLU; layer_stack.h) are per row. */
 typedef struct {
-    const pass_t *P; int op, M, n, i;
+    const pass_t *P; int op, M, n, i, cols;  /* cols: job i of n takes a share of the columns of every row */
     bf16 *h; const bf16 *t; const bf16 *w; bf16 *x; float eps;  /* G_NORM: x = norm(h); G_ADD_NORM: h += t first
                                                                      (no norm where w is 0) */
     const bf16 *src; bf16 *dst; const bf16 *cos, *sin;            /* G_ROPE: qkv -> qk; G_SILU: gu -> a */
@@ -102,6 +106,11 @@ typedef struct {
 static void *glue_rows(void *arg) {
     const glue_t *G = arg;
     const pass_t *P = G->P;
+    if (G->cols) {  /* G_SILU over few rows: columns in 16s (layer_stack.h's GLUE_COLS) */
+        const int blocks = P->I / 16, c0 = 16 * (blocks * G->i / G->n), c1 = 16 * (blocks * (G->i + 1) / G->n);
+        silu_mul_bf16_cols(G->src, 2 * P->I, G->M, P->I, c0, c1, G->dst, P->I);
+        return 0;
+    }
     const int m0 = (int)((long)G->M * G->i / G->n), m1 = (int)((long)G->M * (G->i + 1) / G->n), m = m1 - m0;
     const int E = P->E, D = P->D, H = P->Hq + 2 * P->Hkv, I = P->I;
     if (m <= 0) return 0;
@@ -195,31 +204,40 @@ static inline float over_one_plus_exp(float x, float e) {
     return x / fmaf(y, s, 1.0f);
 }
 
-void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride) {
+/* columns c0..c1-1 of it: a step of few rows splits its columns over threads (glue32_rows) */
+static void silu_mul_f32_cols(const float *gu, long gu_stride, int M, int I, int c0, int c1, float *a,
+                              long a_stride) {
     for (int m = 0; m < M; m++) {
         const float *g = gu + (long)m * gu_stride, *u = g + I;
         float *o = a + (long)m * a_stride;
-        for (int j = 0; j < I; j++) o[j] = over_one_plus_exp(g[j], -g[j]) * u[j];
+        for (int j = c0; j < c1; j++) o[j] = over_one_plus_exp(g[j], -g[j]) * u[j];
     }
+}
+void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride) {
+    silu_mul_f32_cols(gu, gu_stride, M, I, 0, I, a, a_stride);
 }
 
 /* a [M, I] = gelu(g) * u with tanh's approximation, gelu(x) = 0.5 x (1 + tanh(c (x + 0.044715 x^3))) written as
    x / (1 + exp(-2 c (x + 0.044715 x^3))) (the same function: 0.5 (1 + tanh(z)) = 1 / (1 + exp(-2z))), with
    exp_poly.h's polynomial and SiLU's clamp and fused 1 + y * s: ours, not torch's or libm's tanh, so its bits are
    the same on every CPU and C library; the Python layers use it too where the C layers run (Gemma 3's MLP). */
-void simllm_gelu_tanh_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride) {
+static void gelu_tanh_mul_f32_cols(const float *gu, long gu_stride, int M, int I, int c0, int c1, float *a,
+                                   long a_stride) {
     for (int m = 0; m < M; m++) {
         const float *g = gu + (long)m * gu_stride, *u = g + I;
         float *o = a + (long)m * a_stride;
-        for (int j = 0; j < I; j++) {
+        for (int j = c0; j < c1; j++) {
             const float x = g[j], z = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
             o[j] = over_one_plus_exp(x, -2.0f * z) * u[j];
         }
     }
 }
+void simllm_gelu_tanh_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride) {
+    gelu_tanh_mul_f32_cols(gu, gu_stride, M, I, 0, I, a, a_stride);
+}
 
 typedef struct {
-    const pass32_t *P; int op, M, n, i;
+    const pass32_t *P; int op, M, n, i, cols;  /* cols: job i of n takes a share of the columns of every row */
     float *h; float *t; const float *w; float *x; float eps;
     const float *pw; float peps;  /* G_ADD_NORM: a norm of t (in place) before it is added (Gemma 3), or 0 */
     float *src; float *dst; const float *cos, *sin;
@@ -229,6 +247,12 @@ typedef struct {
 static void *glue32_rows(void *arg) {
     const glue32_t *G = arg;
     const pass32_t *P = G->P;
+    if (G->cols) {  /* G_SILU over few rows: columns in 16s (layer_stack.h's GLUE_COLS) */
+        const int blocks = P->I / 16, c0 = 16 * (blocks * G->i / G->n), c1 = 16 * (blocks * (G->i + 1) / G->n);
+        (P->act == ACT_GELU_TANH ? gelu_tanh_mul_f32_cols : silu_mul_f32_cols)(G->src, 2 * P->I, G->M, P->I, c0, c1,
+                                                                             G->dst, P->I);
+        return 0;
+    }
     const int m0 = (int)((long)G->M * G->i / G->n), m1 = (int)((long)G->M * (G->i + 1) / G->n), m = m1 - m0;
     const int E = P->E, D = P->D, H = P->Hq + 2 * P->Hkv, I = P->I;
     if (m <= 0) return 0;

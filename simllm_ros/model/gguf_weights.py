@@ -438,9 +438,9 @@ class FileEmbedding:
         rows = decode(self.tensor.ggml, self._read(distinct), (distinct.size, self.embedding_dim)).dequantized()
         return rows[torch.from_numpy(where.reshape(-1))].reshape(*ids.shape, self.embedding_dim)
 
-    def __del__(self):
+    def __del__(self, _close=os.close):  # bound now: at interpreter exit the module's `os` may be gone already
         if getattr(self, "_fd", -1) >= 0:
-            os.close(self._fd)
+            _close(self._fd)
             self._fd = -1
 
 
