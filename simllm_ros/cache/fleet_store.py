@@ -393,19 +393,31 @@ class FleetStore:
         the server walks its nodes, nothing is sent). A larger list is not one the fleet's writers left (they trim
         it to RECENT_PER_SCOPE small items): it is unlinked, counted and logged; its answers were only drafts and
         the writers fill it again. A key of another type reads as empty."""
-        from redis.exceptions import ResponseError
-
-        try:
-            size = self.redis.memory_usage(lkey, samples=0)
-        except ResponseError:
-            size = None  # not allowed (ACL): read as is; the socket timeout still bounds the call
+        size = self._server_size(lkey)
         if size is not None and size > MAX_RECENT_LIST:
             self._refuse(lkey, BlobRefused(f"recent list of {size} bytes, more than {MAX_RECENT_LIST}: not read, "
                                            "unlinked"), oversized=True)
             self.redis.unlink(lkey)
             return []
+        return self._read_typed(lambda: self.redis.lrange(lkey, 0, RECENT_PER_SCOPE - 1))
+
+    def _server_size(self, key: str) -> int | None:
+        """The key's size as the server measures it (MEMORY USAGE: nothing is sent), or None where that is not
+        allowed (ACL): then it is read as is, and the socket timeout still bounds the call."""
+        from redis.exceptions import ResponseError
+
         try:
-            return list(self.redis.lrange(lkey, 0, RECENT_PER_SCOPE - 1))
+            return self.redis.memory_usage(key, samples=0)
+        except ResponseError:
+            return None
+
+    @staticmethod
+    def _read_typed(read) -> list:
+        """read() as a list, where a key of another type (WRONGTYPE) reads as empty."""
+        from redis.exceptions import ResponseError
+
+        try:
+            return list(read())
         except ResponseError as e:
             if "WRONGTYPE" in str(e):
                 return []
@@ -426,19 +438,11 @@ class FleetStore:
                 self._scripts = False
                 self.log.warning(f"fleet store: scripts refused ({e}); the asked-most set is bounded by MEMORY USAGE "
                                  "instead")
-        try:
-            size = self.redis.memory_usage(zkey, samples=0)
-        except ResponseError:
-            size = None
+        size = self._server_size(zkey)
         if size is not None and size > MAX_ASKED_SET:
             self._refuse(zkey, BlobRefused(f"{size} bytes, more than {MAX_ASKED_SET}: not read"), oversized=True)
             return []
-        try:
-            return list(self.redis.zrevrange(zkey, 0, n - 1))
-        except ResponseError as e:
-            if "WRONGTYPE" in str(e):
-                return []
-            raise
+        return self._read_typed(lambda: self.redis.zrevrange(zkey, 0, n - 1))
 
     def _block_bound(self) -> int:
         """Most bytes a sealed KV block can take: its payload, a header of BLOCK_TOKENS ids, the seal."""
