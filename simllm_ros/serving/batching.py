@@ -141,7 +141,7 @@ class Batching:
         g = f.leader
         if g is None:
             return False
-        if g not in earlier or g.cache is None:  # the leader ended (or failed) first: prefill alone, as planned
+        if not any(x is g for x in earlier) or g.cache is None:  # the leader ended (or failed) first: prefill alone
             f.leader = None
             return False
         if len(g.tokens) - (g.todo if g.decoder is None else 0) < f.leader_tokens:
