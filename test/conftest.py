@@ -188,6 +188,13 @@ class RosHarness:
                            (f"{n}/cache_map", MarkerArray)):
             self.received[topic] = []
             c.create_subscription(typ, topic, lambda m, t=topic: self._store(t, m), 100)
+        from std_msgs.msg import String
+
+        from simllm_ros.ros.node import LOAD_PROGRESS_QOS
+
+        self.received[f"{n}/load_progress"] = []  # configure's progress lines (the last 20 kept for late joiners)
+        c.create_subscription(String, f"{n}/load_progress", lambda m, t=f"{n}/load_progress": self._store(t, m),
+                              LOAD_PROGRESS_QOS)
         for cli in (self.change_state_cli, self.get_state_cli, self.set_params_cli, self.get_params_cli):
             assert cli.wait_for_service(timeout_sec=10), f"{cli.srv_name} not available"
 

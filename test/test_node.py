@@ -107,6 +107,10 @@ def test_lifecycle_transitions(h):
     assert h.change_state("configure") is False and h.state() == "active"  # not a transition from active
     assert h.change_state("deactivate") and h.state() == "inactive"
     assert h.change_state("activate") and h.state() == "active"
+    # configure told how the load went on ~/load_progress while the node was between states
+    lines = [m.data for m in h.messages(f"{N}/load_progress")]
+    assert any(line.startswith("loading model ") for line in lines), lines
+    assert any("compute threads:" in line for line in lines), lines
 
 
 def test_query_answered_by_real_model(h):

@@ -13,6 +13,8 @@ not take, other values) this returns None and the caller converts the whole mode
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 from collections.abc import Callable
@@ -28,7 +30,7 @@ _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "
               "gemma3_text": "gemma3",
               "smollm3": "llama",  # llama.cpp's converter writes SmolLM3's q/k rows in Llama's order
               "phi3": "phi3"}  # its q/k rows as transformers has them (llama.cpp rotates them NEOX-style)
-EMBED_ROWS = 8192  # rows of the token embedding / LM head compared at a time (1536 wide: 48 MB in float32)
+SAMPLE_ROWS = 64  # rows of each projection, embedding and LM head compared with gguf's dequantization
 
 
 # Llama 3.1-3.3's RoPE scaling parameters besides its factor (every release has these); llama.cpp's converter bakes
@@ -247,11 +249,41 @@ def own_reader(meta: dict) -> Callable | None:
 OWN_CONFIGS = {"smollm3": _smollm3_config}
 
 
+@contextlib.contextmanager
+def _one_metadata_parse():
+    """While inside: transformers' GGUF metadata parse (load_gguf_checkpoint without tensors) runs once a file,
+    where its config and its tokenizer each parse the whole file again (gguf's reader makes a numpy view of every
+    vocabulary string: ~10 s a parse for a 150k-token file). Each caller gets its own copy of the result."""
+    from transformers import modeling_gguf_pytorch_utils as mgu
+
+    parse, seen = mgu.load_gguf_checkpoint, {}
+
+    def once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return parse(path, return_tensors=return_tensors, **kwargs)
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen[key] = parse(path, return_tensors=False)
+        return copy.deepcopy(seen[key])
+
+    mgu.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        mgu.load_gguf_checkpoint = parse
+
+
 def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dict,
             progress: Callable[[str], None]) -> Rows | None:
     """Writes into `folder` the slim copy of GGUF `src` (its `header`: gguf_weights.read_header; content `stamp`)
     with its checked rows, and returns them; None (folder left for the caller to clear) where the runner does not
     take this model or a projection is not the file's own blocks."""
+    with _one_metadata_parse():
+        return _convert(src, header, folder, stamp, progress)
+
+
+def _convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dict,
+             progress: Callable[[str], None]) -> Rows | None:
     from .llama_runner import LlamaRunner
     from .model_files import SLIM_FILE, _skeleton_skips
 
@@ -300,6 +332,11 @@ def convert_dense(src: str, header: tuple[dict, list[Tensor]], folder: str) -> N
     """Writes into `folder` the whole model of GGUF `src` dequantized to float32, as transformers' whole conversion
     does, for the files its GGUF reader refuses or misreads (own_reader): the copy a dense load (bf16, a format off
     our kernels) reads. Holds the dense model once, as that conversion does."""
+    with _one_metadata_parse():
+        _convert_dense(src, header, folder)
+
+
+def _convert_dense(src: str, header: tuple[dict, list[Tensor]], folder: str) -> None:
     meta, listed = header
     cfg = read_config(src, meta, {t.name: t for t in listed})
     with torch.device("meta"):
@@ -356,16 +393,50 @@ class _Dequantized:
         return out
 
     def same_rows(self, t: Tensor) -> bool:
-        """Our decoding of `t` is these values, row for row in the file's order, EMBED_ROWS at a time."""
-        n, k = t.shape
-        per_row = _row_bytes(t)
-        for r in range(0, n, EMBED_ROWS):
-            part = slice(r, min(n, r + EMBED_ROWS))
-            ours = gguf_weights.decode(t.ggml, t.read(part.start * per_row, part.stop * per_row),
-                                       (part.stop - part.start, k), t.name).dequantized()
-            if not torch.equal(ours, self(t, part)):
-                return False
-        return True
+        """Our decoding of `t` is these values, row for row in the file's order, on SAMPLE_ROWS rows spread over it
+        (a decoder computes every block alike, so a wrong one shows in any row; a block whose scale is not finite
+        is refused where every block is decoded, gguf_weights.decode)."""
+        rows = sampled_rows(t.shape[0])
+        return torch.equal(_decoded_rows(t, rows), torch.cat([self(t, slice(r, r + 1)) for r in rows]))
+
+    def row_order(self, t: Tensor) -> np.ndarray | None:
+        """order with the model's row i the file's row order[i], where the architecture's processing of `t` only
+        reorders its rows (Llama's q and k, for RoPE): read off the processing of the row numbers, and held to
+        random values; None where it does anything else."""
+        n = t.shape[0]
+        process = lambda w: np.asarray(self.processor.process(  # noqa: E731
+            weights=w, name=t.name, tensor_key_mapping=self.to_hf, parsed_parameters={}).weights)
+        order = process(np.arange(n, dtype=np.float32)[:, None].repeat(2, axis=1)).reshape(n, 2)[:, 0]
+        if not np.array_equal(np.sort(order), np.arange(n, dtype=np.float32)):
+            return None
+        order = order.astype(np.int64)
+        probe = np.random.default_rng(0).standard_normal((n, 2)).astype(np.float32)
+        return order if np.array_equal(process(probe.copy()).reshape(n, 2), probe[order]) else None
+
+    def file_rows(self, t: Tensor, rows: list[int]) -> torch.Tensor:
+        """gguf's dequantization of the file's rows `rows` (no processing: the file's order)."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        w = dequantize(_raw_rows(t, rows), GGMLQuantizationType[t.ggml])
+        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(len(rows), -1)
+
+
+def sampled_rows(n: int) -> list[int]:
+    """SAMPLE_ROWS row numbers spread evenly over n, the first and last among them."""
+    if n <= SAMPLE_ROWS:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (SAMPLE_ROWS - 1)) for i in range(SAMPLE_ROWS)})
+
+
+def _raw_rows(t: Tensor, rows: list[int]) -> np.ndarray:
+    per_row = _row_bytes(t)
+    return np.stack([t.read(r * per_row, (r + 1) * per_row) for r in rows])
+
+
+def _decoded_rows(t: Tensor, rows: list[int]) -> torch.Tensor:
+    """Our decoding of the file's rows `rows`, dequantized (float32)."""
+    raw = _raw_rows(t, rows)
+    return gguf_weights.decode(t.ggml, raw.reshape(-1), (len(rows), t.shape[1]), t.name).dequantized()
 
 
 def _projection_rows(model, tensors: dict[str, Tensor], ref: _Dequantized, progress) -> dict[str, torch.Tensor] | None:
@@ -380,11 +451,19 @@ def _projection_rows(model, tensors: dict[str, Tensor], ref: _Dequantized, progr
                     tuple(t.shape) != (lin.out_features, lin.in_features):
                 return _whole(progress, f"blk.{i}.{gname} is {t.ggml if t is not None else 'missing'} "
                                         f"[{lin.out_features}, {lin.in_features}], not for our kernels")
-            fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), tuple(t.shape), t.name), ref(t))
-            if fw is None:
+            order = ref.row_order(t)
+            if order is None:  # a processing that is not a row order: the whole tensor compared, in its order
+                fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), tuple(t.shape), t.name), ref(t))
+                if fw is None:
+                    return _whole(progress, f"blk.{i}.{gname}: our decoding is not gguf's dequantization")
+                if fw.perm is not None:
+                    perms[t.name] = fw.perm.to(torch.int32)
+                continue
+            rows = sampled_rows(t.shape[0])  # a decoder computes every block alike: a wrong one shows in any row
+            if not torch.equal(_decoded_rows(t, rows), ref.file_rows(t, rows)):
                 return _whole(progress, f"blk.{i}.{gname}: our decoding is not gguf's dequantization")
-            if fw.perm is not None:
-                perms[t.name] = fw.perm.to(torch.int32)
+            if not np.array_equal(order, np.arange(len(order))):
+                perms[t.name] = torch.from_numpy(order).to(torch.int32)
     return perms
 
 

@@ -249,6 +249,13 @@ def read_header(path: str) -> tuple[dict, list[Tensor]]:
         pos += n
         return head[pos - n:pos].decode("utf-8", "replace")
 
+    def skip_text(what):  # an array's string: bounded as text() does, not decoded (a vocabulary's 150k of them)
+        nonlocal pos
+        (n,) = q_at(head, pos)
+        if n > len(head) - pos - 8:
+            bad(f"{what} is a string of {n} bytes, past the end of the header")
+        pos += 8 + n
+
     try:
         magic, version, n_tensors, n_kv = take("4sIQQ")
         if magic != b"GGUF" or version < 2:
@@ -271,7 +278,7 @@ def read_header(path: str) -> tuple[dict, list[Tensor]]:
                     if count > left() // 8:
                         bad(f"metadata {key} says {count} strings, past the end of the header")
                     for _ in range(count):
-                        text(key)
+                        skip_text(key)
                 elif etype in _FIXED:
                     if count > left() // _FIXED[etype]:
                         bad(f"metadata {key} says {count} values, past the end of the header")

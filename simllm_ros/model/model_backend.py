@@ -267,7 +267,9 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
                                  f"only: use activation_bits 0 or 8, not {activation_bits}")
         self.activation_bits = 8 if int8_rows else 32
         # The file's blocks as packed at an earlier load of this GGUF (packed_weights): mapped, not packed again
-        packed = PackedStore(path, stamp, int8_rows) if use_file and stamp is not None else None
+        layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)  # parts: 4 a layer and the head
+        packed = PackedStore(path, stamp, int8_rows, self.progress, 4 * layers + 1) \
+            if use_file and stamp is not None else None
         if packed is not None and packed.why_not:
             self.progress(packed.why_not)
         if fast:

@@ -15,14 +15,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..kernels import compute_threads
 from ..mapped_safetensors import MappedSafetensors
 
 PACKED_FILE = "simllm_packed.safetensors"
+PROGRESS_S = 5.0  # at most one progress line this often while packing
 
 Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_weights._file_parts returns
 
@@ -44,8 +48,12 @@ class PackedStore:
     """The packed parts of one GGUF's projections by key ("3.qkv", "head", ...): those found in the file are
     memory-mapped; the others are built and kept, and `save` writes the whole set once."""
 
-    def __init__(self, folder: str, stamp: dict, int8_rows: bool = False):
+    def __init__(self, folder: str, stamp: dict, int8_rows: bool = False, progress: Callable[[str], None] | None = None,
+                 expected: int = 0):
+        """progress: told how packing goes (every PROGRESS_S at most) where `expected` parts are to be packed."""
         self.path = os.path.join(folder, PACKED_FILE)
+        self.progress, self.expected = progress, expected
+        self._started = self._told = 0.0
         self.meta = {"stamp": json.dumps(stamp, sort_keys=True), "layout": layout_id(),
                      "rows": "int8" if int8_rows else "float32"}  # Q4_K's blob kind follows it
         self.mapped: dict[str, Parts] = {}
@@ -61,8 +69,20 @@ class PackedStore:
     def parts(self, key: str, build: Callable[[], Parts]) -> Parts:
         got = self.mapped.get(key)
         if got is None:
+            now = time.monotonic()
+            self._started = self._started or now
             got = self.built[key] = build()
+            self._tell(time.monotonic())
         return got
+
+    def _tell(self, now: float) -> None:
+        if self.progress is None or not self.expected:
+            return
+        done = len(self.built)
+        if now - self._told >= PROGRESS_S or done == self.expected:
+            self._told = now
+            self.progress(f"packing the file's blocks for our kernel: {done}/{self.expected} parts "
+                          f"({100 * done // self.expected}%), {now - self._started:.0f} s")
 
     @property
     def complete(self) -> bool:
@@ -98,13 +118,12 @@ class PackedStore:
             raise ValueError("written for another file or kernel layout")
         index = json.loads(mapped.meta["index"])
         self._map = mapped
-        out: dict[str, Parts] = {}
-        for key, kinds in index.items():
-            parts = []
-            for i, (kind, outputs, crc) in enumerate(kinds):
-                name = f"{key}/{i}"
-                if zlib.crc32(mapped.raw(name)) != crc:
-                    raise ValueError(f"tensor {name} is damaged (CRC-32)")
-                parts.append((str(kind), mapped.tensor(name), int(outputs)))
-            out[key] = parts
-        return out
+        names = [(f"{key}/{i}", crc) for key, kinds in index.items() for i, (_, _, crc) in enumerate(kinds)]
+        # zlib lets go of the GIL over a large buffer: the blobs' CRCs on every CPU (1 GB: ~1 s on one)
+        with ThreadPoolExecutor(max(1, min(len(names), len(compute_threads.usable_cpus())))) as crcs:
+            damaged = [name for (name, crc), got in zip(names, crcs.map(lambda nc: zlib.crc32(mapped.raw(nc[0])),
+                                                                      names)) if got != crc]
+        if damaged:
+            raise ValueError(f"tensor {damaged[0]} is damaged (CRC-32)")
+        return {key: [(str(kind), mapped.tensor(f"{key}/{i}"), int(outputs))
+                      for i, (kind, outputs, _) in enumerate(kinds)] for key, kinds in index.items()}

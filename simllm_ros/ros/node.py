@@ -46,6 +46,7 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile
+from std_msgs.msg import String
 from visualization_msgs.msg import MarkerArray
 
 from simllm_ros.cache import cache_map
@@ -96,6 +97,9 @@ def diagnostic_name(full_name: str) -> str:
     return f"{full_name.lstrip('/')}: {DIAGNOSTIC_TASK}"
 
 
+LOAD_PROGRESS_QOS = QoSProfile(depth=20, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+
 class SimLLMNode(LifecycleNode):
     def __init__(self, node_name: str = NODE_NAME, **kwargs):
         super().__init__(node_name, **kwargs)
@@ -105,6 +109,10 @@ class SimLLMNode(LifecycleNode):
             apply_live=self._apply_live))
 
         self.progress: Callable[[str], None] | None = None  # extra sink for load progress (the CLI prints)
+        # configure's progress as it happens (a first load converts and packs a GGUF for a minute or more): a plain
+        # publisher, not a lifecycle one, since it speaks while the node is between states; late subscribers get
+        # the last lines
+        self._pub_load = self.create_publisher(String, "~/load_progress", LOAD_PROGRESS_QOS)
         self._py_log = logging.getLogger(f"simllm_ros.node.{id(self):x}")
         self._py_log.setLevel(logging.INFO)
         self._log_handler = _RosLogHandler(self.get_logger())
@@ -242,6 +250,10 @@ class SimLLMNode(LifecycleNode):
 
     def _progress(self, message: str) -> None:
         self.get_logger().info(f"configure: {message}")
+        try:
+            self._pub_load.publish(String(data=message))
+        except Exception:  # a context shutting down: the log line above stands
+            pass
         if self.progress is not None:
             try:
                 self.progress(message)

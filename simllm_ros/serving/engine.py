@@ -83,9 +83,9 @@ def max_token_bytes(tokenizer) -> int:
     """An upper bound on the bytes of text one token stands for: the longest vocabulary entry, in UTF-8 bytes
     of its token string (byte-level BPE writes each byte as one character of up to 2 UTF-8 bytes, so this
     can only overestimate)."""
-    n = len(tokenizer)
-    tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
-    return max([len(t.encode("utf-8", "surrogatepass")) for t in tokens if isinstance(t, str)] + [1])
+    # the vocabulary's strings (added tokens too) as one dict: a list of every id through convert_ids_to_tokens
+    # took ~1 s of a 150k-token model's load
+    return max([len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab() if isinstance(t, str)] + [1])
 
 
 class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
@@ -317,7 +317,8 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
 
     def _prime(self) -> None:
         """One throwaway pass through both models: torch's first call is slow, and no user should pay for it."""
-        ids = self.backend.prompt_ids(self.settings.system_prompt, "", "hello")
+        # a few rows are enough to warm the prefill path (a whole chat prompt cost a 1.5B load ~1 s)
+        ids = self.backend.prompt_ids(self.settings.system_prompt, "", "hello")[:4]
         logits, cache = self.backend.prefill(ids)
         self.backend.decode(logits, cache, 2)
         self.fingerprinter.embed(["hello"])
