@@ -5,10 +5,11 @@
        static void run(void *(*part)(void *), const X_T *x, long x_stride, const uint8_t *w, Y_T *y, long y_stride,
                        int M, int N, int K, XSUM_T *xsum, SCRATCH_T *scratch, long scratch_per_thread, int nthreads)
 
-   Threads split the N/16 output blocks, never a sum: the blocks are cut into chunks (chunk c: blocks nb*c/chunks ..
-   nb*(c+1)/chunks - 1), each computed whole by the thread that claims it with its scratch at scratch + tid *
-   scratch_per_thread (in SCRATCH_Ts). Where the pool's workers are busy (another caller's product) or cannot
-   start, the caller computes every block alone: the same bits either way. */
+   Threads split the N/16 output blocks, never a sum: the blocks are cut into chunks that shrink toward the end
+   (chunk c of C ends at block nb - nb (C-c-1)^2 / C^2: the first ~2/C of the blocks, the last ~1/C^2), so the
+   thread that finishes first waits at most for a small chunk. Each is computed whole by the thread that claims it,
+   with its scratch at scratch + tid * scratch_per_thread (in SCRATCH_Ts). Where the pool's workers are busy
+   (another caller's product) or cannot start, the caller computes every block alone: the same bits either way. */
 #ifndef SIMLLM_PRODUCT_RUN_H
 #define SIMLLM_PRODUCT_RUN_H
 
@@ -24,8 +25,9 @@ typedef struct { job_t job; void *(*part)(void *); int nb, chunks; long scratch_
 static void product_chunk(void *ctx, int c, int tid) {                                                            \
     const product_ctx_t *p = ctx;                                                                                 \
     job_t j = p->job;                                                                                             \
-    j.b0 = (int)((long)p->nb * c / p->chunks);                                                                    \
-    j.b1 = (int)((long)p->nb * (c + 1) / p->chunks);                                                              \
+    const long C = p->chunks, nb = p->nb;                                                                         \
+    j.b0 = (int)(nb - nb * (C - c) * (C - c) / (C * C));                                                          \
+    j.b1 = (int)(nb - nb * (C - c - 1) * (C - c - 1) / (C * C));                                                  \
     j.scratch = p->job.scratch + tid * p->scratch_per_thread;                                                     \
     p->part(&j);                                                                                                  \
 }                                                                                                                 \
