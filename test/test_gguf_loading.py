@@ -273,7 +273,7 @@ def test_later_loads_map_the_packed_blocks_and_refuse_a_damaged_file(files, monk
         f.write(damaged)
     said = load()
     assert "damaged" in said and "packed for our kernel" in said and "mapped" not in said
-    assert "packing the file's blocks for our kernel: " in said and " parts (100%)" in said  # progress as it packs
+    assert said.count(" parts (100%)") == 1, said  # progress as it packs; each part packed once
     assert "mapped as packed at an earlier load" in load()  # written again, whole
     with open(path, "wb") as f:
         f.write(good[: len(good) // 2])

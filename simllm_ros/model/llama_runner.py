@@ -37,6 +37,7 @@ _Head8, _Norm), runner_layers (LayerSteps: the steps inside a layer and the torc
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -145,8 +146,9 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         self.file = file if self.int4 is not None and self.int4.dtype == torch.float32 else None
         if file is not None and self.file is None:
             raise ValueError("a GGUF's own blocks run on the float32 vector kernel only")
+        builds = self._file_builds(lm_w.shape[0] % 16 == 0, int8_rows) if self.file is not None else {}
         if self.file is not None and self.file.head is not None and lm_w.shape[0] % 16 == 0:
-            [(kind, blob, n)] = packs("head", lambda: [self.file.head.pack(self.int4, int8_rows)])
+            [(kind, blob, n)] = packs("head", builds["head"])
             self.lm_head = _Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
             self.lm_head.ggml, self.lm_head.bits = self.file.head.ggml, {
                 "q4": 4, "q4k": 4, "q4k8": 4, "q5k8": 5, "q8": 8, "q6": 6, "q6k8": 6, "q3k8": 3, "q8r": 8,
@@ -156,21 +158,24 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         else:
             self.lm_head = _Proj(lm_w, lm.bias.data if lm.bias is not None else None,
                                  16 if weight_bits == 4 else weight_bits)
+        if packed is not None:  # the layers' parts the file of packed blocks lacks, on every core; after the LM
+            # head, packed alone first: its decoding (~1.5 GB at a 150k vocabulary) on top of the packed layers
+            # would set the load's peak
+            packed.build_all({key: build for key, build in builds.items() if key != "head"})
         # Rows the LM head takes at least: one on our kernels (a row's bits do not depend on the rows beside it,
         # test_numerics_contract; a second row would stream the whole head again), two on torch's 16-bit products.
         self._head_rows = 1 if isinstance(self.lm_head, _Head8) or self.lm_head.parts is not None else 2
         for li, layer in enumerate(base.layers):
             att, mlp = layer.self_attn, layer.mlp
             if self.file is not None:
-                fw = self.file.layers[li]
-                def file_parts(name, *projs):
-                    return packs(f"{li}.{name}", lambda: _file_parts([fw[p] for p in projs], self.int4, int8_rows))
+                def file_parts(name):
+                    return packs(f"{li}.{name}", builds[f"{li}.{name}"])
 
                 qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, self.int4,
-                            parts=file_parts("qkv", "q_proj", "k_proj", "v_proj"))
-                gate_up = _Proj(None, None, 4, self.int4, parts=file_parts("gate_up", "gate_proj", "up_proj"))
-                o = _Proj(None, _bias(att.o_proj), 4, self.int4, parts=file_parts("o", "o_proj"))
-                down = _Proj(None, _bias(mlp.down_proj), 4, self.int4, parts=file_parts("down", "down_proj"))
+                            parts=file_parts("qkv"))
+                gate_up = _Proj(None, None, 4, self.int4, parts=file_parts("gate_up"))
+                o = _Proj(None, _bias(att.o_proj), 4, self.int4, parts=file_parts("o"))
+                down = _Proj(None, _bias(mlp.down_proj), 4, self.int4, parts=file_parts("down"))
             else:
                 qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, self.int4)
                 gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, self.int4)
@@ -230,6 +235,22 @@ class LlamaRunner(LayerSteps, EarlyPasses):
                 self._hf_released = True
         if self._hf_released:
             _return_freed_heap()
+
+
+    FILE_PARTS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj")), ("o", ("o_proj",)),
+                  ("down", ("down_proj",)))
+
+    def _file_builds(self, head: bool, int8_rows: bool) -> dict[str, Callable[[], list]]:
+        """Every packed part of the file's blocks by key, as a function that packs it (the keys __init__ asks
+        the store for): the LM head where it is the file's own, then each layer's fused projections."""
+        builds: dict[str, Callable[[], list]] = {}
+        if head and self.file.head is not None:
+            builds["head"] = lambda: [self.file.head.pack(self.int4, int8_rows)]
+        for li, fw in enumerate(self.file.layers):
+            for name, projs in self.FILE_PARTS:
+                builds[f"{li}.{name}"] = lambda fw=fw, projs=projs: _file_parts([fw[p] for p in projs], self.int4,
+                                                                                 int8_rows)
+        return builds
 
     def hf_model(self):
         """The HF model with dense weights, for code that runs its own forward (the benchmark's plain
