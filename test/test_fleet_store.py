@@ -8,13 +8,11 @@ import time
 
 import pytest
 
-from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
-from redis_server import redis_server  # noqa: F401 - the fixture
+from core_fixtures import BULLETIN, fresh
+from fleet_fixtures import Q, ask, base, redis_server, robot, robots, secret_file  # noqa: F401 - fixtures
 from simllm_ros.cache import fleet_store
 from simllm_ros.cache.fleet_blob import BlobRefused, scope_tag, seal, unseal
 from simllm_ros.request import CacheResult, QueryRequest
-
-Q = "Which road should I take instead of Elm Street?"
 
 
 def test_a_blob_is_refused_when_damaged_truncated_moved_or_keyed_with_another_secret():
@@ -33,42 +31,6 @@ def test_a_blob_is_refused_when_damaged_truncated_moved_or_keyed_with_another_se
         unseal(b"t" * 32, key, blob)
     assert scope_tag(secret, "a") != scope_tag(secret, "b")
     assert scope_tag(secret, "a") != scope_tag(b"t" * 32, "a")
-
-
-@pytest.fixture(scope="module")
-def base():
-    e = shared_engine(**LOSSLESS)
-    assert e.backend.exact_chunking, "the fleet's KV is lossless on a batch-invariant backend only"
-    return e
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("fleet") / "secret"
-    p.write_bytes(b"fleet-secret-for-tests-0123456789")
-    return str(p)
-
-
-def robot(base, redis_server, secret_file, **kw):
-    s = base.settings.replace(fleet_store_url=redis_server.url, fleet_secret_file=secret_file,
-                              fleet_timeout_ms=200.0, **kw)
-    return base.fork(s)
-
-
-@pytest.fixture
-def robots(base, redis_server, secret_file):
-    redis_server.client().flushall()
-    made = [robot(base, redis_server, secret_file) for _ in range(2)]
-    yield made
-    for r in made:
-        r.unload()
-
-
-def ask(engine, prompt=Q, scope="", context=BULLETIN, **kw):
-    r = engine.handle(QueryRequest(prompt=prompt, context=context, cache_scope=scope, max_new_tokens=20,
-                                   allow_approximate=False, **kw))
-    assert r.success, r.error
-    return r
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,15 @@ import time
 import pytest
 import torch
 
-from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
-from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
+from core_fixtures import BULLETIN, fresh
+from fleet_fixtures import Q, ask, base, redis_server, robot, robots, secret_file  # noqa: F401 - fixtures
+from redis_server import RedisServer
 from simllm_ros.cache import fleet_store
 from simllm_ros.cache.fleet_blob import DEFAULT_SECRET, MAGIC, seal, unseal
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.serving.engine import Engine
 from simllm_ros.serving.health import HealthLevel, ThermalState, assess
 
-Q = "Which road should I take instead of Elm Street?"
 Q2 = "When does the pharmacy open?"
 
 
@@ -32,42 +32,6 @@ def forged(secret: bytes, key: str, header: bytes, payload: bytes = b"") -> byte
     even write a header 50000 deep: json.dumps recurses)."""
     body = MAGIC + struct.pack("<I", len(header)) + header + payload
     return body + hmac.new(secret, key.encode() + b"\0" + body, hashlib.sha256).digest()
-
-
-@pytest.fixture(scope="module")
-def base():
-    e = shared_engine(**LOSSLESS)
-    assert e.backend.exact_chunking, "the fleet's KV is lossless on a batch-invariant backend only"
-    return e
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("hostile") / "secret"
-    p.write_bytes(b"hostile-fleet-secret-0123456789")
-    return str(p)
-
-
-def robot(base, server, secret_file, **kw) -> Engine:
-    s = base.settings.replace(fleet_store_url=server.url, fleet_secret_file=secret_file,
-                              fleet_timeout_ms=kw.pop("fleet_timeout_ms", 200.0), **kw)
-    return base.fork(s)
-
-
-@pytest.fixture
-def robots(base, redis_server, secret_file):
-    redis_server.client().flushall()
-    made = [robot(base, redis_server, secret_file) for _ in range(2)]
-    yield made
-    for r in made:
-        r.unload()
-
-
-def ask(engine, prompt=Q, scope="", context=BULLETIN):
-    r = engine.handle(QueryRequest(prompt=prompt, context=context, cache_scope=scope, max_new_tokens=20,
-                                   allow_approximate=False))
-    assert r.success, r.error
-    return r
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +178,7 @@ def test_where_the_server_refuses_scripts_the_asked_most_set_is_bounded_by_its_m
         r = server.client()
         r.zadd("simllm:asked", {b"\xff\xfe:\x80": 50, b"not-ours": 40})
         assert store.most_asked(2) == [task]
-        assert not store._scripts and store.counters.refused == 2
+        assert not store.link.scripts and store.counters.refused == 2
         r.zadd("simllm:asked", {b"z" * (20 * 2**20): 60})  # the set is now over its bound: not read
         assert store.most_asked(2) == [] and store.counters.oversized == 1
         assert store.state == "connected" and store.writer_alive

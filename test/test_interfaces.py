@@ -8,7 +8,9 @@ each brings the node to the state it needs. The claims:
 - goals share the service's admission: a goal beyond queue_limit, or while inactive, is aborted with the reason;
 - json_schema answers validate, on the service, the topic and the action; a bad schema gets a clear error;
 - messages (chat turns) work on the service, topic and action; bad turns get a clear error;
-- ~/embed returns unit vectors from the loaded MiniLM and refuses bad input.
+- ~/embed returns unit vectors from the loaded MiniLM and refuses bad input;
+- ~/rerank orders documents by that MiniLM's cosine to a query, refuses bad input with the reason, the node
+  answering on.
 """
 import json
 import math
@@ -26,7 +28,7 @@ from conftest import wait_future, wait_until
 from simllm_ros.action import Generate
 from simllm_ros.msg import ChatMessage
 from simllm_ros.request import CacheResult
-from simllm_ros.srv import Embed, Query
+from simllm_ros.srv import Embed, Query, Rerank
 
 NODE = "simllm_node"
 BULLETIN = ("Riverside bulletin. Elm Street is closed from 09:00 to 17:00 for water main repairs; use Oak Avenue. "
@@ -70,6 +72,8 @@ def test_goal_while_inactive_is_aborted_with_the_reason(h):
     assert not res.success and res.error == "node is not active (state: inactive)"
     emb = h.call(h.embed_cli, Embed.Request(texts=["hello"]))
     assert not emb.success and emb.error == "node is not active (state: inactive)"
+    ranked = h.call(rerank_cli(h), Rerank.Request(query="hello", documents=["hi"]))
+    assert not ranked.success and ranked.error == "node is not active (state: inactive)"
     assert h.change_state("activate")
 
 
@@ -266,6 +270,37 @@ def test_embed_service(h):
         r = h.call(h.embed_cli, Embed.Request(texts=texts))
         assert not r.success and r.error.startswith(reason) and not r.vectors, r.error
     assert wait_until(lambda: h.call(h.embed_cli, Embed.Request(texts=["still here"])).success, 10)
+
+
+def rerank_cli(h):
+    from simllm_ros.ros.qos import CLIENT_QOS
+    if getattr(h, "rerank_cli", None) is None:
+        h.rerank_cli = h.client.create_client(Rerank, f"/{NODE}/rerank", qos_profile=CLIENT_QOS)
+    return h.rerank_cli
+
+
+def test_rerank_service(h):
+    h.ensure_active()
+    docs = ["The pharmacy on Oak Avenue closes at 19:00.", "Light rain is expected after three this afternoon.",
+            "Bus line 12 runs every 15 minutes.", "Will it rain later today?"]
+    query = "is it going to rain this afternoon"
+    r = h.call(rerank_cli(h), Rerank.Request(query=query, documents=docs))
+    assert r.success and not r.error, r.error
+    assert sorted(r.indices) == [0, 1, 2, 3] and set(r.indices[:2]) == {1, 3}
+    v = h.node._engine.fingerprinter.embed([query] + docs)
+    assert np.allclose(r.scores, (v[1:] @ v[0])[list(r.indices)], atol=1e-5)
+    assert list(r.scores) == sorted(r.scores, reverse=True)
+    top = h.call(rerank_cli(h), Rerank.Request(query=query, documents=docs, top_k=1))
+    assert top.success and list(top.indices) == [r.indices[0]] and len(top.scores) == 1
+    for req, reason in ((Rerank.Request(query="", documents=docs), "query is empty"),
+                        (Rerank.Request(query=query, documents=[]), "documents is empty"),
+                        (Rerank.Request(query=query, documents=["fine", "a\x07b"]),
+                         "documents[1] contains control character U+0007"),
+                        (Rerank.Request(query=query, documents=["x"] * 300), "300 documents; at most 256 per call"),
+                        (Rerank.Request(query=query, documents=["word " * 400]), "documents[0] is 402 tokens")):
+        bad = h.call(rerank_cli(h), req)
+        assert not bad.success and bad.error.startswith(reason) and not bad.indices and not bad.scores, bad.error
+    assert h.call(rerank_cli(h), Rerank.Request(query=query, documents=docs[:1])).success  # the node answers on
 
 
 def test_the_client_library_answers_inside_a_timer_callback_and_cancels(h):

@@ -9,9 +9,9 @@ Sharing is safe because nothing shared is trusted blindly:
 Scope walls: every key of a scope sits under a tag that is an HMAC of the scope with the fleet secret, so a
 scope's keys are reachable only by a node that knows both, and Redis ACLs can limit a user to its tags.
 
-The store never makes a node worse: every call is bounded by fleet_timeout_ms (socket timeouts, no retries),
-a failed call opens a breaker (the next calls skip the store at once; the writer thread pings it again after
-a pause of 0.25 s growing to 2 s), and writes run on a background thread with a bounded queue (dropped, and counted, when it is full).
+The store never makes a node worse: every call is bounded by fleet_timeout_ms and a breaker (fleet_link, the
+wire; the writer thread pings the store again when the breaker's pause is over), and writes run on a background
+thread with a bounded queue (dropped, and counted, when it is full).
 
 Nor can what another writer put in Redis (a forged entry, a faulty robot's) stop or mislead a node: every value is
 read with a size bound (GETRANGE, STRLEN, or a server-side script that leaves out list and set members over their
@@ -31,20 +31,20 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
 from .fleet_blob import DEFAULT_SECRET, MAX_HEADER_BYTES, BlobRefused, read_secret, scope_tag, seal, token_ids, unseal
+from .fleet_link import FleetLink
 
 BLOCK_TOKENS = 32  # tokens per shared KV block: the granularity of shared prefixes across prompts
 MAX_QUEUE = 64
 RECENT_PER_SCOPE = 256  # answers with fingerprints listed per scope: other nodes' drafts for similar questions
 MIRROR_REFRESH_S = 2.0  # a scope's listed answers are read again this often while the node asks in it
 MIRROR_SCOPES = 64  # scopes mirrored at most (those asked in most recently)
-_BACKOFF_S = (0.25, 0.5, 1.0, 2.0)
 # Size bounds of what is read (an honest value is far below each): more is never read whole.
 MAX_ANSWER_BLOB = MAX_HEADER_BYTES + 1024
 MAX_RECENT_ITEM = MAX_HEADER_BYTES + 64 * 1024  # header and a float16 fingerprint
@@ -56,29 +56,10 @@ MAX_MEMBER = 64  # an asked-most member: "<scope tag 20 hex>:<task id 24 hex>"
 MAX_DISTRUSTED = 4096  # KV keys this node no longer fetches (a recompute differed)
 THREAD_WARN_S = 300.0  # a restarted writer shows in the health reasons this long
 REFUSAL_LOG_S = 60.0  # the same refusal logged again after this long
-# The highest members of the asked-most set with those over a byte bound left out on the server (false -> nil):
-# an oversized member is never sent. Where scripts are not allowed, MEMORY USAGE bounds the whole set instead.
-_TOP_MEMBERS = """
-local got = redis.call('ZREVRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
-local limit = tonumber(ARGV[2])
-local out = {}
-for i, item in ipairs(got) do
-  if string.len(item) <= limit then out[i] = item else out[i] = false end
-end
-return out
-"""
 
 
 def _ids_bytes(tokens) -> bytes:
     return np.asarray(tokens, dtype="<i4").tobytes()
-
-
-def _redact(url: str) -> str:
-    """The URL without a password (never logged)."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
 
 
 @dataclass
@@ -116,37 +97,6 @@ class FleetCounters:
     thread_restarts: int = 0  # the writer died (a bug) and was started again
 
 
-@dataclass
-class _Breaker:
-    """Skip the store at once after a failure; try again after a growing pause."""
-    down_since: float = 0.0
-    retry_at: float = 0.0
-    failures: int = 0
-    last_error: str = ""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def open(self) -> bool:
-        return self.failures > 0 and time.monotonic() < self.retry_at
-
-    def fail(self, e: BaseException) -> None:
-        with self.lock:
-            now = time.monotonic()
-            if self.failures == 0:
-                self.down_since = now
-            self.retry_at = now + _BACKOFF_S[min(self.failures, len(_BACKOFF_S) - 1)]
-            self.failures += 1
-            self.last_error = f"{type(e).__name__}: {e}"[:200]
-
-    def ok(self) -> float | None:
-        """Mark a success; the seconds the store was down if it just came back."""
-        with self.lock:
-            if self.failures == 0:
-                return None
-            down = time.monotonic() - self.down_since
-            self.failures, self.retry_at = 0, 0.0
-            return down
-
-
 class FleetStore:
     """One node's view of the fleet store. `digest` names the arithmetic (the numerics digest with the dtype and
     KV geometry): answers and KV are shared only between nodes with the same one."""
@@ -156,13 +106,13 @@ class FleetStore:
                  share_kv: bool = True, verify_rate: float = 1.0, log: logging.Logger | None = None, client=None):
         import random
 
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
         self.log = log or logging.getLogger("simllm_ros.fleet_store")
-        self.url, self.namespace, self.digest = _redact(url), namespace, digest
-        self.secret, self.timeout_s = secret, timeout_ms / 1000.0
+        self.counters = FleetCounters()
+        self.link = FleetLink(url, counters=self.counters, password=password, timeout_ms=timeout_ms, log=self.log,
+                              client=client)
+        self.redis, self.breaker, self.reconnects = self.link.redis, self.link.breaker, self.link.reconnects
+        self.url, self.namespace, self.digest = self.link.url, namespace, digest
+        self.secret, self.timeout_s = secret, self.link.timeout_s
         # KV is used as exact: only between holders of a secret of the fleet's own (the default one is public)
         self.kv_off_reason = ("" if secret != DEFAULT_SECRET else
                               "no fleet_secret_file: without a secret of the fleet's own anyone who can write to "
@@ -175,14 +125,6 @@ class FleetStore:
         self._elem = torch.empty((), dtype=dtype).element_size()
         L, H, D = kv_shape.layers, kv_shape.kv_heads, kv_shape.head_dim
         self.bytes_per_token = 2 * L * H * D * self._elem
-        opts = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                    retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
-        if password:
-            opts["password"] = password
-        self.redis = client or redis.Redis.from_url(url, **opts)
-        self.counters = FleetCounters()
-        self.breaker = _Breaker()
-        self.reconnects: list[float] = []  # seconds down, per recovery
         # Transfer model for the fetch-or-prefill decision: a round trip, and bytes per second (learnt).
         self.rtt_s, self.bytes_per_s = 0.0005, 200e6
         # Other nodes' answers per scope with their fingerprints, read in the background (no wait on a request).
@@ -191,8 +133,6 @@ class FleetStore:
         self._mirror_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUE)
         self._closing = threading.Event()
-        self._top_script = self.redis.register_script(_TOP_MEMBERS)
-        self._scripts = True  # False once the server refused the script (ACL, scripting off): MEMORY USAGE then
         self._restart_lock = threading.Lock()
         self._writer_death, self._restarted_at = "", 0.0
         self._start_writer()
@@ -213,64 +153,23 @@ class FleetStore:
             keys.append(self._scope_key(scope, "kv", h.hex()[:40]))
         return keys
 
-    # ---- calls with a bound -------------------------------------------------------------------------
+    # ---- calls with a bound (fleet_link) --------------------------------------------------------------
     def _call(self, what: str, fn: Callable, write: bool = False):
         """fn() against Redis, or None at once while the breaker is open / on any failure (logged, counted)."""
-        from redis.exceptions import ResponseError
-
-        if self.breaker.open():
-            return None
-        try:
-            out = fn()
-        except ResponseError as e:  # the store answered: a refused command or a value of the wrong type
-            if write:
-                self.counters.write_errors += 1
-            else:
-                self.counters.errors += 1
-            self.log.warning(f"fleet store: {what} refused by the server ({e}); skipped")
-            return None
-        except Exception as e:  # noqa: BLE001 - the store must never fail a request
-            first = self.breaker.failures == 0
-            self.breaker.fail(e)
-            if write:
-                self.counters.write_errors += 1
-            else:
-                self.counters.errors += 1
-            if first:
-                self.log.warning(f"fleet store {self.url} unreachable during {what} ({type(e).__name__}: {e}); "
-                                 "requests go on without it; it is tried again after a pause")
-            return None
-        down = self.breaker.ok()
-        if down is not None:
-            self.reconnects.append(down)
-            self.log.info(f"fleet store {self.url} reachable again after {down:.1f} s")
-        return out
+        return self.link.call(what, fn, write)
 
     @property
     def state(self) -> str:
-        return "unreachable" if self.breaker.failures else "connected"
+        return self.link.state
 
     def ping(self) -> bool:
-        return bool(self._call("ping", self.redis.ping))
+        return self.link.ping()
 
     def measure_link(self) -> None:
         """A round trip and a 1 MB read, timed: the starting point of the fetch-or-prefill estimate."""
-        key = ":".join((self.namespace, "probe", hashlib.sha256(str(time.time()).encode()).hexdigest()[:12]))
-        blob = b"\0" * (1 << 20)
-
-        def probe():
-            self.redis.set(key, blob, ex=30)
-            t0 = time.perf_counter()
-            self.redis.ping()
-            t1 = time.perf_counter()
-            self.redis.get(key)
-            t2 = time.perf_counter()
-            self.redis.delete(key)
-            return t1 - t0, t2 - t1
-        got = self._call("link probe", probe)
+        got = self.link.measure(self.namespace)
         if got:
-            self.rtt_s = max(got[0], 1e-5)
-            self.bytes_per_s = max(len(blob) / max(got[1] - got[0], 1e-6), 1e6)
+            self.rtt_s, self.bytes_per_s = got
 
     # ---- reads on a request's path: one round trip, then the blocks worth fetching ----------------------
     def lookup(self, scope: str, tokens: list[int], *, have: int, limit: int, capacity: int,
@@ -393,56 +292,20 @@ class FleetStore:
         the server walks its nodes, nothing is sent). A larger list is not one the fleet's writers left (they trim
         it to RECENT_PER_SCOPE small items): it is unlinked, counted and logged; its answers were only drafts and
         the writers fill it again. A key of another type reads as empty."""
-        size = self._server_size(lkey)
+        size = self.link.server_size(lkey)
         if size is not None and size > MAX_RECENT_LIST:
             self._refuse(lkey, BlobRefused(f"recent list of {size} bytes, more than {MAX_RECENT_LIST}: not read, "
                                            "unlinked"), oversized=True)
             self.redis.unlink(lkey)
             return []
-        return self._read_typed(lambda: self.redis.lrange(lkey, 0, RECENT_PER_SCOPE - 1))
-
-    def _server_size(self, key: str) -> int | None:
-        """The key's size as the server measures it (MEMORY USAGE: nothing is sent), or None where that is not
-        allowed (ACL): then it is read as is, and the socket timeout still bounds the call."""
-        from redis.exceptions import ResponseError
-
-        try:
-            return self.redis.memory_usage(key, samples=0)
-        except ResponseError:
-            return None
-
-    @staticmethod
-    def _read_typed(read) -> list:
-        """read() as a list, where a key of another type (WRONGTYPE) reads as empty."""
-        from redis.exceptions import ResponseError
-
-        try:
-            return list(read())
-        except ResponseError as e:
-            if "WRONGTYPE" in str(e):
-                return []
-            raise
+        return self.link.read_typed(lambda: self.redis.lrange(lkey, 0, RECENT_PER_SCOPE - 1))
 
     def _top_members(self, zkey: str, n: int) -> list:
-        """The n highest members of the asked-most set, each as bytes, or None where it is over MAX_MEMBER (left
-        out by a server-side script: never sent). Where the server refuses scripts: the set read if MEMORY USAGE
-        puts it within MAX_ASKED_SET, else nothing (counted). A key of another type reads as empty."""
-        from redis.exceptions import ResponseError
-
-        if self._scripts:
-            try:
-                return list(self._top_script(keys=[zkey], args=[n, MAX_MEMBER]))
-            except ResponseError as e:
-                if "WRONGTYPE" in str(e):
-                    return []
-                self._scripts = False
-                self.log.warning(f"fleet store: scripts refused ({e}); the asked-most set is bounded by MEMORY USAGE "
-                                 "instead")
-        size = self._server_size(zkey)
-        if size is not None and size > MAX_ASKED_SET:
+        """The n highest members of the asked-most set, each as bytes, or None where it is over MAX_MEMBER; where
+        the server refuses scripts, nothing when the set is over MAX_ASKED_SET (counted)."""
+        def oversized(size: int) -> None:
             self._refuse(zkey, BlobRefused(f"{size} bytes, more than {MAX_ASKED_SET}: not read"), oversized=True)
-            return []
-        return self._read_typed(lambda: self.redis.zrevrange(zkey, 0, n - 1))
+        return self.link.top_members(zkey, n, MAX_MEMBER, MAX_ASKED_SET, oversized)
 
     def _block_bound(self) -> int:
         """Most bytes a sealed KV block can take: its payload, a header of BLOCK_TOKENS ids, the seal."""

@@ -1,5 +1,5 @@
 """The node's request interfaces: service `~/query`, topic `~/requests` -> `~/responses`, action `~/generate`
-and service `~/embed`.
+and services `~/embed`, `~/tokenize`, `~/detokenize` and `~/rerank`.
 
 Why a class of its own: the node's lifecycle decides when these exist and which request server and engine
 stand behind them; what a callback does with a request is the same whatever the state, so it lives here, and
@@ -25,8 +25,8 @@ from simllm_ros.ros.messages import fill_result, request_from, u32
 from simllm_ros.ros.qos import REQUEST_QOS, RESPONSE_QOS
 from simllm_ros.ros.tool_executor import ToolRunner
 from simllm_ros.serving.tool_calls import ToolError
-from simllm_ros.serving import tokens
-from simllm_ros.srv import Detokenize, Embed, Query, Tokenize
+from simllm_ros.serving import rerank, tokens
+from simllm_ros.srv import Detokenize, Embed, Query, Rerank, Tokenize
 
 GOAL_POLL_S = 0.1  # a goal cancelled while it waits in the queue is withdrawn within this
 # How long an ended goal's result and status are kept (rclpy's default is 10 s): within it a cancel of an ended
@@ -54,7 +54,7 @@ class RequestEndpoints:
         self._calls = threading.Condition()
         self._service_calls = 0
         self._srv = self._embed_srv = self._action = self._sub = self._pub_responses = None
-        self._tokenize_srv = self._detokenize_srv = None
+        self._tokenize_srv = self._detokenize_srv = self._rerank_srv = None
 
     # ------------------------------------------------------------------ entities
     def create_responses(self) -> None:
@@ -76,6 +76,9 @@ class RequestEndpoints:
                                                      qos_profile=REQUEST_QOS, callback_group=group)
             self._detokenize_srv = node.create_service(Detokenize, "~/detokenize", self._on_detokenize_service,
                                                        qos_profile=REQUEST_QOS, callback_group=group)
+        if self._rerank_srv is None:
+            self._rerank_srv = node.create_service(Rerank, "~/rerank", self._on_rerank_service,
+                                                   qos_profile=REQUEST_QOS, callback_group=group)
         if self._action is None:
             self._action = ActionServer(node, Generate, "~/generate", execute_callback=self._on_goal,
                                         goal_callback=lambda goal: GoalResponse.ACCEPT,
@@ -99,6 +102,7 @@ class RequestEndpoints:
                 self._log.warning(f"destroying a per-scope responses publisher: {e}")
         destroyers = {"_srv": node.destroy_service, "_embed_srv": node.destroy_service,
                       "_tokenize_srv": node.destroy_service, "_detokenize_srv": node.destroy_service,
+                      "_rerank_srv": node.destroy_service,
                       "_action": lambda action: action.destroy(), "_sub": node.destroy_subscription,
                       "_pub_responses": node.destroy_publisher}
         for attr, destroy in destroyers.items():
@@ -281,8 +285,15 @@ class RequestEndpoints:
             response.text = tokens.detokenize(self._engine(), list(request.tokens), request.skip_special_tokens)
         return self._tokenizer_call("detokenize", run, response)
 
+    def _on_rerank_service(self, request: Rerank.Request, response: Rerank.Response) -> Rerank.Response:
+        def run():
+            ranking = rerank.rerank_on(self._engine(), request.query, list(request.documents), int(request.top_k))
+            response.indices = [u32(i) for i in ranking.indices]
+            response.scores = ranking.scores
+        return self._tokenizer_call("rerank", run, response)
+
     def _tokenizer_call(self, what: str, run, response):
-        """~/tokenize and ~/detokenize: no queue (the model does not run); bad input gets the reason."""
+        """~/tokenize, ~/detokenize and ~/rerank: no queue (the model does not run); bad input gets the reason."""
         with self._service_call():
             try:
                 if self._engine() is None or self._state() != "active":
