@@ -37,7 +37,7 @@ def _say(prog: str, msg: str) -> None:
 
 
 def parse_value(name: str, text: str):
-    """Text from the command line -> the parameter's type (per SPECS); raises SettingError."""
+    """Text from the command line -> the parameter's type (its Settings field's); raises SettingError."""
     spec = SPEC_BY_NAME.get(name)
     if spec is None:
         raise SettingError(f"unknown parameter '{name}' (known: {', '.join(sorted(SPEC_BY_NAME))})")
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(*flags, dest=name, metavar=spec.type.__name__.upper(),
                            help=_esc(f"{spec.description}{extra}; default {spec.default!r}{rng}"))
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                   help="any parameter of settings.SPECS, repeatable")
+                   help="any parameter (a field of settings.Settings; docs/settings.md), repeatable")
     return p
 
 

@@ -1,6 +1,6 @@
-"""Node parameters, all built from settings.SPECS (the one table of names, defaults, ranges and `live`).
+"""Node parameters, all built from settings.SPECS (the fields of settings.Settings: names, defaults, ranges, `live`).
 
-- `declare_all(node)`: declares every SPECS entry with a ParameterDescriptor (description,
+- `declare_all(node)`: declares every SPECS entry with a ParameterDescriptor (one-line description,
   numeric range, choices, whether it changes live). Values come from the params file
   (`--ros-args --params-file config/edge.yaml`), `-p name:=value` or `parameter_overrides`.
 - `ParameterGate`: the on-set-parameters callback. It validates a change once, by building the
