@@ -20,7 +20,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
+
+from . import abi
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
 # What the kernels' arithmetic promises (module doc): a new value wherever a change gives other bits by design.
@@ -129,13 +131,17 @@ class Loader:
     """One kernel per process, the same way for every wrapper: built on first use (load_kernel), then every
     check in order (a new CPU or compiler falls back, it does not answer wrongly); the first complaint is
     `why_not` and stands, so a refused kernel is not built or checked again. `then(kernel)` runs once on a kernel
-    that passed (the product kernels lend attention their workers)."""
+    that passed (the product kernels lend attention their workers). `signatures` (name -> (argtypes, restype)):
+    the wrapper's bindings, checked against the library's header before it is built (abi.check): a mismatch
+    raises abi.AbiMismatch, a programming error, not a reason to fall back."""
 
     def __init__(self, env: str, off: str, name: str, make: Callable[[str], object],
-                 checks: Sequence[Callable[[object], str | None]] = (), then: Callable[[object], None] | None = None):
+                 checks: Sequence[Callable[[object], str | None]] = (), then: Callable[[object], None] | None = None,
+                 signatures: Mapping[str, tuple[Sequence, object]] | None = None):
         self._args = (env, off, name, make)
         self._checks = checks
         self._then = then
+        self._signatures = signatures
         self.kernel = None
         self.why_not: str | None = None
 
@@ -143,6 +149,8 @@ class Loader:
         """The kernel, or None with `why_not` saying why."""
         if self.kernel is not None or self.why_not is not None:
             return self.kernel
+        if self._signatures is not None:
+            abi.check(self._args[2], self._signatures)
         kernel, self.why_not = load_kernel(*self._args)
         if kernel is None:
             return None
