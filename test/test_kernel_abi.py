@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 
@@ -88,10 +89,16 @@ def test_a_changed_binding_fails_the_build_before_compiling(tmp_path, monkeypatc
     assert loader.kernel is None and os.listdir(tmp_path) == []
 
 
-def test_a_header_the_parser_cannot_read_is_refused(tmp_path):
+@pytest.mark.parametrize("old, new, says", [
+    ("double simllm_memory_rate(", "unsigned short simllm_memory_rate(",
+     "membw_api.h: simllm_memory_rate: type 'unsigned short' is not one kernels/abi.py reads"),
+    ("times; -1: no threads */\n", "times; -1: no threads */\n#define SIMLLM_MEMBW_RATE\n",  # comment parted
+     "membw_api.h: simllm_memory_rate: no comment above it saying why it is exported"),
+])
+def test_a_header_out_of_the_declared_form_is_refused(tmp_path, old, new, says):
     src = _headers_copy(tmp_path)
-    _edit(src / "membw_api.h", "double simllm_memory_rate(", "unsigned short simllm_memory_rate(")
-    with pytest.raises(abi.AbiMismatch, match="membw_api.h: simllm_memory_rate: type 'unsigned short'"):
+    _edit(src / "membw_api.h", old, new)
+    with pytest.raises(abi.AbiMismatch, match=re.escape(says)):
         abi.check("membw", memory_rate.SIGNATURES, source_dir=str(src))
 
 

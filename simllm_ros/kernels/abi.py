@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import os
 import re
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
 HEADER_SUFFIX = "_api.h"
@@ -29,6 +29,8 @@ _POINTER, _STRUCT, _FUNCTION = "pointer", "struct pointer", "function pointer"
 _PROTOTYPE = re.compile(r"^(?P<ret>[\w\s\*]+?)\s*\b(?P<name>simllm_\w+)\s*\((?P<params>.*)\)$", re.S)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"(?P<name>\w+' + re.escape(HEADER_SUFFIX) + r')"', re.M)
 _TAG = re.compile(r"^\[(\w+)\]")
+# A wrapper's bindings: entry name -> (argtypes, restype)
+Signatures = Mapping[str, tuple[Sequence[Any], Any]]
 
 
 class AbiMismatch(Exception):
@@ -51,8 +53,9 @@ def header_path(library: str, source_dir: str = SOURCE_DIR) -> str:
     return os.path.join(source_dir, f"{library}{HEADER_SUFFIX}")
 
 
-def _kind(text: str, where: str):
-    """A parameter's (or return value's) kind from its C type: a ctypes scalar type, a pointer kind, or None (void)."""
+def _kind(text: str, where: str, named: bool = True):
+    """A parameter's (named: its type, then maybe its name) or return value's kind from its C type: a ctypes scalar
+    type, a pointer kind, or None (void)."""
     text = " ".join(text.replace("*", " * ").split())
     if "(" in text:
         return _FUNCTION
@@ -61,7 +64,7 @@ def _kind(text: str, where: str):
         return _STRUCT if words[0] == "struct" else _POINTER
     if words in (["void"], []):
         return None
-    base = words[0] if len(words) == 1 else " ".join(words[:-1])  # drop the parameter's name
+    base = " ".join(words[:-1] if named and len(words) > 1 else words)  # without the parameter's name
     if base == "void":
         return None
     if base not in _SCALARS:
@@ -91,24 +94,31 @@ def parse(path: str) -> dict[str, Prototype]:
     found: dict[str, Prototype] = {}
     for inc in _INCLUDE.finditer(text):
         found.update(parse(os.path.join(os.path.dirname(path), inc.group("name"))))
-    code = re.sub(r"^\s*#.*$", "", text, flags=re.M)  # preprocessor lines (guards, includes)
-    comment = ""
-    for piece in re.split(r"(/\*.*?\*/|;)", code, flags=re.S):
-        piece = piece.strip()
+    comment = ""  # the comment right above the next declaration
+    for piece in re.split(r"(/\*.*?\*/|;)", text, flags=re.S):
         if piece.startswith("/*"):
             comment = piece[2:-2].strip()
             continue
-        if not piece or piece == ";" or piece.startswith("struct ") and "(" not in piece:
+        if re.search(r"^\s*#", piece, flags=re.M):  # a directive (guard, include) parts a comment from what follows
+            comment = ""
+            piece = re.sub(r"^\s*#.*$", "", piece, flags=re.M)
+        piece = piece.strip()
+        if not piece or piece == ";":
+            continue
+        if piece.startswith("struct ") and "(" not in piece:  # a forward declaration of a record
+            comment = ""
             continue
         m = _PROTOTYPE.match(" ".join(piece.split()))
         if m is None:
             raise AbiMismatch(f"{header}: cannot read {piece[:80]!r} (one `ret simllm_name(type name, ...);` each)")
         name = m.group("name")
         where = f"{header}: {name}"
+        if not comment:
+            raise AbiMismatch(f"{where}: no comment above it saying why it is exported")
         params = [] if m.group("params").strip() == "void" else _split_params(m.group("params"))
         tag = _TAG.match(comment)
-        found[name] = Prototype(name, _kind(m.group("ret"), where), tuple(_kind(p, where) for p in params),
-                                tag.group(1) if tag else "", header)
+        found[name] = Prototype(name, _kind(m.group("ret"), where, named=False),
+                                tuple(_kind(p, where) for p in params), tag.group(1) if tag else "", header)
         comment = ""
     return found
 
@@ -139,7 +149,7 @@ def _fits(kind, t) -> bool:
     return t is kind
 
 
-def check(library: str, signatures: Mapping[str, tuple[Sequence, object]], source_dir: str = SOURCE_DIR) -> None:
+def check(library: str, signatures: Signatures, source_dir: str = SOURCE_DIR) -> None:
     """Raise AbiMismatch unless every binding (name -> (argtypes, restype)) says what the library's header
     declares: the name, the number of arguments, each argument's type and the return type."""
     protos = declared(library, source_dir)
@@ -161,7 +171,7 @@ def check(library: str, signatures: Mapping[str, tuple[Sequence, object]], sourc
                               f"{_spell(proto.restype)}")
 
 
-def bind(lib: ctypes.CDLL, library: str, signatures: Mapping[str, tuple[Sequence, object]], name: str):
+def bind(lib: ctypes.CDLL, library: str, signatures: Signatures, name: str):
     """The library's entry `name` typed as `signatures` says, after checking that against the header; None for an
     entry that only some builds define ([tag]) and this one does not."""
     check(library, {name: signatures[name]})

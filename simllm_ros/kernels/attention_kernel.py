@@ -40,7 +40,7 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _ARGS = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _I, _I, ctypes.c_float, ctypes.c_float, _I, _P, _I, _P, _I, _P,
          _L, _I]
 # Every entry bound here: name -> (argtypes, restype), checked against attention_api.h (kernels/abi.py)
-SIGNATURES = {"simllm_attend_bf16": (_ARGS, None), "simllm_attend_f32": (_ARGS, None),
+SIGNATURES: abi.Signatures = {"simllm_attend_bf16": (_ARGS, None), "simllm_attend_f32": (_ARGS, None),
               "simllm_attend_amx_bf16": (_ARGS, None), "simllm_attend_amx_init": ([], _I),
               "simllm_attend_set_pool": ([_P], None)}
 # Below this many multiply-adds a pass runs in the caller's thread: a decode step (~0.7M) and a verification

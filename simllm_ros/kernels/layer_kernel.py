@@ -39,9 +39,9 @@ class _Pass(ctypes.Structure):
                 ("rot", _I), ("prof", _P)]
 
 _ROWS = [_P, _L, _I, _I, _P, _L]  # simllm_silu_mul_*, simllm_gelu_tanh_mul_f32: gu, its stride, M, I, a, its stride
-_STACK = [ctypes.POINTER(_Pass), _P, _I, _I, _I, _P, _P, _P, _P, _P]  # simllm_layers_*: the pass, h, M, first, last, ...
+_STACK = [ctypes.POINTER(_Pass), _P, _I, _I, _I, _P, _P, _P, _P, _P]  # simllm_layers_*: the pass, h, M, ...
 # Every entry bound here: name -> (argtypes, restype), checked against layers_api.h (kernels/abi.py)
-SIGNATURES = {"simllm_silu_mul_f32": (_ROWS, None), "simllm_silu_mul_bf16": (_ROWS, None),
+SIGNATURES: abi.Signatures = {"simllm_silu_mul_f32": (_ROWS, None), "simllm_silu_mul_bf16": (_ROWS, None),
               "simllm_gelu_tanh_mul_f32": (_ROWS, None), "simllm_layers_f32": (_STACK, None),
               "simllm_layers_bf16": (_STACK, None), "simllm_layers_available": ([], _I)}
 

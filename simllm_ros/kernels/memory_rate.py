@@ -11,7 +11,7 @@ from . import abi, build
 
 
 # src, dst, bytes, threads, reps, copy -> GB/s; checked against membw_api.h (kernels/abi.py)
-SIGNATURES = {"simllm_memory_rate": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
+SIGNATURES: abi.Signatures = {"simllm_memory_rate": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_int], ctypes.c_double)}
 
 

@@ -20,7 +20,7 @@ from . import abi, build
 
 # x, x's row stride, w, y, M, E, eps; checked against rmsnorm_api.h (kernels/abi.py)
 _ARGS = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float]
-SIGNATURES = {"simllm_rmsnorm_bf16": (_ARGS, None), "simllm_rmsnorm_f32": (_ARGS, None)}
+SIGNATURES: abi.Signatures = {"simllm_rmsnorm_bf16": (_ARGS, None), "simllm_rmsnorm_f32": (_ARGS, None)}
 
 
 class NormKernel:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -22,7 +22,7 @@ MM_ARGS = [P, L, P, P, L, I, I, I, P, P, L, I]
 # simllm_*int8_mm (the LM head): the same without the group sums
 MM8_ARGS = [P, L, P, P, L, I, I, I, P, L, I]
 # pool.h's entries, which both product libraries export (pool_api.h): name -> (argtypes, restype)
-POOL_SIGNATURES = {"simllm_pool_call": ([P, P, L, I], None), "simllm_pool_profile": ([I, P], None),
+POOL_SIGNATURES: abi.Signatures = {"simllm_pool_call": ([P, P, L, I], None), "simllm_pool_profile": ([I, P], None),
                    "simllm_pool_stop": ([], None), "simllm_pool_tune": ([L], None), "simllm_pool_pin": ([P, I], None),
                    "simllm_pool_workers": ([], ctypes.c_int)}
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "float32"}  # as refusals name the rows
@@ -38,7 +38,7 @@ class ProductKernel:
 
     kind = ""
     library = ""
-    SIGNATURES: dict[str, tuple[list, object]] = {}
+    SIGNATURES: abi.Signatures = {}
     dtype = torch.float32
     label = "product kernel"  # "int4 kernel: ..." / "int4 vector kernel: ..." in refusals
 
@@ -86,7 +86,10 @@ class ProductKernel:
     def _address(self, name: str) -> int:
         """The address of the library's function `name`, for C callers (the C layers, attention's pool): a
         declared entry too, whose signature SIGNATURES states for those callers."""
-        return ctypes.cast(self._entry(name), ctypes.c_void_p).value
+        address = ctypes.cast(self._entry(name), ctypes.c_void_p).value
+        if address is None:
+            raise abi.AbiMismatch(f"{name}: the library gives no address for it")
+        return address
 
     def _check(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str, group: int,
                min_macs: int) -> tuple[int, int, int]:
@@ -109,12 +112,14 @@ def compare(mm: Callable, x: torch.Tensor, blob: torch.Tensor, n: int, want: tor
     return err, all(torch.equal(mm(x[i:i + r].contiguous(), blob, n), got[i:i + r]) for i, r in rows)
 
 
-class Loader(build.Loader):
+PK = TypeVar("PK", bound=ProductKernel)
+
+
+class Loader(build.Loader[PK]):
     """build.Loader for a product kernel class (its library and SIGNATURES): one that passes its checks lends its
     workers to attention."""
 
-    def __init__(self, env: str, off: str, cls: type[ProductKernel],
-                 checks: Sequence[Callable[[ProductKernel], str | None]]):
+    def __init__(self, env: str, off: str, cls: type[PK], checks: Sequence[Callable[[PK], str | None]]):
         super().__init__(env, off, cls.library, cls, checks,
                          then=lambda kernel: kernel_pool.lend_to_attention(kernel.pool_call),
                          signatures=cls.SIGNATURES)
