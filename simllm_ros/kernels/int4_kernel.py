@@ -144,7 +144,7 @@ def _self_check(kernel: Int4Kernel) -> str | None:
     return None
 
 
-_LOADER = Loader("SIMLLM_INT4", "aten", Int4Kernel, checks=(_granted, _self_check))
+_LOADER = Loader("SIMLLM_INT4", "aten", "int4_amx", Int4Kernel, checks=(_granted, _self_check))
 
 
 def load() -> "Int4Kernel | None":

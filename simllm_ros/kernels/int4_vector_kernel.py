@@ -322,7 +322,7 @@ def _self_check(kernel: VectorKernel) -> str | None:
     return None
 
 
-_LOADER = Loader("SIMLLM_INT4", "aten", VectorKernel, checks=(_self_check,))
+_LOADER = Loader("SIMLLM_INT4", "aten", "int4_vector", VectorKernel, checks=(_self_check,))
 
 
 def load() -> "VectorKernel | None":

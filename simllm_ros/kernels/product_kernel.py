@@ -116,10 +116,10 @@ PK = TypeVar("PK", bound=ProductKernel)
 
 
 class Loader(build.Loader[PK]):
-    """build.Loader for a product kernel class (its library and SIGNATURES): one that passes its checks lends its
-    workers to attention."""
+    """build.Loader for a product kernel class `make` (its SIGNATURES checked against the library's header): one that
+    passes its checks lends its workers to attention."""
 
-    def __init__(self, env: str, off: str, cls: type[PK], checks: Sequence[Callable[[PK], str | None]]):
-        super().__init__(env, off, cls.library, cls, checks,
+    def __init__(self, env: str, off: str, library: str, make: type[PK], checks: Sequence[Callable[[PK], str | None]]):
+        super().__init__(env, off, library, make, checks,
                          then=lambda kernel: kernel_pool.lend_to_attention(kernel.pool_call),
-                         signatures=cls.SIGNATURES)
+                         signatures=make.SIGNATURES)
