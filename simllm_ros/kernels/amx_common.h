@@ -4,6 +4,7 @@
 #ifndef SIMLLM_AMX_COMMON_H
 #define SIMLLM_AMX_COMMON_H
 
+#include <stdint.h>
 #include <unistd.h>
 #include <sys/syscall.h>
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) tilecfg_t;

@@ -5,6 +5,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "attention_api.h"
 #include "exp_poly.h"
 
 #define ROW_BLOCK 8

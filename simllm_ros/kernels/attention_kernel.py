@@ -33,13 +33,16 @@ import threading
 
 import torch
 
-from . import compute_threads
-from . import build
+from . import abi, build, compute_threads
 
 MAX_HEAD_DIM = 256  # the kernel's per-row buffers
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _ARGS = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _I, _I, ctypes.c_float, ctypes.c_float, _I, _P, _I, _P, _I, _P,
          _L, _I]
+# Every entry bound here: name -> (argtypes, restype), checked against attention_api.h (kernels/abi.py)
+SIGNATURES: abi.Signatures = {"simllm_attend_bf16": (_ARGS, None), "simllm_attend_f32": (_ARGS, None),
+              "simllm_attend_amx_bf16": (_ARGS, None), "simllm_attend_amx_init": ([], _I),
+              "simllm_attend_set_pool": ([_P], None)}
 # Below this many multiply-adds a pass runs in the caller's thread: a decode step (~0.7M) and a verification
 # pass of up to ~40 rows. Measured with 2 threads (560-token context): threads started per layer made a 17-row
 # pass slower than one thread; a 560-token prefill took ~1.0 s split, ~1.06 s not (1200 tokens: 2.36 vs 2.94 s).
@@ -69,23 +72,17 @@ class AttentionKernel:
     def __init__(self, path: str, amx: bool = True):
         lib = ctypes.CDLL(path)
         self.path = path
-        self._fns = {}
-        for dtype, name in ((torch.bfloat16, "simllm_attend_bf16"), (torch.float32, "simllm_attend_f32")):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = _ARGS, None
-            self._fns[dtype] = fn
+        self._fns = {torch.bfloat16: abi.bind(lib, "attention", SIGNATURES, "simllm_attend_bf16"),
+                     torch.float32: abi.bind(lib, "attention", SIGNATURES, "simllm_attend_f32")}
         # bf16 on AMX tiles where the compiler targets them and Linux grants the tile state; SIMLLM_ATTENTION=vector
         # keeps the vector code for bf16 (the two round differently: the numerics digest tells them apart).
         self.amx = None
-        init = getattr(lib, "simllm_attend_amx_init")
-        init.restype = _I
-        if amx and os.environ.get("SIMLLM_ATTENTION", "").lower() != "vector" \
-                and hasattr(lib, "simllm_attend_amx_bf16") and init() == 0:
-            self.amx = lib.simllm_attend_amx_bf16
-            self.amx.argtypes, self.amx.restype = _ARGS, None
+        init = abi.bind(lib, "attention", SIGNATURES, "simllm_attend_amx_init")
+        amx_fn = abi.bind(lib, "attention", SIGNATURES, "simllm_attend_amx_bf16")  # None: not built here
+        if amx and os.environ.get("SIMLLM_ATTENTION", "").lower() != "vector" and amx_fn is not None and init() == 0:
+            self.amx = amx_fn
         self._scratch = threading.local()
-        self._set_pool = lib.simllm_attend_set_pool
-        self._set_pool.argtypes, self._set_pool.restype = [_P], None
+        self._set_pool = abi.bind(lib, "attention", SIGNATURES, "simllm_attend_set_pool")
         self.pooled = False
 
     def use_pool(self, pool_call: int | None) -> None:
@@ -194,7 +191,7 @@ class AttentionKernel:
         return out
 
 
-_LOADER = build.Loader("SIMLLM_ATTENTION", "torch", "attention", AttentionKernel)
+_LOADER = build.Loader("SIMLLM_ATTENTION", "torch", "attention", AttentionKernel, signatures=SIGNATURES)
 
 
 def load() -> "AttentionKernel | None":

@@ -20,7 +20,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from typing import Callable, Sequence
+from typing import Callable, Generic, Sequence, TypeVar
+
+from . import abi
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
 # What the kernels' arithmetic promises (module doc): a new value wherever a change gives other bits by design.
@@ -30,6 +32,7 @@ CONTRACT = "fma-explicit-1"
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread",
          "-Wall", "-Wextra", "-Wno-psabi")
 KERNELS = ("attention", "int4_amx", "int4_vector", "layers", "membw", "rmsnorm")
+K = TypeVar("K")  # a wrapper's kernel class
 
 
 def kernel_dir() -> str:
@@ -111,7 +114,7 @@ def build_anywhere(cc: str, name: str) -> str:
             raise OSError(f"{e}; then {e2}") from e2
 
 
-def load_kernel(env: str, off: str, name: str, make):
+def load_kernel(env: str, off: str, name: str, make: Callable[[str], K]) -> tuple[K | None, str | None]:
     """(make(path of the built library), None), or (None, why not): `env`=`off` asked for the torch path, there
     is no compiler, or the build failed."""
     if os.environ.get(env, "").lower() == off:
@@ -125,24 +128,30 @@ def load_kernel(env: str, off: str, name: str, make):
         return None, f"could not build the {name} kernel: {e}"
 
 
-class Loader:
+class Loader(Generic[K]):
     """One kernel per process, the same way for every wrapper: built on first use (load_kernel), then every
     check in order (a new CPU or compiler falls back, it does not answer wrongly); the first complaint is
     `why_not` and stands, so a refused kernel is not built or checked again. `then(kernel)` runs once on a kernel
-    that passed (the product kernels lend attention their workers)."""
+    that passed (the product kernels lend attention their workers). `signatures` (name -> (argtypes, restype)):
+    the wrapper's bindings, checked against the library's header before it is built (abi.check): a mismatch
+    raises abi.AbiMismatch, a programming error, not a reason to fall back."""
 
-    def __init__(self, env: str, off: str, name: str, make: Callable[[str], object],
-                 checks: Sequence[Callable[[object], str | None]] = (), then: Callable[[object], None] | None = None):
+    def __init__(self, env: str, off: str, name: str, make: Callable[[str], K],
+                 checks: Sequence[Callable[[K], str | None]] = (), then: Callable[[K], None] | None = None,
+                 signatures: abi.Signatures | None = None):
         self._args = (env, off, name, make)
         self._checks = checks
         self._then = then
-        self.kernel = None
+        self._signatures = signatures
+        self.kernel: K | None = None
         self.why_not: str | None = None
 
-    def load(self):
+    def load(self) -> K | None:
         """The kernel, or None with `why_not` saying why."""
         if self.kernel is not None or self.why_not is not None:
             return self.kernel
+        if self._signatures is not None:
+            abi.check(self._args[2], self._signatures)
         kernel, self.why_not = load_kernel(*self._args)
         if kernel is None:
             return None

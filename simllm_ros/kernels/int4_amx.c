@@ -1,6 +1,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
+#include "int4_amx_api.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
 #define SIMLLM_AMX 1
@@ -197,10 +198,10 @@ void simllm_int8_mm(const bf16 *x, long x_stride, const uint8_t *w, float *y, lo
 #else  /* no AMX for this compiler target: the runner keeps ATen's kernel */
 #pragma GCC diagnostic ignored "-Wunused-parameter"  /* stubs: the same signatures, nothing to compute */
 int simllm_int4_init(void) { return -1; }
-void simllm_int4_mm(const void *x, long xs, const void *w, void *y, long ys, int M, int N, int K, float *xsum,
-                    void *scratch, long per_thread, int nthreads) { (void)x; }
-void simllm_int8_mm(const void *x, long xs, const void *w, void *y, long ys, int M, int N, int K,
-                    void *scratch, long per_thread, int nthreads) { (void)x; }
+void simllm_int4_mm(const uint16_t *x, long xs, const uint8_t *w, uint16_t *y, long ys, int M, int N, int K,
+                    float *xsum, uint8_t *scratch, long per_thread, int nthreads) { (void)x; }
+void simllm_int8_mm(const uint16_t *x, long xs, const uint8_t *w, float *y, long ys, int M, int N, int K,
+                    uint8_t *scratch, long per_thread, int nthreads) { (void)x; }
 void simllm_pool_call(void *(*fn)(void *), void *args, long size, int n) {
     for (int i = 0; i < n; i++) fn((char *)args + i * size);
 }

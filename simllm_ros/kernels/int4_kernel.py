@@ -24,7 +24,7 @@ import ctypes
 import torch
 
 from . import compute_threads
-from .product_kernel import Loader, ProductKernel, compare
+from .product_kernel import MM8_ARGS, MM_ARGS, POOL_SIGNATURES, Loader, ProductKernel, compare
 
 GROUP = 32  # inputs per 4-bit group (INT4_GROUP in llama_runner)
 BLOB = 320  # bytes per 16 outputs x one group: 256 of codes, 16 steps and 16 zeros in bf16
@@ -41,10 +41,13 @@ class Int4Kernel(ProductKernel):
     kind = "amx"
     dtype = torch.bfloat16
     label = "kernel"
+    library = "int4_amx"
+    SIGNATURES = {**POOL_SIGNATURES, "simllm_int4_mm": (MM_ARGS, None), "simllm_int8_mm": (MM8_ARGS, None),
+                  "simllm_int4_init": ([], ctypes.c_int)}
 
     def __init__(self, path: str):
         super().__init__(path, mm="simllm_int4_mm", mm8="simllm_int8_mm")
-        self._init = self._entry("simllm_int4_init", [], restype=ctypes.c_int)
+        self._init = self._entry("simllm_int4_init")
 
     def granted(self) -> bool:
         """Whether this process may use AMX (asks Linux once; harmless to repeat)."""

@@ -1,15 +1,14 @@
 #include <stdint.h>
 #include <string.h>
+#include "int4_vector_api.h"
 #include "product_run.h"
-#define SIMLLM_INT4_VECTOR_C
+#include "vector_product.h"
 
-#define GROUP 32
 #define BLOB4 384  /* 16 outputs x one group: inputs 2i and 2i + 1 in 16 bytes at 16i (byte j: output j's code of
                       input 2i in the low nibble, of 2i + 1 in the high), then 16 steps and 16 bases, float32 */
 #define BLOB8 576  /* input k's 16 signed codes at 16k, then 16 scales */
 #define GROUP6 16  /* inputs per group of the 16-input 8-bit format (GGUF's Q6_K: a scale per 16 weights) */
 #define BLOB6 320  /* 16 outputs x one group of 16: input k's 16 signed codes at 16k, then 16 scales */
-#define SB4K 8     /* groups of 32 per GGUF Q4_K super-block (256 inputs), which share d and dmin */
 #define HEAD4K 128 /* a super-block's head for 16 outputs: 16 d, then 16 dmin, float32 */
 #define GRP4K 288  /* a Q4_K group for 16 outputs: BLOB4's 256 bytes of codes, then 16 sub-scales and 16 sub-mins */
 #define BLOB4K (HEAD4K + SB4K * GRP4K)  /* 2432 bytes per 16 outputs x super-block: 4.75 bits a weight (BLOB4: 6) */
@@ -33,84 +32,7 @@
 #define NB6 1
 #endif
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
-typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
-static inline v8 ld8(const float *p) { return *(const v8u *)p; }
-
-/* Output lanes per vector (VL): 16 with AVX-512 (one vector per block of 16 outputs), else 8 (two). A lane is
-   one output, so the width decides how many outputs an instruction computes, never an output's operations:
-   every build computes the same bits (test_numerics_contract). FMA(a, b, c) is c + a * b with one rounding on
-   every CPU (the build turns contraction off, so it is written out): vfmadd, NEON's fmla, else fmaf lane by lane
-   (a correctly rounded libm call where the CPU has no FMA: slow, the same bits). DEC4/DEC8 give the 16 weights of
-   KS4 = 2 inputs (4-bit codes 0..15: a pair shares 16 bytes, one widening for both) or KS8 = 1 input (8-bit codes
-   -127..127) as floats, w[t][h]: input t, outputs VL*h.. in order. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define VL 16
-typedef __m512 vw;
-#define FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
-static inline vw ld(const float *p) { return _mm512_loadu_ps(p); }
-static inline void st(float *p, vw v) { _mm512_storeu_ps(p, v); }
-static inline vw bc(float f) { return _mm512_set1_ps(f); }
-/* 16 bytes (byte j: output j's two codes) -> 16 int32 -> the low nibbles (first input) and high (second) */
-#define DEC4(p, w) do { const __m512i i_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))); \
-        (w)[0][0] = _mm512_cvtepi32_ps(_mm512_and_si512(i_, _mm512_set1_epi32(15)));                     \
-        (w)[1][0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(i_, 4)); } while (0)
-#define DEC8(p, w) do {                                                                                   \
-        (w)[0][0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)))); \
-    } while (0)
-/* VL unsigned bytes -> floats (Q4_K's sub-scales and sub-mins) */
-#define CVTU8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
-#else
-#define VL 8
-typedef v8 vw;
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#if defined(__FMA__) && defined(__AVX2__)
-#define FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#elif defined(__ARM_NEON)
-#include <arm_neon.h>
-typedef union { v8 v; float32x4_t q[2]; } v8q;
-static inline v8 fma8(v8 a, v8 b, v8 c) {
-    const v8q x = {a}, y = {b};
-    v8q z = {c};
-    z.q[0] = vfmaq_f32(z.q[0], x.q[0], y.q[0]);
-    z.q[1] = vfmaq_f32(z.q[1], x.q[1], y.q[1]);
-    return z.v;
-}
-#define FMA(a, b, c) fma8((a), (b), (c))
-#else
-#include <math.h>
-static inline v8 fma8(v8 a, v8 b, v8 c) {
-    for (int l = 0; l < 8; l++) c[l] = fmaf(a[l], b[l], c[l]);
-    return c;
-}
-#define FMA(a, b, c) fma8((a), (b), (c))
-#endif
-static inline vw ld(const float *p) { return ld8(p); }
-static inline void st(float *p, vw v) { *(v8u *)p = v; }
-static inline vw bc(float f) { return (v8){f, f, f, f, f, f, f, f}; }
-/* Eight codes widened to int32: x86's one-instruction widening (GCC expands the generic conversion of an 8-byte
-   vector byte by byte there), the generic conversion elsewhere (aarch64: ushll/sshll). */
-#if defined(__AVX2__)
-#define U8X8(p) ((v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
-#define I8X8(p) ((v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
-#else
-#define U8X8(p) __builtin_convertvector(*(const u8x8 *)(p), v8i)
-#define I8X8(p) __builtin_convertvector(*(const i8x8 *)(p), v8i)
-#endif
-#define CVTU8(p) __builtin_convertvector(U8X8(p), v8)
-#define DEC4(p, w) do { const v8i c_ = U8X8(p), d_ = U8X8((p) + 8);                                      \
-        (w)[0][0] = __builtin_convertvector(c_ & 15, v8); (w)[0][1] = __builtin_convertvector(d_ & 15, v8); \
-        (w)[1][0] = __builtin_convertvector(c_ >> 4, v8); (w)[1][1] = __builtin_convertvector(d_ >> 4, v8); } while (0)
-#define DEC8(p, w) do { (w)[0][0] = __builtin_convertvector(I8X8(p), v8);                                 \
-        (w)[0][1] = __builtin_convertvector(I8X8((p) + 8), v8); } while (0)
-#endif
-#define NH (16 / VL)
+#include "vector_isa.h"
 #define CS4 8   /* code bytes per input */
 #define CS8 16
 #define KS4 2   /* inputs per decode */
@@ -155,10 +77,6 @@ static inline const float *sc_4k(const uint8_t *blk, int g, const uint8_t *wg, f
     return t;
 }
 
-typedef struct {
-    const float *x; long x_stride; const uint8_t *w; float *y; long y_stride;
-    int M, K; const float *xsum; int b0, b1; float *scratch;
-} job_t;
 
 /* NR rows (1-3), NB blocks of 16 outputs at once (their sums in registers), weights decoded as they are used:
    once for all NR rows, each row taking the same operations as it does alone (x: row r at x + r * xst, its group
@@ -366,5 +284,28 @@ void simllm_vec_int8g16_mm(const float *x, long x_stride, const uint8_t *w, floa
     run(part6, x, x_stride, w, y, y_stride, M, N, K, 0, buf, buf_per_thread, nthreads);
 }
 
-/* The K-quants' integer products on rows quantized to 8 bits: part of this library, kept in their own file */
-#include "int8_rows.h"
+/* The K-quants' and the 32-input formats' products on rows quantized to 8 bits: their parts in int8_rows.h and
+   int8_rows32.h, the entries here. */
+#include "int8_rows32.h"
+
+/* Q6_K weights (layout: int8_rows.h) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
+DEFINE_MM8(simllm_vec_q6k8_mm, part6k8, QBLK)
+/* Q3_K weights (layout: int8_rows.h) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
+DEFINE_MM8(simllm_vec_q3k8_mm, part3k8, QBLK)
+/* Q4_K weights (layout: int8_rows.h) times float32 rows quantized to 8 bits per 256 inputs; xsum: the rows' quantized
+   inputs (qrow_bytes each, 4-byte aligned). K in 256s. */
+DEFINE_MM8(simllm_vec_q4k8_mm, part4k8, QBLK)
+/* Q5_K weights (layout: int8_rows.h) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
+DEFINE_MM8(simllm_vec_q5k8_mm, part5k8, QBLK)
+/* 8-bit codes with a scale per 32 (layout: int8_rows32.h) times float32 rows quantized to 8 bits per 32 inputs. */
+DEFINE_MM8(simllm_vec_q8r_mm, part8r, GROUP)
+/* Q5_0 weights (layout: int8_rows32.h) times float32 rows quantized to 8 bits per 32 inputs. */
+DEFINE_MM8(simllm_vec_q5r_mm, part5r, GROUP)
+/* Q5_1 weights (BLOB51R: Q5_0's layout, then the mins) times rows quantized as for simllm_vec_q5r_mm. */
+DEFINE_MM8(simllm_vec_q51r_mm, part51r, GROUP)
+/* Q4_0 weights (BLOB4R: Q5_0's layout without the top bits) times rows quantized as for simllm_vec_q5r_mm. */
+DEFINE_MM8(simllm_vec_q4r_mm, part4r, GROUP)
+/* IQ4_NL weights (layout: int8_rows32.h) times float32 rows quantized to 8 bits per 32 inputs. */
+DEFINE_MM8(simllm_vec_iq4r_mm, partiq4, GROUP)
+/* IQ4_XS weights (layout: int8_rows32.h) times float32 rows quantized to 8 bits per 32 inputs. K in 256s. */
+DEFINE_MM8(simllm_vec_iq4xs_mm, partiq4xs, GROUP)

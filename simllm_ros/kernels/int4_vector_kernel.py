@@ -35,12 +35,18 @@ import ctypes
 import torch
 
 from . import compute_threads, vector_blobs
-from .product_kernel import MM_ARGS, Loader, ProductKernel, compare
+from .product_kernel import MM8_ARGS, MM_ARGS, POOL_SIGNATURES, Loader, ProductKernel, compare
 from .vector_blobs import (BLOB, BLOB3K, BLOB4K, BLOB4K8, BLOB4R, BLOB5K8, BLOB5R, BLOB6, BLOB6K, BLOB8, BLOB8R,
                            BLOB51R, BLOBIQ4, BLOBIQ4XS, GROUP, GROUP6, IQ4_VALUES, SB4K)
 
 # Below this many multiply-adds a product runs in the caller's thread alone (as int4_kernel's).
 THREAD_MIN_MACS = 250_000
+# Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call (`entries`)
+PRODUCTS = {"q4": "simllm_vec_int4_mm", "q8": "simllm_vec_int8_mmx", "q6": "simllm_vec_int8g16_mm",
+            "q4k": "simllm_vec_int4k_mm", "q4k8": "simllm_vec_q4k8_mm", "q6k8": "simllm_vec_q6k8_mm",
+            "q5k8": "simllm_vec_q5k8_mm", "q3k8": "simllm_vec_q3k8_mm", "q8r": "simllm_vec_q8r_mm",
+            "q5r": "simllm_vec_q5r_mm", "q4r": "simllm_vec_q4r_mm", "q51r": "simllm_vec_q51r_mm",
+            "iq4r": "simllm_vec_iq4r_mm", "iq4xs": "simllm_vec_iq4xs_mm"}
 
 
 class VectorKernel(ProductKernel):
@@ -50,30 +56,27 @@ class VectorKernel(ProductKernel):
     kind = "vector"
     dtype = torch.float32
     label = "vector kernel"
+    library = "int4_vector"
+    SIGNATURES = {**POOL_SIGNATURES, "simllm_vec_int8_mm": (MM8_ARGS, None),
+                  "simllm_vec_buffer_floats": ([], ctypes.c_long),
+                  **{name: (MM_ARGS, None) for name in PRODUCTS.values()}}
 
     def __init__(self, path: str):
         super().__init__(path, mm="simllm_vec_int4_mm", mm8="simllm_vec_int8_mm")
-        self._mm6 = self._entry("simllm_vec_int8g16_mm", MM_ARGS)
-        self._mm4k = self._entry("simllm_vec_int4k_mm", MM_ARGS)
-        self._mm4k8 = self._entry("simllm_vec_q4k8_mm", MM_ARGS)
-        self._mm6k8 = self._entry("simllm_vec_q6k8_mm", MM_ARGS)
-        self._mm5k8 = self._entry("simllm_vec_q5k8_mm", MM_ARGS)
-        self._mm3k8 = self._entry("simllm_vec_q3k8_mm", MM_ARGS)
-        self._mm8r = self._entry("simllm_vec_q8r_mm", MM_ARGS)
-        self._mm5r = self._entry("simllm_vec_q5r_mm", MM_ARGS)
-        self._mm4r = self._entry("simllm_vec_q4r_mm", MM_ARGS)
-        self._mm51r = self._entry("simllm_vec_q51r_mm", MM_ARGS)
-        self._mmiq4r = self._entry("simllm_vec_iq4r_mm", MM_ARGS)
-        self._mmiq4xs = self._entry("simllm_vec_iq4xs_mm", MM_ARGS)
-        # Every format's entry with simllm_vec_int4_mm's signature, by blob kind: what the C layers call.
-        self.entries = {"q4": self._address("simllm_vec_int4_mm"), "q8": self._address("simllm_vec_int8_mmx"),
-                        "q6": self._address("simllm_vec_int8g16_mm"), "q4k": self._address("simllm_vec_int4k_mm"),
-                        "q4k8": self._address("simllm_vec_q4k8_mm"), "q6k8": self._address("simllm_vec_q6k8_mm"),
-                        "q5k8": self._address("simllm_vec_q5k8_mm"), "q3k8": self._address("simllm_vec_q3k8_mm"),
-                        "q8r": self._address("simllm_vec_q8r_mm"), "q5r": self._address("simllm_vec_q5r_mm"),
-                        "q4r": self._address("simllm_vec_q4r_mm"), "q51r": self._address("simllm_vec_q51r_mm"),
-                        "iq4r": self._address("simllm_vec_iq4r_mm"), "iq4xs": self._address("simllm_vec_iq4xs_mm")}
-        self._buf_floats = int(self._entry("simllm_vec_buffer_floats", [], restype=ctypes.c_long)())
+        self._mm6 = self._entry("simllm_vec_int8g16_mm")
+        self._mm4k = self._entry("simllm_vec_int4k_mm")
+        self._mm4k8 = self._entry("simllm_vec_q4k8_mm")
+        self._mm6k8 = self._entry("simllm_vec_q6k8_mm")
+        self._mm5k8 = self._entry("simllm_vec_q5k8_mm")
+        self._mm3k8 = self._entry("simllm_vec_q3k8_mm")
+        self._mm8r = self._entry("simllm_vec_q8r_mm")
+        self._mm5r = self._entry("simllm_vec_q5r_mm")
+        self._mm4r = self._entry("simllm_vec_q4r_mm")
+        self._mm51r = self._entry("simllm_vec_q51r_mm")
+        self._mmiq4r = self._entry("simllm_vec_iq4r_mm")
+        self._mmiq4xs = self._entry("simllm_vec_iq4xs_mm")
+        self.entries = {kind: self._address(name) for kind, name in PRODUCTS.items()}
+        self._buf_floats = int(self._entry("simllm_vec_buffer_floats")())
 
     # the layouts (vector_blobs), where the kernel is at hand
     pack = staticmethod(vector_blobs.pack)

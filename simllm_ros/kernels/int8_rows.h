@@ -1,9 +1,14 @@
-/* Part of int4_vector.c's library (included at its end, after its vector types, FMA, job_t and run): GGUF's
-   K-quants times rows quantized to 8 bits, with integer dot products, as llama.cpp multiplies them by Q8_K.
-   Not a header to include elsewhere. */
+/* GGUF's K-quants times rows quantized to 8 bits, with integer dot products, as llama.cpp multiplies them by Q8_K:
+   the row quantizer, the integer vector helpers per CPU, and each format's part of a product (static functions over
+   the vector layer and a thread's job). int4_vector.c defines the library's entries over these parts (DEFINE_MM8);
+   int4_vector_api.h declares them. */
 #ifndef SIMLLM_INT8_ROWS_H
 #define SIMLLM_INT8_ROWS_H
-#ifdef SIMLLM_INT4_VECTOR_C
+
+#include <stdint.h>
+#include <string.h>
+#include "vector_isa.h"
+#include "vector_product.h"
 
 /* ---- Q4_K weights times 8-bit rows ("q4k8"): integer dot products, as llama.cpp multiplies Q4_K by Q8_K ----
    Each row's inputs are quantized per block of 256 (QBLK): scale dx = amax / 127, code = round-to-even of
@@ -394,9 +399,6 @@ static inline __attribute__((always_inline)) void sb6k8(const uint8_t *blk, cons
 }
 DEFINE_PART8(part6k8, sb6k8, BLOB6K, QBLK, QBLK)
 
-/* Q6_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
-DEFINE_MM8(simllm_vec_q6k8_mm, part6k8, QBLK)
-
 /* ---- Q3_K weights times 8-bit rows ("q3k8") ----
    GGUF's Q3_K (codes -4..3, 6-bit sub-scales less 32 per group of 16, d per 256), as llama.cpp's Q3_K_S/M/L files
    keep most projections: Q6_K's form with u = code + 4 (0..7) in nibbles and no top bits, so the rows, the sums
@@ -410,9 +412,6 @@ static inline __attribute__((always_inline)) void sb3k8(const uint8_t *blk, cons
     sbg16(blk, xr, s, K, o, NR, GRP3K, 0, 4);
 }
 DEFINE_PART8(part3k8, sb3k8, BLOB3K, QBLK, QBLK)
-
-/* Q3_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
-DEFINE_MM8(simllm_vec_q3k8_mm, part3k8, QBLK)
 
 /* ---- Q5_K weights times 8-bit rows ("q5k8") ----
    Q4_K's super-blocks (d and dmin, 6-bit sub-scales and sub-mins per group of 32) with codes 0..31, as llama.cpp's
@@ -473,17 +472,7 @@ static inline __attribute__((always_inline)) void sb5k8(const uint8_t *blk, cons
 }
 DEFINE_PART8(part4k8, sb4k8, BLOB4K8, QBLK, QBLK)
 
-/* Q4_K weights (layout above) times float32 rows quantized to 8 bits per 256 inputs; xsum: the rows' quantized
-   inputs (qrow_bytes each, 4-byte aligned). K in 256s. */
-DEFINE_MM8(simllm_vec_q4k8_mm, part4k8, QBLK)
-
 DEFINE_PART8(part5k8, sb5k8, BLOB5K8, QBLK, QBLK)
 
-/* Q5_K weights (layout above) times float32 rows quantized as for simllm_vec_q4k8_mm. K in 256s. */
-DEFINE_MM8(simllm_vec_q5k8_mm, part5k8, QBLK)
-
-/* The products of groups of 32 (Q8_0, Q5_0, Q4_0 on rows quantized per 32): their own file */
-#include "int8_rows32.h"
-
-#endif
+/* The products of groups of 32 (Q8_0, Q5_0, Q4_0 on rows quantized per 32): int8_rows32.h */
 #endif

@@ -1,9 +1,10 @@
-/* Part of int8_rows.h (included at its end, after its row quantizer, integer vector helpers and DEFINE_PART8):
-   GGUF's formats with a scale per group of 32 inputs (Q8_0, Q5_0, Q5_1, Q4_0, IQ4_NL, IQ4_XS) times rows quantized to 8 bits per 32,
-   as llama.cpp multiplies them by Q8_0. Not a header to include elsewhere. */
+/* GGUF's formats with a scale per group of 32 inputs (Q8_0, Q5_0, Q5_1, Q4_0, IQ4_NL, IQ4_XS) times rows quantized
+   to 8 bits per 32, as llama.cpp multiplies them by Q8_0: each format's part of a product, over int8_rows.h's row
+   quantizer, integer vector helpers and DEFINE_PART8. int4_vector.c defines the entries (DEFINE_MM8). */
 #ifndef SIMLLM_INT8_ROWS32_H
 #define SIMLLM_INT8_ROWS32_H
-#ifdef SIMLLM_INT8_ROWS_H
+
+#include "int8_rows.h"
 
 /* ---- 8-bit codes with a scale per 32 times 8-bit rows ("q8r": GGUF's Q8_0) ----
    The rows quantized per 32 inputs (as llama.cpp's Q8_0 rows). Per output and group of 32: isum = sum of code_w *
@@ -85,9 +86,6 @@ static inline __attribute__((always_inline)) void sb8r(const uint8_t *blk, const
 }
 DEFINE_PART8(part8r, sb8r, BLOB8R, GROUP, GROUP)
 
-/* 8-bit codes with a scale per 32 (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
-DEFINE_MM8(simllm_vec_q8r_mm, part8r, GROUP)
-
 /* ---- Q5_0 and Q4_0 weights times 8-bit rows ("q5r", "q4r") ----
    The rows as for q8r (per 32 inputs). Per output and group of 32: isum = sum of u * code_x minus 16 * xsum_g
    (u = the file's code -16..15 plus 16, 0..31), exact in int32 and equal to q8r's sum of code_w * code_x; then
@@ -136,16 +134,6 @@ static inline __attribute__((always_inline)) void sb51r(const uint8_t *blk, cons
 DEFINE_PART8(part5r, sb5r, BLOB5R, GROUP, GROUP)
 DEFINE_PART8(part4r, sb4r, BLOB4R, GROUP, GROUP)
 DEFINE_PART8(part51r, sb51r, BLOB51R, GROUP, GROUP)
-
-/* Q5_0 weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
-DEFINE_MM8(simllm_vec_q5r_mm, part5r, GROUP)
-
-/* Q5_1 weights (BLOB51R: Q5_0's layout, then the mins) times rows quantized as for simllm_vec_q5r_mm. */
-DEFINE_MM8(simllm_vec_q51r_mm, part51r, GROUP)
-
-/* Q4_0 weights (BLOB4R: Q5_0's layout without the top bits) times rows quantized as for simllm_vec_q5r_mm. */
-DEFINE_MM8(simllm_vec_q4r_mm, part4r, GROUP)
-
 
 /* ---- IQ4_NL and IQ4_XS weights times 8-bit rows ("iq4r", "iq4xs") ----
    The rows as for q8r (per 32 inputs). The weights are 4-bit indices into llama.cpp's table of 16 values
@@ -254,9 +242,6 @@ static inline __attribute__((always_inline)) void sbiq4(const uint8_t *blk, cons
 }
 DEFINE_PART8(partiq4, sbiq4, BLOBIQ4, GROUP, GROUP)
 
-/* IQ4_NL weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. */
-DEFINE_MM8(simllm_vec_iq4r_mm, partiq4, GROUP)
-
 /* IQ4_XS: a super-block's 8 groups in order, each group's scales d * (sub-scale - 32) worked out once for the rows. */
 static inline __attribute__((always_inline)) void sbiq4xs(const uint8_t *blk, const uint8_t *const *xr, int s, int K,
                                                            vw o[QROWS][NH], const int NR) {
@@ -269,7 +254,4 @@ static inline __attribute__((always_inline)) void sbiq4xs(const uint8_t *blk, co
 }
 DEFINE_PART8(partiq4xs, sbiq4xs, BLOBIQ4XS, QBLK, GROUP)
 
-/* IQ4_XS weights (layout above) times float32 rows quantized to 8 bits per 32 inputs. K in 256s. */
-DEFINE_MM8(simllm_vec_iq4xs_mm, partiq4xs, GROUP)
-#endif
 #endif

@@ -24,8 +24,7 @@ import threading
 
 import torch
 
-from . import int4_kernel
-from . import build
+from . import abi, build, int4_kernel
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -38,6 +37,13 @@ class _Pass(ctypes.Structure):
                 ("pool", _P), ("glue_min_rows", _I),
                 ("wnseq", _I), ("wtable", _P), ("wawork", _P), ("wastride", _L), ("wathreads", _I), ("act", _I),
                 ("rot", _I), ("prof", _P)]
+
+_ROWS = [_P, _L, _I, _I, _P, _L]  # simllm_silu_mul_*, simllm_gelu_tanh_mul_f32: gu, its stride, M, I, a, its stride
+_STACK = [ctypes.POINTER(_Pass), _P, _I, _I, _I, _P, _P, _P, _P, _P]  # simllm_layers_*: the pass, h, M, ...
+# Every entry bound here: name -> (argtypes, restype), checked against layers_api.h (kernels/abi.py)
+SIGNATURES: abi.Signatures = {"simllm_silu_mul_f32": (_ROWS, None), "simllm_silu_mul_bf16": (_ROWS, None),
+              "simllm_gelu_tanh_mul_f32": (_ROWS, None), "simllm_layers_f32": (_STACK, None),
+              "simllm_layers_bf16": (_STACK, None), "simllm_layers_available": ([], _I)}
 
 # layer_stack.h's PROF_* slots: what a profiled pass's steps add their nanoseconds to, in this order
 PROFILE_STEPS = ("qkv", "attention", "o", "gate_up", "down", "norms", "rope", "activation")
@@ -60,17 +66,16 @@ class LayerKernel:
     def __init__(self, path: str):
         lib = ctypes.CDLL(path)
         self.path = path
-        self._silu = {torch.float32: lib.simllm_silu_mul_f32}
-        self._gelu = lib.simllm_gelu_tanh_mul_f32
-        self._gelu.argtypes, self._gelu.restype = [_P, _L, _I, _I, _P, _L], None
-        self._stack = {torch.float32: lib.simllm_layers_f32}
-        if lib.simllm_layers_available():  # the bf16 layers (AVX-512); float32 always
-            self._silu[torch.bfloat16] = lib.simllm_silu_mul_bf16
-            self._stack[torch.bfloat16] = lib.simllm_layers_bf16
-        for fn in self._silu.values():
-            fn.argtypes, fn.restype = [_P, _L, _I, _I, _P, _L], None
-        for fn in self._stack.values():
-            fn.argtypes, fn.restype = [ctypes.POINTER(_Pass), _P, _I, _I, _I, _P, _P, _P, _P, _P], None
+
+        def entry(name):
+            return abi.bind(lib, "layers", SIGNATURES, name)
+
+        self._silu = {torch.float32: entry("simllm_silu_mul_f32")}
+        self._gelu = entry("simllm_gelu_tanh_mul_f32")
+        self._stack = {torch.float32: entry("simllm_layers_f32")}
+        if entry("simllm_layers_available")():  # the bf16 layers (AVX-512); float32 always
+            self._silu[torch.bfloat16] = entry("simllm_silu_mul_bf16")
+            self._stack[torch.bfloat16] = entry("simllm_layers_bf16")
 
     def takes(self, dtype: torch.dtype) -> bool:
         """Whether this build runs layers of this dtype: float32 anywhere, bf16 where it targets AVX-512."""
@@ -219,7 +224,7 @@ class Layers:
                             self.eps.data_ptr(), c.data_ptr(), s.data_ptr(), ws.data_ptr())
 
 
-_LOADER = build.Loader("SIMLLM_LAYERS", "python", "layers", LayerKernel)
+_LOADER = build.Loader("SIMLLM_LAYERS", "python", "layers", LayerKernel, signatures=SIGNATURES)
 
 
 def load() -> "LayerKernel | None":

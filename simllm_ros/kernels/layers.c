@@ -4,6 +4,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
+#include "layers_api.h"
 #include "exp_poly.h"
 #include "layer_stack.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -82,7 +83,7 @@ static void add_rows(bf16 *h, const bf16 *t, long n) {
 }
 
 typedef void (*pool_fn)(void *(*)(void *), void *, long, int);
-typedef struct {
+typedef struct simllm_pass {
     norm_fn norm; mm_fn mm; attend_fn attend;
     int E, Hq, Hkv, D, I;
     float scale, softcap;  /* softcap: the attention scores' (0: none) */
@@ -165,7 +166,7 @@ typedef void (*attend32_fn)(const float *q, long q_sn, long q_sh, const float *k
                             float softcap, int nseq, const int64_t *table, int layer, const uint8_t *blocked, int first,
                             float *work, long stride, int threads);
 typedef void (*pool32_fn)(void *(*)(void *), void *, long, int);
-typedef struct {  /* the layout of pass_t (the _Pass structure), float32 entry points */
+typedef struct simllm_pass32 {  /* the layout of pass_t (the _Pass structure), float32 entry points */
     norm32_fn norm; mm32_fn mm; attend32_fn attend;
     int E, Hq, Hkv, D, I;
     float scale, softcap;  /* softcap: the attention scores' (0: none) */

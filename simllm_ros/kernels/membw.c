@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include "membw_api.h"
 
 typedef struct {
     const uint64_t *src;

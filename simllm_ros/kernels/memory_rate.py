@@ -7,16 +7,17 @@ import ctypes
 
 import torch
 
-from . import build
+from . import abi, build
+
+
+# src, dst, bytes, threads, reps, copy -> GB/s; checked against membw_api.h (kernels/abi.py)
+SIGNATURES: abi.Signatures = {"simllm_memory_rate": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_int], ctypes.c_double)}
 
 
 class MemoryRate:
     def __init__(self, path: str):
-        lib = ctypes.CDLL(path)
-        self._rate = lib.simllm_memory_rate
-        self._rate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int]
-        self._rate.restype = ctypes.c_double
+        self._rate = abi.bind(ctypes.CDLL(path), "membw", SIGNATURES, "simllm_memory_rate")
 
     def measure(self, threads: int, copy: bool = False, mib: int = 512, tries: int = 3) -> float:
         """GB/s (1e9 bytes a second) of `threads` threads reading (or copying: read plus written) `mib` MiB, the best
@@ -31,7 +32,7 @@ class MemoryRate:
         return best
 
 
-_LOADER = build.Loader("SIMLLM_MEMBW", "off", "membw", MemoryRate)
+_LOADER = build.Loader("SIMLLM_MEMBW", "off", "membw", MemoryRate, signatures=SIGNATURES)
 
 
 def load() -> "MemoryRate | None":

@@ -15,18 +15,20 @@ import ctypes
 
 import torch
 
-from . import build
+from . import abi, build
+
+
+# x, x's row stride, w, y, M, E, eps; checked against rmsnorm_api.h (kernels/abi.py)
+_ARGS = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float]
+SIGNATURES: abi.Signatures = {"simllm_rmsnorm_bf16": (_ARGS, None), "simllm_rmsnorm_f32": (_ARGS, None)}
 
 
 class NormKernel:
     def __init__(self, path: str):
         self.path = path
         lib = ctypes.CDLL(path)
-        self._fns = {torch.bfloat16: lib.simllm_rmsnorm_bf16, torch.float32: lib.simllm_rmsnorm_f32}
-        for fn in self._fns.values():
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                           ctypes.c_int, ctypes.c_float]
-            fn.restype = None
+        self._fns = {torch.bfloat16: abi.bind(lib, "rmsnorm", SIGNATURES, "simllm_rmsnorm_bf16"),
+                     torch.float32: abi.bind(lib, "rmsnorm", SIGNATURES, "simllm_rmsnorm_f32")}
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
@@ -50,7 +52,7 @@ class NormKernel:
         return y.view(x.shape)
 
 
-_LOADER = build.Loader("SIMLLM_NORM", "torch", "rmsnorm", NormKernel)
+_LOADER = build.Loader("SIMLLM_NORM", "torch", "rmsnorm", NormKernel, signatures=SIGNATURES)
 
 
 def load() -> "NormKernel | None":

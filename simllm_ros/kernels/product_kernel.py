@@ -10,43 +10,49 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from . import compute_threads, kernel_pool
-from . import build
+from . import abi, build, compute_threads, kernel_pool
 
 P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 # simllm_*_mm: x, x row stride, weight blob, y, y row stride, M, N, K, group sums, scratch, scratch per thread, threads
 MM_ARGS = [P, L, P, P, L, I, I, I, P, P, L, I]
 # simllm_*int8_mm (the LM head): the same without the group sums
 MM8_ARGS = [P, L, P, P, L, I, I, I, P, L, I]
+# pool.h's entries, which both product libraries export (pool_api.h): name -> (argtypes, restype)
+POOL_SIGNATURES: abi.Signatures = {"simllm_pool_call": ([P, P, L, I], None), "simllm_pool_profile": ([I, P], None),
+                   "simllm_pool_stop": ([], None), "simllm_pool_tune": ([L], None), "simllm_pool_pin": ([P, I], None),
+                   "simllm_pool_workers": ([], ctypes.c_int)}
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "float32"}  # as refusals name the rows
 
 
 class ProductKernel:
     """A compiled product library called on torch tensors: `pack*` once per weight, `mm*` per product.
 
-    Subclasses set `kind`, `dtype` and `label` (how refusals name the kernel), name their 4-bit (`mm`) and
-    8-bit (`mm8`) entries and bind any other with `_entry`; `pool_call` is the library's worker pool entry,
-    lent to AttentionKernel.use_pool."""
+    Subclasses set `kind`, `dtype` and `label` (how refusals name the kernel), `library` (the built library's
+    name) and `SIGNATURES` (every entry they bind: name -> (argtypes, restype), checked against the library's
+    header by kernels/abi.py), name their 4-bit (`mm`) and 8-bit (`mm8`) entries and bind any other with
+    `_entry`; `pool_call` is the library's worker pool entry, lent to AttentionKernel.use_pool."""
 
     kind = ""
+    library = ""
+    SIGNATURES: abi.Signatures = {}
     dtype = torch.float32
     label = "product kernel"  # "int4 kernel: ..." / "int4 vector kernel: ..." in refusals
 
     def __init__(self, path: str, mm: str, mm8: str):
         self._lib = ctypes.CDLL(path)
         self.path = path
-        self._mm = self._entry(mm, MM_ARGS)
-        self._mm8 = self._entry(mm8, MM8_ARGS)
+        self._mm = self._entry(mm)
+        self._mm8 = self._entry(mm8)
         self.pool_call = self._address("simllm_pool_call")
-        self._pool_profile = self._entry("simllm_pool_profile", [I, P])
-        self._pool_stop = self._entry("simllm_pool_stop", [])
-        self._pool_pin = self._entry("simllm_pool_pin", [P, I])
-        self._pool_tune = self._entry("simllm_pool_tune", [L])
-        self._pool_workers = self._entry("simllm_pool_workers", [], restype=ctypes.c_int)
+        self._pool_profile = self._entry("simllm_pool_profile")
+        self._pool_stop = self._entry("simllm_pool_stop")
+        self._pool_pin = self._entry("simllm_pool_pin")
+        self._pool_tune = self._entry("simllm_pool_tune")
+        self._pool_workers = self._entry("simllm_pool_workers")
         self._scratch = threading.local()  # per calling thread: a product runs without the GIL
 
     def stop_workers(self) -> None:
@@ -73,16 +79,17 @@ class ProductKernel:
         self._pool_profile(int(on), out)
         return {"dispatches": out[0], "woke_sleeper": out[1], "wait_ms": out[2] / 1e6, "alone": out[3]}
 
-    def _entry(self, name: str, argtypes: list, restype=None):
-        """The library's function `name`, typed."""
-        fn = getattr(self._lib, name)
-        fn.argtypes = argtypes
-        fn.restype = restype
-        return fn
+    def _entry(self, name: str):
+        """The library's function `name`, typed as SIGNATURES says (checked against the header: abi.bind)."""
+        return abi.bind(self._lib, self.library, self.SIGNATURES, name)
 
     def _address(self, name: str) -> int:
-        """The address of the library's function `name`, for C callers (the C layers, attention's pool)."""
-        return ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
+        """The address of the library's function `name`, for C callers (the C layers, attention's pool): a
+        declared entry too, whose signature SIGNATURES states for those callers."""
+        address = ctypes.cast(self._entry(name), ctypes.c_void_p).value
+        if address is None:
+            raise abi.AbiMismatch(f"{name}: the library gives no address for it")
+        return address
 
     def _check(self, x: torch.Tensor, blob: torch.Tensor, n: int, blob_bytes: int, what: str, group: int,
                min_macs: int) -> tuple[int, int, int]:
@@ -105,10 +112,14 @@ def compare(mm: Callable, x: torch.Tensor, blob: torch.Tensor, n: int, want: tor
     return err, all(torch.equal(mm(x[i:i + r].contiguous(), blob, n), got[i:i + r]) for i, r in rows)
 
 
-class Loader(build.Loader):
-    """build.Loader for a product kernel: one that passes its checks lends its workers to attention."""
+PK = TypeVar("PK", bound=ProductKernel)
 
-    def __init__(self, env: str, off: str, library: str, make: Callable[[str], ProductKernel],
-                 checks: Sequence[Callable[[ProductKernel], str | None]]):
+
+class Loader(build.Loader[PK]):
+    """build.Loader for a product kernel class `make` (its SIGNATURES checked against the library's header): one that
+    passes its checks lends its workers to attention."""
+
+    def __init__(self, env: str, off: str, library: str, make: type[PK], checks: Sequence[Callable[[PK], str | None]]):
         super().__init__(env, off, library, make, checks,
-                         then=lambda kernel: kernel_pool.lend_to_attention(kernel.pool_call))
+                         then=lambda kernel: kernel_pool.lend_to_attention(kernel.pool_call),
+                         signatures=make.SIGNATURES)

@@ -1,6 +1,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include "rmsnorm_api.h"
 
 typedef uint16_t bf16;
 static inline float f32(bf16 b) { uint32_t u = ((uint32_t)b) << 16; float f; memcpy(&f, &u, 4); return f; }
