@@ -11,7 +11,8 @@ scope's keys are reachable only by a node that knows both, and Redis ACLs can li
 
 The store never makes a node worse: every call is bounded by fleet_timeout_ms (socket timeouts, no retries),
 a failed call opens a breaker (the next calls skip the store at once; the writer thread pings it again after
-a pause of 0.25 s growing to 2 s), and writes run on a background thread with a bounded queue (dropped, and counted, when it is full).
+a pause of 0.25 s growing to 2 s), and writes run on a background thread with a bounded queue (dropped, and counted,
+when it is full).
 
 Nor can what another writer put in Redis (a forged entry, a faulty robot's) stop or mislead a node: every value is
 read with a size bound (GETRANGE, STRLEN, or a server-side script that leaves out list and set members over their
@@ -229,7 +230,7 @@ class FleetStore:
                 self.counters.errors += 1
             self.log.warning(f"fleet store: {what} refused by the server ({e}); skipped")
             return None
-        except Exception as e:  # noqa: BLE001 - the store must never fail a request
+        except Exception as e:  # the store must never fail a request
             first = self.breaker.failures == 0
             self.breaker.fail(e)
             if write:
@@ -360,7 +361,7 @@ class FleetStore:
                 del self._mirror[sc]
         for scope in todo:
             lkey = self._scope_key(scope, "recent", self.digest)
-            items = self._call("answers read", lambda: self._recent_items(lkey), write=True)
+            items = self._call("answers read", lambda lkey=lkey: self._recent_items(lkey), write=True)
             if items is None:
                 return
             fps, ids, seen = [], [], set()
@@ -492,7 +493,7 @@ class FleetStore:
             return pipe.execute(raise_on_error=False)
         for start in range(0, run, per_round):
             batch = keys[start:start + per_round]
-            blobs = self._call("kv fetch", lambda: fetch(batch))
+            blobs = self._call("kv fetch", lambda batch=batch: fetch(batch))
             if not blobs:
                 break
             for i, (key, blob) in enumerate(zip(batch, blobs)):
@@ -584,7 +585,7 @@ class FleetStore:
         store back without waiting for a request. Nothing a job or the store does ends it."""
         try:
             self._write_jobs()
-        except BaseException as e:  # noqa: BLE001 - the thread ends; recorded for the restart's WARN
+        except BaseException as e:  # the thread ends; recorded for the restart's WARN
             self._writer_death = f"{type(e).__name__}: {e}"[:200]
 
     def _write_jobs(self) -> None:
@@ -597,7 +598,7 @@ class FleetStore:
                         self._call("ping", self.redis.ping, write=True)
                     elif not self.breaker.failures:
                         self._refresh_mirrors()
-                except Exception as e:  # noqa: BLE001 - a bad item must not end the writer
+                except Exception as e:  # a bad item must not end the writer
                     self.log.warning(f"fleet store mirror refresh failed: {type(e).__name__}: {e}")
                 continue
             if job is None:
@@ -605,7 +606,7 @@ class FleetStore:
                 break
             try:
                 self._write(*job)
-            except Exception as e:  # noqa: BLE001 - a write failure must not end the writer
+            except Exception as e:  # a write failure must not end the writer
                 self.log.warning(f"fleet store write failed: {type(e).__name__}: {e}")
             finally:
                 self._queue.task_done()
@@ -705,7 +706,7 @@ class FleetStore:
                              oversized=member is None)
                 continue
             key = ":".join((self.namespace, "s", tag, "task", tid))
-            blob = self._call("task read", lambda: self.redis.getrange(key, 0, MAX_TASK_BLOB))
+            blob = self._call("task read", lambda key=key: self.redis.getrange(key, 0, MAX_TASK_BLOB))
             if not blob:
                 continue
             try:
@@ -753,7 +754,7 @@ class FleetStore:
         self._writer.join(timeout=2.0)
         try:
             self.redis.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 

@@ -483,7 +483,8 @@ class KVPool:
                 for bid in e.block_ids:
                     refs[bid] = refs.get(bid, 0) + 1
             for bid, info in self._blocks.blocks.items():
-                assert refs.get(bid, 0) == info.refcount, f"block {bid}: refcount {info.refcount} != {refs.get(bid, 0)} users"
+                assert refs.get(bid, 0) == info.refcount, \
+                    f"block {bid}: refcount {info.refcount} != {refs.get(bid, 0)} users"
             assert len(self._matcher) == len(self._entries), "matcher and entries disagree"
             self._matcher.check_consistency()
             assert self._meta_bytes == sum(e.meta_bytes for e in self._entries.values()), "metadata bytes drifted"

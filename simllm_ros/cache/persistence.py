@@ -40,8 +40,7 @@ import time
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .kv_pool import KVPool, PoolSnapshot
 from ..safe_io import describe_error, open_regular
@@ -227,7 +226,7 @@ def _tensor_specs(header: dict, data_bytes: int) -> tuple[dict, dict]:
         specs[name] = (dtype, tuple(shape), begin, end)
         spans.append((begin, end, name))
     spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise _Bad(f"tensors {n0!r} and {n1!r} overlap")
     return meta, specs

@@ -150,6 +150,7 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
         return ReusePlan(CacheResult.EXACT_PREFIX, f"{n_exact}-token exact prefix; no semantic: {why_not}",
                          reported_similarity(best_cos), prefix.source_key, prefix=prefix,
                          source_question=prefix.source_question, match_ms=match_ms)
-    reason = "no cached prefix" if (allow_approximate or lossless_kv) else "stored KV reuse is not lossless here and caller forbids approximate reuse"
+    reason = "no cached prefix" if (allow_approximate or lossless_kv) \
+        else "stored KV reuse is not lossless here and caller forbids approximate reuse"
     return ReusePlan(CacheResult.MISS, f"{reason}; no semantic: {why_not}", reported_similarity(best_cos),
                      match_ms=match_ms)

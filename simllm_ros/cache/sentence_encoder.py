@@ -115,5 +115,6 @@ class _SentenceTransformerEncoder:
 
 
 def open_encoder(path: str, device: str = "cpu") -> "SentenceEncoder | _SentenceTransformerEncoder":
-    """The encoder for an embedder folder: SentenceEncoder where the folder has its shape, else sentence-transformers."""
+    """The encoder for an embedder folder: SentenceEncoder where the folder has its shape,
+    else sentence-transformers."""
     return SentenceEncoder.open(path, device) or _SentenceTransformerEncoder(path, device)
