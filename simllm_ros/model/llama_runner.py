@@ -163,7 +163,7 @@ class LlamaRunner(LayerSteps, EarlyPasses):
             att, mlp = layer.self_attn, layer.mlp
             if self.file is not None:
                 fw = self.file.layers[li]
-                def file_parts(name, *projs):
+                def file_parts(name, *projs, li=li, fw=fw):
                     return packs(f"{li}.{name}", lambda: _file_parts([fw[p] for p in projs], self.int4, int8_rows))
 
                 qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, self.int4,
@@ -342,7 +342,8 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         need_att = all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         need_mlp = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         # Per-head q/k norms (Qwen3) run here; norms over a whole projection (OLMo2's) would need their own code.
-        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        head_dim = getattr(model.config, "head_dim", None) \
+            or model.config.hidden_size // model.config.num_attention_heads
         extra = any(getattr(getattr(att, n, None), "weight", torch.empty(head_dim)).shape != (head_dim,)
                     for n in ("q_norm", "k_norm"))
         # Norms after attention or MLP: Gemma 2's and 3's layout only, causal, windows only where its layer types
