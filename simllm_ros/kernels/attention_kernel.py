@@ -77,7 +77,7 @@ class AttentionKernel:
         # bf16 on AMX tiles where the compiler targets them and Linux grants the tile state; SIMLLM_ATTENTION=vector
         # keeps the vector code for bf16 (the two round differently: the numerics digest tells them apart).
         self.amx = None
-        init = getattr(lib, "simllm_attend_amx_init")
+        init = lib.simllm_attend_amx_init
         init.restype = _I
         if amx and os.environ.get("SIMLLM_ATTENTION", "").lower() != "vector" \
                 and hasattr(lib, "simllm_attend_amx_bf16") and init() == 0:
