@@ -335,7 +335,7 @@ class FleetStore:
         with self._mirror_lock:
             self._wanted[scope] = now
             if len(self._wanted) > MIRROR_SCOPES:
-                self._wanted.pop(min(self._wanted, key=self._wanted.get))
+                self._wanted.pop(min(self._wanted, key=lambda sc: self._wanted[sc]))
             got = self._mirror.get(scope)
         if got is None or not len(got[2]):
             return []
@@ -364,7 +364,8 @@ class FleetStore:
             items = self._call("answers read", lambda lkey=lkey: self._recent_items(lkey), write=True)
             if items is None:
                 return
-            fps, ids, seen = [], [], set()
+            fps: list[np.ndarray] = []
+            ids, seen = [], set()
             for item in items:
                 try:
                     if not isinstance(item, bytes) or len(item) > MAX_RECENT_ITEM:

@@ -276,9 +276,9 @@ def _check_tensors(tensors: dict, pool: KVPool, n_entries: int) -> int:
         _expect(tensors, "k", store_dtype, (rows, L, H, T, D))
         _expect(tensors, "v", store_dtype, (rows, L, H, T, D))
         if pool.quantized:
-            for name, shape in (("k_scale", (rows, L, H, 1, D)), ("k_zero", (rows, L, H, 1, D)),
+            for name, want in (("k_scale", (rows, L, H, 1, D)), ("k_zero", (rows, L, H, 1, D)),
                                 ("v_scale", (rows, L, H, T, 1)), ("v_zero", (rows, L, H, T, 1))):
-                _expect(tensors, name, torch.float16, shape)
+                _expect(tensors, name, torch.float16, want)
     if ("calib_lo" in tensors) != ("calib_hi" in tensors):
         raise _Bad("only one of calib_lo / calib_hi")
     if "calib_lo" in tensors:
