@@ -243,7 +243,7 @@ def robot_text(s: dict) -> str:
 
 def robot_state(clinc: dict[str, list[str]], n: int, seed: int) -> list[dict]:
     rng = random.Random(f"robot-state:{seed}")
-    s = {"clock": 14 * 60 + rng.randint(0, 30), "sec": 0, "x": rng.uniform(-20, 20), "y": rng.uniform(-20, 20),
+    s: dict = {"clock": 14 * 60 + rng.randint(0, 30), "sec": 0, "x": rng.uniform(-20, 20), "y": rng.uniform(-20, 20),
          "yaw": rng.uniform(0, 360), "v": 0.4, "vmax": 1.2, "bat": rng.randint(60, 95), "charging": False, "task": 0,
          "step": 0, "wp": "aisle 12", "wp_dist": rng.uniform(5, 30), "payload": 4.2, "obst": 0,
          "todo": ["charge at bay 2", "scan aisle 7", "report to operator"], "fault": ""}

@@ -87,7 +87,9 @@ def by_core(cpus: list[int], sysfs: str = "/sys/devices/system/cpu") -> tuple[li
     """(`cpus` ordered one per physical core first, then the cores' second hardware threads; the physical cores).
     Decode is memory-bound, and a core's second thread adds no bandwidth. Where the topology cannot be read: as
     they are, each its own core."""
-    first, rest, seen = [], [], set()
+    first: list[int] = []
+    rest: list[int] = []
+    seen = set()
     for cpu in cpus:
         core = _core_of(cpu, sysfs)
         if core is None:
