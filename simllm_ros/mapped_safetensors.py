@@ -10,6 +10,7 @@ import json
 import mmap
 import os
 import struct
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ class MappedSafetensors:
             if not isinstance(header, dict):
                 raise ValueError("header is not a JSON object")
             self.meta: dict = header.pop("__metadata__", None) or {}
-            self.entries: dict[str, dict] = header
+            self.entries: dict[str, Any] = header  # as the file's JSON says: raw() and tensor() check it
             # copy-on-write: writable for torch, the file's pages unless written (nothing writes them)
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else None
         self.data = np.frombuffer(self._map, dtype=np.uint8, offset=8 + n) if self._map is not None \

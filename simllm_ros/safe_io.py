@@ -33,7 +33,7 @@ def _kind(mode: int) -> str:
 def describe_error(e: OSError) -> str:
     """A short reason for the log: 'a FIFO', 'symlink loop', 'No such file or directory'."""
     if isinstance(e, NotRegularFile):
-        return e.strerror
+        return e.strerror or "not a regular file"
     if e.errno == errno.ELOOP:
         return "symlink loop (or too many levels of symbolic links)"
     return e.strerror or type(e).__name__

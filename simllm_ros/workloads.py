@@ -243,7 +243,7 @@ def robot_text(s: dict) -> str:
 
 def robot_state(clinc: dict[str, list[str]], n: int, seed: int) -> list[dict]:
     rng = random.Random(f"robot-state:{seed}")
-    s = {"clock": 14 * 60 + rng.randint(0, 30), "sec": 0, "x": rng.uniform(-20, 20), "y": rng.uniform(-20, 20),
+    s: dict = {"clock": 14 * 60 + rng.randint(0, 30), "sec": 0, "x": rng.uniform(-20, 20), "y": rng.uniform(-20, 20),
          "yaw": rng.uniform(0, 360), "v": 0.4, "vmax": 1.2, "bat": rng.randint(60, 95), "charging": False, "task": 0,
          "step": 0, "wp": "aisle 12", "wp_dist": rng.uniform(5, 30), "payload": 4.2, "obst": 0,
          "todo": ["charge at bay 2", "scan aisle 7", "report to operator"], "fault": ""}
@@ -278,8 +278,11 @@ def robot_state(clinc: dict[str, list[str]], n: int, seed: int) -> list[dict]:
 def _mixed_context(rng: random.Random, i: int) -> str:
     kind = rng.choice(["note", "list", "account", "calendar"])
     if kind == "note":
-        return (f"Note {i} from {rng.choice(['Ana', 'Ben', 'Chen', 'Dara', 'Eli'])}: "
-                f"{rng.choice(['the kitchen light flickers', 'the printer needs toner', 'guests arrive at ' + str(rng.randint(4, 8)) + ' pm', 'the dog was fed at ' + str(rng.randint(6, 9)) + ' am'])}.")
+        who = rng.choice(['Ana', 'Ben', 'Chen', 'Dara', 'Eli'])  # drawn in this order: the workload stays the same
+        what = rng.choice(['the kitchen light flickers', 'the printer needs toner',
+                           'guests arrive at ' + str(rng.randint(4, 8)) + ' pm',
+                           'the dog was fed at ' + str(rng.randint(6, 9)) + ' am'])
+        return f"Note {i} from {who}: {what}."
     if kind == "list":
         items = rng.sample(["milk", "eggs", "bread", "rice", "apples", "coffee", "soap", "batteries", "tea"], 4)
         return f"Shopping list {i}: " + ", ".join(items) + "."
@@ -287,7 +290,8 @@ def _mixed_context(rng: random.Random, i: int) -> str:
         return (f"Account summary {i}: balance {rng.randint(100, 9000)} dollars, next bill due in "
                 f"{rng.randint(2, 28)} days, {rng.randint(0, 5)} pending transfers.")
     return (f"Calendar {i}: {rng.choice(['dentist', 'team meeting', 'yoga', 'school pickup'])} at "
-            f"{rng.randint(8, 18)}:{rng.choice(['00', '15', '30', '45'])}, {rng.choice(['call mom', 'pay rent', 'gym'])} later.")
+            f"{rng.randint(8, 18)}:{rng.choice(['00', '15', '30', '45'])}, "
+            f"{rng.choice(['call mom', 'pay rent', 'gym'])} later.")
 
 
 def mixed(clinc: dict[str, list[str]], n: int, seed: int) -> list[dict]:

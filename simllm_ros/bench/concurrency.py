@@ -220,8 +220,8 @@ def summarize(runs: list[dict], ttft_target_ms: float) -> dict:
         d = out.setdefault(run["system"], {}).setdefault(str(run["clients"]), {"wall_s": 0.0, "recs": []})
         d["wall_s"] += run["wall_s"]
         d["recs"].extend(run["recs"])
-    for sysname, by_c in out.items():
-        for c, d in by_c.items():
+    for by_c in out.values():
+        for d in by_c.values():
             ok = [r for r in d["recs"] if r["ok"]]
             ttft = [r["ttft_ms"] for r in ok]
             d.update(n=len(d["recs"]), errors=len(d["recs"]) - len(ok), throughput_rps=len(ok) / d["wall_s"]
@@ -378,7 +378,8 @@ def write_report(res: dict, out: str) -> list[str]:
              f"interleaved; max_new_tokens {res['max_new_tokens']}; drafts "
              f"{'on' if res['status']['batched'].get('drafts', True) else 'off (--no-drafts)'}. Wall time "
              f"{res['wall_s']:.0f} s.",
-             "", "| system | clients | answers | throughput (/s) | TTFT p50 ms | TTFT p95 ms | latency p95 ms | tiers |",
+             "",
+             "| system | clients | answers | throughput (/s) | TTFT p50 ms | TTFT p95 ms | latency p95 ms | tiers |",
              "|---|---|---|---|---|---|---|---|"]
     for s, by_c in res["summary"].items():
         for c in res["clients"]:
@@ -386,7 +387,8 @@ def write_report(res: dict, out: str) -> list[str]:
             if d is None:
                 continue
             lines.append(f"| {s} | {c} | {d['n'] - d['errors']}/{d['n']} | {d['throughput_rps']:.3f} | "
-                         f"{d['ttft_p50_ms'] or 0:.0f} | {d['ttft_p95_ms'] or 0:.0f} | {d['latency_p95_ms'] or 0:.0f} | "
+                         f"{d['ttft_p50_ms'] or 0:.0f} | {d['ttft_p95_ms'] or 0:.0f} | "
+                         f"{d['latency_p95_ms'] or 0:.0f} | "
                          f"{', '.join(f'{k} {v}' for k, v in d['tiers'].items())} |")
     lines += ["", f"Sustained rate with p95 TTFT <= {res['ttft_target_ms']:.0f} ms (best client count):"]
     for s, by_c in res["summary"].items():

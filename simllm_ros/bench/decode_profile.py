@@ -131,7 +131,7 @@ def profile_ours(args) -> dict:
             pool = runner.int4.pool_profile(False)
             runner.fused.profiling(False)
         k = args.steps
-        ms = lambda ns: ns / k / 1e6  # noqa: E731
+        ms = lambda ns, k=k: ns / k / 1e6
         from simllm_ros.kernels.layer_kernel import PROFILE_STEPS
 
         row = {"threads": n, "step_ms": ms(total_ns)}
@@ -176,7 +176,7 @@ def answers_with_and_without_drafts(e, threads: list[int], args) -> list[dict]:
         torch.set_num_threads(n)
         took: dict[bool, list[float]] = {True: [], False: []}
         drafted = {True: [0, 0], False: [0, 0]}
-        for i in range(args.answers):
+        for _ in range(args.answers):
             for drafts in (True, False):
                 k += 1
                 e.update_settings(base.replace(enable_drafts=drafts))

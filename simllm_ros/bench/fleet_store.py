@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     robot1 = base.fork(base.settings.replace(**fleet))
     robot2 = base.fork(base.settings.replace(**fleet))
     cold = base.fork()
-    tok = lambda t: base.backend.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    tok = lambda t: base.backend.tokenizer(t, add_special_tokens=False)["input_ids"]
     lines = clinc_lines()
     questions = [lines[200 + 7 * i].capitalize() + "?" for i in range(2 * a.questions)]
     context = context_of(tok, lines, 600)

@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     ctx = " ".join(f"Room {i} holds {['pallets', 'spare batteries', 'tools', 'paint', 'cables'][i % 5]} and robot "
                    f"R{i % 7} charges there on {['Monday', 'Tuesday', 'Friday'][i % 3]}." for i in range(60))
     qs = ["What does room 12 hold?", "Where does robot R3 charge on Friday?", "What does room 12 hold?"]
-    req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=20)  # noqa: E731
+    req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=20)
     answers = [e.handle(req(q)) for q in qs]
     for name, q, r in zip(("cold", "hit", "repeat"), qs, answers):
         e.pool.clear()

@@ -105,7 +105,8 @@ def main(argv=None) -> None:
         rows.append(_llama_cpp(path, ids, args.new, args.threads))
     except ImportError:
         print("llama.cpp: llama-cpp-python is not installed")
-    print(f"\n{os.path.basename(path)} ({os.path.getsize(path) / 2**20:.0f} MiB), {args.prompt}-token prompt, {args.new} greedy tokens, {args.threads} thread(s)")
+    print(f"\n{os.path.basename(path)} ({os.path.getsize(path) / 2**20:.0f} MiB), {args.prompt}-token prompt, "
+          f"{args.new} greedy tokens, {args.threads} thread(s)")
     print(f"{'path':48s} {'prefill s':>10s} {'decode ms/tok':>14s}  first tokens")
     for label, pre, dec, toks in rows:
         print(f"{label:48s} {pre:10.2f} {dec:14.1f}  {toks[:6]}")

@@ -86,8 +86,9 @@ def worker_ours(args) -> dict:
     load = time.perf_counter() - t0
     b = e.backend
     ctx = bulletin(args.context)
-    req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=args.new)  # noqa: E731
-    out = {"path": "simllm_ros" + ("" if args.dtype == "auto" else f" {args.dtype}"), "load_s": load, "how": f"weight_bits={b.weight_bits} {b.dtype_name}, "
+    req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=args.new)
+    out = {"path": "simllm_ros" + ("" if args.dtype == "auto" else f" {args.dtype}"), "load_s": load,
+           "how": f"weight_bits={b.weight_bits} {b.dtype_name}, "
            f"{'own blocks' if b.runner and b.runner.file else 'dense'}, layers {b.layers_kind}, "
            f"exact={b.exact_chunking}"}
     ids = [b.prompt_ids("", ctx, q) for q in QUESTIONS]
@@ -265,7 +266,7 @@ def main(argv=None) -> None:
 
 def _ratio_row(f: str, a: dict, b: dict) -> None:
     """One row of ratios: simllm_ros's figures `a` over llama.cpp's `b` on the same file."""
-    ratio = lambda x, y: f"{x / y:.2f}" if y else "-"  # noqa: E731
+    ratio = lambda x, y: f"{x / y:.2f}" if y else "-"
     print(f"| {f} | {ratio(a['prefill_s'], b['prefill_s'])} | {ratio(a['decode_ms'], b['decode_ms'])} | "
           f"{ratio(a['cold']['total_s'], b['cold']['total_s'])} | {ratio(a['hit']['total_s'], b['hit']['total_s'])} | "
           f"{ratio(a['repeat']['total_s'], b['repeat']['total_s'])} | {ratio(a['peak_rss_mb'], b['peak_rss_mb'])} | "

@@ -56,7 +56,8 @@ def real_recall(queries: int, threshold: float = 0.8) -> dict:
     res = {"rows": len(X), "queries": len(Q), "lists": m.index_state("s")["lists"], "threshold": threshold,
            "queries_at_threshold": int((best_cos >= threshold).sum()), "embed_s": round(embed_s, 1)}
     res["miss_best_cosines"] = misses(m, range(len(Q)))
-    res["misses"], res["misses_at_threshold"] = len(res["miss_best_cosines"]), sum(c >= threshold for c in res["miss_best_cosines"])
+    res["misses"] = len(res["miss_best_cosines"])
+    res["misses_at_threshold"] = sum(c >= threshold for c in res["miss_best_cosines"])
     # Drift: the index trained on the first 100 intents only, then the other 50 arrive through add() (filed in
     # lists trained on other topics; the newest INDEX_TAIL_ROWS rows are scanned exactly as in a node).
     intents = sorted({r["intent"] for r in train_rows})
@@ -85,7 +86,8 @@ def real_recall(queries: int, threshold: float = 0.8) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="10000,100000,1000000")
-    ap.add_argument("--queries", type=int, default=300, help="CLINC150 validation queries for the recall check (0: skip)")
+    ap.add_argument("--queries", type=int, default=300,
+                    help="CLINC150 validation queries for the recall check (0: skip)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -286,8 +286,8 @@ def write_plots(res: dict, out: str) -> list[str]:
             continue
         per16 = mm["kv_bytes_per_token_16bit"] * mm["block_tokens"]
         ent = [q["entries"] for q in tr]
-        l, = a1.plot(ent, [q["bytes"] / 1e6 for q in tr], "-", label=f"{w}: {mm['kv_bits']}-bit (actual)")
-        a1.plot(ent, [(q["blocks"] * per16 + q["meta"]) / 1e6 for q in tr], "--", color=l.get_color(),
+        line, = a1.plot(ent, [q["bytes"] / 1e6 for q in tr], "-", label=f"{w}: {mm['kv_bits']}-bit (actual)")
+        a1.plot(ent, [(q["blocks"] * per16 + q["meta"]) / 1e6 for q in tr], "--", color=line.get_color(),
                 label=f"{w}: same blocks at 16-bit")
     a1.set_xlabel("entries in the pool")
     a1.set_ylabel("pool bytes (MB)")
@@ -341,5 +341,6 @@ def read_results(path: str) -> dict:
                 for line in f:
                     if line.strip():
                         row = json.loads(line)
-                        res["requests"].setdefault(row.pop("system"), {}).setdefault(row.pop("workload"), []).append(row)
+                        by_system = res["requests"].setdefault(row.pop("system"), {})
+                        by_system.setdefault(row.pop("workload"), []).append(row)
     return res

@@ -60,7 +60,8 @@ def machine_info(threads: int) -> dict:
     import transformers
 
     return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), "torch_threads": threads, "memory_gb": round(mem / 1e9, 1),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), "torch_threads": threads,
+            "memory_gb": round(mem / 1e9, 1),
             "python": platform.python_version(), "os": platform.platform(), "torch": torch.__version__,
             "transformers": transformers.__version__,
             "peers": {d: dist_version(d) for d in ("gptcache", "kvboost", "llama-cpp-python", "faiss-cpu")}}

@@ -90,7 +90,8 @@ def main(argv=None) -> None:
                          f"{min(ratios):.3f}-{max(ratios):.3f} (hit ~{statistics.median(r[4] for r in rows):.0f} ms, "
                          f"cold ~{statistics.median(r[5] for r in rows):.0f} ms); same answer as cold: "
                          f"{sum(r[6] for r in rows)}/{len(rows)}")
-    print(f"\nSEMANTIC TTFT / cold TTFT over {len(pairs)} pairs, {e.backend.model_type}, weights {e.backend.weight_bits}-bit, "
+    print(f"\nSEMANTIC TTFT / cold TTFT over {len(pairs)} pairs, {e.backend.model_type}, "
+          f"weights {e.backend.weight_bits}-bit, "
           f"{e.backend.dtype}, {args.threads} thread(s):")
     for mode, line in summary.items():
         print(f"  fingerprint {mode:12s}: {line}")

@@ -55,7 +55,7 @@ Services: the pharmacy on Oak Avenue opens at 08:30 and closes at 19:00. The pos
 Events: a farmers' market fills Market Square from 07:00 to 13:00; parking there is suspended. The city orchestra plays in Riverside Park at 19:30, free entry; the park's south gate closes at 22:00. The museum of transport has free entry for children under 12.
 Parking: the multi-storey on Bank Street has 140 free spaces, 2.50 per hour. Street parking on Mill Road is limited to two hours. The hospital car park is for patients and visitors only.
 Safety: the footbridge at Pier 4 is closed after storm damage. Report fallen trees on 0800 555 0100.
-"""
+"""  # noqa: E501 - the prompt text itself: its lines are what the model reads
 
 
 class SimSystem:
@@ -184,7 +184,7 @@ def matcher_scaling(sizes, dim: int = 384, queries: int = 20) -> list[dict]:
         qs = (qs / np.linalg.norm(qs, axis=1, keepdims=True)).astype(np.float32)
         m = loaded_matcher(fps, last_used, index_rows=min(n - 1, INDEX_ROWS))
 
-        def lookups():
+        def lookups(m, qs):
             times, best = [], []
             for q in qs:
                 t0 = time.perf_counter()
@@ -194,14 +194,14 @@ def matcher_scaling(sizes, dim: int = 384, queries: int = 20) -> list[dict]:
             return statistics.median(times), best
 
         m.best(qs[0], "s", NOW, k=4)  # warm: the int8 copy is made once
-        scan_ms, scan_best = lookups()
+        scan_ms, scan_best = lookups(m, qs)
         t0 = time.perf_counter()
         m.build_index("s")
         m.wait_for_index()
         build_s = time.perf_counter() - t0
         state = m.index_state("s")
         assert state["built"], "the index was not built"
-        index_ms, index_best = lookups()
+        index_ms, index_best = lookups(m, qs)
         exact = [exact_best(fps, last_used, q) for q in qs]
         assert scan_best == exact, "the scan must return the exact best"
         after, add = [], []
@@ -225,23 +225,27 @@ def matcher_report(rows: list[dict], real: dict | None) -> list[str]:
 
     lines = ["Matcher (best 4 of N clustered fingerprints, 384-d, one scope, recency on; scan = int8 prefilter + "
              f"exact ranking, index = coarse index, the default above {INDEX_ROWS:,} rows):", "",
-             "| N | scan | index | index ratio | index best = exact best | index build | lookup after an add | the add |",
+             "| N | scan | index | index ratio | index best = exact best | index build | lookup after an add "
+             "| the add |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['n']:,} | {r['scan_ms']:.2f} ms | {r['index_ms']:.2f} ms | {r['index_ms'] / r['scan_ms']:.2f}x "
+        lines.append(f"| {r['n']:,} | {r['scan_ms']:.2f} ms | {r['index_ms']:.2f} ms "
+                     f"| {r['index_ms'] / r['scan_ms']:.2f}x "
                      f"| {r['same_best']}/{r['queries']} | {r['build_s']:.1f} s ({r['lists']} lists) "
                      f"| {r['after_add_ms']:.2f} ms | {r['add_ms']:.2f} ms |")
     if real:
         lines += ["", f"Index recall on real fingerprints (MiniLM, CLINC150: {real['rows']:,} training sentences, "
-                  f"{real['queries']} validation queries, {real['lists']} lists, index forced on): best differs from the "
-                  f"exact best for {real['misses']}/{real['queries']} queries, {real['misses_at_threshold']}/"
+                  f"{real['queries']} validation queries, {real['lists']} lists, index forced on): "
+                  f"best differs from the exact best for {real['misses']}/{real['queries']} queries, "
+                  f"{real['misses_at_threshold']}/"
                   f"{real['queries_at_threshold']} among queries whose best cosine is >= {real['threshold']} "
                   f"(cache_threshold); best cosines of the misses: {real['miss_best_cosines']}."]
         d = real["drift"]
         lines += ["", f"Drift (the index trained on 100 intents, the other 50 added after it): best differs for "
                   f"{d['misses']}/{d['queries']} queries on the new intents, {d['misses_at_threshold']}/"
                   f"{d['queries_at_threshold']} at cosine >= {real['threshold']}; misses' best cosines: "
-                  f"{d['miss_best_cosines']} (measured one row before the scope has grown by half, when a new index is trained)."]
+                  f"{d['miss_best_cosines']} (measured one row before the scope has grown by half, "
+                  "when a new index is trained)."]
     return lines
 
 

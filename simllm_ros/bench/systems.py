@@ -138,7 +138,8 @@ class EngineSystem:
         tier = res.cache_result.name
         timing = {"fingerprint": t_prep, "plan": seen.plan_ms if seen else 0.0, "match": seen.match_ms if seen else 0.0,
                   "insert": seen.insert_ms if seen else 0.0}
-        logits = seen.first_logits.detach().float().cpu() if seen is not None and seen.first_logits is not None else None
+        logits = seen.first_logits.detach().float().cpu() \
+            if seen is not None and seen.first_logits is not None else None
         # Requests arrive minutes apart: the node spends that idle time on deferred exact prefills
         # (after SEMANTIC hits). Not counted in any request's latency, as on the node.
         while e.idle_work():

@@ -8,8 +8,8 @@ questions, 32-token answers, greedy. For each question, in this order, interleav
 Systems: simllm_ros at its defaults (dtype auto: bf16 where our AMX kernels run, else float32; weight_bits auto:
 the file's own 4-bit weights; lossless KV, verified drafts), the same without drafts, with 16-bit weights
 (weight_bits=16), where the default is bf16 with int8 weights (weight_bits=8) and in float32, and where float32
-was chosen over a native bf16 (AVX512_BF16 without AMX) in bf16 (4- and 8-bit weights); llama.cpp (llama-cpp-python, same
-GGUF file, its prompt cache), if installed. Every simllm_ros configuration is also run with an empty pool and
+was chosen over a native bf16 (AVX512_BF16 without AMX) in bf16 (4- and 8-bit weights); llama.cpp (llama-cpp-python,
+same GGUF file, its prompt cache), if installed. Every simllm_ros configuration is also run with an empty pool and
 no drafts, and its cached answers are compared with those (identical-answer share).
 
 Also measured: the exact-hit overhead over the model's own limit (prefilling only the uncached
@@ -158,10 +158,11 @@ def main(argv=None) -> None:
              "|---|---|---|---|---|---|---|---|"]
     for s in systems:
         h, rp = rows[s.name]["hit"], rows[s.name]["repeat"]
-        tpp = lambda rr: sum(r["n"] for r in rr) / max(1, sum(max(r["passes"], 1) for r in rr))  # noqa: E731
+        tpp = lambda rr: sum(r["n"] for r in rr) / max(1, sum(max(r["passes"], 1) for r in rr))
         same = sum(r["same"] for r in h + rp)
         lines.append(f"| {s.name} | {med(h, 'ttft'):.0f} ms | {med(h, 'total'):.0f} ms | {med(rp, 'total'):.0f} ms "
-                     f"| {statistics.median(s.miss):.0f} ms | {ms_per_token(h):.1f} | {tpp(h):.2f} / {tpp(rp):.2f} | {same}/{len(h + rp)} |")
+                     f"| {statistics.median(s.miss):.0f} ms | {ms_per_token(h):.1f} | {tpp(h):.2f} / {tpp(rp):.2f} "
+                     f"| {same}/{len(h + rp)} |")
     if any(isinstance(s, LlamaCpp) for s in systems):
         base = rows[systems[-1].name]
         lines += ["", "Ratios to llama.cpp (lower is better):", ""]
@@ -186,10 +187,12 @@ def main(argv=None) -> None:
     acc = sum(r["accepted"] for r in d["hit"] + d["repeat"])
     prop = sum(r["proposed"] for r in d["hit"] + d["repeat"])
     lines += ["", f"Defaults: {acc}/{prop} draft tokens accepted; every answer reported exact: "
-              f"{all(r['exact'] for r in d['hit'] + d['repeat'])}; backend batch-invariant: {e.backend.exact_chunking}."]
+              f"{all(r['exact'] for r in d['hit'] + d['repeat'])}; "
+              f"backend batch-invariant: {e.backend.exact_chunking}."]
     if not args.smoke:
-        lines += ["", "Exact-hit overhead over the model's limit (defaults, drafts off, 1 new token, a new question each "
-                  "time):", "", "| caller | prompt tokens | hit TTFT | limit (prefill of the new tokens only) | overhead |",
+        lines += ["", "Exact-hit overhead over the model's limit (defaults, drafts off, 1 new token, "
+                  "a new question each time):", "",
+                  "| caller | prompt tokens | hit TTFT | limit (prefill of the new tokens only) | overhead |",
                   "|---|---|---|---|---|"]
         for approx in (False, True):
             who = "approximate allowed (plan waits for the fingerprint)" if approx else "lossless only (ROS default)"

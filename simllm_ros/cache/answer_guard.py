@@ -201,7 +201,7 @@ def _prepare(text: str) -> str:
 
 def _tokens_with_case(text: str) -> list[tuple[str, str, bool]]:
     """(lowercase token, original token, at sentence start)."""
-    out = []
+    out: list[tuple[str, str, bool]] = []
     last_end = 0
     for m in _TOKEN_RE.finditer(text):
         tok = m.group(0)

@@ -61,7 +61,7 @@ class BertEncoder:
         self.layers = []
         for i in range(int(cfg["num_hidden_layers"])):
             p = f"encoder.layer.{i}."
-            lin = lambda n: (w(p + n + ".weight"), w(p + n + ".bias"))  # noqa: E731
+            lin = lambda n, p=p: (w(p + n + ".weight"), w(p + n + ".bias"))
             self.layers.append({
                 "q": lin("attention.self.query"), "k": lin("attention.self.key"), "v": lin("attention.self.value"),
                 "o": lin("attention.output.dense"), "ln1": lin("attention.output.LayerNorm"),

@@ -91,7 +91,7 @@ class BlockPool:
                 chunk = tuple(tokens[start:start + T])
                 full = len(chunk) == T
                 hb = chain_hash(h, chunk) if full else None
-                bid = self._by_hash.get(hb) if full else None
+                bid = self._by_hash.get(hb) if hb is not None else None  # hb is None exactly for a partial block
                 if bid is None:
                     if not self._free:
                         raise MemoryError("no free KV block")
@@ -103,12 +103,12 @@ class BlockPool:
                         raise
                     self.blocks[bid] = BlockInfo(bid, h, chunk, full, hb)
                     self._children.setdefault(h, set()).add(bid)
-                    if full:
+                    if hb is not None:
                         self._by_hash[hb] = bid
                     new += 1
                 self.blocks[bid].refcount += 1
                 ids.append(bid)
-                if full:
+                if hb is not None:
                     h = hb
         except BaseException:  # MemoryError, or a failing write (e.g. a bad snapshot row): leave the books as they were
             self.release(ids)
@@ -128,7 +128,7 @@ class BlockPool:
                     kids.discard(bid)
                     if not kids:
                         del self._children[info.parent_hash]
-                if info.full and self._by_hash.get(info.hash) == bid:
+                if info.hash is not None and self._by_hash.get(info.hash) == bid:
                     del self._by_hash[info.hash]
                 self._free.append(bid)
                 freed += 1
@@ -141,7 +141,8 @@ class BlockPool:
         for bid, info in self.blocks.items():
             assert info.refcount > 0, f"block {bid} is used with refcount {info.refcount}"
             if info.full:
-                assert self._by_hash.get(info.hash) == bid, f"full block {bid} missing from the hash index"
+                assert info.hash is not None and self._by_hash.get(info.hash) == bid, \
+                    f"full block {bid} missing from the hash index"
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -8,8 +8,8 @@ always finite (0.0 for "no data yet", never NaN, which rqt_plot cannot graph).
 Counting rules: only successful results count toward hit rates and TTFT (a hit
 is any cache_result other than MISS); failed results count in errors_total;
 requests refused because the queue is full count in rejected_busy_total.
-requests_total counts answered requests (hits + misses), as CacheStats.msg says. "recent" figures are over the last `window`
-successful results; window_size is how many results that window holds now.
+requests_total counts answered requests (hits + misses), as CacheStats.msg says. "recent" figures are over the last
+`window` successful results; window_size is how many results that window holds now.
 """
 from __future__ import annotations
 

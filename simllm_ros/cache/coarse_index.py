@@ -57,7 +57,7 @@ class CoarseIndex:
     def __len__(self) -> int:
         return int(self._index.ntotal)
 
-    def add(self, keys: np.ndarray, fps: np.ndarray) -> None:
+    def add(self, keys: np.ndarray | list[int], fps: np.ndarray) -> None:
         faiss.omp_set_num_threads(1)
         if len(keys):
             self._index.add_with_ids(np.ascontiguousarray(fps, dtype=np.float32).reshape(len(keys), -1),

@@ -79,8 +79,8 @@ class ErrorBound:
         self._labels: collections.deque[Label] = collections.deque(maxlen=max_labels)
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
-        self.served = collections.Counter()  # (tier, scope) -> approximate answers served
-        self.explored = collections.Counter()  # (tier, scope) -> would-be hits verified instead
+        self.served: collections.Counter = collections.Counter()  # (tier, scope) -> approximate answers served
+        self.explored: collections.Counter = collections.Counter()  # (tier, scope) -> would-be hits verified instead
         self.changes = 0  # labels recorded since the last save
 
     def __len__(self) -> int:
@@ -200,7 +200,7 @@ def _read_file(text: str, path: str, keep: int | None) -> tuple[dict, collection
     labels: collections.deque = collections.deque(maxlen=keep)
 
     def at(i: int) -> tuple[int, str]:
-        i = _WS.match(text, i).end()
+        i = _WS.match(text, i).end()  # type: ignore[union-attr]  # [ \t\n\r]* matches at every position
         return i, text[i:i + 1]
 
     def expect(i: int, ch: str) -> int:

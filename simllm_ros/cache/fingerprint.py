@@ -127,7 +127,7 @@ class Fingerprinter:
             self.remembered_hits += len(norm) - len(missing)
         if not rows:
             return np.zeros((0, self.dim), dtype=np.float32)
-        return np.stack(rows)
+        return np.stack(rows)  # type: ignore[arg-type]  # every None was filled from fresh above
 
     def forget(self) -> None:
         """Drop the remembered vectors: the next texts are embedded again (a benchmark timing what a new
@@ -173,7 +173,7 @@ class Fingerprinter:
         waiter.done.wait()
         if waiter.error is not None:
             raise waiter.error
-        return waiter.result
+        return waiter.result  # type: ignore[return-value]  # set before done, unless an error was raised
 
     def _stream_context(self):
         if self._stream is None:

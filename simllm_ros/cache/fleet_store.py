@@ -233,7 +233,7 @@ class FleetStore:
         with self._mirror_lock:
             self._wanted[scope] = now
             if len(self._wanted) > MIRROR_SCOPES:
-                self._wanted.pop(min(self._wanted, key=self._wanted.get))
+                self._wanted.pop(min(self._wanted, key=lambda sc: self._wanted[sc]))
             got = self._mirror.get(scope)
         if got is None or not len(got[2]):
             return []
@@ -259,10 +259,11 @@ class FleetStore:
                 del self._mirror[sc]
         for scope in todo:
             lkey = self._scope_key(scope, "recent", self.digest)
-            items = self._call("answers read", lambda: self._recent_items(lkey), write=True)
+            items = self._call("answers read", lambda lkey=lkey: self._recent_items(lkey), write=True)
             if items is None:
                 return
-            fps, ids, seen = [], [], set()
+            fps: list[np.ndarray] = []
+            ids, seen = [], set()
             for item in items:
                 try:
                     if not isinstance(item, bytes) or len(item) > MAX_RECENT_ITEM:
@@ -355,7 +356,7 @@ class FleetStore:
             return pipe.execute(raise_on_error=False)
         for start in range(0, run, per_round):
             batch = keys[start:start + per_round]
-            blobs = self._call("kv fetch", lambda: fetch(batch))
+            blobs = self._call("kv fetch", lambda batch=batch: fetch(batch))
             if not blobs:
                 break
             for i, (key, blob) in enumerate(zip(batch, blobs)):
@@ -568,7 +569,7 @@ class FleetStore:
                              oversized=member is None)
                 continue
             key = ":".join((self.namespace, "s", tag, "task", tid))
-            blob = self._call("task read", lambda: self.redis.getrange(key, 0, MAX_TASK_BLOB))
+            blob = self._call("task read", lambda key=key: self.redis.getrange(key, 0, MAX_TASK_BLOB))
             if not blob:
                 continue
             try:

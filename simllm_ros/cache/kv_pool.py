@@ -17,7 +17,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -315,7 +315,7 @@ class KVPool:
         """Every entry, in insertion order."""
         with self._lock:
             keys = list(self._entries)
-            fps = self._matcher.fingerprints(keys) if keys else []
+            fps = self._matcher.fingerprints(keys) if keys else np.zeros((0, self.fingerprint_dim), np.float32)
             return [self._info(self._entries[k], fp) for k, fp in zip(keys, fps)]
 
     # ---- writes ----------------------------------------------------------------
@@ -339,7 +339,7 @@ class KVPool:
             self._store.write(bid, k[:, :, start:end], v[:, :, start:end])
         return self._insert(scope, tokens, fingerprint, question, context_digest, answer, now, created, hits, write)
 
-    def _insert(self, scope: str, tokens: list[int], fingerprint: np.ndarray, question: str, context_digest: str,
+    def _insert(self, scope: str, tokens: Sequence[int], fingerprint: np.ndarray, question: str, context_digest: str,
                 answer: str, now: float | None, created: float | None, hits: int,
                 write: Callable[[int, int, int], None]) -> int | None:
         """insert() with `write(block_id, start, end)` filling each new block (restore writes raw rows)."""
@@ -445,7 +445,7 @@ class KVPool:
             records = [{"scope": e.scope, "tokens": list(e.tokens), "rows": [row[b] for b in e.block_ids],
                         "question": e.question, "context_digest": e.context_digest, "answer": e.answer,
                         "created": e.created, "last_used": e.last_used, "hits": e.hits} for e in entries]
-        return PoolSnapshot(records, blocks, fps, None if calib is None else tuple(t.cpu() for t in calib))
+        return PoolSnapshot(records, blocks, fps, None if calib is None else (calib[0].cpu(), calib[1].cpu()))
 
     def restore(self, snap: PoolSnapshot) -> int:
         """Insert a snapshot's entries, most valuable first (a snapshot larger than today's budget keeps what
@@ -483,7 +483,8 @@ class KVPool:
                 for bid in e.block_ids:
                     refs[bid] = refs.get(bid, 0) + 1
             for bid, info in self._blocks.blocks.items():
-                assert refs.get(bid, 0) == info.refcount, f"block {bid}: refcount {info.refcount} != {refs.get(bid, 0)} users"
+                assert refs.get(bid, 0) == info.refcount, \
+                    f"block {bid}: refcount {info.refcount} != {refs.get(bid, 0)} users"
             assert len(self._matcher) == len(self._entries), "matcher and entries disagree"
             self._matcher.check_consistency()
             assert self._meta_bytes == sum(e.meta_bytes for e in self._entries.values()), "metadata bytes drifted"

@@ -7,7 +7,7 @@ clearly better match. Scope is a hard wall: each scope keeps its own compact
 matrix, so a lookup reads only the rows of the request's scope and nothing
 (not even a similarity value) comes from another scope.
 
-Speed, measured (simllm-bench verified_decoding): one float32 product per
+How a scope is scanned: one float32 product per
 lookup while a scope is small; above PREFILTER_ROWS rows an int8 copy of the
 fingerprints (one scale per row; the query is quantized too and ATen's int8
 product reads a quarter of the bytes) picks the candidates, and only those are
@@ -19,8 +19,8 @@ data of the prefilter's shape, and on every lookup on the rows it picked and 64
 rows spread over the scope; where it disagrees (or is missing) every lookup
 scans exactly in float32.
 
-Above index_rows (INDEX_ROWS, 50,000 by default) a scan reads too much (N x 384 bytes: ~3 ms at 100k, ~45
-ms at 1M on one core here), so a scope gets an inverted-file index (coarse_index, faiss) built in the
+Above index_rows (INDEX_ROWS, 50,000 by default) a scan reads too much (N x 384 bytes a lookup; the figures
+are simllm-bench matcher's), so a scope gets an inverted-file index (coarse_index, faiss) built in the
 background once it passes the limit (and again when it has grown by half), kept up to date row by row after
 that; a lookup scores exactly only the candidates the index hands back and the newest rows. That is the one approximate
 step: a row filed far from the query may be missed (measured recall in the README). It never changes an
@@ -53,8 +53,8 @@ _INT8_KERNEL_OK: bool | None = None  # decided by _int8_kernel_ok() on first use
 
 def _int8_scores(q: np.ndarray, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Approximate cosines of q with every int8 row: the query is quantized too and one int8 x int8
-    product (ATen's _int_mm: oneDNN, VNNI where the CPU has it) is scaled back. Measured here, one
-    thread: 1.5 ms at 100k rows, where the weight-only int8 kernel used before took 2.9 ms."""
+    product (ATen's _int_mm: oneDNN, VNNI where the CPU has it) is scaled back (it reads a quarter of the
+    bytes of a float32 scan; simllm-bench matcher measures it)."""
     q8, qscale = _quantize(np.asarray(q, dtype=np.float32)[None])
     return torch._int_mm(q8, w8.t())[0].float() * (scale * qscale)
 
@@ -305,12 +305,13 @@ class Matcher:
         probed lists, enough of them that recency can reorder the top k) and of the scope's last
         INDEX_TAIL_ROWS rows, which hold the newest tasks: those the centres were not trained on, which a
         new topic can file in lists its own queries do not probe (None: out of step, scan)."""
-        keys, _ = s.index.candidates(q, max(INDEX_CANDIDATES, 16 * k))
+        keys, _ = s.index.candidates(q, max(INDEX_CANDIDATES, 16 * k))  # type: ignore[union-attr]  # best() checks
         where = [self._where.get(int(key)) for key in keys]
         if any(w is None or w[0] != scope for w in where):  # out of step: drop it, rebuild later
             s.index = None
             return None
-        rows = np.fromiter((w[1] for w in where), np.int64, len(where))  # may be empty: the tail remains
+        # may be empty: the tail remains; no w is None here (returned above)
+        rows = np.fromiter((w[1] for w in where), np.int64, len(where))  # type: ignore[index]
         start = max(0, s.n - INDEX_TAIL_ROWS)
         rows = np.concatenate([rows[rows < start], np.arange(start, s.n)])
         return rows, np.concatenate([s.fp[rows[:len(rows) - (s.n - start)]] @ q, s.fp[start:s.n] @ q])
@@ -351,8 +352,8 @@ class Matcher:
             if s is None or s.n == 0 or k <= 0:
                 return []
             q = np.asarray(fingerprint, dtype=np.float32)
-            rows = None
-            cos = None
+            rows: np.ndarray
+            cos: np.ndarray | None = None
             found = self._index_rows(s, scope, q, k) if s.index is not None else None
             if found is not None:
                 rows, cos = found

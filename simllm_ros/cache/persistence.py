@@ -40,8 +40,7 @@ import time
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .kv_pool import KVPool, PoolSnapshot
 from ..safe_io import describe_error, open_regular
@@ -227,7 +226,7 @@ def _tensor_specs(header: dict, data_bytes: int) -> tuple[dict, dict]:
         specs[name] = (dtype, tuple(shape), begin, end)
         spans.append((begin, end, name))
     spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise _Bad(f"tensors {n0!r} and {n1!r} overlap")
     return meta, specs
@@ -277,9 +276,9 @@ def _check_tensors(tensors: dict, pool: KVPool, n_entries: int) -> int:
         _expect(tensors, "k", store_dtype, (rows, L, H, T, D))
         _expect(tensors, "v", store_dtype, (rows, L, H, T, D))
         if pool.quantized:
-            for name, shape in (("k_scale", (rows, L, H, 1, D)), ("k_zero", (rows, L, H, 1, D)),
+            for name, want in (("k_scale", (rows, L, H, 1, D)), ("k_zero", (rows, L, H, 1, D)),
                                 ("v_scale", (rows, L, H, T, 1)), ("v_zero", (rows, L, H, T, 1))):
-                _expect(tensors, name, torch.float16, shape)
+                _expect(tensors, name, torch.float16, want)
     if ("calib_lo" in tensors) != ("calib_hi" in tensors):
         raise _Bad("only one of calib_lo / calib_hi")
     if "calib_lo" in tensors:

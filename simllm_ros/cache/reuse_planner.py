@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import cast
 
 try:  # difflib's algorithm in C: the same matching blocks (test_reuse_planner checks), ~10x faster here
     from cydifflib import SequenceMatcher
@@ -108,6 +109,7 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
         prefix = None
     elif prefix is UNREAD:
         prefix = pool.longest_prefix(scope, tokens, limit, kv_capacity)
+    prefix = cast("PrefixHit | None", prefix)  # UNREAD is read by now
     n_exact = prefix.n_tokens if prefix else 0
 
     # --- tier 2: SEMANTIC
@@ -133,6 +135,7 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
             pairs = align(e.tokens, tokens, limit)
             if best is None or len(pairs) > len(best[2]):
                 best = (key, cos, pairs, e)
+        assert best is not None  # the first candidate is above the threshold (checked above)
         key, cos, pairs, e = best
         lead = 0
         while lead < len(pairs) and pairs[lead] == (lead, lead):
@@ -150,6 +153,7 @@ def plan(pool: KVPool, *, tokens: list[int], scope: str, fingerprint, question: 
         return ReusePlan(CacheResult.EXACT_PREFIX, f"{n_exact}-token exact prefix; no semantic: {why_not}",
                          reported_similarity(best_cos), prefix.source_key, prefix=prefix,
                          source_question=prefix.source_question, match_ms=match_ms)
-    reason = "no cached prefix" if (allow_approximate or lossless_kv) else "stored KV reuse is not lossless here and caller forbids approximate reuse"
+    reason = "no cached prefix" if (allow_approximate or lossless_kv) \
+        else "stored KV reuse is not lossless here and caller forbids approximate reuse"
     return ReusePlan(CacheResult.MISS, f"{reason}; no semantic: {why_not}", reported_similarity(best_cos),
                      match_ms=match_ms)

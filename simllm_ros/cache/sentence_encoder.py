@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from typing import Any
+
 import numpy as np
 
 from .bert_encoder import BertEncoder
@@ -59,7 +61,8 @@ class SentenceEncoder:
         # A plain BERT (MiniLM) on torch alone (bert_encoder); any other model on transformers' AutoModel
         self.bert = BertEncoder.open(path) if device == "cpu" else None
         if self.bert is not None:
-            self.model, positions, self.dim = None, self.bert.max_positions, self.bert.hidden
+            self.model: Any = None
+            positions, self.dim = self.bert.max_positions, self.bert.hidden
         else:
             from transformers import AutoModel
 
@@ -106,8 +109,9 @@ class _SentenceTransformerEncoder:
         self.model = SentenceTransformer(path, device=device, local_files_only=True)
         self.tokenizer = self.model.tokenizer
         self.max_seq_length = int(getattr(self.model, "max_seq_length", 0) or 256)
-        self.dim = int(self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension")
-                       else self.model.get_sentence_embedding_dimension())
+        dim = self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension") \
+            else self.model.get_sentence_embedding_dimension()
+        self.dim = int(dim)  # type: ignore[arg-type]  # None (a model without a fixed dimension) fails the load here
 
     def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
         return self.model.encode(texts, batch_size=batch_size, convert_to_numpy=True, normalize_embeddings=True,
@@ -115,5 +119,6 @@ class _SentenceTransformerEncoder:
 
 
 def open_encoder(path: str, device: str = "cpu") -> "SentenceEncoder | _SentenceTransformerEncoder":
-    """The encoder for an embedder folder: SentenceEncoder where the folder has its shape, else sentence-transformers."""
+    """The encoder for an embedder folder: SentenceEncoder where the folder has its shape,
+    else sentence-transformers."""
     return SentenceEncoder.open(path, device) or _SentenceTransformerEncoder(path, device)

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "negative: the node's")
     p.add_argument("--seed", type=int, default=-1, help="sampling seed; negative: the node's")
     p.add_argument("--approx-error-bound", type=float, default=-1.0, metavar="D",
-                   help="δ: an approximate answer only where its learnt chance of differing is <= D; negative: the node's")
+                   help="δ: an approximate answer only where its learnt chance of differing is <= D; "
+                        "negative: the node's")
     p.add_argument("--stream", action="store_true",
                    help="use the ~/generate action: the answer is printed as it grows (stdout), the result JSON "
                         "goes to stderr; Ctrl-C cancels the goal")

@@ -83,7 +83,8 @@ def main(argv=None) -> int:
                 return 1
         print(f"[replay] service ready after {time.monotonic() - t0:.1f} s; replaying {len(reqs)} requests "
               f"from {os.path.relpath(args.workload)}", flush=True)
-        print(f"{'#':>3} {'tier':<13} {'sim':>5} {'reused/prompt':>13} {'ttft ms':>8} {'total ms':>8}  question -> answer")
+        print(f"{'#':>3} {'tier':<13} {'sim':>5} {'reused/prompt':>13} {'ttft ms':>8} {'total ms':>8}  "
+              "question -> answer")
         ttft_by_prompt: dict[tuple, list[float]] = {}
         for i, r in enumerate(reqs):
             q = Query.Request(prompt=r.prompt, context=r.context, cache_scope=r.cache_scope,

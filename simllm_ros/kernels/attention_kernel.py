@@ -79,7 +79,8 @@ class AttentionKernel:
         self.amx = None
         init = abi.bind(lib, "attention", SIGNATURES, "simllm_attend_amx_init")
         amx_fn = abi.bind(lib, "attention", SIGNATURES, "simllm_attend_amx_bf16")  # None: not built here
-        if amx and os.environ.get("SIMLLM_ATTENTION", "").lower() != "vector" and amx_fn is not None and init() == 0:
+        if amx and os.environ.get("SIMLLM_ATTENTION", "").lower() != "vector" and amx_fn is not None \
+                and init() == 0:
             self.amx = amx_fn
         self._scratch = threading.local()
         self._set_pool = abi.bind(lib, "attention", SIGNATURES, "simllm_attend_set_pool")
@@ -110,7 +111,9 @@ class AttentionKernel:
         the tokens' own slots instead, each attending every slot up to its own (tokens scattered among KV
         already there: semantic repair's recomputed ones, slot = position); a slot named twice gets the same
         KV twice."""
-        rows, longest, pairs, table, dtype, group_slots, keep = 0, 0, 0, [], None, {}, []
+        rows, longest, pairs, dtype, keep = 0, 0, 0, None, []
+        table: list[list[int]] = []
+        group_slots: dict = {}
         for i, seq in enumerate(seqs):
             row0, m, start, k, v = seq[:5]
             lead, shared = (seq[5], seq[6]) if len(seq) > 5 else (i, 0)

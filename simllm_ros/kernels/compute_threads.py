@@ -1,16 +1,15 @@
 """Who gets the cores while the model runs: our C kernels' workers, not torch's threads.
 
 Where the runner's products and attention are our kernels (int4_kernel's AMX or int4_vector_kernel's products,
-attention_kernel), a pass is C calls that split their work over worker threads, with some torch ops around them. At torch's default
-thread count, torch's own worker threads then burn a core between and during our kernels' work (measured on a
-2-core box, SEMANTIC hits: a torch worker thread used ~17 ms of CPU per hit, ~5 with this; hit 43 vs 50 ms).
+attention_kernel), a pass is C calls that split their work over worker threads, with some torch ops around them. At
+torch's default thread count, torch's own worker threads then burn a core between and during our kernels' work.
 So the thread that runs the model sets torch to one thread for the while (`kernels_own_cores`) and the kernels
-use the count torch had (`kernel_threads`). Setting only OpenMP's per-thread count, or MKL's too, did not do it
-(measured: no change; why torch's own setting does is not understood); torch.set_num_threads does, and it also
+use the count torch had (`kernel_threads`). Setting only OpenMP's per-thread count, or MKL's too, does not do it
+(why torch's own setting does is not understood); torch.set_num_threads does, and it also
 sets the count that threads use when they first run torch code, so threads that compute other things with
 torch (the fingerprinter's) set their own count when they start (`own_count`). Threads change no bit of any
-kernel's result (they split outputs, never a sum), so answers do not depend on this. `SIMLLM_CORES=torch` (or `ENABLED = False`, for side-by-side runs) leaves torch
-its threads.
+kernel's result (they split outputs, never a sum), so answers do not depend on this. `SIMLLM_CORES=torch`
+(or `ENABLED = False`, for side-by-side runs) leaves torch its threads.
 """
 from __future__ import annotations
 
@@ -88,7 +87,9 @@ def by_core(cpus: list[int], sysfs: str = "/sys/devices/system/cpu") -> tuple[li
     """(`cpus` ordered one per physical core first, then the cores' second hardware threads; the physical cores).
     Decode is memory-bound, and a core's second thread adds no bandwidth. Where the topology cannot be read: as
     they are, each its own core."""
-    first, rest, seen = [], [], set()
+    first: list[int] = []
+    rest: list[int] = []
+    seen = set()
     for cpu in cpus:
         core = _core_of(cpu, sysfs)
         if core is None:

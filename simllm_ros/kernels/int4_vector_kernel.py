@@ -15,7 +15,8 @@ weights are step * code + base (base = zero - 8 * step), float32 out; GGUF's Q4_
 sub-scales, sub-mins, d and dmin), from which the kernel works out the same steps and bases exactly. Every path (1-6
 rows with up to four 16-output blocks in registers, the weights decoded once for them, or blocks of rows over a group
 decoded once into a float buffer) performs exactly these operations for each output, and threads split output
-blocks, never a sum: a row's bits depend on its inputs only, whatever rows ran with it. ModelBackend.invariance_probe checks the whole model at load as for the AMX kernel.
+blocks, never a sum: a row's bits depend on its inputs only, whatever rows ran with it. ModelBackend.invariance_probe
+checks the whole model at load as for the AMX kernel.
 
 GGUF's Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1, Q4_0, IQ4_NL and IQ4_XS can also take their rows quantized to 8 bits
 (activation_bits 8, the default on such files: `mm3k8`, `mm4k8`, `mm5k8`, `mm6k8`, `mm8r`, `mm5r`, `mm51r`, `mm4r`,
@@ -25,8 +26,8 @@ and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32 scale and int8 codes (`rows_a
 the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32 sums,
 so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32 rows
 here, and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
-C in kernels/int4_vector.c, int8_rows.h and int8_rows32.h, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off with the AMX
-one.
+C in kernels/int4_vector.c, int8_rows.h and int8_rows32.h, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off
+with the AMX one.
 """
 from __future__ import annotations
 
@@ -205,8 +206,8 @@ class VectorKernel(ProductKernel):
 
 
 def rows_as_8bit(x: torch.Tensor, block: int = SB4K) -> torch.Tensor:
-    """The rows [M, K] as `mm4k8`/`mm6k8` (block 256) or `mm8r`/`mm5r` (block 32) take them, in float64: per block, codes
-    round-to-even(x * (127 / amax)) clamped to +-127, times the scale amax / 127 (both float32, as the kernel
+    """The rows [M, K] as `mm4k8`/`mm6k8` (block 256) or `mm8r`/`mm5r` (block 32) take them, in float64: per block,
+    codes round-to-even(x * (127 / amax)) clamped to +-127, times the scale amax / 127 (both float32, as the kernel
     computes them)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // block, block)
@@ -234,7 +235,8 @@ def _self_check(kernel: VectorKernel) -> str | None:
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (80, 96), generator=g, dtype=torch.int32)
     sz = torch.rand(3, 80, 2, generator=g) * torch.tensor([0.1, 1.0]) - torch.tensor([0.0, 0.5])
-    w = (codes.double().reshape(80, 3, GROUP) - 8) * sz[..., 0].double().t()[..., None] + sz[..., 1].double().t()[..., None]
+    w = (codes.double().reshape(80, 3, GROUP) - 8) * sz[..., 0].double().t()[..., None] \
+        + sz[..., 1].double().t()[..., None]
     q8 = torch.randint(-127, 128, (80, 96), generator=g, dtype=torch.int32)
     d = torch.rand(80, 3, generator=g) * 0.01
     w8 = (q8.double().reshape(80, 3, GROUP) * d.double()[..., None]).reshape(80, 96)

@@ -138,7 +138,7 @@ class Layers:
             raise ValueError("the bf16 C layers compute SiLU only")
         else:
             self.tables, self.windowed = 1, False
-        addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value
         self._norm, self._mm = addr(norms._fns[self.dtype]), addr(int4._mm)
         self._pool = int4.pool_call  # simllm_pool_call: the steps between products split on its workers
         self._ws = threading.local()

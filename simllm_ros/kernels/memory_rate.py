@@ -11,8 +11,8 @@ from . import abi, build
 
 
 # src, dst, bytes, threads, reps, copy -> GB/s; checked against membw_api.h (kernels/abi.py)
-SIGNATURES: abi.Signatures = {"simllm_memory_rate": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_int], ctypes.c_double)}
+SIGNATURES: abi.Signatures = {"simllm_memory_rate": (
+    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double)}
 
 
 class MemoryRate:

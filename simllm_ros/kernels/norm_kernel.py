@@ -6,8 +6,8 @@ step, measured with torch's profiler. Each row is computed alone in a fixed orde
 16 lanes, the lanes in a fixed tree; 1/sqrt(mean + eps); x times that rounded to bf16, then times the weight
 rounded to bf16, as transformers rounds), so a row's bits depend on nothing but the row: row-invariant like
 the rest of the runner. Float32 rows (the 4-bit float32 runner) the same way, without the bf16 roundings. Built
-C in kernels/rmsnorm.c, built by kernels/build.py and loaded with ctypes; bf16 and float32 rows on the CPU, the transformers
-module elsewhere. `SIMLLM_NORM=torch` keeps the module.
+C in kernels/rmsnorm.c, built by kernels/build.py and loaded with ctypes; bf16 and float32 rows on the CPU, the
+transformers module elsewhere. `SIMLLM_NORM=torch` keeps the module.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class NormKernel:
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
         """Whether a norm of this weight runs here: bf16 or float32 on the CPU, a size that is a multiple of 16."""
-        return weight.dtype in (torch.bfloat16, torch.float32) and weight.device.type == "cpu" and weight.dim() == 1 and \
-            weight.shape[0] % 16 == 0 and weight.is_contiguous()
+        return weight.dtype in (torch.bfloat16, torch.float32) and weight.device.type == "cpu" \
+            and weight.dim() == 1 and weight.shape[0] % 16 == 0 and weight.is_contiguous()
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., E] in the weight's dtype (bf16 or float32) on the CPU, rows evenly strided (a view is read in

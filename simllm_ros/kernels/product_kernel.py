@@ -16,7 +16,7 @@ import torch
 
 from . import abi, build, compute_threads, kernel_pool
 
-P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: E741 - C type shorthands for the signature rows below
 # simllm_*_mm: x, x row stride, weight blob, y, y row stride, M, N, K, group sums, scratch, scratch per thread, threads
 MM_ARGS = [P, L, P, P, L, I, I, I, P, P, L, I]
 # simllm_*int8_mm (the LM head): the same without the group sums

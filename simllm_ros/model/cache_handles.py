@@ -35,7 +35,8 @@ class CacheHandles:
             return cache
         cache = self.new_cache()
         for layer in range(k.shape[0]):
-            cache.update(k[layer:layer + 1].to(self.device, self.dtype), v[layer:layer + 1].to(self.device, self.dtype), layer)
+            cache.update(k[layer:layer + 1].to(self.device, self.dtype), v[layer:layer + 1].to(self.device, self.dtype),
+                         layer)
         return cache
 
     @staticmethod

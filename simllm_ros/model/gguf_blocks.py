@@ -60,7 +60,8 @@ def _q6_k(blocks: np.ndarray):
     sc = sc8.astype(np.float32)
     d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
     step = d * sc  # exact: 11 bits times 7, times 6 still in 24
-    return torch.from_numpy(codes), torch.from_numpy(step), None, (torch.from_numpy(sc8.copy()), torch.from_numpy(d[:, 0]))
+    return (torch.from_numpy(codes), torch.from_numpy(step), None,
+            (torch.from_numpy(sc8.copy()), torch.from_numpy(d[:, 0])))
 
 
 def _q3_k(blocks: np.ndarray):
@@ -155,7 +156,6 @@ def _q5_0(blocks: np.ndarray):
     bit i of the high bits is code i's fifth. Weight d * (code - 16): the 16-input 8-bit product's form, with the
     block's scale for both of its halves (llama.cpp's Q4_K_M keeps Q5_0 where a row's length is not in 256s)."""
     b = np.array(blocks)
-    nb = b.shape[0]
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
     qh = b[:, 2:6].copy().view("<u4")  # [nb, 1]
     qs = b[:, 6:22]

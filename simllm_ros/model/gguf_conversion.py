@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import gguf_weights, skeleton
+from .gguf_blocks import DECODED
 from .gguf_weights import KINDS, PROJECTIONS, Rows, Tensor
 
 # transformers' tensor processors are keyed by the GGUF architecture; the model types the runner takes map to these
@@ -205,7 +206,7 @@ def _smollm3_config(src: str, meta: dict, tensors: dict[str, Tensor]):
     fixes that interval in its code (`n_no_rope_layer_step = 4`; the file has no key for it), and so does this."""
     from transformers import SmolLM3Config
 
-    key = lambda name: meta[f"smollm3.{name}"]  # noqa: E731
+    key = lambda name: meta[f"smollm3.{name}"]
     heads = int(key("attention.head_count"))
     head_dim = int(meta.get("smollm3.attention.key_length", key("embedding_length") // heads))
     if head_dim * heads != key("embedding_length") or meta.get("smollm3.rope.dimension_count", head_dim) != head_dim:
@@ -314,7 +315,7 @@ def _convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: di
     emb_t, head_t = tensors.get("token_embd.weight"), tensors.get("output.weight")
     tied = head_t is None
     vocab, hidden = model.model.embed_tokens.num_embeddings, model.model.embed_tokens.embedding_dim
-    embed = emb_t is not None and emb_t.ggml in gguf_weights.DECODED and tuple(emb_t.shape) == (vocab, hidden) \
+    embed = emb_t is not None and emb_t.ggml in DECODED and tuple(emb_t.shape) == (vocab, hidden) \
         and ref.same_rows(emb_t)
     head_src = emb_t if tied else head_t
     head = head_src is not None and head_src.ggml in KINDS and tuple(head_src.shape) == (vocab, hidden) and (

@@ -27,7 +27,7 @@ import os
 import numpy as np
 import torch
 
-from .gguf_blocks import BLOCKS, DECODED
+from .gguf_blocks import BLOCKS
 
 # GGUF types each kind of our products takes
 KINDS = {"Q4_K": "q4k", "Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q6_K": "q6", "Q5_0": "q6", "Q5_K": "q5k",
@@ -81,9 +81,9 @@ class FileWeight:
 
     def pack(self, kernel, int8_rows: bool = False) -> tuple[str, torch.Tensor, int]:
         """(kind, blob, outputs) for the vector kernel (int4_vector_kernel.VectorKernel); `int8_rows`: the blocks on
-        rows quantized to 8 bits (kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r", "q51r", "iq4r", "iq4xs": integer
-        dot products, at the file's bits or near them; Q5_K and Q5_1 have no other; Q3_K otherwise takes the 16-input
-        8-bit product, "q6")."""
+        rows quantized to 8 bits (kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r", "q51r", "iq4r", "iq4xs":
+        integer dot products, at the file's bits or near them; Q5_K and Q5_1 have no other; Q3_K otherwise takes the
+        16-input 8-bit product, "q6")."""
         if self.kind == "q4k" and int8_rows:
             return "q4k8", kernel.pack_q4k8(self.codes, *self.raw), self.codes.shape[0]
         if self.kind == "q5k":
@@ -596,5 +596,5 @@ def load_rows(folder: str, stamp: dict) -> Rows | None:
         if not all(p.dim() == 1 and torch.equal(p.sort().values, torch.arange(p.numel())) for p in perms.values()):
             return None  # not a row order (a damaged value): check again
         return Rows(stamp, perms, meta.get("head") == "1", meta.get("embed") == "1")
-    except Exception:  # noqa: BLE001 - a damaged file: check again rather than trust it
+    except Exception:  # a damaged file: check again rather than trust it
         return None

@@ -168,7 +168,7 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         for li, layer in enumerate(base.layers):
             att, mlp = layer.self_attn, layer.mlp
             if self.file is not None:
-                def file_parts(name):
+                def file_parts(name, li=li):
                     return packs(f"{li}.{name}", builds[f"{li}.{name}"])
 
                 qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, self.int4,
@@ -271,9 +271,8 @@ class LlamaRunner(LayerSteps, EarlyPasses):
 
         The 16-bit oneDNN products take a GEMV path for one row that rounds differently, so there a lone
         token is always padded. ATen's int4 kernel is row-invariant down to one row, and attention then
-        reads one query row instead of two; measured here, a 4-bit decode step at a 600-token context took
-        ~27 ms instead of ~30. Checked on the model itself, not assumed: a short sequence, then single
-        tokens at several positions both ways, logits and KV compared bitwise (~0.3 s). The LM head is
+        reads one query row instead of two. Checked on the model itself, not assumed: a short sequence, then
+        single tokens at several positions both ways, logits and KV compared bitwise. The LM head is
         16-bit and keeps its two rows either way."""
         self.single_rows = False
         if self.weight_bits != 4:
@@ -300,10 +299,9 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         """What a pass of m rows costs relative to one row, for m = 0..max_rows (index m; [0] is 0).
 
         Verified drafts pay for their rows whether the model accepts them or not, and what a row costs
-        depends on the kernels: measured here at a 600-token context, a 4-bit pass of 2 rows cost 1.13x one
-        row, 4 rows 1.35x, 5 rows 1.7x (ATen's int4 kernel is compute-bound from a few rows), 16 rows 3.5x,
-        while a 16-bit single token runs padded to two rows, so its second row is free. Timed on the model
-        itself at load (the fastest of two passes per size, ~1 s), interpolated between the sizes timed and
+        depends on the kernels: a 4-bit pass grows with its rows (ATen's int4 kernel is compute-bound from a
+        few rows), while a 16-bit single token runs padded to two rows, so its second row is free. Timed on
+        the model itself at load (the fastest of two passes per size), interpolated between the sizes timed and
         extended along the last slope beyond them."""
         import time
 
@@ -363,7 +361,8 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         need_att = all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         need_mlp = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         # Per-head q/k norms (Qwen3) run here; norms over a whole projection (OLMo2's) would need their own code.
-        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        head_dim = getattr(model.config, "head_dim", None) \
+            or model.config.hidden_size // model.config.num_attention_heads
         extra = any(getattr(getattr(att, n, None), "weight", torch.empty(head_dim)).shape != (head_dim,)
                     for n in ("q_norm", "k_norm"))
         # Norms after attention or MLP: Gemma 2's and 3's layout only, causal, windows only where its layer types

@@ -166,7 +166,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load model '{ref}': {e}") from e
         self.model.eval()
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
         self.config = cfg
         self.model_type = getattr(cfg, "model_type", "unknown")
         embed_rows = getattr(getattr(getattr(self.model, "model", None), "embed_tokens", None), "num_embeddings",
@@ -248,9 +249,9 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
                 raise ModelLoadError(why)
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
         # Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/IQ4_NL/IQ4_XS/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless
-        # float32 rows were asked for. Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows: the embedded model), an
-        # 8-bit LM head alone would save little and make the logits a step function of the last hidden state; and a
-        # product in a format with 8-bit rows only (Q5_K, Q5_1), the LM head's too.
+        # float32 rows were asked for. Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows:
+        # the embedded model), an 8-bit LM head alone would save little and make the logits a step function of the last
+        # hidden state; and a product in a format with 8-bit rows only (Q5_K, Q5_1), the LM head's too.
         formats = self.model_file.formats if use_file else {}
         head_kind = "output" if "output" in formats else "token_embd"
         rows_only = sorted({x for kind, t in formats.items() for x in t if kind in gguf_weights.PROJECTIONS
@@ -305,7 +306,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
                          "activation_bits": self.activation_bits}
         if self.long_rope:  # KV rotated by other tables than the short factors' (a snapshot or store must not mix)
             self.identity["rope_factors"] = "long"
-        key = (path, device, dtype, weight_bits, self.activation_bits, self.long_rope)  # the same model and settings in this process: the same answer
+        # the same model and settings in this process: the same answer
+        key = (path, device, dtype, weight_bits, self.activation_bits, self.long_rope)
         if key not in _PROBED:
             _PROBED[key] = self._load_checks(cache_dir, stamp)
             _return_freed_heap()  # the checks' passes (a first load's: ~0.1 GB at 0.5B) handed back, not kept
@@ -390,7 +392,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         """
         past = self.cache_len(cache)
         n = len(ids)
-        if n > PASS_ROWS and positions is None and isinstance(cache, KVBuffer) and getattr(self, "exact_chunking", False):
+        if n > PASS_ROWS and positions is None and isinstance(cache, KVBuffer) \
+                and getattr(self, "exact_chunking", False):
             # A long prompt in passes of PASS_ROWS: the same bits (what the invariance probe checked), and the
             # layers' work buffers sized for PASS_ROWS rows, not the prompt (139 KB a row at 1.5B)
             outs = []

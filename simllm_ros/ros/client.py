@@ -106,7 +106,7 @@ class SimllmClient:
         def done(f):
             try:
                 resp = f.result()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's future
+            except BaseException as e:  # handed to the caller's future
                 out.set_exception(e)
                 return
             if not resp.success:

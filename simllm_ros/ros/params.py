@@ -48,7 +48,8 @@ def descriptor_for(spec: ParamSpec) -> ParameterDescriptor:
 
 
 def _coerce_override(spec: ParamSpec, p: Parameter) -> Parameter:
-    """Forgive the usual YAML slips: `cache_threshold: 1` (int for a double), `cache_size: 1000000` (int for a string)."""
+    """Forgive the usual YAML slips: `cache_threshold: 1` (int for a double), `cache_size: 1000000` (int for a
+    string)."""
     v = p.value
     if spec.type is float and isinstance(v, int) and not isinstance(v, bool):
         return Parameter(spec.name, Parameter.Type.DOUBLE, float(v))

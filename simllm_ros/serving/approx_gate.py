@@ -116,6 +116,7 @@ def audit(engine, job: Audit) -> bool:
     wrong = other != job.served
     engine.error_bound.record(job.tier, job.scope, task, sim, wrong)
     if wrong and not job.served_exact:
-        engine.log.warning(f"a {job.tier.upper()} answer served in scope {job.scope!r} at similarity {sim:.3f} differed "
-                           "from the model's own (idle-time check): that task is not served at this similarity again")
+        engine.log.warning(f"a {job.tier.upper()} answer served in scope {job.scope!r} at similarity {sim:.3f} "
+                           "differed from the model's own (idle-time check): "
+                           "that task is not served at this similarity again")
     return True

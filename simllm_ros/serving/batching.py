@@ -97,7 +97,7 @@ class Batching:
             outs = self._run_isolated(flights, work, out)
             if work and all(flights[i].decoder is not None for i, *_ in work):  # a decode pass: its cost per rows
                 self.observe_pass(sum(len(ids) for _, ids, _, _ in work), time.perf_counter() - t0)
-            for (i, ids, mode, base), rows in zip(work, outs):
+            for (i, ids, _, base), rows in zip(work, outs):
                 if out[i] is not None:
                     continue
                 f = flights[i]
@@ -188,7 +188,7 @@ class Batching:
         leads: dict[int, int] = {}  # id(lead flight) -> work item
         groups: dict[int, list[int]] = {}  # lead item -> member items (the lead first)
         slots: dict[int, int] = {}  # item -> slots it shares with its lead
-        for j, (i, ids, mode, base) in enumerate(work):
+        for j, (i, _, _, base) in enumerate(work):
             f = flights[i]
             if f.decoder is None:
                 continue

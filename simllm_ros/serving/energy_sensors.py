@@ -85,7 +85,7 @@ class PowerSource:
 
     def read(self) -> float:
         total = 0.0
-        for label, files, scale in self.sensors:
+        for _, files, scale in self.sensors:
             value = scale
             for f in files:
                 value *= _read_int(f)

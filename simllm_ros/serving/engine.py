@@ -256,7 +256,8 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
                                  "only exact-prefix and answer reuse will be used")
         except Exception as e:  # configure must fail cleanly, whatever broke, and leave nothing half-loaded
             self.unload()
-            msg = str(e) if isinstance(e, (ModelLoadError, SettingError, EngineLoadError)) else f"{type(e).__name__}: {e}"
+            msg = str(e) if isinstance(e, (ModelLoadError, SettingError, EngineLoadError)) \
+                else f"{type(e).__name__}: {e}"
             raise EngineLoadError(msg) from e
 
     def fork(self, settings: Settings | None = None) -> "Engine":
@@ -311,9 +312,11 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         why = ("fleet_share_kv is false" if not s.fleet_share_kv else "KV is not lossless here"
                if not self.lossless_reuse else self.fleet.kv_off_reason)
         kv = "shared" if self.fleet.share_kv else f"not shared ({why})"
-        progress(f"fleet store {self.fleet.url}: {'connected' if up else 'not reachable now (retried in the background)'}"
+        progress(f"fleet store {self.fleet.url}: "
+                 f"{'connected' if up else 'not reachable now (retried in the background)'}"
                  f"; digest {self.fleet.digest}; KV blocks {kv}"
-                 f"; prefill {self._prefill_s_per_token * 1000:.2f} ms/token, link {self.fleet.bytes_per_s / 1e6:.0f} MB/s")
+                 f"; prefill {self._prefill_s_per_token * 1000:.2f} ms/token, "
+                 f"link {self.fleet.bytes_per_s / 1e6:.0f} MB/s")
 
     def _prime(self) -> None:
         """One throwaway pass through both models: torch's first call is slow, and no user should pay for it."""

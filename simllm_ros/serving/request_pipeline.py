@@ -309,7 +309,7 @@ class RequestPipeline:
                 early = semantic_reuse.ahead(backend, pool, tokens, strict_layers=s.strict_layers, reserve=reserve,
                                              prefix=(prefix.k, prefix.v) if lossless else None,
                                              guess=max(prefix.entry_keys) if prefix.entry_keys else None)
-        except Exception as e:  # noqa: BLE001 - speculative work: the plan goes on without it
+        except Exception as e:  # speculative work: the plan goes on without it
             self.log.warning("early pass ahead failed (%s: %s); the repair runs its own", type(e).__name__, e)
             return None, prefix
         self.early_starts += 1
@@ -327,7 +327,7 @@ class RequestPipeline:
         if got is not None and self.fleet.should_verify():  # one robot's fault must not spread as exact
             try:
                 why = fleet_checks.prefix_differs(self.backend, tokens, got)
-            except Exception as e:  # noqa: BLE001 - unverifiable: not used
+            except Exception as e:  # unverifiable: not used
                 why = f"recompute failed: {type(e).__name__}: {e}"
             self.fleet.counters.kv_verified += 1
             if why:

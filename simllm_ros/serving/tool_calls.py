@@ -426,7 +426,7 @@ def _tool_from(raw, i: int) -> Tool:
         raise ToolError(f"{where}: fields and fixed must be mappings from a field path")
     try:
         bounds = {str(p): _check_bounds(args_class, str(p), b) for p, b in fields.items()}
-        for p, v in fixed.items():
+        for p in fixed:
             find_field(args_class, str(p))
         tool = Tool(name, desc, kind, ros_name, raw["type"], iface, args_class, executable, float(timeout_s),
                     int(calls), float(per_s), bounds, {str(p): v for p, v in fixed.items()})

@@ -133,7 +133,7 @@ class WarmStart:
             labels = self.error_bound.load(folder, self.backend.numerics)
             if labels:
                 (progress or self.log.info)(f"restored {labels} error-bound labels from {folder}")
-        except Exception as e:  # noqa: BLE001 - damaged, foreign, too large: no labels (lossless until relearnt)
+        except Exception as e:  # damaged, foreign, too large: no labels (lossless until relearnt)
             self.log.warning(f"error-bound labels not loaded: {e if isinstance(e, ValueError) else repr(e)}")
         return n
 
