@@ -16,6 +16,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -349,10 +350,12 @@ class RequestPipeline:
             return sp.logits, sp.cache
         n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX else 0
         res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
-        return self._prefill_exact(tokens, plan.prefix if n else None, reserve)
+        return self.prefill_exact(tokens, plan.prefix if n else None, reserve)
 
-    def _prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0):
-        """Exact prefill, on top of a pooled prefix's KV when there is one (requests and idle work alike)."""
+    def prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0
+                      ) -> tuple[torch.Tensor, Any]:
+        """Exact prefill, on top of a pooled prefix's KV when there is one (requests, idle work and the idle-time
+        audits alike: approx_gate.AuditHost): the last token's logits and the cache, with room for `reserve`."""
         if prefix is None:
             return self.backend.prefill(tokens, reserve=reserve)
         cache = self.backend.cache_from_tensors(prefix.k, prefix.v, reserve=len(tokens) - prefix.n_tokens + reserve)
