@@ -56,7 +56,7 @@ class Audit:
     seed: int
     source_task: str  # kv_pool.task_id of the reused task
     similarity: float
-    plan: object = None  # the SEMANTIC plan turned down (served_exact), run again as it was made
+    plan: reuse_planner.ReusePlan | None = None  # the SEMANTIC plan turned down (served_exact), run again as made
 
 
 class AuditHost(Protocol):

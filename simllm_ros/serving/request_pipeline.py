@@ -122,6 +122,25 @@ class Flight:
     leader_checked: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class AuditCase:
+    """An approximate decision a request hands over to be checked at idle time (approx_gate.audit): what it
+    served, the plan behind it (served_exact: the approximate plan the error bound turned down), and what computing
+    the other side again takes."""
+
+    p: Prepared
+    tokens: list[int]
+    digest: str  # task_digest(p.req)
+    tier: str  # the approximate tier the label is for (approx_gate.TIER_NAMES)
+    served_exact: bool  # True: the exact answer was served, the plan was turned down
+    served: str  # the answer the request got
+    plan: reuse_planner.ReusePlan
+    max_new: int
+    temperature: float
+    seed: int
+    delta: float  # the approx_error_bound the request was served under
+
+
 @dataclasses.dataclass
 class Observation:
     """One executed request as an observer sees it (the benchmark): the plan, where the engine's own time
@@ -222,7 +241,8 @@ class RequestPipeline:
             if on_progress is not None:
                 AnswerWatcher(backend.detokenize, on_progress=on_progress,
                               cache_result=plan.tier).progress(res.answer, 0)
-            self._audit_later(p, tokens, digest, "answer", False, res.answer, max_new, temperature, seed, plan, delta)
+            self._audit_later(AuditCase(p, tokens, digest, "answer", served_exact=False, served=res.answer, plan=plan,
+                                        max_new=max_new, temperature=temperature, seed=seed, delta=delta))
             self._log_decision(req, digest, plan, res)
             self._observe(req, plan, plan_ms, 0.0, None)
             return res
@@ -434,11 +454,13 @@ class RequestPipeline:
             if f.candidate is not None and res.exact:  # would the most similar task's stored answer have been right?
                 approx_gate.label(self.error_bound, req.scope, f.candidate, res.answer)
             if f.refused is not None and f.refused.tier == CacheResult.SEMANTIC and res.exact:
-                self._audit_later(f.p, f.tokens, f.digest, "semantic", True, res.answer, f.max_new, f.temperature,
-                                  f.seed, f.refused, f.delta)
+                self._audit_later(AuditCase(f.p, f.tokens, f.digest, "semantic", served_exact=True, served=res.answer,
+                                            plan=f.refused, max_new=f.max_new, temperature=f.temperature, seed=f.seed,
+                                            delta=f.delta))
             elif f.plan.tier == CacheResult.SEMANTIC:
-                self._audit_later(f.p, f.tokens, f.digest, "semantic", False, res.answer, f.max_new, f.temperature,
-                                  f.seed, f.plan, f.delta)
+                self._audit_later(AuditCase(f.p, f.tokens, f.digest, "semantic", served_exact=False, served=res.answer,
+                                            plan=f.plan, max_new=f.max_new, temperature=f.temperature, seed=f.seed,
+                                            delta=f.delta))
         self._keep_live(f)
         insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000
@@ -451,16 +473,17 @@ class RequestPipeline:
         """Whether this request's answer can label a tier (labels come from everyone's traffic)."""
         return approx_gate.comparable(f.p.req, f.temperature)
 
-    def _audit_later(self, p: Prepared, tokens, digest, tier: str, served_exact: bool, served: str, max_new: int,
-                     temperature: float, seed: int, plan, delta: float) -> None:
+    def _audit_later(self, case: AuditCase) -> None:
         """An approximate decision to check at idle time (approx_gate.audit), where a bound was asked."""
-        req = p.req
-        if delta >= 1.0 or not approx_gate.comparable(req, temperature):
+        p, plan = case.p, case.plan
+        if case.delta >= 1.0 or not approx_gate.comparable(p.req, case.temperature):
             return
-        self.audits.append(approx_gate.Audit(tier, served_exact, req.scope, list(tokens), p.fingerprint, p.question,
-                                             digest, served, max_new, temperature, seed,
-                                             self.pool.task_id(plan.source_key), plan.similarity,
-                                             plan if served_exact else None))
+        self.audits.append(approx_gate.Audit(
+            tier=case.tier, served_exact=case.served_exact, scope=p.req.scope, tokens=list(case.tokens),
+            fingerprint=p.fingerprint, question=p.question, context_digest=case.digest, served=case.served,
+            max_new=case.max_new, temperature=case.temperature, seed=case.seed,
+            source_task=self.pool.task_id(plan.source_key), similarity=plan.similarity,
+            plan=plan if case.served_exact else None))
 
     def _observe(self, req: QueryRequest, plan, plan_ms: float, insert_ms: float, first_logits) -> None:
         if self.observer is not None:
