@@ -1,13 +1,13 @@
 """One request through the pipeline, alone or in a batch: plan -> prefill -> decode -> conclude.
 
-`_plan` turns a prepared request (its fingerprint on the way) into the result at once (an identical request's
-stored answer, the ANSWER tier, a refusal) or a `Flight`: the match and the reuse plan, the error bound's word on
-an approximate plan, and the room its KV buffer needs. `_prefill` builds the prompt's cache as the plan says
-(exact prefix, SEMANTIC repair, or a whole prefill), `_after_prefill` adds what needed the fingerprint (drafts,
-the reported similarity), and `_conclude` turns the generation into the result and lets the pool, the memo, the
-fleet and the error bound learn from it (request_memory). `_execute` runs these in a row for one request alone;
-batching.py runs the same phases for several requests in one forward pass. Mixed into engine.Engine, whose state
-these methods read and write.
+`plan_flight` turns a prepared request (its fingerprint on the way) into the result at once (an identical
+request's stored answer, the ANSWER tier, a refusal) or a `Flight`: the match and the reuse plan, the error bound's
+word on an approximate plan, and the room its KV buffer needs. `prefill_flight` builds the prompt's cache as the
+plan says (exact prefix, SEMANTIC repair, or a whole prefill), `start_decoding` adds what needed the fingerprint
+(drafts, the reported similarity) and picks the first token, and `conclude` turns the generation into the result
+and lets the pool, the memo, the fleet and the error bound learn from it (request_memory). These four, typed by
+the Flight record, are the phases batching.py runs for several requests in one forward pass; `_execute` runs them
+in a row for one request alone. Mixed into engine.Engine, whose state these methods read and write.
 """
 from __future__ import annotations
 
@@ -155,22 +155,23 @@ class Observation:
 
 
 class RequestPipeline:
-    """The phases of one request (see the module docstring); part of engine.Engine."""
+    """The phases of one request (see the module docstring): plan_flight, prefill_flight, start_decoding and
+    conclude, the interface batching.py runs its flights through; part of engine.Engine."""
 
     def _execute(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> QueryResult:
-        f = self._plan(p, on_progress, should_stop)
+        f = self.plan_flight(p, on_progress, should_stop)
         if isinstance(f, QueryResult):
             return f
-        logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve, f.early)
+        logits = self.prefill_flight(f)
         self._after_prefill(f)
         gen = self.backend.decode(logits, f.cache, f.max_new, f.temperature, f.seed, t_start=p.t_arrival,
                                   drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
                                   constraint=f.constraint, on_pass=self.observe_pass)
-        return self._conclude(f, gen)
+        return self.conclude(f, gen)
 
-    def _plan(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
+    def plan_flight(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
         """A request's first phase: its prompt tokens and reuse plan; the result at once for the ANSWER tier
         or a refusal, else a Flight whose prefill and decoding are still to run."""
         s, req, backend, pool = self.settings, p.req, self.backend, self.pool
@@ -356,21 +357,24 @@ class RequestPipeline:
                 got = None
         return (got or prefix), answer
 
-    def _prefill(self, plan: reuse_planner.ReusePlan, tokens: list[int], res: QueryResult, reserve: int,
-                 early: "semantic_reuse.Ahead | None" = None):
-        """Logits of the last prompt token and the prompt's cache (with room for `reserve` more tokens), built
-        as the plan says; counts the reused and recomputed tokens in res. early: see _early_start."""
+    def prefill_flight(self, f: Flight) -> torch.Tensor:
+        """The prompt's cache built whole as the flight's plan says, into f.cache (with room for f.reserve more
+        tokens); counts the reused and recomputed tokens in f.res; returns the last prompt token's logits. f.early:
+        see _early_start."""
+        plan, tokens, res = f.plan, f.tokens, f.res
         if plan.tier == CacheResult.SEMANTIC:
             s = self.settings
             sp = semantic_reuse.run(self.backend, self.pool, plan, tokens, recompute_ratio=s.recompute_ratio,
                                     gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers,
-                                    reserve=reserve, lossless_kv=self.lossless_reuse, early=early)
-            self.early_starts_used += early is not None
+                                    reserve=f.reserve, lossless_kv=self.lossless_reuse, early=f.early)
+            self.early_starts_used += f.early is not None
             res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
-            return sp.logits, sp.cache
+            f.cache = sp.cache
+            return sp.logits
         n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX else 0
         res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
-        return self.prefill_exact(tokens, plan.prefix if n else None, reserve)
+        logits, f.cache = self.prefill_exact(tokens, plan.prefix if n else None, f.reserve)
+        return logits
 
     def prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0
                       ) -> tuple[torch.Tensor, Any]:
@@ -395,7 +399,7 @@ class RequestPipeline:
         if self._labels_from(f) and f.plan.tier != CacheResult.SEMANTIC:  # a SEMANTIC answer is not the model's own
             f.candidate = approx_gate.answer_candidate(self.pool, fp, f.p.req.scope, f.tokens, f.now, self.settings)
 
-    def _start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
+    def start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
         """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
         self._after_prefill(f)
         f.decoder = self.backend.decoder(logits, f.max_new, f.temperature, f.seed, t_start=f.p.t_arrival,
@@ -403,10 +407,10 @@ class RequestPipeline:
                                          constraint=f.constraint)
         if f.decoder.done:
             f.decoder.gen.text = self.backend.detokenize(f.decoder.gen.tokens)
-            return self._conclude(f, f.decoder.gen)
+            return self.conclude(f, f.decoder.gen)
         return None
 
-    def _conclude(self, f: Flight, gen: Generation) -> QueryResult:
+    def conclude(self, f: Flight, gen: Generation) -> QueryResult:
         """A request's last phase: its result from the generation; the pool learns the prompt's KV."""
         req, res, backend, watch = f.p.req, f.res, self.backend, f.watch
         res.answer = watch.final_text(gen.text)
