@@ -316,7 +316,7 @@ def test_the_converted_copy_drops_its_dense_projections_once_checked_and_packed(
     from safetensors import safe_open
 
     from simllm_ros.model import model_files
-    from simllm_ros.model.model_files import SLIM_FILE
+    from simllm_ros.model.skeleton import SLIM_FILE
 
     first = file_backend(files, "q8_0")
     folder = first._path
@@ -357,7 +357,7 @@ def test_a_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_path, 
     from safetensors import safe_open
 
     from random_gguf import write_llama
-    from simllm_ros.model import model_files
+    from simllm_ros.model import model_files, skeleton
 
     path = files[name] if name != "gemma3" else write_llama(
         str(tmp_path / "rand-gemma3.gguf"), arch="gemma3", layers=7, heads=4, kv_heads=1, head_dim=64, types=Q4_K_M,
@@ -375,7 +375,7 @@ def test_a_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_path, 
         assert len(rows.perms) == 4  # Llama's q and k of both layers: rows in transformers' order
     with safe_open(os.path.join(b._path, "model.safetensors"), "pt") as f, \
             safe_open(os.path.join(ref._path, "model.safetensors"), "pt") as g:
-        assert set(f.keys()) == set(g.keys()) - model_files._skeleton_skips(ref.config, rows.head, rows.embed)
+        assert set(f.keys()) == set(g.keys()) - skeleton.skipped_tensors(ref.config, rows.head, rows.embed)
         assert all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in f.keys())
     ids = [int(t) for t in range(900, 900 + 40 * 43, 43)]
     assert torch.equal(b.run(ids, b.new_cache(42), logits="all"), ref.run(ids, ref.new_cache(42), logits="all"))

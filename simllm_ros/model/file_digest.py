@@ -16,6 +16,7 @@ import os
 import threading
 
 from ..safe_io import open_regular
+from .cache_records import read_records, update_record
 
 DIGESTS_FILE = "file_digests.json"
 KEEP_RECORDS = 256  # files remembered in the record (the newest)
@@ -65,8 +66,6 @@ def content_digest(path: str, record_dir: str | None = None) -> str:
     file's identity is the one it was hashed at, else hashed now and recorded (a record that cannot be written
     costs a rehash at the next process, nothing else). OSError for a file that cannot be read (NotRegularFile:
     a directory, a FIFO)."""
-    from .load_checks import _read_json, _update_json
-
     path = os.path.abspath(path)
     fd = open_regular(path)
     try:
@@ -74,7 +73,7 @@ def content_digest(path: str, record_dir: str | None = None) -> str:
         if before in _MEMO:
             return _MEMO[before]
         store = os.path.join(record_dir, DIGESTS_FILE) if record_dir else None
-        kept = _read_json(store).get(path) if store else None
+        kept = read_records(store).get(path) if store else None
         if isinstance(kept, dict) and kept.get("identity") == list(before) and isinstance(kept.get("sha256"), str):
             _MEMO[before] = kept["sha256"]
             return kept["sha256"]
@@ -87,7 +86,7 @@ def content_digest(path: str, record_dir: str | None = None) -> str:
     if store:
         with _LOCK:
             try:
-                _update_json(store, path, {"identity": list(before), "sha256": digest}, keep=KEEP_RECORDS)
+                update_record(store, path, {"identity": list(before), "sha256": digest}, keep=KEEP_RECORDS)
             except OSError:
                 pass
     return digest

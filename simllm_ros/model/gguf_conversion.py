@@ -293,7 +293,6 @@ def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dic
 def _convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dict,
              progress: Callable[[str], None]) -> Rows | None:
     from .llama_runner import LlamaRunner
-    from .model_files import SLIM_FILE, _skeleton_skips
 
     name = os.path.basename(src)
     meta, listed = header
@@ -320,7 +319,7 @@ def _convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: di
     head_src = emb_t if tied else head_t
     head = head_src is not None and head_src.ggml in KINDS and tuple(head_src.shape) == (vocab, hidden) and (
         embed if tied else ref.same_rows(head_src))
-    skip = _skeleton_skips(cfg, head, embed)
+    skip = skeleton.skipped_tensors(cfg, head, embed)
     # norms and biases; the embedding / head where they are not the file's own blocks
     state = {ref.to_hf[t.name]: ref(t, finite=True) for t in listed if ref.to_hf.get(t.name) not in skip | {None}}
     missing = [k for k in model.state_dict() if k not in state and k not in skip
@@ -331,7 +330,7 @@ def _convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: di
     del state
     rows = Rows(stamp, perms, head, embed)
     gguf_weights.save_rows(folder, rows)
-    with open(os.path.join(folder, SLIM_FILE), "w") as f:
+    with open(os.path.join(folder, skeleton.SLIM_FILE), "w") as f:
         json.dump({"dropped": sorted(skip)[:3] + ["..."], "head": head, "embed": embed, "streamed": True}, f)
     return rows
 

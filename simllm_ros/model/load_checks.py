@@ -13,8 +13,7 @@ import os
 import torch
 
 from ..kernels.build import CONTRACT
-from ..safe_io import write_json
-from .model_files import _try, default_cache_dir
+from .cache_records import default_cache_dir, read_records, try_cache_write, update_record
 
 LOAD_CHECKS_FILE = "load_checks.json"
 
@@ -30,25 +29,6 @@ def _cpu_identity() -> str:
         import platform
 
         return platform.processor() or platform.machine()
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            got = json.load(f)
-        return got if isinstance(got, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _update_json(path: str, key: str, value, keep: int) -> None:
-    """Sets one key of a small JSON map (the newest `keep` entries), written atomically."""
-    data = _read_json(path)
-    data.pop(key, None)
-    data[key] = value
-    data = dict(list(data.items())[-keep:])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_json(path, data)
 
 
 MAX_PASS_ROWS = 257  # a decode pass: the last token and a draft of up to 256 (max_draft_tokens' range)
@@ -75,7 +55,7 @@ class LoadChecks:
         key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
         costs_key = f"{key}/threads={torch.get_num_threads()}"
         store = os.path.join(cache_dir or default_cache_dir(), LOAD_CHECKS_FILE)
-        data = _read_json(store)
+        data = read_records(store)
         kept, kept_costs = data.get(key), data.get(costs_key)
         bits = None
         if isinstance(kept, dict) and kept.get("digest"):
@@ -87,12 +67,13 @@ class LoadChecks:
             single = self.runner.check_single_rows()
             exact = self.invariance_probe()  # the probe runs with single rows as decided
             bits = single, exact, self.numerics_digest()
-            _try(lambda: _update_json(store, key, {"single": bits[0], "exact": bits[1], "digest": bits[2]}, keep=64),
-                 self.progress)
+            record = {"single": bits[0], "exact": bits[1], "digest": bits[2]}
+            try_cache_write(lambda: update_record(store, key, record, keep=64), self.progress)
         elif isinstance(kept_costs, dict) and kept_costs.get("digest") == bits[2] and kept_costs.get("costs"):
             return bits[0], bits[1], [float(c) for c in kept_costs["costs"]], bits[2]
         costs = self.runner.pass_costs(MAX_PASS_ROWS)
-        _try(lambda: _update_json(store, costs_key, {"digest": bits[2], "costs": costs}, keep=64), self.progress)
+        try_cache_write(lambda: update_record(store, costs_key, {"digest": bits[2], "costs": costs}, keep=64),
+                        self.progress)
         return bits[0], bits[1], costs, bits[2]
 
     def invariance_probe(self) -> bool:

@@ -23,16 +23,17 @@ from ..cache.block_store import KVShape
 from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
 from .kernel_paths import KernelPaths
 from .cache_handles import CacheHandles
+from .cache_records import default_cache_dir, try_cache_write
 from .llama_runner import KVBuffer, LlamaRunner, Seq, _return_freed_heap, int4_kernel_error, on_int4_grid
 from .load_checks import LoadChecks
-from .model_files import SLIM_FILE, ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, _try, \
+from .model_files import ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, \
     gguf_source, load_tokenizer, resolve_model, slim_conversion
 from .packed_weights import PackedStore
 from .chat_prompts import ChatPrompts
 from .semantic_passes import EarlyStart, SemanticPasses  # noqa: F401 (EarlyStart importable from here)
 # Re-exported: what `from simllm_ros.model.model_backend import ...` has always given.
-from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity, _read_json, _update_json  # noqa: F401
-from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS, default_cache_dir  # noqa: F401
+from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity  # noqa: F401
+from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS  # noqa: F401
 
 # Architectures the batch-invariant runner takes where every layer is full attention with one RoPE table.
 FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"}
@@ -146,7 +147,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         except OSError as e:  # replaced or removed since resolve_model read it
             raise ModelLoadError(f"model '{ref}': {e}") from e
         rows = gguf_weights.load_rows(path, stamp) if src and file_blocks else None
-        if rows is None and os.path.exists(os.path.join(path, SLIM_FILE)):  # this load needs the dense weights
+        if rows is None and os.path.exists(os.path.join(path, skeleton.SLIM_FILE)):  # this load needs the dense weights
             path = resolve_model(ref, cache_dir, self.progress, dense=True)
             self._path = path
         self._cache_dir = cache_dir
@@ -216,7 +217,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
                                                    "output.weight" if "output" in self.file_formats
                                                    else "token_embd.weight")
                     if checked is not None:
-                        _try(lambda: gguf_weights.save_rows(path, checked), self.progress)
+                        try_cache_write(lambda: gguf_weights.save_rows(path, checked), self.progress)
             except gguf_weights.GGUFError as e:
                 raise ModelLoadError(f"model '{ref}': {e}") from e
         elif rows is not None:
@@ -282,13 +283,13 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             if packed is not None:
                 self.progress("the file's blocks mapped as packed at an earlier load" if packed.complete else
                               "the file's blocks packed for our kernel")
-                if _try(packed.save, self.progress):
+                if try_cache_write(packed.save, self.progress):
                     self.progress(f"packed blocks kept for later loads in {packed.path}")
                 kept = gguf_weights.load_rows(path, stamp) if rows is None else rows
                 # this load read the dense weights (a first load: converted, checked, packed); one now would not
                 self.reload_lighter = rows is None and kept is not None and os.path.isfile(packed.path)
                 if kept is not None and os.path.isfile(packed.path):  # later loads read neither dense projection
-                    freed = _try(lambda: slim_conversion(path, kept.head, kept.embed), self.progress)
+                    freed = try_cache_write(lambda: slim_conversion(path, kept.head, kept.embed), self.progress)
                     if freed:
                         self.progress(f"dropped the converted copy's dense projections ({freed / 2**30:.1f} GB): "
                                       "checked and packed, later loads do not read them")
@@ -373,7 +374,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             from transformers import AutoModelForCausalLM
 
             self.progress("loading a dense copy of the model for transformers' own forward (reference runs)")
-            if os.path.exists(os.path.join(self._path, SLIM_FILE)):  # its dense weights were dropped: convert again
+            if os.path.exists(os.path.join(self._path, skeleton.SLIM_FILE)):  # dense weights dropped: convert again
                 self._path = resolve_model(self.ref, self._cache_dir, self.progress, dense=True)
             self._dense_model = AutoModelForCausalLM.from_pretrained(
                 self._path, dtype=self.dtype, local_files_only=True, **self._config_for(self._path)

@@ -14,6 +14,7 @@ import torch
 
 from . import gguf_conversion, gguf_weights, packed_weights, skeleton
 from ..safe_io import write_json
+from .cache_records import default_cache_dir, try_cache_write
 from ..settings import DEFAULT_MODEL
 
 EMBEDDED_MODELS = {
@@ -28,10 +29,6 @@ CONVERSION_VERSION = 6
 
 class ModelLoadError(RuntimeError):
     pass
-
-
-def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "simllm_ros", "models")
 
 
 def _quiet_transformers():
@@ -95,8 +92,8 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
         raise ModelLoadError(f"model '{ref}': {e}") from e
     try:
         with open(stamp) as f:
-            if json.load(f) == want and not (dense and os.path.exists(os.path.join(target, SLIM_FILE))):
-                if _try(lambda: keep_added_tokens(target), progress):  # a copy converted before this was kept
+            if json.load(f) == want and not (dense and os.path.exists(os.path.join(target, skeleton.SLIM_FILE))):
+                if try_cache_write(lambda: keep_added_tokens(target), progress):  # a copy converted before this
                     progress(f"kept the tokenizer's added tokens in {target}/tokenizer_config.json (faster loads)")
                 return target
     except (OSError, ValueError):
@@ -239,15 +236,6 @@ def keep_added_tokens(folder: str) -> bool:
     return True
 
 
-def _try(fn, progress):
-    """A cache write that may fail (read-only folder, full disk) without failing the load: fn's result, else None."""
-    try:
-        return fn()
-    except OSError as e:
-        progress(f"note: could not keep a cache file ({e}); the next load checks again")
-        return None
-
-
 def _conversion_stamp(src: str, record_dir: str | None = None) -> dict:
     """What identifies a GGUF's content for the copies made from it (the conversion, the checked rows, the packed
     blocks, the load checks): its whole content's digest (file_digest; remembered in `record_dir` with the file's
@@ -258,23 +246,6 @@ def _conversion_stamp(src: str, record_dir: str | None = None) -> dict:
             "version": CONVERSION_VERSION}
 
 
-# Projections transformers' own classes keep fused (Phi-3's): a dense copy of such a file names them so
-FUSED_PROJECTIONS = (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj"))
-
-
-def _skeleton_skips(cfg, skip_head: bool, skip_embed: bool) -> set[str]:
-    """The converted model's tensors a skeleton load does without: every projection weight (fused ones too, as
-    transformers' whole conversion of a Phi-3 file names them), the LM head if `skip_head`, the token embedding if
-    `skip_embed` and nothing else needs it."""
-    skip = {f"model.layers.{i}.{sub}.{attr}.weight" for i in range(cfg.num_hidden_layers)
-            for sub, attr in (*gguf_weights.PROJECTIONS.values(), *FUSED_PROJECTIONS)}
-    if skip_head:
-        skip.add("lm_head.weight")
-    if skip_embed and (skip_head or not getattr(cfg, "tie_word_embeddings", False)):
-        skip.add("model.embed_tokens.weight")
-    return skip
-
-
 def _model_shards(path: str) -> list[str]:
     import glob
 
@@ -283,7 +254,6 @@ def _model_shards(path: str) -> list[str]:
             if not os.path.basename(p).startswith("simllm_")]
 
 
-SLIM_FILE = "simllm_slim.json"
 KEEP_DENSE_BELOW = 2**30  # bytes of converted weights under which slim_conversion keeps them
 # Our files beside a converted copy that a conversion for the dense weights again carries over
 KEPT_FILES = (gguf_weights.ROWS_FILE, packed_weights.PACKED_FILE)
@@ -297,11 +267,11 @@ def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
     from safetensors.torch import save_file
     from .model_config import load_config
 
-    if os.path.exists(os.path.join(path, SLIM_FILE)):
+    if os.path.exists(os.path.join(path, skeleton.SLIM_FILE)):
         return 0
     if sum(os.path.getsize(p) for p in _model_shards(path)) < KEEP_DENSE_BELOW:
         return 0  # small (the embedded model's 0.5 GB): a later dense load (bf16, a reference run) need not convert
-    skip = _skeleton_skips(load_config(path), skip_head, skip_embed)
+    skip = skeleton.skipped_tensors(load_config(path), skip_head, skip_embed)
     freed = 0
     for shard in _model_shards(path):
         before = os.path.getsize(shard)
@@ -312,7 +282,7 @@ def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
         save_file(keep, tmp, metadata=meta)
         os.replace(tmp, shard)  # a process reading the old copy keeps its open file
         freed += before - os.path.getsize(shard)
-    with open(os.path.join(path, SLIM_FILE), "w") as f:
+    with open(os.path.join(path, skeleton.SLIM_FILE), "w") as f:
         json.dump({"dropped": sorted(skip)[:3] + ["..."], "head": skip_head, "embed": skip_embed}, f)
     return freed
 
@@ -327,7 +297,7 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length:
 
     cfg = load_config(path)
     take_long_factors(cfg, context_length)
-    skip = _skeleton_skips(cfg, skip_head, skip_embed)
+    skip = skeleton.skipped_tensors(cfg, skip_head, skip_embed)
     state, keys = {}, set()
     for shard in _model_shards(path):
         with safe_open(shard, "pt") as f:

@@ -15,9 +15,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gguf_weights import PROJECTIONS
+
 # The runner's architectures (model_backend.FULL_ATTENTION_ARCHITECTURES | SLIDING_WINDOW_ARCHITECTURES)
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "phi3")
 GEMMA = ("gemma2", "gemma3_text")  # four norms a layer, norms of x * (1 + w), rows scaled by sqrt(hidden)
+# Projections transformers' own classes keep fused (Phi-3's): a dense copy of such a file names them so
+FUSED_PROJECTIONS = (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj"))
+# Beside a converted copy that holds only what a skeleton load reads (skipped_tensors dropped or never written)
+SLIM_FILE = "simllm_slim.json"
+
+
+def skipped_tensors(cfg, skip_head: bool, skip_embed: bool) -> set[str]:
+    """The converted model's tensors a skeleton load does without: every projection weight (fused ones too, as
+    transformers' whole conversion of a Phi-3 file names them), the LM head if `skip_head`, the token embedding if
+    `skip_embed` and nothing else needs it."""
+    skip = {f"model.layers.{i}.{sub}.{attr}.weight" for i in range(cfg.num_hidden_layers)
+            for sub, attr in (*PROJECTIONS.values(), *FUSED_PROJECTIONS)}
+    if skip_head:
+        skip.add("lm_head.weight")
+    if skip_embed and (skip_head or not getattr(cfg, "tie_word_embeddings", False)):
+        skip.add("model.embed_tokens.weight")
+    return skip
 
 
 class Linear(nn.Module):

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from .cache_records import read_records, update_record
+
 TEMPLATE_SECONDS = 5.0  # a render of the probe conversations, the child's start aside
 TEMPLATE_MAX_CHARS = 1 << 20  # what the probes may render (a prompt's worth of text at most)
 TEMPLATE_MEMORY = 1 << 29  # bytes the child may add to its address space once started
@@ -102,14 +104,12 @@ def check_template(template: str, name: str, record_dir: str | None = None, toke
     longer than `seconds`, more memory than TEMPLATE_MEMORY or renders more than TEMPLATE_MAX_CHARS characters.
     Never waits longer than START_SECONDS + `seconds`. A template within budget is remembered (this process, and
     CHECKED_FILE in `record_dir`) by its text and the budgets: the next load does not render it again."""
-    from .load_checks import _read_json, _update_json
-
     job = {"template": template, "tokens": tokens or {}, "probes": PROBES, "chars": TEMPLATE_MAX_CHARS,
            "memory": TEMPLATE_MEMORY}
     key = hashlib.sha256(json.dumps([template, PROBES, TEMPLATE_MAX_CHARS, TEMPLATE_MEMORY, seconds]).encode())
     key = key.hexdigest()[:32]
     store = os.path.join(record_dir, CHECKED_FILE) if record_dir else None
-    if store and _read_json(store).get(key) is True:
+    if store and read_records(store).get(key) is True:
         return
     if key not in _CHECKED:
         label = f"the chat template{'' if which == 'default' else f' {which!r}'} of model '{name}'"
@@ -117,7 +117,7 @@ def check_template(template: str, name: str, record_dir: str | None = None, toke
         _CHECKED.add(key)
     if store:
         try:
-            _update_json(store, key, True, keep=256)
+            update_record(store, key, True, keep=256)
         except OSError:
             pass
 

@@ -12,14 +12,19 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from ..cache import reuse_planner
 from . import semantic_reuse
 from ..cache.error_bound import NO_DATA, ErrorBound, Estimate
-from ..cache.kv_pool import task_id
+from ..cache.kv_pool import KVPool, PrefixHit, task_id
+from ..model.model_backend import ModelBackend
 from ..request import CacheResult
+from ..settings import Settings
 
 TIER_NAMES = {CacheResult.ANSWER: "answer", CacheResult.SEMANTIC: "semantic"}
 LABEL_MIN_SIMILARITY = 0.5  # candidates less similar than this are too far for any tier to consider
@@ -51,7 +56,33 @@ class Audit:
     seed: int
     source_task: str  # kv_pool.task_id of the reused task
     similarity: float
-    plan: object = None  # the SEMANTIC plan turned down (served_exact), run again as it was made
+    plan: reuse_planner.ReusePlan | None = None  # the SEMANTIC plan turned down (served_exact), run again as made
+
+
+class AuditHost(Protocol):
+    """What an idle-time audit needs of its engine (engine.Engine is one): the model and pool it runs on, the
+    settings of a SEMANTIC repair, the bound it teaches, and an exact prefill built as a request's is."""
+
+    @property
+    def backend(self) -> ModelBackend | None: ...
+
+    @property
+    def pool(self) -> KVPool | None: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def error_bound(self) -> ErrorBound: ...
+
+    @property
+    def log(self) -> logging.Logger: ...
+
+    @property
+    def lossless_reuse(self) -> bool: ...
+
+    def prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0
+                      ) -> tuple[torch.Tensor, Any]: ...
 
 
 def comparable(req, temperature: float) -> bool:
@@ -94,9 +125,11 @@ def label(bound: ErrorBound, scope: str, cand: Candidate, answer: str) -> None:
     bound.record("answer", scope, cand.task, cand.similarity, cand.answer != answer)
 
 
-def audit(engine, job: Audit) -> bool:
+def audit(engine: AuditHost, job: Audit) -> bool:
     """Compute the other side of one audit and record its label; returns whether a label was recorded."""
     backend, pool, s = engine.backend, engine.pool, engine.settings
+    if backend is None or pool is None:
+        return False  # not loaded: nothing to run the audit on
     if job.served_exact:
         plan = job.plan
         if plan is None or pool.task_id(plan.source_key) != job.source_task:
@@ -110,7 +143,7 @@ def audit(engine, job: Audit) -> bool:
         n = len(job.tokens)
         prefix = pool.longest_prefix(job.scope, job.tokens, n - 1, n + job.max_new + 2) if engine.lossless_reuse \
             else None
-        logits, cache = engine._prefill_exact(job.tokens, prefix, reserve=job.max_new + 2)
+        logits, cache = engine.prefill_exact(job.tokens, prefix, reserve=job.max_new + 2)
         other = backend.decode(logits, cache, job.max_new, job.temperature, job.seed).text
         task, sim = job.source_task, job.similarity
     wrong = other != job.served

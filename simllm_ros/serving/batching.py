@@ -3,7 +3,8 @@
 `begin()` admits a prepared request (its plan, its prefill set up; a SEMANTIC repair runs whole), and each
 `step()` advances every flight in ONE forward pass: a decode step of each decoding flight and the next prefill
 chunks. A fault fails only its own flight (`_run_isolated`); flights answering on one context read its KV once
-per step (`_shared_prefixes`). The phases themselves are request_pipeline's. Mixed into engine.Engine.
+per step (`_shared_prefixes`). The phases themselves are request_pipeline's public ones (plan_flight,
+prefill_flight, start_decoding, conclude). Mixed into engine.Engine.
 """
 from __future__ import annotations
 
@@ -32,14 +33,14 @@ class Batching:
                 if result is not None:
                     self._record(result, token)
                     return result
-                f = self._plan(p, on_progress, should_stop)
+                f = self.plan_flight(p, on_progress, should_stop)
                 if isinstance(f, QueryResult):
                     self._record(f, token)
                     return f
                 f.energy_token = token
                 if f.plan.tier == CacheResult.SEMANTIC:
-                    logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve, f.early)
-                    result = self._start_decoding(f, logits)
+                    logits = self.prefill_flight(f)
+                    result = self.start_decoding(f, logits)
                     if result is not None:
                         self._record(result, token)
                     return result or f
@@ -107,9 +108,9 @@ class Batching:
                     else:
                         f.todo -= len(ids)
                         if not f.todo:
-                            out[i] = self._start_decoding(f, rows)
+                            out[i] = self.start_decoding(f, rows)
                     if out[i] is None and f.decoder is not None and f.decoder.done:
-                        out[i] = self._conclude(f, f.decoder.gen)
+                        out[i] = self.conclude(f, f.decoder.gen)
                 except Exception as e:
                     out[i] = self._fault(f.p, e)
             for f, r in zip(flights, out):

@@ -521,7 +521,7 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             try:
                 # Built on the longest pooled prefix, exactly as an EXACT_PREFIX request's KV is.
                 prefix = self.pool.longest_prefix(job.scope, job.tokens, len(job.tokens) - 1, len(job.tokens) + 2)
-                _, cache = self._prefill_exact(job.tokens, prefix)
+                _, cache = self.prefill_exact(job.tokens, prefix)
                 self._pool_exact(job.scope, job.tokens, cache, job.fingerprint, job.question, job.context_digest,
                                  job.answer)
             except Exception:

@@ -1,13 +1,13 @@
 """One request through the pipeline, alone or in a batch: plan -> prefill -> decode -> conclude.
 
-`_plan` turns a prepared request (its fingerprint on the way) into the result at once (an identical request's
-stored answer, the ANSWER tier, a refusal) or a `Flight`: the match and the reuse plan, the error bound's word on
-an approximate plan, and the room its KV buffer needs. `_prefill` builds the prompt's cache as the plan says
-(exact prefix, SEMANTIC repair, or a whole prefill), `_after_prefill` adds what needed the fingerprint (drafts,
-the reported similarity), and `_conclude` turns the generation into the result and lets the pool, the memo, the
-fleet and the error bound learn from it (request_memory). `_execute` runs these in a row for one request alone;
-batching.py runs the same phases for several requests in one forward pass. Mixed into engine.Engine, whose state
-these methods read and write.
+`plan_flight` turns a prepared request (its fingerprint on the way) into the result at once (an identical
+request's stored answer, the ANSWER tier, a refusal) or a `Flight`: the match and the reuse plan, the error bound's
+word on an approximate plan, and the room its KV buffer needs. `prefill_flight` builds the prompt's cache as the
+plan says (exact prefix, SEMANTIC repair, or a whole prefill), `start_decoding` adds what needed the fingerprint
+(drafts, the reported similarity) and picks the first token, and `conclude` turns the generation into the result
+and lets the pool, the memo, the fleet and the error bound learn from it (request_memory). These four, typed by
+the Flight record, are the phases batching.py runs for several requests in one forward pass; `_execute` runs them
+in a row for one request alone. Mixed into engine.Engine, whose state these methods read and write.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -121,6 +122,25 @@ class Flight:
     leader_checked: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class AuditCase:
+    """An approximate decision a request hands over to be checked at idle time (approx_gate.audit): what it
+    served, the plan behind it (served_exact: the approximate plan the error bound turned down), and what computing
+    the other side again takes."""
+
+    p: Prepared
+    tokens: list[int]
+    digest: str  # task_digest(p.req)
+    tier: str  # the approximate tier the label is for (approx_gate.TIER_NAMES)
+    served_exact: bool  # True: the exact answer was served, the plan was turned down
+    served: str  # the answer the request got
+    plan: reuse_planner.ReusePlan
+    max_new: int
+    temperature: float
+    seed: int
+    delta: float  # the approx_error_bound the request was served under
+
+
 @dataclasses.dataclass
 class Observation:
     """One executed request as an observer sees it (the benchmark): the plan, where the engine's own time
@@ -135,22 +155,23 @@ class Observation:
 
 
 class RequestPipeline:
-    """The phases of one request (see the module docstring); part of engine.Engine."""
+    """The phases of one request (see the module docstring): plan_flight, prefill_flight, start_decoding and
+    conclude, the interface batching.py runs its flights through; part of engine.Engine."""
 
     def _execute(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> QueryResult:
-        f = self._plan(p, on_progress, should_stop)
+        f = self.plan_flight(p, on_progress, should_stop)
         if isinstance(f, QueryResult):
             return f
-        logits, f.cache = self._prefill(f.plan, f.tokens, f.res, f.reserve, f.early)
+        logits = self.prefill_flight(f)
         self._after_prefill(f)
         gen = self.backend.decode(logits, f.cache, f.max_new, f.temperature, f.seed, t_start=p.t_arrival,
                                   drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
                                   constraint=f.constraint, on_pass=self.observe_pass)
-        return self._conclude(f, gen)
+        return self.conclude(f, gen)
 
-    def _plan(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
+    def plan_flight(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
         """A request's first phase: its prompt tokens and reuse plan; the result at once for the ANSWER tier
         or a refusal, else a Flight whose prefill and decoding are still to run."""
         s, req, backend, pool = self.settings, p.req, self.backend, self.pool
@@ -221,7 +242,8 @@ class RequestPipeline:
             if on_progress is not None:
                 AnswerWatcher(backend.detokenize, on_progress=on_progress,
                               cache_result=plan.tier).progress(res.answer, 0)
-            self._audit_later(p, tokens, digest, "answer", False, res.answer, max_new, temperature, seed, plan, delta)
+            self._audit_later(AuditCase(p, tokens, digest, "answer", served_exact=False, served=res.answer, plan=plan,
+                                        max_new=max_new, temperature=temperature, seed=seed, delta=delta))
             self._log_decision(req, digest, plan, res)
             self._observe(req, plan, plan_ms, 0.0, None)
             return res
@@ -335,24 +357,29 @@ class RequestPipeline:
                 got = None
         return (got or prefix), answer
 
-    def _prefill(self, plan: reuse_planner.ReusePlan, tokens: list[int], res: QueryResult, reserve: int,
-                 early: "semantic_reuse.Ahead | None" = None):
-        """Logits of the last prompt token and the prompt's cache (with room for `reserve` more tokens), built
-        as the plan says; counts the reused and recomputed tokens in res. early: see _early_start."""
+    def prefill_flight(self, f: Flight) -> torch.Tensor:
+        """The prompt's cache built whole as the flight's plan says, into f.cache (with room for f.reserve more
+        tokens); counts the reused and recomputed tokens in f.res; returns the last prompt token's logits. f.early:
+        see _early_start."""
+        plan, tokens, res = f.plan, f.tokens, f.res
         if plan.tier == CacheResult.SEMANTIC:
             s = self.settings
             sp = semantic_reuse.run(self.backend, self.pool, plan, tokens, recompute_ratio=s.recompute_ratio,
                                     gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers,
-                                    reserve=reserve, lossless_kv=self.lossless_reuse, early=early)
-            self.early_starts_used += early is not None
+                                    reserve=f.reserve, lossless_kv=self.lossless_reuse, early=f.early)
+            self.early_starts_used += f.early is not None
             res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
-            return sp.logits, sp.cache
+            f.cache = sp.cache
+            return sp.logits
         n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX else 0
         res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
-        return self._prefill_exact(tokens, plan.prefix if n else None, reserve)
+        logits, f.cache = self.prefill_exact(tokens, plan.prefix if n else None, f.reserve)
+        return logits
 
-    def _prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0):
-        """Exact prefill, on top of a pooled prefix's KV when there is one (requests and idle work alike)."""
+    def prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0
+                      ) -> tuple[torch.Tensor, Any]:
+        """Exact prefill, on top of a pooled prefix's KV when there is one (requests, idle work and the idle-time
+        audits alike: approx_gate.AuditHost): the last token's logits and the cache, with room for `reserve`."""
         if prefix is None:
             return self.backend.prefill(tokens, reserve=reserve)
         cache = self.backend.cache_from_tensors(prefix.k, prefix.v, reserve=len(tokens) - prefix.n_tokens + reserve)
@@ -372,7 +399,7 @@ class RequestPipeline:
         if self._labels_from(f) and f.plan.tier != CacheResult.SEMANTIC:  # a SEMANTIC answer is not the model's own
             f.candidate = approx_gate.answer_candidate(self.pool, fp, f.p.req.scope, f.tokens, f.now, self.settings)
 
-    def _start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
+    def start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
         """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
         self._after_prefill(f)
         f.decoder = self.backend.decoder(logits, f.max_new, f.temperature, f.seed, t_start=f.p.t_arrival,
@@ -380,10 +407,10 @@ class RequestPipeline:
                                          constraint=f.constraint)
         if f.decoder.done:
             f.decoder.gen.text = self.backend.detokenize(f.decoder.gen.tokens)
-            return self._conclude(f, f.decoder.gen)
+            return self.conclude(f, f.decoder.gen)
         return None
 
-    def _conclude(self, f: Flight, gen: Generation) -> QueryResult:
+    def conclude(self, f: Flight, gen: Generation) -> QueryResult:
         """A request's last phase: its result from the generation; the pool learns the prompt's KV."""
         req, res, backend, watch = f.p.req, f.res, self.backend, f.watch
         res.answer = watch.final_text(gen.text)
@@ -431,11 +458,13 @@ class RequestPipeline:
             if f.candidate is not None and res.exact:  # would the most similar task's stored answer have been right?
                 approx_gate.label(self.error_bound, req.scope, f.candidate, res.answer)
             if f.refused is not None and f.refused.tier == CacheResult.SEMANTIC and res.exact:
-                self._audit_later(f.p, f.tokens, f.digest, "semantic", True, res.answer, f.max_new, f.temperature,
-                                  f.seed, f.refused, f.delta)
+                self._audit_later(AuditCase(f.p, f.tokens, f.digest, "semantic", served_exact=True, served=res.answer,
+                                            plan=f.refused, max_new=f.max_new, temperature=f.temperature, seed=f.seed,
+                                            delta=f.delta))
             elif f.plan.tier == CacheResult.SEMANTIC:
-                self._audit_later(f.p, f.tokens, f.digest, "semantic", False, res.answer, f.max_new, f.temperature,
-                                  f.seed, f.plan, f.delta)
+                self._audit_later(AuditCase(f.p, f.tokens, f.digest, "semantic", served_exact=False, served=res.answer,
+                                            plan=f.plan, max_new=f.max_new, temperature=f.temperature, seed=f.seed,
+                                            delta=f.delta))
         self._keep_live(f)
         insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000
@@ -448,16 +477,17 @@ class RequestPipeline:
         """Whether this request's answer can label a tier (labels come from everyone's traffic)."""
         return approx_gate.comparable(f.p.req, f.temperature)
 
-    def _audit_later(self, p: Prepared, tokens, digest, tier: str, served_exact: bool, served: str, max_new: int,
-                     temperature: float, seed: int, plan, delta: float) -> None:
+    def _audit_later(self, case: AuditCase) -> None:
         """An approximate decision to check at idle time (approx_gate.audit), where a bound was asked."""
-        req = p.req
-        if delta >= 1.0 or not approx_gate.comparable(req, temperature):
+        p, plan = case.p, case.plan
+        if case.delta >= 1.0 or not approx_gate.comparable(p.req, case.temperature):
             return
-        self.audits.append(approx_gate.Audit(tier, served_exact, req.scope, list(tokens), p.fingerprint, p.question,
-                                             digest, served, max_new, temperature, seed,
-                                             self.pool.task_id(plan.source_key), plan.similarity,
-                                             plan if served_exact else None))
+        self.audits.append(approx_gate.Audit(
+            tier=case.tier, served_exact=case.served_exact, scope=p.req.scope, tokens=list(case.tokens),
+            fingerprint=p.fingerprint, question=p.question, context_digest=case.digest, served=case.served,
+            max_new=case.max_new, temperature=case.temperature, seed=case.seed,
+            source_task=self.pool.task_id(plan.source_key), similarity=plan.similarity,
+            plan=plan if case.served_exact else None))
 
     def _observe(self, req: QueryRequest, plan, plan_ms: float, insert_ms: float, first_logits) -> None:
         if self.observer is not None:

@@ -30,9 +30,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..request import CANCELLED_ERROR, Progress, QueryRequest, QueryResult
+from ..settings import Settings
 
 DRAIN_TIMEOUT_S = 300.0  # drain and stop wait at most this long for in-flight requests
 IDLE_POLL_S = 1.0  # the worker re-checks for idle work at least this often
@@ -84,6 +85,31 @@ class Job:
         self._id_held = False  # its request_id is registered as in flight
 
 
+class ServedEngine(Protocol):
+    """What a RequestServer needs of the engine it serves (serving.engine.Engine is one): a request's phases (prepare,
+    then execute alone, or begin and step in a batch), its idle work, a count of busy refusals, and the settings
+    that size the queue and the batch. Handles (what prepare and begin return) are the engine's own."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    def prepare(self, req: QueryRequest) -> Any: ...
+
+    def execute(self, p: Any, on_progress: Callable[[Progress], None] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> QueryResult: ...
+
+    def begin(self, p: Any, on_progress: Callable[[Progress], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> Any: ...
+
+    def step(self, flights: list[Any]) -> list[QueryResult | None]: ...
+
+    def has_idle_work(self) -> bool: ...
+
+    def idle_work(self) -> bool: ...
+
+    def record_rejected_busy(self) -> None: ...
+
+
 class RequestServer:
     """Bounded admission queue plus one worker thread over caller-supplied functions.
 
@@ -119,7 +145,8 @@ class RequestServer:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_engine(cls, engine, *, state: Callable[[], str], log: logging.Logger | None = None) -> "RequestServer":
+    def for_engine(cls, engine: ServedEngine, *, state: Callable[[], str], log: logging.Logger | None = None
+                   ) -> "RequestServer":
         """A server over an Engine: its prepare, begin/step (execute for a job alone) run the requests, its idle
         work runs between them, it counts busy refusals, and its settings size the queue and the batch. Why
         here: a host (the node) wires one engine, not eleven functions and numbers."""
