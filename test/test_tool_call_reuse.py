@@ -80,7 +80,8 @@ def test_labels_from_exact_runs_bound_opens_only_on_them_and_slot_swaps_never_sh
     again = ask(cmd)
     assert first.success and again.success, (first.error, again.error)
     assert first.exact and first.cache_result == CacheResult.MISS
-    assert again.exact and again.cache_result == CacheResult.EXACT_PREFIX  # the exact memo, not the reuse
+    assert again.exact and again.cache_result == CacheResult.EXACT_PREFIX  # the exact memo, not the reuse:
+    assert again.decode_passes == 0 and again.reused_tokens == again.prompt_tokens  # no model pass
     assert again.answer == first.answer and again.generated_tokens == first.generated_tokens
     fresh(e, approx_error_bound=0.1, temperature=0.0)  # no cache: the same call
     alone = e.handle(tc.constrained_request(_asked(cmd, "robot"), plan))

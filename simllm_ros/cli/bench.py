@@ -46,6 +46,7 @@ BENCHMARKS = {
     "idle_cpu": "CPU an active node spends while nobody asks it anything",
     "fleet_store": "the Redis fleet store: a new robot against cold, fetch against prefill, Redis faults",
     "error_bound": "approx_error_bound against fixed thresholds on clinc150 paraphrases and one-word-edit traps",
+    "tool_calls": "robot commands to tool calls: validity, cache vs none, reuse by meaning per δ, llama.cpp grammar",
 }
 
 
