@@ -184,8 +184,8 @@ class CallReuse:
         question = normalize_text(asked.question)
         try:
             fp = engine.embed([asked.question])[0]
-        except ValueError:  # bad input: the engine refuses the request with the reason
-            return Lookup()
+        except Exception:  # noqa: BLE001 - bad input (the engine refuses it with the reason) or an embedder fault:
+            return Lookup()  # either way the request goes the exact way, without reuse
         key = hashlib.sha1(f"{task_digest(req)}\x1f{s.system_prompt}\x1f{req.max_new_tokens}".encode()).hexdigest()
         look = Lookup(key, asked.scope, question, fp, plan=plan)
         near = self._nearest(asked.scope, key, question, fp, time.time() - s.answer_max_age_s)
