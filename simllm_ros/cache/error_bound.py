@@ -27,7 +27,7 @@ import threading
 from .. import bounded_json
 from ..safe_io import read_regular, write_json
 
-TIERS = ("answer", "semantic")
+TIERS = ("answer", "semantic", "call")  # call: a command served a similar one's call (serving/tool_call_reuse)
 MAX_LABELS = 20000
 MIN_LABELS = 20  # fewer labels at or above a similarity than this: no estimate at that level
 EXPLORE_RATE = 0.1  # share of would-be approximate hits verified anyway (their labels keep the estimate honest)

@@ -47,6 +47,7 @@ BENCHMARKS = {
     "fleet_store": "the Redis fleet store: a new robot against cold, fetch against prefill, Redis faults",
     "error_bound": "approx_error_bound against fixed thresholds on clinc150 paraphrases and one-word-edit traps",
     "rerank": "the ~/rerank service's ranking on clinc150: MRR and top-1 against TF-IDF and a random order",
+    "tool_calls": "robot commands to tool calls: validity, cache vs none, reuse by meaning per δ, llama.cpp grammar",
 }
 
 

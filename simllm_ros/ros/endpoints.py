@@ -152,10 +152,10 @@ class RequestEndpoints:
                 return QueryResult.failure(not_active_error(self._state()))
             asked = req
             req, plan = self._tool_plan(req, msg)
-            result = server.wait(server.submit(req, **submit), poll_s=poll_s)
             if plan is None:
-                return result
+                return server.wait(server.submit(req, **submit), poll_s=poll_s)
             runner, engine = self._tools(), self._engine()
+            result = runner.answer(asked, req, plan, lambda r: server.wait(server.submit(r, **submit), poll_s=poll_s))
             max_steps = engine.settings.tool_max_steps if engine is not None else 1
             result = runner.conclude(plan, result, req.request_id, tool_feedback, submit.get("should_stop"))
             calls = list(result.tool_calls)

@@ -59,6 +59,7 @@ from simllm_ros.serving.request_server import RequestServer
 from simllm_ros.ros import messages
 from simllm_ros.ros.endpoints import RequestEndpoints
 from simllm_ros.ros.tool_executor import ToolRunner
+from simllm_ros.serving.tool_call_reuse import CallReuse
 from simllm_ros.serving.tool_calls import ToolError, load_tools
 from simllm_ros.ros.params import ParameterGate, check_undeclared, declare_all, settings_from_node
 from simllm_ros.settings import SettingError, Settings
@@ -164,7 +165,8 @@ class SimLLMNode(LifecycleNode):
             self._server = RequestServer.for_engine(engine, state=self.state_label, log=self._py_log)
             self._create_entities()
             if toolbox is not None:
-                self._tools = ToolRunner(self, toolbox, execute=lambda: bool(engine.settings.tools_execute))
+                self._tools = ToolRunner(self, toolbox, execute=lambda: bool(engine.settings.tools_execute),
+                                         reuse=CallReuse(engine, toolbox))
                 listed = ", ".join(f"{n} ({t.kind} {t.ros_name}{', executable' if t.executable else ''})"
                                    for n, t in toolbox.tools.items())
                 log.info(f"tools: {listed or 'none'}; tools_execute={settings.tools_execute}")

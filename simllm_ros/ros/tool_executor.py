@@ -27,8 +27,9 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
 from simllm_ros.request import ChatTurn, QueryRequest, QueryResult, ToolCallRecord
-from simllm_ros.serving.tool_calls import (Call, CallPlan, RateLimiter, ToolError, Toolbox, message_to_dict,
-                                           to_message)
+from simllm_ros.serving.tool_call_reuse import CallReuse
+from simllm_ros.serving.tool_calls import (Call, CallPlan, RateLimiter, ToolError, Toolbox, constrained_request,
+                                           message_to_dict, to_message)
 
 AUDIT_QOS = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE)
 SERVER_WAIT_S = 1.0  # how long a call waits for its server to be discovered before it fails as missing
@@ -38,10 +39,11 @@ EVENTS = ("proposed", "refused", "dry_run", "not_executable", "executed", "faile
 
 class ToolRunner:
     """The tools of one configured node (`toolbox`), their clients, rate limits and audit publisher.
-    `execute()` reads the node's tools_execute parameter at each call (it changes live)."""
+    `execute()` reads the node's tools_execute parameter at each call (it changes live); `reuse`: commands reused
+    by meaning under the error bound (serving/tool_call_reuse), None for exact answers only."""
 
-    def __init__(self, node, toolbox: Toolbox, execute: Callable[[], bool]):
-        self._node, self.toolbox, self._execute = node, toolbox, execute
+    def __init__(self, node, toolbox: Toolbox, execute: Callable[[], bool], reuse: CallReuse | None = None):
+        self._node, self.toolbox, self._execute, self.reuse = node, toolbox, execute, reuse
         self._log = node.get_logger()
         self._group = ReentrantCallbackGroup()
         self._limiter = RateLimiter()
@@ -84,13 +86,14 @@ class ToolRunner:
 
     def diagnostic_values(self) -> list[tuple[str, str]]:
         with self._lock:
-            return [(f"tool_calls_{e}", str(self.counts[e])) for e in EVENTS]
+            out = [(f"tool_calls_{e}", str(self.counts[e])) for e in EVENTS]
+        return out + (self.reuse.diagnostic_values() if self.reuse is not None else [])
 
     # ------------------------------------------------------------------ requests
     def prepare(self, req: QueryRequest, names: list[str], choice: str) -> tuple[QueryRequest, CallPlan | None]:
         """The request the engine answers: for tools, its answer constrained to the calls' schema, the tools
-        described before the context, and exact reuse only (no approximate call is ever served). ToolError
-        (audited as refused) for unknown tools, a bad tool_choice, or tools with a json_schema."""
+        described before the context, and exact reuse in the engine (an approximate call comes only from answer()).
+        ToolError (audited as refused) for unknown tools, a bad tool_choice, or tools with a json_schema."""
         try:
             plan = self.toolbox.plan(names, choice)
             if plan is not None and req.json_schema:
@@ -100,8 +103,15 @@ class ToolRunner:
             raise
         if plan is None:
             return req, None
-        context = plan.prompt_text + ("\n\n" + req.context if req.context else "")
-        return dataclasses.replace(req, json_schema=plan.schema_text, context=context, allow_approximate=False), plan
+        return constrained_request(req, plan), plan
+
+    def answer(self, asked: QueryRequest, req: QueryRequest, plan: CallPlan | None,
+               run: Callable[[QueryRequest], QueryResult]) -> QueryResult:
+        """run(req) (the engine's exact answer), or a similar command's verified call where the reuse may serve it
+        (asked: the request as sent: its allow_approximate and approx_error_bound decide)."""
+        if self.reuse is None or plan is None:
+            return run(req)
+        return self.reuse.answer(asked, req, plan, run)
 
     @staticmethod
     def follow_up(req: QueryRequest, result: QueryResult) -> QueryRequest:

@@ -482,6 +482,14 @@ class CallPlan:
         return json.dumps(self.schema, sort_keys=True, separators=(",", ":"))
 
 
+def constrained_request(req, plan: CallPlan):
+    """The request the engine answers for a plan: its answer constrained to the calls' schema, the tools described
+    before the context, and exact reuse only (an approximate call is served only by tool_call_reuse, under the
+    error bound and the slot guard)."""
+    context = plan.prompt_text + ("\n\n" + req.context if req.context else "")
+    return dataclasses.replace(req, json_schema=plan.schema_text, context=context, allow_approximate=False)
+
+
 class Toolbox:
     """The node's tools by name, and the checks of requests and calls against them."""
 
