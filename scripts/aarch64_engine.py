@@ -291,12 +291,34 @@ def report(args, stages: dict, runs: list[dict], how: str, arch_flags: str) -> s
     return "\n".join(lines) + "\n"
 
 
+def compare_records(args) -> int:
+    """The comparison of the recorded runs alone (no root, no emulator): what CI can check cheaply."""
+    out_dir = os.path.join(RESULTS, "aarch64_engine")
+    suffix = "-generic" if args.cpu == "generic" else ""
+    ok = True
+    for tag in ("q4_k_m",) if args.short else ("q4_k_m", "embedded"):
+        paths = [os.path.join(out_dir, f"x86-{tag}.json"), os.path.join(out_dir, f"arm-{tag}{suffix}.json")]
+        if not all(os.path.isfile(p) for p in paths):
+            print(f"{tag}: no record pair ({', '.join(p for p in paths if not os.path.isfile(p))} missing)")
+            ok = False
+            continue
+        with open(paths[0], encoding="utf-8") as f0, open(paths[1], encoding="utf-8") as f1:
+            diffs = engine_probe.compare(json.load(f0), json.load(f1))
+        print(f"{tag}: " + ("equal" if not diffs else "\n".join(diffs)))
+        ok = ok and not diffs
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--short", action="store_true", help="the small Q4_K_M file only (CI's form)")
     ap.add_argument("--cpu", choices=("jetson-orin", "generic"), default="jetson-orin")
     ap.add_argument("--no-report", action="store_true", help="do not write benchmark/results/aarch64_engine.md")
+    ap.add_argument("--compare-only", action="store_true",
+                    help="run nothing: compare the records in benchmark/results/aarch64_engine/ (exit 1: they differ)")
     args = ap.parse_args(argv)
+    if args.compare_only:
+        return compare_records(args)
     os.makedirs(WORK, exist_ok=True)
     stages: dict[str, tuple[float, str | None, float]] = {}  # name: (wall s, note, CPU s)
 
@@ -346,8 +368,7 @@ def main(argv=None) -> int:
             if times[side][1] is None:
                 with open(outs[side], encoding="utf-8") as f:
                     r[side] = json.load(f)
-                times[side] = times[side][:2] + (r[side]["cpu_s"],)
-                times[side] = times[side][:2] + (r[side]["cpu_s"],)
+                times[side] = times[side][:2] + (r[side].get("cpu_s", float("nan")),)
         if r.get("x86") and r.get("arm"):
             r["diffs"] = engine_probe.compare(r["x86"], r["arm"])
             log(f"{tag}: " + ("equal" if not r["diffs"] else "; ".join(r["diffs"])))
