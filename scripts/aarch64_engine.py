@@ -23,6 +23,7 @@ The result goes to benchmark/results/aarch64_engine.md, the records beside it (a
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -125,6 +126,9 @@ def make_rootfs() -> bool:
     want = f"{SUITE} arm64 minbase {PACKAGES}"
     if os.path.isfile(stamp) and open(stamp, encoding="utf-8").read() == want:
         return False
+    if os.path.exists(ROOTFS) and not os.path.isfile(stamp):
+        raise SystemExit(f"{ROOTFS} exists but was not made by this script (no {os.path.basename(stamp)}): "
+                         "remove it yourself to have it made again")
     partial = ROOTFS + ".partial"
     remove_tree(partial)
     remove_tree(ROOTFS)
@@ -320,6 +324,11 @@ def main(argv=None) -> int:
     if args.compare_only:
         return compare_records(args)
     os.makedirs(WORK, exist_ok=True)
+    lock = open(os.path.join(WORK, ".lock"), "w", encoding="ascii")  # noqa: SIM115 - held until the process ends
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise SystemExit(f"another run of this script holds {lock.name}: it may be using the root file system")
     stages: dict[str, tuple[float, str | None, float]] = {}  # name: (wall s, note, CPU s)
 
     def stage(name, fn, note=lambda v: ""):
