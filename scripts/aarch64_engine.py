@@ -9,8 +9,10 @@ Stages (each timed; the first two are cached, so a rerun starts at the third):
    mounts binfmt_misc and registers qemu-aarch64 where they are missing, and stops with the reason where it cannot.
 2. the ROS-free core in a venv there (/opt/simllm-venv): the wheels of scripts/aarch64_requirements.txt, fetched for
    aarch64 by this machine's pip and unpacked into the venv (--no-deps --target: pip here would evaluate the
-   dependency markers for x86), then `pip check` run by the aarch64 Python.
-3. this checkout's package copied in; the aarch64 gcc there builds our C kernels at first use (as on a robot).
+   dependency markers for x86), then `pip check` run by the aarch64 Python. torch there is 2.10.0, the newest
+   CPU-only aarch64 wheel on PyPI (later ones are CUDA 13 builds; see the requirements file).
+3. this checkout's package copied in; the aarch64 gcc there builds our C kernels through the package's own build
+   (kernels/build.py: its flags, -march=native, its cache key), the four at once, before the first load.
    --cpu jetson-orin (default) shows gcc a Jetson Orin's /proc/cpuinfo (Cortex-A78AE: dotprod, fp16), so that
    -march=native builds what a Jetson builds; --cpu generic leaves the host's, and gcc falls back to armv8-a
    (no dotprod: the portable integer paths). qemu's default CPU ("max") runs either.
@@ -18,7 +20,9 @@ Stages (each timed; the first two are cached, so a rerun starts at the third):
    for a small random-weight Q4_K_M GGUF written here (test/random_gguf.py) and, without --short, the embedded
    SmolLM2-135M; then the two records compared: equal, or where they differ by tensor and position (the digest's
    pass) and by request and step.
-The result goes to benchmark/results/aarch64_engine.md, the records beside it (aarch64_engine/*.json).
+The result goes to benchmark/results/aarch64_engine.md (--short: aarch64_engine_short.md), the records beside it
+(aarch64_engine/*.json); `--compare-only` compares committed records without root or emulator. The load's
+wall-clock budgets (template box, kernel build) are stretched TIME_SCALE times inside the emulator only.
 """
 from __future__ import annotations
 
