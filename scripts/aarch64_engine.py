@@ -70,7 +70,8 @@ def log(msg: str) -> None:
 
 
 def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=True, **kw)
+    kw.setdefault("check", True)
+    return subprocess.run(cmd, **kw)
 
 
 def chroot(*cmd: str, env: dict | None = None, mounts: bool = False, cpu: str = "generic",
