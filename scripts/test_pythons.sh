@@ -5,8 +5,8 @@
 #   SIMLLM_PYTHONS="3.12" scripts/test_pythons.sh test/test_kv_pool.py
 # Each venv lives in ~/.cache/simllm_ros/py3XX (SIMLLM_PY_VENVS to move them), not in the checkout, made from
 # pyenv's interpreter of that version (or pythonX.Y on PATH). It gets requirements.txt with that Python's
-# constraints (constraints-py310.txt on 3.10, constraints.txt on 3.11+; the pins that differ carry markers in
-# requirements.txt), and the model packages, and no ROS: the test files that need ROS are not collected there
+# constraints (constraints-py310.txt, constraints-py312.txt; constraints.txt is 3.11's; the direct pins that differ
+# carry markers in requirements.txt), and the model packages, and no ROS: the test files that need ROS are not collected there
 # (test/conftest.py: ROS_TEST_FILES). torch comes from PyPI there (a CUDA build's wheels, ~3 GB a venv on x86_64;
 # only the CPU is used). The C kernels build with the host's compiler into ~/.cache/simllm_ros/kernels as usual.
 set -euo pipefail
@@ -26,7 +26,10 @@ interpreter() {  # pyenv's newest build of $1, else python$1 on PATH (not a pyen
   echo "$found"
 }
 
-constraints_for() { if [ "$1" = "3.10" ]; then echo "$REPO/constraints-py310.txt"; else echo "$REPO/constraints.txt"; fi; }
+constraints_for() {  # the full pins of that Python: constraints-py310.txt, constraints-py312.txt; else constraints.txt
+  local f="$REPO/constraints-py${1/./}.txt"
+  if [ -f "$f" ]; then echo "$f"; else echo "$REPO/constraints.txt"; fi
+}
 
 setup_venv() {  # $1 version -> venv path on stdout's last line; installs when the pins changed
   local version="$1" python venv stamp want cons
