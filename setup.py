@@ -84,14 +84,16 @@ setup(
         "ros-ament-index-python==1.11.0",
         # model runtime
         "torch==2.13.0",  # matches the local CPU build 2.13.0+cpu
-        "transformers==5.24.0",
+        "transformers==5.24.0; python_version >= '3.11'",
+        "transformers==5.20.2; python_version < '3.11'",  # the last for 3.10 (requirements.txt)
         "tokenizers==0.23.3",
         "sentence-transformers==6.2.0",
         "safetensors==0.8.0",
         "gguf==0.19.0",
         "accelerate==1.15.0",
         "huggingface_hub==2.4.0",
-        "numpy==2.4.6",
+        "numpy==2.4.6; python_version >= '3.11'",
+        "numpy==2.2.6; python_version < '3.11'",
         "PyYAML==6.0.4",
         "faiss-cpu==1.15.1",  # the matcher's coarse index for large scopes
     ],

@@ -4,6 +4,7 @@ ROS isolation is set here, at import, before any test module can call rclpy.init
 derived from the pid and discovery limited to this host, so parallel test runs never see each other.
 """
 import contextlib
+import importlib.util
 import os
 import sys
 import threading
@@ -28,6 +29,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 EDGE_YAML = os.path.join(REPO, "config", "edge.yaml")
+
+# The test files that need ROS 2 (rclpy, ROS message types, our generated msg/srv, a node over DDS). The rest is the
+# ROS-free suite, which also runs on Pythons without a ROS (scripts/test_pythons.sh: 3.10 and 3.12 venvs). Where
+# rclpy is not importable these files are not collected, and the header says so; test_python_versions checks that
+# every test file that uses ROS is listed here.
+ROS_TEST_FILES = ("test_fleet_nodes.py", "test_interfaces.py", "test_many_robots.py", "test_node.py",
+                  "test_reliability_faults.py", "test_reliability_hostile.py", "test_reliability_inputs.py",
+                  "test_reliability_load.py", "test_tool_calls.py", "test_tool_node.py")
+HAVE_ROS = importlib.util.find_spec("rclpy") is not None
+collect_ignore = [] if HAVE_ROS else list(ROS_TEST_FILES)
+
+
+def pytest_report_header(config):
+    if not HAVE_ROS:
+        return f"rclpy is not importable here: the ROS-free suite only ({len(ROS_TEST_FILES)} ROS test files skipped)"
+    return None
 
 
 # --------------------------------------------------------------------------- fake sysfs

@@ -1,15 +1,18 @@
 """The package on the robots' Pythons: JetPack 6 runs 3.10 (Humble), Ubuntu 24.04 3.12 (Jazzy). Where such an
 interpreter is on this machine (PATH or pyenv), every module compiles under it, and the stdlib-only parts (settings,
-request records, thermal zones, energy sensors) import and run there. The whole ROS-free suite needs torch and the
-pinned packages for that Python (README: install per platform)."""
+request records, thermal zones, energy sensors) import and run there. Where scripts/test_pythons.sh has made that
+Python's venv (torch and the pins for it), a few fast ROS-free test files run under it as well; the whole ROS-free
+suite on 3.10 and 3.12 is that script's job (docs/install.md)."""
 import glob
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, ROS_TEST_FILES
 
 
 def interpreter(version: str) -> str | None:
@@ -49,3 +52,68 @@ def test_compiles_and_core_runs(version, tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"({version.replace('.', ', ')})"), r.stdout
+
+
+# A fast ROS-free file (~3 s of CPU): request validation under hypothesis, whose pin differs on 3.10. The files that
+# load models take minutes there: scripts/test_pythons.sh runs them.
+FAST_FILES = ("test/test_validation.py",)
+STACK = "import numpy, torch, transformers; print(torch.__version__.split('+')[0], transformers.__version__, numpy.__version__)"
+VENVS = os.environ.get("SIMLLM_PY_VENVS", os.path.expanduser("~/.cache/simllm_ros"))
+
+
+def venv_for(version: str) -> tuple[str | None, str]:
+    """The venv scripts/test_pythons.sh made for that Python, if its pins are today's; else None and why not."""
+    venv = os.path.join(VENVS, "py" + version.replace(".", ""))
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        return None, f"no {venv}: run scripts/test_pythons.sh --setup-only (the whole ROS-free suite: without it)"
+    constraints = f"constraints-py{version.replace('.', '')}.txt"
+    digest = hashlib.sha256()
+    for name in ("requirements.txt", "requirements-models.txt", constraints):  # what the script's stamp hashes
+        with open(os.path.join(REPO, name), "rb") as f:
+            digest.update(f.read())
+    try:
+        with open(os.path.join(venv, ".simllm_requirements.sha256"), encoding="utf-8") as f:
+            stamp = f.read().strip()
+    except OSError:
+        stamp = ""
+    if stamp != digest.hexdigest():
+        return None, f"{venv} holds other pins than the checkout's: run scripts/test_pythons.sh --setup-only"
+    return python, ""
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.12"])
+def test_fast_ros_free_files_pass_in_that_pythons_venv(version):
+    python, why = venv_for(version)
+    if python is None:
+        pytest.skip(why)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "OMP_NUM_THREADS"))}
+    r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *FAST_FILES],
+                       cwd=REPO, env={**env, "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert re.search(r"\b\d+ passed\b", r.stdout) and " failed" not in r.stdout, r.stdout[-2000:]
+    # torch, transformers and numpy import on that Python, at the versions requirements.txt pins for it
+    from test_install_paths import _pins
+    pins = _pins("requirements.txt", version)
+    r = subprocess.run([python, "-c", STACK], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [pins["torch"], pins["transformers"], pins["numpy"]], r.stdout
+
+
+ROS_USE = re.compile(r"^\s*(from|import)\s+(rclpy|\w+_(msgs|srvs))\b|\bsimllm_ros\.(ros|msg|srv|action)\b|"
+                     r"from simllm_ros import (msg|srv|action)\b|\bros_harness_factory\b|\bRosHarness\b", re.M)
+
+
+def test_the_ros_test_files_are_listed():
+    """conftest.ROS_TEST_FILES is what a venv without ROS leaves out: every test file that uses ROS is in it, and
+    every file in it exists (a stale list would make the ROS-free suite fail to collect, or hide a test)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    using = set()
+    for path in glob.glob(os.path.join(here, "test_*.py")):
+        with open(path, encoding="utf-8") as f:
+            if ROS_USE.search(f.read()):
+                using.add(os.path.basename(path))
+    using.discard(os.path.basename(__file__))  # this file names the patterns only
+    assert using - set(ROS_TEST_FILES) == set(), "use ROS but are not in conftest.ROS_TEST_FILES"
+    assert set(ROS_TEST_FILES) - using == set(), "in conftest.ROS_TEST_FILES but use no ROS (or are gone)"
