@@ -240,21 +240,17 @@ def read_header(path: str) -> tuple[dict, list[Tensor]]:
     def left() -> int:
         return len(head) - pos
 
-    def text(what):
-        nonlocal pos
-        (n,) = q_at(head, pos)
-        pos += 8
-        if n > len(head) - pos:
-            bad(f"{what} is a string of {n} bytes, past the end of the header")
-        pos += n
-        return head[pos - n:pos].decode("utf-8", "replace")
-
-    def skip_text(what):  # an array's string: bounded as text() does, not decoded (a vocabulary's 150k of them)
+    def skip_text(what) -> int:  # a string passed over, bounded (an array's: a vocabulary's 150k not decoded)
         nonlocal pos
         (n,) = q_at(head, pos)
         if n > len(head) - pos - 8:
             bad(f"{what} is a string of {n} bytes, past the end of the header")
         pos += 8 + n
+        return n
+
+    def text(what):
+        n = skip_text(what)
+        return head[pos - n:pos].decode("utf-8", "replace")
 
     try:
         magic, version, n_tensors, n_kv = take("4sIQQ")

@@ -236,7 +236,6 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         if self._hf_released:
             _return_freed_heap()
 
-
     FILE_PARTS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj")), ("o", ("o_proj",)),
                   ("down", ("down_proj",)))
 

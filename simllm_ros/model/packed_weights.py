@@ -46,6 +46,11 @@ def layout_id() -> str:
     return h.hexdigest()[:16]
 
 
+def _threads(jobs: int, most: int | None = None) -> int:
+    """Threads for `jobs` independent jobs: one a CPU this process may use, at most `most`, at least one."""
+    return max(1, min(jobs, len(compute_threads.usable_cpus()), most or jobs))
+
+
 class PackedStore:
     """The packed parts of one GGUF's projections by key ("3.qkv", "head", ...): those found in the file are
     memory-mapped; the others are built and kept, and `save` writes the whole set once."""
@@ -71,8 +76,7 @@ class PackedStore:
     def parts(self, key: str, build: Callable[[], Parts]) -> Parts:
         got = self.mapped.get(key) or self.built.get(key)
         if got is None:
-            now = time.monotonic()
-            self._started = self._started or now
+            self._started = self._started or time.monotonic()
             got = self.built[key] = build()
             self._tell(time.monotonic())
         return got
@@ -93,8 +97,7 @@ class PackedStore:
                 self.built[key] = got
                 self._tell(time.monotonic())
 
-        threads = max(1, min(len(missing), len(compute_threads.usable_cpus()), PACK_THREADS))
-        with ThreadPoolExecutor(threads) as pool:
+        with ThreadPoolExecutor(_threads(len(missing), PACK_THREADS)) as pool:
             list(pool.map(pack, missing))
 
     def _tell(self, now: float) -> None:
@@ -142,7 +145,7 @@ class PackedStore:
         self._map = mapped
         names = [(f"{key}/{i}", crc) for key, kinds in index.items() for i, (_, _, crc) in enumerate(kinds)]
         # zlib lets go of the GIL over a large buffer: the blobs' CRCs on every CPU (1 GB: ~1 s on one)
-        with ThreadPoolExecutor(max(1, min(len(names), len(compute_threads.usable_cpus())))) as crcs:
+        with ThreadPoolExecutor(_threads(len(names))) as crcs:
             damaged = [name for (name, crc), got in zip(names, crcs.map(lambda nc: zlib.crc32(mapped.raw(nc[0])),
                                                                       names)) if got != crc]
         if damaged:
