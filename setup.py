@@ -1,22 +1,24 @@
 """Console commands of simllm_ros (simllm-edge, simllm-query, simllm_node, ...) and pinned runtime deps.
 
-ONE mechanism installs the code, another only the commands:
+ONE mechanism puts the code on the path, another only the commands:
 
-  1. scripts/build_interfaces.sh          (cmake: msg/srv + simllm_ros/ with its sub-packages -> the venv)
-     Installs the package into <venv>/lib/python3.X/site-packages/simllm_ros. Rerun it after
-     any change to simllm_ros/ (about 1 s when msg/srv are unchanged).
+  1. scripts/build_interfaces.sh          (cmake: the generated msg/srv/action -> the venv, and a .pth)
+     Installs the generated modules into <venv>/lib/python3.X/site-packages/simllm_ros and writes
+     simllm_ros_checkout.pth, which puts this checkout on the venv's sys.path: the hand-written
+     modules are imported from the checkout, the only copy of them (edits need no reinstall).
   2. .venv/bin/pip install --no-deps --no-build-isolation .
      Installs this distribution, `simllm-ros-commands`: no Python packages at all, only the
-     console scripts (in <venv>/bin) and metadata. The scripts import `simllm_ros.cli.*` from
-     site-packages, i.e. whatever step 1 installed last; they need no reinstall after code
-     changes, only after an entry point is added or renamed here.
+     console scripts (in <venv>/bin) and metadata. The scripts import `simllm_ros.cli.*`, i.e. the
+     checkout that step 1 named; they need a reinstall only after an entry point is added or
+     renamed here.
 
 Why this distribution is not called `simllm_ros` and ships no packages: rosidl (step 1)
 registers an egg-info distribution named simllm_ros (top_level.txt, no file list). pip
 "upgrading" a distribution of that name removes the whole top-level directory
-site-packages/simllm_ros -- generated msg/srv included -- and `pip install -e .` cannot work
-because site-packages would still shadow the checkout. Shipping the .py files here as well
-would be a second, conflicting copy.
+site-packages/simllm_ros -- the generated msg/srv included. Shipping the .py files here would
+be a second copy of them. A colcon build in a ROS 2 workspace installs both the generated and
+the hand-written modules (CMakeLists.txt, SIMLLM_INSTALL_PYTHON_CODE) and needs no step 2: the
+launch file starts lib/simllm_ros/simllm_node.
 
 --no-deps: the pins below document (and `pip check` verifies) the tested versions; the venv
 already has them. Without --no-deps pip would try to resolve them against the registry.

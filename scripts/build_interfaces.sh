@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# Build the simllm_ros interfaces (msg/, srv/, action/) and install the package into
-# the Python venv that holds the ros-* PyPI wheels, with plain cmake.
+# Build the simllm_ros interfaces (msg/, srv/, action/) and install them into the
+# Python venv that holds the ros-* PyPI wheels, with plain cmake; point the venv
+# at this checkout's simllm_ros/.
 #
 # Usage: scripts/build_interfaces.sh [VENV]      (default: <repo>/.venv)
 #        FORCE=1 scripts/build_interfaces.sh     (rebuild even if unchanged)
 #
-# Idempotent:
-#  - the cmake configure+build is skipped when msg/ srv/ action/ CMakeLists.txt
-#    package.xml (and the venv's python) are unchanged since the last
-#    successful build (content hash in build/interfaces/.simllm_stamp) and
-#    the installed generated modules are still present in the venv;
-#  - the install step always runs. The hand-written Python sources
-#    (simllm_ros/) change often, so they are re-copied every time
-#    (cmake --install only copies changed files; it takes ~1 s) and files
-#    deleted from simllm_ros/ are removed from the venv copy.
-#    Why a copy and not a .pth pointing at the repo: rosidl installs the
-#    generated msg/srv into <venv>/lib/pythonX.Y/site-packages/simllm_ros,
-#    and site-packages comes before any .pth-added path on sys.path, so the
-#    installed copy would always shadow the repo's modules. Copying keeps a
-#    single, consistent package; when Python runs from the repo root, the
-#    repo's simllm_ros/ comes first on sys.path and its __init__.py
-#    (pkgutil.extend_path) still finds the generated msg/srv in the venv.
+# One copy of the hand-written code: cmake installs only the generated modules
+# (-DSIMLLM_INSTALL_PYTHON_CODE=OFF; a colcon build installs both, CMakeLists.txt)
+# into <venv>/lib/pythonX.Y/site-packages/simllm_ros, without an __init__.py, and
+# simllm_ros_checkout.pth there puts this checkout on the venv's sys.path. The
+# checkout's simllm_ros/ is then the regular package every import finds (a
+# directory without __init__.py earlier on sys.path is only a namespace portion),
+# and its __init__.py adds the generated directory to its __path__. Edits to
+# simllm_ros/ need no reinstall; a venv built before this removes its old copy of
+# the hand-written modules here (files the install no longer lists).
+#
+# Idempotent: the cmake configure+build is skipped when msg/ srv/ action/
+# CMakeLists.txt package.xml (and the venv's python) are unchanged since the last
+# successful build (content hash in build/interfaces/.simllm_stamp) and the
+# installed generated modules are still present in the venv; the install step
+# (about 1 s) always runs.
 #
 # Install prefix = the venv itself (share/, lib/, lib/pythonX.Y/site-packages).
 # At run time nothing needs to be sourced: the wheels' ros_wheels_bootstrapper
@@ -61,7 +61,9 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 SITE_REL="$("$PY" -c 'import sysconfig,os;print(os.path.relpath(sysconfig.get_path("purelib"), sysconfig.get_config_var("base")))')"
-PKG_DIR="$VENV/$SITE_REL/simllm_ros"
+SITE="$VENV/$SITE_REL"
+PKG_DIR="$SITE/simllm_ros"
+CMAKE_OPTIONS=(-DSIMLLM_INSTALL_PYTHON_CODE=OFF)
 
 # Content hash of everything that affects the generated code.
 hash_inputs() {
@@ -74,6 +76,7 @@ hash_inputs() {
     printf '%s ' "$f"; sha256sum < "$REPO/$f"
   done
   echo "venv=$VENV"
+  echo "options=${CMAKE_OPTIONS[*]}"
   "$PY" -c 'import sys;print(sys.version)'
 }
 NEW_HASH="$(hash_inputs | sha256sum | cut -d' ' -f1)"
@@ -112,6 +115,7 @@ else
     -DPython3_EXECUTABLE="$PY" \
     -DPython3_FIND_STRATEGY=LOCATION \
     -DBUILD_TESTING=OFF \
+    "${CMAKE_OPTIONS[@]}" \
     > "$LOGS/interfaces.configure.log" 2>&1 ||
     { tail -40 "$LOGS/interfaces.configure.log" >&2; die "cmake configure failed (log: $LOGS/interfaces.configure.log)"; }
   say "building"
@@ -123,8 +127,9 @@ say "installing into $VENV"
 cmake --install "$BUILD" > "$LOGS/interfaces.install.log" 2>&1 ||
   { tail -40 "$LOGS/interfaces.install.log" >&2; die "install failed (log: $LOGS/interfaces.install.log)"; }
 
-# Remove files from the installed package that no longer exist in the
-# source tree or the build (e.g. a deleted simllm_ros/*.py).
+# Remove what the install no longer lists from the generated package directory: a deleted interface, and in a
+# venv built before SIMLLM_INSTALL_PYTHON_CODE=OFF the old copy of the hand-written modules, with their bytecode and
+# the directories left empty.
 if [ -f "$BUILD/install_manifest.txt" ] && [ -d "$PKG_DIR" ]; then
   while IFS= read -r -d '' f; do
     if ! grep -qxF "$f" "$BUILD/install_manifest.txt"; then
@@ -132,15 +137,16 @@ if [ -f "$BUILD/install_manifest.txt" ] && [ -d "$PKG_DIR" ]; then
       rm -f "$f"
     fi
   done < <(find "$PKG_DIR" -path '*/__pycache__' -prune -o -type f -print0)
-  # directories left with nothing but a __pycache__ (deleted subpackages)
-  find "$PKG_DIR" -mindepth 1 -depth -type d ! -name __pycache__ | while read -r d; do
-    [ -d "$REPO/simllm_ros/${d#"$PKG_DIR"/}" ] && continue
-    if [ -z "$(find "$d" -mindepth 1 -path '*/__pycache__' -prune -o -type f -print -quit)" ]; then
-      say "removing stale dir $d"
-      rm -rf "$d"
-    fi
-  done
+  # bytecode whose source is gone (__pycache__/name.cpython-311.pyc without ../name.py)
+  while IFS= read -r -d '' f; do
+    src="$(dirname "$(dirname "$f")")/$(basename "$f" | cut -d. -f1).py"
+    [ -f "$src" ] || rm -f "$f"
+  done < <(find "$PKG_DIR" -path '*/__pycache__/*.pyc' -type f -print0)
+  find "$PKG_DIR" -mindepth 1 -depth -type d -empty -delete
 fi
 
+# The checkout on the venv's sys.path (after site-packages): the one copy of the hand-written modules.
+echo "$REPO" > "$SITE/simllm_ros_checkout.pth"
+
 echo "$NEW_HASH" > "$STAMP"
-say "done in $(( $(date +%s) - t0 )) s (python package: $PKG_DIR)"
+say "done in $(( $(date +%s) - t0 )) s (generated modules: $PKG_DIR; hand-written: $REPO/simllm_ros)"

@@ -1,9 +1,11 @@
 """simllm_ros: a ROS 2 node serving a small LLM with KV-cache and answer reuse."""
 
-# The generated msg/srv modules are installed by rosidl into another copy of
-# this package (site-packages/simllm_ros). Extending __path__ lets every
-# simllm_ros directory on sys.path contribute, so the source tree (e.g. when
-# tests run from the repo root) does not hide simllm_ros.msg / simllm_ros.srv.
+# rosidl installs the generated msg/srv/action modules into another simllm_ros directory: site-packages in the
+# pip-only venv (scripts/build_interfaces.sh), install/ in a colcon workspace. Those directories, and only those
+# (they hold msg/), join this package's path after this one, so a hand-written module comes from the directory of
+# this file alone, never from another checkout on sys.path.
+import os
 from pkgutil import extend_path
 
-__path__ = extend_path(__path__, __name__)
+__path__ = [p for p in extend_path(__path__, __name__) if p in __path__ or os.path.isdir(os.path.join(p, "msg"))]
+del os, extend_path
