@@ -26,7 +26,7 @@ fi
 export SIMLLM_TEST_DEVICE=cuda
 # The identity tests (cached answers equal empty-pool answers), the SEMANTIC repair, then the verified-decoding
 # benchmark's smoke on the GPU: where the backend's batch-invariance probe fails there, answers say exact: false.
-"$PY" -m pytest -q -s test/test_exact_prefix.py test/test_rope_repair.py test/test_semantic_quality.py \
-  test/test_semantic_repair.py test/test_verified_decoding.py test/test_structured_output.py \
-  test/test_chat_and_streaming.py test/test_engine_observer.py "$@"
+"$PY" -m pytest -q -s test/cache/test_exact_prefix.py test/cache/test_rope_repair.py test/cache/test_semantic_quality.py \
+  test/cache/test_semantic_repair.py test/model/test_verified_decoding.py test/model/test_structured_output.py \
+  test/serving/test_chat_and_streaming.py test/serving/test_engine_observer.py "$@"
 exec "$PY" -m simllm_ros.cli.bench verified_decoding --smoke --device cuda --out "$REPO/benchmark/results/verified_decoding_cuda.md"

@@ -34,7 +34,7 @@ else
   say "pinned packages already installed"
 fi
 
-# The aarch64 bit checks (test/test_numerics_contract.py) cross-compile the kernels and run them under
+# The aarch64 bit checks (test/kernels/test_numerics_contract.py) cross-compile the kernels and run them under
 # qemu-aarch64: Debian's gcc-aarch64-linux-gnu and qemu-user (~60 MB). Best effort: without root or apt-get
 # those tests skip and say why (CI requires them).
 if ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || ! command -v qemu-aarch64 >/dev/null 2>&1; then

@@ -18,7 +18,7 @@ A last start checks the last trial. Real processes, real signals, real files; no
 
     .venv/bin/python scripts/stop_trials.py                 # the 20 trials (about 12-15 min on 2 cores)
     .venv/bin/python scripts/stop_trials.py --trials int_term:0.5,kill9:6 --keep /tmp/trials
-Exit code 0 when every trial held. The suite runs a 2-trial smoke version (test/test_stop_trials.py).
+Exit code 0 when every trial held. The suite runs a 2-trial smoke version (test/cli/test_stop_trials.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Command two: run the test suite (sets up first if needed; idempotent and quick when already set up).
-#   scripts/test.sh [pytest args]        e.g. scripts/test.sh test/test_kv_pool.py -k budget
+#   scripts/test.sh [pytest args]        e.g. scripts/test.sh test/cache/test_kv_pool.py -k budget
 # One worker per core (pytest-xdist), each test file on one worker so a file's shared models load once;
 # SIMLLM_TEST_WORKERS=0 runs in this process. Each worker takes its own ROS_DOMAIN_ID (test/conftest.py).
 set -euo pipefail

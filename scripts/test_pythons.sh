@@ -2,12 +2,12 @@
 # The ROS-free suite on the robots' Pythons: 3.10 (JetPack 6 / Humble) and 3.12 (Ubuntu 24.04 / Jazzy).
 #   scripts/test_pythons.sh [pytest args]            set up the venvs if needed, then run the ROS-free suite on each
 #   scripts/test_pythons.sh --setup-only             set up the venvs only
-#   SIMLLM_PYTHONS="3.12" scripts/test_pythons.sh test/test_kv_pool.py
+#   SIMLLM_PYTHONS="3.12" scripts/test_pythons.sh test/cache/test_kv_pool.py
 # Each venv lives in ~/.cache/simllm_ros/py3XX (SIMLLM_PY_VENVS to move them), not in the checkout, made from
 # pyenv's interpreter of that version (or pythonX.Y on PATH). It gets requirements.txt with that Python's
 # constraints (constraints-py310.txt, constraints-py312.txt; constraints.txt is 3.11's; the direct pins that differ
 # carry markers in requirements.txt), and the model packages, and no ROS: the test files that need ROS are not collected there
-# (test/conftest.py: ROS_TEST_FILES). torch comes from PyPI there (a CUDA build's wheels, ~3 GB a venv on x86_64;
+# (test/ros/, test/conftest.py). torch comes from PyPI there (a CUDA build's wheels, ~3 GB a venv on x86_64;
 # only the CPU is used). The C kernels build with the host's compiler into ~/.cache/simllm_ros/kernels as usual.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

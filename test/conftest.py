@@ -30,20 +30,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 EDGE_YAML = os.path.join(REPO, "config", "edge.yaml")
 
-# The test files that need ROS 2 (rclpy, ROS message types, our generated msg/srv, a node over DDS). The rest is the
-# ROS-free suite, which also runs on Pythons without a ROS (scripts/test_pythons.sh: 3.10 and 3.12 venvs). Where
-# rclpy is not importable these files are not collected, and the header says so; test_python_versions checks that
-# every test file that uses ROS is listed here.
-ROS_TEST_FILES = ("test_fleet_nodes.py", "test_interfaces.py", "test_many_robots.py", "test_node.py",
-                  "test_reliability_faults.py", "test_reliability_hostile.py", "test_reliability_inputs.py",
-                  "test_reliability_load.py", "test_tool_calls.py", "test_tool_node.py")
+# The tests are laid out by the part they test (test/kernels, cache, model, serving, ros, bench, cli, project); the
+# shared helpers (this file, core_fixtures, random_gguf, ...) sit here in test/, importable from every folder
+# (pytest.ini: pythonpath). The test files that need ROS 2 (rclpy, ROS message types, our generated msg/srv, a node
+# over DDS) are the files in test/ros/, and only those. The rest is the ROS-free suite, which also runs on Pythons
+# without a ROS (scripts/test_pythons.sh: 3.10 and 3.12 venvs). Where rclpy is not importable test/ros/ is not
+# collected, and the header says so; test_python_versions checks that every test file that uses ROS is in test/ros/.
+ROS_TEST_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ros")
 HAVE_ROS = importlib.util.find_spec("rclpy") is not None
-collect_ignore = [] if HAVE_ROS else list(ROS_TEST_FILES)
+collect_ignore = [] if HAVE_ROS else [ROS_TEST_DIR]
 
 
 def pytest_report_header(config):
     if not HAVE_ROS:
-        return f"rclpy is not importable here: the ROS-free suite only ({len(ROS_TEST_FILES)} ROS test files skipped)"
+        return "rclpy is not importable here: the ROS-free suite only (test/ros/ is not collected)"
     return None
 
 

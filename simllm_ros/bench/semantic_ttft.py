@@ -1,6 +1,6 @@
 """SEMANTIC time to first token against a cold run of the same request, at the default settings but the error bound.
 
-The 20 CLINC150 paraphrase pairs of test/test_semantic_quality.py (cosine 0.82-0.95): the first phrasing
+The 20 CLINC150 paraphrase pairs of test/cache/test_semantic_quality.py (cosine 0.82-0.95): the first phrasing
 runs with the bulletin, then the second with the revised bulletin (times and numbers changed) in the same
 scope (a SEMANTIC hit, `allow_approximate`), and the second once more in a scope of its own (a cold run).
 Each pair is measured twice in fresh scopes, interleaved (hit, cold, hit, cold), and its ratio is the median
@@ -32,7 +32,7 @@ from core_fixtures import BULLETIN, BULLETIN_REVISED  # noqa: E402
 from simllm_ros.serving.engine import Engine  # noqa: E402
 from simllm_ros.request import CacheResult, QueryRequest  # noqa: E402
 from simllm_ros.settings import Settings  # noqa: E402
-from test_semantic_quality import select_pairs  # noqa: E402
+from paraphrase_pairs import select_pairs  # noqa: E402
 
 
 def main(argv=None) -> None:

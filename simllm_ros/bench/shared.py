@@ -37,7 +37,7 @@ def offline() -> None:
 
 def use_test_helpers() -> None:
     """Makes the checkout's test helpers importable (random_gguf, core_fixtures, redis_server,
-    test_semantic_quality): the files, bulletins and pairs the tests use."""
+    paraphrase_pairs): the files, bulletins and pairs the tests use."""
     path = os.path.join(REPO_ROOT, "test")
     if path not in sys.path:
         sys.path.insert(0, path)

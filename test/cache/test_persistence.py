@@ -29,7 +29,7 @@ from simllm_ros.cache.kv_pool import KVPool
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.settings import Settings
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PERSIST = dict(BASE, cache_size="128MB")
 
 

@@ -10,7 +10,7 @@ A third start checks the second trial, and re-asks a restored question (exact-pr
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import stop_trials  # noqa: E402

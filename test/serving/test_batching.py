@@ -26,7 +26,7 @@ from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.serving.request_server import RequestServer
 
 from core_fixtures import BULLETIN, BULLETIN_REVISED, LOSSLESS, fresh, shared_engine
-from test_verified_decoding import FixedDrafts
+from draft_sources import FixedDrafts
 
 WAIT_S = 600.0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s#;]+)\s*(?:;([^#]*))?")
 CONSTRAINTS = {"3.10": "constraints-py310.txt", "3.11": "constraints.txt", "3.12": "constraints-py312.txt"}
 
@@ -99,5 +99,5 @@ def test_package_xml_declares_every_ros_package_the_code_imports():
     used = _ros_imports(shipped) - {"simllm_ros"}
     assert {"rclpy", "lifecycle_msgs", "launch_ros"} <= used  # the scan sees imports at all
     assert used - run == set(), "imported by the package but not in package.xml's (exec_)depends"
-    tests = _ros_imports(glob.glob(os.path.join(REPO, "test", "*.py"))) - {"simllm_ros"}
+    tests = _ros_imports(glob.glob(os.path.join(REPO, "test", "**", "*.py"), recursive=True)) - {"simllm_ros"}
     assert tests - test == set(), "imported by the tests but not in package.xml"

@@ -7,7 +7,7 @@
   consistent;
 - a garbage or truncated pool snapshot in persist_path: configure still succeeds, with an empty pool
   and the reason logged.
-(kill -9 during a save is covered at the core level by test/test_persistence.py.)
+(kill -9 during a save is covered at the core level by test/cache/test_persistence.py.)
 """
 import logging
 import os

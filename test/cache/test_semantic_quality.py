@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from core_fixtures import (BULLETIN, BULLETIN_REVISED, ROBOT_INTENTS, agreement, capture_generations,
-                           clinc_by_intent, fresh, kl_div, shared_engine)
+from core_fixtures import BULLETIN, BULLETIN_REVISED, agreement, capture_generations, fresh, kl_div, shared_engine
+from paraphrase_pairs import N_PAIRS, select_pairs
 from simllm_ros.cache import reuse_planner
 from simllm_ros.serving import semantic_reuse
 from simllm_ros.cache.fingerprint import context_digest
@@ -20,27 +20,10 @@ from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.validation import normalize_text
 
 N_TOKENS = 8  # generated tokens compared per pair
-N_PAIRS = 20
 N_POLICY_PAIRS = 10
-PAIR_COS = (0.82, 0.95)  # real paraphrases: clearly above the 0.8 threshold, not near-duplicates
 # Facts the revision changed: (old text, new text) as they may appear in an answer.
 REVISED_FACTS = (("17:00", "18:30"), ("09:00", "10:00"), ("25 minutes", "40 minutes"), ("18 C", "21 C"),
                  ("1.62", "1.58"), ("15 minutes", "12 minutes"))
-
-
-def select_pairs(fingerprinter, per_intent: int = 12):
-    """First pair (file order) of each robot-relevant intent whose fingerprints' cosine is in PAIR_COS."""
-    by = clinc_by_intent(limit_per_intent=per_intent)
-    pairs = []
-    for intent in ROBOT_INTENTS:
-        qs = by[intent]
-        e = fingerprinter.embed(qs)
-        sims = e @ e.T
-        hit = next(((qs[i], qs[j], float(sims[i, j])) for i in range(len(qs)) for j in range(i + 1, len(qs))
-                    if PAIR_COS[0] <= sims[i, j] <= PAIR_COS[1]), None)
-        if hit:
-            pairs.append((intent, *hit))
-    return pairs[:N_PAIRS]
 
 
 def req(q, ctx, scope, n=N_TOKENS, **kw):

@@ -153,7 +153,7 @@ def test_decode_profile_prints_where_a_step_goes(files, tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     p = subprocess.run([sys.executable, "-m", "simllm_ros.cli.bench", "decode_profile", "--file", files["q4_k_m"],
                         "--threads", "1,2", "--steps", "3", "--warmup", "1", "--context", "40", "--dir", str(tmp_path),

@@ -182,11 +182,11 @@ def test_hostile_schemas_get_clear_replies_on_every_interface_and_ended_goals_st
     the topic and the action each answer a clear refusal or an answer valid under the schema; the node keeps
     serving. A goal aborted for its schema, cancelled 11 s later (past rclpy's default 10 s result keep), says
     ERROR_GOAL_TERMINATED."""
-    from test_schema_promise import _fuzz_cases, REFUSED
+    from schema_cases import REFUSED, fuzz_cases
 
     h.ensure_active()
     q = "Describe the closed road as JSON."
-    cases = _fuzz_cases(seed=11)
+    cases = fuzz_cases(seed=11)
     aborted = None
     for i, (text, reason) in enumerate(cases):
         replies = [h.call(h.query_cli, Query.Request(prompt=q, context=BULLETIN, json_schema=text,
@@ -394,7 +394,7 @@ def test_the_readme_client_examples_run_as_written(h):
     import rclpy
 
     h.ensure_active()
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md"),
               encoding="utf-8") as f:
         readme = f.read()
     blocks = re.findall(r"<!-- client example[^>]*-->\n```python\n(.*?)```", readme, re.S)
@@ -423,7 +423,7 @@ def test_the_rviz_config_and_the_plot_list_match_what_the_node_publishes():
     from simllm_ros.msg import CacheStats, ThermalStatus
     from simllm_ros.settings import Settings
 
-    cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
+    cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "config")
     with open(os.path.join(cfg, "cache_map.rviz"), encoding="utf-8") as f:
         rviz = yaml.safe_load(f)
     vm = rviz["Visualization Manager"]
@@ -451,7 +451,7 @@ def test_the_speech_pipeline_speaks_sentences_and_a_new_utterance_cancels_the_ol
 
     from simllm_ros.ros.client import SimllmClient
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
                         "speech_pipeline.py")
     spec = importlib.util.spec_from_file_location("speech_pipeline", path)
     sp = importlib.util.module_from_spec(spec)

@@ -22,7 +22,7 @@ from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.model.structured_output import SchemaError
 
 from core_fixtures import BULLETIN, LOSSLESS, fresh, shared_engine
-from test_verified_decoding import FixedDrafts
+from draft_sources import FixedDrafts
 
 SCHEMA = {
     "type": "object",

@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MYPY_CACHE = os.path.join(REPO, "tmp", ".mypy_cache")
 
 

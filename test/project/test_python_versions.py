@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, ROS_TEST_FILES
+from conftest import REPO, ROS_TEST_DIR
 
 
 def interpreter(version: str) -> str | None:
@@ -57,7 +57,7 @@ def test_compiles_and_core_runs(version, tmp_path):
 
 # A fast ROS-free file (~3 s of CPU): request validation under hypothesis, whose pin differs on 3.10. The files that
 # load models take minutes there: scripts/test_pythons.sh runs them.
-FAST_FILES = ("test/test_validation.py",)
+FAST_FILES = ("test/serving/test_validation.py",)
 STACK = "import numpy, torch, transformers; print(torch.__version__.split('+')[0], transformers.__version__, numpy.__version__)"
 VENVS = os.environ.get("SIMLLM_PY_VENVS", os.path.expanduser("~/.cache/simllm_ros"))
 
@@ -118,15 +118,19 @@ def _unguarded(source: str) -> str:
 
 
 def test_the_ros_test_files_are_listed():
-    """conftest.ROS_TEST_FILES is what a venv without ROS leaves out: every test file that uses ROS (outside test
-    functions that skip themselves without it) is in it, and every file in it exists (a stale list would make the
-    ROS-free suite fail to collect, or hide a test)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    using = set()
-    for path in glob.glob(os.path.join(here, "test_*.py")):
+    """test/ros/ (conftest.ROS_TEST_DIR) is what a venv without ROS leaves out: every test file that uses ROS
+    (outside test functions that skip themselves without it) is in it, and every file in it uses ROS (a file there
+    that needs none would be hidden from the ROS-free suite)."""
+    tests = os.path.dirname(ROS_TEST_DIR)
+    using, ros_folder = set(), set()
+    for path in glob.glob(os.path.join(tests, "**", "test_*.py"), recursive=True):
+        name = os.path.relpath(path, tests)
+        if os.path.dirname(path) == ROS_TEST_DIR:
+            ros_folder.add(name)
         with open(path, encoding="utf-8") as f:
             if ROS_USE.search(_unguarded(f.read())):
-                using.add(os.path.basename(path))
-    using.discard(os.path.basename(__file__))  # this file names the patterns only
-    assert using - set(ROS_TEST_FILES) == set(), "use ROS but are not in conftest.ROS_TEST_FILES"
-    assert set(ROS_TEST_FILES) - using == set(), "in conftest.ROS_TEST_FILES but use no ROS (or are gone)"
+                using.add(name)
+    using.discard(os.path.relpath(__file__, tests))  # this file names the patterns only
+    assert ros_folder and len(using) >= len(ros_folder)  # the scan sees files at all
+    assert using - ros_folder == set(), "use ROS but are not in test/ros/"
+    assert ros_folder - using == set(), "in test/ros/ but use no ROS"

@@ -9,7 +9,7 @@ from simllm_ros.serving.engine import Engine
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.settings import Settings
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "config", "demo_workload.jsonl")
 
 

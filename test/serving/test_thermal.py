@@ -370,7 +370,7 @@ def test_auto_is_the_node_default_and_documented():
     from simllm_ros.settings import Settings
 
     assert Settings.from_overrides().thermal_zones == "auto"
-    edge = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "edge.yaml")
+    from conftest import EDGE_YAML as edge
     text = open(edge, encoding="utf-8").read()
     assert 'thermal_zones: "auto"' in text
     for name in ("CPU-therm", "GPU-therm", "SOC0-therm", "Tj-therm", "tj-thermal", "cv0-thermal", "PMIC-Die",

@@ -63,7 +63,7 @@ def test_bad_input_is_refused_and_the_runner_uses_it_only_where_it_applies():
 
 def test_the_module_when_asked():
     code = "from simllm_ros.kernels import norm_kernel as k; kern = k.load(); print(kern is None, k.why_not())"
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
            "SIMLLM_NORM": "torch"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -7,7 +7,7 @@ import sys
 
 from simllm_ros.cli.bench import BENCHMARKS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "simllm_ros", "bench")
 LIBRARY = {"__init__", "metrics", "report", "runner", "shared", "systems"}  # simllm-bench's own run and helpers
 

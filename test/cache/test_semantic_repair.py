@@ -180,7 +180,7 @@ def test_the_engine_runs_the_early_pass_while_a_new_question_is_fingerprinted(co
     for nothing, and nothing runs ahead."""
     from core_fixtures import BULLETIN_REVISED, capture_generations, fresh
     from simllm_ros.request import QueryRequest
-    from test_semantic_quality import select_pairs
+    from paraphrase_pairs import select_pairs
 
     e = shared_engine(**config)
     _, q1, q2, _ = select_pairs(e.fingerprinter)[0]
@@ -218,7 +218,7 @@ def test_a_fault_in_the_early_pass_ahead_costs_only_the_head_start(monkeypatch, 
     own early pass), the failure is logged, and the answer is the one without it."""
     from core_fixtures import BULLETIN_REVISED, fresh
     from simllm_ros.request import QueryRequest
-    from test_semantic_quality import select_pairs
+    from paraphrase_pairs import select_pairs
 
     e = shared_engine(**LOSSLESS)
     _, q1, q2, _ = select_pairs(e.fingerprinter)[1]

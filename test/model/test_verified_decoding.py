@@ -18,11 +18,12 @@ import random
 import pytest
 import torch
 
-from simllm_ros.model.decoding import DraftSource, Sampler
+from simllm_ros.model.decoding import Sampler
 from simllm_ros.model.draft_proposer import DraftProposer, DraftStats
 from simllm_ros.request import CacheResult, QueryRequest
 
 from core_fixtures import BULLETIN, BULLETIN_REVISED, LOSSLESS, NATIVE_BF16, clinc_by_intent, fresh, shared_engine
+from draft_sources import FixedDrafts
 
 needs_native_bf16 = pytest.mark.skipif(not NATIVE_BF16, reason="this CPU has no native bfloat16 (oneDNN's bf16 "
                                        "products are what this checks)")
@@ -35,19 +36,6 @@ def engine():
         pytest.skip("the load-time invariance probe failed on this machine: reuse is approximate here, and the "
                     "engine reports it so")
     return e
-
-
-class FixedDrafts(DraftSource):
-    """Proposes continuations of one fixed token sequence while the answer follows it, else `fallback`."""
-
-    def __init__(self, seq: list[int], fallback: list[int] = ()):
-        self.seq, self.fallback = list(seq), list(fallback)
-
-    def propose(self, generated, limit):
-        n = len(generated)
-        if self.seq[:n] == generated and len(self.seq) > n:
-            return self.seq[n:n + limit]
-        return self.fallback[:limit]
 
 
 def _prompt(engine, question: str, context: str = BULLETIN) -> list[int]:
@@ -510,7 +498,7 @@ def test_onednn_is_capped_below_amx_unless_the_user_chose():
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = "import os, simllm_ros.model.llama_runner as r; print(os.environ.get('ONEDNN_MAX_CPU_ISA'), r.ONEDNN_ISA_CAP)"
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
     got, cap = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

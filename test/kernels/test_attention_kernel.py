@@ -14,7 +14,7 @@ import torch
 from simllm_ros.kernels import attention_kernel
 from simllm_ros.kernels import build
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KERNEL = attention_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"no attention kernel here: {attention_kernel.why_not()}")
 

@@ -74,7 +74,7 @@ def _bf16_bits(t: torch.Tensor) -> bytes:
 
 
 def _case(path, seed=0):
-    """Inputs for the driver (test/native/bitcheck.c): real packed weights from the package's own packers."""
+    """Inputs for the driver (test/kernels/native/bitcheck.c): real packed weights from the package's own packers."""
     g = torch.Generator().manual_seed(seed)
     m, n, k, e, inter, h, d = 14, 96, 768, 576, 1536, 3, 64  # k in 256s: a Q4_K super-block; m past ROWS_AT_ONCE
     w = torch.randn(n, k, generator=g) * 0.05
