@@ -65,9 +65,10 @@ def _pip_only_venv() -> None:
 
 
 def test_the_venv_imports_the_checkout_it_names_from_anywhere(tmp_path):
-    """From a folder outside any checkout (as a console command runs): the hand-written modules come from the
-    checkout that the .pth names (this one, or the one whose venv a worktree shares), the generated ones from
-    site-packages."""
+    pytest.importorskip("rclpy")  # the generated modules need ROS: a venv without it has none (test_pythons.sh)
+    # From a folder outside any checkout (as a console command runs): the hand-written modules come from the
+    # checkout that the .pth names (this one, or the one whose venv a worktree shares), the generated ones from
+    # site-packages.
     _pip_only_venv()
     with open(PTH, encoding="utf-8") as f:
         checkout = os.path.realpath(f.read().strip())
