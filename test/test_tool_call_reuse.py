@@ -11,9 +11,9 @@ from core_fixtures import fresh, shared_engine
 from simllm_ros.cache.error_bound import ErrorBound
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.serving.tool_call_checks import Call
+from simllm_ros.serving.tool_call_reuse import CallReuse, slot_conflict, slot_values
 from simllm_ros.serving.tool_output_formats import constrained_request
 from simllm_ros.serving.toolbox import Toolbox
-from simllm_ros.serving.tool_call_reuse import CallReuse, slot_conflict, slot_values
 
 TOOLS = [
     {"name": "navigate_to", "description": "Drive the robot to a named place (dock, kitchen, door) at a speed.",

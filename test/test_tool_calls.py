@@ -1,5 +1,6 @@
 """Tool calls without a node: schemas from real ROS interface types, the tools file's checks, calls checked against
-schema and bounds, and the message a call becomes (serving/tool_schemas.py, toolbox.py, tool_call_checks.py). No model, no DDS."""
+schema and bounds, and the message a call becomes (serving/tool_schemas.py, toolbox.py, tool_call_checks.py). No
+model, no DDS."""
 import json
 import os
 
