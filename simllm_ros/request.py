@@ -33,6 +33,17 @@ class ChatTurn:
     content: str
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolTemplate:
+    """Tools given to the model's chat template (apply_chat_template(tools=...)) and the template's own tool-call
+    format its answer is constrained to, around json_schema (model/tool_call_formats.py). Set by the node's tools
+    (serving/tool_output_formats.py), never by a request message."""
+
+    format: str  # hermes | llama3_json
+    tools: tuple = ()  # {"type": "function", "function": {name, description, parameters}} per tool
+    text_allowed: bool = False  # tool_choice auto: a text reply, or a call
+
+
 @dataclasses.dataclass
 class QueryRequest:
     prompt: str
@@ -48,6 +59,7 @@ class QueryRequest:
     temperature: float | None = None  # None: the node's temperature
     seed: int | None = None  # None: the node's seed
     approx_error_bound: float = -1.0  # δ for this request's approximate answers; negative: the node's
+    tool_template: ToolTemplate | None = None  # tools in the chat template's own format (the node's tools only)
 
     @property
     def scope(self) -> str:

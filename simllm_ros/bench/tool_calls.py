@@ -12,7 +12,8 @@ Per model (the embedded one; a GGUF with --model):
                   served, and wrong (not the reference call), per δ; δ 1: the fixed answer_threshold alone
   llama.cpp       llama_cpp.LlamaGrammar from the same JSON schema, the same prompt token ids, greedy, no prompt
                   cache (each text run once; a repeat counts that run's time)
-Each configuration starts with an empty pool and no labels.
+Each configuration starts with an empty pool and no labels. Both sides answer in the generic format (the same JSON
+schema for xgrammar and LlamaGrammar), whatever format the model's chat template has.
 
 Usage: simllm-bench tool_calls [--model PATH.gguf] [--commands 300] [--intents 20] [--deltas 0.02,0.05,0.1,1]
                                [--no-llama]"""
@@ -148,7 +149,7 @@ def workload(n: int = 300, seed: int = 11, intents: int = 0) -> list[Command]:
 
 def _call_of(toolbox, plan, answer: str):
     """(name, arguments JSON) of a valid call, or None."""
-    from simllm_ros.serving.tool_calls import ToolError
+    from simllm_ros.serving.tool_schemas import ToolError
 
     try:
         _, calls = toolbox.parse(plan, answer)
@@ -163,7 +164,7 @@ def run_engine(engine, toolbox, plan, stream: list[Command], delta: float, scope
     from simllm_ros.cache.error_bound import ErrorBound
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.serving.tool_call_reuse import CallReuse
-    from simllm_ros.serving.tool_calls import constrained_request
+    from simllm_ros.serving.tool_output_formats import constrained_request
 
     engine.clear_pool()
     reuse = CallReuse(engine, toolbox, bound=ErrorBound(seed=1))
@@ -194,7 +195,7 @@ def run_llama(gguf: str, backend, system_prompt: str, plan, toolbox, stream: lis
     from llama_cpp import Llama, LlamaGrammar
 
     from simllm_ros.request import QueryRequest
-    from simllm_ros.serving.tool_calls import constrained_request
+    from simllm_ros.serving.tool_output_formats import constrained_request
 
     llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, seed=0,
                 verbose=False)
@@ -238,7 +239,7 @@ def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, 
           max_new: int = 48, log=print, tools: list[str] | None = None) -> dict:
     """Every configuration on one loaded engine (its settings changed live); llama.cpp where gguf is given.
     tools: the names offered (default all of TOOLS)."""
-    from simllm_ros.serving.tool_calls import Toolbox
+    from simllm_ros.serving.toolbox import Toolbox
 
     toolbox = Toolbox.from_list(TOOLS)
     plan = toolbox.plan(tools or [t["name"] for t in TOOLS], "required")

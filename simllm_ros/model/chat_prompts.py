@@ -5,11 +5,13 @@ and answers back to text. A mixin of ModelBackend, which holds `tokenizer`, `mod
 from __future__ import annotations
 
 from ..request import ChatTurn
+from . import tool_call_formats
 from .structured_output import StructuredOutput
 
 
 class ChatPrompts:
     _grammars: StructuredOutput | None = None
+    _tool_format: tuple[str, str] | None = None
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -33,11 +35,12 @@ class ChatPrompts:
         """Token ids of the chat prompt: system + context first, so requests sharing them share a prefix."""
         return self.chat_ids(system, context, [ChatTurn("user", prompt)])
 
-    def chat_ids(self, system: str, context: str, turns: list[ChatTurn]) -> list[int]:
+    def chat_ids(self, system: str, context: str, turns: list[ChatTurn], tools=None) -> list[int]:
         """Token ids of a conversation in the model's chat template, ready for the assistant's next turn.
 
         One system message first: the conversation's own (a leading system turn) or `system`, then the
-        context; then the turns in order. Turn N's prompt is then a token prefix of turn N+1's."""
+        context; then the turns in order. Turn N's prompt is then a token prefix of turn N+1's. tools: the tools
+        the template shows the model, in its own words (only where tool_format is not generic)."""
         turns = list(turns)
         if turns and turns[0].role == "system":
             system = turns.pop(0).content
@@ -45,7 +48,8 @@ class ChatPrompts:
         if self.tokenizer.chat_template:
             messages = ([{"role": "system", "content": sys_text}] if sys_text else []) + [
                 {"role": t.role, "content": t.content} for t in turns]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            extra = {"tools": [dict(t) for t in tools]} if tools else {}
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return list(ids)
@@ -53,6 +57,18 @@ class ChatPrompts:
         text = (sys_text + "\n\n" if sys_text else "") + "".join(
             f"{names.get(t.role, t.role)}: {t.content}\n" for t in turns) + "Answer:"
         return self.tokenizer(text)["input_ids"]
+
+    @property
+    def tool_format(self) -> tuple[str, str]:
+        """(the tool-call format of this model's chat template, why): model/tool_call_formats.detect, once."""
+        if self._tool_format is None:
+            template = self.tokenizer.chat_template
+            if isinstance(template, dict):  # named templates: the one for tools where the file has it
+                template = template.get("tool_use") or template.get("default")
+            tokens = {k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token")  # as template_box renders
+                      if isinstance(v := getattr(self.tokenizer, k, None), str)}
+            self._tool_format = tool_call_formats.detect(template, tokens)
+        return self._tool_format
 
     @property
     def grammars(self) -> StructuredOutput:

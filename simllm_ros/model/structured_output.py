@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from . import schema_check
+from . import schema_check, tool_call_formats
 
 SCHEMA_CACHE_SIZE = 32  # compiled schemas kept (a robot uses a handful)
 MAX_SCHEMA_CHARS = 65536
@@ -97,8 +97,9 @@ class JsonConstraint:
 class CompiledSchema:
     """A schema checked and compiled once; `constraint()` gives each request its own grammar state."""
 
-    def __init__(self, text: str, compiled, vocab_size: int, doc=None):
+    def __init__(self, text: str, compiled, vocab_size: int, doc=None, wrap: tuple[str, bool] | None = None):
         self.text = text
+        self.wrap = wrap  # (a chat template's tool-call format, text allowed): the JSON is a call inside it
         self._compiled = compiled
         self.vocab_size = vocab_size
         self.doc = doc  # the parsed schema, for validating answers (schema_check.answer_error)
@@ -107,7 +108,15 @@ class CompiledSchema:
 
     def answer_error(self, answer: str) -> str | None:
         """None if the answer is valid under this schema, else why not."""
-        return None if self.doc is None else schema_check.answer_error(answer, self.doc)
+        if self.doc is None:
+            return None
+        if self.wrap is None:
+            return schema_check.answer_error(answer, self.doc)
+        try:
+            _, call = tool_call_formats.read_answer(self.wrap[0], answer, self.wrap[1])
+        except ValueError as e:
+            return str(e)
+        return None if call is None else schema_check.answer_error(call, self.doc)
 
     def constraint(self) -> JsonConstraint:
         return JsonConstraint(self._compiled, self.vocab_size, self._hint)
@@ -138,11 +147,14 @@ class StructuredOutput:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
-    def compile(self, schema_text: str, timeout_s: float = 2.0) -> CompiledSchema:
-        """The compiled grammar of a JSON schema (cached by its text); raises SchemaError."""
+    def compile(self, schema_text: str, timeout_s: float = 2.0, wrap: tuple[str, bool] | None = None) -> CompiledSchema:
+        """The compiled grammar of a JSON schema (cached by its text and wrap); raises SchemaError. wrap: (a chat
+        template's tool-call format, text allowed) for a request with tools in that format (model/tool_call_formats):
+        the JSON is the call inside the format's frame, or the answer is a text reply."""
         if len(schema_text) > MAX_SCHEMA_CHARS:
             raise SchemaError(f"json_schema is {len(schema_text)} characters long; at most {MAX_SCHEMA_CHARS}")
-        key = hashlib.sha256(schema_text.encode("utf-8", "surrogatepass")).hexdigest()
+        key = hashlib.sha256((schema_text + ("" if wrap is None else f"\x1f{wrap[0]}\x1f{wrap[1]}"))
+                             .encode("utf-8", "surrogatepass")).hexdigest()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -157,7 +169,11 @@ class StructuredOutput:
         except schema_check.SchemaRefused as e:
             raise SchemaError(str(e)) from None
         compiler = self._get_compiler()
-        job = self._pool.submit(compiler.compile_json_schema, schema_text, any_whitespace=False, strict_mode=True)
+        if wrap is None:
+            job = self._pool.submit(compiler.compile_json_schema, schema_text, any_whitespace=False, strict_mode=True)
+        else:
+            job = self._pool.submit(lambda: compiler.compile_grammar(tool_call_formats.grammar(wrap[0], schema_text,
+                                                                                                wrap[1])))
         try:
             compiled = job.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
@@ -169,7 +185,7 @@ class StructuredOutput:
                               "simplify it") from None
         except Exception as e:  # xgrammar raises RuntimeError (and friends) with the C++ reason
             raise SchemaError(f"json_schema cannot be used: {_clean(e)}") from None
-        out = CompiledSchema(schema_text, compiled, self.vocab_size, doc)
+        out = CompiledSchema(schema_text, compiled, self.vocab_size, doc, wrap)
         try:
             out.constraint().allowed(0)
         except NoValueLeft:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from . import tool_call_formats
 from .cache_records import read_records, update_record
 
 TEMPLATE_SECONDS = 5.0  # a render of the probe conversations, the child's start aside
@@ -33,6 +34,8 @@ PROBES = ([{"role": "user", "content": "What is the capital of France?"}],
            {"role": "user", "content": "Where is the kitchen?"},
            {"role": "assistant", "content": "On the left."},
            {"role": "user", "content": "And the door?"}])
+# ... and with a tool, as the node's tools render (model/tool_call_formats.detect, chat_prompts.chat_ids)
+TOOL_PROBES = ((tool_call_formats.PROBE_CONVERSATION, [tool_call_formats.PROBE_TOOL]),)
 
 _CHILD = r"""
 import json, resource, sys
@@ -50,10 +53,10 @@ now = vm()
 if now is not None:
     resource.setrlimit(resource.RLIMIT_AS, (now + job["memory"], now + job["memory"]))
 sizes = []
-for conv in job["probes"]:
+for conv, tools in [(c, None) for c in job["probes"]] + job["tool_probes"]:
     try:
-        text = render_jinja_template(conversations=[conv], chat_template=job["template"], add_generation_prompt=True,
-                                     **job["tokens"])[0][0]
+        text = render_jinja_template(conversations=[conv], tools=tools, chat_template=job["template"],
+                                     add_generation_prompt=True, **job["tokens"])[0][0]
     except MemoryError:
         print(json.dumps({"memory": True})); sys.exit(0)
     except Exception as e:  # the template's own refusal (a role it does not take): not a budget, said at requests
@@ -100,13 +103,15 @@ def check(tokenizer, name: str, record_dir: str | None = None) -> None:
 
 def check_template(template: str, name: str, record_dir: str | None = None, tokens: dict | None = None,
                    which: str = "default", seconds: float = TEMPLATE_SECONDS) -> None:
-    """Renders `template` on PROBES in a child process; TemplateError naming it (`name`: the model) where it takes
-    longer than `seconds`, more memory than TEMPLATE_MEMORY or renders more than TEMPLATE_MAX_CHARS characters.
+    """Renders `template` on PROBES and TOOL_PROBES in a child process; TemplateError naming it (`name`: the model)
+    where it takes longer than `seconds`, more memory than TEMPLATE_MEMORY or renders more than TEMPLATE_MAX_CHARS
+    characters.
     Never waits longer than START_SECONDS + `seconds`. A template within budget is remembered (this process, and
     CHECKED_FILE in `record_dir`) by its text and the budgets: the next load does not render it again."""
-    job = {"template": template, "tokens": tokens or {}, "probes": PROBES, "chars": TEMPLATE_MAX_CHARS,
-           "memory": TEMPLATE_MEMORY}
-    key = hashlib.sha256(json.dumps([template, PROBES, TEMPLATE_MAX_CHARS, TEMPLATE_MEMORY, seconds]).encode())
+    job = {"template": template, "tokens": tokens or {}, "probes": PROBES, "tool_probes": TOOL_PROBES,
+           "chars": TEMPLATE_MAX_CHARS, "memory": TEMPLATE_MEMORY}
+    key = hashlib.sha256(json.dumps([template, PROBES, TOOL_PROBES, TEMPLATE_MAX_CHARS, TEMPLATE_MEMORY,
+                                     seconds]).encode())
     key = key.hexdigest()[:32]
     store = os.path.join(record_dir, CHECKED_FILE) if record_dir else None
     if store and read_records(store).get(key) is True:
@@ -133,14 +138,14 @@ def _render(job: dict, seconds: float, label: str) -> None:
         proc.stdin.flush()
         got = _line(proc, seconds)
         if got is None:
-            raise TemplateError(f"{label} is refused: rendering two short conversations took more than {seconds:g} "
+            raise TemplateError(f"{label} is refused: rendering three short conversations took more than {seconds:g} "
                                 "s (a template that loops without end, or nearly)")
         try:
             result = json.loads(got)
         except ValueError:
             result = {}
         if result.get("memory") or (not result and proc.wait(5) != 0):
-            raise TemplateError(f"{label} is refused: rendering two short conversations needed more than "
+            raise TemplateError(f"{label} is refused: rendering three short conversations needed more than "
                                 f"{TEMPLATE_MEMORY >> 20} MB")
         if "chars" in result:
             raise TemplateError(f"{label} is refused: it renders {result['chars']} characters for two short "

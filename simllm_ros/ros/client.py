@@ -12,6 +12,7 @@ caller may wait on a result from any thread, a timer or subscription callback of
     run = client.generate("Describe the town", on_feedback=lambda text: print(text))
     run.cancel()                                          # the goal ends CANCELED with the partial answer
     vectors = client.embed(["parking nearby"]).result(timeout=10)        # [n, 384] list of lists
+    ranked = client.rerank("where can I charge", ["dock B", "the lift"], top_k=1).result(10)  # [(index, score)]
     client.close()
 
 Each call takes the node's request fields as keywords (srv/Query.srv) and a timeout: past it the future fails with
@@ -63,7 +64,7 @@ class GenerateRun:
 
 
 class SimllmClient:
-    """Futures over a simllm_node's ~/query, ~/generate and ~/embed, with the node's QoS."""
+    """Futures over a simllm_node's ~/query, ~/generate, ~/embed and ~/rerank, with the node's QoS."""
 
     def __init__(self, target: str = "/simllm_node", context=None, wait_s: float = 30.0, resend_s: float = RESEND_S):
         import rclpy
@@ -72,9 +73,9 @@ class SimllmClient:
 
         from simllm_ros.action import Generate
         from simllm_ros.ros.qos import CLIENT_QOS
-        from simllm_ros.srv import Embed, Query
+        from simllm_ros.srv import Embed, Query, Rerank
 
-        self._Query, self._Embed, self._Generate = Query, Embed, Generate
+        self._Query, self._Embed, self._Rerank, self._Generate = Query, Embed, Rerank, Generate
         self.target = "/" + target.strip("/")
         self.wait_s = wait_s
         self.resend_s = resend_s
@@ -83,6 +84,7 @@ class SimllmClient:
         self._node = rclpy.create_node(f"simllm_client_{os.getpid()}_{next(_COUNT)}", context=context)
         self._query = self._node.create_client(Query, f"{self.target}/query", qos_profile=CLIENT_QOS)
         self._embed = self._node.create_client(Embed, f"{self.target}/embed", qos_profile=CLIENT_QOS)
+        self._rerank = self._node.create_client(Rerank, f"{self.target}/rerank", qos_profile=CLIENT_QOS)
         self._action = ActionClient(self._node, Generate, f"{self.target}/generate",
                                     goal_service_qos_profile=CLIENT_QOS, result_service_qos_profile=CLIENT_QOS,
                                     cancel_service_qos_profile=CLIENT_QOS)
@@ -100,8 +102,24 @@ class SimllmClient:
     def embed(self, texts: list[str], timeout: float = 30.0) -> concurrent.futures.Future:
         """A Future of the texts' unit vectors (a list of lists, 384 floats each); fails with ValueError carrying
         the node's reason where it refuses."""
+        def rows(resp):
+            v, d = list(resp.vectors), resp.dim
+            return [v[i * d:(i + 1) * d] for i in range(len(texts))]
+
+        return self._checked(self._service(self._embed, self._Embed.Request(texts=list(texts)), timeout), rows)
+
+    def rerank(self, query: str, documents: list[str], top_k: int = 0,
+               timeout: float = 30.0) -> concurrent.futures.Future:
+        """A Future of the documents ranked by closeness in meaning to the query: (index in documents, cosine score)
+        pairs, best first, top_k of them (0: all); fails with ValueError carrying the node's reason where it refuses
+        (srv/Rerank.srv: 1-256 documents, none empty, none longer than the embedder reads)."""
+        return self._checked(self._service(self._rerank, self._Rerank.Request(
+            query=query, documents=list(documents), top_k=int(top_k)), timeout),
+            lambda resp: [(int(i), float(s)) for i, s in zip(resp.indices, resp.scores)])
+
+    def _checked(self, raw: concurrent.futures.Future, convert) -> concurrent.futures.Future:
+        """A Future of convert(response), or ValueError with the node's reason where success is false."""
         out: concurrent.futures.Future = concurrent.futures.Future()
-        raw = self._service(self._embed, self._Embed.Request(texts=list(texts)), timeout)
 
         def done(f):
             try:
@@ -112,8 +130,7 @@ class SimllmClient:
             if not resp.success:
                 out.set_exception(ValueError(resp.error))
                 return
-            v, d = list(resp.vectors), resp.dim
-            out.set_result([v[i * d:(i + 1) * d] for i in range(len(texts))])
+            out.set_result(convert(resp))
 
         raw.add_done_callback(done)
         return out

@@ -24,7 +24,7 @@ from simllm_ros.serving.request_server import DRAIN_TIMEOUT_S, RequestServer, in
 from simllm_ros.ros.messages import fill_result, request_from, u32
 from simllm_ros.ros.qos import REQUEST_QOS, RESPONSE_QOS
 from simllm_ros.ros.tool_executor import ToolRunner
-from simllm_ros.serving.tool_calls import ToolError
+from simllm_ros.serving.tool_schemas import ToolError
 from simllm_ros.serving import rerank, tokens
 from simllm_ros.srv import Detokenize, Embed, Query, Rerank, Tokenize
 

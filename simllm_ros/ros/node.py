@@ -60,7 +60,9 @@ from simllm_ros.ros import messages
 from simllm_ros.ros.endpoints import RequestEndpoints
 from simllm_ros.ros.tool_executor import ToolRunner
 from simllm_ros.serving.tool_call_reuse import CallReuse
-from simllm_ros.serving.tool_calls import ToolError, load_tools
+from simllm_ros.model.tool_call_formats import describe as describe_format
+from simllm_ros.serving.tool_schemas import ToolError
+from simllm_ros.serving.toolbox import load_tools
 from simllm_ros.ros.params import ParameterGate, check_undeclared, declare_all, settings_from_node
 from simllm_ros.settings import SettingError, Settings
 from simllm_ros.serving.thermal import ThermalMonitor, ThermalPolicy, ThermalReading, ThermalState
@@ -165,11 +167,13 @@ class SimLLMNode(LifecycleNode):
             self._server = RequestServer.for_engine(engine, state=self.state_label, log=self._py_log)
             self._create_entities()
             if toolbox is not None:
+                fmt, why = engine.backend.tool_format
                 self._tools = ToolRunner(self, toolbox, execute=lambda: bool(engine.settings.tools_execute),
-                                         reuse=CallReuse(engine, toolbox))
+                                         reuse=CallReuse(engine, toolbox), tool_format=fmt)
                 listed = ", ".join(f"{n} ({t.kind} {t.ros_name}{', executable' if t.executable else ''})"
                                    for n, t in toolbox.tools.items())
-                log.info(f"tools: {listed or 'none'}; tools_execute={settings.tools_execute}")
+                log.info(f"tools: {listed or 'none'}; tools_execute={settings.tools_execute}; answer format: "
+                         f"{describe_format(fmt)}: {why}")
             self._server.start()
             if settings.persist_path:
                 self._checkpointer = Checkpointer(engine.save, lambda: engine.settings.persist_interval_s,

@@ -2,11 +2,12 @@
 allowed ones sent (a service call or an action goal), and every step is published on `~/tool_audit`.
 
 Why in the ROS layer: sending is ROS work (clients, goals, feedback, cancel); what a call may hold and whether it is
-valid is decided in serving/tool_calls.py, which this module only applies. The gate, in order: the call is valid
-under its tool's schema and bounds (else refused, nothing sent), it becomes the tool's message with the bounds
-checked again there, the tools file marks the tool executable (else not_executable), the node's tools_execute
-parameter is true (else dry_run), the tool's rate limit has room (else refused). Only then is it sent, with the
-tool's timeout; a missing, slow or failing server gives the call status failed and the reason, and the node goes on.
+valid is decided in serving/ (toolbox, tool_schemas, tool_call_checks), which this module only applies. The gate,
+in order: the call is valid under its tool's schema and bounds (else refused, nothing sent), it becomes the tool's
+message with the bounds checked again there, the tools file marks the tool executable (else not_executable), the
+node's tools_execute parameter is true (else dry_run), the tool's rate limit has room (else refused). Only then is
+it sent, with the tool's timeout; a missing, slow or failing server gives the call status failed and the reason,
+and the node goes on.
 
 Every event (proposed, refused, dry_run, not_executable, executed, failed, canceled) is one std_msgs/String on
 ~/tool_audit, a JSON object: request_id, event, tool, arguments, reason, result, time; `counts` feed /diagnostics.
@@ -26,10 +27,13 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
+from simllm_ros.model.tool_call_formats import GENERIC, HERMES, write_call
 from simllm_ros.request import ChatTurn, QueryRequest, QueryResult, ToolCallRecord
 from simllm_ros.serving.tool_call_reuse import CallReuse
-from simllm_ros.serving.tool_calls import (Call, CallPlan, RateLimiter, ToolError, Toolbox, constrained_request,
-                                           message_to_dict, to_message)
+from simllm_ros.serving.tool_call_checks import Call, RateLimiter, message_to_dict, to_message
+from simllm_ros.serving.tool_output_formats import CallPlan, constrained_request
+from simllm_ros.serving.tool_schemas import ToolError
+from simllm_ros.serving.toolbox import Toolbox
 
 AUDIT_QOS = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE)
 SERVER_WAIT_S = 1.0  # how long a call waits for its server to be discovered before it fails as missing
@@ -40,10 +44,13 @@ EVENTS = ("proposed", "refused", "dry_run", "not_executable", "executed", "faile
 class ToolRunner:
     """The tools of one configured node (`toolbox`), their clients, rate limits and audit publisher.
     `execute()` reads the node's tools_execute parameter at each call (it changes live); `reuse`: commands reused
-    by meaning under the error bound (serving/tool_call_reuse), None for exact answers only."""
+    by meaning under the error bound (serving/tool_call_reuse), None for exact answers only; `tool_format`: the
+    model's answer format (its chat template's own, or generic: model/tool_call_formats)."""
 
-    def __init__(self, node, toolbox: Toolbox, execute: Callable[[], bool], reuse: CallReuse | None = None):
+    def __init__(self, node, toolbox: Toolbox, execute: Callable[[], bool], reuse: CallReuse | None = None,
+                 tool_format: str = GENERIC):
         self._node, self.toolbox, self._execute, self.reuse = node, toolbox, execute, reuse
+        self.tool_format = tool_format
         self._log = node.get_logger()
         self._group = ReentrantCallbackGroup()
         self._limiter = RateLimiter()
@@ -95,7 +102,7 @@ class ToolRunner:
         described before the context, and exact reuse in the engine (an approximate call comes only from answer()).
         ToolError (audited as refused) for unknown tools, a bad tool_choice, or tools with a json_schema."""
         try:
-            plan = self.toolbox.plan(names, choice)
+            plan = self.toolbox.plan(names, choice, self.tool_format)
             if plan is not None and req.json_schema:
                 raise ToolError("json_schema and tools cannot be combined: the tools' schemas constrain the answer")
         except ToolError as e:
@@ -113,14 +120,21 @@ class ToolRunner:
             return run(req)
         return self.reuse.answer(asked, req, plan, run)
 
-    @staticmethod
-    def follow_up(req: QueryRequest, result: QueryResult) -> QueryRequest:
-        """The request of the next step: the conversation so far, the calls as the assistant's turn and their
-        results as a user turn (the generic format has no tool role), the question asked again."""
+    def follow_up(self, req: QueryRequest, result: QueryResult) -> QueryRequest:
+        """The request of the next step: the conversation so far, the calls as the assistant's turn (in the model's
+        format) and their results as a user turn (a request's turns have no tool role; the hermes format's results
+        go in <tool_response> blocks, as Qwen's templates render a tool turn), the question asked again."""
         calls = [{"name": c.name, "arguments": json.loads(c.arguments or "{}")} for c in result.tool_calls]
-        results = "; ".join(f"{c.name} returned {c.result or '{}'}" for c in result.tool_calls)
-        turns = [*req.turns(), ChatTurn("assistant", json.dumps(calls[0] if len(calls) == 1 else calls)),
-                 ChatTurn("user", f"Tool results: {results}. Reply to the user, or call another tool.")]
+        if self.tool_format == GENERIC:
+            said = json.dumps(calls[0] if len(calls) == 1 else calls)
+        else:
+            said = "\n".join(write_call(self.tool_format, c["name"], c["arguments"]) for c in calls)
+        if self.tool_format == HERMES:
+            results = "\n".join(f"<tool_response>\n{c.result or '{}'}\n</tool_response>" for c in result.tool_calls)
+        else:
+            results = "Tool results: " + "; ".join(f"{c.name} returned {c.result or '{}'}" for c in result.tool_calls) \
+                + ". Reply to the user, or call another tool."
+        turns = [*req.turns(), ChatTurn("assistant", said), ChatTurn("user", results)]
         return dataclasses.replace(req, prompt="", messages=turns)
 
     def conclude(self, plan: CallPlan, result: QueryResult, request_id: str,

@@ -404,7 +404,8 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             schema = None
             if err is None and r.json_schema:
                 try:
-                    schema = self.backend.grammars.compile(r.json_schema, s.schema_compile_timeout_s)
+                    wrap = None if r.tool_template is None else (r.tool_template.format, r.tool_template.text_allowed)
+                    schema = self.backend.grammars.compile(r.json_schema, s.schema_compile_timeout_s, wrap)
                 except SchemaError as e:
                     err = str(e)
             if err is not None:

@@ -175,7 +175,8 @@ class RequestPipeline:
         """A request's first phase: its prompt tokens and reuse plan; the result at once for the ANSWER tier
         or a refusal, else a Flight whose prefill and decoding are still to run."""
         s, req, backend, pool = self.settings, p.req, self.backend, self.pool
-        tokens = backend.chat_ids(s.system_prompt, req.context, req.turns())
+        tokens = backend.chat_ids(s.system_prompt, req.context, req.turns(),
+                                  tools=req.tool_template.tools if req.tool_template else None)
         if len(tokens) > s.max_prompt_tokens:
             return QueryResult.failure(f"prompt and context are {len(tokens)} tokens; max_prompt_tokens is "
                                        f"{s.max_prompt_tokens} (nothing is truncated)", req.request_id)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import re
 import threading
 import time
@@ -38,7 +37,10 @@ from ..request import CacheResult, QueryRequest, QueryResult
 from ..validation import normalize_text
 from .approx_gate import LABEL_MIN_SIMILARITY, request_bound
 from .request_pipeline import task_digest
-from .tool_calls import Call, CallPlan, Toolbox, ToolError
+from .tool_call_checks import Call
+from .tool_output_formats import CallPlan, write_call
+from .tool_schemas import ToolError
+from .toolbox import Toolbox
 
 TIER = "call"
 MAX_CALLS = 4096  # verified commands kept (newest); each a fingerprint (384 floats) and a short call
@@ -186,7 +188,8 @@ class CallReuse:
             fp = engine.embed([asked.question])[0]
         except Exception:  # noqa: BLE001 - bad input (the engine refuses it with the reason) or an embedder fault:
             return Lookup()  # either way the request goes the exact way, without reuse
-        key = hashlib.sha1(f"{task_digest(req)}\x1f{s.system_prompt}\x1f{req.max_new_tokens}".encode()).hexdigest()
+        key = hashlib.sha1(f"{task_digest(req)}\x1f{s.system_prompt}\x1f{req.max_new_tokens}\x1f{plan.format}"
+                           f"\x1f{plan.choice}".encode()).hexdigest()
         look = Lookup(key, asked.scope, question, fp, plan=plan)
         near = self._nearest(asked.scope, key, question, fp, time.time() - s.answer_max_age_s)
         if near is None:
@@ -219,7 +222,7 @@ class CallReuse:
         call = near.verified.call
         ms = (time.perf_counter() - t0) * 1000
         look.served = QueryResult(
-            success=True, answer=json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False),
+            success=True, answer=write_call(look.plan, call),
             cache_result=CacheResult.ANSWER, similarity=near.similarity, request_id=req.request_id, exact=False,
             error_estimate=look.estimate.upper if look.estimate.n else 0.0, ttft_ms=ms, total_ms=ms,
             stop_reason="stop")

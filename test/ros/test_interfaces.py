@@ -303,6 +303,28 @@ def test_rerank_service(h):
     assert h.call(rerank_cli(h), Rerank.Request(query=query, documents=docs[:1])).success  # the node answers on
 
 
+def test_the_client_library_reranks_as_the_service_does(h):
+    """SimllmClient.rerank over DDS: the service's ranking as (index, score) pairs, best first; top_k; a refusal
+    fails the future with ValueError carrying the node's reason."""
+    from simllm_ros.ros.client import SimllmClient
+
+    h.ensure_active()
+    docs = ["The pharmacy on Oak Avenue closes at 19:00.", "Light rain is expected after three this afternoon.",
+            "Bus line 12 runs every 15 minutes.", "Will it rain later today?"]
+    query = "is it going to rain this afternoon"
+    client = SimllmClient(f"/{NODE}", context=h.context)
+    try:
+        ranked = client.rerank(query, docs).result(60)
+        direct = h.call(rerank_cli(h), Rerank.Request(query=query, documents=docs))
+        assert [i for i, _ in ranked] == list(direct.indices) and {i for i, _ in ranked[:2]} == {1, 3}
+        assert np.allclose([s for _, s in ranked], direct.scores)
+        assert client.rerank(query, docs, top_k=1).result(60) == ranked[:1]
+        with pytest.raises(ValueError, match="documents is empty"):
+            client.rerank(query, []).result(60)
+    finally:
+        client.close()
+
+
 def test_the_client_library_answers_inside_a_timer_callback_and_cancels(h):
     """simllm_ros.ros.client over DDS: blocking on its futures inside another node's timer callback (a single
     threaded executor: the classic deadlock of a blocking service call) returns the node's answers; refusals come
@@ -406,6 +428,7 @@ def test_the_readme_client_examples_run_as_written(h):
             exec(compile(code, "README.md", "exec"), scope)
         assert scope["reply"].success and scope["reply"].answer
         assert len(scope["vectors"]) == 2 and len(scope["vectors"][0]) == 384
+        assert [i for i, _ in scope["ranked"]] == [1, 0]  # the charging dock first, as the README says
         assert scope["result"].stop_reason in ("cancel", "eos", "length")  # cancelled at once, or already done
     finally:
         if "client" in scope:

@@ -1,5 +1,6 @@
 """Tool calls without a node: schemas from real ROS interface types, the tools file's checks, calls checked against
-schema and bounds, and the message a call becomes (serving/tool_calls.py). No model, no DDS."""
+schema and bounds, and the message a call becomes (serving/tool_schemas.py, toolbox.py, tool_call_checks.py). No
+model, no DDS."""
 import json
 import os
 
@@ -7,7 +8,9 @@ import jsonschema
 import pytest
 
 from conftest import REPO
-from simllm_ros.serving import tool_calls as tc
+from simllm_ros.serving.tool_call_checks import Call, RateLimiter, message_to_dict, to_message
+from simllm_ros.serving.tool_schemas import ToolError, message_schema
+from simllm_ros.serving.toolbox import load_tools
 
 EXAMPLE = os.path.join(REPO, "config", "tools.example.yaml")
 
@@ -20,7 +23,7 @@ def write(tmp_path, text: str) -> str:
 
 def test_schema_nested_message_with_int_ranges():
     from geometry_msgs.msg import PoseStamped
-    s = tc.message_schema(PoseStamped)
+    s = message_schema(PoseStamped)
     stamp = s["properties"]["header"]["properties"]["stamp"]["properties"]
     assert stamp["sec"] == {"type": "integer", "minimum": -2**31, "maximum": 2**31 - 1}
     assert stamp["nanosec"] == {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}
@@ -38,10 +41,10 @@ def test_schema_arrays_bounded_strings_and_enum_from_constants():
     from geometry_msgs.msg import Polygon
 
     from simllm_ros.action import NavigateTo
-    poly = tc.message_schema(Polygon)["properties"]["points"]
+    poly = message_schema(Polygon)["properties"]["points"]
     assert poly["type"] == "array" and "maxItems" not in poly  # unbounded sequence of Point32
     assert poly["items"]["properties"]["x"]["maximum"] == pytest.approx(3.4028234663852886e38)  # float32
-    goal = tc.message_schema(NavigateTo.Goal)["properties"]
+    goal = message_schema(NavigateTo.Goal)["properties"]
     assert goal["target"] == {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}
     assert goal["avoid_zones"] == {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255},
                                    "maxItems": 4}  # uint8[<=4]
@@ -49,11 +52,11 @@ def test_schema_arrays_bounded_strings_and_enum_from_constants():
     assert goal["place"]["enum"] == ["dock", "kitchen", "door", "point"]  # PLACE_* constants
     assert "PLACE_DOCK='dock'" in goal["place"]["description"]
     from action_msgs.msg import GoalStatus
-    assert tc.message_schema(GoalStatus)["properties"]["status"]["enum"] == [0, 1, 2, 3, 4, 5, 6]
+    assert message_schema(GoalStatus)["properties"]["status"]["enum"] == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_example_tools_file_narrows_the_schema():
-    box = tc.load_tools(EXAMPLE)
+    box = load_tools(EXAMPLE)
     assert set(box.tools) == {"navigate_to", "set_brake", "stop_motors"}
     nav = box.tools["navigate_to"]
     assert nav.kind == "action" and nav.executable and nav.rate_calls == 2
@@ -96,13 +99,13 @@ def test_example_tools_file_narrows_the_schema():
     ("tools: [unclosed", "not valid YAML"),
 ])
 def test_bad_tools_file_gives_the_reason(tmp_path, body, words):
-    with pytest.raises(tc.ToolError) as e:
-        tc.load_tools(write(tmp_path, body))
+    with pytest.raises(ToolError) as e:
+        load_tools(write(tmp_path, body))
     assert words in str(e.value)
 
 
 def nav_box(tmp_path, extra: str = ""):
-    return tc.load_tools(write(tmp_path, (
+    return load_tools(write(tmp_path, (
         "- name: nav\n  description: drive\n  action: /nav\n  type: simllm_ros/action/NavigateTo\n"
         "  fields: {speed: {minimum: 0.1, maximum: 0.3}, target: {minimum: -5, maximum: 5}, avoid_zones: "
         "{max_items: 2}, note: {allowed: [ok, fine]}}\n" + extra)))
@@ -113,7 +116,7 @@ GOOD = {"place": "dock", "target": [1.0, -2.0], "speed": 0.3, "avoid_zones": [1]
 
 def test_calls_checked_against_schema_and_bounds(tmp_path):
     box = nav_box(tmp_path)
-    box.check(tc.Call("nav", GOOD))
+    box.check(Call("nav", GOOD))
     cases = [({**GOOD, "speed": 0.5}, "0.5 is greater than the maximum of 0.3"),
              ({**GOOD, "target": [1.0, 9.0]}, "target/1: 9.0 is greater than the maximum of 5"),
              ({**GOOD, "target": [1.0]}, "is too short"),
@@ -123,11 +126,11 @@ def test_calls_checked_against_schema_and_bounds(tmp_path):
              ({**GOOD, "wheels": 4}, "Additional properties are not allowed"),
              ({k: v for k, v in GOOD.items() if k != "speed"}, "'speed' is a required property")]
     for args, words in cases:
-        with pytest.raises(tc.ToolError) as e:
-            box.check(tc.Call("nav", args))
+        with pytest.raises(ToolError) as e:
+            box.check(Call("nav", args))
         assert words in str(e.value), (args, str(e.value))
-    with pytest.raises(tc.ToolError, match="unknown tool 'fly'"):
-        box.check(tc.Call("fly", GOOD))
+    with pytest.raises(ToolError, match="unknown tool 'fly'"):
+        box.check(Call("fly", GOOD))
 
 
 def test_bounds_checked_again_without_the_schema(tmp_path):
@@ -136,47 +139,47 @@ def test_bounds_checked_again_without_the_schema(tmp_path):
     box = nav_box(tmp_path)
     tool = box.tools["nav"]
     tool.schema = {"type": "object"}  # no schema at all
-    with pytest.raises(tc.ToolError, match="speed: 0.5 is above the maximum 0.3"):
-        box.check(tc.Call("nav", {**GOOD, "speed": 0.5}))
-    with pytest.raises(tc.ToolError, match="speed on the message: 0.9 is above the maximum 0.3"):
-        tc.to_message(tool, tc.Call("nav", {**GOOD, "speed": 0.9}))
-    with pytest.raises(tc.ToolError, match="avoid_zones: the message cannot hold 5 items"):
-        tc.to_message(tool, tc.Call("nav", {**GOOD, "avoid_zones": [1, 2, 3, 4, 5]}))  # uint8[<=4]
+    with pytest.raises(ToolError, match="speed: 0.5 is above the maximum 0.3"):
+        box.check(Call("nav", {**GOOD, "speed": 0.5}))
+    with pytest.raises(ToolError, match="speed on the message: 0.9 is above the maximum 0.3"):
+        to_message(tool, Call("nav", {**GOOD, "speed": 0.9}))
+    with pytest.raises(ToolError, match="avoid_zones: the message cannot hold 5 items"):
+        to_message(tool, Call("nav", {**GOOD, "avoid_zones": [1, 2, 3, 4, 5]}))  # uint8[<=4]
 
 
 def test_call_becomes_the_goal_message_with_fixed_fields(tmp_path):
     from simllm_ros.action import NavigateTo
-    box = tc.load_tools(write(tmp_path, (
+    box = load_tools(write(tmp_path, (
         "- name: nav\n  action: /nav\n  type: simllm_ros/action/NavigateTo\n"
         "  fields: {speed: {minimum: 0.1, maximum: 0.3}, target: {minimum: -5, maximum: 5}}\n"
         "  fixed: {note: fine}\n")))
     tool = box.tools["nav"]
     assert "note" not in tool.schema["properties"]
-    with pytest.raises(tc.ToolError, match="'note' was unexpected"):
-        box.check(tc.Call("nav", GOOD))
+    with pytest.raises(ToolError, match="'note' was unexpected"):
+        box.check(Call("nav", GOOD))
     args = {k: v for k, v in GOOD.items() if k != "note"}
-    box.check(tc.Call("nav", args))
-    goal = tc.to_message(tool, tc.Call("nav", args))
+    box.check(Call("nav", args))
+    goal = to_message(tool, Call("nav", args))
     assert isinstance(goal, NavigateTo.Goal)
     assert goal.place == "dock" and list(goal.target) == [1.0, -2.0] and list(goal.avoid_zones) == [1]
     assert goal.note == "fine" and goal.speed == pytest.approx(0.3)  # 0.3 at the float32 bound is in
-    assert tc.message_to_dict(goal)["target"] == [1.0, -2.0]
+    assert message_to_dict(goal)["target"] == [1.0, -2.0]
 
 
 def test_plan_choices_and_answers(tmp_path):
-    box = tc.load_tools(EXAMPLE)
+    box = load_tools(EXAMPLE)
     assert box.plan([], "auto") is None and box.plan(["navigate_to"], "none") is None
     auto = box.plan(["navigate_to", "set_brake"], "")
     assert auto.choice == "auto" and len(auto.schema["anyOf"]) == 3
     assert "navigate_to:" in auto.prompt_text and '{"text": "..."}' in auto.prompt_text
     assert box.parse(auto, '{"text": "hello"}') == ("hello", [])
     text, calls = box.parse(auto, '{"name": "set_brake", "arguments": {"data": true}}')
-    assert text == "" and calls == [tc.Call("set_brake", {"data": True})]
+    assert text == "" and calls == [Call("set_brake", {"data": True})]
     named = box.plan(["navigate_to", "set_brake"], "set_brake")
     assert named.schema == box.tools["set_brake"].call_schema()
-    with pytest.raises(tc.ToolError, match="neither a call"):
+    with pytest.raises(ToolError, match="neither a call"):
         box.parse(named, '{"text": "hello"}')  # a name asks for a call only
-    with pytest.raises(tc.ToolError, match="does not offer"):
+    with pytest.raises(ToolError, match="does not offer"):
         box.parse(named, '{"name": "stop_motors", "arguments": {}}')
     req = box.plan(["stop_motors"], "required")
     assert req.schema["properties"]["name"] == {"const": "stop_motors"}
@@ -184,15 +187,15 @@ def test_plan_choices_and_answers(tmp_path):
                                  "is not auto, none, required"), (["set_brake"], "stop_motors", "not one of the "
                                  "request's tools"), ([], "required", "needs tools"),
                                  (["set_brake", "set_brake"], "auto", "twice")):
-        with pytest.raises(tc.ToolError, match=words):
+        with pytest.raises(ToolError, match=words):
             box.plan(names, choice)
     assert json.loads(req.schema_text) == req.schema
 
 
 def test_rate_limit_window():
-    box = tc.load_tools(EXAMPLE)
+    box = load_tools(EXAMPLE)
     nav, brake = box.tools["navigate_to"], box.tools["set_brake"]
-    lim = tc.RateLimiter()
+    lim = RateLimiter()
     assert lim.take(nav, 100.0) is None and lim.take(nav, 101.0) is None
     assert "rate limit: navigate_to was sent 2 times in the last 10 s" in lim.take(nav, 105.0)
     assert lim.take(nav, 110.5) is None  # the first left the window

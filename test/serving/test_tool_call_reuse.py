@@ -10,8 +10,10 @@ import pytest
 from core_fixtures import fresh, shared_engine
 from simllm_ros.cache.error_bound import ErrorBound
 from simllm_ros.request import CacheResult, QueryRequest
-from simllm_ros.serving import tool_calls as tc
+from simllm_ros.serving.tool_call_checks import Call
 from simllm_ros.serving.tool_call_reuse import CallReuse, slot_conflict, slot_values
+from simllm_ros.serving.tool_output_formats import constrained_request
+from simllm_ros.serving.toolbox import Toolbox
 
 TOOLS = [
     {"name": "navigate_to", "description": "Drive the robot to a named place (dock, kitchen, door) at a speed.",
@@ -25,7 +27,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def toolbox():
-    return tc.Toolbox.from_list(TOOLS)
+    return Toolbox.from_list(TOOLS)
 
 
 @pytest.mark.parametrize("new, cached, words", [
@@ -49,7 +51,7 @@ def test_slot_guard_lets_paraphrases_through_and_knows_the_call_s_strings(toolbo
     assert slot_conflict("go to the charging dock", "head over to the charging dock please", values) is None
     assert slot_conflict("drive to dock two at 0.5 m/s", "please drive to dock 2 at 0.5 m/s", values) is None
     # a free string the cached call holds ("red box") must be named by both commands
-    call = tc.Call("navigate_to", {"place": "dock", "speed": 0.5, "note": "red box"})
+    call = Call("navigate_to", {"place": "dock", "speed": 0.5, "note": "red box"})
     with_call = slot_values(plan, call)
     assert "red box" in with_call
     assert "red box" in slot_conflict("bring the blue box to the dock", "bring the red box to the dock", with_call)
@@ -73,7 +75,7 @@ def test_labels_from_exact_runs_bound_opens_only_on_them_and_slot_swaps_never_sh
 
     def ask(q, scope="robot", **kw):
         asked = _asked(q, scope, **kw)
-        return reuse.answer(asked, tc.constrained_request(asked, plan), plan, run)
+        return reuse.answer(asked, constrained_request(asked, plan), plan, run)
 
     cmd = "Drive to the kitchen at 0.5 m/s."
     first = ask(cmd)
@@ -84,7 +86,7 @@ def test_labels_from_exact_runs_bound_opens_only_on_them_and_slot_swaps_never_sh
     assert again.decode_passes == 0 and again.reused_tokens == again.prompt_tokens  # no model pass
     assert again.answer == first.answer and again.generated_tokens == first.generated_tokens
     fresh(e, approx_error_bound=0.1, temperature=0.0)  # no cache: the same call
-    alone = e.handle(tc.constrained_request(_asked(cmd, "robot"), plan))
+    alone = e.handle(constrained_request(_asked(cmd, "robot"), plan))
     assert alone.cache_result == CacheResult.MISS and alone.answer == first.answer
     toolbox.parse(plan, first.answer)  # a valid call
 
@@ -113,9 +115,9 @@ def test_labels_from_exact_runs_bound_opens_only_on_them_and_slot_swaps_never_sh
 
     # a slot swap is never served, whatever the labels say; nor anything at δ 0
     asked = _asked("Drive to the kitchen at 5 m/s.", "robot")
-    look = reuse.lookup(asked, tc.constrained_request(asked, plan), plan)
+    look = reuse.lookup(asked, constrained_request(asked, plan), plan)
     assert look.served is None and "numbers" in look.refused, look.refused
     asked = _asked("Could you drive to the kitchen at 0.5 m/s?", "robot", approx_error_bound=0.0)
-    assert reuse.lookup(asked, tc.constrained_request(asked, plan), plan).served is None
+    assert reuse.lookup(asked, constrained_request(asked, plan), plan).served is None
     asked = _asked("Could you drive to the kitchen at 0.5 m/s?", "robot", allow_approximate=False)
-    assert reuse.lookup(asked, tc.constrained_request(asked, plan), plan).served is None
+    assert reuse.lookup(asked, constrained_request(asked, plan), plan).served is None
