@@ -13,11 +13,13 @@ Run: .venv/bin/simllm-bench product_rate [--reps 200] [--formats q8r,q4k8] [--th
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 
 import torch
 
 from ..kernels import int4_vector_kernel, memory_rate
+from ..kernels.product_kernel import MM_ARGS
 
 GU_N, GU_K = 17920, 1536  # Qwen2.5-1.5B's gate_up: the step's largest product
 CACHE_N, CACHE_K = 1024, 1536  # fits L2 (2 MB) for every format
@@ -47,23 +49,20 @@ def _blob(kernel, fmt: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _timer(kernel, fmt: str, blobs: list[torch.Tensor], n: int, k: int, threads: int):
-    """A function that runs one product on the next blob and returns its seconds."""
+    """A function that runs one product on the next blob and returns its seconds: the format's C entry (the one
+    the C layers call, `entries`) straight, with the kernel's buffers for this thread."""
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
     y = torch.empty(1, n)
-    xsum, buf = kernel._buffers(1, k, max(threads, 2))
-    fn = {"q8": kernel._mm8, "q8r": kernel._mm8r, "q4k8": kernel._mm4k8, "q6k8": kernel._mm6k8,
-          "q4k": kernel._mm4k}[fmt]
+    xsum, buf, floats, most = kernel.buffers(1, k)
+    threads = min(threads, max(most, 2))  # the work buffer holds max(threads, 2) threads' parts
+    fn = ctypes.CFUNCTYPE(None, *MM_ARGS)(kernel.entries[fmt])
     i = [0]
 
     def one() -> float:
         b = blobs[i[0] % len(blobs)]
         i[0] += 1
         t0 = time.perf_counter()
-        if fmt == "q8":
-            fn(x.data_ptr(), k, b.data_ptr(), y.data_ptr(), n, 1, n, k, buf.data_ptr(), kernel._buf_floats, threads)
-        else:
-            fn(x.data_ptr(), k, b.data_ptr(), y.data_ptr(), n, 1, n, k, xsum.data_ptr(), buf.data_ptr(),
-               kernel._buf_floats, threads)
+        fn(x.data_ptr(), k, b.data_ptr(), y.data_ptr(), n, 1, n, k, xsum, buf, floats, threads)
         return time.perf_counter() - t0
     return one
 
