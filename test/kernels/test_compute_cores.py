@@ -160,13 +160,27 @@ def test_decode_profile_prints_where_a_step_goes(files, tmp_path):
                         "--json", str(tmp_path / "p.json")], cwd=root, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert "| threads | step | qkv |" in p.stdout and "floor ms" in p.stdout and "A model, not a measurement" in p.stdout
+    assert "| threads | step | qkv |" in p.stdout and "floor ms" in p.stdout
+    assert "A model, not a measurement" in p.stdout
     import json
 
     rows = json.load(open(tmp_path / "p.json"))["ours"]["rows"]
     assert [r["threads"] for r in rows] == [1, 2]
     assert all(r["gate_up"] > 0 and r["memory_read_gbs"] > 0 for r in rows)
     assert rows[1]["dispatches"] > 0 and rows[0]["dispatches"] == 0  # one thread: no worker ever woken
+
+
+def test_product_rate_prints_each_format_against_memory(capsys):
+    """simllm-bench product_rate's smoke run: one row times each decode format's weights, a table row per format
+    with positive rates in memory and in cache (the full run: benchmark/results/decode_profile.md)."""
+    if int4_vector_kernel.load() is None:
+        pytest.skip(f"vector kernel: {int4_vector_kernel.why_not()}")
+    from simllm_ros.bench import product_rate
+
+    assert product_rate.main(["--reps", "2", "--stream-mib", "4", "--shape", "64,512"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| q")]
+    assert [r[0].strip() for r in rows] == list(product_rate.FORMATS)
+    assert all(float(v) > 0 for r in rows for v in r[1:])
 
 
 def test_products_from_many_threads_at_once_keep_their_bits(threads_restored):
