@@ -252,7 +252,8 @@ def plan_kernels(cpu: str, names=None) -> dict:
     """kernel-plan run by the aarch64 Python in the root file system: where the load looks for each kernel (the
     key names the rootfs gcc's version, flags and machine) and the command it would build it with."""
     out = chroot(f"{VENV}/bin/python", "/opt/simllm/scripts/engine_probe.py", "kernel-plan", *(names or KERNELS),
-                 env={"SIMLLM_KERNEL_DIR": kernel_dir(cpu)}, capture_output=True, text=True).stdout
+                 env={"SIMLLM_KERNEL_DIR": kernel_dir(cpu)}, mounts=True, cpu=cpu, capture_output=True,
+                 text=True).stdout
     return json.loads(out)
 
 
