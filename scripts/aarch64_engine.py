@@ -229,8 +229,8 @@ def cc1_args(driver: list[str], flags: list[str], run=sh) -> list[str]:
     compiler proper is told, target and defaults included (`gcc -###` runs nothing)."""
     out = run([*driver, *flags, "-###", "-x", "c", "-c", "/dev/null", "-o", "/dev/null"], capture_output=True,
               text=True).stderr
-    line = next(ln for ln in out.splitlines() if ln.strip().startswith('"') and "/cc1" in ln.split()[0])
-    return shlex.split(line)[1:]
+    line = next(ln for ln in out.splitlines() if ln.split() and shlex.split(ln)[0].endswith("/cc1"))
+    return [a for a in shlex.split(line)[1:] if not (a.startswith("/tmp/cc") and a.endswith(".s"))]  # its temp file
 
 
 def target_flags(cpu: str) -> tuple[list[str], list[str]]:
