@@ -1,6 +1,6 @@
 """The engine on aarch64 under emulation, compared bit for bit with the same run on this x86 machine.
 
-    sudo .venv/bin/python scripts/aarch64_engine.py [--short] [--cpu jetson-orin|generic]
+    sudo .venv/bin/python scripts/aarch64_engine.py [--short] [--cpu jetson-orin|generic] [--emulated-build]
 
 Stages (each timed; the first two are cached, so a rerun starts at the third):
 1. an arm64 Debian 12 root file system from Debian's packages (debootstrap --arch=arm64: python3, python3-venv,
@@ -11,8 +11,15 @@ Stages (each timed; the first two are cached, so a rerun starts at the third):
    aarch64 by this machine's pip and unpacked into the venv (--no-deps --target: pip here would evaluate the
    dependency markers for x86), then `pip check` run by the aarch64 Python. torch there is 2.10.0, the newest
    CPU-only aarch64 wheel on PyPI (later ones are CUDA 13 builds; see the requirements file).
-3. this checkout's package copied in; the aarch64 gcc there builds our C kernels through the package's own build
-   (kernels/build.py: its flags, -march=native, its cache key), the four at once, before the first load.
+3. this checkout's package copied in; our C kernels built for it. By default on this machine by Debian's cross gcc
+   (aarch64-linux-gnu-gcc, the rootfs gcc's version 12.2): the rootfs gcc says what -march=native means there
+   (`gcc -###`; the two drivers' cc1 lines must otherwise agree), the aarch64 Python there says where its load
+   looks for each kernel and with which command it would build it (engine_probe.py kernel-plan:
+   kernels/build.library_path and build.command), and the cross gcc runs that command with -march=native
+   resolved, the library placed under that name. `--emulated-build` lets the rootfs gcc build them under the
+   emulator instead (the package's own first-use build; many CPU minutes: int4_vector.c's cc1 alone did not finish
+   in 46 min on the shared machine), and `--verify rmsnorm` (default) builds the quickest kernel that way too after
+   the runs and compares the two libraries byte for byte.
    --cpu jetson-orin (default) shows gcc a Jetson Orin's /proc/cpuinfo (Cortex-A78AE: dotprod, fp16), so that
    -march=native builds what a Jetson builds; --cpu generic leaves the host's, and gcc falls back to armv8-a
    (no dotprod: the portable integer paths). qemu's default CPU ("max") runs either.
@@ -63,6 +70,9 @@ TIME_SCALE = 40  # the package's wall-clock budgets at load, stretched for the e
 ORIN_CORE = ("processor\t: {i}\nBogoMIPS\t: 62.50\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics "
              "fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp uscat ilrcpc flagm paca pacg\nCPU implementer\t: 0x41\n"
              "CPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0xd42\nCPU revision\t: 1\n\n")
+
+
+STARTED = time.monotonic()
 
 
 def log(msg: str) -> None:
@@ -211,6 +221,97 @@ def build_kernels(cpu: str, logf: str) -> None:
                stdout=f, stderr=subprocess.STDOUT)
 
 
+CROSS = "aarch64-linux-gnu-gcc"  # Debian's cross gcc 12.2 (scripts/setup.sh): the rootfs gcc's version, an x86 binary
+
+
+def cc1_args(driver: list[str], flags: list[str], run=sh) -> list[str]:
+    """The cc1 command line (without cc1's own path) that `driver` with `flags` runs for a C file: what the
+    compiler proper is told, target and defaults included (`gcc -###` runs nothing)."""
+    out = run([*driver, *flags, "-###", "-x", "c", "-c", "/dev/null", "-o", "/dev/null"], capture_output=True,
+              text=True).stderr
+    line = next(ln for ln in out.splitlines() if ln.split() and shlex.split(ln)[0].endswith("/cc1"))
+    return [a for a in shlex.split(line)[1:] if not (a.startswith("/tmp/cc") and a.endswith(".s"))]  # its temp file
+
+
+def target_flags(cpu: str) -> tuple[list[str], list[str]]:
+    """What -march=native resolves to for the rootfs gcc under `cpu`'s cpuinfo (its -march/-mtune/-mcpu on cc1's
+    line), and the difference between that gcc's cc1 line and the cross gcc's given those flags (empty: the two
+    drivers tell cc1 the same)."""
+    def emulated(cmd, **kw):
+        return chroot(*cmd, mounts=True, cpu=cpu, **kw)
+
+    native = cc1_args(["gcc"], ["-march=native"], run=emulated)
+    resolved = [a for a in native if a.startswith(("-march=", "-mtune=", "-mcpu="))]
+    cross = cc1_args([CROSS], resolved)
+    diff = [f"rootfs gcc: {a}" for a in native if a not in cross] + [f"cross gcc: {a}" for a in cross
+                                                                      if a not in native]
+    return resolved, diff
+
+
+def plan_kernels(cpu: str, names=None) -> dict:
+    """kernel-plan run by the aarch64 Python in the root file system: where the load looks for each kernel (the
+    key names the rootfs gcc's version, flags and machine) and the command it would build it with."""
+    out = chroot(f"{VENV}/bin/python", "/opt/simllm/scripts/engine_probe.py", "kernel-plan", *(names or KERNELS),
+                 env={"SIMLLM_KERNEL_DIR": kernel_dir(cpu)}, mounts=True, cpu=cpu, capture_output=True,
+                 text=True).stdout
+    return json.loads(out)
+
+
+def cross_build_kernels(cpu: str, flags: list[str], logf: str) -> dict:
+    """Our kernels built on this machine by the cross gcc, with the command the package's build would run in the
+    root file system (kernels/build.command: its flags; -march=native replaced by what the rootfs gcc resolves it
+    to), placed where the load there looks for them (build.library_path's key). Paths are the rootfs's; the cross
+    gcc sees them under ROOTFS and -ffile-prefix-map takes that prefix out of anything written into the library."""
+    plan = plan_kernels(cpu)
+    built = {}
+    with open(logf, "w", encoding="utf-8") as log_file:
+        for name, item in plan["kernels"].items():
+            target = os.path.join(ROOTFS, item["path"].lstrip("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = target + ".cross-tmp"
+            cmd = [CROSS, f"-ffile-prefix-map={ROOTFS}="]
+            for arg in item["command"][1:]:
+                if arg == "-march=native":
+                    cmd += flags
+                elif arg == "OUT":
+                    cmd.append(tmp)
+                elif arg.startswith("-I/"):
+                    cmd.append("-I" + os.path.join(ROOTFS, arg[3:]))
+                elif arg.startswith("/opt/"):
+                    cmd.append(os.path.join(ROOTFS, arg.lstrip("/")))
+                else:
+                    cmd.append(arg)
+            log_file.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+            log_file.flush()
+            t = time.monotonic()
+            sh(["nice", "-n", "19", *cmd], stdout=log_file, stderr=subprocess.STDOUT)
+            os.replace(tmp, target)
+            built[name] = {"path": item["path"], "seconds": round(time.monotonic() - t, 1)}
+            log(f"kernel {name}: cross-built in {built[name]['seconds']} s -> {item['path']}")
+    return built
+
+
+def verify_emulated(cpu: str, names: list[str], logf: str) -> dict:
+    """The same kernels built by the rootfs gcc itself under the emulator (the package's own build, another kernel
+    directory), compared byte for byte, and by their disassembly, with the cross-built ones."""
+    other = kernel_dir(cpu) + "-emulated"
+    with open(logf, "w", encoding="utf-8") as f:
+        chroot(f"{VENV}/bin/python", "/opt/simllm/scripts/engine_probe.py", "build-kernels", *names,
+               "--time-scale", str(TIME_SCALE), env={"SIMLLM_KERNEL_DIR": other}, mounts=True, cpu=cpu,
+               stdout=f, stderr=subprocess.STDOUT)
+    cross_plan = plan_kernels(cpu, names)["kernels"]
+    result = {}
+    for name in names:
+        a = os.path.join(ROOTFS, cross_plan[name]["path"].lstrip("/"))
+        b = os.path.join(ROOTFS, other.lstrip("/"), os.path.basename(cross_plan[name]["path"]))
+        same_bytes = open(a, "rb").read() == open(b, "rb").read()
+        dis = [sh(["aarch64-linux-gnu-objdump", "-d", "--no-show-raw-insn", p], capture_output=True,
+                  text=True).stdout.split("\n", 2)[-1] for p in (a, b)]
+        result[name] = {"same_bytes": same_bytes, "same_disassembly": dis[0] == dis[1]}
+        log(f"kernel {name}: cross vs emulated build: {result[name]}")
+    return result
+
+
 def kernel_dir(cpu: str) -> str:
     """Inside the root file system, one per --cpu: the package's cache key names the flags (-march=native), not
     what they resolve to, and the two cpuinfo files resolve it differently."""
@@ -263,15 +364,18 @@ def timed(results: dict, key: str, fn, *args) -> None:
     results[key] = (time.monotonic() - t, err, float("nan"))
 
 
-def report(args, stages: dict, runs: list[dict], how: str, arch_flags: str) -> str:
+def report(args, stages: dict, runs: list[dict], how: str, arch_flags: str, kernels_note: list[str]) -> str:
     lines = ["# The engine on aarch64 under emulation, against x86", "",
-             f"Command: `sudo .venv/bin/python scripts/aarch64_engine.py{' --short' if args.short else ''} "
-             f"--cpu {args.cpu}` (scripts/aarch64_engine.py; records in `aarch64_engine/`).", "",
+             f"Command (as root): `nice -n 19 .venv/bin/python scripts/aarch64_engine.py "
+             f"{' '.join(shlex.quote(a) for a in sys.argv[1:])}`, {time.monotonic() - STARTED:.0f} s of wall time "
+             f"in all, finished {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (records in `aarch64_engine/`; "
+             f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs).", "",
              f"- x86: {platform.machine()}, Python {platform.python_version()}, this checkout's venv; "
              f"{os.cpu_count()} CPUs, shared with other work (every process at nice 19).",
              f"- aarch64: Debian 12 arm64 root file system from Debian's packages (debootstrap), Python 3.11, "
              f"gcc 12.2, qemu-user-static through {how}; gcc's -march=native there: `{arch_flags}` "
-             f"(--cpu {args.cpu}).", "", "## Stages", "", "| stage | wall s | CPU s | note |", "|---|---|---|---|"]
+             f"(--cpu {args.cpu}).", *[f"- {n}" for n in kernels_note], "", "## Stages", "",
+             "| stage | wall s | CPU s | note |", "|---|---|---|---|"]
     for name, (secs, note, cpu) in stages.items():
         lines.append(f"| {name} | {secs:.1f} | {cpu:.1f} | {note or ''} |")
     lines += ["", "## Runs", ""]
@@ -322,6 +426,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--short", action="store_true", help="the small Q4_K_M file only (CI's form)")
     ap.add_argument("--cpu", choices=("jetson-orin", "generic"), default="jetson-orin")
+    ap.add_argument("--emulated-build", action="store_true",
+                    help="let the rootfs gcc build the kernels under the emulator (many CPU minutes) instead of the "
+                         "cross gcc here")
+    ap.add_argument("--verify", nargs="*", default=["rmsnorm"], metavar="KERNEL",
+                    help="after the runs, build these kernels with the rootfs gcc under the emulator too and compare "
+                         "them with the cross-built ones (default: rmsnorm, the quickest; none: skip)")
     ap.add_argument("--no-report", action="store_true", help="do not write benchmark/results/aarch64_engine.md")
     ap.add_argument("--compare-only", action="store_true",
                     help="run nothing: compare the records in benchmark/results/aarch64_engine/ (exit 1: they differ)")
@@ -333,7 +443,7 @@ def main(argv=None) -> int:
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        raise SystemExit(f"another run of this script holds {lock.name}: it may be using the root file system")
+        raise SystemExit(f"another run of this script holds {lock.name}: it may use the root file system") from None
     stages: dict[str, tuple[float, str | None, float]] = {}  # name: (wall s, note, CPU s)
 
     def stage(name, fn, note=lambda v: ""):
@@ -359,10 +469,33 @@ def main(argv=None) -> int:
     runs = []
     out_dir = os.path.join(RESULTS, "aarch64_engine")
     os.makedirs(out_dir, exist_ok=True)
-    arch_flags = march(args.cpu)
-    log(f"aarch64 gcc -march=native: {arch_flags}")
-    stage("3 kernels built by the aarch64 gcc", lambda: build_kernels(args.cpu, os.path.join(WORK, "kernels.log")),
-          lambda _: f"{', '.join(KERNELS)}; -march=native = {arch_flags}")
+    kernels_note: list[str] = []
+    if args.emulated_build:
+        arch_flags = march(args.cpu)
+        log(f"aarch64 gcc -march=native: {arch_flags}")
+        stage("3 kernels built by the aarch64 gcc (emulated)",
+              lambda: build_kernels(args.cpu, os.path.join(WORK, "kernels.log")),
+              lambda _: f"{', '.join(KERNELS)}; -march=native = {arch_flags}")
+        kernels_note.append("Kernels: built by the rootfs gcc under the emulator (--emulated-build), through the "
+                            "package's own build.")
+    else:
+        flags, driver_diff = stage("3 -march=native resolved by the rootfs gcc", lambda: target_flags(args.cpu),
+                                   lambda v: " ".join(v[0]))
+        arch_flags = " ".join(flags)
+        log(f"aarch64 gcc -march=native: {arch_flags}; cc1 lines differ: {driver_diff or 'no'}")
+        if driver_diff:
+            raise SystemExit(f"the cross gcc would tell cc1 other things than the rootfs gcc: {driver_diff}")
+        built = stage("3 kernels built by the cross gcc", lambda: cross_build_kernels(
+            args.cpu, flags, os.path.join(WORK, "kernels-cross.log")), lambda v: ", ".join(
+                f"{k} {i['seconds']} s" for k, i in v.items()))
+        kernels_note.append(
+            f"Kernels: built on x86 by Debian's cross gcc (`{CROSS}`, 12.2.0-14cross1) with the command the "
+            f"package's build (kernels/build.py) would run in the root file system, `-march=native` replaced by "
+            f"what the rootfs gcc resolves it to (`{arch_flags}`; the two drivers' cc1 command lines are otherwise "
+            f"identical), and placed under the names the load there looks for (build.library_path: the rootfs "
+            f"gcc's version, flags and machine): " + ", ".join(os.path.basename(i["path"]) for i in built.values())
+            + ". Why not the emulated gcc: its cc1 under qemu runs ~40x slower than the cross cc1 (int4_vector.c: "
+            "17.7 CPU s cross); on a shared 2-core machine at nice 19 that build did not finish in 46 min.")
     for x86_model, arm_model, tag in models:
         log(f"stage 4: {tag} on x86 and aarch64 (logs in {WORK})")
         times: dict = {}
@@ -389,7 +522,16 @@ def main(argv=None) -> int:
         for side, name in (("x86", "x86"), ("arm", "aarch64")):
             stages[f"4 {tag} on {name}"] = times[side]
         runs.append(r)
-    text = report(args, stages, runs, how, arch_flags)
+    if args.verify and not args.emulated_build:
+        same = stage(f"5 {', '.join(args.verify)} built by the rootfs gcc (emulated), compared",
+                     lambda: verify_emulated(args.cpu, args.verify, os.path.join(WORK, "kernels-emulated.log")),
+                     json.dumps)
+        kernels_note.append("The same kernels built by the rootfs gcc itself under the emulator (the package's own "
+                            "build) against the cross-built ones: " + "; ".join(
+                                f"{k}: {'identical bytes' if v['same_bytes'] else 'bytes differ'}, "
+                                f"{'identical' if v['same_disassembly'] else 'DIFFERENT'} disassembly"
+                                for k, v in same.items()) + ".")
+    text = report(args, stages, runs, how, arch_flags, kernels_note)
     if not args.no_report:
         name = "aarch64_engine.md" if not args.short else "aarch64_engine_short.md"
         tmp = os.path.join(RESULTS, name + ".tmp")

@@ -108,6 +108,20 @@ def build_kernels(names: list[str], time_scale: float = 1.0) -> dict:
     return built
 
 
+def kernel_plan(names: list[str]) -> dict:
+    """For each kernel: the library path the load looks for (kernels/build.library_path: this machine's compiler,
+    flags and key) and the compiler's command line for it. scripts/aarch64_engine.py builds that command with a
+    cross compiler of the same version and places the library there, so the load finds it as if built here."""
+    from simllm_ros.kernels import build
+
+    cc = build.compiler()
+    if cc is None:
+        raise SystemExit("no C compiler here: the plan names the compiler whose key the load uses")
+    return {"cc": cc, "version": build._compiler_version(cc),
+            "kernels": {n: {"path": build.library_path(n, cc), "command": build.command(n, cc, "OUT")}
+                        for n in names}}
+
+
 def run(model: str, out: str, threads: int, time_scale: float = 1.0) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -247,6 +261,8 @@ def main(argv=None) -> int:
     k = sub.add_parser("build-kernels", help="build these kernels at once, as the load would build them")
     k.add_argument("names", nargs="+")
     k.add_argument("--time-scale", type=float, default=1.0)
+    p = sub.add_parser("kernel-plan", help="print where the load looks for these kernels and how it builds them")
+    p.add_argument("names", nargs="+")
     c = sub.add_parser("compare", help="compare two records: exit 0 equal, 1 different")
     c.add_argument("first")
     c.add_argument("second")
@@ -256,6 +272,9 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "build-kernels":
         build_kernels(args.names, args.time_scale)
+        return 0
+    if args.cmd == "kernel-plan":
+        print(json.dumps(kernel_plan(args.names)))
         return 0
     with open(args.first, encoding="utf-8") as f1, open(args.second, encoding="utf-8") as f2:
         diffs = compare(json.load(f1), json.load(f2))

@@ -78,18 +78,24 @@ def _compiler_version(cc: str) -> str:
         return ""
 
 
+def library_path(name: str, cc: str, extra_flags: tuple[str, ...] = (), tag: str = "") -> str:
+    """Where build() keeps this kernel: its name carries the key of source, flags, compiler and machine. A library
+    built elsewhere for this machine (scripts/aarch64_engine.py: a cross compiler of the same version) is used
+    only when placed here under this name."""
+    flags = " ".join(command(name, "cc", "out", extra_flags))
+    key = hashlib.sha256("\0".join([source_text(name), flags, _compiler_version(cc), platform.machine(),
+                                    platform.node()]).encode()).hexdigest()[:16]
+    return os.path.join(kernel_dir(), f"{name}{'-' + tag if tag else ''}-{key}.so")
+
+
 def build(name: str, cc: str | None = None, extra_flags: tuple[str, ...] = (), tag: str = "") -> str:
     """The shared library for this kernel, compiler, flags and machine: built once, atomically, then reused.
     `extra_flags` (tests): e.g. ("-mno-avx512f",) builds the portable C on an AVX-512 machine; `tag` names it."""
     cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) found")
-    version = _compiler_version(cc)
-    flags = " ".join(command(name, "cc", "out", extra_flags))
-    key = hashlib.sha256("\0".join([source_text(name), flags, version, platform.machine(),
-                                    platform.node()]).encode()).hexdigest()[:16]
+    target = library_path(name, cc, extra_flags, tag)
     os.makedirs(kernel_dir(), exist_ok=True)
-    target = os.path.join(kernel_dir(), f"{name}{'-' + tag if tag else ''}-{key}.so")
     if os.path.exists(target):
         return target
     with tempfile.TemporaryDirectory(dir=kernel_dir()) as tmp:

@@ -53,3 +53,32 @@ def test_a_planted_difference_is_reported_by_tensor_position_request_and_step():
     assert any(d.startswith(f"request {name}: token ids differ from step 3:") for d in diffs), diffs
     assert f"request {name}: pass 1 ({len(req['passes'][1]['ids'])} rows): logits differ from row 0" in diffs
     assert len(diffs) == 6, diffs
+
+
+def test_the_committed_comparison_still_describes_this_checkout(tmp_path):
+    """The short form that fits the suite (the emulated run takes many minutes and a root file system): the x86
+    half of the committed comparison run again on this checkout. Its numerics (the digest and every tensor of the
+    digest pass) must equal the committed record's, else the aarch64 record no longer speaks for these kernels and
+    `scripts/aarch64_engine.py --short` must be run again. The requests are compared too and reported, not failed
+    on: a change of the draft policy changes their passes without touching the numerics."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "test"))
+    from random_gguf import Q4_K_M, write_llama
+
+    model = write_llama(str(tmp_path / "rand-q4_k_m.gguf"), types=Q4_K_M, per_layer={(1, "attn_v"): "Q4_K"})
+    out = tmp_path / "x86.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "engine_probe.py"), "run", "--model", model,
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    with open(out, encoding="utf-8") as f:
+        now = json.load(f)
+    committed = _record("x86-q4_k_m.json")
+    diffs = _probe().compare(committed, now)
+    numerics = [d for d in diffs if d.startswith(("numerics digest", "digest pass"))]
+    assert not numerics, ("the numerics changed since the aarch64 comparison was committed: run "
+                          f"scripts/aarch64_engine.py --short again; {numerics}")
+    if diffs:
+        print("requests differ from the committed x86 record (rerun scripts/aarch64_engine.py --short):", diffs)
