@@ -19,7 +19,7 @@ methods:
 - request_pipeline.py: RequestPipeline, one request's phases (plan, prefill, start decoding, conclude);
 - request_memory.py: RequestMemory, what a finished request leaves for later ones (pool update, fleet share, drafts);
 - batching.py: Batcher, continuous batching (begin, step) over the pipeline's phases;
-- warm_start.py: snapshot restore/save and warm-up.
+- warm_start.py: WarmStart, snapshot restore/save and warm-up.
 """
 from __future__ import annotations
 
@@ -93,11 +93,11 @@ def max_token_bytes(tokenizer) -> int:
     return max([len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab() if isinstance(t, str)] + [1])
 
 
-class Engine(WarmStart):
+class Engine:
     """The model, the embedder and the KV pool, and every request's way through them. It owns its parts: the
     pipeline (request_pipeline.RequestPipeline), what finished requests leave (request_memory.RequestMemory) and
-    the batcher (batching.Batcher), which read its state through engine_parts.EngineCore; warm_start (WarmStart)
-    is mixed in. The state they read is set up here, in __init__ and load()."""
+    the batcher (batching.Batcher) and the warm start (warm_start.WarmStart), which read its state through
+    engine_parts.EngineCore. The state they read is set up here, in __init__ and load()."""
 
     def __init__(self, settings: Settings, log: logging.Logger | None = None):
         self.settings = settings
@@ -109,14 +109,12 @@ class Engine(WarmStart):
         self.recorder = CacheStatsRecorder(window=100)
         self.thermal_level = ThermalLevel.OK
         self._exec_lock = threading.Lock()
-        self._saved_mutations = -1
         self._token_bytes = 0  # longest vocabulary entry in UTF-8 bytes (an upper bound), set at load
         self.load_report: dict = {}
         self.kv_bits = 0
         self.memo = AnswerMemo()  # finished answers of identical requests (answer_memo)
         self._pass_costs: PassCosts | None = None  # the backend's pass costs, learnt from this engine's passes
         self._owns_models = True  # False for a fork(): the backend belongs to another engine
-        self._warming = False  # requests now are warm-up: the semantic log marks them so they do not count
         self._pinned: list[int] = []  # the CPUs the compute workers keep to (compute_pinning), the caller's first
         self.fleet: FleetStore | None = None  # the shared fleet store (fleet_store_url), None when off
         # How often approximate answers differ from the model's own (approx_error_bound), and the idle-time
@@ -131,11 +129,12 @@ class Engine(WarmStart):
         self.memory = RequestMemory(self)
         self.pipeline = RequestPipeline(self, self.memory, self.memo, self.audits)
         self.batcher = Batcher(self, self.pipeline)
+        self.warm_start = WarmStart(self, self.handle)
 
     # ---- what the parts read (engine_parts.EngineCore) and the parts' figures ------------------------------------
     @property
     def warming(self) -> bool:
-        return self._warming
+        return self.warm_start.warming
 
     @property
     def prefill_s_per_token(self) -> float:
@@ -272,7 +271,8 @@ class Engine(WarmStart):
             if s.persist_path:
                 self.restore(progress)
             if s.warmup_queries:
-                self.load_report["warmup"] = self._warm_up(s.warmup_queries, progress)
+                self.load_report["warmup"] = self.warm_start.warm_up(s.warmup_queries, progress,
+                                                                     self.load_report.get("restored", 0))
             # What is loaded now lives as long as the engine: out of the cyclic collector's sight, a full collection
             # no longer walks it (~320k objects: a ~150 ms pause at a random decode step, measured on the embedded
             # model), only what requests create.
@@ -379,6 +379,18 @@ class Engine(WarmStart):
                 # the model's and the pool's freed heap handed back to the system: without it a cleaned-up node kept
                 # ~0.4 GB of a 0.5B model resident (glibc keeps freed pages) until its next load reused them
                 release_heap()
+
+    # ---- the snapshot (warm_start) ------------------------------------------------
+    def restore(self, progress: Callable[[str], None] | None = None) -> int:
+        """Load the snapshot in persist_path into the (empty) pool (warm_start.WarmStart.restore); never raises.
+        Returns the tasks restored; the load report says what became of the snapshot."""
+        n, snapshot = self.warm_start.restore(progress)
+        self.load_report.update(restored=n, snapshot=snapshot)
+        return n
+
+    def save(self, only_if_changed: bool = False) -> str | None:
+        """Write the pool to persist_path (atomic; warm_start.WarmStart.save); None where nothing was written."""
+        return self.warm_start.save(only_if_changed)
 
     # ---- settings / thermal ------------------------------------------------
     def update_settings(self, settings: Settings) -> None:
