@@ -285,7 +285,7 @@ def test_flights_on_one_context_share_it_and_answer_as_alone(engine):
     class Sharing(Recorder):
         def step(self, flights):
             out = super().step(flights)
-            shared.append(sum(1 for f in flights if f.share is not None))
+            shared.append(sum(1 for f in flights if f.batch.share is not None))
             return out
 
     for max_batch in (1, 4):
@@ -312,7 +312,7 @@ def test_requests_arriving_together_prefill_their_common_start_once(engine):
 
     class Waits(Recorder):
         def step(self, flights):
-            waited.append(sum(1 for f in flights if f.leader is not None))
+            waited.append(sum(1 for f in flights if f.batch.leader is not None))
             return super().step(flights)
 
     alone = {}  # one at a time, each on an empty pool

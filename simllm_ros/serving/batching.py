@@ -115,26 +115,26 @@ class Batcher:
         LEADER_MIN_TOKENS more leading tokens with an earlier flight of its scope than it reused waits while that
         leader prefills them, then takes their KV: the leader's bits, which it would have computed itself
         (exact chunking: a token's KV does not depend on the passes its prefix ran in). Whether it waits now."""
-        if not f.leader_checked:
-            f.leader_checked = True
+        if not f.batch.leader_checked:
+            f.batch.leader_checked = True
             have = len(f.tokens) - f.todo
             for g in earlier:
-                if g.p.req.scope != f.p.req.scope or g.leader is not None:
+                if g.p.req.scope != f.p.req.scope or g.batch.leader is not None:
                     continue
                 n, limit = 0, min(len(g.tokens), len(f.tokens) - 1)  # the last token is run for its logits
                 while n < limit and g.tokens[n] == f.tokens[n]:
                     n += 1
-                if n >= have + self.LEADER_MIN_TOKENS and n > f.leader_tokens:
-                    f.leader, f.leader_tokens = g, n
-        g = f.leader
+                if n >= have + self.LEADER_MIN_TOKENS and n > f.batch.leader_tokens:
+                    f.batch.leader, f.batch.leader_tokens = g, n
+        g = f.batch.leader
         if g is None:
             return False
         if not any(x is g for x in earlier) or g.cache is None:  # the leader ended (or failed) first: prefill alone
-            f.leader = None
+            f.batch.leader = None
             return False
-        if len(g.tokens) - (g.todo if g.decoder is None else 0) < f.leader_tokens:
+        if len(g.tokens) - (g.todo if g.decoder is None else 0) < f.batch.leader_tokens:
             return True  # not yet
-        n = f.leader_tokens
+        n = f.batch.leader_tokens
         k, v = self.core.backend.cache_tensors(g.cache)
         f.cache = self.core.backend.cache_from_tensors(k[:, :, :n].clone(), v[:, :, :n].clone(),
                                                   reserve=len(f.tokens) - n + f.reserve)
@@ -142,7 +142,7 @@ class Batcher:
         f.res.reused_tokens, f.res.recomputed_tokens = n, f.todo
         if f.res.cache_result == CacheResult.MISS:
             f.res.cache_result = CacheResult.EXACT_PREFIX
-        f.leader = None
+        f.batch.leader = None
         return False
 
     def _run_isolated(self, flights: list[Flight], work: list, out: list) -> list:
@@ -181,28 +181,28 @@ class Batcher:
             if f.decoder is None:
                 continue
             lead = None
-            if f.share is not None:
-                lf, n, lc, oc = f.share
+            if f.batch.share is not None:
+                lf, n, lc, oc = f.batch.share
                 if id(lf) in leads and lf.cache is lc and f.cache is oc and n <= base:
                     lead = leads[id(lf)]
                 else:
-                    f.share, f.share_checked = None, False
-            if lead is None and not f.share_checked:
-                f.share_checked = True
+                    f.batch.share, f.batch.share_checked = None, False
+            if lead is None and not f.batch.share_checked:
+                f.batch.share_checked = True
                 for k in leads.values():
                     lf = flights[work[k][0]]
                     common = next((t for t, (x, y) in enumerate(zip(lf.tokens, f.tokens)) if x != y),
                                   min(len(lf.tokens), len(f.tokens)))
                     n = self.core.backend.same_prefix(lf.cache, f.cache, min(common, base, work[k][3]))
                     if n:
-                        f.share, lead = (lf, n, lf.cache, f.cache), k
+                        f.batch.share, lead = (lf, n, lf.cache, f.cache), k
                         break
             if lead is None:
                 leads[id(f)] = j
                 groups[j] = [j]
             else:
                 groups[lead].append(j)
-                slots[j] = f.share[1]
+                slots[j] = f.batch.share[1]
         out: list[tuple[int, int] | None] = [None] * len(work)
         for lead, members in groups.items():
             if len(members) > 1:

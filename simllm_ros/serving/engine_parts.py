@@ -50,9 +50,37 @@ class Prepared:
 
 
 @dataclasses.dataclass
+class Asked:
+    """What a request asked, as its plan settles it (the request's own values, else the node's): the answer's
+    length and sampling, whether it streams, its grammar, and the error bound an approximate answer is served under."""
+
+    max_new: int
+    temperature: float = 0.0
+    seed: int = 0
+    streaming: bool = False
+    constraint: Constraint | None = None  # the json_schema's grammar
+    delta: float = 1.0  # the approx_error_bound this request is served under
+
+
+@dataclasses.dataclass
+class BatchLinks:
+    """How a flight takes KV from others in flight with it; batching.Batcher alone reads and writes these."""
+
+    # (lead flight, slots, its cache, ours): our cache's first slots hold the lead's bits (ModelBackend.same_prefix),
+    # which a batched step's attention reads once for both; None: not shared (share_checked: looked already).
+    share: tuple | None = None
+    share_checked: bool = False
+    # A flight of the same scope admitted before this one whose prompt shares more leading tokens than this one
+    # reused: this one waits until the leader has prefilled them, then takes their KV.
+    leader: "Flight | None" = None
+    leader_tokens: int = 0
+    leader_checked: bool = False
+
+
+@dataclasses.dataclass
 class Flight:
     """A request between its plan and its result: the engine's state for it while it is prefilled and decoded
-    (alone in execute(), or among others in step())."""
+    (alone in execute(), or among others in step()). What it asked is `asked`; how it shares KV in a batch, `batch`."""
 
     p: Prepared
     plan: reuse_planner.ReusePlan
@@ -63,7 +91,7 @@ class Flight:
     poolable: bool
     lossless: bool
     plan_ms: float
-    max_new: int
+    asked: Asked
     reserve: int  # KV room beyond the prompt: the answer and a draft
     early: "semantic_reuse.Ahead | None" = None  # a SEMANTIC plan's early pass, run while the fingerprint was computed
     use_drafts: bool = False  # drafts are built once the prompt is in (after_prefill), with the fingerprint
@@ -71,27 +99,14 @@ class Flight:
     drafts: DraftProposer | None = None
     watch: AnswerWatcher | None = None  # stop strings, streaming, cancel
     on_token: Callable[[list[int]], None] | None = None
-    constraint: Constraint | None = None  # the json_schema's grammar
-    temperature: float = 0.0
-    seed: int = 0
-    streaming: bool = False
     cache: object = None
     todo: int = 0  # prompt tokens (the last ones) still to prefill
     decoder: Decoder | None = None
-    # (lead flight, slots, its cache, ours): our cache's first slots hold the lead's bits (ModelBackend.same_prefix),
-    # which a batched step's attention reads once for both; None: not shared (share_checked: looked already).
-    share: tuple | None = None
-    share_checked: bool = False
     fleet_answer: list[int] | None = None  # another node's answer to this prompt (fleet store): a draft
     candidate: "approx_gate.Candidate | None" = None  # the stored answer the ANSWER tier would have looked at
     refused: "reuse_planner.ReusePlan | None" = None  # an approximate plan the error bound turned down
-    delta: float = 1.0  # the approx_error_bound this request is served under
     energy_token: int | None = None  # its span in the engine's EnergyMeter (begin() to its result)
-    # A flight of the same scope admitted before this one whose prompt shares more leading tokens than this one
-    # reused: this one waits until the leader has prefilled them, then takes their KV (batching.Batcher).
-    leader: "Flight | None" = None
-    leader_tokens: int = 0
-    leader_checked: bool = False
+    batch: BatchLinks = dataclasses.field(default_factory=BatchLinks)
 
 
 class EngineCore(Protocol):

@@ -31,7 +31,7 @@ from ..cache.fingerprint import context_digest
 from ..cache.kv_pool import PrefixHit
 from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
 from ..cache.semantic_log import request_record
-from .engine_parts import EngineCore, Flight, Prepared
+from .engine_parts import Asked, EngineCore, Flight, Prepared
 from .request_memory import RequestMemory
 from .streaming import AnswerWatcher
 from .thermal import ThermalLevel
@@ -128,9 +128,10 @@ class RequestPipeline:
             return f
         logits = self.prefill_flight(f)
         self._after_prefill(f)
-        gen = self.core.backend.decode(logits, f.cache, f.max_new, f.temperature, f.seed, t_start=p.t_arrival,
-                                  drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
-                                  constraint=f.constraint, on_pass=self.core.observe_pass)
+        a = f.asked
+        gen = self.core.backend.decode(logits, f.cache, a.max_new, a.temperature, a.seed, t_start=p.t_arrival,
+                                       drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
+                                       constraint=a.constraint, on_pass=self.core.observe_pass)
         return self.conclude(f, gen)
 
     def plan_flight(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
@@ -215,12 +216,12 @@ class RequestPipeline:
         use_drafts = s.enable_drafts and (backend.exact_chunking or req.allow_approximate)
         watch = AnswerWatcher(backend.detokenize, stop=req.stop, on_progress=on_progress, cancelled=should_stop,
                               cache_result=plan.tier)
-        return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, max_new,
+        asked = Asked(max_new, temperature, seed, streaming=on_progress is not None,
+                      constraint=p.schema.constraint() if p.schema is not None else None, delta=delta)
+        return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, asked,
                       reserve=reserve, early=early, use_drafts=use_drafts, similarity_pending=defer, watch=watch,
-                      on_token=watch.on_token if (req.stop or on_progress) else None,
-                      constraint=p.schema.constraint() if p.schema is not None else None,
-                      temperature=temperature, seed=seed, streaming=on_progress is not None, fleet_answer=fleet_answer,
-                      refused=refused, delta=delta)
+                      on_token=watch.on_token if (req.stop or on_progress) else None, fleet_answer=fleet_answer,
+                      refused=refused)
 
     def _answer_length(self, req: QueryRequest) -> int:
         """Tokens to generate: the request's, or the default; at most half the default while running hot."""
@@ -358,9 +359,10 @@ class RequestPipeline:
     def start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
         """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
         self._after_prefill(f)
-        f.decoder = self.core.backend.decoder(logits, f.max_new, f.temperature, f.seed, t_start=f.p.t_arrival,
-                                         drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
-                                         constraint=f.constraint)
+        a = f.asked
+        f.decoder = self.core.backend.decoder(logits, a.max_new, a.temperature, a.seed, t_start=f.p.t_arrival,
+                                              drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
+                                              constraint=a.constraint)
         if f.decoder.done:
             f.decoder.gen.text = self.core.backend.detokenize(f.decoder.gen.tokens)
             return self.conclude(f, f.decoder.gen)
@@ -368,7 +370,7 @@ class RequestPipeline:
 
     def conclude(self, f: Flight, gen: Generation) -> QueryResult:
         """A request's last phase: its result from the generation; the pool learns the prompt's KV."""
-        req, res, backend, watch = f.p.req, f.res, self.core.backend, f.watch
+        req, res, backend, watch, a = f.p.req, f.res, self.core.backend, f.watch, f.asked
         res.answer = watch.final_text(gen.text)
         if res.answer == gen.text and gen.tokens:  # the ids the model chose: a draft of this answer re-tokenized
             self.memory.keep_answer_ids(res.answer, list(gen.tokens))  # from its text may differ (token boundaries)
@@ -385,18 +387,18 @@ class RequestPipeline:
         finished = True
         if watch.cancelled:
             res.success, res.error, finished = False, CANCELLED_ERROR, False
-        elif f.constraint is not None and not f.constraint.is_terminated():
+        elif a.constraint is not None and not a.constraint.is_terminated():
             res.success, finished = False, False
             res.error = ("json_schema: a stop string ended the answer before the JSON was complete; drop that stop "
                          "string for JSON answers" if watch.stop_hit else
-                         f"json_schema: the answer reached max_new_tokens ({f.max_new}) before the JSON was "
+                         f"json_schema: the answer reached max_new_tokens ({a.max_new}) before the JSON was "
                          "complete; raise max_new_tokens or simplify the schema")
         elif f.p.schema is not None and (bad := f.p.schema.answer_error(res.answer)) is not None:
             # the last line: the grammar should make this impossible; never report such an answer a success
             res.success, finished = False, False
             res.error = f"json_schema: {bad}"
             self.core.log.warning(f"request {req.request_id!r}: a constrained answer failed its schema: {bad}")
-        if f.streaming:
+        if a.streaming:
             watch.progress(res.answer, len(gen.tokens))  # the last word, whatever the throttle held back
         if finished:
             self.memory.remember_answer(req.scope, gen.tokens)
@@ -406,7 +408,7 @@ class RequestPipeline:
         if finished and res.success and res.exact and backend.exact_chunking and self.core.settings.answer_memo:
             same = self.core.pool.find(req.scope, f.tokens)  # the entry that now holds this answer
             if same is not None and same.answer == res.answer:
-                self.memo.remember(same.key, Memo(Signature.of(f.temperature, f.seed, req.stop, req.json_schema),
+                self.memo.remember(same.key, Memo(Signature.of(a.temperature, a.seed, req.stop, req.json_schema),
                                                   res.answer, tuple(gen.tokens), res.stop_reason))
         if self.core.fleet is not None and finished and res.success:
             self.memory.publish(f, gen, exact=res.exact)
@@ -415,12 +417,12 @@ class RequestPipeline:
                 approx_gate.label(self.core.error_bound, req.scope, f.candidate, res.answer)
             if f.refused is not None and f.refused.tier == CacheResult.SEMANTIC and res.exact:
                 self._audit_later(AuditCase(f.p, f.tokens, f.digest, "semantic", served_exact=True, served=res.answer,
-                                            plan=f.refused, max_new=f.max_new, temperature=f.temperature, seed=f.seed,
-                                            delta=f.delta))
+                                            plan=f.refused, max_new=a.max_new, temperature=a.temperature, seed=a.seed,
+                                            delta=a.delta))
             elif f.plan.tier == CacheResult.SEMANTIC:
                 self._audit_later(AuditCase(f.p, f.tokens, f.digest, "semantic", served_exact=False, served=res.answer,
-                                            plan=f.plan, max_new=f.max_new, temperature=f.temperature, seed=f.seed,
-                                            delta=f.delta))
+                                            plan=f.plan, max_new=a.max_new, temperature=a.temperature, seed=a.seed,
+                                            delta=a.delta))
         self.memory.keep_live(f)
         insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000
@@ -431,7 +433,7 @@ class RequestPipeline:
     @staticmethod
     def _labels_from(f: Flight) -> bool:
         """Whether this request's answer can label a tier (labels come from everyone's traffic)."""
-        return approx_gate.comparable(f.p.req, f.temperature)
+        return approx_gate.comparable(f.p.req, f.asked.temperature)
 
     def _audit_later(self, case: AuditCase) -> None:
         """An approximate decision to check at idle time (approx_gate.audit), where a bound was asked."""
