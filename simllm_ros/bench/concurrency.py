@@ -69,9 +69,7 @@ def _engine_system(name: str, engine, max_batch: int) -> Served:
     from ..serving.request_server import RequestServer
 
     e = engine.fork(engine.settings.replace(max_batch=max_batch))
-    server = RequestServer(prepare=e.prepare, execute=lambda job: e.execute(job.prepared), state=lambda: "bench",
-                           queue_limit=64, has_idle_work=e.has_idle_work, idle_work=e.idle_work,
-                           begin=lambda job: e.begin(job.prepared), step=e.step, max_batch=max_batch)
+    server = RequestServer(e, state=lambda: "bench", queue_limit=64, max_batch=max_batch)
     return Served(name, server, engine=e)
 
 
@@ -79,20 +77,41 @@ def _serial_system(name: str, generate, backend, system_prompt: str) -> Served:
     """A one-at-a-time peer: generate(ids, row) -> (text, ms from its start to the first token)."""
     from ..request import QueryResult
     from ..serving.request_server import RequestServer
+    from ..settings import Settings
 
-    def prepare(req):
-        return time.perf_counter()
+    class Serial:
+        """The peer as the request server serves it (request_server.ServedEngine): one request at a time."""
 
-    def execute(job):
-        r = job.request
-        t_exec = time.perf_counter()
-        ids = backend.prompt_ids(system_prompt, r.context, r.prompt)
-        text, first_ms = generate(ids, r)
-        t1 = time.perf_counter()
-        return QueryResult(success=True, answer=text, prompt_tokens=len(ids),
-                           ttft_ms=(t_exec - job.prepared) * 1000 + first_ms, total_ms=(t1 - job.prepared) * 1000)
+        settings = Settings().replace(max_batch=1)
 
-    server = RequestServer(prepare=prepare, execute=execute, state=lambda: "bench", queue_limit=64)
+        def prepare(self, req):
+            return req, time.perf_counter()
+
+        def execute(self, p, on_progress=None, should_stop=None):
+            r, t_arrival = p
+            t_exec = time.perf_counter()
+            ids = backend.prompt_ids(system_prompt, r.context, r.prompt)
+            text, first_ms = generate(ids, r)
+            t1 = time.perf_counter()
+            return QueryResult(success=True, answer=text, prompt_tokens=len(ids),
+                               ttft_ms=(t_exec - t_arrival) * 1000 + first_ms, total_ms=(t1 - t_arrival) * 1000)
+
+        def begin(self, p, on_progress=None, should_stop=None):
+            raise NotImplementedError("one request at a time")
+
+        def step(self, flights):
+            raise NotImplementedError("one request at a time")
+
+        def has_idle_work(self) -> bool:
+            return False
+
+        def idle_work(self) -> bool:
+            return False
+
+        def record_rejected_busy(self) -> None:
+            pass
+
+    server = RequestServer(Serial(), state=lambda: "bench", queue_limit=64, max_batch=1)
     return Served(name, server)
 
 

@@ -164,7 +164,7 @@ class SimLLMNode(LifecycleNode):
             t0 = time.monotonic()
             engine.load(progress=self._progress)
             self._thermal = ThermalPolicy(monitor)
-            self._server = RequestServer.for_engine(engine, state=self.state_label, log=self._py_log)
+            self._server = RequestServer(engine, state=self.state_label, log=self._py_log)
             self._create_entities()
             if toolbox is not None:
                 fmt, why = engine.backend.tool_format

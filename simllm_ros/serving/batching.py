@@ -1,10 +1,11 @@
 """Continuous batching: several requests in flight together (the request server's worker, max_batch > 1).
 
-`begin()` admits a prepared request (its plan, its prefill set up; a SEMANTIC repair runs whole), and each
+Batcher's `begin()` admits a prepared request (its plan, its prefill set up; a SEMANTIC repair runs whole), and each
 `step()` advances every flight in ONE forward pass: a decode step of each decoding flight and the next prefill
 chunks. A fault fails only its own flight (`_run_isolated`); flights answering on one context read its KV once
 per step (`_shared_prefixes`). The phases themselves are request_pipeline's public ones (plan_flight,
-prefill_flight, start_decoding, conclude). Mixed into engine.Engine.
+prefill_flight, start_decoding, conclude): a Batcher holds the pipeline it runs them on, and the engine
+owns one.
 """
 from __future__ import annotations
 
@@ -12,51 +13,42 @@ import time
 from collections.abc import Callable
 
 from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryResult
-from .request_pipeline import Flight, Prepared
+from .engine_parts import EngineCore, Flight, Prepared, fault_result
+from .request_pipeline import RequestPipeline
 
 
-class Batching:
-    """begin/step over flights; part of engine.Engine."""
+class Batcher:
+    """begin/step over flights, through the pipeline's public phases; owned by engine.Engine, which holds the model's
+    turn, the energy spans and the statistics around each call."""
+
+    def __init__(self, core: EngineCore, pipeline: RequestPipeline):
+        self.core = core
+        self.pipeline = pipeline
 
     def begin(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
+              should_stop: Callable[[], bool] | None = None, energy_token: int | None = None
+              ) -> QueryResult | Flight:
         """Admit a prepared request into the batch: its plan, and its prefill set up (run in the next steps,
-        chunked); a SEMANTIC repair runs here, whole. Returns the result at once (ANSWER tier, a refusal, a
-        fault), else a Flight for step()."""
-        with self._model_turn():
-            if not self.loaded:
-                self.recorder.record_error()
-                return QueryResult.failure("engine is not loaded", p.req.request_id)
-            token = self.energy.begin(p)
-            try:
-                result = self._cancelled_while_waiting(p, should_stop)
-                if result is not None:
-                    self._record(result, token)
-                    return result
-                f = self.plan_flight(p, on_progress, should_stop)
-                if isinstance(f, QueryResult):
-                    self._record(f, token)
-                    return f
-                f.energy_token = token
-                if f.plan.tier == CacheResult.SEMANTIC:
-                    logits = self.prefill_flight(f)
-                    result = self.start_decoding(f, logits)
-                    if result is not None:
-                        self._record(result, token)
-                    return result or f
-                n = f.plan.prefix.n_tokens if f.plan.tier == CacheResult.EXACT_PREFIX else 0
-                f.res.reused_tokens, f.res.recomputed_tokens = n, len(f.tokens) - n
-                if n:
-                    f.cache = self.backend.cache_from_tensors(f.plan.prefix.k, f.plan.prefix.v,
-                                                              reserve=len(f.tokens) - n + f.reserve)
-                else:
-                    f.cache = self.backend.new_cache(len(f.tokens) + max(f.reserve, 2))
-                f.todo = len(f.tokens) - n
-                return f
-            except Exception as e:
-                result = self._fault(p, e)
-                self._record(result, token)
-                return result
+        chunked); a SEMANTIC repair runs here, whole. Returns the result at once (ANSWER tier, a refusal), else a
+        Flight for step() that carries `energy_token`. A fault raises (the engine fails the request)."""
+        f = self.pipeline.plan_flight(p, on_progress, should_stop)
+        if isinstance(f, QueryResult):
+            return f
+        f.energy_token = energy_token
+        if f.plan.tier == CacheResult.SEMANTIC:
+            logits = self.pipeline.prefill_flight(f)
+            result = self.pipeline.start_decoding(f, logits)
+            return result or f
+        backend = self.core.backend
+        n = f.plan.prefix.n_tokens if f.plan.tier == CacheResult.EXACT_PREFIX else 0
+        f.res.reused_tokens, f.res.recomputed_tokens = n, len(f.tokens) - n
+        if n:
+            f.cache = backend.cache_from_tensors(f.plan.prefix.k, f.plan.prefix.v,
+                                                 reserve=len(f.tokens) - n + f.reserve)
+        else:
+            f.cache = backend.new_cache(len(f.tokens) + max(f.reserve, 2))
+        f.todo = len(f.tokens) - n
+        return f
 
     def step(self, flights: list[Flight]) -> list[QueryResult | None]:
         """One step of every flight, in ONE forward pass: a decode step (the last token and its draft) of each
@@ -64,59 +56,54 @@ class Batching:
         first). Returns, per flight, its result when it finished in this step (done, or failed: a fault fails
         its own flight only), else None."""
         out: list[QueryResult | None] = [None] * len(flights)
-        with self._model_turn():
-            if not self.loaded:
-                for i, f in enumerate(flights):
-                    out[i] = QueryResult.failure("engine is not loaded", f.p.req.request_id)
-                    self._record(out[i], f.energy_token)
-                return out
-            backend = self.backend
-            budget = self.settings.prefill_chunk_tokens if backend.exact_chunking else None  # None: whole prompts
-            work = []  # (flight index, tokens, logits mode, cache length before)
-            # A pass costs about its row count once rows outnumber a few (1 row 53 ms, 8 x 1 row 105 ms, 8 x 33
-            # rows 1110 ms measured on one core): decoding together, each flight's draft gets a share.
-            n_decoding = sum(1 for f in flights if f.decoder is not None and not f.decoder.done)
-            cap = None if n_decoding <= 1 else max(1, self.settings.max_draft_tokens // n_decoding)
-            for i, f in enumerate(flights):
-                try:
-                    if f.decoder is None and backend.exact_chunking and self._waits_for_leader(f, flights[:i]):
-                        continue  # its prompt's start is being prefilled by an earlier flight: taken from it later
-                    if f.decoder is None and f.watch.should_stop():  # cancelled before its prompt was in
-                        out[i] = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel",
-                                             request_id=f.p.req.request_id)
-                    elif f.decoder is not None:
-                        f.decoder.draft_cap = cap
-                        work.append((i, f.decoder.inputs(), "all", backend.cache_len(f.cache)))
-                    elif budget is None or budget > 0:
-                        done = len(f.tokens) - f.todo
-                        n = f.todo if budget is None else min(f.todo, budget)
-                        work.append((i, f.tokens[done:done + n], "last" if n == f.todo else "none", done))
-                        budget = None if budget is None else budget - n
-                except Exception as e:
-                    out[i] = self._fault(f.p, e)
-            t0 = time.perf_counter()
-            outs = self._run_isolated(flights, work, out)
-            if work and all(flights[i].decoder is not None for i, *_ in work):  # a decode pass: its cost per rows
-                self.observe_pass(sum(len(ids) for _, ids, _, _ in work), time.perf_counter() - t0)
-            for (i, ids, _, base), rows in zip(work, outs):
-                if out[i] is not None:
-                    continue
-                f = flights[i]
-                try:
-                    if f.decoder is not None:
-                        backend.finish_step(f.decoder, f.cache, base, rows)
-                    else:
-                        f.todo -= len(ids)
-                        if not f.todo:
-                            out[i] = self.start_decoding(f, rows)
-                    if out[i] is None and f.decoder is not None and f.decoder.done:
-                        out[i] = self.conclude(f, f.decoder.gen)
-                except Exception as e:
-                    out[i] = self._fault(f.p, e)
-            for f, r in zip(flights, out):
-                if r is not None:
-                    self._record(r, f.energy_token)
+        backend = self.core.backend
+        settings = self.core.settings
+        budget = settings.prefill_chunk_tokens if backend.exact_chunking else None  # None: whole prompts
+        work = []  # (flight index, tokens, logits mode, cache length before)
+        # A pass costs about its row count once rows outnumber a few (1 row 53 ms, 8 x 1 row 105 ms, 8 x 33
+        # rows 1110 ms measured on one core): decoding together, each flight's draft gets a share.
+        n_decoding = sum(1 for f in flights if f.decoder is not None and not f.decoder.done)
+        cap = None if n_decoding <= 1 else max(1, settings.max_draft_tokens // n_decoding)
+        for i, f in enumerate(flights):
+            try:
+                if f.decoder is None and backend.exact_chunking and self._waits_for_leader(f, flights[:i]):
+                    continue  # its prompt's start is being prefilled by an earlier flight: taken from it later
+                if f.decoder is None and f.watch.should_stop():  # cancelled before its prompt was in
+                    out[i] = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel",
+                                         request_id=f.p.req.request_id)
+                elif f.decoder is not None:
+                    f.decoder.draft_cap = cap
+                    work.append((i, f.decoder.inputs(), "all", backend.cache_len(f.cache)))
+                elif budget is None or budget > 0:
+                    done = len(f.tokens) - f.todo
+                    n = f.todo if budget is None else min(f.todo, budget)
+                    work.append((i, f.tokens[done:done + n], "last" if n == f.todo else "none", done))
+                    budget = None if budget is None else budget - n
+            except Exception as e:
+                out[i] = self._fault(f.p, e)
+        t0 = time.perf_counter()
+        outs = self._run_isolated(flights, work, out)
+        if work and all(flights[i].decoder is not None for i, *_ in work):  # a decode pass: its cost per rows
+            self.core.observe_pass(sum(len(ids) for _, ids, _, _ in work), time.perf_counter() - t0)
+        for (i, ids, _, base), rows in zip(work, outs):
+            if out[i] is not None:
+                continue
+            f = flights[i]
+            try:
+                if f.decoder is not None:
+                    backend.finish_step(f.decoder, f.cache, base, rows)
+                else:
+                    f.todo -= len(ids)
+                    if not f.todo:
+                        out[i] = self.pipeline.start_decoding(f, rows)
+                if out[i] is None and f.decoder is not None and f.decoder.done:
+                    out[i] = self.pipeline.conclude(f, f.decoder.gen)
+            except Exception as e:
+                out[i] = self._fault(f.p, e)
         return out
+
+    def _fault(self, p: Prepared, e: BaseException) -> QueryResult:
+        return fault_result(p, e, self.core.log)
 
     # A leader's prefix is waited for only where it saves at least this many prompt tokens of this flight's prefill.
     LEADER_MIN_TOKENS = 32
@@ -128,40 +115,40 @@ class Batching:
         LEADER_MIN_TOKENS more leading tokens with an earlier flight of its scope than it reused waits while that
         leader prefills them, then takes their KV: the leader's bits, which it would have computed itself
         (exact chunking: a token's KV does not depend on the passes its prefix ran in). Whether it waits now."""
-        if not f.leader_checked:
-            f.leader_checked = True
+        if not f.batch.leader_checked:
+            f.batch.leader_checked = True
             have = len(f.tokens) - f.todo
             for g in earlier:
-                if g.p.req.scope != f.p.req.scope or g.leader is not None:
+                if g.p.req.scope != f.p.req.scope or g.batch.leader is not None:
                     continue
                 n, limit = 0, min(len(g.tokens), len(f.tokens) - 1)  # the last token is run for its logits
                 while n < limit and g.tokens[n] == f.tokens[n]:
                     n += 1
-                if n >= have + self.LEADER_MIN_TOKENS and n > f.leader_tokens:
-                    f.leader, f.leader_tokens = g, n
-        g = f.leader
+                if n >= have + self.LEADER_MIN_TOKENS and n > f.batch.leader_tokens:
+                    f.batch.leader, f.batch.leader_tokens = g, n
+        g = f.batch.leader
         if g is None:
             return False
         if not any(x is g for x in earlier) or g.cache is None:  # the leader ended (or failed) first: prefill alone
-            f.leader = None
+            f.batch.leader = None
             return False
-        if len(g.tokens) - (g.todo if g.decoder is None else 0) < f.leader_tokens:
+        if len(g.tokens) - (g.todo if g.decoder is None else 0) < f.batch.leader_tokens:
             return True  # not yet
-        n = f.leader_tokens
-        k, v = self.backend.cache_tensors(g.cache)
-        f.cache = self.backend.cache_from_tensors(k[:, :, :n].clone(), v[:, :, :n].clone(),
+        n = f.batch.leader_tokens
+        k, v = self.core.backend.cache_tensors(g.cache)
+        f.cache = self.core.backend.cache_from_tensors(k[:, :, :n].clone(), v[:, :, :n].clone(),
                                                   reserve=len(f.tokens) - n + f.reserve)
         f.todo = len(f.tokens) - n
         f.res.reused_tokens, f.res.recomputed_tokens = n, f.todo
         if f.res.cache_result == CacheResult.MISS:
             f.res.cache_result = CacheResult.EXACT_PREFIX
-        f.leader = None
+        f.batch.leader = None
         return False
 
     def _run_isolated(self, flights: list[Flight], work: list, out: list) -> list:
         """The work's forward pass, all together; if it raises, each flight's part alone, so that a fault fails
         only the flight it belongs to (a failed pass leaves nothing behind: every step rewrites its KV slots)."""
-        backend = self.backend
+        backend = self.core.backend
         items = [(ids, flights[i].cache, mode) for i, ids, mode, _ in work]
         if not items:
             return []
@@ -194,28 +181,28 @@ class Batching:
             if f.decoder is None:
                 continue
             lead = None
-            if f.share is not None:
-                lf, n, lc, oc = f.share
+            if f.batch.share is not None:
+                lf, n, lc, oc = f.batch.share
                 if id(lf) in leads and lf.cache is lc and f.cache is oc and n <= base:
                     lead = leads[id(lf)]
                 else:
-                    f.share, f.share_checked = None, False
-            if lead is None and not f.share_checked:
-                f.share_checked = True
+                    f.batch.share, f.batch.share_checked = None, False
+            if lead is None and not f.batch.share_checked:
+                f.batch.share_checked = True
                 for k in leads.values():
                     lf = flights[work[k][0]]
                     common = next((t for t, (x, y) in enumerate(zip(lf.tokens, f.tokens)) if x != y),
                                   min(len(lf.tokens), len(f.tokens)))
-                    n = self.backend.same_prefix(lf.cache, f.cache, min(common, base, work[k][3]))
+                    n = self.core.backend.same_prefix(lf.cache, f.cache, min(common, base, work[k][3]))
                     if n:
-                        f.share, lead = (lf, n, lf.cache, f.cache), k
+                        f.batch.share, lead = (lf, n, lf.cache, f.cache), k
                         break
             if lead is None:
                 leads[id(f)] = j
                 groups[j] = [j]
             else:
                 groups[lead].append(j)
-                slots[j] = f.share[1]
+                slots[j] = f.batch.share[1]
         out: list[tuple[int, int] | None] = [None] * len(work)
         for lead, members in groups.items():
             if len(members) > 1:

@@ -9,13 +9,17 @@ every flight in one forward pass (prefill chunks and decode steps) until each
 finishes with its result. A request's own fault never raises: it comes back as
 success=False with an error, and fails only that request.
 
-The engine is one class, Engine, in parts that each read in one sitting:
+The engine, Engine, owns its parts, each an object with its own state that reads the engine's current load and
+settings through one typed interface (engine_parts.EngineCore) and calls the others only through their public
+methods:
 - engine.py (here): its state, loading (load, fork, the fleet connection), settings and thermal level, the public
-  request API (prepare, handle, execute), idle work and telemetry;
-- request_pipeline.py: one request's phases (plan, prefill, conclude) and its dataclasses (Prepared, Flight);
-- request_memory.py: what a finished request leaves for later ones (pool update, fleet share, drafts);
-- batching.py: continuous batching (begin, step);
-- warm_start.py: snapshot restore/save and warm-up.
+  request API (prepare, handle, execute, begin, step: each in the model's turn, with its energy span and
+  statistics), idle work and telemetry;
+- engine_parts.py: the records the parts hand one another (Prepared, Flight) and EngineCore;
+- request_pipeline.py: RequestPipeline, one request's phases (plan, prefill, start decoding, conclude);
+- request_memory.py: RequestMemory, what a finished request leaves for later ones (pool update, fleet share, drafts);
+- batching.py: Batcher, continuous batching (begin, step) over the pipeline's phases;
+- warm_start.py: WarmStart, snapshot restore/save and warm-up.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,26 +41,26 @@ from ..kernels import compute_threads, kernel_pool
 from ..cache import fleet_store
 from .. import path_checks
 from ..cache.answer_memo import AnswerMemo
-from .batching import Batching
+from .batching import Batcher
 from ..cache.cache_stats import CacheStatsRecorder
-from ..model.draft_proposer import DraftStats
 from ..model.pass_costs import PassCosts
 from ..cache.error_bound import ErrorBound
 from .energy import EnergyMeter, EnergyTally
 from ..cache.fleet_store import FleetStore
 from ..cache.fingerprint import Fingerprinter
-from ..cache.kv_pool import KVPool
+from ..cache.kv_pool import KVPool, PrefixHit
 from ..model.llama_runner import ONEDNN_ISA_CAP
 from ..model.model_backend import ModelBackend, ModelLoadError
 from ..model.model_files import release_heap
-from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
-from .request_memory import PENDING_INSERTS_MAX, PendingInsert, RequestMemory
-from .request_pipeline import Observation, Prepared, RequestPipeline
+from ..request import CANCELLED_ERROR, Progress, QueryRequest, QueryResult
+from .engine_parts import Flight, Prepared, fault_result
+from .request_memory import PendingInsert, RequestMemory
+from .request_pipeline import Observation, RequestPipeline, prefill_exact
 # Re-exported: what `from simllm_ros.serving.engine import ...` has always given.
-from .request_pipeline import KV_SLOT_STEP, Flight, MemoPlan, task_digest  # noqa: F401
-from ..cache.semantic_log import SemanticLog, request_record
+from .request_pipeline import KV_SLOT_STEP, MemoPlan, task_digest  # noqa: F401
+from ..cache.semantic_log import SemanticLog
 from ..settings import SPECS, SettingError, Settings, parse_size
-from ..model.structured_output import NoValueLeft, SchemaError
+from ..model.structured_output import SchemaError
 from .thermal import ThermalLevel
 from ..validation import check_text_field, is_invisible_only, normalize_text, validate_request
 from .warm_start import WarmStart, read_requests_jsonl  # noqa: F401 (read_requests_jsonl: re-exported)
@@ -88,10 +93,11 @@ def max_token_bytes(tokenizer) -> int:
     return max([len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab() if isinstance(t, str)] + [1])
 
 
-class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
-    """The model, the embedder and the KV pool, and every request's way through them. The methods of its
-    parts live in request_pipeline (RequestPipeline), request_memory (RequestMemory), batching (Batching) and
-    warm_start (WarmStart); the state they share is set up here, in __init__ and load()."""
+class Engine:
+    """The model, the embedder and the KV pool, and every request's way through them. It owns its parts: the
+    pipeline (request_pipeline.RequestPipeline), what finished requests leave (request_memory.RequestMemory) and
+    the batcher (batching.Batcher) and the warm start (warm_start.WarmStart), which read its state through
+    engine_parts.EngineCore. The state they read is set up here, in __init__ and load()."""
 
     def __init__(self, settings: Settings, log: logging.Logger | None = None):
         self.settings = settings
@@ -103,30 +109,13 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         self.recorder = CacheStatsRecorder(window=100)
         self.thermal_level = ThermalLevel.OK
         self._exec_lock = threading.Lock()
-        self._last_refresh = 0.0
-        self._saved_mutations = -1
         self._token_bytes = 0  # longest vocabulary entry in UTF-8 bytes (an upper bound), set at load
         self.load_report: dict = {}
         self.kv_bits = 0
-        # Recent answers per scope (token ids), a draft source for verified decoding.
-        self._recent_answers: dict[str, collections.deque[list[int]]] = {}
-        self._answer_tokens: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self.memo = AnswerMemo()  # finished answers of identical requests (answer_memo)
-        # How often each kind of draft is accepted (learnt over requests): with the backend's pass costs it
-        # decides how long a draft is checked.
-        self._draft_stats = DraftStats()
         self._pass_costs: PassCosts | None = None  # the backend's pass costs, learnt from this engine's passes
         self._owns_models = True  # False for a fork(): the backend belongs to another engine
-        self._warming = False  # requests now are warm-up: the semantic log marks them so they do not count
-        # Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time.
-        self.pending_inserts: collections.deque[PendingInsert] = collections.deque(maxlen=PENDING_INSERTS_MAX)
-        # Early passes run while a fingerprint was computed (see _early_start): how many, and how many a SEMANTIC
-        # plan then used.
-        self.early_starts = 0
         self._pinned: list[int] = []  # the CPUs the compute workers keep to (compute_pinning), the caller's first
-        self.early_starts_used = 0
-        # Called with an Observation after every executed request (the benchmark's hook); None: nobody.
-        self.observer: Callable[[Observation], None] | None = None
         self.fleet: FleetStore | None = None  # the shared fleet store (fleet_store_url), None when off
         # How often approximate answers differ from the model's own (approx_error_bound), and the idle-time
         # checks that teach it (approx_gate).
@@ -136,6 +125,44 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         # Joules per answer (energy.py): the meter opens at load; the tally keeps the means per tier and the savings.
         self.energy = EnergyMeter(None, "the engine is not loaded")
         self.energy_tally = EnergyTally(window=100)
+        # The parts (module docstring), each reading this engine's current state through EngineCore.
+        self.memory = RequestMemory(self)
+        self.pipeline = RequestPipeline(self, self.memory, self.memo, self.audits)
+        self.batcher = Batcher(self, self.pipeline)
+        self.warm_start = WarmStart(self, self.handle)
+
+    # ---- what the parts read (engine_parts.EngineCore) and the parts' figures ------------------------------------
+    @property
+    def warming(self) -> bool:
+        return self.warm_start.warming
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return self._prefill_s_per_token
+
+    @property
+    def pending_inserts(self) -> collections.deque[PendingInsert]:
+        """Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time (request_memory)."""
+        return self.memory.pending_inserts
+
+    @property
+    def early_starts(self) -> int:
+        """Early passes run while a fingerprint was computed (request_pipeline._early_start)."""
+        return self.pipeline.early_starts
+
+    @property
+    def early_starts_used(self) -> int:
+        """Early passes a SEMANTIC plan then used."""
+        return self.pipeline.early_starts_used
+
+    @property
+    def observer(self) -> Callable[[Observation], None] | None:
+        """Called with an Observation after every executed request (the benchmark's hook); None: nobody."""
+        return self.pipeline.observer
+
+    @observer.setter
+    def observer(self, fn: Callable[[Observation], None] | None) -> None:
+        self.pipeline.observer = fn
 
     # ---- lifecycle -------------------------------------------------------------
     @property
@@ -244,7 +271,8 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             if s.persist_path:
                 self.restore(progress)
             if s.warmup_queries:
-                self.load_report["warmup"] = self._warm_up(s.warmup_queries, progress)
+                self.load_report["warmup"] = self.warm_start.warm_up(s.warmup_queries, progress,
+                                                                     self.load_report.get("restored", 0))
             # What is loaded now lives as long as the engine: out of the cyclic collector's sight, a full collection
             # no longer walks it (~320k objects: a ~150 ms pause at a random decode step, measured on the embedded
             # model), only what requests create.
@@ -342,7 +370,7 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             self.backend = None
             self.fingerprinter = None
             self.pool = None
-            self.pending_inserts.clear()
+            self.memory.pending_inserts.clear()
             if self.semantic_log is not None:
                 self.semantic_log.close()
                 self.semantic_log = None
@@ -351,6 +379,18 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
                 # the model's and the pool's freed heap handed back to the system: without it a cleaned-up node kept
                 # ~0.4 GB of a 0.5B model resident (glibc keeps freed pages) until its next load reused them
                 release_heap()
+
+    # ---- the snapshot (warm_start) ------------------------------------------------
+    def restore(self, progress: Callable[[str], None] | None = None) -> int:
+        """Load the snapshot in persist_path into the (empty) pool (warm_start.WarmStart.restore); never raises.
+        Returns the tasks restored; the load report says what became of the snapshot."""
+        n, snapshot = self.warm_start.restore(progress)
+        self.load_report.update(restored=n, snapshot=snapshot)
+        return n
+
+    def save(self, only_if_changed: bool = False) -> str | None:
+        """Write the pool to persist_path (atomic; warm_start.WarmStart.save); None where nothing was written."""
+        return self.warm_start.save(only_if_changed)
 
     # ---- settings / thermal ------------------------------------------------
     def update_settings(self, settings: Settings) -> None:
@@ -374,9 +414,8 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
     def clear_pool(self) -> None:
         """Forget every cached task, every deferred exact prefill and the recent answers kept as drafts."""
         with self._exec_lock:
-            self.pending_inserts.clear()
+            self.memory.clear()
             self.audits.clear()
-            self._recent_answers.clear()
             self.memo.clear()
             if self.pool is not None:
                 self.pool.clear()
@@ -462,7 +501,8 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
                 return QueryResult.failure("engine is not loaded", p.req.request_id)
             token = self.energy.begin(p)
             try:
-                result = self._cancelled_while_waiting(p, should_stop) or self._execute(p, on_progress, should_stop)
+                result = self._cancelled_while_waiting(p, should_stop) or self.pipeline.execute(p, on_progress,
+                                                                                                 should_stop)
             except Exception as e:  # a fault inside generation fails this request only
                 result = self._fault(p, e)
             result.request_id = p.req.request_id
@@ -476,11 +516,48 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         return None
 
     def _fault(self, p: Prepared, e: BaseException) -> QueryResult:
-        if isinstance(e, NoValueLeft):  # the caller's schema, not our fault: a clear error, no traceback
-            self.log.warning(f"request {p.req.request_id!r}: {e}")
-            return QueryResult.failure(str(e), p.req.request_id)
-        self.log.error(f"request {p.req.request_id!r} failed inside the engine", exc_info=e)
-        return QueryResult.failure(f"internal error: {type(e).__name__}: {e}", p.req.request_id)
+        return fault_result(p, e, self.log)
+
+    def begin(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
+        """Admit a prepared request into the batch (batching.Batcher.begin): the result at once (ANSWER tier, a
+        refusal, a fault), else a Flight for step()."""
+        with self._model_turn():
+            if not self.loaded:
+                self.recorder.record_error()
+                return QueryResult.failure("engine is not loaded", p.req.request_id)
+            token = self.energy.begin(p)
+            try:
+                result = self._cancelled_while_waiting(p, should_stop) or \
+                    self.batcher.begin(p, on_progress, should_stop, token)
+            except Exception as e:
+                result = self._fault(p, e)
+            if isinstance(result, QueryResult):
+                self._record(result, token)
+            return result
+
+    def step(self, flights: list[Flight]) -> list[QueryResult | None]:
+        """One step of every flight in one forward pass (batching.Batcher.step): per flight, its result when it
+        finished in this step, else None."""
+        with self._model_turn():
+            if not self.loaded:
+                out: list[QueryResult | None] = []
+                for f in flights:
+                    r = QueryResult.failure("engine is not loaded", f.p.req.request_id)
+                    self._record(r, f.energy_token)
+                    out.append(r)
+                return out
+            out = self.batcher.step(flights)
+            for f, r in zip(flights, out):
+                if r is not None:
+                    self._record(r, f.energy_token)
+        return out
+
+    def prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0
+                      ) -> tuple[torch.Tensor, Any]:
+        """Exact prefill as a request's is (request_pipeline.prefill_exact), for idle work and the idle-time
+        audits (approx_gate.AuditHost)."""
+        return prefill_exact(self.backend, tokens, prefix, reserve)
 
     def _record(self, result: QueryResult, energy_token: int | None = None) -> None:
         """Count the result in the statistics; with the request's energy span, its joules first."""
@@ -501,7 +578,7 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
 
     # ---- idle work: deferred exact prefills and error-bound audits -----------------
     def has_idle_work(self) -> bool:
-        return self.pool is not None and bool(self.pending_inserts or self.audits) \
+        return self.pool is not None and bool(self.memory.pending_inserts or self.audits) \
             and self.thermal_level == ThermalLevel.OK
 
     def idle_work(self) -> bool:
@@ -510,20 +587,20 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
         with self._model_turn():
             if not self.has_idle_work():
                 return False
-            if not self.pending_inserts:
+            if not self.memory.pending_inserts:
                 try:
                     return approx_gate.audit(self, self.audits.popleft())
                 except Exception:
                     self.log.exception("idle-time audit failed")
                     return False
-            job = self.pending_inserts.popleft()
+            job = self.memory.pending_inserts.popleft()
             if self.pool.find(job.scope, job.tokens) is not None:
                 return False
             try:
                 # Built on the longest pooled prefix, exactly as an EXACT_PREFIX request's KV is.
                 prefix = self.pool.longest_prefix(job.scope, job.tokens, len(job.tokens) - 1, len(job.tokens) + 2)
                 _, cache = self.prefill_exact(job.tokens, prefix)
-                self._pool_exact(job.scope, job.tokens, cache, job.fingerprint, job.question, job.context_digest,
+                self.memory.pool_exact(job.scope, job.tokens, cache, job.fingerprint, job.question, job.context_digest,
                                  job.answer)
             except Exception:
                 self.log.exception("idle-time exact prefill failed")
@@ -531,20 +608,6 @@ class Engine(RequestPipeline, RequestMemory, Batching, WarmStart):
             return True
 
     # ---- telemetry -------------------------------------------------------------
-    def _log_decision(self, req, digest, plan, res) -> None:
-        """One JSON line per answered request (a memo hit too: warmup_queries counts the tasks asked most)."""
-        if self.semantic_log is None:
-            return
-        self.semantic_log.write({
-            "request_id": req.request_id, "scope": req.scope, "question": req.question[:200],
-            "context_digest": digest, "tier": CacheResult(plan.tier).name, "similarity": round(plan.similarity, 4),
-            "source_key": plan.source_key, "source_question": plan.source_question[:200],
-            "reason": plan.reason, "prompt_tokens": res.prompt_tokens, "reused_tokens": res.reused_tokens,
-            "recomputed_tokens": res.recomputed_tokens, "ttft_ms": round(res.ttft_ms, 2),
-            # the request itself, so that warmup_queries: N can replay the most-used tasks
-            **request_record(req),
-            **({"warmup": True} if self._warming else {})})
-
     def energy_stats(self) -> dict:
         """CacheStats' energy fields (energy.EnergyTally.snapshot): NaN where no answer has a figure."""
         return self.energy_tally.snapshot(self.energy.description)

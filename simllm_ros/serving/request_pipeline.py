@@ -6,50 +6,35 @@ word on an approximate plan, and the room its KV buffer needs. `prefill_flight` 
 plan says (exact prefix, SEMANTIC repair, or a whole prefill), `start_decoding` adds what needed the fingerprint
 (drafts, the reported similarity) and picks the first token, and `conclude` turns the generation into the result
 and lets the pool, the memo, the fleet and the error bound learn from it (request_memory). These four, typed by
-the Flight record, are the phases batching.py runs for several requests in one forward pass; `_execute` runs them
-in a row for one request alone. Mixed into engine.Engine, whose state these methods read and write.
+the Flight record, are the phases batching.py runs for several requests in one forward pass; `execute` runs them
+in a row for one request alone. RequestPipeline holds what the phases keep between requests (the early passes run,
+the observer); the engine owns one and hands it its memory (request_memory), its answer memo and its audit queue,
+and it reads the model, pool and settings of the current load through `core` (engine_parts.EngineCore).
 """
 from __future__ import annotations
 
-import concurrent.futures
+import collections
 import dataclasses
 import json
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import approx_gate, fleet_checks, semantic_reuse
 from ..kernels import compute_threads
 from ..cache import reuse_planner
-from ..cache.answer_memo import Memo, Signature
-from ..model.decoding import Constraint, Decoder, Generation
-from ..model.draft_proposer import DraftProposer
+from ..cache.answer_memo import AnswerMemo, Memo, Signature
+from ..model.decoding import Generation
 from ..cache.fingerprint import context_digest
 from ..cache.kv_pool import PrefixHit
 from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryRequest, QueryResult
 from ..cache.semantic_log import request_record
+from .engine_parts import Asked, EngineCore, Flight, Prepared
+from .request_memory import RequestMemory
 from .streaming import AnswerWatcher
-from ..model.structured_output import CompiledSchema
 from .thermal import ThermalLevel
-
-
-@dataclasses.dataclass
-class Prepared:
-    req: QueryRequest
-    fingerprints: concurrent.futures.Future  # [n, dim] of the batch this request was prepared in; row `row`
-    question: str
-    t_arrival: float  # perf_counter when the request reached the engine: TTFT counts from here
-    schema: CompiledSchema | None = None  # the compiled json_schema, when the request has one
-    row: int = 0
-
-    @property
-    def fingerprint(self) -> np.ndarray:
-        """The question's fingerprint. It is computed while the request is planned and prefilled, so the
-        first use may wait for it; an embedder failure raises here and fails this request."""
-        return self.fingerprints.result()[self.row]
 
 
 KV_SLOT_STEP = 128  # a request's KV buffer holds a multiple of this many token slots (<= 3 MB more at 16 bits)
@@ -75,51 +60,6 @@ class MemoPlan:
     tier: CacheResult = CacheResult.EXACT_PREFIX
     similarity: float = 1.0
     reason: str = "identical request: the stored answer (answer_memo)"
-
-
-@dataclasses.dataclass
-class Flight:
-    """A request between its plan and its result: the engine's state for it while it is prefilled and decoded
-    (alone in execute(), or among others in step())."""
-
-    p: Prepared
-    plan: reuse_planner.ReusePlan
-    tokens: list[int]
-    res: QueryResult  # filled in as it goes
-    digest: str
-    now: float
-    poolable: bool
-    lossless: bool
-    plan_ms: float
-    max_new: int
-    reserve: int  # KV room beyond the prompt: the answer and a draft
-    early: "semantic_reuse.Ahead | None" = None  # a SEMANTIC plan's early pass, run while the fingerprint was computed
-    use_drafts: bool = False  # drafts are built once the prompt is in (_after_prefill), with the fingerprint
-    similarity_pending: bool = False  # planned without the fingerprint: res.similarity comes after the prefill
-    drafts: DraftProposer | None = None
-    watch: AnswerWatcher | None = None  # stop strings, streaming, cancel
-    on_token: Callable[[list[int]], None] | None = None
-    constraint: Constraint | None = None  # the json_schema's grammar
-    temperature: float = 0.0
-    seed: int = 0
-    streaming: bool = False
-    cache: object = None
-    todo: int = 0  # prompt tokens (the last ones) still to prefill
-    decoder: Decoder | None = None
-    # (lead flight, slots, its cache, ours): our cache's first slots hold the lead's bits (ModelBackend.same_prefix),
-    # which a batched step's attention reads once for both; None: not shared (share_checked: looked already).
-    share: tuple | None = None
-    share_checked: bool = False
-    fleet_answer: list[int] | None = None  # another node's answer to this prompt (fleet store): a draft
-    candidate: "approx_gate.Candidate | None" = None  # the stored answer the ANSWER tier would have looked at
-    refused: "reuse_planner.ReusePlan | None" = None  # an approximate plan the error bound turned down
-    delta: float = 1.0  # the approx_error_bound this request is served under
-    energy_token: int | None = None  # its span in the engine's EnergyMeter (begin() to its result)
-    # A flight of the same scope admitted before this one whose prompt shares more leading tokens than this one
-    # reused: this one waits until the leader has prefilled them, then takes their KV (batching._from_leader).
-    leader: "Flight | None" = None
-    leader_tokens: int = 0
-    leader_checked: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,27 +94,51 @@ class Observation:
     first_logits: torch.Tensor | None
 
 
+def prefill_exact(backend, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0) -> tuple[torch.Tensor, Any]:
+    """Exact prefill, on top of a pooled prefix's KV when there is one (requests, idle work and the idle-time
+    audits alike: approx_gate.AuditHost): the last token's logits and the cache, with room for `reserve`."""
+    if prefix is None:
+        return backend.prefill(tokens, reserve=reserve)
+    cache = backend.cache_from_tensors(prefix.k, prefix.v, reserve=len(tokens) - prefix.n_tokens + reserve)
+    return backend.prefill(tokens[prefix.n_tokens:], cache)
+
+
 class RequestPipeline:
     """The phases of one request (see the module docstring): plan_flight, prefill_flight, start_decoding and
-    conclude, the interface batching.py runs its flights through; part of engine.Engine."""
+    conclude, the interface batching.py runs its flights through, and execute, the four in a row."""
 
-    def _execute(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
+    def __init__(self, core: EngineCore, memory: RequestMemory, memo: AnswerMemo,
+                 audits: collections.deque[approx_gate.Audit]):
+        self.core = core
+        self.memory = memory
+        self.memo = memo  # finished answers of identical requests (answer_memo)
+        self.audits = audits  # approximate decisions to check at idle time (approx_gate.audit)
+        self._last_refresh = 0.0
+        # Early passes run while a fingerprint was computed (see _early_start): how many, and how many a SEMANTIC
+        # plan then used.
+        self.early_starts = 0
+        self.early_starts_used = 0
+        # Called with an Observation after every executed request (the benchmark's hook); None: nobody.
+        self.observer: Callable[[Observation], None] | None = None
+
+    def execute(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> QueryResult:
         f = self.plan_flight(p, on_progress, should_stop)
         if isinstance(f, QueryResult):
             return f
         logits = self.prefill_flight(f)
         self._after_prefill(f)
-        gen = self.backend.decode(logits, f.cache, f.max_new, f.temperature, f.seed, t_start=p.t_arrival,
-                                  drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
-                                  constraint=f.constraint, on_pass=self.observe_pass)
+        a = f.asked
+        gen = self.core.backend.decode(logits, f.cache, a.max_new, a.temperature, a.seed, t_start=p.t_arrival,
+                                       drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
+                                       constraint=a.constraint, on_pass=self.core.observe_pass)
         return self.conclude(f, gen)
 
     def plan_flight(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
                     should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
         """A request's first phase: its prompt tokens and reuse plan; the result at once for the ANSWER tier
         or a refusal, else a Flight whose prefill and decoding are still to run."""
-        s, req, backend, pool = self.settings, p.req, self.backend, self.pool
+        s, req, backend, pool = self.core.settings, p.req, self.core.backend, self.core.pool
         tokens = backend.chat_ids(s.system_prompt, req.context, req.turns(),
                                   tools=req.tool_template.tools if req.tool_template else None)
         if len(tokens) > s.max_prompt_tokens:
@@ -200,7 +164,7 @@ class RequestPipeline:
         digest = task_digest(req)
         # A sliding-window layer keeps only its window: past it, the cache no longer holds every token's KV.
         poolable = not backend.sliding_window or len(tokens) + max_new <= backend.sliding_window
-        lossless = self.lossless_reuse
+        lossless = self.core.lossless_reuse
         # Room in the KV buffer for the answer and a draft, the buffer sized in steps of KV_SLOT_STEP slots: the
         # pool keeps it as the live prefix, and the next question on that context (a few tokens longer) fits.
         reserve = -(-(len(tokens) + max_new + s.max_draft_tokens + 2) // KV_SLOT_STEP) * KV_SLOT_STEP - len(tokens)
@@ -209,7 +173,7 @@ class RequestPipeline:
         defer = not req.allow_approximate
         early, prefix = self._early_start(p, tokens, poolable, lossless, reserve)
         fleet_answer = None
-        if self.fleet is not None:
+        if self.core.fleet is not None:
             prefix, fleet_answer = self._fleet_lookup(req.scope, tokens, prefix, reserve,
                                                       want_kv=early is None and poolable and lossless)
         t_plan = time.perf_counter()
@@ -221,7 +185,8 @@ class RequestPipeline:
         refused, estimate = None, 0.0
         delta = approx_gate.request_bound(req.approx_error_bound, s.approx_error_bound)
         if plan.tier in approx_gate.TIER_NAMES:
-            keep, _, est = approx_gate.gate(self.error_bound, plan, req.scope, pool.task_id(plan.source_key), delta)
+            keep, _, est = approx_gate.gate(self.core.error_bound, plan, req.scope, pool.task_id(plan.source_key),
+                                            delta)
             estimate = est.upper if est.n else 0.0
             if not keep:  # lossless instead: verified drafts; the refused plan is audited at idle time
                 refused, early = plan, None
@@ -252,26 +217,26 @@ class RequestPipeline:
         use_drafts = s.enable_drafts and (backend.exact_chunking or req.allow_approximate)
         watch = AnswerWatcher(backend.detokenize, stop=req.stop, on_progress=on_progress, cancelled=should_stop,
                               cache_result=plan.tier)
-        return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, max_new,
+        asked = Asked(max_new, temperature, seed, streaming=on_progress is not None,
+                      constraint=p.schema.constraint() if p.schema is not None else None, delta=delta)
+        return Flight(p, plan, tokens, res, digest, now, poolable, lossless, plan_ms, asked,
                       reserve=reserve, early=early, use_drafts=use_drafts, similarity_pending=defer, watch=watch,
-                      on_token=watch.on_token if (req.stop or on_progress) else None,
-                      constraint=p.schema.constraint() if p.schema is not None else None,
-                      temperature=temperature, seed=seed, streaming=on_progress is not None, fleet_answer=fleet_answer,
-                      refused=refused, delta=delta)
+                      on_token=watch.on_token if (req.stop or on_progress) else None, fleet_answer=fleet_answer,
+                      refused=refused)
 
     def _answer_length(self, req: QueryRequest) -> int:
         """Tokens to generate: the request's, or the default; at most half the default while running hot."""
-        s = self.settings
+        s = self.core.settings
         max_new = req.max_new_tokens or s.max_new_tokens
-        if self.thermal_level >= ThermalLevel.WARN:
+        if self.core.thermal_level >= ThermalLevel.WARN:
             max_new = max(1, min(max_new, s.max_new_tokens // 2))
         return max_new
 
     def _refresh(self, now: float) -> None:
         """Drop entries older than refresh_period_s (their KV or answer may be stale), at most once a second."""
-        period = self.settings.refresh_period_s
+        period = self.core.settings.refresh_period_s
         if period > 0 and now - self._last_refresh > 1.0:
-            self.pool.drop_older_than(period, now)
+            self.core.pool.drop_older_than(period, now)
             self._last_refresh = now
 
     def _memo_answer(self, p: Prepared, tokens: list[int], max_new: int, signature: Signature, now: float,
@@ -279,26 +244,26 @@ class RequestPipeline:
         """An identical request's stored answer (answer_memo), exact: no prefill, no decode pass. None if there
         is none for these tokens, this signature and max_new_tokens, or the backend is not batch-invariant."""
         req = p.req
-        if not (self.settings.answer_memo and self.backend.exact_chunking) or not len(self.memo):
+        if not (self.core.settings.answer_memo and self.core.backend.exact_chunking) or not len(self.memo):
             return None
-        same = self.pool.find(req.scope, tokens)
+        same = self.core.pool.find(req.scope, tokens)
         if same is None or not same.answer:
             return None
-        served = self.memo.answer(same.key, same.answer, signature, max_new, self.backend.detokenize)
+        served = self.memo.answer(same.key, same.answer, signature, max_new, self.core.backend.detokenize)
         if served is None:
             return None
-        self.pool.touch([same.key], now)
+        self.core.pool.touch([same.key], now)
         res = QueryResult(success=True, cache_result=CacheResult.EXACT_PREFIX, similarity=1.0,
                           prompt_tokens=len(tokens), request_id=req.request_id, answer=served.text,
                           reused_tokens=len(tokens), generated_tokens=served.tokens, stop_reason=served.stop_reason,
                           exact=True)
         if on_progress is not None:
-            AnswerWatcher(self.backend.detokenize, on_progress=on_progress,
+            AnswerWatcher(self.core.backend.detokenize, on_progress=on_progress,
                           cache_result=CacheResult.EXACT_PREFIX).progress(res.answer, served.tokens)
         res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
         self._log_decision(req, task_digest(req), MemoPlan(same.key, req.question), res)
-        if self.fleet is not None and not self._warming:
-            self.fleet.publish(req.scope, tokens, answer_ids=None, question="", task=request_record(req),
+        if self.core.fleet is not None and not self.core.warming:
+            self.core.fleet.publish(req.scope, tokens, answer_ids=None, question="", task=request_record(req),
                                read_kv=None)
         return res
 
@@ -318,7 +283,7 @@ class RequestPipeline:
         where the prefix's KV is bitwise what a pass computes (lossless), so that it gives the bits the repair's
         own early pass would. Returns it and the prefix read (for the planner, which would read it anyway), or
         (None, reuse_planner.UNREAD). A fault here only costs the head start: the repair then runs its own."""
-        s, req, pool, backend = self.settings, p.req, self.pool, self.backend
+        s, req, pool, backend = self.core.settings, p.req, self.core.pool, self.core.backend
         if not (s.early_pass_ahead and req.allow_approximate and s.enable_semantic_reuse and backend.semantic_supported
                 and poolable and len(tokens) >= s.min_semantic_tokens and not p.fingerprints.done()):
             return None, reuse_planner.UNREAD
@@ -333,7 +298,7 @@ class RequestPipeline:
                                              prefix=(prefix.k, prefix.v) if lossless else None,
                                              guess=max(prefix.entry_keys) if prefix.entry_keys else None)
         except Exception as e:  # speculative work: the plan goes on without it
-            self.log.warning("early pass ahead failed (%s: %s); the repair runs its own", type(e).__name__, e)
+            self.core.log.warning("early pass ahead failed (%s: %s); the repair runs its own", type(e).__name__, e)
             return None, prefix
         self.early_starts += 1
         return early, prefix
@@ -342,19 +307,19 @@ class RequestPipeline:
         """(The longer of this pool's exact prefix and the fleet's, where fetching beats prefilling; another
         node's answer to this prompt, a draft, or None)."""
         if want_kv and prefix is reuse_planner.UNREAD:
-            prefix = self.pool.longest_prefix(scope, tokens, len(tokens) - 1, len(tokens) + reserve)
+            prefix = self.core.pool.longest_prefix(scope, tokens, len(tokens) - 1, len(tokens) + reserve)
         have = prefix.n_tokens if want_kv and prefix else 0
-        got, answer = self.fleet.lookup(scope, tokens, have=have, limit=len(tokens) - 1,
+        got, answer = self.core.fleet.lookup(scope, tokens, have=have, limit=len(tokens) - 1,
                                         capacity=len(tokens) + reserve,
-                                        prefill_s_per_token=self._prefill_s_per_token, want_kv=want_kv)
-        if got is not None and self.fleet.should_verify():  # one robot's fault must not spread as exact
+                                        prefill_s_per_token=self.core.prefill_s_per_token, want_kv=want_kv)
+        if got is not None and self.core.fleet.should_verify():  # one robot's fault must not spread as exact
             try:
-                why = fleet_checks.prefix_differs(self.backend, tokens, got)
+                why = fleet_checks.prefix_differs(self.core.backend, tokens, got)
             except Exception as e:  # unverifiable: not used
                 why = f"recompute failed: {type(e).__name__}: {e}"
-            self.fleet.counters.kv_verified += 1
+            self.core.fleet.counters.kv_verified += 1
             if why:
-                self.fleet.distrust(got, why)
+                self.core.fleet.distrust(got, why)
                 got = None
         return (got or prefix), answer
 
@@ -364,27 +329,18 @@ class RequestPipeline:
         see _early_start."""
         plan, tokens, res = f.plan, f.tokens, f.res
         if plan.tier == CacheResult.SEMANTIC:
-            s = self.settings
-            sp = semantic_reuse.run(self.backend, self.pool, plan, tokens, recompute_ratio=s.recompute_ratio,
+            s = self.core.settings
+            sp = semantic_reuse.run(self.core.backend, self.core.pool, plan, tokens, recompute_ratio=s.recompute_ratio,
                                     gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers,
-                                    reserve=f.reserve, lossless_kv=self.lossless_reuse, early=f.early)
+                                    reserve=f.reserve, lossless_kv=self.core.lossless_reuse, early=f.early)
             self.early_starts_used += f.early is not None
             res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
             f.cache = sp.cache
             return sp.logits
         n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX else 0
         res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
-        logits, f.cache = self.prefill_exact(tokens, plan.prefix if n else None, f.reserve)
+        logits, f.cache = prefill_exact(self.core.backend, tokens, plan.prefix if n else None, f.reserve)
         return logits
-
-    def prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0
-                      ) -> tuple[torch.Tensor, Any]:
-        """Exact prefill, on top of a pooled prefix's KV when there is one (requests, idle work and the idle-time
-        audits alike: approx_gate.AuditHost): the last token's logits and the cache, with room for `reserve`."""
-        if prefix is None:
-            return self.backend.prefill(tokens, reserve=reserve)
-        cache = self.backend.cache_from_tensors(prefix.k, prefix.v, reserve=len(tokens) - prefix.n_tokens + reserve)
-        return self.backend.prefill(tokens[prefix.n_tokens:], cache)
 
     def _after_prefill(self, f: Flight) -> None:
         """What needs the fingerprint, which had the plan and prefill's time to arrive: the drafts (answers of
@@ -392,31 +348,33 @@ class RequestPipeline:
         scope now, ranked as the planner ranks)."""
         fp = f.p.fingerprint
         if f.similarity_pending:
-            best = reuse_planner.ranked_matches(self.pool, fp, f.p.req.scope, f.now, self.settings, k=1)
+            best = reuse_planner.ranked_matches(self.core.pool, fp, f.p.req.scope, f.now, self.core.settings, k=1)
             f.plan.similarity = f.res.similarity = reuse_planner.reported_similarity(best[0].cosine) if best else 0.0
             f.similarity_pending = False
         if f.use_drafts and f.drafts is None:
-            f.drafts = self._draft_source(f.p.req, f.tokens, fp, f.now, f.fleet_answer)
+            f.drafts = self.memory.draft_source(f.p.req, f.tokens, fp, f.now, f.fleet_answer)
         if self._labels_from(f) and f.plan.tier != CacheResult.SEMANTIC:  # a SEMANTIC answer is not the model's own
-            f.candidate = approx_gate.answer_candidate(self.pool, fp, f.p.req.scope, f.tokens, f.now, self.settings)
+            f.candidate = approx_gate.answer_candidate(self.core.pool, fp, f.p.req.scope, f.tokens, f.now,
+                                                       self.core.settings)
 
     def start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
         """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
         self._after_prefill(f)
-        f.decoder = self.backend.decoder(logits, f.max_new, f.temperature, f.seed, t_start=f.p.t_arrival,
-                                         drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
-                                         constraint=f.constraint)
+        a = f.asked
+        f.decoder = self.core.backend.decoder(logits, a.max_new, a.temperature, a.seed, t_start=f.p.t_arrival,
+                                              drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
+                                              constraint=a.constraint)
         if f.decoder.done:
-            f.decoder.gen.text = self.backend.detokenize(f.decoder.gen.tokens)
+            f.decoder.gen.text = self.core.backend.detokenize(f.decoder.gen.tokens)
             return self.conclude(f, f.decoder.gen)
         return None
 
     def conclude(self, f: Flight, gen: Generation) -> QueryResult:
         """A request's last phase: its result from the generation; the pool learns the prompt's KV."""
-        req, res, backend, watch = f.p.req, f.res, self.backend, f.watch
+        req, res, backend, watch, a = f.p.req, f.res, self.core.backend, f.watch, f.asked
         res.answer = watch.final_text(gen.text)
         if res.answer == gen.text and gen.tokens:  # the ids the model chose: a draft of this answer re-tokenized
-            self._keep_answer_ids(res.answer, list(gen.tokens))  # from its text may differ (token boundaries)
+            self.memory.keep_answer_ids(res.answer, list(gen.tokens))  # from its text may differ (token boundaries)
         res.stop_reason = "stop" if watch.stop_hit else gen.stopped
         res.generated_tokens = len(gen.tokens)
         res.ttft_ms = gen.ttft_s * 1000
@@ -430,43 +388,43 @@ class RequestPipeline:
         finished = True
         if watch.cancelled:
             res.success, res.error, finished = False, CANCELLED_ERROR, False
-        elif f.constraint is not None and not f.constraint.is_terminated():
+        elif a.constraint is not None and not a.constraint.is_terminated():
             res.success, finished = False, False
             res.error = ("json_schema: a stop string ended the answer before the JSON was complete; drop that stop "
                          "string for JSON answers" if watch.stop_hit else
-                         f"json_schema: the answer reached max_new_tokens ({f.max_new}) before the JSON was "
+                         f"json_schema: the answer reached max_new_tokens ({a.max_new}) before the JSON was "
                          "complete; raise max_new_tokens or simplify the schema")
         elif f.p.schema is not None and (bad := f.p.schema.answer_error(res.answer)) is not None:
             # the last line: the grammar should make this impossible; never report such an answer a success
             res.success, finished = False, False
             res.error = f"json_schema: {bad}"
-            self.log.warning(f"request {req.request_id!r}: a constrained answer failed its schema: {bad}")
-        if f.streaming:
+            self.core.log.warning(f"request {req.request_id!r}: a constrained answer failed its schema: {bad}")
+        if a.streaming:
             watch.progress(res.answer, len(gen.tokens))  # the last word, whatever the throttle held back
         if finished:
-            self._remember_answer(req.scope, gen.tokens)
+            self.memory.remember_answer(req.scope, gen.tokens)
         t_insert = time.perf_counter()
-        self._update_pool(f.p, f.plan, f.tokens, f.cache, f.digest, res.answer if finished else None, f.now,
+        self.memory.update_pool(f.p, f.plan, f.tokens, f.cache, f.digest, res.answer if finished else None, f.now,
                           f.poolable)
-        if finished and res.success and res.exact and backend.exact_chunking and self.settings.answer_memo:
-            same = self.pool.find(req.scope, f.tokens)  # the entry that now holds this answer
+        if finished and res.success and res.exact and backend.exact_chunking and self.core.settings.answer_memo:
+            same = self.core.pool.find(req.scope, f.tokens)  # the entry that now holds this answer
             if same is not None and same.answer == res.answer:
-                self.memo.remember(same.key, Memo(Signature.of(f.temperature, f.seed, req.stop, req.json_schema),
+                self.memo.remember(same.key, Memo(Signature.of(a.temperature, a.seed, req.stop, req.json_schema),
                                                   res.answer, tuple(gen.tokens), res.stop_reason))
-        if self.fleet is not None and finished and res.success:
-            self._publish(f, gen, exact=res.exact)
+        if self.core.fleet is not None and finished and res.success:
+            self.memory.publish(f, gen, exact=res.exact)
         if finished and res.success and self._labels_from(f):
             if f.candidate is not None and res.exact:  # would the most similar task's stored answer have been right?
-                approx_gate.label(self.error_bound, req.scope, f.candidate, res.answer)
+                approx_gate.label(self.core.error_bound, req.scope, f.candidate, res.answer)
             if f.refused is not None and f.refused.tier == CacheResult.SEMANTIC and res.exact:
                 self._audit_later(AuditCase(f.p, f.tokens, f.digest, "semantic", served_exact=True, served=res.answer,
-                                            plan=f.refused, max_new=f.max_new, temperature=f.temperature, seed=f.seed,
-                                            delta=f.delta))
+                                            plan=f.refused, max_new=a.max_new, temperature=a.temperature, seed=a.seed,
+                                            delta=a.delta))
             elif f.plan.tier == CacheResult.SEMANTIC:
                 self._audit_later(AuditCase(f.p, f.tokens, f.digest, "semantic", served_exact=False, served=res.answer,
-                                            plan=f.plan, max_new=f.max_new, temperature=f.temperature, seed=f.seed,
-                                            delta=f.delta))
-        self._keep_live(f)
+                                            plan=f.plan, max_new=a.max_new, temperature=a.temperature, seed=a.seed,
+                                            delta=a.delta))
+        self.memory.keep_live(f)
         insert_ms = (time.perf_counter() - t_insert) * 1000
         res.total_ms = (time.perf_counter() - f.p.t_arrival) * 1000
         self._log_decision(req, f.digest, f.plan, res)
@@ -476,7 +434,7 @@ class RequestPipeline:
     @staticmethod
     def _labels_from(f: Flight) -> bool:
         """Whether this request's answer can label a tier (labels come from everyone's traffic)."""
-        return approx_gate.comparable(f.p.req, f.temperature)
+        return approx_gate.comparable(f.p.req, f.asked.temperature)
 
     def _audit_later(self, case: AuditCase) -> None:
         """An approximate decision to check at idle time (approx_gate.audit), where a bound was asked."""
@@ -487,9 +445,24 @@ class RequestPipeline:
             tier=case.tier, served_exact=case.served_exact, scope=p.req.scope, tokens=list(case.tokens),
             fingerprint=p.fingerprint, question=p.question, context_digest=case.digest, served=case.served,
             max_new=case.max_new, temperature=case.temperature, seed=case.seed,
-            source_task=self.pool.task_id(plan.source_key), similarity=plan.similarity,
+            source_task=self.core.pool.task_id(plan.source_key), similarity=plan.similarity,
             plan=plan if case.served_exact else None))
 
     def _observe(self, req: QueryRequest, plan, plan_ms: float, insert_ms: float, first_logits) -> None:
         if self.observer is not None:
             self.observer(Observation(req.request_id, plan, plan_ms, plan.match_ms, insert_ms, first_logits))
+
+    def _log_decision(self, req, digest, plan, res) -> None:
+        """One JSON line per answered request (a memo hit too: warmup_queries counts the tasks asked most)."""
+        semantic_log = self.core.semantic_log
+        if semantic_log is None:
+            return
+        semantic_log.write({
+            "request_id": req.request_id, "scope": req.scope, "question": req.question[:200],
+            "context_digest": digest, "tier": CacheResult(plan.tier).name, "similarity": round(plan.similarity, 4),
+            "source_key": plan.source_key, "source_question": plan.source_question[:200],
+            "reason": plan.reason, "prompt_tokens": res.prompt_tokens, "reused_tokens": res.reused_tokens,
+            "recomputed_tokens": res.recomputed_tokens, "ttft_ms": round(res.ttft_ms, 2),
+            # the request itself, so that warmup_queries: N can replay the most-used tasks
+            **request_record(req),
+            **({"warmup": True} if self.core.warming else {})})

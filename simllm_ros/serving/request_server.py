@@ -7,10 +7,10 @@ happens to a request between arrival and answer lives here so it can be tested w
               or admit into a bounded queue (queue_limit counts admitted requests not yet picked up
               by the worker). prepare() (validation + fingerprint) runs in the caller's thread, so
               several callers fingerprint while the worker generates.
-  worker    : one thread runs the jobs in arrival order. With max_batch 1 (or no step function)
-              each job runs alone through execute(job). With max_batch > 1 it keeps up to
+  worker    : one thread runs the jobs in arrival order. With max_batch 1 each job runs alone
+              through the engine's execute(). With max_batch > 1 it keeps up to
               max_batch jobs in flight (continuous batching): between steps it admits waiting jobs
-              (begin(job): plan, prefill set-up; or a result at once), then runs step(handles), one
+              (begin(): plan, prefill set-up; or a result at once), then runs step(handles), one
               forward pass that advances every job in flight, and finishes those that are done. A
               new job therefore waits at most one step while there is room in the batch. When
               nothing is in flight or waiting and the server is open it runs idle work (deferred
@@ -111,31 +111,30 @@ class ServedEngine(Protocol):
 
 
 class RequestServer:
-    """Bounded admission queue plus one worker thread over caller-supplied functions.
+    """Bounded admission queue plus one worker thread over an engine (ServedEngine).
 
-    prepare(request) -> prepared | QueryResult (a refusal); execute(job) -> QueryResult (may raise:
-    the job then fails with "internal error: ..."); has_idle_work() / idle_work() for deferred work;
-    on_busy() counts a busy refusal; state() names the owner's state for "not active" refusals.
+    engine.prepare(request) -> prepared | QueryResult (a refusal); engine.execute(prepared, on_progress,
+    should_stop) -> QueryResult (may raise: the job then fails with "internal error: ..."); begin/step for jobs in
+    flight together; has_idle_work() / idle_work() for deferred work; record_rejected_busy() counts a busy refusal;
+    state() names the owner's state for "not active" refusals. Why one object: a host (the node) wires one engine,
+    not eight functions, and a type checker sees every member.
     """
 
-    def __init__(self, *, prepare: Callable[[QueryRequest], Any], execute: Callable[[Job], QueryResult],
-                 state: Callable[[], str], queue_limit: int = 8, has_idle_work: Callable[[], bool] | None = None,
-                 idle_work: Callable[[], Any] | None = None, on_busy: Callable[[], None] | None = None,
-                 log: logging.Logger | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S,
-                 begin: Callable[[Job], Any] | None = None, step: Callable[[list], list] | None = None,
-                 max_batch: int = 1):
-        """begin(job) -> QueryResult (finished at once) | a handle; step(handles) -> per handle its
-        QueryResult when finished in this step, else None. Both may raise: begin fails its job, step fails
-        every job in flight (the executor isolates its own per-job faults)."""
-        self._prepare, self._execute, self._state = prepare, execute, state
-        self._begin, self._step = begin, step
-        self._max_batch = max(1, int(max_batch))
-        self._has_idle_work, self._idle_work, self._on_busy = has_idle_work, idle_work, on_busy
+    def __init__(self, engine: ServedEngine, *, state: Callable[[], str], queue_limit: int | None = None,
+                 max_batch: int | None = None, log: logging.Logger | None = None,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S):
+        """queue_limit and max_batch: the engine's settings' unless given. begin(prepared, ...) -> QueryResult
+        (finished at once) | a handle; step(handles) -> per handle its QueryResult when finished in this step, else
+        None. Both may raise: begin fails its job, step fails every job in flight (the engine isolates its own
+        per-job faults)."""
+        self._engine = engine
+        self._state = state
+        self._max_batch = max(1, int(engine.settings.max_batch if max_batch is None else max_batch))
         self.log = log or logging.getLogger("simllm_ros.request_server")
         self.drain_timeout_s = drain_timeout_s
         self._cv = threading.Condition()
         self._open = False  # admitting requests
-        self._queue_limit = int(queue_limit)
+        self._queue_limit = int(engine.settings.queue_limit if queue_limit is None else queue_limit)
         self._overheated: str | None = None  # why, while the thermal level is critical
         self._waiting = 0  # admitted, not yet picked up by the worker
         self._inflight = 0  # admitted, not yet finished
@@ -143,19 +142,6 @@ class RequestServer:
         self._ids_in_flight: set[str] = set()  # request_ids of admitted jobs submitted with unique_id
         self._stopping = False
         self._thread: threading.Thread | None = None
-
-    @classmethod
-    def for_engine(cls, engine: ServedEngine, *, state: Callable[[], str], log: logging.Logger | None = None
-                   ) -> "RequestServer":
-        """A server over an Engine: its prepare, begin/step (execute for a job alone) run the requests, its idle
-        work runs between them, it counts busy refusals, and its settings size the queue and the batch. Why
-        here: a host (the node) wires one engine, not eleven functions and numbers."""
-        return cls(prepare=engine.prepare, state=state,
-                   execute=lambda job: engine.execute(job.prepared, job.on_progress, job.should_stop),
-                   begin=lambda job: engine.begin(job.prepared, job.on_progress, job.should_stop), step=engine.step,
-                   queue_limit=engine.settings.queue_limit, max_batch=engine.settings.max_batch,
-                   has_idle_work=engine.has_idle_work, idle_work=engine.idle_work,
-                   on_busy=engine.record_rejected_busy, log=log)
 
     # ---- state ------------------------------------------------------------------------------
     @property
@@ -263,7 +249,7 @@ class RequestServer:
             self._finish(job, QueryResult.failure(refusal), counted=False)
             return job
         try:
-            prepared = self._prepare(request)
+            prepared = self._engine.prepare(request)
         except Exception as e:
             self.log.error(f"request {request.request_id!r}: prepare failed: {type(e).__name__}: {e}")
             prepared = QueryResult.failure(internal_error(e))
@@ -293,6 +279,7 @@ class RequestServer:
                 self._finish(job, QueryResult.failure(STOPPED_ERROR))
             elif job.should_stop is not None and job.should_stop():
                 self.withdraw(job)
+        assert job.result is not None  # set before `done`
         return job.result
 
     def withdraw(self, job: Job) -> bool:
@@ -330,11 +317,10 @@ class RequestServer:
                     self._ids_in_flight.add(unique.request.request_id)
                     unique._id_held = True
                 return None
-        if self._on_busy is not None:
-            try:
-                self._on_busy()
-            except Exception:
-                pass
+        try:
+            self._engine.record_rejected_busy()
+        except Exception:
+            pass
         return busy_error(waiting, limit)
 
     def _finish(self, job: Job, result: QueryResult, counted: bool = True) -> None:
@@ -362,20 +348,20 @@ class RequestServer:
         left. With `active` jobs in flight it returns at once (possibly with no job: their next step)."""
         with self._cv:
             while not self._queue and not active and not self._stopping:
-                if self._open and self._has_idle_work is not None and self._has_idle_work():
+                if self._open and self._engine.has_idle_work():
                     return [], True
                 self._cv.wait(timeout=IDLE_POLL_S)
             if not self._queue and not active:
                 raise StopIteration
             room = self._max_batch - active if self._batching(active) else 1 - active
-            take = []
+            take: list[Job] = []
             while self._queue and len(take) < room:
                 take.append(self._queue.popleft())
             self._waiting -= len(take)
             return take, False
 
     def _batching(self, active: int) -> bool:
-        return self._step is not None and self._begin is not None and (self._max_batch > 1 or active > 0)
+        return self._max_batch > 1 or active > 0
 
     def _loop(self) -> None:
         inflight: list[tuple[Job, Any]] = []  # (job, handle) in admission order
@@ -386,7 +372,7 @@ class RequestServer:
                 return
             if idle:
                 try:
-                    self._idle_work()
+                    self._engine.idle_work()
                 except Exception as e:
                     self.log.error(f"idle work failed: {type(e).__name__}: {e}")
                 continue
@@ -401,7 +387,7 @@ class RequestServer:
 
     def _run(self, job: Job) -> None:
         try:
-            result = self._execute(job)
+            result = self._engine.execute(job.prepared, job.on_progress, job.should_stop)
         except Exception as e:
             self.log.error(f"request {job.request.request_id!r}: generation failed: {type(e).__name__}: {e}")
             result = QueryResult.failure(internal_error(e))
@@ -409,7 +395,7 @@ class RequestServer:
 
     def _start(self, job: Job, inflight: list) -> None:
         try:
-            handle = self._begin(job)
+            handle = self._engine.begin(job.prepared, job.on_progress, job.should_stop)
         except Exception as e:
             self.log.error(f"request {job.request.request_id!r}: generation failed: {type(e).__name__}: {e}")
             handle = QueryResult.failure(internal_error(e))
@@ -421,7 +407,7 @@ class RequestServer:
     def _advance(self, inflight: list) -> None:
         """One step of every job in flight; the finished ones are answered and leave."""
         try:
-            results = self._step([h for _, h in inflight])
+            results = self._engine.step([h for _, h in inflight])
         except Exception as e:
             self.log.error(f"batched step failed: {type(e).__name__}: {e}")
             results = [QueryResult.failure(internal_error(e)) for _ in inflight]

@@ -100,9 +100,7 @@ def test_a_repeat_in_a_batch_is_served_from_the_memo_beside_requests_that_run(en
     reqs = [QueryRequest(prompt=Q, context=BULLETIN, max_new_tokens=24, request_id="repeat"),
             QueryRequest(prompt="Which roads are closed?", context=BULLETIN, max_new_tokens=12, request_id="new"),
             QueryRequest(prompt=Q, context=BULLETIN, max_new_tokens=5, request_id="shorter")]
-    server = RequestServer(prepare=engine.prepare, execute=lambda job: engine.execute(job.prepared),
-                           state=lambda: "inactive", queue_limit=8, begin=lambda job: engine.begin(job.prepared),
-                           step=engine.step, max_batch=4)
+    server = RequestServer(engine, state=lambda: "inactive", queue_limit=8, max_batch=4)
     server.start()
     server.open()
     try:

@@ -156,7 +156,7 @@ def test_a_new_robot_warms_up_with_what_the_fleet_asks_most(robots, base, redis_
     assert [t["prompt"] for t in tasks] == asked[:2] and all(t["scope"] == "kiosk" for t in tasks)
     new = robot(base, redis_server, secret_file)
     try:
-        warmed = new._warm_up("2", lambda m: None)
+        warmed = new.warm_start.warm_up("2", lambda m: None, new.load_report.get("restored", 0))
         assert warmed == 2
         tokens = new.backend.chat_ids(new.settings.system_prompt, BULLETIN,
                                       QueryRequest(prompt=asked[0]).turns())

@@ -251,7 +251,7 @@ def test_bad_snapshot_engine_starts_empty(saved, tmp_path, damage, reason_words)
         r = e.handle(QueryRequest(prompt="Is Elm Street open?", context=BULLETIN, max_new_tokens=2))
         assert r.success and r.cache_result == CacheResult.MISS
         e.save()
-        ident, pool = e._identity(), e.pool
+        ident, pool = e.warm_start.identity(), e.pool
         again = pool.empty_like()
     finally:
         e.unload()
@@ -264,7 +264,7 @@ def test_snapshot_from_other_setup_is_reported(saved, tmp_path):
     try:
         assert e8.handle(QueryRequest(prompt=questions()[0], context=BULLETIN, max_new_tokens=2)).success
         e8.save()
-        ident8, pool8 = e8._identity(), e8.pool
+        ident8, pool8 = e8.warm_start.identity(), e8.pool
         # 8-bit snapshots carry scales: a NaN or infinite scale would dequantize to NaN KV, so it is refused.
         for name, value in (("k_scale", float("nan")), ("v_zero", float("inf"))):
             bad = tmp_path / f"bad_{name}"

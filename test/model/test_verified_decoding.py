@@ -256,7 +256,7 @@ def test_damaged_and_foreign_draft_sources_are_harmless(engine):
     engine.pool.check_consistency()
     res = engine.handle(req)
     assert res.success and res.answer == ref, res
-    drafts = engine._draft_source(req, _prompt(engine, q), engine.fingerprinter.embed([q])[0], 0.0)
+    drafts = engine.memory.draft_source(req, _prompt(engine, q), engine.fingerprinter.embed([q])[0], 0.0)
     secret_ids = engine.backend.tokenize_answer(secret)
     assert all(a != secret_ids for a in drafts.answers), "another scope's answer was offered as a draft"
     fresh(engine)

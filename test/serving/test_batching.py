@@ -161,16 +161,25 @@ def test_decoders_stepped_together_equal_decode_alone(engine, temperature, seed)
 
 
 class Recorder:
-    """The engine's begin/step as the request server calls them, logging what each step did."""
+    """The engine as the request server calls it (request_server.ServedEngine), logging what each step did."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.settings = engine.settings
+        self.prepare, self.execute = engine.prepare, engine.execute
+        self.record_rejected_busy = engine.record_rejected_busy
         self.steps: list[dict] = []  # per step: request id -> (phase before, prefill tokens left, passes)
         self.begun: dict[str, int] = {}  # request id -> steps run before its begin
 
-    def begin(self, job):
-        self.begun[job.request.request_id] = len(self.steps)
-        return self.engine.begin(job.prepared)
+    def has_idle_work(self) -> bool:
+        return False  # no idle work between the steps logged: they are the requests' own
+
+    def idle_work(self) -> bool:
+        return False
+
+    def begin(self, p, on_progress=None, should_stop=None):
+        self.begun[p.req.request_id] = len(self.steps)
+        return self.engine.begin(p, on_progress, should_stop)
 
     def step(self, flights):
         def state(f):
@@ -185,9 +194,7 @@ class Recorder:
 
 def _serve(engine, reqs, max_batch, recorder=None):
     rec = recorder or Recorder(engine)
-    server = RequestServer(prepare=engine.prepare, execute=lambda job: engine.execute(job.prepared),
-                           state=lambda: "inactive", queue_limit=64, begin=rec.begin, step=rec.step,
-                           max_batch=max_batch)
+    server = RequestServer(rec, state=lambda: "inactive", queue_limit=64, max_batch=max_batch)
     answered: dict[str, int] = {}
     lock = threading.Lock()
 
@@ -278,7 +285,7 @@ def test_flights_on_one_context_share_it_and_answer_as_alone(engine):
     class Sharing(Recorder):
         def step(self, flights):
             out = super().step(flights)
-            shared.append(sum(1 for f in flights if f.share is not None))
+            shared.append(sum(1 for f in flights if f.batch.share is not None))
             return out
 
     for max_batch in (1, 4):
@@ -305,7 +312,7 @@ def test_requests_arriving_together_prefill_their_common_start_once(engine):
 
     class Waits(Recorder):
         def step(self, flights):
-            waited.append(sum(1 for f in flights if f.leader is not None))
+            waited.append(sum(1 for f in flights if f.batch.leader is not None))
             return super().step(flights)
 
     alone = {}  # one at a time, each on an empty pool
@@ -335,8 +342,7 @@ def test_long_prefill_is_chunked_and_others_decode_every_step(engine):
     ref_b = engine.handle(b)  # its answer alone (then the pool is emptied again)
     ref_a = engine.handle(a)
     engine.clear_pool()
-    server = RequestServer(prepare=engine.prepare, execute=lambda job: engine.execute(job.prepared),
-                           state=lambda: "inactive", queue_limit=8, begin=rec.begin, step=rec.step, max_batch=4)
+    server = RequestServer(rec, state=lambda: "inactive", queue_limit=8, max_batch=4)
     server.start()
     server.open()
     try:

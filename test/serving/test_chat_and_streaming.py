@@ -106,14 +106,14 @@ def test_a_cancel_stops_within_one_pass_and_leaves_no_partial_answer(engine):
         return len(calls) > 3
 
     p = engine.prepare(req)
-    recent = {k: list(v) for k, v in engine._recent_answers.items()}
+    recent = {k: list(v) for k, v in engine.memory.recent_answers.items()}
     errors = engine.stats()["errors_total"]
     res = engine.execute(p, should_stop=should_stop)
     assert not res.success and res.error == CANCELLED_ERROR and res.stop_reason == "cancel"
     assert 3 <= res.generated_tokens <= 4 and res.answer  # the partial answer comes back to the caller
     entry = engine.pool.find("c", tokens)
     assert entry is not None and entry.answer == ""  # the prompt's KV is pooled, the partial answer is not
-    assert {k: list(v) for k, v in engine._recent_answers.items()} == recent
+    assert {k: list(v) for k, v in engine.memory.recent_answers.items()} == recent
     assert engine.stats()["errors_total"] == errors  # a cancel is not a fault
     full = engine.handle(req)
     assert full.success and full.answer.startswith(res.answer) and full.cache_result == CacheResult.EXACT_PREFIX

@@ -1,6 +1,6 @@
 """RequestServer without ROS: admission, refusals, the worker, idle work, drain/stop, exactly-once answers.
 
-The executor here is a small real function (it answers with the prompt reversed), gated by an event
+The engine served here is a small real one (it answers with the prompt reversed), gated by an event
 where a test needs requests to pile up; the server is the thing under test.
 """
 import threading
@@ -10,12 +10,36 @@ import pytest
 
 from simllm_ros.request import CacheResult, Progress, QueryRequest, QueryResult
 from simllm_ros.serving.request_server import STOPPED_ERROR, RequestServer
+from simllm_ros.settings import Settings
 
 WAIT_S = 10.0
 
 
-class Backend:
-    """prepare/execute/idle functions with counters; `gate` holds the worker inside execute until set."""
+class OneAtATime:
+    """What every engine served one job at a time here has: the settings, and no batch (max_batch 1 never begins
+    or steps a job)."""
+
+    settings = Settings().replace(max_batch=1)  # one job at a time
+
+    def begin(self, p, on_progress=None, should_stop=None):
+        raise AssertionError("max_batch 1: no job is begun")
+
+    def step(self, flights):
+        raise AssertionError("max_batch 1: no step")
+
+    def has_idle_work(self) -> bool:
+        return False
+
+    def idle_work(self) -> bool:
+        return False
+
+    def record_rejected_busy(self) -> None:
+        pass
+
+
+class Backend(OneAtATime):
+    """A served engine (request_server.ServedEngine) with counters; `gate` holds the worker inside execute until
+    set."""
 
     def __init__(self, gated: bool = False):
         self.gate = threading.Event()
@@ -32,17 +56,18 @@ class Backend:
             return QueryResult.failure("empty prompt")
         if req.prompt == "explode in prepare":
             raise ValueError("bad fingerprint")
-        return req.prompt.upper()
+        return req, req.prompt.upper()
 
-    def execute(self, job) -> QueryResult:
+    def execute(self, p, on_progress=None, should_stop=None) -> QueryResult:
+        req, text = p
         self.running.set()
         assert self.gate.wait(WAIT_S)
-        if job.request.prompt == "explode":
+        if req.prompt == "explode":
             raise RuntimeError("injected")
-        self.executed.append(job.request.request_id)
-        return QueryResult(success=True, answer=job.prepared[::-1])
+        self.executed.append(req.request_id)
+        return QueryResult(success=True, answer=text[::-1])
 
-    def on_busy(self):
+    def record_rejected_busy(self) -> None:
         self.busy_count += 1
 
     def has_idle_work(self) -> bool:
@@ -54,9 +79,7 @@ class Backend:
 
 
 def make(backend: Backend, queue_limit: int = 4, **kw) -> RequestServer:
-    server = RequestServer(prepare=backend.prepare, execute=backend.execute, state=lambda: "inactive",
-                           queue_limit=queue_limit, has_idle_work=backend.has_idle_work, idle_work=backend.idle_work,
-                           on_busy=backend.on_busy, **kw)
+    server = RequestServer(backend, state=lambda: "inactive", queue_limit=queue_limit, **kw)
     server.start()
     return server
 
@@ -238,16 +261,20 @@ def test_per_job_callbacks_reach_the_executor(served):
     """The hooks a streaming transport needs: partial text out, cancellation in."""
     seen = []
 
-    def execute(job):
-        text = ""
-        for n, word in enumerate(job.prepared.split(), 1):
-            if job.should_stop():
-                return QueryResult(success=True, answer=text.strip(), generated_tokens=n - 1)
-            text += word + " "
-            job.on_progress(Progress(text.strip(), n, CacheResult.MISS))
-        return QueryResult(success=True, answer=text.strip(), generated_tokens=n)
+    class Streaming(OneAtATime):
+        def prepare(self, r):
+            return r.prompt
 
-    s = RequestServer(prepare=lambda r: r.prompt, execute=execute, state=lambda: "inactive")
+        def execute(self, p, on_progress=None, should_stop=None):
+            text = ""
+            for n, word in enumerate(p.split(), 1):
+                if should_stop():
+                    return QueryResult(success=True, answer=text.strip(), generated_tokens=n - 1)
+                text += word + " "
+                on_progress(Progress(text.strip(), n, CacheResult.MISS))
+            return QueryResult(success=True, answer=text.strip(), generated_tokens=n)
+
+    s = RequestServer(Streaming(), state=lambda: "inactive")
     s.start()
     s.open()
     try:
@@ -264,8 +291,10 @@ def test_per_job_callbacks_reach_the_executor(served):
 
 # ---- continuous batching: several jobs in flight, one step at a time --------------------------------------
 class Stepper:
-    """begin/step functions for the batched worker: a job "decodes" its prompt one word per step, so a job of
-    n words takes n steps; every step is logged with the jobs it advanced."""
+    """A served engine for the batched worker: a job "decodes" its prompt one word per step, so a job of n words
+    takes n steps; every step is logged with the jobs it advanced. Alone (max_batch 1) it answers "alone"."""
+
+    settings = Settings()  # batched() gives max_batch and queue_limit
 
     def __init__(self):
         self.steps: list[list[str]] = []  # request ids advanced by each step
@@ -276,13 +305,22 @@ class Stepper:
         self.idle_left = 0
         self.step_s = 0.0  # how long a step takes
 
-    def begin(self, job):
-        self.begun.append((job.request.request_id, len(self.steps)))
-        if job.request.prompt == "explode in begin":
+    def prepare(self, r):
+        return r
+
+    def execute(self, p, on_progress=None, should_stop=None):
+        return QueryResult(success=True, answer="alone")
+
+    def record_rejected_busy(self) -> None:
+        pass
+
+    def begin(self, p, on_progress=None, should_stop=None):
+        self.begun.append((p.request_id, len(self.steps)))
+        if p.prompt == "explode in begin":
             raise RuntimeError("begin fault")
-        if job.request.prompt == "at once":
+        if p.prompt == "at once":
             return QueryResult(success=True, answer="now")
-        return {"id": job.request.request_id, "words": job.request.prompt.split(), "done": []}
+        return {"id": p.request_id, "words": p.prompt.split(), "done": []}
 
     def step(self, handles):
         assert self.gate.wait(WAIT_S)
@@ -309,9 +347,7 @@ class Stepper:
 
 
 def batched(stepper: Stepper, max_batch: int, queue_limit: int = 16) -> RequestServer:
-    s = RequestServer(prepare=lambda r: r.prompt, execute=lambda job: QueryResult(success=True, answer="alone"),
-                      state=lambda: "inactive", queue_limit=queue_limit, begin=stepper.begin, step=stepper.step,
-                      max_batch=max_batch, has_idle_work=stepper.has_idle_work, idle_work=stepper.idle_work)
+    s = RequestServer(stepper, state=lambda: "inactive", queue_limit=queue_limit, max_batch=max_batch)
     s.start()
     s.open()
     return s
