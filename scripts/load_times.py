@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 WORKER = r"""
 import json, os, resource, sys, time
@@ -138,7 +137,9 @@ def main() -> None:
             if len(pair) < 2:
                 continue
             o, n = pair["old"], pair["new"]
-            f = lambda k, part, fmt: (f"{o[part][k]:{fmt}} / {n[part][k]:{fmt}}" if part in o else "-")  # noqa: E731
+            def f(k: str, part: str, fmt: str, o: dict = o, n: dict = n) -> str:
+                return f"{o[part][k]:{fmt}} / {n[part][k]:{fmt}}" if part in o else "-"
+
             print(f"| {threads} | {run} | {f('wall', 'first', '.1f')} | {f('cpu', 'first', '.1f')} | "
                   f"{f('wall', 'packed', '.2f')} | {f('cpu', 'packed', '.1f')} | {f('peak_mb', 'first', 'd')} | "
                   f"{o['load_before']} / {n['load_before']} |")

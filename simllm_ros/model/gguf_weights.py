@@ -279,7 +279,7 @@ def read_header(path: str, fields: list | None = None) -> tuple[dict, list[Tenso
                 if etype == 8:
                     if count > left() // 8:
                         bad(f"metadata {key} says {count} strings, past the end of the header")
-                    items = [] if fields is not None else None
+                    items: list | None = [] if fields is not None else None
                     for _ in range(count):
                         n = skip_text(key)
                         if items is not None:
