@@ -251,13 +251,43 @@ def own_reader(meta: dict) -> Callable | None:
 OWN_CONFIGS = {"smollm3": _smollm3_config}
 
 
+class HeaderFields:
+    """A GGUF's metadata as transformers' GGUF parse reads it from gguf's GGUFReader (`fields`: key -> a field
+    whose `parts[i]` for i in `data` are its values, `types` the GGUF value types; `tensors` with their names),
+    read by our bounded header reader (gguf_weights.read_header). Why: gguf's reader makes a numpy view of every
+    string of a vocabulary (~0.3 M for a 150k-token file) and transformers then turns each view into a list of
+    numpy scalars: most of a first conversion's time. Each value here is what transformers' parse of gguf's field
+    gives (a string its bytes, a number a 1-tuple of its value): test_gguf_loading compares the two parses."""
+
+    class Field:
+        __slots__ = ("name", "types", "parts", "data")
+
+        def __init__(self, name: str, types: list[int], parts: list):
+            self.name, self.types, self.parts, self.data = name, types, parts, range(len(parts))
+
+    class Named:
+        __slots__ = ("name",)
+
+        def __init__(self, name: str):
+            self.name = name
+
+    def __init__(self, path: str, mode: str = "r"):
+        fields: list = []
+        _, listed = gguf_weights.read_header(path, fields)
+        self.fields = {key: self.Field(key, types, parts) for key, types, parts in fields}
+        # the names transformers' parse reads (is output.weight there); Phi-3's fused tensors as read_header unfuses
+        # them, which changes no such answer
+        self.tensors = [self.Named(t.name) for t in listed]
+
+
 @contextlib.contextmanager
 def _one_metadata_parse():
     """While inside: transformers' GGUF metadata parse (load_gguf_checkpoint without tensors) runs once a file,
-    where its config and its tokenizer each parse the whole file again (gguf's reader makes a numpy view of every
-    vocabulary string: ~10 s a parse for a 150k-token file), each caller getting its own copy of the result; and
-    gguf's tensor name map is made once an architecture, where transformers' weights map made it again for each of
-    a model's ~370 modules (~9 s). Both are read-only lookups of the file and the architecture."""
+    where its config and its tokenizer each parse the whole file again, each caller getting its own copy of the
+    result, and reads the header through HeaderFields rather than gguf's reader (the same values, without a numpy
+    object per vocabulary string); and gguf's tensor name map is made once an architecture, where transformers'
+    weights map made it again for each of a model's ~370 modules (~9 s). Read-only lookups of the file and the
+    architecture."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as mgu
 
@@ -270,7 +300,8 @@ def _one_metadata_parse():
             return parse(path, return_tensors=return_tensors, **kwargs)
         key = os.path.realpath(path)
         if key not in seen:
-            seen[key] = parse(path, return_tensors=False)
+            with _header_fields():
+                seen[key] = parse(path, return_tensors=False)
         return copy.deepcopy(seen[key])
 
     mgu.load_gguf_checkpoint = once
@@ -279,6 +310,19 @@ def _one_metadata_parse():
     finally:
         mgu.load_gguf_checkpoint = parse
         gguf.get_tensor_name_map = name_map
+
+
+@contextlib.contextmanager
+def _header_fields():
+    """While inside, gguf's GGUFReader is HeaderFields (load_gguf_checkpoint imports it from gguf at each call)."""
+    import gguf
+
+    reader = gguf.GGUFReader
+    gguf.GGUFReader = HeaderFields
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = reader
 
 
 def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dict,
@@ -420,12 +464,14 @@ class _Dequantized:
         probe = np.random.default_rng(0).standard_normal((n, 2)).astype(np.float32)
         return order if np.array_equal(process(probe.copy()).reshape(n, 2), probe[order]) else None
 
-    def file_rows(self, t: Tensor, rows: list[int]) -> torch.Tensor:
-        """gguf's dequantization of the file's rows `rows` (no processing: the file's order)."""
+    @staticmethod
+    def file_rows(t: Tensor, raw: np.ndarray) -> torch.Tensor:
+        """gguf's dequantization of the file's rows whose bytes are `raw` [rows, row bytes] (no processing: the
+        file's order)."""
         from gguf import GGMLQuantizationType, dequantize
 
-        w = dequantize(_raw_rows(t, rows), GGMLQuantizationType[t.ggml])
-        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(len(rows), -1)
+        w = dequantize(raw, GGMLQuantizationType[t.ggml])
+        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(raw.shape[0], -1)
 
 
 def sampled_rows(n: int) -> list[int]:
@@ -436,13 +482,25 @@ def sampled_rows(n: int) -> list[int]:
 
 
 def _raw_rows(t: Tensor, rows: list[int]) -> np.ndarray:
+    """The bytes of the file's rows `rows` [len(rows), row bytes], read (not mapped: Tensor.read) through one open
+    file, where a read per row opened the file again for each."""
     per_row = _row_bytes(t)
-    return np.stack([t.read(r * per_row, (r + 1) * per_row) for r in rows])
+    if not t.path:
+        return np.stack([t.read(r * per_row, (r + 1) * per_row) for r in rows])
+    out = np.empty((len(rows), per_row), dtype=np.uint8)
+    fd = os.open(t.path, os.O_RDONLY)
+    try:
+        for i, r in enumerate(rows):
+            if os.preadv(fd, [out[i]], t.offset + r * per_row) != per_row:
+                raise gguf_weights.GGUFError(f"'{t.path}' is shorter than its header says (tensor {t.name})")
+    finally:
+        os.close(fd)
+    return out
 
 
-def _decoded_rows(t: Tensor, rows: list[int]) -> torch.Tensor:
-    """Our decoding of the file's rows `rows`, dequantized (float32)."""
-    raw = _raw_rows(t, rows)
+def _decoded_rows(t: Tensor, rows: list[int], raw: np.ndarray | None = None) -> torch.Tensor:
+    """Our decoding of the file's rows `rows` (their bytes `raw` where read already), dequantized (float32)."""
+    raw = _raw_rows(t, rows) if raw is None else raw
     return gguf_weights.decode(t.ggml, raw.reshape(-1), (len(rows), t.shape[1]), t.name).dequantized()
 
 
@@ -467,7 +525,8 @@ def _projection_rows(model, tensors: dict[str, Tensor], ref: _Dequantized, progr
                     perms[t.name] = fw.perm.to(torch.int32)
                 continue
             rows = sampled_rows(t.shape[0])  # a decoder computes every block alike: a wrong one shows in any row
-            if not torch.equal(_decoded_rows(t, rows), ref.file_rows(t, rows)):
+            raw = _raw_rows(t, rows)  # one read: both decoders are given the same bytes
+            if not torch.equal(_decoded_rows(t, rows, raw), ref.file_rows(t, raw)):
                 return _whole(progress, f"blk.{i}.{gname}: our decoding is not gguf's dequantization")
             if not np.array_equal(order, np.arange(len(order))):
                 perms[t.name] = torch.from_numpy(order).to(torch.int32)

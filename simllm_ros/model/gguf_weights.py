@@ -205,10 +205,13 @@ MAX_TENSORS = 1 << 16
 MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
-def read_header(path: str) -> tuple[dict, list[Tensor]]:
+def read_header(path: str, fields: list | None = None) -> tuple[dict, list[Tensor]]:
     """(the file's scalar and string metadata, arrays left out; its tensors, as check_file gives them), the header
     read with every count and size bounded by the bytes there are, and held to its model (gguf_checks): GGUFError
-    naming the key or tensor for anything that does not add up, before anything is allocated from it."""
+    naming the key or tensor for anything that does not add up, before anything is allocated from it. `fields`: a
+    list given to be filled with every key, arrays too, in the file's order, as (key, value types, values): a
+    string as its bytes, a number as a 1-tuple (what transformers' GGUF reader makes of gguf's fields:
+    gguf_conversion.HeaderFields)."""
     import struct
 
     import gguf
@@ -256,6 +259,9 @@ def read_header(path: str) -> tuple[dict, list[Tensor]]:
         magic, version, n_tensors, n_kv = take("4sIQQ")
         if magic != b"GGUF" or version < 2:
             raise GGUFError(f"'{path}' is not a GGUF file (magic {magic!r}, version {version})")
+        if fields is not None:  # as gguf's reader lists them, first
+            fields += [("GGUF.version", [4], [(version,)]), ("GGUF.tensor_count", [10], [(n_tensors,)]),
+                       ("GGUF.kv_count", [10], [(n_kv,)])]
         if version > 3:
             bad(f"GGUF version {version} is not one this package reads (2, 3)")
         if n_kv > left() // 12:  # a key of no bytes and a value type at least
@@ -273,18 +279,31 @@ def read_header(path: str) -> tuple[dict, list[Tensor]]:
                 if etype == 8:
                     if count > left() // 8:
                         bad(f"metadata {key} says {count} strings, past the end of the header")
+                    items: list | None = [] if fields is not None else None
                     for _ in range(count):
-                        skip_text(key)
+                        n = skip_text(key)
+                        if items is not None:
+                            items.append(head[pos - n:pos])
                 elif etype in _FIXED:
                     if count > left() // _FIXED[etype]:
                         bad(f"metadata {key} says {count} values, past the end of the header")
+                    if fields is not None:
+                        values = np.frombuffer(head, "<" + _SCALAR[etype], count, pos).tolist()
+                        items = [(v,) for v in values]
                     pos += _FIXED[etype] * count
                 else:
                     bad(f"metadata {key} is an array of an unknown value type {etype}")
+                if fields is not None:
+                    fields.append((key, [9, etype], items))
             elif vtype == 8:
-                meta[key] = text(f"metadata {key}")
+                n = skip_text(f"metadata {key}")
+                meta[key] = head[pos - n:pos].decode("utf-8", "replace")
+                if fields is not None:
+                    fields.append((key, [8], [head[pos - n:pos]]))
             elif vtype in _SCALAR:
                 meta[key] = take(_SCALAR[vtype])
+                if fields is not None:
+                    fields.append((key, [vtype], [(meta[key],)]))
             else:
                 bad(f"metadata {key} has an unknown value type {vtype}")
         align = meta.get("general.alignment", 32)

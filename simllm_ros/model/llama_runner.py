@@ -300,18 +300,20 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         Verified drafts pay for their rows whether the model accepts them or not, and what a row costs
         depends on the kernels: a 4-bit pass grows with its rows (ATen's int4 kernel is compute-bound from a
         few rows), while a 16-bit single token runs padded to two rows, so its second row is free. Timed on
-        the model itself at load (the fastest of two passes per size), interpolated between the sizes timed and
+        the model itself at load (one pass per size after a warm-up round), interpolated between the sizes timed and
         extended along the last slope beyond them."""
         import time
 
         dev = self.device
-        sizes = [m for m in (1, 2, 3, 4, 6, 8, 16) if m <= max(1, max_rows)]
+        # a prior only (pass_costs.PassCosts learns each size's cost from the passes served): five sizes, a warm-up
+        # round and one timed, where seven sizes twice took a first load's seconds; never a token's bits
+        sizes = [m for m in (1, 2, 4, 8, 16) if m <= max(1, max_rows)]
         kv = KVBuffer.allocate(len(self.layers), self.n_kv, self.head_dim, context + sizes[-1], self.dtype, dev)
         ids = torch.randint(0, self.vocab, (context + sizes[-1],),
                             generator=torch.Generator().manual_seed(11)).to(dev)
         self.forward(ids[:context], torch.arange(context, device=dev), kv, 0, logits="none")
         took: dict[int, float] = {}
-        for rnd in range(3):  # the first round warms the kernels up; the fastest of the next two counts
+        for rnd in range(2):  # the first round warms the kernels up; the second is timed
             for m in sizes:
                 kv.length = context
                 pos = torch.arange(context, context + m, device=dev)
@@ -319,7 +321,7 @@ class LlamaRunner(LayerSteps, EarlyPasses):
                 self.forward(ids[context:context + m], pos, kv, context, logits="all")
                 dt = time.perf_counter() - t0
                 if rnd:
-                    took[m] = min(took.get(m, dt), dt)
+                    took[m] = dt
         one = took[1]
         points = [(m, took[m] / one) for m in sizes]
         costs = [0.0]

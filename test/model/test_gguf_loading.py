@@ -496,3 +496,21 @@ def _added_tokens_of(folder: str) -> dict:
 
     with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
         return {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in json.load(f)["added_tokens"]}
+
+
+@pytest.mark.parametrize("name", ["qwen2", "q4_k_m"])
+def test_the_header_fields_give_transformers_the_parse_of_ggufs_reader(files, name):
+    """The first conversion's metadata parse reads the header through our bounded reader (HeaderFields) instead of
+    gguf's GGUFReader: transformers' parse of the file (config, tokenizer and its config) must come out the same,
+    value for value and type for type."""
+    import pickle
+
+    from transformers import modeling_gguf_pytorch_utils as mgu
+
+    from simllm_ros.model import gguf_conversion
+
+    theirs = mgu.load_gguf_checkpoint(files[name], return_tensors=False)
+    with gguf_conversion._header_fields():
+        ours = mgu.load_gguf_checkpoint(files[name], return_tensors=False)
+    assert ours == theirs and pickle.dumps(ours) == pickle.dumps(theirs)
+    assert len(ours["tokenizer"]["tokens"]) > 1000
