@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -64,14 +65,22 @@ class LoadChecks:
             if digest == kept["digest"]:
                 bits = bool(kept["single"]), bool(kept["exact"]), digest
         if bits is None:
+            t0 = time.monotonic()
+            self.progress("load-time checks: single rows, the invariance probe and the numerics digest (once per "
+                          "model, settings, kernels and CPU; kept for later loads)")
             single = self.runner.check_single_rows()
             exact = self.invariance_probe()  # the probe runs with single rows as decided
             bits = single, exact, self.numerics_digest()
+            verdict = "passed" if exact else "failed: no chunked prefill, drafts or answer memo"
+            self.progress(f"load-time checks done in {time.monotonic() - t0:.1f} s: invariance probe {verdict}")
             record = {"single": bits[0], "exact": bits[1], "digest": bits[2]}
             try_cache_write(lambda: update_record(store, key, record, keep=64), self.progress)
         elif isinstance(kept_costs, dict) and kept_costs.get("digest") == bits[2] and kept_costs.get("costs"):
             return bits[0], bits[1], [float(c) for c in kept_costs["costs"]], bits[2]
+        t0 = time.monotonic()
+        self.progress(f"timing a pass's cost by its rows at {torch.get_num_threads()} threads (once per thread count)")
         costs = self.runner.pass_costs(MAX_PASS_ROWS)
+        self.progress(f"pass costs timed in {time.monotonic() - t0:.1f} s")
         try_cache_write(lambda: update_record(store, costs_key, {"digest": bits[2], "costs": costs}, keep=64),
                         self.progress)
         return bits[0], bits[1], costs, bits[2]
