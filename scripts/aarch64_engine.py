@@ -365,13 +365,14 @@ def timed(results: dict, key: str, fn, *args) -> None:
 
 
 def report(args, stages: dict, runs: list[dict], how: str, arch_flags: str, kernels_note: list[str]) -> str:
+    niced = f", at nice {os.nice(0)}" if os.nice(0) else ""
     lines = ["# The engine on aarch64 under emulation, against x86", "",
-             f"Command (as root): `nice -n 19 .venv/bin/python scripts/aarch64_engine.py "
+             f"Command (as root{niced}): `.venv/bin/python scripts/aarch64_engine.py "
              f"{' '.join(shlex.quote(a) for a in sys.argv[1:])}`, {time.monotonic() - STARTED:.0f} s of wall time "
              f"in all, finished {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (records in `aarch64_engine/`; "
              f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs).", "",
              f"- x86: {platform.machine()}, Python {platform.python_version()}, this checkout's venv; "
-             f"{os.cpu_count()} CPUs, shared with other work (every process at nice 19).",
+             f"{os.cpu_count()} CPUs, shared with whatever else ran (the load average above).",
              f"- aarch64: Debian 12 arm64 root file system from Debian's packages (debootstrap), Python 3.11, "
              f"gcc 12.2, qemu-user-static through {how}; gcc's -march=native there: `{arch_flags}` "
              f"(--cpu {args.cpu}).", *[f"- {n}" for n in kernels_note], "", "## Stages", "",

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .kv_buffer import KVBuffer
+from .rope_trig import rope_cos_sin
 from .runner_early import EarlyHead
 from .runner_layers import NO_ROPE
 
@@ -111,7 +112,7 @@ class SemanticPasses:
                 continue
             freqs = delta.to(k.device, torch.float32)[:, None] * inv_freq.to(k.device, torch.float32)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]: every tensor on k's device
-            cos, sin = emb.cos(), emb.sin()
+            cos, sin = rope_cos_sin(emb)  # the tables' own bits (skeleton.RotaryEmbedding), on every CPU
             # No attention_scaling here: it multiplied cos/sin once at encoding, and a relative rotation
             # of an already-encoded key must not apply it a second time.
             if len(layers) == len(of):

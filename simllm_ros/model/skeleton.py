@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gguf_weights import PROJECTIONS
+from .rope_trig import rope_cos_sin
 
 # The runner's architectures (model_backend.FULL_ATTENTION_ARCHITECTURES | SLIDING_WINDOW_ARCHITECTURES)
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "phi3")
@@ -132,8 +133,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
         inv_freq, scaling = self.tables[layer_type]
         freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * scaling).to(dtype=x.dtype), (emb.sin() * scaling).to(dtype=x.dtype)
+        cos, sin = rope_cos_sin(torch.cat((freqs, freqs), dim=-1))  # the same bits on every CPU (not torch's cos)
+        return (cos * scaling).to(dtype=x.dtype), (sin * scaling).to(dtype=x.dtype)
 
 
 def has_sliding_layers(cfg) -> bool:

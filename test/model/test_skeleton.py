@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, Qwen2Config
 
 from simllm_ros.model import skeleton
+from simllm_ros.model.rope_trig import rope_cos_sin
 
 
 def _llama(**kw) -> LlamaConfig:
@@ -48,7 +49,11 @@ def test_rope_and_norm_compute_what_their_formulas_say():
     cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)
     inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
     f = pos[..., None].float() * inv
-    assert torch.equal(cos, torch.cat((f, f), -1).cos()) and torch.equal(sin, torch.cat((f, f), -1).sin())
+    want = rope_cos_sin(torch.cat((f, f), -1))
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    # within one float32 ulp of torch's own cos / sin (SLEEF's, whose last bit depends on the CPU class)
+    assert torch.allclose(cos, torch.cat((f, f), -1).cos(), rtol=0, atol=6e-8)
+    assert torch.allclose(sin, torch.cat((f, f), -1).sin(), rtol=0, atol=6e-8)
     norm = skeleton.RMSNorm(8, 1e-6)
     norm.weight.data = torch.linspace(0.5, 2, 8)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
@@ -132,5 +137,27 @@ def test_a_gemma2_tree_has_transformers_names_one_rope_table_and_gemmas_norms():
     assert type(ours.model.layers[0].input_layernorm).__name__ == "OffsetRMSNorm"
     assert type(ours.model.layers[0].mlp.act_fn).__name__ == "GELUTanh"
     assert float(ours.model.embed_tokens.embed_scale) == 64 ** 0.5
-    pos, x = torch.arange(9)[None], torch.zeros(1, dtype=torch.float32)
-    assert all(torch.equal(u, v) for u, v in zip(ours.model.rotary_emb(x, pos), theirs.model.rotary_emb(x, pos)))
+    pos, x = torch.arange(9)[None], torch.zeros(1, dtype=torch.float32)  # transformers' RoPE within one ulp
+    assert all(torch.allclose(u, v, rtol=0, atol=6e-8)
+               for u, v in zip(ours.model.rotary_emb(x, pos), theirs.model.rotary_emb(x, pos)))
+
+
+def test_rope_cos_sin_are_the_correctly_rounded_values_the_same_way_on_every_cpu():
+    """RoPE's cos and sin come from float64 adds and multiplies (rope_trig), not torch's cos / sin, whose vector
+    code gives other last bits on aarch64 than on x86: on 200k angles of Qwen2.5's table (positions to 3,200,
+    theta 1e6) they are libm's float64 cos / sin rounded to float32, bit for bit; cos is even and sin odd; an angle
+    past the exact reduction's range is refused."""
+    import math
+
+    import numpy as np
+
+    inv = 1.0 / (1000000.0 ** (torch.arange(0, 128, 2, dtype=torch.float) / 128))
+    angles = (torch.arange(0, 3200, dtype=torch.float)[:, None] * inv[None, :]).flatten()
+    cos, sin = rope_cos_sin(angles)
+    a64 = angles.double().tolist()
+    assert np.array_equal(cos.numpy(), np.array([math.cos(a) for a in a64]).astype(np.float32))
+    assert np.array_equal(sin.numpy(), np.array([math.sin(a) for a in a64]).astype(np.float32))
+    neg = rope_cos_sin(-angles[:500])
+    assert torch.equal(neg[0], cos[:500]) and torch.equal(neg[1], -sin[:500])
+    with pytest.raises(ValueError, match="outside"):
+        rope_cos_sin(torch.tensor([2e6]))
