@@ -12,15 +12,18 @@ PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s#;]+)\s*(?:;([^#]*))?")
 CONSTRAINTS = {"3.10": "constraints-py310.txt", "3.11": "constraints.txt", "3.12": "constraints-py312.txt"}
 
 
-def _pins(name: str, python: str = "3.11") -> dict[str, str]:
-    """name -> version of the file's pins that apply on that Python (a pin's environment marker decides)."""
+def _pins(name: str, python: str = "3.11", machine: str | None = None) -> dict[str, str]:
+    """name -> version of the file's pins that apply on that Python (and CPU, where given: a pin's environment
+    marker decides)."""
     from packaging.markers import Marker
+
+    env = {"python_version": python, **({"platform_machine": machine} if machine else {})}
 
     out: dict[str, str] = {}
     with open(os.path.join(REPO, name), encoding="utf-8") as f:
         for line in f:
             m = PIN.match(line.strip())
-            if not m or (m.group(3) and not Marker(m.group(3).strip()).evaluate({"python_version": python})):
+            if not m or (m.group(3) and not Marker(m.group(3).strip()).evaluate(env)):
                 continue
             pkg = re.sub(r"[-_.]+", "-", m.group(1).lower())  # PEP 503 names
             assert pkg not in out, f"{name}: two pins of {pkg} apply on Python {python}"
@@ -50,6 +53,19 @@ def test_pins_agree_with_the_constraints():
             assert name != "requirements.txt" or {"torch", "transformers"} <= set(pins), python
             for pkg, version in pins.items():
                 assert constraints.get(pkg, version) == version, (python, name, pkg, version, constraints.get(pkg))
+
+
+def test_aarch64_takes_the_cpu_only_torch_the_engine_ran_with_there():
+    """PyPI's aarch64 torch 2.11 and later are CUDA 13 builds that do not import without CUDA 13's libraries: on a
+    Jetson or a Pi every requirement and constraint file gives torch 2.10.0, the pin of the emulated aarch64 run
+    (scripts/aarch64_requirements.txt), and x86 keeps its own."""
+    arm = _pins(os.path.join("scripts", "aarch64_requirements.txt"))["torch"]
+    for python, constraints_file in CONSTRAINTS.items():
+        for name in ("requirements.txt", constraints_file):
+            pins = _pins(name, python, "aarch64")
+            assert pins.get("torch", arm) == arm, (name, python, pins.get("torch"))
+            assert _pins(name, python, "x86_64").get("torch", "2.13.0") == "2.13.0", (name, python)
+    assert _pins("requirements.txt", "3.10", "aarch64")["torch"] == arm == "2.10.0"
 
 
 def test_the_pins_that_differ_per_python():
