@@ -325,3 +325,13 @@ def ros_harness_factory():
     yield make
     for h in made:
         h.close()
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory):
+    """The random GGUF files the test_gguf_* modules share (gguf_files.py), one set per test process: a session
+    fixture here, not one imported into each module (that made one per module, and gguf_files' backends, one per
+    name in the process, then belonged to the other module's files)."""
+    from gguf_files import write_files  # torch and the model code: only where a test asks for these files
+
+    return write_files(tmp_path_factory)

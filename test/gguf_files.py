@@ -5,15 +5,16 @@ Why a module of its own: the GGUF tests are split in three files so that the sui
 them out; the files and loaded backends stay one per process, whichever of those files run there."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from random_gguf import Q4_K_M, write_llama
 from simllm_ros.model.model_backend import ModelBackend
 
 
-@pytest.fixture(scope="session")
-def files(tmp_path_factory):
+def write_files(tmp_path_factory) -> dict:
+    """The files, written once per test process: conftest's session fixture `gguf_files` calls this. (A fixture
+    defined here and imported by each test_gguf_* module was one fixture per module: two sets of files in one
+    process, while BACKENDS keeps one backend per name, so a module's test met the other module's backend.)"""
     d = tmp_path_factory.mktemp("gguf")
     # Q4_K_M's mix: Q4_K, with attn_v and ffn_down in Q6_K (layer 1's attn_v in Q4_K: llama.cpp varies it by layer),
     # token_embd Q4_K and an untied output in Q6_K; and a Q8_0 file with the LM head tied to its embedding.

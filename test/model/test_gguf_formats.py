@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import file_backend, files, ours_and_transformers  # noqa: F401 (files: a fixture)
+from gguf_files import file_backend, ours_and_transformers
 from random_gguf import blocks, write_llama
 from simllm_ros.model import gguf_weights
 from simllm_ros.kernels import int4_vector_kernel

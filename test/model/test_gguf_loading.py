@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import file_backend, files, whole_backend  # noqa: F401 (files: a fixture)
+from gguf_files import file_backend, whole_backend
 from random_gguf import Q4_K_M, write_llama
 from simllm_ros.model import gguf_weights
 from simllm_ros.kernels import int4_vector_kernel

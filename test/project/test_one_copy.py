@@ -48,11 +48,14 @@ def test_every_loaded_module_comes_from_the_checkout_or_the_generated_directory(
     assert simllm_ros.__path__[0] == PACKAGE, simllm_ros.__path__
     for other in simllm_ros.__path__[1:]:  # only directories of generated modules join the path
         assert os.path.isdir(os.path.join(other, "msg")), simllm_ros.__path__
+    generated_dirs = {os.path.realpath(p) for p in simllm_ros.__path__[1:]}
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
         if name.split(".")[0] != "simllm_ros" or path is None:
             continue
-        if name.split(".")[1:2] and name.split(".")[1] in GENERATED:
+        # rosidl's type support libraries (simllm_ros_s__rosidl_typesupport_c.so, ...) sit beside msg/ srv/ action/
+        support = path.endswith(".so") and os.path.dirname(os.path.realpath(path)) in generated_dirs
+        if support or (name.split(".")[1:2] and name.split(".")[1] in GENERATED):
             assert not os.path.realpath(path).startswith(PACKAGE + os.sep), (name, path)
         else:
             assert os.path.realpath(path).startswith(PACKAGE + os.sep), (name, path)
