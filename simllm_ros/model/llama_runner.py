@@ -80,7 +80,9 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         self.hidden, self.vocab = cfg.hidden_size, base.embed_tokens.num_embeddings
         norms = norm_kernel.load()
         self.norm = _Norm(base.norm, norms)
-        self.rotary = base.rotary_emb
+        # our tables (the same bits on every CPU, rope_trig) also where the load built transformers' classes
+        ours = isinstance(base.rotary_emb, skeleton.RotaryEmbedding)
+        self.rotary = base.rotary_emb if ours else (skeleton.static_rotary(cfg) or base.rotary_emb)
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -237,6 +237,18 @@ class CausalLM(nn.Module):
         self.generation_config = GenerationConfig.from_model_config(cfg)
 
 
+def static_rotary(cfg) -> RotaryEmbedding | None:
+    """Our RoPE tables for `cfg` (rope_trig's bits on every CPU), or None where its RoPE is dynamic. The runner takes
+    these over transformers' own module where a load built transformers' classes, so that both loads of one file
+    compute the same bits."""
+    types = sorted(set(cfg.layer_types)) if rope_per_layer_type(cfg) else None
+    for t in types or [None]:
+        params = _rope_parameters(cfg, t)
+        if not isinstance(params, dict) or "dynamic" in params.get("rope_type", ""):
+            return None
+    return RotaryEmbedding(cfg, types)
+
+
 def build(cfg, keys: set[str]) -> CausalLM | None:
     """The tree for config `cfg` whose checkpoint holds tensors `keys` (which biases and q/k norms exist), or None
     where this module does not know the architecture or its RoPE."""

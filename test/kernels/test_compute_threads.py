@@ -3,6 +3,7 @@ as before afterwards, other threads keep their own count, and answers do not cha
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 import torch
@@ -126,6 +127,12 @@ def test_the_engine_runs_its_early_pass_on_one_thread_while_the_fingerprint_comp
         return n
     monkeypatch.setattr(semantic_reuse, "ahead", watched_ahead)
     monkeypatch.setattr(compute_threads, "kernel_threads", watched_count)
+    real_embed = e.fingerprinter._embed_batched
+
+    def later_embed(texts):  # the pass ahead runs only while the fingerprint is not done: not a race to lose
+        time.sleep(0.5)
+        return real_embed(texts)
+    monkeypatch.setattr(e.fingerprinter, "_embed_batched", later_embed)
     e.fingerprinter.forget()
     r = e.handle(QueryRequest(prompt="Which street is shut this week?", context=BULLETIN_REVISED, cache_scope="alone",
                               max_new_tokens=4, allow_approximate=True))
