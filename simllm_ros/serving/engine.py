@@ -496,9 +496,8 @@ class Engine:
         cancels it within one decode pass (success=False, stop_reason "cancel", the partial answer in `answer`;
         the prompt's KV may be pooled, the partial answer never is)."""
         with self._model_turn():
-            if not self.loaded:
-                self.recorder.record_error()
-                return QueryResult.failure("engine is not loaded", p.req.request_id)
+            if (refused := self._refused_unloaded(p)) is not None:
+                return refused
             token = self.energy.begin(p)
             try:
                 result = self._cancelled_while_waiting(p, should_stop) or self.pipeline.execute(p, on_progress,
@@ -508,6 +507,13 @@ class Engine:
             result.request_id = p.req.request_id
             self._record(result, token)
             return result
+
+    def _refused_unloaded(self, p: Prepared) -> QueryResult | None:
+        """The refusal of a request that reached the model's turn after an unload (counted as an error), else None."""
+        if self.loaded:
+            return None
+        self.recorder.record_error()
+        return QueryResult.failure("engine is not loaded", p.req.request_id)
 
     @staticmethod
     def _cancelled_while_waiting(p: Prepared, should_stop: Callable[[], bool] | None) -> QueryResult | None:
@@ -523,9 +529,8 @@ class Engine:
         """Admit a prepared request into the batch (batching.Batcher.begin): the result at once (ANSWER tier, a
         refusal, a fault), else a Flight for step()."""
         with self._model_turn():
-            if not self.loaded:
-                self.recorder.record_error()
-                return QueryResult.failure("engine is not loaded", p.req.request_id)
+            if (refused := self._refused_unloaded(p)) is not None:
+                return refused
             token = self.energy.begin(p)
             try:
                 result = self._cancelled_while_waiting(p, should_stop) or \
