@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -59,7 +60,7 @@ class Generation:
         return max(0, len(self.tokens) - (0 if self.stopped == "eos" else 1))
 
 
-class Constraint:
+class Constraint(Protocol):
     """What the decoder needs from an output grammar (structured_output.JsonConstraint): the pick stays a
     function of (masked logits, step), so constrained answers are as exact as plain ones."""
 

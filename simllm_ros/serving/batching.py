@@ -39,12 +39,12 @@ class Batcher:
             logits = self.pipeline.prefill_flight(f)
             result = self.pipeline.start_decoding(f, logits)
             return result or f
-        backend = self.core.backend
-        n = f.plan.prefix.n_tokens if f.plan.tier == CacheResult.EXACT_PREFIX else 0
+        backend = self.core.loaded_backend()
+        prefix = f.plan.prefix if f.plan.tier == CacheResult.EXACT_PREFIX else None
+        n = prefix.n_tokens if prefix is not None else 0
         f.res.reused_tokens, f.res.recomputed_tokens = n, len(f.tokens) - n
-        if n:
-            f.cache = backend.cache_from_tensors(f.plan.prefix.k, f.plan.prefix.v,
-                                                 reserve=len(f.tokens) - n + f.reserve)
+        if prefix is not None and n:
+            f.cache = backend.cache_from_tensors(prefix.k, prefix.v, reserve=len(f.tokens) - n + f.reserve)
         else:
             f.cache = backend.new_cache(len(f.tokens) + max(f.reserve, 2))
         f.todo = len(f.tokens) - n
@@ -56,7 +56,7 @@ class Batcher:
         first). Returns, per flight, its result when it finished in this step (done, or failed: a fault fails
         its own flight only), else None."""
         out: list[QueryResult | None] = [None] * len(flights)
-        backend = self.core.backend
+        backend = self.core.loaded_backend()
         settings = self.core.settings
         budget = settings.prefill_chunk_tokens if backend.exact_chunking else None  # None: whole prompts
         work = []  # (flight index, tokens, logits mode, cache length before)
@@ -118,14 +118,14 @@ class Batcher:
         if not f.batch.leader_checked:
             f.batch.leader_checked = True
             have = len(f.tokens) - f.todo
-            for g in earlier:
-                if g.p.req.scope != f.p.req.scope or g.batch.leader is not None:
+            for other in earlier:
+                if other.p.req.scope != f.p.req.scope or other.batch.leader is not None:
                     continue
-                n, limit = 0, min(len(g.tokens), len(f.tokens) - 1)  # the last token is run for its logits
-                while n < limit and g.tokens[n] == f.tokens[n]:
+                n, limit = 0, min(len(other.tokens), len(f.tokens) - 1)  # the last token is run for its logits
+                while n < limit and other.tokens[n] == f.tokens[n]:
                     n += 1
                 if n >= have + self.LEADER_MIN_TOKENS and n > f.batch.leader_tokens:
-                    f.batch.leader, f.batch.leader_tokens = g, n
+                    f.batch.leader, f.batch.leader_tokens = other, n
         g = f.batch.leader
         if g is None:
             return False
@@ -135,9 +135,9 @@ class Batcher:
         if len(g.tokens) - (g.todo if g.decoder is None else 0) < f.batch.leader_tokens:
             return True  # not yet
         n = f.batch.leader_tokens
-        k, v = self.core.backend.cache_tensors(g.cache)
-        f.cache = self.core.backend.cache_from_tensors(k[:, :, :n].clone(), v[:, :, :n].clone(),
-                                                  reserve=len(f.tokens) - n + f.reserve)
+        k, v = self.core.loaded_backend().cache_tensors(g.cache)
+        f.cache = self.core.loaded_backend().cache_from_tensors(k[:, :, :n].clone(), v[:, :, :n].clone(),
+                                                              reserve=len(f.tokens) - n + f.reserve)
         f.todo = len(f.tokens) - n
         f.res.reused_tokens, f.res.recomputed_tokens = n, f.todo
         if f.res.cache_result == CacheResult.MISS:
@@ -148,7 +148,7 @@ class Batcher:
     def _run_isolated(self, flights: list[Flight], work: list, out: list) -> list:
         """The work's forward pass, all together; if it raises, each flight's part alone, so that a fault fails
         only the flight it belongs to (a failed pass leaves nothing behind: every step rewrites its KV slots)."""
-        backend = self.core.backend
+        backend = self.core.loaded_backend()
         items = [(ids, flights[i].cache, mode) for i, ids, mode, _ in work]
         if not items:
             return []
@@ -193,7 +193,7 @@ class Batcher:
                     lf = flights[work[k][0]]
                     common = next((t for t, (x, y) in enumerate(zip(lf.tokens, f.tokens)) if x != y),
                                   min(len(lf.tokens), len(f.tokens)))
-                    n = self.core.backend.same_prefix(lf.cache, f.cache, min(common, base, work[k][3]))
+                    n = self.core.loaded_backend().same_prefix(lf.cache, f.cache, min(common, base, work[k][3]))
                     if n:
                         f.batch.share, lead = (lf, n, lf.cache, f.cache), k
                         break

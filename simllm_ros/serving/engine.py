@@ -15,6 +15,8 @@ methods:
 - engine.py (here): its state, loading (load, fork, the fleet connection), settings and thermal level, the public
   request API (prepare, handle, execute, begin, step: each in the model's turn, with its energy span and
   statistics), idle work and telemetry;
+- load_steps.py: the steps of a load that stand on their own (cores, opening and reporting the model, priming, the
+  fleet store's connection), each handing back what it made;
 - engine_parts.py: the records the parts hand one another (Prepared, Flight) and EngineCore;
 - request_pipeline.py: RequestPipeline, one request's phases (plan, prefill, start decoding, conclude);
 - request_memory.py: RequestMemory, what a finished request leaves for later ones (pool update, fleet share, drafts);
@@ -27,7 +29,6 @@ import collections
 import contextlib
 import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,9 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import approx_gate
+from . import approx_gate, load_steps
 from ..kernels import compute_threads, kernel_pool
-from ..cache import fleet_store
 from .. import path_checks
 from ..cache.answer_memo import AnswerMemo
 from .batching import Batcher
@@ -49,11 +49,10 @@ from .energy import EnergyMeter, EnergyTally
 from ..cache.fleet_store import FleetStore
 from ..cache.fingerprint import Fingerprinter
 from ..cache.kv_pool import KVPool, PrefixHit
-from ..model.llama_runner import ONEDNN_ISA_CAP
 from ..model.model_backend import ModelBackend, ModelLoadError
 from ..model.model_files import release_heap
 from ..request import CANCELLED_ERROR, Progress, QueryRequest, QueryResult
-from .engine_parts import Flight, Prepared, fault_result
+from .engine_parts import EngineNotLoaded, Flight, Prepared, fault_result
 from .request_memory import PendingInsert, RequestMemory
 from .request_pipeline import Observation, RequestPipeline, prefill_exact
 # Re-exported: what `from simllm_ros.serving.engine import ...` has always given.
@@ -76,21 +75,6 @@ class EngineLoadError(RuntimeError):
 
 
 EMBED_MAX_TEXTS = 256  # texts per ~/embed call
-
-
-def device_memory_bytes(device: str) -> int:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def max_token_bytes(tokenizer) -> int:
-    """An upper bound on the bytes of text one token stands for: the longest vocabulary entry, in UTF-8 bytes
-    of its token string (byte-level BPE writes each byte as one character of up to 2 UTF-8 bytes, so this
-    can only overestimate)."""
-    # the vocabulary's strings (added tokens too) as one dict: a list of every id through convert_ids_to_tokens
-    # took ~1 s of a 150k-token model's load
-    return max([len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab() if isinstance(t, str)] + [1])
 
 
 class Engine:
@@ -140,6 +124,16 @@ class Engine:
     def prefill_s_per_token(self) -> float:
         return self._prefill_s_per_token
 
+    def loaded_backend(self) -> ModelBackend:
+        if self.backend is None:
+            raise EngineNotLoaded("engine is not loaded")
+        return self.backend
+
+    def loaded_pool(self) -> KVPool:
+        if self.pool is None:
+            raise EngineNotLoaded("engine is not loaded")
+        return self.pool
+
     @property
     def pending_inserts(self) -> collections.deque[PendingInsert]:
         """Prompts served by SEMANTIC reuse, waiting for an exact prefill at idle time (request_memory)."""
@@ -178,12 +172,6 @@ class Engine:
             with compute_threads.kernels_own_cores(backend is not None and backend.kernels_do_the_work):
                 yield
 
-    def _open_backend(self, progress: Callable[[str], None]) -> ModelBackend:
-        s = self.settings
-        # the longest prompt and answer at these settings: LongRoPE's factors are chosen by it, fixed for the load
-        return ModelBackend(s.model, s.device, s.dtype, s.model_cache_dir, progress, s.weight_bits, s.activation_bits,
-                            context_length=s.max_prompt_tokens + s.max_new_tokens_limit)
-
     def pass_costs(self) -> PassCosts | None:
         """What a pass of m rows costs against one (draft lengths follow it): the backend's, timed at load, as the
         prior, then learnt from the decode passes this engine times (observe_pass). None where not measured."""
@@ -200,69 +188,27 @@ class Engine:
         if costs is not None:
             costs.observe(rows, seconds)
 
-    def _arrange_cores(self, progress: Callable[[str], None]) -> None:
-        """compute_threads and compute_pinning: the thread count the model computes with (set before the load, whose
-        pass-cost timing uses it) and the CPUs its workers keep to; a count beyond this process's CPUs is refused."""
-        s = self.settings
-        try:
-            n, why = compute_threads.choose(s.compute_threads)
-        except ValueError as e:
-            raise SettingError(str(e)) from None
-        if n != torch.get_num_threads():
-            torch.set_num_threads(n)
-        order, _ = compute_threads.by_core(compute_threads.usable_cpus())
-        self._pinned = order[:n] if s.compute_pinning and n > 1 else []
-        progress(f"compute threads: {n} ({why})" + (f"; workers pinned to CPUs {self._pinned[1:]}, the caller "
-                                                     "unpinned" if self._pinned else ""))
-
     def load(self, progress: Callable[[str], None] | None = None) -> None:
         progress = progress or (lambda m: self.log.info(m))
         s = self.settings
         try:
             t0 = time.monotonic()
             path_checks.check_all(s, create=True)  # before the model: a path that cannot work fails now
-            self._arrange_cores(progress)
+            self._pinned = load_steps.arrange_cores(s, progress)
             progress(f"loading model {s.model} ({s.dtype}, {s.device})")
-            self.backend = self._open_backend(progress)
-            if self.backend.reload_lighter:
-                # A float32 load of a GGUF converted whole (for a dense load before, or where the tensor-at-a-time
-                # conversion declined) held its dense float32 weights: loaded again as a later load is, from the
-                # checked and packed blocks just kept, the node runs at that footprint. (A tensor-at-a-time
-                # conversion never holds them: gguf_conversion.)
-                self.backend = None
-                release_heap()
-                progress("loading again from the blocks just checked and packed (the dense weights released)")
-                self.backend = self._open_backend(progress)
-            if self.backend.exact_chunking:
-                verdict = "verified: exact-prefix reuse and drafts are lossless"
-            elif self.backend.runner is None:
-                verdict = (f"NOT verified: transformers' own forward runs this {self.backend.model_type} model (the "
-                           "batch-invariant runner does not take its layout): reuse and drafts are approximate")
-            else:
-                verdict = (f"NOT verified on this machine: reuse and drafts are approximate (a oneDNN ISA above "
-                           f"{ONEDNN_ISA_CAP}, e.g. ONEDNN_MAX_CPU_ISA=ALL, causes this on AMX CPUs)")
-            progress(f"model in {self.backend.dtype_name}, weights at {self.backend.weight_bits} bits, rows at "
-                     f"{self.backend.activation_bits} bits into the products; batch-invariant execution {verdict}")
-            progress(f"dtype {self.backend.dtype_name}: {self.backend.dtype_why}")
-            progress(f"attention: {self.backend.attention_path}")
-            progress(f"norms: {self.backend.norm_path}")
-            progress(f"layers: {self.backend.layers_path}")
-            if self.backend.int4_kind:
-                progress(f"4-bit products: {self.backend.int4_path}")
-            if compute_threads.hands_over(self.backend.kernels_do_the_work):
-                progress(f"threads: {torch.get_num_threads()} for our kernels' workers while the model runs, "
-                         "torch one (compute_threads)")
+            self.backend = backend = load_steps.open_backend(s, progress)
+            load_steps.report_backend(backend, progress)
             kernel_pool.pin_workers(self._pinned)
-            self._token_bytes = max_token_bytes(self.backend.tokenizer)
+            self._token_bytes = load_steps.max_token_bytes(backend.tokenizer)
             progress(f"loading embedder {s.embedder}")
-            self.fingerprinter = Fingerprinter(s.embedder, self.backend.device)
-            budget = parse_size(s.cache_size, device_memory_bytes(self.backend.device))
-            self.kv_bits = s.kv_bits or (32 if self.backend.dtype == torch.float32 else 16)
-            self.pool = KVPool(self.backend.kv_shape, block_tokens=s.block_tokens, budget_bytes=budget,
-                               kv_bits=self.kv_bits, model_dtype=self.backend.dtype,
-                               fingerprint_dim=self.fingerprinter.dim, device=self.backend.device)
+            self.fingerprinter = fingerprinter = Fingerprinter(s.embedder, backend.device)
+            budget = parse_size(s.cache_size, load_steps.device_memory_bytes(backend.device))
+            self.kv_bits = s.kv_bits or (32 if backend.dtype == torch.float32 else 16)
+            self.pool = KVPool(backend.kv_shape, block_tokens=s.block_tokens, budget_bytes=budget,
+                               kv_bits=self.kv_bits, model_dtype=backend.dtype,
+                               fingerprint_dim=fingerprinter.dim, device=backend.device)
             self._apply_pool_knobs()
-            self._prime()
+            load_steps.prime(backend, fingerprinter, s.system_prompt)
             self._open_energy(progress)
             self._open_fleet(progress)
             if s.semantic_log_path:
@@ -279,8 +225,8 @@ class Engine:
             gc.collect()
             gc.freeze()
             self.load_report["load_s"] = time.monotonic() - t0
-            if not self.backend.semantic_supported:
-                self.log.warning(f"model type '{self.backend.model_type}' is not supported by SEMANTIC reuse: "
+            if not backend.semantic_supported:
+                self.log.warning(f"model type '{backend.model_type}' is not supported by SEMANTIC reuse: "
                                  "only exact-prefix and answer reuse will be used")
         except Exception as e:  # configure must fail cleanly, whatever broke, and leave nothing half-loaded
             self.unload()
@@ -299,7 +245,7 @@ class Engine:
         other = Engine(settings, log=self.log)
         other.backend, other.fingerprinter, other.kv_bits = self.backend, self.fingerprinter, self.kv_bits
         other._token_bytes = self._token_bytes
-        other.pool = self.pool.empty_like()
+        other.pool = self.loaded_pool().empty_like()
         other._apply_pool_knobs()
         other._owns_models = False
         other._prefill_s_per_token = self._prefill_s_per_token
@@ -317,42 +263,14 @@ class Engine:
         progress(f"energy per answer: {self.energy.description}")
 
     def _open_fleet(self, progress) -> None:
-        """Connect to the fleet store (fleet_store_url) if one is set. Its digest is this node's arithmetic, so
-        only nodes that compute the same bits share KV; answers are drafts, checked by the model."""
+        """Connect to the fleet store (fleet_store_url) if one is set (load_steps.open_fleet)."""
         s = self.settings
         if not s.fleet_store_url:
             return
-        b = self.backend
-        if not self._prefill_s_per_token:
-            ids = list(range(100, 164))
-            t0 = time.perf_counter()
-            b.prefill(ids)
-            self._prefill_s_per_token = (time.perf_counter() - t0) / len(ids)
-        self.fleet = fleet_store.open_store(s, digest=fleet_store.node_digest(b.numerics, b.dtype, b.kv_shape,
-                                                                              self.pool.store_dtype),
-                                            kv_shape=b.kv_shape, dtype=b.dtype, share_kv=self.lossless_reuse,
-                                            log=self.log)
-        up = self.fleet.ping()
-        if up:
-            self.fleet.measure_link()
-        if self.fleet.kv_off_reason and s.fleet_share_kv and self.lossless_reuse:
-            self.log.warning(f"fleet store: KV blocks are not shared: {self.fleet.kv_off_reason}")
-        why = ("fleet_share_kv is false" if not s.fleet_share_kv else "KV is not lossless here"
-               if not self.lossless_reuse else self.fleet.kv_off_reason)
-        kv = "shared" if self.fleet.share_kv else f"not shared ({why})"
-        progress(f"fleet store {self.fleet.url}: "
-                 f"{'connected' if up else 'not reachable now (retried in the background)'}"
-                 f"; digest {self.fleet.digest}; KV blocks {kv}"
-                 f"; prefill {self._prefill_s_per_token * 1000:.2f} ms/token, "
-                 f"link {self.fleet.bytes_per_s / 1e6:.0f} MB/s")
-
-    def _prime(self) -> None:
-        """One throwaway pass through both models: torch's first call is slow, and no user should pay for it."""
-        # a few rows are enough to warm the prefill path (a whole chat prompt cost a 1.5B load ~1 s)
-        ids = self.backend.prompt_ids(self.settings.system_prompt, "", "hello")[:4]
-        logits, cache = self.backend.prefill(ids)
-        self.backend.decode(logits, cache, 2)
-        self.fingerprinter.embed(["hello"])
+        backend = self.loaded_backend()
+        self._prefill_s_per_token = self._prefill_s_per_token or load_steps.prefill_seconds_per_token(backend)
+        self.fleet = load_steps.open_fleet(s, backend, self.loaded_pool(), self.lossless_reuse, self.log)
+        load_steps.report_fleet(self.fleet, s, self.lossless_reuse, self._prefill_s_per_token, self.log, progress)
 
     def unload(self) -> None:
         self.energy.stop()
@@ -361,9 +279,9 @@ class Engine:
             if self.fleet is not None:
                 self.fleet.close()
                 self.fleet = None
-            owned = self.backend is not None and self._owns_models
-            if owned:
-                self.backend.release()
+            owned = self.backend if self._owns_models else None  # the models to release: ours, where loaded
+            if owned is not None:
+                owned.release()
                 if self.fingerprinter is not None:
                     self.fingerprinter.close()
                 gc.unfreeze()  # what the load froze can be collected again (another engine's next load refreezes)
@@ -374,7 +292,7 @@ class Engine:
             if self.semantic_log is not None:
                 self.semantic_log.close()
                 self.semantic_log = None
-            if owned:
+            if owned is not None:
                 kernel_pool.stop_workers()  # no thread of ours outlives the model (the next load starts them)
                 # the model's and the pool's freed heap handed back to the system: without it a cleaned-up node kept
                 # ~0.4 GB of a 0.5B model resident (glibc keeps freed pages) until its next load reused them
@@ -408,7 +326,7 @@ class Engine:
 
     def _apply_pool_knobs(self) -> None:
         s = self.settings
-        self.pool.set_eviction_policy(lfu_weight=s.lfu_weight, diversity_weight=s.diversity_weight,
+        self.loaded_pool().set_eviction_policy(lfu_weight=s.lfu_weight, diversity_weight=s.diversity_weight,
                                       half_life_s=s.recency_half_life_s)
 
     def clear_pool(self) -> None:
@@ -432,19 +350,19 @@ class Engine:
 
     def prepare_batch(self, reqs: list[QueryRequest]) -> list[Prepared | QueryResult]:
         t0 = time.perf_counter()
-        s = self.settings
-        out: list[Prepared | QueryResult | None] = [None] * len(reqs)
+        s, backend, fingerprinter = self.settings, self.backend, self.fingerprinter
+        out: dict[int, Prepared | QueryResult] = {}
         todo = []
         for i, r in enumerate(reqs):
             err = validate_request(r, max_scope_length=s.max_scope_length, max_new_tokens_limit=s.max_new_tokens_limit,
                                    max_chars=self.max_prompt_chars())
-            if err is None and not self.loaded:
+            if err is None and (backend is None or fingerprinter is None):
                 err = "engine is not loaded"
             schema = None
-            if err is None and r.json_schema:
+            if err is None and r.json_schema and backend is not None:
                 try:
                     wrap = None if r.tool_template is None else (r.tool_template.format, r.tool_template.text_allowed)
-                    schema = self.backend.grammars.compile(r.json_schema, s.schema_compile_timeout_s, wrap)
+                    schema = backend.grammars.compile(r.json_schema, s.schema_compile_timeout_s, wrap)
                 except SchemaError as e:
                     err = str(e)
             if err is not None:
@@ -452,11 +370,11 @@ class Engine:
                 out[i] = QueryResult.failure(err, r.request_id)
             else:
                 todo.append((i, schema))
-        if todo:
-            fps = self.fingerprinter.embed_async([reqs[i].question for i, _ in todo])
+        if todo and fingerprinter is not None:
+            fps = fingerprinter.embed_async([reqs[i].question for i, _ in todo])
             for j, (i, schema) in enumerate(todo):
                 out[i] = Prepared(reqs[i], fps, normalize_text(reqs[i].question), t0, schema, row=j)
-        return out
+        return [out[i] for i in range(len(reqs))]
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """Unit vectors [len(texts), dim] from the loaded embedder (the ~/embed service); raises ValueError with
@@ -553,9 +471,9 @@ class Engine:
                     out.append(r)
                 return out
             out = self.batcher.step(flights)
-            for f, r in zip(flights, out):
-                if r is not None:
-                    self._record(r, f.energy_token)
+            for f, result in zip(flights, out):
+                if result is not None:
+                    self._record(result, f.energy_token)
         return out
 
     def prefill_exact(self, tokens: list[int], prefix: PrefixHit | None, reserve: int = 0
@@ -578,8 +496,8 @@ class Engine:
     def lossless_reuse(self) -> bool:
         """Stored KV reused gives bitwise what a full prefill gives: stored at the model's own precision,
         on a backend whose results do not depend on how a sequence is cut into passes."""
-        b = self.backend
-        return b is not None and b.exact_chunking and self.pool.store_dtype == b.dtype
+        b, pool = self.backend, self.pool
+        return b is not None and pool is not None and b.exact_chunking and pool.store_dtype == b.dtype
 
     # ---- idle work: deferred exact prefills and error-bound audits -----------------
     def has_idle_work(self) -> bool:
@@ -598,12 +516,12 @@ class Engine:
                 except Exception:
                     self.log.exception("idle-time audit failed")
                     return False
-            job = self.memory.pending_inserts.popleft()
-            if self.pool.find(job.scope, job.tokens) is not None:
+            job, pool = self.memory.pending_inserts.popleft(), self.loaded_pool()
+            if pool.find(job.scope, job.tokens) is not None:
                 return False
             try:
                 # Built on the longest pooled prefix, exactly as an EXACT_PREFIX request's KV is.
-                prefix = self.pool.longest_prefix(job.scope, job.tokens, len(job.tokens) - 1, len(job.tokens) + 2)
+                prefix = pool.longest_prefix(job.scope, job.tokens, len(job.tokens) - 1, len(job.tokens) + 2)
                 _, cache = self.prefill_exact(job.tokens, prefix)
                 self.memory.pool_exact(job.scope, job.tokens, cache, job.fingerprint, job.question, job.context_digest,
                                  job.answer)

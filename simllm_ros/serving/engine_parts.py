@@ -93,11 +93,11 @@ class Flight:
     plan_ms: float
     asked: Asked
     reserve: int  # KV room beyond the prompt: the answer and a draft
+    watch: AnswerWatcher  # stop strings, streaming, cancel
     early: "semantic_reuse.Ahead | None" = None  # a SEMANTIC plan's early pass, run while the fingerprint was computed
     use_drafts: bool = False  # drafts are built once the prompt is in (after_prefill), with the fingerprint
     similarity_pending: bool = False  # planned without the fingerprint: res.similarity comes after the prefill
     drafts: DraftProposer | None = None
-    watch: AnswerWatcher | None = None  # stop strings, streaming, cancel
     on_token: Callable[[list[int]], None] | None = None
     cache: object = None
     todo: int = 0  # prompt tokens (the last ones) still to prefill
@@ -109,6 +109,11 @@ class Flight:
     batch: BatchLinks = dataclasses.field(default_factory=BatchLinks)
 
 
+class EngineNotLoaded(RuntimeError):
+    """A part asked for the model or the pool of an engine that has none (the engine refuses requests before that;
+    this is the error where that check was missed)."""
+
+
 class EngineCore(Protocol):
     """What the engine's parts read of it, each time they need it (engine.Engine is one): the model, pool and fleet
     store of the current load, the settings now, the error bound (a caller may swap it), and the pass costs that
@@ -118,10 +123,18 @@ class EngineCore(Protocol):
     def settings(self) -> Settings: ...
 
     @property
-    def backend(self) -> ModelBackend | None: ...
+    def backend(self) -> ModelBackend | None:
+        """The current load's model; None while not loaded (for a part that may run then: a save)."""
 
     @property
     def pool(self) -> KVPool | None: ...
+
+    def loaded_backend(self) -> ModelBackend:
+        """backend, for a part that runs only on a loaded engine (a request's phases, warm-up, restore); raises
+        EngineNotLoaded where there is none."""
+
+    def loaded_pool(self) -> KVPool:
+        """pool, as loaded_backend() is backend."""
 
     @property
     def fleet(self) -> FleetStore | None: ...

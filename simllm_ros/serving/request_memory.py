@@ -58,10 +58,10 @@ class RequestMemory:
 
     def pool_exact(self, scope: str, tokens: list[int], cache, fingerprint, question: str, digest: str,
                    answer: str, now: float | None = None) -> int | None:
-        k, v = self.core.backend.cache_tensors(cache)
-        return self.core.pool.insert(scope=scope, tokens=tokens, k=k[:, :, :len(tokens)], v=v[:, :, :len(tokens)],
-                                     fingerprint=fingerprint, question=question, context_digest=digest, answer=answer,
-                                     now=now)
+        k, v = self.core.loaded_backend().cache_tensors(cache)
+        return self.core.loaded_pool().insert(scope=scope, tokens=tokens, k=k[:, :, :len(tokens)],
+                                            v=v[:, :, :len(tokens)], fingerprint=fingerprint, question=question,
+                                            context_digest=digest, answer=answer, now=now)
 
     def update_pool(self, p: Prepared, plan, tokens, cache, digest: str, answer: str | None, now: float,
                     poolable: bool) -> None:
@@ -70,11 +70,11 @@ class RequestMemory:
         answer None: no finished answer (cancelled, cut short): the prompt's KV only, a stored answer stays."""
         req = p.req
         if plan.source_key is not None:
-            self.core.pool.touch([plan.source_key], now)
+            self.core.loaded_pool().touch([plan.source_key], now)
         if not poolable:
             return
         if answer is None:
-            if self.core.pool.find(req.scope, tokens) is not None:
+            if self.core.loaded_pool().find(req.scope, tokens) is not None:
                 return
             answer = ""
         if plan.tier == CacheResult.SEMANTIC:
@@ -87,27 +87,29 @@ class RequestMemory:
 
     def publish(self, f: Flight, gen: Generation, exact: bool) -> None:
         """Share what this request computed exactly (off its path: the fleet's writer does the I/O)."""
-        scope, tokens, core = f.p.req.scope, f.tokens, self.core
+        scope, tokens, core, fleet = f.p.req.scope, f.tokens, self.core, self.core.fleet
+        if fleet is None:  # no fleet store (the pipeline publishes only where there is one)
+            return
         kv_exact = f.poolable and core.lossless_reuse and f.plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX)
-        core.fleet.publish(scope, tokens, answer_ids=list(gen.tokens) if exact else None, question=f.p.question,
-                           task=None if core.warming else request_record(f.p.req),
-                           read_kv=(lambda n: core.pool.read_prefix(scope, tokens, n)) if kv_exact else None,
-                           fingerprint=f.p.fingerprint)
+        fleet.publish(scope, tokens, answer_ids=list(gen.tokens) if exact else None, question=f.p.question,
+                      task=None if core.warming else request_record(f.p.req),
+                      read_kv=(lambda n: core.loaded_pool().read_prefix(scope, tokens, n)) if kv_exact else None,
+                      fingerprint=f.p.fingerprint)
 
     def keep_live(self, f: Flight) -> None:
         """The request's buffer becomes the pool's live prefix (next exact hit in its scope: no copy) when its
         prompt KV is exact and at the pool's precision (a SEMANTIC repair's is not)."""
-        storage = self.core.backend.cache_storage(f.cache)
+        storage = self.core.loaded_backend().cache_storage(f.cache)
         if (storage is not None and f.poolable and self.core.lossless_reuse
                 and f.plan.tier in (CacheResult.MISS, CacheResult.EXACT_PREFIX)
-                and self.core.backend.cache_len(f.cache) >= len(f.tokens)):
-            self.core.pool.keep_live(f.p.req.scope, f.tokens, *storage)
+                and self.core.loaded_backend().cache_len(f.cache) >= len(f.tokens)):
+            self.core.loaded_pool().keep_live(f.p.req.scope, f.tokens, *storage)
 
     def draft_source(self, req: QueryRequest, tokens: list[int], fingerprint, now: float,
                      fleet_answer: list[int] | None = None) -> DraftProposer:
         """Drafts for this request: answers of the same prompt and of similar tasks in its scope (most
         similar first), the scope's recent answers, and the prompt itself."""
-        s, pool = self.core.settings, self.core.pool
+        s, pool = self.core.settings, self.core.loaded_pool()
         answers = []
         same = pool.find(req.scope, tokens)
         repeat = same.answer if same is not None and same.answer else ""
@@ -129,7 +131,7 @@ class RequestMemory:
     def answer_ids(self, text: str) -> list[int]:
         ids = self._answer_tokens.get(text)
         if ids is None:
-            ids = self.core.backend.tokenize_answer(text)
+            ids = self.core.loaded_backend().tokenize_answer(text)
             self.keep_answer_ids(text, ids)
         return ids
 

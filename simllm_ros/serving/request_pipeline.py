@@ -129,7 +129,7 @@ class RequestPipeline:
         logits = self.prefill_flight(f)
         self._after_prefill(f)
         a = f.asked
-        gen = self.core.backend.decode(logits, f.cache, a.max_new, a.temperature, a.seed, t_start=p.t_arrival,
+        gen = self.core.loaded_backend().decode(logits, f.cache, a.max_new, a.temperature, a.seed, t_start=p.t_arrival,
                                        drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
                                        constraint=a.constraint, on_pass=self.core.observe_pass)
         return self.conclude(f, gen)
@@ -138,7 +138,7 @@ class RequestPipeline:
                     should_stop: Callable[[], bool] | None = None) -> QueryResult | Flight:
         """A request's first phase: its prompt tokens and reuse plan; the result at once for the ANSWER tier
         or a refusal, else a Flight whose prefill and decoding are still to run."""
-        s, req, backend, pool = self.core.settings, p.req, self.core.backend, self.core.pool
+        s, req, backend, pool = self.core.settings, p.req, self.core.loaded_backend(), self.core.loaded_pool()
         tokens = backend.chat_ids(s.system_prompt, req.context, req.turns(),
                                   tools=req.tool_template.tools if req.tool_template else None)
         if len(tokens) > s.max_prompt_tokens:
@@ -201,7 +201,8 @@ class RequestPipeline:
         res = QueryResult(success=True, cache_result=plan.tier, similarity=plan.similarity,
                           prompt_tokens=len(tokens), request_id=req.request_id, error_estimate=estimate)
         if plan.tier == CacheResult.ANSWER:  # unverified stored answer (opt-in): approximate
-            pool.touch([plan.source_key], now)
+            if plan.source_key is not None:
+                pool.touch([plan.source_key], now)
             res.answer = plan.answer
             res.reused_tokens = len(tokens)
             res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
@@ -236,7 +237,7 @@ class RequestPipeline:
         """Drop entries older than refresh_period_s (their KV or answer may be stale), at most once a second."""
         period = self.core.settings.refresh_period_s
         if period > 0 and now - self._last_refresh > 1.0:
-            self.core.pool.drop_older_than(period, now)
+            self.core.loaded_pool().drop_older_than(period, now)
             self._last_refresh = now
 
     def _memo_answer(self, p: Prepared, tokens: list[int], max_new: int, signature: Signature, now: float,
@@ -244,21 +245,21 @@ class RequestPipeline:
         """An identical request's stored answer (answer_memo), exact: no prefill, no decode pass. None if there
         is none for these tokens, this signature and max_new_tokens, or the backend is not batch-invariant."""
         req = p.req
-        if not (self.core.settings.answer_memo and self.core.backend.exact_chunking) or not len(self.memo):
+        if not (self.core.settings.answer_memo and self.core.loaded_backend().exact_chunking) or not len(self.memo):
             return None
-        same = self.core.pool.find(req.scope, tokens)
+        same = self.core.loaded_pool().find(req.scope, tokens)
         if same is None or not same.answer:
             return None
-        served = self.memo.answer(same.key, same.answer, signature, max_new, self.core.backend.detokenize)
+        served = self.memo.answer(same.key, same.answer, signature, max_new, self.core.loaded_backend().detokenize)
         if served is None:
             return None
-        self.core.pool.touch([same.key], now)
+        self.core.loaded_pool().touch([same.key], now)
         res = QueryResult(success=True, cache_result=CacheResult.EXACT_PREFIX, similarity=1.0,
                           prompt_tokens=len(tokens), request_id=req.request_id, answer=served.text,
                           reused_tokens=len(tokens), generated_tokens=served.tokens, stop_reason=served.stop_reason,
                           exact=True)
         if on_progress is not None:
-            AnswerWatcher(self.core.backend.detokenize, on_progress=on_progress,
+            AnswerWatcher(self.core.loaded_backend().detokenize, on_progress=on_progress,
                           cache_result=CacheResult.EXACT_PREFIX).progress(res.answer, served.tokens)
         res.ttft_ms = res.total_ms = (time.perf_counter() - p.t_arrival) * 1000
         self._log_decision(req, task_digest(req), MemoPlan(same.key, req.question), res)
@@ -283,7 +284,7 @@ class RequestPipeline:
         where the prefix's KV is bitwise what a pass computes (lossless), so that it gives the bits the repair's
         own early pass would. Returns it and the prefix read (for the planner, which would read it anyway), or
         (None, reuse_planner.UNREAD). A fault here only costs the head start: the repair then runs its own."""
-        s, req, pool, backend = self.core.settings, p.req, self.core.pool, self.core.backend
+        s, req, pool, backend = self.core.settings, p.req, self.core.loaded_pool(), self.core.loaded_backend()
         if not (s.early_pass_ahead and req.allow_approximate and s.enable_semantic_reuse and backend.semantic_supported
                 and poolable and len(tokens) >= s.min_semantic_tokens and not p.fingerprints.done()):
             return None, reuse_planner.UNREAD
@@ -306,20 +307,22 @@ class RequestPipeline:
     def _fleet_lookup(self, scope: str, tokens: list[int], prefix, reserve: int, want_kv: bool):
         """(The longer of this pool's exact prefix and the fleet's, where fetching beats prefilling; another
         node's answer to this prompt, a draft, or None)."""
+        fleet = self.core.fleet
+        if fleet is None:
+            return prefix, None
         if want_kv and prefix is reuse_planner.UNREAD:
-            prefix = self.core.pool.longest_prefix(scope, tokens, len(tokens) - 1, len(tokens) + reserve)
+            prefix = self.core.loaded_pool().longest_prefix(scope, tokens, len(tokens) - 1, len(tokens) + reserve)
         have = prefix.n_tokens if want_kv and prefix else 0
-        got, answer = self.core.fleet.lookup(scope, tokens, have=have, limit=len(tokens) - 1,
-                                        capacity=len(tokens) + reserve,
-                                        prefill_s_per_token=self.core.prefill_s_per_token, want_kv=want_kv)
-        if got is not None and self.core.fleet.should_verify():  # one robot's fault must not spread as exact
+        got, answer = fleet.lookup(scope, tokens, have=have, limit=len(tokens) - 1, capacity=len(tokens) + reserve,
+                                   prefill_s_per_token=self.core.prefill_s_per_token, want_kv=want_kv)
+        if got is not None and fleet.should_verify():  # one robot's fault must not spread as exact
             try:
-                why = fleet_checks.prefix_differs(self.core.backend, tokens, got)
+                why = fleet_checks.prefix_differs(self.core.loaded_backend(), tokens, got)
             except Exception as e:  # unverifiable: not used
                 why = f"recompute failed: {type(e).__name__}: {e}"
-            self.core.fleet.counters.kv_verified += 1
+            fleet.counters.kv_verified += 1
             if why:
-                self.core.fleet.distrust(got, why)
+                fleet.distrust(got, why)
                 got = None
         return (got or prefix), answer
 
@@ -330,16 +333,17 @@ class RequestPipeline:
         plan, tokens, res = f.plan, f.tokens, f.res
         if plan.tier == CacheResult.SEMANTIC:
             s = self.core.settings
-            sp = semantic_reuse.run(self.core.backend, self.core.pool, plan, tokens, recompute_ratio=s.recompute_ratio,
-                                    gap_recompute_tokens=s.gap_recompute_tokens, strict_layers=s.strict_layers,
-                                    reserve=f.reserve, lossless_kv=self.core.lossless_reuse, early=f.early)
+            sp = semantic_reuse.run(self.core.loaded_backend(), self.core.loaded_pool(), plan, tokens,
+                                    recompute_ratio=s.recompute_ratio, gap_recompute_tokens=s.gap_recompute_tokens,
+                                    strict_layers=s.strict_layers, reserve=f.reserve,
+                                    lossless_kv=self.core.lossless_reuse, early=f.early)
             self.early_starts_used += f.early is not None
             res.reused_tokens, res.recomputed_tokens = sp.reused, sp.recomputed
             f.cache = sp.cache
             return sp.logits
-        n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX else 0
+        n = plan.prefix.n_tokens if plan.tier == CacheResult.EXACT_PREFIX and plan.prefix is not None else 0
         res.reused_tokens, res.recomputed_tokens = n, len(tokens) - n
-        logits, f.cache = prefill_exact(self.core.backend, tokens, plan.prefix if n else None, f.reserve)
+        logits, f.cache = prefill_exact(self.core.loaded_backend(), tokens, plan.prefix if n else None, f.reserve)
         return logits
 
     def _after_prefill(self, f: Flight) -> None:
@@ -348,30 +352,31 @@ class RequestPipeline:
         scope now, ranked as the planner ranks)."""
         fp = f.p.fingerprint
         if f.similarity_pending:
-            best = reuse_planner.ranked_matches(self.core.pool, fp, f.p.req.scope, f.now, self.core.settings, k=1)
+            best = reuse_planner.ranked_matches(self.core.loaded_pool(), fp, f.p.req.scope, f.now, self.core.settings,
+                                                k=1)
             f.plan.similarity = f.res.similarity = reuse_planner.reported_similarity(best[0].cosine) if best else 0.0
             f.similarity_pending = False
         if f.use_drafts and f.drafts is None:
             f.drafts = self.memory.draft_source(f.p.req, f.tokens, fp, f.now, f.fleet_answer)
         if self._labels_from(f) and f.plan.tier != CacheResult.SEMANTIC:  # a SEMANTIC answer is not the model's own
-            f.candidate = approx_gate.answer_candidate(self.core.pool, fp, f.p.req.scope, f.tokens, f.now,
+            f.candidate = approx_gate.answer_candidate(self.core.loaded_pool(), fp, f.p.req.scope, f.tokens, f.now,
                                                        self.core.settings)
 
     def start_decoding(self, f: Flight, logits: torch.Tensor) -> QueryResult | None:
         """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
         self._after_prefill(f)
         a = f.asked
-        f.decoder = self.core.backend.decoder(logits, a.max_new, a.temperature, a.seed, t_start=f.p.t_arrival,
+        f.decoder = self.core.loaded_backend().decoder(logits, a.max_new, a.temperature, a.seed, t_start=f.p.t_arrival,
                                               drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
                                               constraint=a.constraint)
         if f.decoder.done:
-            f.decoder.gen.text = self.core.backend.detokenize(f.decoder.gen.tokens)
+            f.decoder.gen.text = self.core.loaded_backend().detokenize(f.decoder.gen.tokens)
             return self.conclude(f, f.decoder.gen)
         return None
 
     def conclude(self, f: Flight, gen: Generation) -> QueryResult:
         """A request's last phase: its result from the generation; the pool learns the prompt's KV."""
-        req, res, backend, watch, a = f.p.req, f.res, self.core.backend, f.watch, f.asked
+        req, res, backend, watch, a = f.p.req, f.res, self.core.loaded_backend(), f.watch, f.asked
         res.answer = watch.final_text(gen.text)
         if res.answer == gen.text and gen.tokens:  # the ids the model chose: a draft of this answer re-tokenized
             self.memory.keep_answer_ids(res.answer, list(gen.tokens))  # from its text may differ (token boundaries)
@@ -407,7 +412,7 @@ class RequestPipeline:
         self.memory.update_pool(f.p, f.plan, f.tokens, f.cache, f.digest, res.answer if finished else None, f.now,
                           f.poolable)
         if finished and res.success and res.exact and backend.exact_chunking and self.core.settings.answer_memo:
-            same = self.core.pool.find(req.scope, f.tokens)  # the entry that now holds this answer
+            same = self.core.loaded_pool().find(req.scope, f.tokens)  # the entry that now holds this answer
             if same is not None and same.answer == res.answer:
                 self.memo.remember(same.key, Memo(Signature.of(a.temperature, a.seed, req.stop, req.json_schema),
                                                   res.answer, tuple(gen.tokens), res.stop_reason))
@@ -445,7 +450,7 @@ class RequestPipeline:
             tier=case.tier, served_exact=case.served_exact, scope=p.req.scope, tokens=list(case.tokens),
             fingerprint=p.fingerprint, question=p.question, context_digest=case.digest, served=case.served,
             max_new=case.max_new, temperature=case.temperature, seed=case.seed,
-            source_task=self.core.pool.task_id(plan.source_key), similarity=plan.similarity,
+            source_task=self.core.loaded_pool().task_id(plan.source_key), similarity=plan.similarity,
             plan=plan if case.served_exact else None))
 
     def _observe(self, req: QueryRequest, plan, plan_ms: float, insert_ms: float, first_logits) -> None:

@@ -54,7 +54,8 @@ class WarmStart:
     def identity(self) -> dict:
         """What a snapshot must match to be loaded: the pool's layout, the model, the embedder, the numerics."""
         core = self.core
-        return persistence.identity(core.pool, core.backend.identity, core.settings.embedder, core.backend.numerics)
+        backend = core.loaded_backend()
+        return persistence.identity(core.loaded_pool(), backend.identity, core.settings.embedder, backend.numerics)
 
     def warm_up(self, spec: str, progress, restored: int = 0) -> int:
         """warmup_queries: a JSON Lines file of requests, or an integer N: the N most-used tasks of the
@@ -68,7 +69,8 @@ class WarmStart:
             self.warming = False
 
     def _warm_up_most_used(self, n: int, progress, restored: int) -> int:
-        s, fleet, pool, backend = self.core.settings, self.core.fleet, self.core.pool, self.core.backend
+        s, fleet = self.core.settings, self.core.fleet
+        pool, backend = self.core.loaded_pool(), self.core.loaded_backend()
         if not s.semantic_log_path and fleet is None:
             progress(f"warm-up: the {n} most-used tasks need the semantic log (semantic_log_path is empty) or a "
                      f"fleet store; only the {restored} tasks restored from the snapshot are warm")
@@ -93,8 +95,8 @@ class WarmStart:
     def _warm_up_file(self, path: str, progress) -> int:
         reqs = read_requests_jsonl(path)
         progress(f"warm-up: {len(reqs)} requests from {path}")
-        s, backend = self.core.settings, self.core.backend
-        calibrate = s.enable_quant_calibration and self.core.pool.quantized
+        s, backend = self.core.settings, self.core.loaded_backend()
+        calibrate = s.enable_quant_calibration and self.core.loaded_pool().quantized
         if calibrate:
             self._calibrate([backend.prompt_ids(s.system_prompt, r.context, r.prompt) for r in reqs])
         return self._run_warm_up(reqs, progress)
@@ -115,7 +117,7 @@ class WarmStart:
     def _calibrate(self, prompts: list[list[int]]) -> None:
         """Fix per-channel key ranges from the warm-up prompts (enable_quant_calibration)."""
         lo = hi = None
-        backend = self.core.backend
+        backend = self.core.loaded_backend()
         for ids in prompts:
             _, cache = backend.prefill(ids)
             k, _ = backend.cache_tensors(cache)
@@ -123,14 +125,14 @@ class WarmStart:
             lo = kl if lo is None else torch.minimum(lo, kl)
             hi = kh if hi is None else torch.maximum(hi, kh)
         if lo is not None:
-            self.core.pool.set_key_calibration(lo, hi)
+            self.core.loaded_pool().set_key_calibration(lo, hi)
 
     def restore(self, progress: Callable[[str], None] | None = None) -> tuple[int, str]:
         """Load the snapshot in persist_path into the (empty) pool; never raises. Returns (the tasks restored, the
         load report's word on the snapshot: "loaded" or why not). A bad snapshot is logged with its path and the
         reason, and the pool stays empty."""
         core = self.core
-        pool, folder, log = core.pool, core.settings.persist_path, core.log
+        pool, folder, log = core.loaded_pool(), core.settings.persist_path, core.log
         try:
             n = persistence.load(pool, folder, self.identity())
             snapshot = "loaded"
@@ -143,7 +145,7 @@ class WarmStart:
             log.warning(f"pool snapshot skipped: {snapshot}")
         self._saved_mutations = pool.mutations  # what was just loaded needs no checkpoint
         try:
-            labels = core.error_bound.load(folder, core.backend.numerics)
+            labels = core.error_bound.load(folder, core.loaded_backend().numerics)
             if labels:
                 (progress or log.info)(f"restored {labels} error-bound labels from {folder}")
         except Exception as e:  # damaged, foreign, too large: no labels (lossless until relearnt)
