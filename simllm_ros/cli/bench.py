@@ -119,8 +119,8 @@ def _run_benchmark(name: str, args: list[str]) -> int:
 
 
 def _environment() -> None:
-    # On a shared machine, OpenMP threads that spin while waiting collapse throughput (20x measured on 2 cores
-    # with other work running); passive waiting costs little when the machine is idle. Set before torch loads.
+    # On a shared machine, OpenMP threads that spin while waiting collapse throughput (with other work running:
+    # benchmark/results/verified_decoding_notes.md); passive waiting costs little when idle. Set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

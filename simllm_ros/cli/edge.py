@@ -43,6 +43,7 @@ def parse_value(name: str, text: str):
         raise SettingError(f"unknown parameter '{name}' (known: {', '.join(sorted(SPEC_BY_NAME))})")
     t = spec.type
     s = str(text).strip()
+    value: bool | int | float | str
     if t is bool:
         low = s.lower()
         if low in ("1", "true", "yes", "on"):
@@ -124,9 +125,6 @@ class _Runner:
         rclpy.init(args=[prog] + argv, signal_handler_options=SignalHandlerOptions.NO)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        self.node = None
-        self.executor = None
-        self.thread = None
         self.node = SimLLMNode(parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
         self.executor = make_executor(self.node)
         self.executor.add_node(self.node)
@@ -164,27 +162,23 @@ class _Runner:
     def close(self):
         import rclpy
         node = self.node
-        if node is not None:
-            try:
+        try:
+            st = node.state_label()
+            if st == "active":
+                _say(self.prog, "deactivating (in-flight requests finish)")
+                node.trigger_deactivate()
                 st = node.state_label()
-                if st == "active":
-                    _say(self.prog, "deactivating (in-flight requests finish)")
-                    node.trigger_deactivate()
-                    st = node.state_label()
-                if st == "inactive":
-                    _say(self.prog, "cleaning up (saving the pool, unloading the model)")
-                    node.trigger_cleanup()
-                    st = node.state_label()
-                if st in ("unconfigured", "inactive", "active"):
-                    node.trigger_shutdown()
-            except Exception as e:
-                _say(self.prog, f"shutdown: {type(e).__name__}: {e}")
-        if self.executor is not None:
-            self.executor.shutdown(timeout_sec=10)
-        if self.thread is not None:
-            self.thread.join(timeout=30)  # join before destroying, or the process may abort at exit
-        if node is not None:
-            node.destroy_node()
+            if st == "inactive":
+                _say(self.prog, "cleaning up (saving the pool, unloading the model)")
+                node.trigger_cleanup()
+                st = node.state_label()
+            if st in ("unconfigured", "inactive", "active"):
+                node.trigger_shutdown()
+        except Exception as e:
+            _say(self.prog, f"shutdown: {type(e).__name__}: {e}")
+        self.executor.shutdown(timeout_sec=10)
+        self.thread.join(timeout=30)  # join before destroying, or the process may abort at exit
+        node.destroy_node()
         rclpy.try_shutdown()
         # The stop is complete. Python puts SIG_DFL back for handled signals while the interpreter exits,
         # so a late SIGTERM (ros2 launch escalating) would turn exit 0 into "killed"; ignored ones stay

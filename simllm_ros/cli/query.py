@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +107,7 @@ def _spin_until(node, future, deadline: float) -> bool:
 
 
 def _call_service(node, srv_type, name: str, request, timeout: float,
-                  resend_s: float | None = None) -> tuple[object | None, str]:
+                  resend_s: float | None = None) -> tuple[Any | None, str]:
     """(response, "") or (None, why not) for one service call within `timeout` seconds. The request is sent again
     (at most twice) after each `resend_s` (RESEND_S) without an answer: this process's client is new, and Fast DDS
     drops a response to a client whose response reader the node has not matched yet (simllm_ros.ros.client)."""
@@ -148,8 +149,9 @@ def _stream(node, name: str, fields: dict, timeout: float) -> int:
     from simllm_ros.action import Generate
     from simllm_ros.ros.qos import CLIENT_QOS
 
-    client = ActionClient(node, Generate, name, goal_service_qos_profile=CLIENT_QOS,
-                          result_service_qos_profile=CLIENT_QOS, cancel_service_qos_profile=CLIENT_QOS)
+    client: ActionClient[Any, Any, Any] = ActionClient(  # Generate is generated, untyped
+        node, Generate, name, goal_service_qos_profile=CLIENT_QOS, result_service_qos_profile=CLIENT_QOS,
+        cancel_service_qos_profile=CLIENT_QOS)
     deadline = time.monotonic() + timeout
     if not client.wait_for_server(timeout_sec=timeout):
         print(json.dumps({"success": False, "error": f"timeout: action {name} not available after {timeout:g} s"}),
@@ -170,11 +172,11 @@ def _stream(node, name: str, fields: dict, timeout: float) -> int:
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
         sent = client.send_goal_async(Generate.Goal(**fields), feedback_callback=feedback)
-        if not _spin_until(node, sent, deadline):
+        handle = sent.result() if _spin_until(node, sent, deadline) else None
+        if handle is None:
             print(json.dumps({"success": False, "error": f"timeout: {name} took no goal within {timeout:g} s"}),
                   file=sys.stderr)
             return 1
-        handle = sent.result()
         done = handle.get_result_async()
         while not done.done() and not interrupted.is_set() and time.monotonic() < deadline:
             rclpy.spin_until_future_complete(node, done, timeout_sec=0.1)
@@ -184,13 +186,14 @@ def _stream(node, name: str, fields: dict, timeout: float) -> int:
             print(file=sys.stdout)
             print(json.dumps({"success": False, "error": "cancelled (Ctrl-C)"}), file=sys.stderr)
             return 130
-        if not done.done() or done.result() is None:
+        final = done.result() if done.done() else None
+        if final is None:
             handle.cancel_goal_async()
             print(json.dumps({"success": False, "error": f"timeout: no result within {timeout:g} s"}), file=sys.stderr)
             return 1
     finally:
         signal.signal(signal.SIGINT, previous)
-    result = done.result().result
+    result = final.result
     rest = result.answer[len(shown[0]):] if result.answer.startswith(shown[0]) else ""
     sys.stdout.write(rest + "\n")
     print(json.dumps(response_to_dict(result), ensure_ascii=False, indent=2), file=sys.stderr)
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from simllm_ros.srv import Embed, Query
 
-    fields = None if args.embed else _fields(args, parser, context)
+    fields = {} if args.embed else _fields(args, parser, context)
     from rclpy.signals import SignalHandlerOptions
 
     # Ctrl-C stays a KeyboardInterrupt with the context alive, so that --stream can still send the cancel

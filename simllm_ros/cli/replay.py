@@ -14,6 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: rclpy is imported once the node is started
+    from rclpy.client import Client
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIERS = {0: "MISS", 1: "EXACT_PREFIX", 2: "SEMANTIC", 3: "ANSWER"}
@@ -58,7 +62,7 @@ def main(argv=None) -> int:
 
     rclpy.init()
     node = rclpy.create_node("simllm_replay")
-    client = node.create_client(Query, f"{args.node}/query", qos_profile=CLIENT_QOS)
+    client: Client[Any, Any] = node.create_client(Query, f"{args.node}/query", qos_profile=CLIENT_QOS)  # untyped srv
     last_stats: dict = {}
 
     def on_stats(msg):
@@ -98,8 +102,8 @@ def main(argv=None) -> int:
                 rc = 1
                 continue
             res = fut.result()
-            if not res.success:
-                print(f"{i:>3} ERROR {res.error}")
+            if res is None or not res.success:
+                print(f"{i:>3} ERROR {'no response' if res is None else res.error}")
                 rc = 1
                 continue
             tier = TIERS.get(res.cache_result, str(res.cache_result))

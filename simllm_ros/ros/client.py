@@ -30,6 +30,10 @@ import concurrent.futures
 import itertools
 import os
 import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: rclpy is imported where a client is made (after rclpy.init)
+    from rclpy.client import Client
 
 _COUNT = itertools.count()
 MAX_RESENDS = 2  # a dropped first response is the rmw's matching race: once matched, one more send arrives
@@ -82,10 +86,14 @@ class SimllmClient:
         self.resends = 0  # requests sent again (see the module's docstring)
         self._answered: set[str] = set()  # services that have answered this client
         self._node = rclpy.create_node(f"simllm_client_{os.getpid()}_{next(_COUNT)}", context=context)
-        self._query = self._node.create_client(Query, f"{self.target}/query", qos_profile=CLIENT_QOS)
-        self._embed = self._node.create_client(Embed, f"{self.target}/embed", qos_profile=CLIENT_QOS)
-        self._rerank = self._node.create_client(Rerank, f"{self.target}/rerank", qos_profile=CLIENT_QOS)
-        self._action = ActionClient(self._node, Generate, f"{self.target}/generate",
+        # the generated interfaces are untyped: their requests and responses are Any here
+        self._query: Client[Any, Any] = self._node.create_client(Query, f"{self.target}/query",
+                                                                 qos_profile=CLIENT_QOS)
+        self._embed: Client[Any, Any] = self._node.create_client(Embed, f"{self.target}/embed",
+                                                                 qos_profile=CLIENT_QOS)
+        self._rerank: Client[Any, Any] = self._node.create_client(Rerank, f"{self.target}/rerank",
+                                                                  qos_profile=CLIENT_QOS)
+        self._action: ActionClient[Any, Any, Any] = ActionClient(self._node, Generate, f"{self.target}/generate",
                                     goal_service_qos_profile=CLIENT_QOS, result_service_qos_profile=CLIENT_QOS,
                                     cancel_service_qos_profile=CLIENT_QOS)
         self._executor = SingleThreadedExecutor(context=context)
@@ -232,8 +240,11 @@ class SimllmClient:
         return out
 
     def _expire(self, fut: concurrent.futures.Future, timeout: float, what: str) -> None:
-        timer = threading.Timer(timeout, lambda: fut.done() or _fail(fut, TimeoutError(
-            f"no answer from {what} within {timeout:g} s")))
+        def expire() -> None:
+            if not fut.done():
+                _fail(fut, TimeoutError(f"no answer from {what} within {timeout:g} s"))
+
+        timer = threading.Timer(timeout, expire)
         timer.daemon = True
         timer.start()
         fut.add_done_callback(lambda f: timer.cancel())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
@@ -53,8 +53,10 @@ class RequestEndpoints:
         # Service and goal callbacks still running: rclpy sends their reply after they return.
         self._calls = threading.Condition()
         self._service_calls = 0
-        self._srv = self._embed_srv = self._action = self._sub = self._pub_responses = None
+        # the entities, None until created (`node` is untyped: its entities are Any here)
+        self._srv = self._embed_srv = self._sub = self._pub_responses = None
         self._tokenize_srv = self._detokenize_srv = self._rerank_srv = None
+        self._action: ActionServer[Any, Any, Any] | None = None
 
     # ------------------------------------------------------------------ entities
     def create_responses(self) -> None:
@@ -155,6 +157,8 @@ class RequestEndpoints:
             if plan is None:
                 return server.wait(server.submit(req, **submit), poll_s=poll_s)
             runner, engine = self._tools(), self._engine()
+            if runner is None:  # the tools went (cleanup) since the plan was made
+                return QueryResult.failure(not_active_error(self._state()))
             result = runner.answer(asked, req, plan, lambda r: server.wait(server.submit(r, **submit), poll_s=poll_s))
             max_steps = engine.settings.tool_max_steps if engine is not None else 1
             result = runner.conclude(plan, result, req.request_id, tool_feedback, submit.get("should_stop"))
@@ -164,7 +168,10 @@ class RequestEndpoints:
                         and all(c.status == "executed" for c in result.tool_calls)):
                     break
                 asked = runner.follow_up(asked, result)
-                req, plan = runner.prepare(asked, [t.name for t in plan.tools], "auto")
+                req, next_plan = runner.prepare(asked, [t.name for t in plan.tools], "auto")
+                if next_plan is None:  # not reached: the same tools with "auto" always plan
+                    break
+                plan = next_plan
                 result = server.wait(server.submit(req, **submit), poll_s=poll_s)
                 result = runner.conclude(plan, result, req.request_id, tool_feedback, submit.get("should_stop"))
                 calls += result.tool_calls

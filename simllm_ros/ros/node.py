@@ -39,13 +39,14 @@ import contextlib
 import logging
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from diagnostic_msgs.msg import DiagnosticArray, KeyValue
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.executors import MultiThreadedExecutor
-from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.lifecycle import LifecycleNode, LifecyclePublisher, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile
+from rclpy.timer import Timer
 from std_msgs.msg import String
 from visualization_msgs.msg import MarkerArray
 
@@ -131,7 +132,12 @@ class SimLLMNode(LifecycleNode):
         self._endpoints = RequestEndpoints(self, server=lambda: self._server, engine=lambda: self._engine,
                                            state=self.state_label, tools=lambda: self._tools)
         self._telemetry_group = MutuallyExclusiveCallbackGroup()
-        self._pub_stats = self._pub_thermal = self._pub_diag = self._pub_map = self._timer = None
+        # configure to cleanup (the messages are generated, untyped)
+        self._pub_stats: LifecyclePublisher[Any] | None = None
+        self._pub_thermal: LifecyclePublisher[Any] | None = None
+        self._pub_diag: LifecyclePublisher[Any] | None = None
+        self._pub_map: LifecyclePublisher[Any] | None = None
+        self._timer: Timer | None = None  # activate to deactivate
 
     def _check_undeclared_parameters(self, parameter_list) -> None:
         check_undeclared(self, parameter_list)
@@ -167,7 +173,7 @@ class SimLLMNode(LifecycleNode):
             self._server = RequestServer(engine, state=self.state_label, log=self._py_log)
             self._create_entities()
             if toolbox is not None:
-                fmt, why = engine.backend.tool_format
+                fmt, why = engine.loaded_backend().tool_format
                 self._tools = ToolRunner(self, toolbox, execute=lambda: bool(engine.settings.tools_execute),
                                          reuse=CallReuse(engine, toolbox), tool_format=fmt)
                 listed = ", ".join(f"{n} ({t.kind} {t.ros_name}{', executable' if t.executable else ''})"
@@ -208,10 +214,13 @@ class SimLLMNode(LifecycleNode):
             if ret != TransitionCallbackReturn.SUCCESS:
                 return ret
             self._health.clear()
+            engine, server = self._engine, self._server
+            if engine is None or server is None:  # configure did not succeed
+                raise RuntimeError("the node is not configured")
             self._read_thermal(self._thermal)  # shed load from the start if already critical
-            self._timer = self.create_timer(float(self._engine.settings.telemetry_period_s), self._on_telemetry,
+            self._timer = self.create_timer(float(engine.settings.telemetry_period_s), self._on_telemetry,
                                             callback_group=self._telemetry_group)
-            self._server.open()
+            server.open()
             self._endpoints.create()
             self.get_logger().info("active: serving ~/query, ~/requests, ~/generate and ~/embed")
             return TransitionCallbackReturn.SUCCESS
@@ -401,7 +410,7 @@ class SimLLMNode(LifecycleNode):
         reading = stats = None
         with self._telemetry_part("thermal"):
             reading = self._read_thermal(thermal)
-            if reading is not None and self._pub_thermal is not None:
+            if reading is not None and thermal is not None and self._pub_thermal is not None:
                 self._pub_thermal.publish(messages.thermal_status(reading, thermal.monitor.warn_c,
                                                                   thermal.monitor.critical_c, now))
         with self._telemetry_part("cache_stats"):

@@ -2,8 +2,7 @@
 
 ROS services default to KEEP_LAST 10. A reader with KEEP_LAST overwrites its oldest unread sample when
 an 11th arrives before the executor takes one, so a burst of requests to a busy node (or of answers to a
-busy client) silently loses calls: measured here, 40 calls 10 ms apart to a service whose executor was
-held by 0.2 s callbacks got 16 answers with the defaults and 40 with KEEP_ALL on both sides.
+busy client) silently loses calls (test_burst_while_the_executor_is_held_loses_no_request; docs/interfaces.md).
 
 REQUEST_QOS (KEEP_ALL, reliable) is on the node's Query and Embed services, the action's services and
 the ~/requests subscription: a request that DDS delivered waits until the executor takes it, and

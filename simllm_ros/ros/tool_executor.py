@@ -19,7 +19,7 @@ import dataclasses
 import json
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
@@ -34,6 +34,9 @@ from simllm_ros.serving.tool_call_checks import Call, RateLimiter, message_to_di
 from simllm_ros.serving.tool_output_formats import CallPlan, constrained_request
 from simllm_ros.serving.tool_schemas import ToolError
 from simllm_ros.serving.toolbox import Toolbox
+
+if TYPE_CHECKING:  # annotations only
+    from rclpy.client import Client
 
 AUDIT_QOS = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE)
 SERVER_WAIT_S = 1.0  # how long a call waits for its server to be discovered before it fails as missing
@@ -57,23 +60,33 @@ class ToolRunner:
         self._lock = threading.Lock()
         self.counts: collections.Counter = collections.Counter({e: 0 for e in EVENTS})
         self._pub = node.create_publisher(String, "~/tool_audit", AUDIT_QOS)
-        self._clients: dict[str, object] = {}
+        # per executable tool, by its name (a tool's interface is generated, untyped: Any here)
+        self._service_clients: dict[str, Client[Any, Any]] = {}
+        self._action_clients: dict[str, ActionClient[Any, Any, Any]] = {}
         for tool in toolbox.tools.values():
             if not tool.executable:
                 continue  # never sent: no client
             if tool.kind == "service":
-                self._clients[tool.name] = node.create_client(tool.iface, tool.ros_name, callback_group=self._group)
+                self._service_clients[tool.name] = node.create_client(tool.iface, tool.ros_name,
+                                                                      callback_group=self._group)
             else:
-                self._clients[tool.name] = ActionClient(node, tool.iface, tool.ros_name, callback_group=self._group)
+                self._action_clients[tool.name] = ActionClient(node, tool.iface, tool.ros_name,
+                                                               callback_group=self._group)
 
     def destroy(self) -> None:
         node = self._node
-        for name, client in list(self._clients.items()):
+        for name, client in list(self._service_clients.items()):
             try:
-                client.destroy() if isinstance(client, ActionClient) else node.destroy_client(client)
+                node.destroy_client(client)
             except Exception as e:
                 self._log.warning(f"destroying the client of tool {name}: {e}")
-        self._clients.clear()
+        for name, action in list(self._action_clients.items()):
+            try:
+                action.destroy()
+            except Exception as e:
+                self._log.warning(f"destroying the client of tool {name}: {e}")
+        self._service_clients.clear()
+        self._action_clients.clear()
         try:
             node.destroy_publisher(self._pub)
         except Exception as e:
@@ -204,7 +217,7 @@ class ToolRunner:
         return "done"
 
     def _call_service(self, tool, request, should_stop) -> tuple[str, str, str]:
-        client = self._clients[tool.name]
+        client = self._service_clients[tool.name]
         if not client.wait_for_service(timeout_sec=min(SERVER_WAIT_S, tool.timeout_s)):
             return "failed", f"service {tool.ros_name} is not available (no server answered discovery)", ""
         future = client.call_async(request)
@@ -219,7 +232,7 @@ class ToolRunner:
         return "executed", "", json.dumps(message_to_dict(future.result()), ensure_ascii=False)
 
     def _send_goal(self, tool, goal, on_feedback, should_stop) -> tuple[str, str, str]:
-        client = self._clients[tool.name]
+        client = self._action_clients[tool.name]
         if not client.wait_for_server(timeout_sec=min(SERVER_WAIT_S, tool.timeout_s)):
             return "failed", f"action server {tool.ros_name} is not available", ""
 
@@ -236,7 +249,7 @@ class ToolRunner:
         if how != "done":
             return "failed", f"action server {tool.ros_name} did not answer the goal within {tool.timeout_s:g} s", ""
         handle = sent.result()
-        if not handle.accepted:
+        if handle is None or not handle.accepted:
             return "failed", f"action server {tool.ros_name} rejected the goal", ""
         got = handle.get_result_async()
         how = self._wait(got, max(0.0, tool.timeout_s - (time.monotonic() - t0)), should_stop)
@@ -248,7 +261,7 @@ class ToolRunner:
             return "failed", f"no result from {tool.ros_name} within {tool.timeout_s:g} s; the goal was cancelled", \
                 _result(got)
         res = got.result()
-        status = res.status
+        status = res.status if res is not None else GoalStatus.STATUS_UNKNOWN
         if status == GoalStatus.STATUS_SUCCEEDED:
             return "executed", "", _result(got)
         if status == GoalStatus.STATUS_CANCELED:

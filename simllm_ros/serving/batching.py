@@ -60,8 +60,8 @@ class Batcher:
         settings = self.core.settings
         budget = settings.prefill_chunk_tokens if backend.exact_chunking else None  # None: whole prompts
         work = []  # (flight index, tokens, logits mode, cache length before)
-        # A pass costs about its row count once rows outnumber a few (1 row 53 ms, 8 x 1 row 105 ms, 8 x 33
-        # rows 1110 ms measured on one core): decoding together, each flight's draft gets a share.
+        # A pass costs about its row count once rows outnumber a few (benchmark/results/batching_notes.md):
+        # decoding together, each flight's draft gets a share.
         n_decoding = sum(1 for f in flights if f.decoder is not None and not f.decoder.done)
         cap = None if n_decoding <= 1 else max(1, settings.max_draft_tokens // n_decoding)
         for i, f in enumerate(flights):
@@ -170,8 +170,8 @@ class Batcher:
 
     def _shared_prefixes(self, flights: list[Flight], work: list) -> list[tuple[int, int] | None]:
         """Per work item, (lead item, slots) where its cache begins with the same KV bits as a decoding lead's:
-        flights answering on one context read its keys and values once per step. A flight looks for a lead once
-        (comparing the bits: ~1 ms) when it starts decoding and again only when its lead has gone; each group
+        flights answering on one context read its keys and values once per step. A flight looks for a lead (comparing
+        the bits) once when it starts decoding and again only when its lead has gone; each group
         shares the slots all its members share."""
         leads: dict[int, int] = {}  # id(lead flight) -> work item
         groups: dict[int, list[int]] = {}  # lead item -> member items (the lead first)

@@ -122,14 +122,15 @@ class EnergyMeter:
 
     def sample(self) -> None:
         """Read the source once and attribute the interval since the previous sample."""
-        if self.source is None:
+        source = self.source
+        if source is None:
             return
         t0 = self._clock()
         with self._cv:
             self._reading_since = t0
         why, value = "", None
         try:
-            value = self.source.read()
+            value = source.read()
         except SensorError as e:
             why = str(e)
         except Exception as e:  # a sensor never raises into serving
@@ -140,12 +141,11 @@ class EnergyMeter:
             last = self._last
             if why:
                 s = _Sample(t, None, why)
-            elif self.source.kind == "counter":
-                if value is None:
-                    s = _Sample(t, None, "the counter's first reading after a failure")
-                else:
-                    dt = t - last.t if last is not None else 0.0
-                    s = _Sample(t, value / dt if dt > 0 else None, "" if dt > 0 else "no interval")
+            elif value is None:  # only a counter reads nothing (a power sensor raises instead)
+                s = _Sample(t, None, "the counter's first reading after a failure")
+            elif source.kind == "counter":
+                dt = t - last.t if last is not None else 0.0
+                s = _Sample(t, value / dt if dt > 0 else None, "" if dt > 0 else "no interval")
             else:
                 s = _Sample(t, float(value))
             if why:
@@ -155,15 +155,15 @@ class EnergyMeter:
             else:
                 self.failing_since = None
             if last is not None:
-                self._attribute(last, s)
+                self._attribute(source, last, s)
             if self._first_t is None:
                 self._first_t = t
             self._last = s
             self._cv.notify_all()
 
-    def _attribute(self, a: _Sample, b: _Sample) -> None:
+    def _attribute(self, source: PowerSource | CounterSource, a: _Sample, b: _Sample) -> None:
         """Share the energy of [a.t, b.t] among the spans in flight in it (called under the lock)."""
-        counter = self.source.kind == "counter"
+        counter = source.kind == "counter"
         bad = b.why or ("" if counter else a.why)
         if not bad and (b.power_w is None or (not counter and a.power_w is None)):
             bad = "no reading"
@@ -173,7 +173,7 @@ class EnergyMeter:
                       {s.end for s in spans if s.end is not None and a.t < s.end < b.t})
         if spans and bad:
             for s in spans:
-                s.invalid = s.invalid or f"{self.source.name} sensor failed during the request ({bad})"
+                s.invalid = s.invalid or f"{source.name} sensor failed during the request ({bad})"
         elif spans:
             span_t = b.t - a.t
 

@@ -72,14 +72,17 @@ def _names(rails: str | Iterable[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(s.strip() for s in items if str(s).strip()))
 
 
+# (label, files, scale): a sensor's watts are the product of its files' integers times scale
+Sensor = tuple[str, tuple[str, ...], float]
+
+
 class PowerSource:
     """Sensors read as power: watts now, summed over the chosen sensors."""
 
     kind = "power"
 
-    def __init__(self, name: str, sensors: list[tuple[str, tuple[str, ...], float]], description: str):
+    def __init__(self, name: str, sensors: list[Sensor], description: str):
         self.name = name  # ina3221 or hwmon
-        # (label, files, scale): the sensor's watts are the product of its files' integers times scale
         self.sensors = sensors
         self.description = description
 
@@ -131,9 +134,9 @@ class CounterSource:
         return joules
 
 
-def _ina3221_sensors(root: str) -> tuple[list[tuple[str, tuple[str, ...], float]], str]:
+def _ina3221_sensors(root: str) -> tuple[list[Sensor], str]:
     """Every labelled INA3221 channel under root (both driver layouts), as (rail, files, scale)."""
-    out = []
+    out: list[Sensor] = []
     for dev in sorted(glob.glob(os.path.join(root, "bus/i2c/drivers/ina3221x/*/iio:device*"))):
         for f in sorted(glob.glob(os.path.join(dev, "rail_name_*"))):
             i = f.rsplit("_", 1)[1]
@@ -243,7 +246,7 @@ def open_hwmon(root: str, rails: tuple[str, ...] = ()) -> tuple[PowerSource | No
     chosen, why = _pick(found, rails, lambda s: s[:3], lambda s: s)
     if not chosen:
         return None, why
-    sensors = [(s[0], (s[3],), 1e-6) for s in chosen]  # microwatts
+    sensors: list[Sensor] = [(s[0], (s[3],), 1e-6) for s in chosen]  # microwatts
     return _checked(PowerSource("hwmon", sensors, f"hwmon: {', '.join(s[0] for s in sensors)}"))
 
 
@@ -264,6 +267,7 @@ def open_source(kind: str, root: str = "/sys", rails: str | Iterable[str] = "",
         return None, "energy_source is off"
     kinds = SOURCES if kind == "auto" else (kind,)
     whys = []
+    source: PowerSource | CounterSource | None
     for k in kinds:
         if k == "ina3221":
             source, why = open_ina3221(root, names)

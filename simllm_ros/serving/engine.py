@@ -220,8 +220,7 @@ class Engine:
                 self.load_report["warmup"] = self.warm_start.warm_up(s.warmup_queries, progress,
                                                                      self.load_report.get("restored", 0))
             # What is loaded now lives as long as the engine: out of the cyclic collector's sight, a full collection
-            # no longer walks it (~320k objects: a ~150 ms pause at a random decode step, measured on the embedded
-            # model), only what requests create.
+            # no longer walks it (a pause at a random decode step: docs/gguf.md), only what requests create.
             gc.collect()
             gc.freeze()
             self.load_report["load_s"] = time.monotonic() - t0
@@ -295,7 +294,7 @@ class Engine:
             if owned is not None:
                 kernel_pool.stop_workers()  # no thread of ours outlives the model (the next load starts them)
                 # the model's and the pool's freed heap handed back to the system: without it a cleaned-up node kept
-                # ~0.4 GB of a 0.5B model resident (glibc keeps freed pages) until its next load reused them
+                # much of it resident (glibc keeps freed pages) until its next load reused them
                 release_heap()
 
     # ---- the snapshot (warm_start) ------------------------------------------------

@@ -153,12 +153,12 @@ def assess(stats: dict | None, thermal: ThermalState, recent: RecentCounts | Non
             level = max(level, HealthLevel.WARN)
             reasons.append(f"approximate answers ({group}) differ from the model's own in {100 * g['observed']:.0f}% "
                            f"of checks, above approx_error_bound {approx_bound:g}: the tier holds back")
-    energy = dict(energy)
-    if energy.get("energy_error"):
+    energy_values = dict(energy)
+    if energy_values.get("energy_error"):
         level = max(level, HealthLevel.WARN)
-        reasons.append(f"energy sensor failing, answers have no energy figure: {energy['energy_error']}")
+        reasons.append(f"energy sensor failing, answers have no energy figure: {energy_values['energy_error']}")
     values = _values(stats, thermal, queue_limit, state, reading)
-    values += tuple(energy.items())
+    values += tuple(energy_values.items())
     for k in ENERGY_STATS:
         if stats is not None and k in stats:
             v = float(stats[k])

@@ -273,14 +273,14 @@ class RequestPipeline:
         """The early pass of a possible SEMANTIC plan, run while the question's fingerprint is still computed.
 
         A SEMANTIC plan needs the fingerprint (to find the similar task), and its repair begins with an early
-        pass over the prompt that needs only the tokens. A new question's fingerprint takes the embedder ~10 ms
+        pass over the prompt that needs only the tokens. A new question's fingerprint takes the embedder a while
         on its own thread, during which the model's thread would wait: it runs the early pass then, on this
-        thread alone (the fingerprint keeps the other cores: at 2 threads a dropped pass cost a miss +7 ms on
-        both cores, nothing measurable on one), and reads the entry the repair will most likely take; a SEMANTIC
-        plan takes both up, any other plan drops them. Only where a SEMANTIC plan can follow and is worth a head
-        start: approximate reuse allowed and possible, the scope holds a prefix of this prompt, and the prompt runs
-        on for at least min_semantic_tokens after it (a new question on a cached context leaves ~15 tokens, cheap to
-        compute: there the pass ahead cost 1.3-2.4 ms at one thread, for nothing). The pass starts after that prefix
+        thread alone (the fingerprint keeps the other cores: a dropped pass would cost a miss on both), and reads
+        the entry the repair will most likely take; a SEMANTIC plan takes both up, any other plan drops them. Only
+        where a SEMANTIC plan can follow and is worth a head start: approximate reuse allowed and possible, the scope
+        holds a prefix of this prompt, and the prompt runs on for at least min_semantic_tokens after it (a new
+        question on a cached context leaves a few tokens, cheap to compute: there the pass ahead is spent for
+        nothing; benchmark/results/reuse_quality.md has the figures). The pass starts after that prefix
         where the prefix's KV is bitwise what a pass computes (lossless), so that it gives the bits the repair's
         own early pass would. Returns it and the prefix read (for the planner, which would read it anyway), or
         (None, reuse_planner.UNREAD). A fault here only costs the head start: the repair then runs its own."""

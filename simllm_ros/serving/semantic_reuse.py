@@ -81,11 +81,14 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
     lossless_kv: the entry's KV is bitwise what a pass computes (the model's precision, a batch-invariant
     backend): then its exact lead also stands in for the early pass's, which skips those tokens. early: ahead()
     for these tokens, done before the plan was known (with a prefix only where lossless_kv)."""
+    if plan.source_key is None:
+        raise ValueError("a SEMANTIC plan names the entry it reuses (source_key)")
     n = len(tokens)
     capacity = entry_capacity(n, reserve)
     # Read into a buffer with room for this prompt and its answer: it becomes the repaired cache (slot = the
     # source's position, which is the new one wherever a token did not move).
-    if early is not None and early.source_key == plan.source_key and early.capacity == capacity:
+    if early is not None and early.source_kv is not None and early.source_key == plan.source_key \
+            and early.capacity == capacity:
         src_k, src_v = early.source_kv
     else:
         src_k, src_v = pool.entry_kv(plan.source_key, capacity=capacity)
@@ -136,7 +139,10 @@ def run(backend: ModelBackend, pool: KVPool, plan: ReusePlan, tokens: list[int],
              if new_pos[i] != src_pos[i]]
     moved = [(a, b, m, src_k[strict:, :, b:b + m].clone(), src_v[strict:, :, b:b + m].clone()) for a, b, m in moves]
     cache = backend.cache_from_tensors(src_k, src_v, reserve=max(capacity - src_k.shape[2], 2))  # no copy: adopted
-    ck, cv = backend.cache_storage(cache)
+    storage = backend.cache_storage(cache)
+    if storage is None:  # not reached: cache_from_tensors adopts the tensors into a buffer, whose storage this is
+        raise TypeError(f"{type(cache).__name__} has no storage to repair in place")
+    ck, cv = storage
     for a, b, m, k_run, v_run in moved:  # every run's source read before any is written
         ck[strict:, :, a:a + m] = backend.rotate_keys(k_run, torch.full((m,), a - b, dtype=torch.long, device=device),
                                                   first_layer=strict)

@@ -8,7 +8,7 @@ string ends the answer within one decode pass). Progress goes to a streaming tra
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..request import CacheResult, Progress
 
@@ -27,7 +27,7 @@ def _visible(text: str) -> str:
 
 
 class AnswerWatcher:
-    def __init__(self, detokenize: Callable[[list[int]], str], *, stop: list[str] = (),
+    def __init__(self, detokenize: Callable[[list[int]], str], *, stop: Sequence[str] = (),
                  on_progress: Callable[[Progress], None] | None = None,
                  cancelled: Callable[[], bool] | None = None, cache_result: CacheResult = CacheResult.MISS,
                  interval_s: float = FEEDBACK_INTERVAL_S):

@@ -276,8 +276,8 @@ class ThermalMonitor:
                     self._held[key] = (z.name, z.temp_c)
                     candidates.append((z.temp_c, z.name))
             for key, (name, temp) in self._held.items():
-                z = next((z for k, z in keyed if k == key), None)
-                if z is None or not z.online:
+                now = next((z for k, z in keyed if k == key), None)
+                if now is None or not now.online:
                     candidates.append((temp, name))
                     held.append(name)
             if candidates:

@@ -99,7 +99,8 @@ def _fits(info: FieldInfo, v) -> None:
     if info.array is not None:
         if not isinstance(v, list):
             raise ToolError(f"{info.path}: expected an array")
-        if info.array == "fixed" and len(v) != info.size or info.array == "bounded" and len(v) > info.size:
+        if info.array == "fixed" and len(v) != info.size or info.array == "bounded" and info.size is not None \
+                and len(v) > info.size:
             raise ToolError(f"{info.path}: the message cannot hold {len(v)} items ({info.array} array of {info.size})")
     else:
         items = [v]
@@ -218,7 +219,7 @@ def _plain(v):
 class RateLimiter:
     """At most `calls` sends of a tool per `per_s` seconds (a sliding window); thread-safe."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._sent: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self._lock = threading.Lock()
 

@@ -222,7 +222,7 @@ class CallReuse:
         call = near.verified.call
         ms = (time.perf_counter() - t0) * 1000
         look.served = QueryResult(
-            success=True, answer=write_call(look.plan, call),
+            success=True, answer=write_call(plan, call),
             cache_result=CacheResult.ANSWER, similarity=near.similarity, request_id=req.request_id, exact=False,
             error_estimate=look.estimate.upper if look.estimate.n else 0.0, ttft_ms=ms, total_ms=ms,
             stop_reason="stop")
@@ -231,10 +231,11 @@ class CallReuse:
     def learn(self, look: Lookup, result: QueryResult) -> None:
         """After the exact run: the neighbour's label (same call or not) and the command joins the verified ones.
         Only an exact, successful answer that parses as a valid reply (a call, or text under auto) counts."""
-        if look.key is None or not (result.success and result.exact):
+        plan, fingerprint = look.plan, look.fingerprint  # set with the key
+        if look.key is None or plan is None or fingerprint is None or not (result.success and result.exact):
             return
         try:
-            _, calls = self.toolbox.parse(look.plan, result.answer)
+            _, calls = self.toolbox.parse(plan, result.answer)
         except ToolError:
             return  # not a verified parse: no label, nothing kept
         call = calls[0] if len(calls) == 1 else None
@@ -253,7 +254,7 @@ class CallReuse:
                 same = call is not None and same_call(call, cached.call)
                 self.bound.record(TIER, look.scope, cached.task, look.neighbour.similarity, not same)
         if call is not None:
-            self._keep(look.scope, look.key, Verified(look.question, look.fingerprint, call, task, time.time()))
+            self._keep(look.scope, look.key, Verified(look.question, fingerprint, call, task, time.time()))
 
     # ------------------------------------------------------------------ the verified commands
     def _nearest(self, scope: str, key: str, question: str, fp: np.ndarray, oldest: float) -> Neighbour | None:

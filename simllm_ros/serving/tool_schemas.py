@@ -16,6 +16,7 @@ import importlib
 import json
 import math
 import re
+from typing import Any
 
 _TYPE_RE = re.compile(r"([A-Za-z0-9_]+)/(srv|action)/([A-Za-z0-9_]+)")
 _BOUND_KEYS = {"minimum", "maximum", "allowed", "max_length", "max_items"}
@@ -46,7 +47,7 @@ def message_class(namespaces, name: str):
                         "installed in this environment?") from None
 
 
-def interface(type_name: str):
+def interface(type_name: str | None):
     """(kind 'service' | 'action', the interface class, the class of its arguments: Request or Goal)."""
     m = _TYPE_RE.fullmatch(type_name or "")
     if m is None:
@@ -123,7 +124,7 @@ class FieldInfo:
     """One field of a tool's arguments, found by its path: the element type and how it is held."""
 
     path: str
-    elem: object  # rosidl_parser type of the element
+    elem: Any  # rosidl_parser's type of the element (untyped; what it has depends on `kind`)
     kind: str  # see _kind
     array: str | None
     size: int | None
