@@ -326,7 +326,7 @@ class Engine:
     def _apply_pool_knobs(self) -> None:
         s = self.settings
         self.loaded_pool().set_eviction_policy(lfu_weight=s.lfu_weight, diversity_weight=s.diversity_weight,
-                                      half_life_s=s.recency_half_life_s)
+                                               half_life_s=s.recency_half_life_s)
 
     def clear_pool(self) -> None:
         """Forget every cached task, every deferred exact prefill and the recent answers kept as drafts."""

@@ -129,9 +129,10 @@ class RequestPipeline:
         logits = self.prefill_flight(f)
         self._after_prefill(f)
         a = f.asked
-        gen = self.core.loaded_backend().decode(logits, f.cache, a.max_new, a.temperature, a.seed, t_start=p.t_arrival,
-                                       drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
-                                       constraint=a.constraint, on_pass=self.core.observe_pass)
+        gen = self.core.loaded_backend().decode(logits, f.cache, a.max_new, a.temperature, a.seed,
+                                                t_start=p.t_arrival, drafts=f.drafts, on_token=f.on_token,
+                                                should_stop=f.watch.should_stop, constraint=a.constraint,
+                                                on_pass=self.core.observe_pass)
         return self.conclude(f, gen)
 
     def plan_flight(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
@@ -366,9 +367,9 @@ class RequestPipeline:
         """The prompt is in the cache: pick the first token (TTFT); the result if that already ends the answer."""
         self._after_prefill(f)
         a = f.asked
-        f.decoder = self.core.loaded_backend().decoder(logits, a.max_new, a.temperature, a.seed, t_start=f.p.t_arrival,
-                                              drafts=f.drafts, on_token=f.on_token, should_stop=f.watch.should_stop,
-                                              constraint=a.constraint)
+        f.decoder = self.core.loaded_backend().decoder(logits, a.max_new, a.temperature, a.seed,
+                                                       t_start=f.p.t_arrival, drafts=f.drafts, on_token=f.on_token,
+                                                       should_stop=f.watch.should_stop, constraint=a.constraint)
         if f.decoder.done:
             f.decoder.gen.text = self.core.loaded_backend().detokenize(f.decoder.gen.tokens)
             return self.conclude(f, f.decoder.gen)
