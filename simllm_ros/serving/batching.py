@@ -9,12 +9,30 @@ owns one.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryResult
 from .engine_parts import EngineCore, Flight, Prepared, fault_result
 from .request_pipeline import RequestPipeline
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One step of the batch, for a trace: perf_counter times of its start, its forward pass and its end; the
+    flights in it, the decoding ones and their rows (last token + drafts), prefill tokens run, flights that waited
+    (for a leader's prefix, or for prefill budget)."""
+
+    t_start: float
+    t_pass: float
+    t_pass_end: float
+    t_end: float
+    flights: int
+    decoding: int
+    decode_rows: int
+    prefill_tokens: int
+    waiting: int
 
 
 class Batcher:
@@ -24,6 +42,9 @@ class Batcher:
     def __init__(self, core: EngineCore, pipeline: RequestPipeline):
         self.core = core
         self.pipeline = pipeline
+        # Where a caller sets a list, each step appends what it ran and when (StepRecord): the concurrency bench
+        # reads where a batched run's time goes (prefill, decode, waits, the gaps between steps).
+        self.trace: list[StepRecord] | None = None
 
     def begin(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
               should_stop: Callable[[], bool] | None = None, energy_token: int | None = None
@@ -55,6 +76,7 @@ class Batcher:
         decoding flight and the next prefill chunks (at most prefill_chunk_tokens tokens in all, oldest flight
         first). Returns, per flight, its result when it finished in this step (done, or failed: a fault fails
         its own flight only), else None."""
+        t_start = time.perf_counter()
         out: list[QueryResult | None] = [None] * len(flights)
         backend = self.core.backend
         settings = self.core.settings
@@ -81,10 +103,12 @@ class Batcher:
                     budget = None if budget is None else budget - n
             except Exception as e:
                 out[i] = self._fault(f.p, e)
+        dec = [len(ids) for i, ids, _, _ in work if flights[i].decoder is not None]  # before the pass: for the trace
         t0 = time.perf_counter()
         outs = self._run_isolated(flights, work, out)
-        if work and all(flights[i].decoder is not None for i, *_ in work):  # a decode pass: its cost per rows
-            self.core.observe_pass(sum(len(ids) for _, ids, _, _ in work), time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        if work and len(dec) == len(work):  # a decode pass: its cost per rows
+            self.core.observe_pass(sum(dec), t1 - t0)
         for (i, ids, _, base), rows in zip(work, outs):
             if out[i] is not None:
                 continue
@@ -100,6 +124,9 @@ class Batcher:
                     out[i] = self.pipeline.conclude(f, f.decoder.gen)
             except Exception as e:
                 out[i] = self._fault(f.p, e)
+        if self.trace is not None:
+            self.trace.append(StepRecord(t_start, t0, t1, time.perf_counter(), len(flights), len(dec), sum(dec),
+                                         sum(len(ids) for _, ids, _, _ in work) - sum(dec), len(flights) - len(work)))
         return out
 
     def _fault(self, p: Prepared, e: BaseException) -> QueryResult:
