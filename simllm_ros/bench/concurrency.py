@@ -191,15 +191,22 @@ def closed_loop(system: Served, rows: list[dict], start: int, n: int, clients: i
                              "t_done": time.perf_counter()})
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    batcher = getattr(system.engine, "batcher", None) if system.name == "batched" else None
+    trace: list | None = None
+    if batcher is not None:
+        trace = batcher.trace = []
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = max((r["t_done"] for r in recs), default=t0) - t0
+    if batcher is not None:
+        batcher.trace = None
     for r in recs:
         del r["t_done"]
-    return {"wall_s": wall, "recs": sorted(recs, key=lambda r: r["k"])}
+    return {"wall_s": wall, "recs": sorted(recs, key=lambda r: r["k"]),
+            "steps": step_breakdown(trace, wall) if trace else None}
 
 
 def four_at_once(systems: dict, rows: list[dict], trials: int, max_new: int) -> dict:
@@ -221,7 +228,9 @@ def four_at_once(systems: dict, rows: list[dict], trials: int, max_new: int) -> 
             s = systems[name]
             s.reset()
             s.ask(warm, max_new, f"warm-{t}")
-            trace = s.engine.batcher.trace = [] if name == "batched" and s.engine is not None else None
+            trace: list | None = None
+            if name == "batched" and s.engine is not None:
+                trace = s.engine.batcher.trace = []
             t0 = time.perf_counter()
             if how == "together":
                 jobs = []
@@ -396,7 +405,8 @@ def run(args) -> dict:
                     ok = [x for x in d if x["ok"]]
                     print(f"  {name:14s} clients {c}  round {r}: {len(ok)}/{len(d)} in {res['wall_s']:.1f} s "
                           f"({len(ok) / res['wall_s']:.2f}/s), TTFT p95 "
-                          f"{percentile([x['ttft_ms'] for x in ok], 95) or 0:.0f} ms", flush=True)
+                          f"{percentile([x['ttft_ms'] for x in ok], 95) or 0:.0f} ms"
+                          + (f"\n    ({breakdown_text(res['steps'])})" if res.get("steps") else ""), flush=True)
     four = None
     if args.four_trials:
         four = four_at_once(systems, rows, args.four_trials, args.four_max_new_tokens)
@@ -488,6 +498,11 @@ def write_report(res: dict, out: str) -> list[str]:
     if "four_at_once" in idn:
         lines.append(f"Four at once: {idn['four_at_once']['identical']}/{idn['four_at_once']['compared']} answers "
                      "identical to the same four one after another.")
+    loops = [r for r in res["runs"] if r.get("steps")]
+    if loops:
+        lines += ["", "Closed loop, batched, where the time went (batcher's step trace):"]
+        lines += [f"- {r['clients']} clients, round {r['round']}, {r['wall_s']:.2f} s: {breakdown_text(r['steps'])}"
+                  for r in loops]
     steps = [r for r in (res.get("four_at_once") or {}).get("runs", []) if r.get("steps")]
     if steps:
         lines += ["", "Four at once, batched, where the time went (batcher's step trace):"]

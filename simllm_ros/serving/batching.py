@@ -88,11 +88,13 @@ class Batcher:
         cap = None if n_decoding <= 1 else max(1, settings.max_draft_tokens // n_decoding)
         for i, f in enumerate(flights):
             try:
-                if f.decoder is None and backend.exact_chunking and self._waits_for_leader(f, flights[:i]):
-                    continue  # its prompt's start is being prefilled by an earlier flight: taken from it later
                 if f.decoder is None and f.watch.should_stop():  # cancelled before its prompt was in
                     out[i] = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel",
                                          request_id=f.p.req.request_id)
+                elif f.decoder is None and self._follows_twin(f, flights[:i]):
+                    continue  # an identical request ahead of it answers for both (served after its end)
+                elif f.decoder is None and backend.exact_chunking and self._waits_for_leader(f, flights[:i]):
+                    continue  # its prompt's start is being prefilled by an earlier flight: taken from it later
                 elif f.decoder is not None:
                     f.decoder.draft_cap = cap
                     work.append((i, f.decoder.inputs(), "all", backend.cache_len(f.cache)))
@@ -124,6 +126,7 @@ class Batcher:
                     out[i] = self.pipeline.conclude(f, f.decoder.gen)
             except Exception as e:
                 out[i] = self._fault(f.p, e)
+        self._serve_twins(flights, out)
         if self.trace is not None:
             self.trace.append(StepRecord(t_start, t0, t1, time.perf_counter(), len(flights), len(dec), sum(dec),
                                          sum(len(ids) for _, ids, _, _ in work) - sum(dec), len(flights) - len(work)))
@@ -146,7 +149,7 @@ class Batcher:
             f.batch.leader_checked = True
             have = len(f.tokens) - f.todo
             for g in earlier:
-                if g.p.req.scope != f.p.req.scope or g.batch.leader is not None:
+                if g.p.req.scope != f.p.req.scope or g.batch.leader is not None or g.batch.twin is not None:
                     continue
                 n, limit = 0, min(len(g.tokens), len(f.tokens) - 1)  # the last token is run for its logits
                 while n < limit and g.tokens[n] == f.tokens[n]:
@@ -171,6 +174,47 @@ class Batcher:
             f.res.cache_result = CacheResult.EXACT_PREFIX
         f.batch.leader = None
         return False
+
+    def _follows_twin(self, f: Flight, earlier: list[Flight]) -> bool:
+        """Requests sent together are often the same request (eight robots asking one question about one
+        bulletin): each would be prefilled and decoded in full, for one answer. A flight whose scope, prompt tokens
+        and answer settings equal those of a flight admitted before it, itself no follower, waits for that one's
+        answer and takes it from the answer memo (_serve_twins): what it would have been served arriving a moment
+        later, the same bits (the memo serves only exact answers). Only where the memo serves (answer_memo, a
+        batch-invariant backend) and for a request that does not stream (a streaming client gets its tokens as
+        they come). Whether it waits now; checked once, before its prompt is prefilled."""
+        if not f.batch.twin_checked:
+            f.batch.twin_checked = True
+            if f.asked.streaming or f.todo != len(f.tokens) - f.res.reused_tokens or not (
+                    self.core.settings.answer_memo and self.core.backend.exact_chunking):
+                return False
+            key = self._twin_key(f)
+            f.batch.twin = next((g for g in earlier if g.batch.twin is None and self._twin_key(g) == key), None)
+        g = f.batch.twin
+        return g is not None
+
+    @staticmethod
+    def _twin_key(f: Flight) -> tuple:
+        req, a = f.p.req, f.asked
+        return (req.scope, f.tokens, a.max_new, a.temperature, a.seed, tuple(req.stop), req.json_schema)
+
+    def _serve_twins(self, flights: list[Flight], out: list) -> None:
+        """Followers (_follows_twin) whose twin ended in this step or before: the memo's answer; where it has
+        none (the twin failed, was cancelled, or its answer was not stored), the follower is prefilled itself from
+        the next step on."""
+        index = {id(g): j for j, g in enumerate(flights)}
+        for i, f in enumerate(flights):
+            g = f.batch.twin
+            if g is None or out[i] is not None:
+                continue
+            j = index.get(id(g))
+            if j is not None and out[j] is None:
+                continue  # still answering
+            try:
+                out[i] = self.pipeline.memo_answer_for(f)
+            except Exception as e:
+                out[i] = self._fault(f.p, e)
+            f.batch.twin = None
 
     def _run_isolated(self, flights: list[Flight], work: list, out: list) -> list:
         """The work's forward pass, all together; if it raises, each flight's part alone, so that a fault fails

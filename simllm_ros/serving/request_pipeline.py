@@ -239,6 +239,13 @@ class RequestPipeline:
             self.core.pool.drop_older_than(period, now)
             self._last_refresh = now
 
+    def memo_answer_for(self, f: Flight) -> QueryResult | None:
+        """The answer memo's answer to a flight not yet prefilled (batching: an identical request in flight before
+        it has just been answered), exactly as plan_flight would have served it; None where the memo has none."""
+        req, a = f.p.req, f.asked
+        return self._memo_answer(f.p, f.tokens, a.max_new, Signature.of(a.temperature, a.seed, req.stop,
+                                                                       req.json_schema), time.time(), None)
+
     def _memo_answer(self, p: Prepared, tokens: list[int], max_new: int, signature: Signature, now: float,
                      on_progress: Callable[[Progress], None] | None) -> QueryResult | None:
         """An identical request's stored answer (answer_memo), exact: no prefill, no decode pass. None if there
