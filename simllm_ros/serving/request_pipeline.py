@@ -6,7 +6,8 @@ word on an approximate plan, and the room its KV buffer needs. `prefill_flight` 
 plan says (exact prefix, SEMANTIC repair, or a whole prefill), `start_decoding` adds what needed the fingerprint
 (drafts, the reported similarity) and picks the first token, and `conclude` turns the generation into the result
 and lets the pool, the memo, the fleet and the error bound learn from it (request_memory). These four, typed by
-the Flight record, are the phases batching.py runs for several requests in one forward pass; `execute` runs them
+the Flight record, are the phases batching.py runs for several requests in one forward pass (with
+`memo_answer_for`, the memo's answer to a flight whose identical twin was just answered); `execute` runs them
 in a row for one request alone. RequestPipeline holds what the phases keep between requests (the early passes run,
 the observer); the engine owns one and hands it its memory (request_memory), its answer memo and its audit queue,
 and it reads the model, pool and settings of the current load through `core` (engine_parts.EngineCore).
