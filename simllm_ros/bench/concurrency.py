@@ -9,8 +9,10 @@ Systems, each behind its own RequestServer (the node's admission queue and worke
 Phases; the systems take turns round by round (the order rotates), so load from elsewhere on a shared
 machine falls on all of them alike, and the report gives ratios measured side by side:
 1. closed loop: for 1, 2, 4, 8 clients, each client sends its next request as soon as it has the answer to
-   the last one. Throughput (answers per second), TTFT (from submission, queueing included) p50/p95 and
-   latency per system and client count; the sustained rate within the TTFT target is the highest
+   the last one. Round r serves the same requests, in the same order of issue, at every client count, each
+   from the same pool (emptied, then the untimed warm requests), so the client counts compare. Throughput
+   (answers per second), TTFT (from submission, queueing included) p50/p95 and latency per system and client
+   count; the sustained rate within the TTFT target is the highest
    throughput measured with p95 TTFT <= --ttft-target-ms.
 2. four at once: four requests of up to 48 tokens submitted together to the batched server, against the
    same four one after another on the one-at-a-time server (each measurement on a pool holding only the
@@ -160,6 +162,13 @@ def make_systems(engine, max_new: int, threads: int, want_llama: bool, want_peer
     return systems, status
 
 
+def warm_up(system: Served, rows: list[dict], warm: int, max_new: int) -> None:
+    """The pool emptied, then the first `warm` rows asked untimed: every timed round starts from this state."""
+    system.reset()
+    for i in range(min(warm, len(rows))):
+        system.ask(rows[i], max_new, f"warm-{i}")
+
+
 def closed_loop(system: Served, rows: list[dict], start: int, n: int, clients: int, max_new: int) -> dict:
     """`clients` threads, each sending its next request when the last one is answered, until n are sent."""
     lock = threading.Lock()
@@ -182,15 +191,22 @@ def closed_loop(system: Served, rows: list[dict], start: int, n: int, clients: i
                              "t_done": time.perf_counter()})
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    batcher = getattr(system.engine, "batcher", None) if system.name == "batched" else None
+    trace: list | None = None
+    if batcher is not None:
+        trace = batcher.trace = []
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = max((r["t_done"] for r in recs), default=t0) - t0
+    if batcher is not None:
+        batcher.trace = None
     for r in recs:
         del r["t_done"]
-    return {"wall_s": wall, "recs": sorted(recs, key=lambda r: r["k"])}
+    return {"wall_s": wall, "recs": sorted(recs, key=lambda r: r["k"]),
+            "steps": step_breakdown(trace, wall) if trace else None}
 
 
 def four_at_once(systems: dict, rows: list[dict], trials: int, max_new: int) -> dict:
@@ -212,6 +228,9 @@ def four_at_once(systems: dict, rows: list[dict], trials: int, max_new: int) -> 
             s = systems[name]
             s.reset()
             s.ask(warm, max_new, f"warm-{t}")
+            trace: list | None = None
+            if name == "batched" and s.engine is not None:
+                trace = s.engine.batcher.trace = []
             t0 = time.perf_counter()
             if how == "together":
                 jobs = []
@@ -225,11 +244,45 @@ def four_at_once(systems: dict, rows: list[dict], trials: int, max_new: int) -> 
             else:
                 results = [s.ask(r, max_new, f"four-{t}-{i}")[0] for i, r in enumerate(four)]
             wall = time.perf_counter() - t0
+            if trace is not None:
+                s.engine.batcher.trace = None
             out["runs"].append({"trial": t, "system": name, "how": how, "wall_s": wall,
+                                "steps": step_breakdown(trace, wall) if trace else None,
                                 "answers": [r.answer for r in results], "ok": all(r.success for r in results),
                                 "tiers": [r.cache_result.name for r in results], "exact": [r.exact for r in results],
                                 "tokens": [r.generated_tokens for r in results]})
     return out
+
+
+def step_breakdown(trace: list, wall_s: float) -> dict:
+    """Where a batched run's wall time went, from the batcher's step trace (batching.StepRecord), in seconds:
+    forward passes that only decoded, passes that prefilled while no flight decoded, passes that prefilled while
+    others decoded (their decode rows wait for the prefill), each step's Python outside its pass (per flight:
+    plans, draft checks, finishing), and the rest of the wall time outside steps (admission, begin, answering: the
+    scheduler's gaps). Also the decode passes' mean flights and rows (rows beyond one a flight are draft tokens)."""
+    decode = [r for r in trace if r.decoding and not r.prefill_tokens]
+    alone = [r for r in trace if r.prefill_tokens and not r.decoding]
+    mixed = [r for r in trace if r.prefill_tokens and r.decoding]
+    passes = lambda rs: sum(r.t_pass_end - r.t_pass for r in rs)
+    in_steps = sum(r.t_end - r.t_start for r in trace)
+    n_dec = len(decode) or 1
+    return {"steps": len(trace), "decode_passes": len(decode), "decode_s": passes(decode),
+            "prefill_alone_s": passes(alone), "prefill_with_decoding_s": passes(mixed),
+            "prefill_tokens": sum(r.prefill_tokens for r in trace),
+            "step_python_s": in_steps - passes(trace), "between_steps_s": wall_s - in_steps,
+            "decode_flights_mean": sum(r.decoding for r in decode) / n_dec,
+            "decode_rows_mean": sum(r.decode_rows for r in decode) / n_dec,
+            "draft_rows": sum(r.decode_rows - r.decoding for r in trace),
+            "decode_ms_per_pass": passes(decode) / n_dec * 1000,
+            "waiting_steps": sum(1 for r in trace if r.waiting)}
+
+
+def breakdown_text(b: dict) -> str:
+    return (f"{b['steps']} steps: decode {b['decode_s']:.2f} s in {b['decode_passes']} passes "
+            f"({b['decode_ms_per_pass']:.1f} ms, {b['decode_flights_mean']:.1f} flights, {b['decode_rows_mean']:.1f} "
+            f"rows each), prefill alone {b['prefill_alone_s']:.2f} s, prefill with decoding waiting "
+            f"{b['prefill_with_decoding_s']:.2f} s ({b['prefill_tokens']} tokens), Python in steps "
+            f"{b['step_python_s']:.2f} s, between steps {b['between_steps_s']:.2f} s, draft rows {b['draft_rows']}")
 
 
 def summarize(runs: list[dict], ttft_target_ms: float) -> dict:
@@ -258,31 +311,46 @@ def summarize(runs: list[dict], ttft_target_ms: float) -> dict:
 
 
 def identity(runs: list[dict], four: dict | None) -> dict:
-    """Answers of batched vs one-at-a-time for the same requests."""
-    by = {"batched": {}, "one-at-a-time": {}}
+    """Answers to the same request (its row index k), request by request: batched against one-at-a-time at each
+    client count and round, and across client counts (every system's answer at c clients against one-at-a-time's
+    at the fewest clients, the reference)."""
+    by: dict[tuple[str, int, int], dict] = {}  # (system, clients, k) -> record (the last round serving k)
     for run in runs:
-        if run["system"] in by:
+        if run["system"] in ("batched", "one-at-a-time"):
             for r in run["recs"]:
-                by[run["system"]][(run["clients"], r["k"])] = r
-    exact_same = exact_diff = approx_same = approx_diff = 0
+                by[(run["system"], run["clients"], r["k"])] = r
+    exact_same = exact_diff = approx_same = approx_diff = across_same = across_diff = 0
     diffs = []
-    for key, b in by["batched"].items():
-        a = by["one-at-a-time"].get(key)
-        if a is None or not (a["ok"] and b["ok"]):
-            continue
-        same = a["answer"] == b["answer"]
-        if a["exact"] and b["exact"]:
-            exact_same += same
-            exact_diff += not same
-            if not same:
-                diffs.append({"key": list(key), "batched": b["answer"], "one_at_a_time": a["answer"],
-                              "tiers": [b["tier"], a["tier"]]})
-        else:
-            approx_same += same
-            approx_diff += not same
+    least = min((c for _, c, _ in by), default=0)
+    for (system, c, k), b in sorted(by.items(), key=lambda x: (x[0][1], x[0][2], x[0][0])):
+        pairs = []
+        if system == "batched":
+            pairs.append(("one-at-a-time", c, "same clients"))
+        if c != least:
+            pairs.append(("one-at-a-time", least, "across clients"))
+        for other, oc, how in pairs:
+            a = by.get((other, oc, k))
+            if a is None or not (a["ok"] and b["ok"]):
+                continue
+            same = a["answer"] == b["answer"]
+            exact = a["exact"] and b["exact"]
+            if how == "across clients":
+                if exact:
+                    across_same += same
+                    across_diff += not same
+            elif exact:
+                exact_same += same
+                exact_diff += not same
+            else:
+                approx_same += same
+                approx_diff += not same
+            if exact and not same:
+                diffs.append({"request": k, "a": [system, c], "b": [other, oc], "answer_a": b["answer"],
+                              "answer_b": a["answer"], "tiers": [b["tier"], a["tier"]]})
     out = {"closed_loop": {"exact_compared": exact_same + exact_diff, "exact_identical": exact_same,
                            "approximate_compared": approx_same + approx_diff, "approximate_identical": approx_same,
-                           "exact_differences": diffs[:10]}}
+                           "across_clients_compared": across_same + across_diff,
+                           "across_clients_identical": across_same, "exact_differences": diffs[:10]}}
     if four is not None:
         ref = {}
         for run in four["runs"]:
@@ -318,16 +386,18 @@ def run(args) -> dict:
                                    want_peers=not args.engines_only)
     names = list(systems)
     log.info(f"systems: {names}; exact batching: {engine.backend.batches_exactly}")
-    for s in systems.values():  # the context is in every pool before anything is timed, as on a running node
-        for i in range(min(args.warm, len(rows))):
-            s.ask(rows[i], max_new, f"warm-{i}")
     runs = []
-    offset = args.warm
     progress = not args.no_progress
     for c in clients:
         for r in range(args.rounds):
+            # Round r serves the same requests at every client count (rows[warm + r * requests ...], issued in
+            # that order), each system from the same pool: emptied, then the warm requests (the context in the
+            # pool before anything is timed, as on a running node). So answers/s at 1 and 8 clients are of one
+            # set of requests, and every request's answers compare one by one (identity).
+            offset = args.warm + r * args.requests
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
+                warm_up(systems[name], rows, args.warm, max_new)
                 res = closed_loop(systems[name], rows, offset, args.requests, c, max_new)
                 runs.append({"system": name, "clients": c, "round": r, **res})
                 if progress:
@@ -335,15 +405,16 @@ def run(args) -> dict:
                     ok = [x for x in d if x["ok"]]
                     print(f"  {name:14s} clients {c}  round {r}: {len(ok)}/{len(d)} in {res['wall_s']:.1f} s "
                           f"({len(ok) / res['wall_s']:.2f}/s), TTFT p95 "
-                          f"{percentile([x['ttft_ms'] for x in ok], 95) or 0:.0f} ms", flush=True)
-            offset += args.requests
+                          f"{percentile([x['ttft_ms'] for x in ok], 95) or 0:.0f} ms"
+                          + (f"\n    ({breakdown_text(res['steps'])})" if res.get("steps") else ""), flush=True)
     four = None
     if args.four_trials:
         four = four_at_once(systems, rows, args.four_trials, args.four_max_new_tokens)
         if progress:
             for run_ in four["runs"]:
                 print(f"  four at once, trial {run_['trial']}: {run_['system']:14s} {run_['how']:18s} "
-                      f"{run_['wall_s']:.1f} s", flush=True)
+                      f"{run_['wall_s']:.1f} s" + (f"  ({breakdown_text(run_['steps'])})" if run_.get("steps") else ""),
+                      flush=True)
     for s in systems.values():
         s.close()
     summary = summarize(runs, args.ttft_target_ms)
@@ -365,6 +436,9 @@ def headline(res: dict) -> dict:
     b, one = sm.get("batched", {}), sm.get("one-at-a-time", {})
     if top in b and top in one and one[top]["throughput_rps"]:
         h[f"throughput_ratio_at_{top}_clients"] = b[top]["throughput_rps"] / one[top]["throughput_rps"]
+    least = str(min(res["clients"]))
+    if top != least and top in b and least in one and one[least]["throughput_rps"]:  # the same requests
+        h[f"batched_{top}_clients_vs_one_at_a_time_{least}"] = b[top]["throughput_rps"] / one[least]["throughput_rps"]
     wb, wo = b.get("within_target", {}), one.get("within_target", {})
     if wo.get("throughput_rps"):
         h["rate_within_ttft_target_ratio"] = wb.get("throughput_rps", 0.0) / wo["throughput_rps"]
@@ -419,10 +493,20 @@ def write_report(res: dict, out: str) -> list[str]:
     cl = idn["closed_loop"]
     lines += ["", f"Identity, batched vs one-at-a-time, same requests: {cl['exact_identical']}/{cl['exact_compared']} "
               f"exact answers identical; approximate (SEMANTIC on either side) {cl['approximate_identical']}/"
-              f"{cl['approximate_compared']} identical."]
+              f"{cl['approximate_compared']} identical; each request at more clients against one-at-a-time at the "
+              f"fewest: {cl.get('across_clients_identical', 0)}/{cl.get('across_clients_compared', 0)} identical."]
     if "four_at_once" in idn:
         lines.append(f"Four at once: {idn['four_at_once']['identical']}/{idn['four_at_once']['compared']} answers "
                      "identical to the same four one after another.")
+    loops = [r for r in res["runs"] if r.get("steps")]
+    if loops:
+        lines += ["", "Closed loop, batched, where the time went (batcher's step trace):"]
+        lines += [f"- {r['clients']} clients, round {r['round']}, {r['wall_s']:.2f} s: {breakdown_text(r['steps'])}"
+                  for r in loops]
+    steps = [r for r in (res.get("four_at_once") or {}).get("runs", []) if r.get("steps")]
+    if steps:
+        lines += ["", "Four at once, batched, where the time went (batcher's step trace):"]
+        lines += [f"- trial {r['trial']}, {r['wall_s']:.2f} s: {breakdown_text(r['steps'])}" for r in steps]
     lines += ["", "Peers: " + "; ".join(f"{k}: {v['status']}" + (f" ({v['error']})" if v.get("error") else "")
                                        for k, v in res["status"].items())]
     with open(os.path.join(out, "results.md"), "w") as f:
@@ -513,7 +597,8 @@ def main(argv: list[str]) -> int:
     for k, v in res["headline"].items():
         print(f"  {k}: {v:.2f}")
     idn = res["identity"]["closed_loop"]
-    print(f"  identical exact answers, batched vs one-at-a-time: {idn['exact_identical']}/{idn['exact_compared']}")
+    print(f"  identical exact answers, batched vs one-at-a-time: {idn['exact_identical']}/{idn['exact_compared']}; "
+          f"across client counts: {idn['across_clients_identical']}/{idn['across_clients_compared']}")
     if "four_at_once" in res["identity"]:
         f = res["identity"]["four_at_once"]
         print(f"  four at once, identical answers: {f['identical']}/{f['compared']}")

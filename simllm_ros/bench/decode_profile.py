@@ -8,7 +8,11 @@ engine's draft proposer does each step). Then the bytes a step reads (every weig
 the read rate of 1..N threads over memory (membw.c, a STREAM-like read and copy): the floor memory sets a step, and
 how near the step comes to it. With --llama, llama.cpp's decode on the same file and thread counts, side by side.
 
+With --rows 1,2,4,8 also the batched pass: a decode pass of N rows (N requests on one prompt) against N single-row
+passes, per part.
+
 Usage: simllm-bench decode_profile --file model.gguf [--threads 1,2] [--steps 32] [--context 450] [--llama]
+       [--rows 1,2,4,8]
        simllm-bench decode_profile --shape qwen2.5-1.5b --quant Q4_K_M   (a file of that shape, as gguf_models makes)
        simllm-bench decode_profile --shape qwen2.5-0.5b --quant random   (random Q4_K/Q6_K blocks, no llama.cpp)
 """
@@ -153,9 +157,77 @@ def profile_ours(args) -> dict:
             row["floor_ms"] = row["mb_per_token"] / row["memory_read_gbs"]
         out["rows"].append(row)
     out["greedy_tail"] = generated[-4:]
+    if args.rows:
+        out["batched"] = profile_batched(b, runner, timed, ids, threads, [int(r) for r in args.rows.split(",")], args)
     if args.answers:
         out["answers"] = answers_with_and_without_drafts(e, threads, args)
     e.unload()
+    return out
+
+
+def _counted(b, runner, timed: dict, work, steps: int) -> dict:
+    """`work()` run `steps` times with the layers' and the pool's counters on: ms per call in total and per part
+    (PROFILE_STEPS, the LM head, embedding + norm, the layers' Python, the pass's Python outside those)."""
+    from simllm_ros.kernels.layer_kernel import PROFILE_STEPS
+
+    for t in timed.values():
+        t.ns = 0
+    runner.fused.profiling(True)
+    runner.int4.pool_profile(True)
+    t0 = time.perf_counter_ns()
+    for _ in range(steps):
+        work()
+    total_ns = time.perf_counter_ns() - t0
+    steps_c = runner.fused.profile.tolist()
+    pool = runner.int4.pool_profile(False)
+    runner.fused.profiling(False)
+    ms = lambda ns: ns / steps / 1e6  # noqa: E731
+    row = {"pass_ms": ms(total_ns), **{name: ms(v) for name, v in zip(PROFILE_STEPS, steps_c)},
+           "wait_for_workers": pool["wait_ms"] / steps, "layers_python": ms(timed["layers"].ns - sum(steps_c)),
+           "lm_head": ms(timed["head"].ns), "embed_and_norm": ms(timed["embed"].ns + timed["norm"].ns)}
+    row["pass_python"] = row["pass_ms"] - sum(row[x] for x in (*PROFILE_STEPS, "layers_python", "lm_head",
+                                                              "embed_and_norm"))
+    return row
+
+
+def profile_batched(b, runner, timed: dict, ids: list[int], threads: list[int], counts: list[int], args) -> list:
+    """A decode pass of N rows (N requests on one prompt, one new token each, reading the prompt's KV once as the
+    batcher arranges it) against N single-row passes of the same requests, per part, at each thread count: what
+    a step shared by N decoding clients costs, and where the rows add time."""
+    import torch
+
+    from simllm_ros.kernels import compute_threads
+
+    out = []
+    base = b.new_cache(len(ids) + 2)
+    first = b.run(ids, base, logits="last")
+    k0, v0 = (x.clone() for x in b.cache_tensors(base))
+    tok = int(first.reshape(-1, first.shape[-1])[-1].argmax())
+    for n in threads:
+        torch.set_num_threads(n)
+        with compute_threads.kernels_own_cores(b.kernels_do_the_work):
+            for rows in counts:
+                caches = [b.cache_from_tensors(k0.clone(), v0.clone(), reserve=2) for _ in range(rows)]
+                toks = [(tok + j) % b.vocab_size for j in range(rows)]  # N requests, N different next tokens
+                shares = [(0, len(ids) // 32 * 32)] * rows if rows > 1 else None
+
+                def batched(toks=toks, caches=caches, shares=shares):
+                    b.run_batch([([t], c, "last") for t, c in zip(toks, caches)], shares)
+                    for c in caches:
+                        b.truncate(c, len(ids))
+
+                def singles(toks=toks, caches=caches):
+                    for t, c in zip(toks, caches):
+                        b.run([t], c, logits="last")
+                        b.truncate(c, len(ids))
+
+                for _ in range(args.warmup):
+                    batched()
+                    singles()
+                one = _counted(b, runner, timed, batched, args.steps)
+                alone = _counted(b, runner, timed, singles, args.steps)
+                out.append({"threads": n, "rows": rows, "batched": one, "singles": alone,
+                            "batched_vs_singles": one["pass_ms"] / alone["pass_ms"]})
     return out
 
 
@@ -219,7 +291,7 @@ def profile_llama(args) -> dict:
 def _worker(kind: str, args) -> dict | None:
     cmd = [sys.executable, "-m", __spec__.name, "--worker", kind, "--file", args.file, "--threads", args.threads,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--context", str(args.context),
-           "--cache", args.cache, "--ids", args.ids, "--answers", str(args.answers)]
+           "--cache", args.cache, "--ids", args.ids, "--answers", str(args.answers), "--rows", args.rows]
     return run_worker_process(kind, cmd)
 
 
@@ -257,10 +329,31 @@ def report(ours: dict, llama: dict | None) -> None:
         for r in ours["answers"]:
             print(f"| {r['threads']} | {r['drafts_ms']:.2f} | {r['no_drafts_ms']:.2f} | {r['ratio']:.3f} | "
                   f"{r['proposed']} | {r['accepted']} |")
+    if ours.get("batched"):
+        report_batched(ours["batched"])
     if llama and len(llama["rows"]) > 1:
         one = llama["rows"][0]["step_ms"]
         print("llama.cpp speed-up from its first thread count: "
               + ", ".join(f"{x['threads']}: {one / x['step_ms']:.2f}x" for x in llama["rows"]))
+
+
+BATCH_COLUMNS = ("qkv", "o", "gate_up", "down", "attention", "norms", "rope", "activation", "wait_for_workers",
+                 "layers_python", "lm_head", "embed_and_norm", "pass_python")
+
+
+def report_batched(rows: list[dict]) -> None:
+    print("\nA decode pass of N rows (N requests on the prompt, a token each, its KV read once) against the same N "
+          "rows as N single-row passes: ms per pass (batched) and per N passes (singles)")
+    print("| threads | rows | how | pass | " + " | ".join(BATCH_COLUMNS) + " | batched / singles | batched / 1 row |\n|"
+          + "---|" * (len(BATCH_COLUMNS) + 6))
+    one = {r["threads"]: r["batched"]["pass_ms"] for r in rows if r["rows"] == 1}
+    for r in rows:
+        for how in ("batched", "singles"):
+            x = r[how]
+            tail = (f" | {r['batched_vs_singles']:.2f} | {x['pass_ms'] / one[r['threads']]:.2f} |"
+                    if how == "batched" and r["threads"] in one else " | | |")
+            print(f"| {r['threads']} | {r['rows']} | {how} | {x['pass_ms']:.2f} | "
+                  + " | ".join(f"{x[c]:.2f}" for c in BATCH_COLUMNS) + tail)
 
 
 def amdahl(rows: list[dict]) -> tuple[float, float] | None:
@@ -306,6 +399,8 @@ def main(argv=None) -> None:
     ap.add_argument("--llama", action="store_true", help="llama.cpp's decode on the same file, side by side")
     ap.add_argument("--answers", type=int, default=0, help="also N whole requests per thread count through the "
                     "engine, with verified drafts (the default) and without, interleaved: what drafts cost or save")
+    ap.add_argument("--rows", default="", help="also a decode pass of N rows (N requests on the prompt, a token "
+                    "each) against N single-row passes, per part, for each N of this comma-separated list (1,2,4,8)")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     ap.add_argument("--worker", choices=["ours", "llama"], help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)

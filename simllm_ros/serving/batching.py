@@ -9,12 +9,30 @@ owns one.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 from ..request import CANCELLED_ERROR, CacheResult, Progress, QueryResult
 from .engine_parts import EngineCore, Flight, Prepared, fault_result
 from .request_pipeline import RequestPipeline
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One step of the batch, for a trace: perf_counter times of its start, its forward pass and its end; the
+    flights in it, the decoding ones and their rows (last token + drafts), prefill tokens run, flights that waited
+    (for a leader's prefix, or for prefill budget)."""
+
+    t_start: float
+    t_pass: float
+    t_pass_end: float
+    t_end: float
+    flights: int
+    decoding: int
+    decode_rows: int
+    prefill_tokens: int
+    waiting: int
 
 
 class Batcher:
@@ -24,6 +42,9 @@ class Batcher:
     def __init__(self, core: EngineCore, pipeline: RequestPipeline):
         self.core = core
         self.pipeline = pipeline
+        # Where a caller sets a list, each step appends what it ran and when (StepRecord): the concurrency bench
+        # reads where a batched run's time goes (prefill, decode, waits, the gaps between steps).
+        self.trace: list[StepRecord] | None = None
 
     def begin(self, p: Prepared, on_progress: Callable[[Progress], None] | None = None,
               should_stop: Callable[[], bool] | None = None, energy_token: int | None = None
@@ -55,6 +76,7 @@ class Batcher:
         decoding flight and the next prefill chunks (at most prefill_chunk_tokens tokens in all, oldest flight
         first). Returns, per flight, its result when it finished in this step (done, or failed: a fault fails
         its own flight only), else None."""
+        t_start = time.perf_counter()
         out: list[QueryResult | None] = [None] * len(flights)
         backend = self.core.loaded_backend()
         settings = self.core.settings
@@ -66,11 +88,13 @@ class Batcher:
         cap = None if n_decoding <= 1 else max(1, settings.max_draft_tokens // n_decoding)
         for i, f in enumerate(flights):
             try:
-                if f.decoder is None and backend.exact_chunking and self._waits_for_leader(f, flights[:i]):
-                    continue  # its prompt's start is being prefilled by an earlier flight: taken from it later
                 if f.decoder is None and f.watch.should_stop():  # cancelled before its prompt was in
                     out[i] = QueryResult(success=False, error=CANCELLED_ERROR, stop_reason="cancel",
                                          request_id=f.p.req.request_id)
+                elif f.decoder is None and self._follows_twin(f, flights[:i]):
+                    continue  # an identical request ahead of it answers for both (served after its end)
+                elif f.decoder is None and backend.exact_chunking and self._waits_for_leader(f, flights[:i]):
+                    continue  # its prompt's start is being prefilled by an earlier flight: taken from it later
                 elif f.decoder is not None:
                     f.decoder.draft_cap = cap
                     work.append((i, f.decoder.inputs(), "all", backend.cache_len(f.cache)))
@@ -81,10 +105,12 @@ class Batcher:
                     budget = None if budget is None else budget - n
             except Exception as e:
                 out[i] = self._fault(f.p, e)
+        dec = [len(ids) for i, ids, _, _ in work if flights[i].decoder is not None]  # before the pass: for the trace
         t0 = time.perf_counter()
         outs = self._run_isolated(flights, work, out)
-        if work and all(flights[i].decoder is not None for i, *_ in work):  # a decode pass: its cost per rows
-            self.core.observe_pass(sum(len(ids) for _, ids, _, _ in work), time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        if work and len(dec) == len(work):  # a decode pass: its cost per rows
+            self.core.observe_pass(sum(dec), t1 - t0)
         for (i, ids, _, base), rows in zip(work, outs):
             if out[i] is not None:
                 continue
@@ -100,6 +126,10 @@ class Batcher:
                     out[i] = self.pipeline.conclude(f, f.decoder.gen)
             except Exception as e:
                 out[i] = self._fault(f.p, e)
+        self._serve_twins(flights, out)
+        if self.trace is not None:
+            self.trace.append(StepRecord(t_start, t0, t1, time.perf_counter(), len(flights), len(dec), sum(dec),
+                                         sum(len(ids) for _, ids, _, _ in work) - sum(dec), len(flights) - len(work)))
         return out
 
     def _fault(self, p: Prepared, e: BaseException) -> QueryResult:
@@ -119,7 +149,7 @@ class Batcher:
             f.batch.leader_checked = True
             have = len(f.tokens) - f.todo
             for other in earlier:
-                if other.p.req.scope != f.p.req.scope or other.batch.leader is not None:
+                if other.p.req.scope != f.p.req.scope or other.batch.leader is not None or other.batch.twin is not None:
                     continue
                 n, limit = 0, min(len(other.tokens), len(f.tokens) - 1)  # the last token is run for its logits
                 while n < limit and other.tokens[n] == f.tokens[n]:
@@ -144,6 +174,47 @@ class Batcher:
             f.res.cache_result = CacheResult.EXACT_PREFIX
         f.batch.leader = None
         return False
+
+    def _follows_twin(self, f: Flight, earlier: list[Flight]) -> bool:
+        """Requests sent together are often the same request (eight robots asking one question about one
+        bulletin): each would be prefilled and decoded in full, for one answer. A flight whose scope, prompt tokens
+        and answer settings equal those of a flight admitted before it, itself no follower, waits for that one's
+        answer and takes it from the answer memo (_serve_twins): what it would have been served arriving a moment
+        later, the same bits (the memo serves only exact answers). Only where the memo serves (answer_memo, a
+        batch-invariant backend) and for a request that does not stream (a streaming client gets its tokens as
+        they come). Whether it waits now; checked once, before its prompt is prefilled."""
+        if not f.batch.twin_checked:
+            f.batch.twin_checked = True
+            if f.asked.streaming or f.todo != len(f.tokens) - f.res.reused_tokens or not (
+                    self.core.settings.answer_memo and self.core.loaded_backend().exact_chunking):
+                return False
+            key = self._twin_key(f)
+            f.batch.twin = next((g for g in earlier if g.batch.twin is None and self._twin_key(g) == key), None)
+        g = f.batch.twin
+        return g is not None
+
+    @staticmethod
+    def _twin_key(f: Flight) -> tuple:
+        req, a = f.p.req, f.asked
+        return (req.scope, f.tokens, a.max_new, a.temperature, a.seed, tuple(req.stop), req.json_schema)
+
+    def _serve_twins(self, flights: list[Flight], out: list) -> None:
+        """Followers (_follows_twin) whose twin ended in this step or before: the memo's answer; where it has
+        none (the twin failed, was cancelled, or its answer was not stored), the follower is prefilled itself from
+        the next step on."""
+        index = {id(g): j for j, g in enumerate(flights)}
+        for i, f in enumerate(flights):
+            g = f.batch.twin
+            if g is None or out[i] is not None:
+                continue
+            j = index.get(id(g))
+            if j is not None and out[j] is None:
+                continue  # still answering
+            try:
+                out[i] = self.pipeline.memo_answer_for(f)
+            except Exception as e:
+                out[i] = self._fault(f.p, e)
+            f.batch.twin = None
 
     def _run_isolated(self, flights: list[Flight], work: list, out: list) -> list:
         """The work's forward pass, all together; if it raises, each flight's part alone, so that a fault fails

@@ -75,6 +75,10 @@ class BatchLinks:
     leader: "Flight | None" = None
     leader_tokens: int = 0
     leader_checked: bool = False
+    # An identical request (scope, prompt, answer settings) in flight before this one: this one waits for its
+    # answer and takes it from the answer memo, as it would had it arrived a moment later (twin_checked: looked).
+    twin: "Flight | None" = None
+    twin_checked: bool = False
 
 
 @dataclasses.dataclass

@@ -6,7 +6,8 @@ word on an approximate plan, and the room its KV buffer needs. `prefill_flight` 
 plan says (exact prefix, SEMANTIC repair, or a whole prefill), `start_decoding` adds what needed the fingerprint
 (drafts, the reported similarity) and picks the first token, and `conclude` turns the generation into the result
 and lets the pool, the memo, the fleet and the error bound learn from it (request_memory). These four, typed by
-the Flight record, are the phases batching.py runs for several requests in one forward pass; `execute` runs them
+the Flight record, are the phases batching.py runs for several requests in one forward pass (with
+`memo_answer_for`, the memo's answer to a flight whose identical twin was just answered); `execute` runs them
 in a row for one request alone. RequestPipeline holds what the phases keep between requests (the early passes run,
 the observer); the engine owns one and hands it its memory (request_memory), its answer memo and its audit queue,
 and it reads the model, pool and settings of the current load through `core` (engine_parts.EngineCore).
@@ -240,6 +241,13 @@ class RequestPipeline:
         if period > 0 and now - self._last_refresh > 1.0:
             self.core.loaded_pool().drop_older_than(period, now)
             self._last_refresh = now
+
+    def memo_answer_for(self, f: Flight) -> QueryResult | None:
+        """The answer memo's answer to a flight not yet prefilled (batching: an identical request in flight before
+        it has just been answered), exactly as plan_flight would have served it; None where the memo has none."""
+        req, a = f.p.req, f.asked
+        return self._memo_answer(f.p, f.tokens, a.max_new, Signature.of(a.temperature, a.seed, req.stop,
+                                                                       req.json_schema), time.time(), None)
 
     def _memo_answer(self, p: Prepared, tokens: list[int], max_new: int, signature: Signature, now: float,
                      on_progress: Callable[[Progress], None] | None) -> QueryResult | None:

@@ -30,6 +30,12 @@ def test_concurrency_smoke_batched_answers_equal_one_at_a_time(tmp_path):
         res = json.load(f)
     idn = res["identity"]["closed_loop"]
     assert idn["exact_compared"] > 0 and idn["exact_identical"] == idn["exact_compared"], idn
+    # every client count serves the same requests, so each request's answer compares across client counts too
+    served = {(run["system"], run["clients"]): sorted(rec["k"] for rec in run["recs"]) for run in res["runs"]}
+    assert len(set(map(tuple, served.values()))) == 1, served
+    assert idn["across_clients_compared"] > 0 and idn["across_clients_identical"] == idn["across_clients_compared"], idn
+    steps = [run["steps"] for run in res["four_at_once"]["runs"] if run["system"] == "batched"]
+    assert steps and all(s["steps"] > 0 and s["decode_passes"] > 0 for s in steps), steps
     four = res["identity"].get("four_at_once")
     assert four is None or four["identical"] == four["compared"], four
     assert (tmp_path / "results.md").exists()

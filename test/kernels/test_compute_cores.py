@@ -157,7 +157,8 @@ def test_decode_profile_prints_where_a_step_goes(files, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     p = subprocess.run([sys.executable, "-m", "simllm_ros.cli.bench", "decode_profile", "--file", files["q4_k_m"],
                         "--threads", "1,2", "--steps", "3", "--warmup", "1", "--context", "40", "--dir", str(tmp_path),
-                        "--json", str(tmp_path / "p.json")], cwd=root, env=env, capture_output=True, text=True,
+                        "--rows", "1,2", "--json", str(tmp_path / "p.json")], cwd=root, env=env, capture_output=True,
+                       text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "| threads | step | qkv |" in p.stdout and "floor ms" in p.stdout
@@ -168,6 +169,10 @@ def test_decode_profile_prints_where_a_step_goes(files, tmp_path):
     assert [r["threads"] for r in rows] == [1, 2]
     assert all(r["gate_up"] > 0 and r["memory_read_gbs"] > 0 for r in rows)
     assert rows[1]["dispatches"] > 0 and rows[0]["dispatches"] == 0  # one thread: no worker ever woken
+    batched = json.load(open(tmp_path / "p.json"))["ours"]["batched"]  # --rows: a pass of N rows against N of 1
+    assert [(r["threads"], r["rows"]) for r in batched] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all(r["batched"]["gate_up"] > 0 and r["singles"]["pass_ms"] > 0 for r in batched)
+    assert "batched / singles" in p.stdout
 
 
 def test_product_rate_prints_each_format_against_memory(capsys):

@@ -332,6 +332,43 @@ def test_requests_arriving_together_prefill_their_common_start_once(engine):
     assert by_id["h-other"].reused_tokens < common and by_id["h0"].reused_tokens < common
 
 
+def test_identical_requests_in_flight_are_answered_once(engine):
+    """Three identical requests and another, sent together: the first of the three is decoded, the two others wait
+    for its answer and take it from the answer memo (every prompt token reused, no decode pass of their own), and
+    every answer is the one max_batch 1 gives each request alone. A streaming twin decodes itself."""
+    q = dict(context=BULLETIN, cache_scope="twins", max_new_tokens=8, allow_approximate=False)
+    reqs = [QueryRequest(prompt="is elm street open", request_id=f"t{i}", **q) for i in range(3)]
+    reqs.append(QueryRequest(prompt="when does the market open", request_id="other", **q))
+    alone = {}
+    for r in (reqs[0], reqs[3]):  # t1 and t2 are t0's request
+        fresh(engine)
+        alone[r.request_id] = alone_answer = engine.handle(r)
+        if r is reqs[0]:
+            alone["t1"] = alone["t2"] = alone_answer
+    fresh(engine)
+    together, rec = _serve(engine, reqs, 8)
+    for r, b in zip(reqs, together):
+        assert b.success and b.exact and b.answer == alone[r.request_id].answer, (r.request_id, b.answer)
+    assert [b.decode_passes for b in together[1:3]] == [0, 0] and together[0].decode_passes > 0
+    assert all(b.reused_tokens == b.prompt_tokens for b in together[1:3])
+    decoding = max(sum(1 for st in s["before"].values() if st[0] == "decode") for s in rec.steps)
+    assert decoding == 2, decoding
+    fresh(engine)
+    heard = []
+    streamed = QueryRequest(prompt="is elm street open", request_id="t-stream", **q)
+    rec = Recorder(engine)
+    server = RequestServer(rec, state=lambda: "inactive", queue_limit=8, max_batch=8)
+    server.start()
+    server.open()
+    try:
+        jobs = [server.submit(reqs[0]), server.submit(streamed, on_progress=heard.append)]
+        first, second = [server.wait(j) for j in jobs]
+    finally:
+        server.stop()
+    fresh(engine)
+    assert first.answer == second.answer == alone["t0"].answer and second.decode_passes > 0 and heard
+
+
 def test_long_prefill_is_chunked_and_others_decode_every_step(engine):
     fresh(engine, prefill_chunk_tokens=32, enable_drafts=False)
     rec = Recorder(engine)

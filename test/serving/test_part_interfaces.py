@@ -42,10 +42,11 @@ def _public_calls_on(cls, owner: str) -> set[str]:
 
 
 def test_batching_runs_a_flight_through_the_pipelines_public_phases_only():
-    """batching.py drives request_pipeline's phases (plan_flight, prefill_flight, start_decoding, conclude) and none
-    of the pipeline's private methods: a change inside the pipeline does not reach into the batcher."""
+    """batching.py drives request_pipeline's phases (plan_flight, prefill_flight, start_decoding, conclude; and
+    memo_answer_for, which serves a twin of an answered flight) and none of the pipeline's private methods: a change
+    inside the pipeline does not reach into the batcher."""
     used = _public_calls_on(Batcher, "pipeline")
-    assert used == {"plan_flight", "prefill_flight", "start_decoding", "conclude"}, used
+    assert used == {"plan_flight", "prefill_flight", "start_decoding", "conclude", "memo_answer_for"}, used
     for phase in used:
         assert callable(getattr(RequestPipeline, phase)) and getattr(RequestPipeline, phase).__doc__
 
