@@ -264,6 +264,7 @@ def cross_build_kernels(cpu: str, flags: list[str], logf: str) -> dict:
     gcc sees them under ROOTFS and -ffile-prefix-map takes that prefix out of anything written into the library."""
     plan = plan_kernels(cpu)
     built = {}
+    cross_version = sh([CROSS, "--version"], capture_output=True, text=True).stdout
     with open(logf, "w", encoding="utf-8") as log_file:
         for name, item in plan["kernels"].items():
             target = os.path.join(ROOTFS, item["path"].lstrip("/"))
@@ -283,9 +284,20 @@ def cross_build_kernels(cpu: str, flags: list[str], logf: str) -> dict:
                     cmd.append(arg)
             log_file.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
             log_file.flush()
+            # the library's name keys source, headers, flags and the rootfs gcc; the stamp adds what only this
+            # build knows (the resolved target flags, the cross gcc): the same stamp, the same library, kept
+            stamp_path, stamp = target + ".cross", "\0".join([*cmd, cross_version])
+            if os.path.isfile(target) and os.path.isfile(stamp_path) and \
+                    open(stamp_path, encoding="utf-8").read() == stamp:
+                built[name] = {"path": item["path"], "seconds": 0.0, "cached": True}
+                log(f"kernel {name}: cross-built earlier with this command and cross gcc -> {item['path']}")
+                continue
             t = time.monotonic()
             sh(["nice", "-n", "19", *cmd], stdout=log_file, stderr=subprocess.STDOUT)
             os.replace(tmp, target)
+            with open(stamp_path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(stamp)
+            os.replace(stamp_path + ".tmp", stamp_path)
             built[name] = {"path": item["path"], "seconds": round(time.monotonic() - t, 1)}
             log(f"kernel {name}: cross-built in {built[name]['seconds']} s -> {item['path']}")
     return built
@@ -488,7 +500,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"the cross gcc would tell cc1 other things than the rootfs gcc: {driver_diff}")
         built = stage("3 kernels built by the cross gcc", lambda: cross_build_kernels(
             args.cpu, flags, os.path.join(WORK, "kernels-cross.log")), lambda v: ", ".join(
-                f"{k} {i['seconds']} s" for k, i in v.items()))
+                f"{k} {'cached' if i.get('cached') else str(i['seconds']) + ' s'}" for k, i in v.items()))
         kernels_note.append(
             f"Kernels: built on x86 by Debian's cross gcc (`{CROSS}`, 12.2.0-14cross1) with the command the "
             f"package's build (kernels/build.py) would run in the root file system, `-march=native` replaced by "
