@@ -123,10 +123,14 @@ def kernel_plan(names: list[str]) -> dict:
                         for n in names}}
 
 
-def run(model: str, out: str, threads: int, time_scale: float = 1.0, digest_only: bool = False) -> dict:
+def run(model: str, out: str, threads: int, time_scale: float = 1.0, digest_only: bool = False,
+        given_checks: tuple[bool, bool] | None = None) -> dict:
     """The record (module doc). `digest_only`: the digest pass alone, without the load-time checks and the requests:
     under a starved emulator the checks take most of the CPU; the digest pass's bits do not depend on them (it is
-    a 16-row pass; the checks decide single-row passes and whether chunked passes and drafts may run)."""
+    a 16-row pass; the checks decide single-row passes and whether chunked passes and drafts may run).
+    `given_checks`: (single rows, invariance probe) taken as given (the other machine's verdicts) instead of measured:
+    the requests then run the same kinds of passes, and their logits rows are compared pass by pass, but that this
+    machine passes the checks itself is not shown (the record says so)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
@@ -138,10 +142,11 @@ def run(model: str, out: str, threads: int, time_scale: float = 1.0, digest_only
     torch.set_num_threads(threads)
     if time_scale != 1.0:
         scale_budgets(time_scale)
-    if digest_only:
+    if digest_only or given_checks:
         from simllm_ros.model.load_checks import LoadChecks
 
-        LoadChecks._load_checks = lambda self, cache_dir, stamp: (False, False, None, self.numerics_digest())
+        single, exact = given_checks or (False, False)
+        LoadChecks._load_checks = lambda self, cache_dir, stamp: (single, exact, None, self.numerics_digest())
     t0 = time.monotonic()
     engine = Engine(Settings.from_overrides(model=model, dtype="float32", weight_bits=0, kv_bits=0,
                                             cache_size="256MB", compute_threads=threads, answer_memo=False,
@@ -158,7 +163,9 @@ def run(model: str, out: str, threads: int, time_scale: float = 1.0, digest_only
            "model": model, "load_s": round(load_s, 1), "dtype": str(b.dtype).replace("torch.", ""),
            "weight_bits": b.weight_bits, "numerics": b.numerics, "exact_chunking": bool(b.exact_chunking),
            "kernels_do_the_work": bool(b.kernels_do_the_work), "time_scale": time_scale,
-           "draft_lengths": "adaptive (pass costs set aside)", "digest_only": digest_only}
+           "draft_lengths": "adaptive (pass costs set aside)", "digest_only": digest_only,
+           "load_checks": "given: single rows %s, invariance probe %s" % given_checks if given_checks else
+           ("skipped" if digest_only else "measured")}
     t = time.monotonic()
     rec["digest_pass"] = _digest_trace(b)
     rec["digest_pass"]["seconds"] = round(time.monotonic() - t, 2)
@@ -276,6 +283,8 @@ def main(argv=None) -> int:
                    help="multiply the load's wall-clock budgets (template box, kernel build) by this: an emulator")
     r.add_argument("--digest-only", action="store_true",
                    help="the digest pass alone: no load-time checks, no requests (a starved emulator)")
+    r.add_argument("--given-checks", metavar="SINGLE,EXACT",
+                   help="take the load-time checks' verdicts as given (e.g. 1,1: another machine's), not measured")
     k = sub.add_parser("build-kernels", help="build these kernels at once, as the load would build them")
     k.add_argument("names", nargs="+")
     k.add_argument("--time-scale", type=float, default=1.0)
@@ -286,7 +295,8 @@ def main(argv=None) -> int:
     c.add_argument("second")
     args = ap.parse_args(argv)
     if args.cmd == "run":
-        run(args.model, args.out, args.threads, args.time_scale, args.digest_only)
+        given = tuple(v.strip() == "1" for v in args.given_checks.split(",")) if args.given_checks else None
+        run(args.model, args.out, args.threads, args.time_scale, args.digest_only, given)
         return 0
     if args.cmd == "build-kernels":
         build_kernels(args.names, args.time_scale)
