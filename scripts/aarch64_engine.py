@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python scripts/aarch64_engine.py [--short] [--cpu jetson-orin|generic] [--emulated-build]
 
-Stages (each timed; the first two are cached, so a rerun starts at the third):
+Stages (each timed; the first two are cached, so a rerun starts at the third; so are the cross-built kernels):
 1. an arm64 Debian 12 root file system from Debian's packages (debootstrap --arch=arm64: python3, python3-venv,
    gcc), kept in ~/.cache/simllm_ros/aarch64-rootfs. Its aarch64 programs run through qemu-user-static registered
    with binfmt_misc (flag F: the kernel keeps the emulator open, so chroot needs no copy of it inside); the script
@@ -27,7 +27,8 @@ Stages (each timed; the first two are cached, so a rerun starts at the third):
    for a small random-weight Q4_K_M GGUF written here (test/random_gguf.py) and, without --short, the embedded
    SmolLM2-135M; then the two records compared: equal, or where they differ by tensor and position (the digest's
    pass) and by request and step.
-The result goes to benchmark/results/aarch64_engine.md (--short: aarch64_engine_short.md), the records beside it
+The result goes to benchmark/results/aarch64_engine_full.md (--short: aarch64_engine_short.md; the history of the
+runs, kept by hand, is aarch64_engine.md), the records beside it
 (aarch64_engine/*.json); `--compare-only` compares committed records without root or emulator. The load's
 wall-clock budgets (template box, kernel build) are stretched TIME_SCALE times inside the emulator only.
 """
@@ -264,6 +265,7 @@ def cross_build_kernels(cpu: str, flags: list[str], logf: str) -> dict:
     gcc sees them under ROOTFS and -ffile-prefix-map takes that prefix out of anything written into the library."""
     plan = plan_kernels(cpu)
     built = {}
+    cross_version = sh([CROSS, "--version"], capture_output=True, text=True).stdout
     with open(logf, "w", encoding="utf-8") as log_file:
         for name, item in plan["kernels"].items():
             target = os.path.join(ROOTFS, item["path"].lstrip("/"))
@@ -283,9 +285,20 @@ def cross_build_kernels(cpu: str, flags: list[str], logf: str) -> dict:
                     cmd.append(arg)
             log_file.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
             log_file.flush()
+            # the library's name keys source, headers, flags and the rootfs gcc; the stamp adds what only this
+            # build knows (the resolved target flags, the cross gcc): the same stamp, the same library, kept
+            stamp_path, stamp = target + ".cross", "\0".join([*cmd, cross_version])
+            if os.path.isfile(target) and os.path.isfile(stamp_path) and \
+                    open(stamp_path, encoding="utf-8").read() == stamp:
+                built[name] = {"path": item["path"], "seconds": 0.0, "cached": True}
+                log(f"kernel {name}: cross-built earlier with this command and cross gcc -> {item['path']}")
+                continue
             t = time.monotonic()
             sh(["nice", "-n", "19", *cmd], stdout=log_file, stderr=subprocess.STDOUT)
             os.replace(tmp, target)
+            with open(stamp_path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(stamp)
+            os.replace(stamp_path + ".tmp", stamp_path)
             built[name] = {"path": item["path"], "seconds": round(time.monotonic() - t, 1)}
             log(f"kernel {name}: cross-built in {built[name]['seconds']} s -> {item['path']}")
     return built
@@ -433,7 +446,8 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", nargs="*", default=["rmsnorm"], metavar="KERNEL",
                     help="after the runs, build these kernels with the rootfs gcc under the emulator too and compare "
                          "them with the cross-built ones (default: rmsnorm, the quickest; none: skip)")
-    ap.add_argument("--no-report", action="store_true", help="do not write benchmark/results/aarch64_engine.md")
+    ap.add_argument("--no-report", action="store_true",
+                    help="do not write the report (benchmark/results/aarch64_engine_full.md, --short: _short.md)")
     ap.add_argument("--compare-only", action="store_true",
                     help="run nothing: compare the records in benchmark/results/aarch64_engine/ (exit 1: they differ)")
     args = ap.parse_args(argv)
@@ -488,7 +502,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"the cross gcc would tell cc1 other things than the rootfs gcc: {driver_diff}")
         built = stage("3 kernels built by the cross gcc", lambda: cross_build_kernels(
             args.cpu, flags, os.path.join(WORK, "kernels-cross.log")), lambda v: ", ".join(
-                f"{k} {i['seconds']} s" for k, i in v.items()))
+                f"{k} {'cached' if i.get('cached') else str(i['seconds']) + ' s'}" for k, i in v.items()))
         kernels_note.append(
             f"Kernels: built on x86 by Debian's cross gcc (`{CROSS}`, 12.2.0-14cross1) with the command the "
             f"package's build (kernels/build.py) would run in the root file system, `-march=native` replaced by "
@@ -534,7 +548,8 @@ def main(argv=None) -> int:
                                 for k, v in same.items()) + ".")
     text = report(args, stages, runs, how, arch_flags, kernels_note)
     if not args.no_report:
-        name = "aarch64_engine.md" if not args.short else "aarch64_engine_short.md"
+        # aarch64_engine.md is the kept history (by hand): each form's last run has a report of its own
+        name = "aarch64_engine_full.md" if not args.short else "aarch64_engine_short.md"
         tmp = os.path.join(RESULTS, name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

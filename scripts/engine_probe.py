@@ -4,7 +4,8 @@
 the numerics digest's own 16-token pass tensor by tensor (the logits of each position, each layer's keys and values
 at each position), then asks fixed requests through the pool: a miss, an exact-prefix hit (same context, another
 question) and a repeat that the stored answer drafts (answer_memo off, so the model checks the draft). For each
-request it keeps the token ids and every model pass (the ids fed, a hash of each logits row).
+request it keeps the token ids and every model pass (the ids fed, a hash of each logits row). Draft lengths follow
+the proposer's adaptive rule (tokens only), not the timed pass costs, so that both machines run the same passes.
 
 `compare` takes two such records and says whether they are equal, else where they first differ: the tensor and
 position of the digest pass, the request and step of the answers. Only the standard library is needed for it.
@@ -122,7 +123,14 @@ def kernel_plan(names: list[str]) -> dict:
                         for n in names}}
 
 
-def run(model: str, out: str, threads: int, time_scale: float = 1.0) -> dict:
+def run(model: str, out: str, threads: int, time_scale: float = 1.0, digest_only: bool = False,
+        given_checks: tuple[bool, bool] | None = None) -> dict:
+    """The record (module doc). `digest_only`: the digest pass alone, without the load-time checks and the requests:
+    under a starved emulator the checks take most of the CPU; the digest pass's bits do not depend on them (it is
+    a 16-row pass; the checks decide single-row passes and whether chunked passes and drafts may run).
+    `given_checks`: (single rows, invariance probe) taken as given (the other machine's verdicts) instead of measured:
+    the requests then run the same kinds of passes, and their logits rows are compared pass by pass, but that this
+    machine passes the checks itself is not shown (the record says so)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
@@ -134,6 +142,11 @@ def run(model: str, out: str, threads: int, time_scale: float = 1.0) -> dict:
     torch.set_num_threads(threads)
     if time_scale != 1.0:
         scale_budgets(time_scale)
+    if digest_only or given_checks:
+        from simllm_ros.model.load_checks import LoadChecks
+
+        single, exact = given_checks or (False, False)
+        LoadChecks._load_checks = lambda self, cache_dir, stamp: (single, exact, None, self.numerics_digest())
     t0 = time.monotonic()
     engine = Engine(Settings.from_overrides(model=model, dtype="float32", weight_bits=0, kv_bits=0,
                                             cache_size="256MB", compute_threads=threads, answer_memo=False,
@@ -141,10 +154,18 @@ def run(model: str, out: str, threads: int, time_scale: float = 1.0) -> dict:
     engine.load(progress=lambda m: print(f"[load {time.monotonic() - t0:6.1f}s] {m}", flush=True))
     load_s = time.monotonic() - t0
     b = engine.backend
+    # Draft lengths by the adaptive rule, not by the pass costs: those are timings (the load's and every pass's),
+    # so where they decide, two runs check other drafts in other passes though every bit is the same (two x86 runs
+    # of the embedded model proposed 5 and 6 drafts on the miss; aarch64 under qemu 11, x86 0 on the Q4_K_M
+    # repeat). The rule doubles after an accepted draft and shrinks after a rejection: tokens only.
+    b.pass_costs = None
     rec = {"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
            "model": model, "load_s": round(load_s, 1), "dtype": str(b.dtype).replace("torch.", ""),
            "weight_bits": b.weight_bits, "numerics": b.numerics, "exact_chunking": bool(b.exact_chunking),
-           "kernels_do_the_work": bool(b.kernels_do_the_work), "time_scale": time_scale}
+           "kernels_do_the_work": bool(b.kernels_do_the_work), "time_scale": time_scale,
+           "draft_lengths": "adaptive (pass costs set aside)", "digest_only": digest_only,
+           "load_checks": "given: single rows %s, invariance probe %s" % given_checks if given_checks else
+           ("skipped" if digest_only else "measured")}
     t = time.monotonic()
     rec["digest_pass"] = _digest_trace(b)
     rec["digest_pass"]["seconds"] = round(time.monotonic() - t, 2)
@@ -170,7 +191,7 @@ def run(model: str, out: str, threads: int, time_scale: float = 1.0) -> dict:
     b.run, b.decode = run_spy, decode_spy
     rec["requests"] = []
     try:
-        for name, question, want in REQUESTS:
+        for name, question, want in () if digest_only else REQUESTS:
             passes.clear()
             gens.clear()
             t = time.monotonic()
@@ -224,6 +245,8 @@ def compare(a: dict, b: dict) -> list[str]:
         bad = [i for i, (x, y) in enumerate(zip(ta[name], tb[name])) if x != y]
         if bad or len(ta[name]) != len(tb[name]):
             diffs.append(f"digest pass: tensor {name} differs at positions {bad or 'beyond the shorter'}")
+    if a.get("digest_only") or b.get("digest_only"):
+        return diffs  # one side ran the digest pass alone (run --digest-only): no requests to compare
     ra, rb = a["requests"], b["requests"]
     if [r["name"] for r in ra] != [r["name"] for r in rb]:
         diffs.append(f"requests: {[r['name'] for r in ra]} != {[r['name'] for r in rb]}")
@@ -258,6 +281,10 @@ def main(argv=None) -> int:
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply the load's wall-clock budgets (template box, kernel build) by this: an emulator")
+    r.add_argument("--digest-only", action="store_true",
+                   help="the digest pass alone: no load-time checks, no requests (a starved emulator)")
+    r.add_argument("--given-checks", metavar="SINGLE,EXACT",
+                   help="take the load-time checks' verdicts as given (e.g. 1,1: another machine's), not measured")
     k = sub.add_parser("build-kernels", help="build these kernels at once, as the load would build them")
     k.add_argument("names", nargs="+")
     k.add_argument("--time-scale", type=float, default=1.0)
@@ -268,7 +295,8 @@ def main(argv=None) -> int:
     c.add_argument("second")
     args = ap.parse_args(argv)
     if args.cmd == "run":
-        run(args.model, args.out, args.threads, args.time_scale)
+        given = tuple(v.strip() == "1" for v in args.given_checks.split(",")) if args.given_checks else None
+        run(args.model, args.out, args.threads, args.time_scale, args.digest_only, given)
         return 0
     if args.cmd == "build-kernels":
         build_kernels(args.names, args.time_scale)
