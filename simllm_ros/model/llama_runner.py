@@ -36,6 +36,7 @@ _Head8, _Norm), runner_layers (LayerSteps: the steps inside a layer and the torc
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -296,14 +297,15 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         self.single_rows = same
         return same
 
-    def pass_costs(self, max_rows: int, context: int = 128) -> list[float]:
+    def pass_costs(self, max_rows: int, context: int = 128, turn=contextlib.nullcontext) -> list[float]:
         """What a pass of m rows costs relative to one row, for m = 0..max_rows (index m; [0] is 0).
 
         Verified drafts pay for their rows whether the model accepts them or not, and what a row costs
         depends on the kernels: a 4-bit pass grows with its rows (ATen's int4 kernel is compute-bound from a
         few rows), while a 16-bit single token runs padded to two rows, so its second row is free. Timed on
-        the model itself at load (one pass per size after a warm-up round), interpolated between the sizes timed and
-        extended along the last slope beyond them."""
+        the model itself (one pass per size after a warm-up round), interpolated between the sizes timed and
+        extended along the last slope beyond them. Each pass in a `turn()` of its own (the engine's model turn, where
+        timed beside requests: they wait one pass at most)."""
         import time
 
         dev = self.device
@@ -313,15 +315,20 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         kv = KVBuffer.allocate(len(self.layers), self.n_kv, self.head_dim, context + sizes[-1], self.dtype, dev)
         ids = torch.randint(0, self.vocab, (context + sizes[-1],),
                             generator=torch.Generator().manual_seed(11)).to(dev)
-        self.forward(ids[:context], torch.arange(context, device=dev), kv, 0, logits="none")
+        for a in range(0, context, 16):  # the context in short passes: a turn of its own each
+            with turn():
+                kv.length = a
+                self.forward(ids[a:min(context, a + 16)], torch.arange(a, min(context, a + 16), device=dev), kv, a,
+                             logits="none")
         took: dict[int, float] = {}
         for rnd in range(2):  # the first round warms the kernels up; the second is timed
             for m in sizes:
                 kv.length = context
                 pos = torch.arange(context, context + m, device=dev)
-                t0 = time.perf_counter()
-                self.forward(ids[context:context + m], pos, kv, context, logits="all")
-                dt = time.perf_counter() - t0
+                with turn():
+                    t0 = time.perf_counter()
+                    self.forward(ids[context:context + m], pos, kv, context, logits="all")
+                    dt = time.perf_counter() - t0
                 if rnd:
                     took[m] = dt
         one = took[1]

@@ -2,17 +2,22 @@
 same bits (the invariance probe), what a pass of m rows costs, and the numerics digest of this model, these
 settings, kernels and CPU. Measured once and kept in the cache folder (LOAD_CHECKS_FILE) under a key naming
 model content, settings, kernel builds, torch and CPU (the pass costs also the thread count); taken again only
-where the digest still holds.
+where the digest still holds. A thread count's pass costs not kept yet are timed after the load, in the background.
 LoadChecks is a part of ModelBackend (model_backend.py), split off to be read in one sitting.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
+from collections.abc import Callable
+from typing import ContextManager
 
 import torch
 
+from ..kernels import compute_threads, kernel_pool
 from ..kernels.build import CONTRACT
 from .cache_records import default_cache_dir, read_records, try_cache_write, update_record
 
@@ -35,21 +40,46 @@ def _cpu_identity() -> str:
 MAX_PASS_ROWS = 257  # a decode pass: the last token and a draft of up to 256 (max_draft_tokens' range)
 
 
+class _Stopped(Exception):
+    """time_pass_costs was asked to stop."""
+
+
+def _costs_prior(data: dict, key: str, digest: str) -> list[float] | None:
+    """The pass costs a load starts from at a thread count not timed yet: those kept for the nearest other thread
+    count of this model and numerics (None: none kept). Costs steer how many rows a pass checks, never a token."""
+    threads = torch.get_num_threads()
+    timed = []
+    for k, v in data.items():
+        if k.startswith(f"{key}/threads=") and isinstance(v, dict) and v.get("digest") == digest and v.get("costs"):
+            try:
+                timed.append((abs(int(k.rsplit("=", 1)[1]) - threads), [float(c) for c in v["costs"]]))
+            except ValueError:
+                continue
+    timed = [t for t in timed if len(t[1]) == MAX_PASS_ROWS + 1]
+    return min(timed, key=lambda t: t[0])[1] if timed else None
+
+
 class LoadChecks:
     """ModelBackend's load-time checks (a mixin: self is the backend)."""
 
+    _costs_pending: tuple[str, str] | None = None  # (store, key) where pass costs are still to be timed
+    _costs_thread: threading.Thread | None = None
+    _costs_stop: threading.Event
+
     def _load_checks(self, cache_dir: str, stamp: dict | None) -> tuple:
-        """(single rows, invariance probe, pass costs, numerics digest) for this model, these settings and kernels
-        on this CPU. Measured once (~15 s at 0.5B) and kept in the cache folder under a key naming everything that
-        decides them (model content, settings, kernel builds, torch, CPU model and flags); a later load takes them
-        only where the numerics digest it computes again (one 16-token pass) is the one they were measured with:
-        same kernels, same CPU, same bits. Otherwise measured again. The thread count decides only the pass costs
-        (timings): the kernels' bits do not depend on it (the numerics contract, test_numerics_contract), so at a
-        new thread count with the same digest only the costs are timed again (~1 s, not the whole ~10 s)."""
+        """(single rows, invariance probe, pass costs, numerics digest, pass costs still to time) for this model,
+        these settings and kernels on this CPU. Measured once and kept in the cache folder under a key naming
+        everything that decides them (model content, settings, kernel builds, torch, CPU model and flags); a later
+        load takes them only where the numerics digest it computes again (one 16-token pass) is the one they were
+        measured with: same kernels, same CPU, same bits. Otherwise measured again, on every CPU this process may use
+        (`_measure_checks`). The pass costs are timings (by thread count) that steer draft lengths and batching and
+        never a token: timed at a model's first load; a thread count not timed before starts from another's
+        (`_costs_prior`) and is timed after the load, in the model's turns (`time_pass_costs`); the fifth value
+        says where to keep them then (None: nothing left to time)."""
         import hashlib
 
         if self.runner is None:
-            return False, self.invariance_probe(), None, self.numerics_digest()
+            return False, self.invariance_probe(), None, self.numerics_digest(), None
         ident = json.dumps(stamp, sort_keys=True) if stamp else os.path.abspath(self._path)
         what = [ident, self.device, self.dtype_name, self.weight_bits, self.activation_bits, CONTRACT, self.int4_path,
                 self.attention_path, self.layers_path, self.norm_path, torch.__version__, _cpu_identity()]
@@ -65,25 +95,114 @@ class LoadChecks:
             if digest == kept["digest"]:
                 bits = bool(kept["single"]), bool(kept["exact"]), digest
         if bits is None:
-            t0 = time.monotonic()
-            self.progress("load-time checks: single rows, the invariance probe and the numerics digest (once per "
-                          "model, settings, kernels and CPU; kept for later loads)")
-            single = self.runner.check_single_rows()
-            exact = self.invariance_probe()  # the probe runs with single rows as decided
-            bits = single, exact, self.numerics_digest()
-            verdict = "passed" if exact else "failed: no chunked prefill, drafts or answer memo"
-            self.progress(f"load-time checks done in {time.monotonic() - t0:.1f} s: invariance probe {verdict}")
+            bits = self._measure_checks()
             record = {"single": bits[0], "exact": bits[1], "digest": bits[2]}
             try_cache_write(lambda: update_record(store, key, record, keep=64), self.progress)
         elif isinstance(kept_costs, dict) and kept_costs.get("digest") == bits[2] and kept_costs.get("costs"):
-            return bits[0], bits[1], [float(c) for c in kept_costs["costs"]], bits[2]
-        t0 = time.monotonic()
-        self.progress(f"timing a pass's cost by its rows at {torch.get_num_threads()} threads (once per thread count)")
-        costs = self.runner.pass_costs(MAX_PASS_ROWS)
+            return bits[0], bits[1], [float(c) for c in kept_costs["costs"]], bits[2], None
+        prior = _costs_prior(data, key, bits[2])
+        if prior is not None:  # another thread count's: this one's timed after the load (time_pass_costs_later)
+            return bits[0], bits[1], prior, bits[2], (store, costs_key)
+        t0 = time.monotonic()  # none timed yet (a first load): timed now, as the engine's turns run passes
+        self.progress(f"timing a pass's cost by its rows at {torch.get_num_threads()} threads (once per model; "
+                      "another thread count is timed after its load)")
+        with compute_threads.kernels_own_cores(self.kernels_do_the_work):
+            costs = self.runner.pass_costs(MAX_PASS_ROWS)
         self.progress(f"pass costs timed in {time.monotonic() - t0:.1f} s")
         try_cache_write(lambda: update_record(store, costs_key, {"digest": bits[2], "costs": costs}, keep=64),
                         self.progress)
-        return bits[0], bits[1], costs, bits[2]
+        return bits[0], bits[1], costs, bits[2], None
+
+    def _measure_checks(self) -> tuple[bool, bool, str]:
+        """(single rows, invariance probe, numerics digest), measured: the probe's ~60 passes on every CPU this
+        process may use, the digest also at the thread count the model serves at. A kernel's bits do not depend on
+        its thread count (the numerics contract: threads split outputs, never a sum), so a probe passed on more
+        threads passed on fewer; the two digests, equal, show it for this model on this CPU, and where they are not
+        the probe runs again at the serving count (and the serving count's digest is the one kept either way)."""
+        t0 = time.monotonic()
+        wide = max(torch.get_num_threads(), len(compute_threads.usable_cpus()))
+        self.progress(f"load-time checks: single rows, the invariance probe and the numerics digest on {wide} "
+                      f"thread{'s' if wide > 1 else ''} (once per model, settings, kernels and CPU; kept for later "
+                      "loads)")
+        with self._every_core(wide):
+            single = self.runner.check_single_rows()
+            exact = self.invariance_probe()  # the probe runs with single rows as decided
+            wide_digest = self.numerics_digest()
+        with compute_threads.kernels_own_cores(self.kernels_do_the_work):
+            digest = self.numerics_digest()
+            if digest != wide_digest:  # bits that change with the thread count: the probe at the serving count
+                self.progress(f"the numerics digest differs on {wide} threads ({wide_digest}) and "
+                              f"{torch.get_num_threads()} ({digest}): the probe again at {torch.get_num_threads()}")
+                single = self.runner.check_single_rows()
+                exact = self.invariance_probe()
+        verdict = "passed" if exact else "failed: no chunked prefill, drafts or answer memo"
+        self.progress(f"load-time checks done in {time.monotonic() - t0:.1f} s: invariance probe {verdict}")
+        return single, exact, digest
+
+    @contextlib.contextmanager
+    def _every_core(self, threads: int):
+        """While inside: this thread's passes on `threads` of our kernels' workers (torch on one, as the engine's
+        turns run them); the kept workers beyond the serving count are ended after (started again if asked for)."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with compute_threads.kernels_own_cores(self.kernels_do_the_work):
+                yield
+        finally:
+            torch.set_num_threads(before)
+            if threads > before:
+                kernel_pool.stop_workers()
+
+    def time_pass_costs(self, turn: Callable[[], ContextManager] = contextlib.nullcontext,
+                        stop: threading.Event | None = None) -> bool:
+        """Time the pass costs at this thread count where the load took a prior (LlamaRunner.pass_costs, each pass
+        in a `turn` of the model: the engine's, so requests wait at most one pass), keep them in the cache folder and
+        make them `pass_costs`; False where nothing was to time or `stop` was set first."""
+        pending = self._costs_pending
+        if pending is None or self.runner is None:
+            return False
+
+        @contextlib.contextmanager
+        def checked_turn():
+            with turn():
+                if (stop is not None and stop.is_set()) or self.runner is None:
+                    raise _Stopped
+                yield
+
+        t0 = time.monotonic()
+        try:
+            costs = self.runner.pass_costs(MAX_PASS_ROWS, turn=checked_turn)
+        except _Stopped:
+            return False
+        store, costs_key = pending
+        try_cache_write(lambda: update_record(store, costs_key, {"digest": self.numerics, "costs": costs}, keep=64),
+                        self.progress)
+        self.pass_costs = tuple(costs)  # a new prior: the engine's PassCosts starts again from it
+        self._costs_pending = None
+        self._costs_timed(costs)
+        self.progress(f"pass costs timed at {torch.get_num_threads()} threads in {time.monotonic() - t0:.1f} s "
+                      "(after the load, in the model's turns; kept for later loads)")
+        return True
+
+    def time_pass_costs_later(self, turn: Callable[[], ContextManager]) -> None:
+        """`time_pass_costs` in a thread of its own, started now (the node serves meanwhile, on the prior);
+        `stop_timing` ends it."""
+        if self._costs_pending is None or self._costs_thread is not None:
+            return
+        self._costs_stop = threading.Event()
+        self._costs_thread = threading.Thread(target=self.time_pass_costs, args=(turn, self._costs_stop),
+                                              name="simllm-pass-costs", daemon=True)
+        self._costs_thread.start()
+
+    def _costs_timed(self, costs: list[float]) -> None:
+        """Told the costs `time_pass_costs` timed (ModelBackend keeps them for this process's later loads)."""
+
+    def stop_timing(self) -> None:
+        """End `time_pass_costs_later`'s thread (it stops before its next pass); call it outside the model's turn."""
+        thread, self._costs_thread = self._costs_thread, None
+        if thread is not None:
+            self._costs_stop.set()
+            thread.join()
 
     def invariance_probe(self) -> bool:
         """Whether a token's logits and KV are bitwise the same however the sequence is cut into passes.

@@ -12,6 +12,7 @@ passes and key rotation in semantic_passes.py.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -97,8 +98,28 @@ def auto_dtype(device: str, src: str | None = None, listed: list | None = None) 
 
 
 # Load-time checks of this process, per model file and settings: (check_single_rows, invariance_probe,
-# pass costs)
+# pass costs, numerics digest, where pass costs still to be timed go)
 _PROBED: dict[tuple, tuple] = {}
+
+
+class _Background(threading.Thread):
+    """A load's step run beside the next ones, started at once; `join` raises what it raised."""
+
+    def __init__(self, fn: Callable[[], None]):
+        super().__init__(name="simllm-load-step", daemon=True)
+        self.fn, self.error = fn, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as e:  # handed to the loading thread by join
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadChecks):
@@ -201,6 +222,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
                           f"max_prompt_tokens + max_new_tokens_limit past {original}, takes the long ones)")
         self.runner = None
         self.reload_lighter = False
+        keeping = None  # the packed blocks being written (_keep_packed)
         fast = (self.model_type in FULL_ATTENTION_ARCHITECTURES and not self.has_sliding_layers
                 or self.model_type in SLIDING_WINDOW_ARCHITECTURES) and LlamaRunner.supports(self.model)
         # A GGUF's own quantized blocks for the float32 vector kernel (gguf_weights): every supported format,
@@ -283,16 +305,10 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             if packed is not None:
                 self.progress("the file's blocks mapped as packed at an earlier load" if packed.complete else
                               "the file's blocks packed for our kernel")
-                if try_cache_write(packed.save, self.progress):
-                    self.progress(f"packed blocks kept for later loads in {packed.path}")
-                kept = gguf_weights.load_rows(path, stamp) if rows is None else rows
-                # this load read the dense weights (a first load: converted, checked, packed); one now would not
-                self.reload_lighter = rows is None and kept is not None and os.path.isfile(packed.path)
-                if kept is not None and os.path.isfile(packed.path):  # later loads read neither dense projection
-                    freed = try_cache_write(lambda: slim_conversion(path, kept.head, kept.embed), self.progress)
-                    if freed:
-                        self.progress(f"dropped the converted copy's dense projections ({freed / 2**30:.1f} GB): "
-                                      "checked and packed, later loads do not read them")
+                # written while the load-time checks run (the checks compute, the writing mostly waits on the disk)
+                keeping = _Background(lambda: self._keep_packed(packed, path, stamp, rows)) if packed.built else None
+                if keeping is None:
+                    self._keep_packed(packed, path, stamp, rows)
         self.model_file = self.runner.file if use_file and self.runner is not None else None  # codes dropped
         self.weight_bits = weight_bits
         # SEMANTIC repair re-rotates each layer's keys with that layer's RoPE table and recomputes tokens at their
@@ -309,15 +325,40 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             self.identity["rope_factors"] = "long"
         # the same model and settings in this process: the same answer
         key = (path, device, dtype, weight_bits, self.activation_bits, self.long_rope)
-        if key not in _PROBED:
-            _PROBED[key] = self._load_checks(cache_dir, stamp)
-            _return_freed_heap()  # the checks' passes (a first load's: ~0.1 GB at 0.5B) handed back, not kept
-        single, self.exact_chunking, costs, self.numerics = _PROBED[key]
+        try:
+            if key not in _PROBED:
+                _PROBED[key] = self._load_checks(cache_dir, stamp)
+                _return_freed_heap()  # the checks' passes (a first load's: ~0.1 GB at 0.5B) handed back, not kept
+        finally:
+            if keeping is not None:
+                keeping.join()
+        self._probe_key = key
+        single, self.exact_chunking, costs, self.numerics, self._costs_pending = _PROBED[key]
         # What a pass of m rows costs relative to one (m = 0..MAX_PASS_ROWS), where measured: draft lengths
         # are chosen by it (draft_proposer). None for transformers' own forward.
         self.pass_costs: tuple[float, ...] | None = tuple(costs) if costs is not None else None
         if self.runner is not None:
             self.runner.single_rows = single
+
+    def _keep_packed(self, packed: PackedStore, path: str, stamp: dict | None, rows) -> None:
+        """The packed blocks written for later loads, and the converted copy's dense projections dropped where
+        nothing reads them any more (a first load's, after the file is written)."""
+        if try_cache_write(packed.save, self.progress):
+            self.progress(f"packed blocks kept for later loads in {packed.path}")
+        kept = gguf_weights.load_rows(path, stamp) if rows is None else rows
+        # this load read the dense weights (a first load: converted, checked, packed); one now would not
+        self.reload_lighter = rows is None and kept is not None and os.path.isfile(packed.path)
+        if kept is not None and os.path.isfile(packed.path):  # later loads read neither dense projection
+            freed = try_cache_write(lambda: slim_conversion(path, kept.head, kept.embed), self.progress)
+            if freed:
+                self.progress(f"dropped the converted copy's dense projections ({freed / 2**30:.1f} GB): "
+                              "checked and packed, later loads do not read them")
+
+    def _costs_timed(self, costs: list[float]) -> None:
+        """Pass costs timed after the load (time_pass_costs): this process's later loads of the model take them."""
+        entry = _PROBED.get(getattr(self, "_probe_key", None))
+        if entry is not None:
+            _PROBED[self._probe_key] = (entry[0], entry[1], costs, entry[3], None)
 
     def _auto_weight_bits(self, fast: bool, device: str) -> int:
         """weight_bits 0 (auto): 4 where every layer weight already is 4-bit in groups of 32 (a Q4 GGUF, such as
@@ -496,6 +537,8 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             dec.gen.text = self.detokenize(dec.gen.tokens)
 
     def release(self) -> None:
+        if self._costs_thread is not None:  # its next turn finds it stopped (the engine joins it: stop_timing)
+            self._costs_stop.set()
         self.model = self._dense_model = None
         if self.device == "cuda":
             torch.cuda.empty_cache()

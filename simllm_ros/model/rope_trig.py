@@ -30,10 +30,27 @@ def _horner(z: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
     return acc
 
 
-def rope_cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of float32 `angles` as float32, bitwise the same on every CPU (see the module's docstring)."""
+def max_position(inv_freq: torch.Tensor) -> int:
+    """The largest position whose angles (position x inverse frequency) stay within MAX_ANGLE for this table: a
+    caller that keeps its positions to it has bounded every angle once (float32's rounding of the product adds at
+    most one part in 2**24, well inside the exact reduction's ~1.6e6)."""
+    top = float(inv_freq.abs().max()) if inv_freq.numel() else 0.0
+    return int(MAX_ANGLE / top) if top > 0 else 2**62
+
+
+def check_positions(positions: torch.Tensor, most: int) -> None:
+    """ValueError where a position lies beyond `most` (max_position of the table): its angles could leave the
+    exact reduction's range."""
+    if positions.numel() and int(positions.abs().max()) > most:
+        raise ValueError(f"RoPE angle above {MAX_ANGLE:g} rad (position {int(positions.abs().max())} past {most}): "
+                         "outside the exact reduction's range")
+
+
+def rope_cos_sin(angles: torch.Tensor, bounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of float32 `angles` as float32, bitwise the same on every CPU (see the module's docstring).
+    `bounded`: the caller kept its positions to max_position (check_positions), so no angle is looked at here."""
     x = angles.to(torch.float64)
-    if x.numel() and float(x.abs().max()) > MAX_ANGLE:
+    if not bounded and x.numel() and float(x.abs().max()) > MAX_ANGLE:
         raise ValueError(f"RoPE angle above {MAX_ANGLE:g} rad: outside the exact reduction's range")
     k = torch.round(x * _TWO_OVER_PI)
     r = (x - k * _PIO2_HI) - k * _PIO2_LO

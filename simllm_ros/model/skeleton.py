@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gguf_weights import PROJECTIONS
-from .rope_trig import rope_cos_sin
+from .rope_trig import check_positions, max_position, rope_cos_sin
 
 # The runner's architectures (model_backend.FULL_ATTENTION_ARCHITECTURES | SLIDING_WINDOW_ARCHITECTURES)
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "phi3")
@@ -127,13 +127,18 @@ class RotaryEmbedding(nn.Module):
         self.tables: dict[str | None, tuple[torch.Tensor, float]] = {}
         for t in layer_types or [None]:
             self.tables[t] = rope_inv_freq(config, t)
+        self.max_position = -1  # positions past it leave rope_trig's exact range (set at the first pass: the
+        # tables may be built on the meta device and filled in at the load)
         if None in self.tables:
             self.inv_freq, self.attention_scaling = self.tables[None]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
         inv_freq, scaling = self.tables[layer_type]
         freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
-        cos, sin = rope_cos_sin(torch.cat((freqs, freqs), dim=-1))  # the same bits on every CPU (not torch's cos)
+        if self.max_position < 0:  # once: the positions are checked, not every pass's angles
+            self.max_position = min(max_position(inv) for inv, _ in self.tables.values())
+        check_positions(position_ids, self.max_position)
+        cos, sin = rope_cos_sin(torch.cat((freqs, freqs), dim=-1), bounded=True)  # the same bits on every CPU
         return (cos * scaling).to(dtype=x.dtype), (sin * scaling).to(dtype=x.dtype)
 
 

@@ -224,6 +224,7 @@ class Engine:
             gc.collect()
             gc.freeze()
             self.load_report["load_s"] = time.monotonic() - t0
+            backend.time_pass_costs_later(self._model_turn)  # where the load took a prior: timed now, in turns
             if not backend.semantic_supported:
                 self.log.warning(f"model type '{backend.model_type}' is not supported by SEMANTIC reuse: "
                                  "only exact-prefix and answer reuse will be used")
@@ -274,6 +275,8 @@ class Engine:
     def unload(self) -> None:
         self.energy.stop()
         self.energy = EnergyMeter(None, "the engine is not loaded")
+        if self.backend is not None and self._owns_models:
+            self.backend.stop_timing()  # before the model's turn, which its pass-cost timing waits for
         with self._exec_lock:
             if self.fleet is not None:
                 self.fleet.close()

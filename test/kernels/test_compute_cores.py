@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 
 import pytest
 import torch
@@ -121,6 +122,7 @@ def test_the_workers_end_with_the_engine(files, threads_restored):
     finally:
         e.unload()
     assert kernel_pool.workers() == 0 and _pool_threads() == 0
+    assert not [t for t in threading.enumerate() if t.name == "simllm-pass-costs"], "the pass-cost timing ended too"
 
 
 def test_compute_threads_beyond_the_cores_is_refused_at_configure(tmp_path):

@@ -180,19 +180,30 @@ def test_load_checks_are_kept_only_for_the_same_numerics(files, monkeypatch):
         assert again.exact_chunking is want_exact, digest
         data = json.loads(open(store).read())
     # Another thread count: the bits are the kernels' whatever the threads (the doctored record, same digest, is
-    # taken), and only the pass costs are timed again, kept under their own key.
+    # taken), and the pass costs (timings, never a token) start from those of the nearest thread count kept, timed
+    # after the load (time_pass_costs: the engine's thread, in the model's turns) and kept under their own key.
     threads = torch.get_num_threads()
     other = 1 if threads > 1 else 2
+    b.time_pass_costs()  # where this process's loads of it took a prior (a backend without an engine times none)
     monkeypatch.setattr(model_backend, "_PROBED", {})
+    data = json.loads(open(store).read())
+    data = {k: v for k, v in data.items() if not k.startswith(f"{key}/") or k == f"{key}/threads={threads}"}
+    with open(store, "w") as f:
+        json.dump(data, f)
     torch.set_num_threads(other)
     try:
         again = ModelBackend(files["q8_0"], dtype="float32", weight_bits=0, cache_dir=files["cache"])
+        assert again.exact_chunking is False and again.numerics == b.numerics
+        assert list(again.pass_costs) == data[f"{key}/threads={threads}"]["costs"] == list(b.pass_costs), \
+            "the prior: the costs timed at another thread count"
+        assert f"{key}/threads={other}" not in json.loads(open(store).read()), "nothing timed in the load"
+        assert again.time_pass_costs() and not again.time_pass_costs(), "timed once"
     finally:
         torch.set_num_threads(threads)
-    assert again.exact_chunking is False and again.numerics == b.numerics and again.pass_costs
     data = json.loads(open(store).read())
     assert data[f"{key}/threads={other}"] == {"digest": b.numerics, "costs": list(again.pass_costs)}
     assert data[f"{key}/threads={threads}"]["digest"] == b.numerics  # each thread count's costs apart
+    assert model_backend._PROBED[next(iter(model_backend._PROBED))][2] == list(again.pass_costs)  # this process's
     data[key] = dict(data[key], exact=True)  # leave the true record for later loads
     with open(store, "w") as f:
         json.dump(data, f)

@@ -161,3 +161,15 @@ def test_rope_cos_sin_are_the_correctly_rounded_values_the_same_way_on_every_cpu
     assert torch.equal(neg[0], cos[:500]) and torch.equal(neg[1], -sin[:500])
     with pytest.raises(ValueError, match="outside"):
         rope_cos_sin(torch.tensor([2e6]))
+    # A pass's table checks its positions against the bound taken once from its largest inverse frequency, not its
+    # angles: the same bits as the angles checked one by one, and a position past the bound refused
+    from simllm_ros.model.rope_trig import check_positions, max_position
+
+    most = max_position(inv)
+    assert most == int(1.5e6 / float(inv.max()))
+    pos = torch.arange(0, 3200)
+    assert all(torch.equal(a, b) for a, b in zip(rope_cos_sin(angles, bounded=True), (cos, sin)))
+    check_positions(pos, most)
+    check_positions(torch.tensor([-most]), most)
+    with pytest.raises(ValueError, match="outside"):
+        check_positions(torch.tensor([most + 1]), most)
