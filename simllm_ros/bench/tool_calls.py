@@ -35,6 +35,7 @@ offline()
 PLACES = ("dock", "kitchen", "door")
 SPEEDS = (0.2, 0.5, 1, 2, 5)
 ZONES = (1, 2, 3, 4, 7)
+PROGRESS_EVERY = 20
 NAV_FIXED = {"target": [0.0, 0.0], "note": ""}
 
 TOOLS = [
@@ -159,8 +160,9 @@ def _call_of(toolbox, plan, answer: str):
 
 
 def run_engine(engine, toolbox, plan, stream: list[Command], delta: float, scope: str = "robot",
-               no_cache: bool = False, max_new: int = 48) -> list[dict]:
-    """Every command of the stream through the reuse and the engine (no_cache: an empty pool for each)."""
+               no_cache: bool = False, max_new: int = 48, log=None) -> list[dict]:
+    """Every command of the stream through the reuse and the engine (no_cache: an empty pool for each); log: every
+    PROGRESS_EVERY commands, how many are done and their mean wall time (a long run says how far it got)."""
     from simllm_ros.cache.error_bound import ErrorBound
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.serving.tool_call_reuse import CallReuse
@@ -185,6 +187,8 @@ def run_engine(engine, toolbox, plan, stream: list[Command], delta: float, scope
                      "memo": r.exact and r.cache_result == CacheResult.EXACT_PREFIX and r.generated_tokens > 0
                      and r.reused_tokens == r.prompt_tokens,
                      "call": _call_of(toolbox, plan, r.answer) if r.success else None, "error": r.error})
+        if log is not None and len(rows) % PROGRESS_EVERY == 0:
+            log(f"  {len(rows)}/{len(stream)} commands, mean {statistics.mean(x['ms'] for x in rows):.0f} ms")
     rows.append({"labels": len(reuse.bound), "counts": dict(reuse.counts)})
     return rows
 
@@ -236,9 +240,10 @@ def summarize(name: str, rows: list[dict], reference: dict[str, tuple | None]) -
 
 
 def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, threads: int,
-          max_new: int = 48, log=print, tools: list[str] | None = None) -> dict:
+          max_new: int = 48, log=print, tools: list[str] | None = None, checkpoint=None) -> dict:
     """Every configuration on one loaded engine (its settings changed live); llama.cpp where gguf is given.
-    tools: the names offered (default all of TOOLS)."""
+    tools: the names offered (default all of TOOLS); checkpoint(report so far) after each configuration, so a run
+    stopped early keeps the configurations it finished."""
     from simllm_ros.serving.toolbox import Toolbox
 
     toolbox = Toolbox.from_list(TOOLS)
@@ -250,22 +255,15 @@ def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, 
     engine.update_settings(base.replace(approx_error_bound=0.0, temperature=0.0))
     unique = list(dict.fromkeys(c.text for c in stream))
     ref_rows = run_engine(engine, toolbox, plan, [Command(t, "", "first") for t in unique], 0.0, no_cache=True,
-                          max_new=max_new)
+                          max_new=max_new, log=log)
     reference = {r["text"]: r["call"] for r in ref_rows if "text" in r}
     by_text = {r["text"]: r for r in ref_rows if "text" in r}
     nocache = [dict(by_text[c.text], kind=c.kind) for c in stream]  # each command's no-cache run (one per text)
     out["rows"].append(summarize("no cache", nocache, reference))
     log(json.dumps(out["rows"][-1]))
-    for delta in [0.0, *deltas]:
-        engine.update_settings(base.replace(approx_error_bound=delta, temperature=0.0, answer_max_age_s=1e6))
-        rows = run_engine(engine, toolbox, plan, stream, delta, max_new=max_new)
-        row = summarize("cache, exact (δ 0)" if delta == 0 else
-                        f"bound δ {delta:g}" if delta < 1 else "no bound (δ 1: answer_threshold)", rows, reference)
-        row.update(rows[-1])
-        out["rows"].append(row)
-        log(json.dumps(row))
-    engine.update_settings(base)
-    if gguf:
+    if checkpoint is not None:
+        checkpoint(out)
+    if gguf:  # right after the reference: a run stopped early still has both sides
         try:
             rows, info = run_llama(gguf, engine.backend, base.system_prompt, plan, toolbox, stream, threads, max_new)
             row = summarize("llama.cpp + LlamaGrammar", rows, reference)
@@ -274,6 +272,19 @@ def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, 
             log(json.dumps(row))
         except ImportError as e:
             out["llama_cpp"] = f"not installed: {e}"
+        if checkpoint is not None:
+            checkpoint(out)
+    for delta in [0.0, *deltas]:
+        engine.update_settings(base.replace(approx_error_bound=delta, temperature=0.0, answer_max_age_s=1e6))
+        rows = run_engine(engine, toolbox, plan, stream, delta, max_new=max_new, log=log)
+        row = summarize("cache, exact (δ 0)" if delta == 0 else
+                        f"bound δ {delta:g}" if delta < 1 else "no bound (δ 1: answer_threshold)", rows, reference)
+        row.update(rows[-1])
+        out["rows"].append(row)
+        log(json.dumps(row))
+        if checkpoint is not None:
+            checkpoint(out)
+    engine.update_settings(base)
     return out
 
 
@@ -320,15 +331,20 @@ def main(argv: list[str] | None = None) -> None:
     stream = workload(a.commands, a.seed, a.intents)
     gguf = None if a.no_llama else gguf_source(engine.settings.model)
     tools = list(dict.fromkeys(INTENTS[c.intent][0] for c in stream)) if a.intents else None
-    report = bench(engine, stream, [float(x) for x in a.deltas.split(",") if x], gguf, a.threads, tools=tools)
-    report.update(model=os.path.basename(a.model) if a.model else engine.settings.model, threads=a.threads,
-                  seed=a.seed)
-    engine.unload()
-    out = a.out or os.path.join(RESULTS_DIR, f"tool_calls_{os.path.splitext(report['model'])[0]}.json")
+    model = os.path.basename(a.model) if a.model else engine.settings.model
+    out = a.out or os.path.join(RESULTS_DIR, f"tool_calls_{os.path.splitext(model)[0]}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(out + ".tmp", out)
+
+    def save(report: dict) -> None:
+        report.update(model=model, threads=a.threads, seed=a.seed)
+        with open(out + ".tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(out + ".tmp", out)
+
+    report = bench(engine, stream, [float(x) for x in a.deltas.split(",") if x], gguf, a.threads, tools=tools,
+                   checkpoint=save, log=lambda m: print(m, flush=True))
+    engine.unload()
+    save(report)
     print(f"wrote {out}")
     print("\n".join(markdown(report)))
 
