@@ -235,6 +235,13 @@ class TemplateTraits:
 RESULT_MARK = "result_mark_7c1e"
 
 
+def result_probe(role: str) -> list[dict]:
+    """The conversation traits() renders to see how the template gives back a tool result in `role` (also rendered
+    in the template box at load, within its budgets: model/template_box.TOOL_PROBES)."""
+    call = {"role": "assistant", "content": json.dumps({"name": PROBE_NAME, "arguments": {"x": 1}})}
+    return [*PROBE_CONVERSATION, call, {"role": role, "content": RESULT_MARK}]
+
+
 def _render(template: str, conversation: list, tokens: dict | None) -> str | None:
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -254,10 +261,9 @@ def traits(template: str | None, fmt: str, tokens: dict | None = None) -> Templa
     thinks = THINK_OPEN in template and not closed
     said = "the model may think first (<think> in the template, not closed in the prompt)" if thinks else \
         "no reasoning block"
-    call = {"role": "assistant", "content": write_call(fmt, PROBE_NAME, {"x": 1})}
-    as_user = _render(template, [*PROBE_CONVERSATION, call, {"role": "user", "content": RESULT_MARK}], tokens)
+    as_user = _render(template, result_probe("user"), tokens)
     for role in RESULT_ROLES:
-        text = _render(template, [*PROBE_CONVERSATION, call, {"role": role, "content": RESULT_MARK}], tokens)
+        text = _render(template, result_probe(role), tokens)
         if text is not None and RESULT_MARK in text and text != as_user:
             return TemplateTraits(thinks, role, f"{said}; tool results in the template's {role!r} role")
     return TemplateTraits(thinks, "", f"{said}; the template maps no tool role: results go back as a user turn")
