@@ -34,6 +34,13 @@ class ChatTurn:
 
 
 @dataclasses.dataclass(frozen=True)
+class ToolResultTurn(ChatTurn):
+    """A tool's result given back to the model (role: the one its chat template maps, "tool" or "ipython";
+    model/tool_call_formats.traits). Made by the node after it ran a call, never from a request's message: a
+    request's own turns may only be system, user or assistant."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ToolTemplate:
     """Tools given to the model's chat template (apply_chat_template(tools=...)) and the template's own tool-call
     format its answer is constrained to, around json_schema (model/tool_call_formats.py). Set by the node's tools
@@ -42,6 +49,13 @@ class ToolTemplate:
     format: str  # hermes | llama3_json
     tools: tuple = ()  # {"type": "function", "function": {name, description, parameters}} per tool
     text_allowed: bool = False  # tool_choice auto: a text reply, or a call
+    max_calls: int = 1  # the answer may make 1..max_calls calls (the node's tool_max_calls)
+    think_chars: int = 0  # > 0: a <think> block of at most this many characters may come first (the template's)
+
+    @property
+    def frame(self) -> tuple[str, bool, int, int]:
+        """What the grammar wraps around the calls' schema (model/tool_call_formats.grammar's arguments)."""
+        return (self.format, self.text_allowed, self.max_calls, self.think_chars)
 
 
 @dataclasses.dataclass
@@ -132,6 +146,9 @@ class QueryResult:
     energy_j: float = math.nan
     energy_source: str = "none: not measured (the request never ran)"
     tool_calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)  # requests with tools
+    # A <think> block the model wrote before its calls (a template that lets it think): its reasoning, not the
+    # answer; "" without one. Not in the message: the tool audit's "proposed" events carry it.
+    reasoning: str = ""
 
     @classmethod
     def failure(cls, error: str, request_id: str = "") -> "QueryResult":

@@ -93,6 +93,8 @@ class Settings:
                                  "and checked", live=True)
     tool_max_steps: int = _param(1, "model steps of a request with tools (calls executed, results given back, "
                                  "answer again)", live=True, bounds=(1, 8))
+    tool_max_calls: int = _param(4, "calls one answer may make in a chat template's tool format (generic: one); "
+                                 "sent in order", live=True, bounds=(1, 16))
     # --- live: validated and applied while active ---
     cache_threshold: float = _param(0.8, "cosine similarity needed for SEMANTIC reuse", live=True, bounds=(0.0, 1.0))
     answer_threshold: float = _param(0.95, "cosine similarity needed for ANSWER reuse", live=True,

@@ -28,7 +28,7 @@ import unicodedata
 
 import regex
 
-from simllm_ros.request import DEFAULT_SCOPE, ROLES, QueryRequest
+from simllm_ros.request import DEFAULT_SCOPE, ROLES, QueryRequest, ToolResultTurn
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -114,11 +114,14 @@ def _check_question(field: str, text: str) -> str | None:
     return None
 
 
+TOOL_RESULT_ROLES = ("tool", "ipython")  # a node-made ToolResultTurn's roles (model/tool_call_formats.RESULT_ROLES)
+
+
 def validate_messages(req: QueryRequest) -> str | None:
     """Roles, contents and order of a conversation (messages, then the prompt as the last user turn)."""
     for i, turn in enumerate(req.messages):
         field = f"messages[{i}]"
-        if turn.role not in ROLES:
+        if turn.role not in ROLES and not (isinstance(turn, ToolResultTurn) and turn.role in TOOL_RESULT_ROLES):
             return f"{field}.role {turn.role!r} is not one of {', '.join(ROLES)}"
         err = check_text_field(f"{field}.content", turn.content)
         if err:
@@ -128,7 +131,7 @@ def validate_messages(req: QueryRequest) -> str | None:
         if turn.role == "system" and i > 0:
             return f"{field}: a system turn may only come first"
     turns = req.turns()
-    if turns[-1].role != "user":
+    if turns[-1].role != "user" and not isinstance(turns[-1], ToolResultTurn):  # the model answers a tool's result
         return (f"the conversation ends with a {turns[-1].role} turn; the last turn must be the user's "
                 "(give the new question as prompt or as a final user message)")
     return _check_question("the last user turn", turns[-1].content)

@@ -35,6 +35,7 @@ offline()
 PLACES = ("dock", "kitchen", "door")
 SPEEDS = (0.2, 0.5, 1, 2, 5)
 ZONES = (1, 2, 3, 4, 7)
+PROGRESS_EVERY = 20
 NAV_FIXED = {"target": [0.0, 0.0], "note": ""}
 
 TOOLS = [
@@ -159,8 +160,9 @@ def _call_of(toolbox, plan, answer: str):
 
 
 def run_engine(engine, toolbox, plan, stream: list[Command], delta: float, scope: str = "robot",
-               no_cache: bool = False, max_new: int = 48) -> list[dict]:
-    """Every command of the stream through the reuse and the engine (no_cache: an empty pool for each)."""
+               no_cache: bool = False, max_new: int = 48, log=None) -> list[dict]:
+    """Every command of the stream through the reuse and the engine (no_cache: an empty pool for each); log: every
+    PROGRESS_EVERY commands, how many are done and their mean wall time (a long run says how far it got)."""
     from simllm_ros.cache.error_bound import ErrorBound
     from simllm_ros.request import CacheResult, QueryRequest
     from simllm_ros.serving.tool_call_reuse import CallReuse
@@ -185,6 +187,8 @@ def run_engine(engine, toolbox, plan, stream: list[Command], delta: float, scope
                      "memo": r.exact and r.cache_result == CacheResult.EXACT_PREFIX and r.generated_tokens > 0
                      and r.reused_tokens == r.prompt_tokens,
                      "call": _call_of(toolbox, plan, r.answer) if r.success else None, "error": r.error})
+        if log is not None and len(rows) % PROGRESS_EVERY == 0:
+            log(f"  {len(rows)}/{len(stream)} commands, mean {statistics.mean(x['ms'] for x in rows):.0f} ms")
     rows.append({"labels": len(reuse.bound), "counts": dict(reuse.counts)})
     return rows
 
@@ -236,9 +240,14 @@ def summarize(name: str, rows: list[dict], reference: dict[str, tuple | None]) -
 
 
 def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, threads: int,
-          max_new: int = 48, log=print, tools: list[str] | None = None) -> dict:
+          max_new: int = 48, log=print, tools: list[str] | None = None, checkpoint=None,
+          reference_file: str = "", llama_rows: str = "") -> dict:
     """Every configuration on one loaded engine (its settings changed live); llama.cpp where gguf is given.
-    tools: the names offered (default all of TOOLS)."""
+    tools: the names offered (default all of TOOLS); checkpoint(report so far) after each configuration, so a run
+    stopped early keeps the configurations it finished. reference_file: the no-cache rows kept there (JSON, by
+    text) and reused by a later run of the same model, tools and max_new (each text's no-cache answer computed
+    once); llama_rows: llama.cpp's rows written by a separate `--llama-only` run, summarized here instead of running
+    llama.cpp in this process (the part of the stream it finished)."""
     from simllm_ros.serving.toolbox import Toolbox
 
     toolbox = Toolbox.from_list(TOOLS)
@@ -249,23 +258,24 @@ def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, 
                  "intents": len({c.intent for c in stream}), "tools": len(plan.tools), "rows": []}
     engine.update_settings(base.replace(approx_error_bound=0.0, temperature=0.0))
     unique = list(dict.fromkeys(c.text for c in stream))
-    ref_rows = run_engine(engine, toolbox, plan, [Command(t, "", "first") for t in unique], 0.0, no_cache=True,
-                          max_new=max_new)
-    reference = {r["text"]: r["call"] for r in ref_rows if "text" in r}
-    by_text = {r["text"]: r for r in ref_rows if "text" in r}
+    by_text = _reference_rows(engine, toolbox, plan, unique, max_new, log, reference_file)
+    reference = {t: (tuple(r["call"]) if r["call"] else None) for t, r in by_text.items()}
     nocache = [dict(by_text[c.text], kind=c.kind) for c in stream]  # each command's no-cache run (one per text)
     out["rows"].append(summarize("no cache", nocache, reference))
     log(json.dumps(out["rows"][-1]))
-    for delta in [0.0, *deltas]:
-        engine.update_settings(base.replace(approx_error_bound=delta, temperature=0.0, answer_max_age_s=1e6))
-        rows = run_engine(engine, toolbox, plan, stream, delta, max_new=max_new)
-        row = summarize("cache, exact (δ 0)" if delta == 0 else
-                        f"bound δ {delta:g}" if delta < 1 else "no bound (δ 1: answer_threshold)", rows, reference)
-        row.update(rows[-1])
+    if checkpoint is not None:
+        checkpoint(out)
+    if llama_rows:
+        with open(llama_rows, encoding="utf-8") as f:
+            got = json.load(f)
+        rows = [dict(got["rows"][c.text], kind=c.kind) for c in stream if c.text in got["rows"]]
+        for r in rows:
+            r["call"] = tuple(r["call"]) if r["call"] else None
+        row = summarize("llama.cpp + LlamaGrammar", rows, reference)
+        row.update(got.get("info", {}))
         out["rows"].append(row)
         log(json.dumps(row))
-    engine.update_settings(base)
-    if gguf:
+    elif gguf:  # right after the reference: a run stopped early still has both sides
         try:
             rows, info = run_llama(gguf, engine.backend, base.system_prompt, plan, toolbox, stream, threads, max_new)
             row = summarize("llama.cpp + LlamaGrammar", rows, reference)
@@ -274,7 +284,96 @@ def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, 
             log(json.dumps(row))
         except ImportError as e:
             out["llama_cpp"] = f"not installed: {e}"
+        if checkpoint is not None:
+            checkpoint(out)
+    for delta in [0.0, *deltas]:
+        engine.update_settings(base.replace(approx_error_bound=delta, temperature=0.0, answer_max_age_s=1e6))
+        rows = run_engine(engine, toolbox, plan, stream, delta, max_new=max_new, log=log)
+        row = summarize("cache, exact (δ 0)" if delta == 0 else
+                        f"bound δ {delta:g}" if delta < 1 else "no bound (δ 1: answer_threshold)", rows, reference)
+        row.update(rows[-1])
+        out["rows"].append(row)
+        log(json.dumps(row))
+        if checkpoint is not None:
+            checkpoint(out)
+    engine.update_settings(base)
     return out
+
+
+def _reference_rows(engine, toolbox, plan, texts: list[str], max_new: int, log, path: str) -> dict[str, dict]:
+    """Each text's no-cache row (the engine with an empty pool): read from path where a run of the same model,
+    tools and max_new left it, the rest computed and added (written every PROGRESS_EVERY texts)."""
+    key = {"model": engine.settings.model, "schema": plan.schema_text, "max_new": max_new}
+    done: dict[str, dict] = {}
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            kept = json.load(f)
+        if kept.get("key") == key:
+            done = {t: r for t, r in kept["rows"].items() if t in set(texts)}
+            log(f"  no-cache rows of {len(done)} texts read from {path}")
+    todo = [t for t in texts if t not in done]
+
+    def save() -> None:
+        if path:
+            tmp = path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"key": key, "rows": done}, f)
+            os.replace(tmp, path)
+
+    for i in range(0, len(todo), PROGRESS_EVERY):
+        part = todo[i:i + PROGRESS_EVERY]
+        rows = run_engine(engine, toolbox, plan, [Command(t, "", "first") for t in part], 0.0, no_cache=True,
+                          max_new=max_new)
+        done.update({r["text"]: r for r in rows if "text" in r})
+        save()
+        log(f"  no-cache: {len(done)}/{len(texts)} texts, mean {statistics.mean(r['ms'] for r in rows[:-1]):.0f} ms "
+            "(this part)")
+    return {t: dict(done[t], call=tuple(done[t]["call"]) if done[t]["call"] else None) for t in texts}
+
+
+def llama_only(engine, stream: list[Command], gguf: str, threads: int, path: str, max_new: int = 48,
+               tools: list[str] | None = None, log=print) -> None:
+    """llama.cpp's side alone (a process of its own beside the engine's configurations): its rows by text, written
+    to path every PROGRESS_EVERY texts; `bench(llama_rows=path)` summarizes them against the no-cache calls."""
+    from simllm_ros.serving.toolbox import Toolbox
+
+    toolbox = Toolbox.from_list(TOOLS)
+    plan = toolbox.plan(tools or [t["name"] for t in TOOLS], "required")
+    unique = [Command(t, "", "first") for t in dict.fromkeys(c.text for c in stream)]
+    out: dict = {"rows": {}, "info": {}}
+    for i in range(0, len(unique), PROGRESS_EVERY):
+        rows, info = run_llama(gguf, engine.backend, engine.settings.system_prompt, plan, toolbox,
+                               unique[i:i + PROGRESS_EVERY], threads, max_new)
+        out["info"] = out["info"] or info
+        out["rows"].update({r["text"]: r for r in rows})
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(out, f)
+        os.replace(tmp, path)
+        log(f"  llama.cpp: {len(out['rows'])}/{len(unique)} texts, mean "
+            f"{statistics.mean(r['ms'] for r in out['rows'].values()):.0f} ms")
+
+
+def merge_llama(report_path: str, reference_path: str, llama_path: str, stream: list[Command]) -> dict:
+    """A finished (or checkpointed) report gains llama.cpp's row from a --llama-only run's rows, summarized against
+    the no-cache calls of --reference (no model loaded); the part of the stream both sides finished."""
+    with open(report_path, encoding="utf-8") as f:
+        report = json.load(f)
+    with open(reference_path, encoding="utf-8") as f:
+        ref = json.load(f)["rows"]
+    with open(llama_path, encoding="utf-8") as f:
+        got = json.load(f)
+    reference = {t: (tuple(r["call"]) if r["call"] else None) for t, r in ref.items()}
+    rows = [dict(got["rows"][c.text], kind=c.kind, call=tuple(got["rows"][c.text]["call"])
+                 if got["rows"][c.text]["call"] else None) for c in stream if c.text in got["rows"] and c.text in ref]
+    row = summarize("llama.cpp + LlamaGrammar", rows, reference)
+    row.update(got.get("info", {}))
+    report["rows"] = [r for r in report["rows"] if r["config"] != row["config"]] + [row]
+    tmp = report_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, report_path)
+    return report
 
 
 def markdown(report: dict) -> list[str]:
@@ -301,7 +400,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     ap.add_argument("--out", default="", help="JSON report (default benchmark/results/tool_calls_<model>.json)")
+    ap.add_argument("--reference", default="", help="keep each text's no-cache row in this JSON file and reuse it")
+    ap.add_argument("--llama-only", default="", metavar="PATH",
+                    help="run llama.cpp's side alone, its rows to PATH (for --llama-rows of another run)")
+    ap.add_argument("--llama-rows", default="", help="llama.cpp's rows from a --llama-only run, instead of running it")
+    ap.add_argument("--merge-llama", action="store_true",
+                    help="add --llama-rows to the report --out against --reference, and print it (no model loaded)")
     a = ap.parse_args(argv)
+    if a.merge_llama:
+        report = merge_llama(a.out, a.reference, a.llama_rows, workload(a.commands, a.seed, a.intents))
+        print("\n".join(markdown(report)))
+        return
 
     import torch
 
@@ -320,15 +429,25 @@ def main(argv: list[str] | None = None) -> None:
     stream = workload(a.commands, a.seed, a.intents)
     gguf = None if a.no_llama else gguf_source(engine.settings.model)
     tools = list(dict.fromkeys(INTENTS[c.intent][0] for c in stream)) if a.intents else None
-    report = bench(engine, stream, [float(x) for x in a.deltas.split(",") if x], gguf, a.threads, tools=tools)
-    report.update(model=os.path.basename(a.model) if a.model else engine.settings.model, threads=a.threads,
-                  seed=a.seed)
-    engine.unload()
-    out = a.out or os.path.join(RESULTS_DIR, f"tool_calls_{os.path.splitext(report['model'])[0]}.json")
+    model = os.path.basename(a.model) if a.model else engine.settings.model
+    out = a.out or os.path.join(RESULTS_DIR, f"tool_calls_{os.path.splitext(model)[0]}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(out + ".tmp", out)
+
+    def save(report: dict) -> None:
+        report.update(model=model, threads=a.threads, seed=a.seed)
+        with open(out + ".tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(out + ".tmp", out)
+
+    if a.llama_only:
+        llama_only(engine, stream, gguf_source(engine.settings.model), a.threads, a.llama_only, tools=tools,
+                   log=lambda m: print(m, flush=True))
+        return
+    report = bench(engine, stream, [float(x) for x in a.deltas.split(",") if x], gguf, a.threads, tools=tools,
+                   checkpoint=save, log=lambda m: print(m, flush=True), reference_file=a.reference,
+                   llama_rows=a.llama_rows)
+    engine.unload()
+    save(report)
     print(f"wrote {out}")
     print("\n".join(markdown(report)))
 

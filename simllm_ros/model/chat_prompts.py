@@ -12,6 +12,7 @@ from .structured_output import StructuredOutput
 class ChatPrompts:
     _grammars: StructuredOutput | None = None
     _tool_format: tuple[str, str] | None = None
+    _tool_traits: tool_call_formats.TemplateTraits | None = None
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -62,13 +63,26 @@ class ChatPrompts:
     def tool_format(self) -> tuple[str, str]:
         """(the tool-call format of this model's chat template, why): model/tool_call_formats.detect, once."""
         if self._tool_format is None:
-            template = self.tokenizer.chat_template
-            if isinstance(template, dict):  # named templates: the one for tools where the file has it
-                template = template.get("tool_use") or template.get("default")
-            tokens = {k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token")  # as template_box renders
-                      if isinstance(v := getattr(self.tokenizer, k, None), str)}
+            template, tokens = self._tool_template()
             self._tool_format = tool_call_formats.detect(template, tokens)
         return self._tool_format
+
+    def _tool_template(self) -> tuple[str | None, dict]:
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):  # named templates: the one for tools where the file has it
+            template = template.get("tool_use") or template.get("default")
+        tokens = {k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token")  # as template_box renders
+                  if isinstance(v := getattr(self.tokenizer, k, None), str)}
+        return template, tokens
+
+    @property
+    def tool_traits(self) -> tool_call_formats.TemplateTraits:
+        """Whether this model's template lets it think before a call, and the role tool results go back in
+        (model/tool_call_formats.traits, for the template's tool format), once."""
+        if self._tool_traits is None:
+            template, tokens = self._tool_template()
+            self._tool_traits = tool_call_formats.traits(template, self.tool_format[0], tokens)
+        return self._tool_traits
 
     @property
     def grammars(self) -> StructuredOutput:

@@ -97,9 +97,10 @@ class JsonConstraint:
 class CompiledSchema:
     """A schema checked and compiled once; `constraint()` gives each request its own grammar state."""
 
-    def __init__(self, text: str, compiled, vocab_size: int, doc=None, wrap: tuple[str, bool] | None = None):
+    def __init__(self, text: str, compiled, vocab_size: int, doc=None, wrap: tuple[str, bool, int, int] | None = None):
         self.text = text
-        self.wrap = wrap  # (a chat template's tool-call format, text allowed): the JSON is a call inside it
+        # (a chat template's tool-call format, text allowed, max calls, think chars): the JSON is a call inside it
+        self.wrap = wrap
         self._compiled = compiled
         self.vocab_size = vocab_size
         self.doc = doc  # the parsed schema, for validating answers (schema_check.answer_error)
@@ -112,11 +113,12 @@ class CompiledSchema:
             return None
         if self.wrap is None:
             return schema_check.answer_error(answer, self.doc)
+        name, text_allowed, max_calls, think_chars = self.wrap
         try:
-            _, call = tool_call_formats.read_answer(self.wrap[0], answer, self.wrap[1])
+            reading = tool_call_formats.read_answer(name, answer, text_allowed, max_calls, think_chars > 0)
         except ValueError as e:
             return str(e)
-        return None if call is None else schema_check.answer_error(call, self.doc)
+        return next((err for call in reading.calls if (err := schema_check.answer_error(call, self.doc))), None)
 
     def constraint(self) -> JsonConstraint:
         return JsonConstraint(self._compiled, self.vocab_size, self._hint)
@@ -147,13 +149,15 @@ class StructuredOutput:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
-    def compile(self, schema_text: str, timeout_s: float = 2.0, wrap: tuple[str, bool] | None = None) -> CompiledSchema:
+    def compile(self, schema_text: str, timeout_s: float = 2.0,
+                wrap: tuple[str, bool, int, int] | None = None) -> CompiledSchema:
         """The compiled grammar of a JSON schema (cached by its text and wrap); raises SchemaError. wrap: (a chat
-        template's tool-call format, text allowed) for a request with tools in that format (model/tool_call_formats):
-        the JSON is the call inside the format's frame, or the answer is a text reply."""
+        template's tool-call format, text allowed, max calls, think chars; request.ToolTemplate.frame) for a
+        request with tools in that format (model/tool_call_formats): the JSON is each call inside the format's
+        frame, or the answer is a text reply."""
         if len(schema_text) > MAX_SCHEMA_CHARS:
             raise SchemaError(f"json_schema is {len(schema_text)} characters long; at most {MAX_SCHEMA_CHARS}")
-        key = hashlib.sha256((schema_text + ("" if wrap is None else f"\x1f{wrap[0]}\x1f{wrap[1]}"))
+        key = hashlib.sha256((schema_text + ("" if wrap is None else "".join(f"\x1f{w}" for w in wrap)))
                              .encode("utf-8", "surrogatepass")).hexdigest()
         with self._lock:
             hit = self._cache.get(key)
@@ -173,7 +177,7 @@ class StructuredOutput:
             job = self._pool.submit(compiler.compile_json_schema, schema_text, any_whitespace=False, strict_mode=True)
         else:
             job = self._pool.submit(lambda: compiler.compile_grammar(tool_call_formats.grammar(wrap[0], schema_text,
-                                                                                                wrap[1])))
+                                                                                                *wrap[1:])))
         try:
             compiled = job.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:

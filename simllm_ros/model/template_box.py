@@ -34,8 +34,11 @@ PROBES = ([{"role": "user", "content": "What is the capital of France?"}],
            {"role": "user", "content": "Where is the kitchen?"},
            {"role": "assistant", "content": "On the left."},
            {"role": "user", "content": "And the door?"}])
-# ... and with a tool, as the node's tools render (model/tool_call_formats.detect, chat_prompts.chat_ids)
-TOOL_PROBES = ((tool_call_formats.PROBE_CONVERSATION, [tool_call_formats.PROBE_TOOL]),)
+# ... and with a tool, as the node's tools render (model/tool_call_formats.detect, chat_prompts.chat_ids), and a
+# tool's result given back in each role tool_call_formats.traits tries
+TOOL_PROBES = ((tool_call_formats.PROBE_CONVERSATION, [tool_call_formats.PROBE_TOOL]),
+               *((tool_call_formats.result_probe(role), [tool_call_formats.PROBE_TOOL])
+                 for role in ("user", *tool_call_formats.RESULT_ROLES)))
 
 _CHILD = r"""
 import json, resource, sys

@@ -24,6 +24,11 @@ PROBE_TOOL = {"type": "function", "function": {
     "name": PROBE_NAME, "description": "A probe of the chat template's tool format.",
     "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
 PROBE_CONVERSATION = [{"role": "system", "content": "You are a robot."}, {"role": "user", "content": "Go."}]
+HERMES_SEPARATOR = "\n"  # between two <tool_call> blocks, as Qwen's templates join an assistant turn's calls
+LIST_OPEN, LIST_SEPARATOR, LIST_CLOSE = "[", ", ", "]"  # Llama 3's several calls: a JSON list
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+THINK_CHARS = 2000  # the longest reasoning block the grammar allows before a call (Qwen3, SmolLM3 thinking)
+RESULT_ROLES = ("tool", "ipython")  # tried in order: the first the template renders as a tool's result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,41 +87,183 @@ def _literal(text: str):
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
-def grammar(name: str, schema_text: str, text_allowed: bool):
-    """The xgrammar Grammar of an answer in format `name`: the call (JSON under schema_text) in its frame, or
-    where text_allowed a text reply (not starting with a call's first character or white space)."""
+def _empty():
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf('root ::= ""')
+
+
+def _repeated(item, sep: str, lo: int, hi: int):
+    """item (sep item){lo-1, hi-1}: lo..hi items, each a copy of the item's grammar (xgrammar repeats rules, not
+    grammars)."""
+    import xgrammar as xgr
+
+    tail = _empty()
+    for k in range(hi - lo):  # (sep item)? nested: the optional items after the required ones
+        tail = xgr.Grammar.union(_empty(), xgr.Grammar.concat(_literal(sep), item, tail)) if k else \
+            xgr.Grammar.union(_empty(), xgr.Grammar.concat(_literal(sep), item))
+    parts = [item]
+    for _ in range(lo - 1):
+        parts += [_literal(sep), item]
+    return xgr.Grammar.concat(*parts, tail) if hi > lo else (xgr.Grammar.concat(*parts) if len(parts) > 1 else item)
+
+
+def call_starts(name: str, max_calls: int = 1) -> str:
+    """The characters a call's answer starts with (a text reply may start with none of them)."""
+    fmt = FORMATS[name]
+    return fmt.call_starts + (LIST_OPEN if name == LLAMA3_JSON and max_calls > 1 else "")
+
+
+def grammar(name: str, schema_text: str, text_allowed: bool, max_calls: int = 1, think_chars: int = 0):
+    """The xgrammar Grammar of an answer in format `name`: 1..max_calls calls (JSON under schema_text, each in its
+    frame: hermes blocks one after another, Llama 3's several as a JSON list), or where text_allowed a text reply
+    (not starting with a call's first character or white space). think_chars > 0: a reasoning block
+    <think>...</think> of at most that many characters may come first (the template lets the model think)."""
     import xgrammar as xgr
 
     fmt = FORMATS[name]
     call = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)
     parts = ([_literal(fmt.prefix)] if fmt.prefix else []) + [call] + ([_literal(fmt.suffix)] if fmt.suffix else [])
-    out = xgr.Grammar.concat(*parts) if len(parts) > 1 else call
+    one = xgr.Grammar.concat(*parts) if len(parts) > 1 else call
+    if max_calls <= 1:
+        out = one
+    elif name == HERMES:
+        out = _repeated(one, HERMES_SEPARATOR, 1, max_calls)
+    else:  # one call alone, or 2..max_calls as a list
+        listed = xgr.Grammar.concat(_literal(LIST_OPEN), _repeated(one, LIST_SEPARATOR, 2, max_calls),
+                                    _literal(LIST_CLOSE))
+        out = xgr.Grammar.union(one, listed)
     if text_allowed:
-        first = "".join("\\" + c if c in "]\\^-" else c for c in fmt.call_starts)
+        first = "".join("\\" + c if c in "]\\^-" else c for c in call_starts(name, max_calls))
         out = xgr.Grammar.union(out, xgr.Grammar.from_ebnf(f"root ::= [^{first} \\t\\n\\r] [^]*"))
+    if think_chars > 0:
+        think = xgr.Grammar.from_ebnf(f'root ::= "" | "{THINK_OPEN}" [^<]{{0,{int(think_chars)}}} "{THINK_CLOSE}" '
+                                      '[ \\n]{0,4}')
+        out = xgr.Grammar.concat(think, out)
     return out
 
 
-def read_answer(name: str, answer: str, text_allowed: bool) -> tuple[str, str | None]:
-    """(the text reply, None) or ("", the call's JSON text) of an answer in format `name`; ValueError where it is
-    neither (a call cut short, or text where a call is required)."""
+@dataclasses.dataclass
+class Reading:
+    """An answer read in a template's format: its text reply (no calls), or its calls' JSON texts in order; and
+    the reasoning of a <think> block before them ("" without one)."""
+
+    text: str
+    calls: list[str]
+    reasoning: str = ""
+
+
+def read_answer(name: str, answer: str, text_allowed: bool, max_calls: int = 1, think: bool = False) -> Reading:
+    """The text reply or the calls of an answer in format `name` (think: a leading <think> block is the
+    reasoning, not the answer); ValueError where it is neither (a call cut short, more calls than max_calls, text
+    after the calls, or text where a call is required)."""
     fmt = FORMATS[name]
     a = answer.strip()
+    reasoning = ""
+    if think and a.startswith(THINK_OPEN):
+        end = a.find(THINK_CLOSE)
+        if end < 0:
+            raise ValueError(f"the reasoning is not closed ({THINK_CLOSE} is missing)")
+        reasoning, a = a[len(THINK_OPEN):end].strip(), a[end + len(THINK_CLOSE):].strip()
     opening = fmt.prefix.strip() or fmt.call_starts
-    if a.startswith(opening):
-        body = a[len(fmt.prefix.strip()):]
-        closing = fmt.suffix.strip()
-        if closing:
-            if not body.rstrip().endswith(closing):
-                raise ValueError(f"the call does not end with {closing}")
-            body = body.rstrip()[:-len(closing)]
-        return "", body.strip()
-    if text_allowed:
-        return a, None
-    raise ValueError(f"the answer is not a call in the {name} format (it does not start with {opening!r})")
+    if name == LLAMA3_JSON and max_calls > 1 and a.startswith(LIST_OPEN):
+        try:
+            items = json.loads(a)
+        except ValueError as e:
+            raise ValueError(f"the list of calls is not JSON: {e}") from None
+        if not isinstance(items, list) or not items or not all(isinstance(x, dict) for x in items):
+            raise ValueError("the list of calls must hold call objects")
+        return Reading("", [json.dumps(x, ensure_ascii=False) for x in _at_most(items, max_calls)], reasoning)
+    if not a.startswith(opening):
+        if text_allowed:
+            return Reading(a, [], reasoning)
+        raise ValueError(f"the answer is not a call in the {name} format (it does not start with {opening!r})")
+    if not fmt.prefix:
+        return Reading("", [a], reasoning)
+    closing = fmt.suffix.strip()
+    bodies, rest = [], a
+    decoder = json.JSONDecoder()
+    while rest.startswith(opening):
+        body = rest[len(opening):].lstrip()
+        try:
+            _, end = decoder.raw_decode(body)
+        except ValueError:
+            raise ValueError(f"the call is cut short: it does not end with {closing}") from None
+        after = body[end:].lstrip()
+        if not after.startswith(closing):
+            raise ValueError(f"the call does not end with {closing}")
+        bodies.append(body[:end])
+        rest = after[len(closing):].strip()
+    if rest:
+        raise ValueError(f"text after the calls: {rest[:40]!r}")
+    return Reading("", _at_most(bodies, max_calls), reasoning)
+
+
+def _at_most(calls: list, max_calls: int) -> list:
+    if len(calls) > max_calls:
+        raise ValueError(f"the answer makes {len(calls)} calls; at most {max_calls} (tool_max_calls)")
+    return calls
 
 
 def write_call(name: str, tool: str, arguments: dict) -> str:
     """A call as the model writes it in format `name` (the grammar's separators)."""
     fmt = FORMATS[name]
     return fmt.prefix + json.dumps({"name": tool, fmt.args_key: arguments}, ensure_ascii=False) + fmt.suffix
+
+
+def write_calls(name: str, calls: list[tuple[str, dict]]) -> str:
+    """Calls as the model writes them in format `name`: one as write_call; several as the grammar allows them."""
+    if len(calls) == 1:
+        return write_call(name, *calls[0])
+    if name == HERMES:
+        return HERMES_SEPARATOR.join(write_call(name, t, a) for t, a in calls)
+    return LIST_OPEN + LIST_SEPARATOR.join(write_call(name, t, a) for t, a in calls) + LIST_CLOSE
+
+
+# ----------------------------------------------------------------------------- what else the template says
+@dataclasses.dataclass(frozen=True)
+class TemplateTraits:
+    """What a chat template does around tools besides the call's format, read by rendering it: whether the model
+    may open its answer with a <think> block, and the role a tool's result goes back in ("" : none the template
+    maps: a user turn)."""
+
+    thinks: bool = False
+    result_role: str = ""
+    why: str = ""
+
+
+RESULT_MARK = "result_mark_7c1e"
+
+
+def result_probe(role: str) -> list[dict]:
+    """The conversation traits() renders to see how the template gives back a tool result in `role` (also rendered
+    in the template box at load, within its budgets: model/template_box.TOOL_PROBES)."""
+    call = {"role": "assistant", "content": json.dumps({"name": PROBE_NAME, "arguments": {"x": 1}})}
+    return [*PROBE_CONVERSATION, call, {"role": role, "content": RESULT_MARK}]
+
+
+def _render(template: str, conversation: list, tokens: dict | None) -> str | None:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        return render_jinja_template(conversations=[conversation], tools=[PROBE_TOOL], chat_template=template,
+                                     add_generation_prompt=True, **(tokens or {}))[0][0]
+    except Exception:  # noqa: BLE001 - the template refuses this conversation: it has no such turn
+        return None
+
+
+def traits(template: str | None, fmt: str, tokens: dict | None = None) -> TemplateTraits:
+    """The template's traits for format `fmt` (GENERIC: none; the generic format keeps its own words)."""
+    if fmt == GENERIC or not isinstance(template, str) or not template:
+        return TemplateTraits(why="the generic format: results go back as a user turn, no reasoning block")
+    prompt = _render(template, PROBE_CONVERSATION, tokens) or ""
+    closed = prompt.rstrip().endswith(THINK_CLOSE)  # the template closed an empty block: thinking is off
+    thinks = THINK_OPEN in template and not closed
+    said = "the model may think first (<think> in the template, not closed in the prompt)" if thinks else \
+        "no reasoning block"
+    as_user = _render(template, result_probe("user"), tokens)
+    for role in RESULT_ROLES:
+        text = _render(template, result_probe(role), tokens)
+        if text is not None and RESULT_MARK in text and text != as_user:
+            return TemplateTraits(thinks, role, f"{said}; tool results in the template's {role!r} role")
+    return TemplateTraits(thinks, "", f"{said}; the template maps no tool role: results go back as a user turn")

@@ -174,12 +174,14 @@ class SimLLMNode(LifecycleNode):
             self._create_entities()
             if toolbox is not None:
                 fmt, why = engine.loaded_backend().tool_format
+                traits = engine.loaded_backend().tool_traits
                 self._tools = ToolRunner(self, toolbox, execute=lambda: bool(engine.settings.tools_execute),
-                                         reuse=CallReuse(engine, toolbox), tool_format=fmt)
+                                         reuse=CallReuse(engine, toolbox), tool_format=fmt, traits=traits,
+                                         max_calls=lambda: int(engine.settings.tool_max_calls))
                 listed = ", ".join(f"{n} ({t.kind} {t.ros_name}{', executable' if t.executable else ''})"
                                    for n, t in toolbox.tools.items())
                 log.info(f"tools: {listed or 'none'}; tools_execute={settings.tools_execute}; answer format: "
-                         f"{describe_format(fmt)}: {why}")
+                         f"{describe_format(fmt)}: {why}; {traits.why}")
             self._server.start()
             if settings.persist_path:
                 self._checkpointer = Checkpointer(engine.save, lambda: engine.settings.persist_interval_s,

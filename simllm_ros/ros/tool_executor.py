@@ -10,7 +10,8 @@ it sent, with the tool's timeout; a missing, slow or failing server gives the ca
 and the node goes on.
 
 Every event (proposed, refused, dry_run, not_executable, executed, failed, canceled) is one std_msgs/String on
-~/tool_audit, a JSON object: request_id, event, tool, arguments, reason, result, time; `counts` feed /diagnostics.
+~/tool_audit, a JSON object: request_id, event, tool, arguments, reason, result, time (and reasoning, on a proposed
+call after the model's <think> block); `counts` feed /diagnostics.
 """
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
-from simllm_ros.model.tool_call_formats import GENERIC, HERMES, write_call
-from simllm_ros.request import ChatTurn, QueryRequest, QueryResult, ToolCallRecord
+from simllm_ros.model.tool_call_formats import GENERIC, HERMES, THINK_CHARS, TemplateTraits
+from simllm_ros.request import ChatTurn, QueryRequest, QueryResult, ToolCallRecord, ToolResultTurn
 from simllm_ros.serving.tool_call_reuse import CallReuse
 from simllm_ros.serving.tool_call_checks import Call, RateLimiter, message_to_dict, to_message
-from simllm_ros.serving.tool_output_formats import CallPlan, constrained_request
+from simllm_ros.serving.tool_output_formats import CallPlan, constrained_request, write_calls
 from simllm_ros.serving.tool_schemas import ToolError
 from simllm_ros.serving.toolbox import Toolbox
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # annotations only
 AUDIT_QOS = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE)
 SERVER_WAIT_S = 1.0  # how long a call waits for its server to be discovered before it fails as missing
 POLL_S = 0.05  # cancel checks while a tool runs
+MAX_AUDIT_REASONING = 4000  # characters of a proposed call's reasoning on the audit topic
 EVENTS = ("proposed", "refused", "dry_run", "not_executable", "executed", "failed", "canceled")
 
 
@@ -48,12 +50,16 @@ class ToolRunner:
     """The tools of one configured node (`toolbox`), their clients, rate limits and audit publisher.
     `execute()` reads the node's tools_execute parameter at each call (it changes live); `reuse`: commands reused
     by meaning under the error bound (serving/tool_call_reuse), None for exact answers only; `tool_format`: the
-    model's answer format (its chat template's own, or generic: model/tool_call_formats)."""
+    model's answer format (its chat template's own, or generic: model/tool_call_formats); `traits`: whether its
+    template lets it think first and the role results go back in; `max_calls()`: the node's tool_max_calls (live)."""
 
     def __init__(self, node, toolbox: Toolbox, execute: Callable[[], bool], reuse: CallReuse | None = None,
-                 tool_format: str = GENERIC):
+                 tool_format: str = GENERIC, traits: TemplateTraits | None = None,
+                 max_calls: Callable[[], int] = lambda: 1):
         self._node, self.toolbox, self._execute, self.reuse = node, toolbox, execute, reuse
         self.tool_format = tool_format
+        self.traits = traits or TemplateTraits()
+        self._max_calls = max_calls
         self._log = node.get_logger()
         self._group = ReentrantCallbackGroup()
         self._limiter = RateLimiter()
@@ -94,13 +100,16 @@ class ToolRunner:
 
     # ------------------------------------------------------------------ audit
     def audit(self, request_id: str, event: str, tool: str, arguments: str = "", reason: str = "",
-              result: str = "") -> None:
+              result: str = "", reasoning: str = "") -> None:
+        """One event on ~/tool_audit (reasoning: a proposed call's <think> text, where the model wrote one)."""
         with self._lock:
             self.counts[event] += 1
+        doc = {"request_id": request_id, "event": event, "tool": tool, "arguments": arguments, "reason": reason,
+               "result": result, "time": time.time()}
+        if reasoning:
+            doc["reasoning"] = reasoning[:MAX_AUDIT_REASONING]
         try:
-            self._pub.publish(String(data=json.dumps(
-                {"request_id": request_id, "event": event, "tool": tool, "arguments": arguments, "reason": reason,
-                 "result": result, "time": time.time()}, ensure_ascii=False)))
+            self._pub.publish(String(data=json.dumps(doc, ensure_ascii=False)))
         except Exception as e:  # the node is shutting down: the call's own result still says what happened
             self._log.warning(f"tool audit: {type(e).__name__}: {e}")
 
@@ -115,7 +124,8 @@ class ToolRunner:
         described before the context, and exact reuse in the engine (an approximate call comes only from answer()).
         ToolError (audited as refused) for unknown tools, a bad tool_choice, or tools with a json_schema."""
         try:
-            plan = self.toolbox.plan(names, choice, self.tool_format)
+            plan = self.toolbox.plan(names, choice, self.tool_format, int(self._max_calls()),
+                                     THINK_CHARS if self.traits.thinks else 0)
             if plan is not None and req.json_schema:
                 raise ToolError("json_schema and tools cannot be combined: the tools' schemas constrain the answer")
         except ToolError as e:
@@ -135,29 +145,33 @@ class ToolRunner:
 
     def follow_up(self, req: QueryRequest, result: QueryResult) -> QueryRequest:
         """The request of the next step: the conversation so far, the calls as the assistant's turn (in the model's
-        format) and their results as a user turn (a request's turns have no tool role; the hermes format's results
-        go in <tool_response> blocks, as Qwen's templates render a tool turn), the question asked again."""
-        calls = [{"name": c.name, "arguments": json.loads(c.arguments or "{}")} for c in result.tool_calls]
-        if self.tool_format == GENERIC:
-            said = json.dumps(calls[0] if len(calls) == 1 else calls)
+        format), and each call's result as a turn in the role the chat template maps for tool results (Llama 3's
+        ipython header, Qwen's <tool_response> in a user turn: model/tool_call_formats.traits); where it maps none,
+        or in the generic format, the results as one user turn (hermes: in <tool_response> blocks)."""
+        calls = [Call(c.name, json.loads(c.arguments or "{}")) for c in result.tool_calls]
+        turns = [*req.turns(), ChatTurn("assistant", write_calls(self.tool_format, calls))]
+        if self.tool_format != GENERIC and self.traits.result_role:
+            turns += [ToolResultTurn(self.traits.result_role, c.result or "{}") for c in result.tool_calls]
+        elif self.tool_format == HERMES:
+            turns.append(ChatTurn("user", "\n".join(f"<tool_response>\n{c.result or '{}'}\n</tool_response>"
+                                                     for c in result.tool_calls)))
         else:
-            said = "\n".join(write_call(self.tool_format, c["name"], c["arguments"]) for c in calls)
-        if self.tool_format == HERMES:
-            results = "\n".join(f"<tool_response>\n{c.result or '{}'}\n</tool_response>" for c in result.tool_calls)
-        else:
-            results = "Tool results: " + "; ".join(f"{c.name} returned {c.result or '{}'}" for c in result.tool_calls) \
-                + ". Reply to the user, or call another tool."
-        turns = [*req.turns(), ChatTurn("assistant", said), ChatTurn("user", results)]
+            turns.append(ChatTurn("user", "Tool results: " + "; ".join(f"{c.name} returned {c.result or '{}'}"
+                                                                       for c in result.tool_calls)
+                                  + ". Reply to the user, or call another tool."))
         return dataclasses.replace(req, prompt="", messages=turns)
 
     def conclude(self, plan: CallPlan, result: QueryResult, request_id: str,
                  on_feedback: Callable[[str], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> QueryResult:
-        """The answer's calls checked and, where allowed, sent; the result gains them (answer: the text reply)."""
+        """The answer's calls checked and, where allowed, sent in order; the result gains them (answer: the text
+        reply; reasoning: a <think> block's text). Every call is checked before any is sent: one invalid call
+        refuses them all. Sending stops at the first call not sent (refused, failed, canceled, or not executable
+        while tools_execute is on): the calls after it are refused, nothing of them sent."""
         if not result.success:
             return result
         try:
-            text, calls = self.toolbox.parse(plan, result.answer)
+            parsed = self.toolbox.read(plan, result.answer)
         except ToolError as e:
             name, args = _name_args(result.answer)
             self.audit(request_id, "proposed", name, args)
@@ -165,9 +179,34 @@ class ToolRunner:
             result.tool_calls = [ToolCallRecord(name, args, "refused", error=str(e))]
             result.success, result.error = False, f"tool call refused (nothing sent): {e}"
             return result
-        result.answer = text
-        for call in calls:
-            self.audit(request_id, "proposed", call.name, call.arguments_json)
+        result.answer, result.reasoning = parsed.text, parsed.reasoning
+        errors: list[str] = []
+        for call in parsed.calls:
+            self.audit(request_id, "proposed", str(call.name)[:64], _arguments_json(call), reasoning=parsed.reasoning)
+            try:
+                self.toolbox.check_offered(plan, call)
+                errors.append("")
+            except ToolError as e:
+                errors.append(str(e))
+        bad = next((i for i, err in enumerate(errors) if err), None)
+        if bad is not None:
+            for i, call in enumerate(parsed.calls):
+                why = errors[i] or (f"not sent: call {bad + 1} of this answer ({str(parsed.calls[bad].name)[:64]}) "
+                                    "is invalid, and an answer's calls are sent all valid or not at all")
+                self.audit(request_id, "refused", str(call.name)[:64], _arguments_json(call), reason=why)
+                result.tool_calls.append(ToolCallRecord(str(call.name)[:64], _arguments_json(call), "refused",
+                                                        error=why))
+            result.success = False
+            result.error = f"tool call refused (nothing sent): {errors[bad]}"
+            return result
+        stopped: tuple[int, ToolCallRecord] | None = None
+        for i, call in enumerate(parsed.calls):
+            if stopped is not None:
+                why = (f"not sent: call {stopped[0] + 1} of this answer ({stopped[1].name}) was {stopped[1].status}; "
+                       "the calls after it are not sent")
+                self.audit(request_id, "refused", call.name, call.arguments_json, reason=why)
+                result.tool_calls.append(ToolCallRecord(call.name, call.arguments_json, "refused", error=why))
+                continue
             rec = self._run(call, request_id, on_feedback, should_stop)
             result.tool_calls.append(rec)
             if rec.status in ("refused", "failed", "canceled") and result.success:
@@ -175,6 +214,8 @@ class ToolRunner:
                 result.error = f"tool {call.name} {rec.status}: {rec.error}"
                 if rec.status == "canceled":
                     result.stop_reason = "cancel"
+            if rec.status in ("refused", "failed", "canceled") or (rec.status == "not_executable" and self._execute()):
+                stopped = (i, rec)
         return result
 
     def _run(self, call: Call, request_id: str, on_feedback, should_stop) -> ToolCallRecord:
@@ -277,6 +318,11 @@ def _result(future) -> str:
     if not future.done() or future.result() is None:
         return ""
     return json.dumps(message_to_dict(future.result().result), ensure_ascii=False)
+
+
+def _arguments_json(call: Call) -> str:
+    """The call's arguments as JSON for the audit (also where they are not an object)."""
+    return call.arguments_json if isinstance(call.arguments, dict) else json.dumps(call.arguments)[:1000]
 
 
 def _name_args(answer: str) -> tuple[str, str]:

@@ -363,7 +363,7 @@ class Engine:
             schema = None
             if err is None and r.json_schema and backend is not None:
                 try:
-                    wrap = None if r.tool_template is None else (r.tool_template.format, r.tool_template.text_allowed)
+                    wrap = None if r.tool_template is None else r.tool_template.frame
                     schema = backend.grammars.compile(r.json_schema, s.schema_compile_timeout_s, wrap)
                 except SchemaError as e:
                     err = str(e)

@@ -34,6 +34,8 @@ class CallPlan:
     schema: dict
     prompt_text: str
     format: str = GENERIC
+    max_calls: int = 1  # a template format's answer may make 1..max_calls calls (the generic format: one)
+    think_chars: int = 0  # > 0: the template lets the model think first; a <think> block of at most this many
 
     @property
     def schema_text(self) -> str:
@@ -60,22 +62,28 @@ def constrained_request(req, plan: CallPlan):
     only by tool_call_reuse, under the error bound and the slot guard)."""
     if plan.format != GENERIC:
         return dataclasses.replace(req, json_schema=plan.schema_text, allow_approximate=False,
-                                   tool_template=ToolTemplate(plan.format, plan.template_tools(), plan.text_allowed))
+                                   tool_template=ToolTemplate(plan.format, plan.template_tools(), plan.text_allowed,
+                                                              plan.max_calls, plan.think_chars))
     context = plan.prompt_text + ("\n\n" + req.context if req.context else "")
     return dataclasses.replace(req, json_schema=plan.schema_text, context=context, allow_approximate=False)
 
 
-def make_plan(tools: list[Tool], choice: str, fmt: str = GENERIC) -> CallPlan:
+def make_plan(tools: list[Tool], choice: str, fmt: str = GENERIC, max_calls: int = 1,
+              think_chars: int = 0) -> CallPlan:
     """The plan of checked tools and a choice (auto, required or one tool's name) in format `fmt`: the answer is a
-    call of one of the tools, or under auto also a text reply."""
+    call of one of the tools (a template format: 1..max_calls calls, after a <think> block where think_chars > 0),
+    or under auto also a text reply."""
     if fmt != GENERIC:
         spec = formats.FORMATS[fmt]
         calls = [t.call_schema(spec.args_key) for t in tools]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        # says what the grammar wraps around it: the answer's signature (memo, cache keys) differs by choice
+        # says what the grammar wraps around it: the answer's signature (memo, cache keys) differs by choice,
+        # number of calls and reasoning block (one call, no block: the words of a single call's plan as before)
         schema = {"description": f"a call in the chat template's {fmt} format"
+                                 f"{f' (up to {max_calls} calls)' if max_calls > 1 else ''}"
+                                 f"{f', after reasoning of up to {think_chars} characters' if think_chars else ''}"
                                  f"{', or a text reply' if choice == 'auto' else ''}", **schema}
-        return CallPlan(tools, choice, schema, "", fmt)
+        return CallPlan(tools, choice, schema, "", fmt, max(1, max_calls), max(0, think_chars))
     calls = [t.call_schema() for t in tools]
     if choice == "auto":
         text = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
@@ -86,30 +94,55 @@ def make_plan(tools: list[Tool], choice: str, fmt: str = GENERIC) -> CallPlan:
     return CallPlan(tools, choice, schema, _prompt_text(tools, choice))
 
 
-def parse_answer(plan: CallPlan, answer: str) -> tuple[str, list[Call]]:
-    """(the text reply, the calls) an answer holds, read in the plan's format; ToolError if it holds neither. The
-    calls are not checked here (Toolbox.parse checks them)."""
+@dataclasses.dataclass
+class Parsed:
+    """An answer read in its plan's format: the text reply, the calls in order (not yet checked), and the
+    reasoning of a <think> block before them (reported apart, never as the answer)."""
+
+    text: str
+    calls: list[Call]
+    reasoning: str = ""
+
+
+def parse_answer(plan: CallPlan, answer: str) -> Parsed:
+    """The text reply, calls and reasoning an answer holds, read in the plan's format; ToolError if it holds
+    neither a reply nor calls. The calls are not checked here (Toolbox.parse checks them)."""
     if plan.format != GENERIC:
         try:
-            text, body = formats.read_answer(plan.format, answer, plan.text_allowed)
+            reading = formats.read_answer(plan.format, answer, plan.text_allowed, plan.max_calls,
+                                          plan.think_chars > 0)
         except ValueError as e:
             raise ToolError(str(e)) from None
-        if body is None:
-            return text, []
-        answer = body
+        calls = [_one_call(plan, body) for body in reading.calls]
+        return Parsed(reading.text, calls, reading.reasoning)
+    return _generic(plan, answer)
+
+
+def _one_call(plan: CallPlan, body: str) -> Call:
+    """One call's JSON text in a template format."""
+    key = formats.FORMATS[plan.format].args_key
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise ToolError(f"the call is not JSON: {e}") from None
+    if not isinstance(doc, dict) or set(doc) != {"name", key}:
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise ToolError(f"the answer is not a call {{name, {key}}}: keys {got}")
+    return Call(doc["name"], doc[key])
+
+
+def _generic(plan: CallPlan, answer: str) -> Parsed:
     try:
         doc = json.loads(answer)
     except ValueError as e:
         raise ToolError(f"the answer is not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise ToolError("the answer is not a JSON object")
-    if plan.format == GENERIC and plan.choice == "auto" and set(doc) == {"text"} and isinstance(doc["text"], str):
-        return doc["text"], []
-    key = "arguments" if plan.format == GENERIC else formats.FORMATS[plan.format].args_key
-    if set(doc) != {"name", key}:
-        what = "a call {name, " + key + "}" + (" nor a text reply" if plan.format == GENERIC else "")
-        raise ToolError(f"the answer is {'neither' if plan.format == GENERIC else 'not'} {what}: keys {sorted(doc)}")
-    return "", [Call(doc["name"], doc[key])]
+    if plan.choice == "auto" and set(doc) == {"text"} and isinstance(doc["text"], str):
+        return Parsed(doc["text"], [])
+    if set(doc) != {"name", "arguments"}:
+        raise ToolError(f"the answer is neither a call {{name, arguments}} nor a text reply: keys {sorted(doc)}")
+    return Parsed("", [Call(doc["name"], doc["arguments"])])
 
 
 def write_call(plan: CallPlan, call: Call) -> str:
@@ -117,6 +150,14 @@ def write_call(plan: CallPlan, call: Call) -> str:
     if plan.format == GENERIC:
         return json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
     return formats.write_call(plan.format, call.name, call.arguments)
+
+
+def write_calls(fmt: str, calls: list[Call]) -> str:
+    """An answer's calls as the model writes them in format `fmt` (the assistant's turn of a follow-up step)."""
+    if fmt == GENERIC:
+        docs = [{"name": c.name, "arguments": c.arguments} for c in calls]
+        return json.dumps(docs[0] if len(docs) == 1 else docs, ensure_ascii=False)
+    return formats.write_calls(fmt, [(c.name, c.arguments) for c in calls])
 
 
 def _prompt_text(tools: list[Tool], choice: str) -> str:

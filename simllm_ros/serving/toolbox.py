@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from .tool_call_checks import Call, check_arguments, set_fixed
-from .tool_output_formats import GENERIC, CallPlan, make_plan, parse_answer
+from .tool_output_formats import GENERIC, CallPlan, Parsed, make_plan, parse_answer
 from .tool_schemas import Tool, ToolError, check_bounds, find_field, interface, is_number, message_schema
 
 CHOICES = ("auto", "none", "required")
@@ -120,10 +120,11 @@ class Toolbox:
             raise ToolError(f"{source}: tool name {dup!r} is given twice")
         return cls(tools)
 
-    def plan(self, names: list[str], choice: str, fmt: str = GENERIC) -> CallPlan | None:
+    def plan(self, names: list[str], choice: str, fmt: str = GENERIC, max_calls: int = 1,
+             think_chars: int = 0) -> CallPlan | None:
         """The plan for a request's tools and tool_choice in answer format `fmt` (the model's: tool_output_formats);
         None where the answer is plain text (no tools, or tool_choice none); ToolError for an unknown tool or
-        choice."""
+        choice. max_calls, think_chars: a template format's answer (tool_output_formats.make_plan)."""
         choice = choice or "auto"
         if choice == "none" or (not names and choice == "auto"):
             return None
@@ -141,16 +142,26 @@ class Toolbox:
             names = [choice]
         if not names:
             raise ToolError(f"tool_choice {choice!r} needs tools: name the tools the model may call")
-        return make_plan([self.tools[n] for n in names], choice, fmt)
+        return make_plan([self.tools[n] for n in names], choice, fmt, max_calls, think_chars)
 
     def parse(self, plan: CallPlan, answer: str) -> tuple[str, list[Call]]:
-        """(the text reply, the calls) of a constrained answer; ToolError if it holds no valid reply."""
-        text, calls = parse_answer(plan, answer)
-        for call in calls:
-            if call.name not in {t.name for t in plan.tools}:
-                raise ToolError(f"the answer calls {call.name!r}, which this request does not offer")
-            self.check(call)
-        return text, calls
+        """(the text reply, the calls) of a constrained answer; ToolError if it holds no valid reply or any of its
+        calls is invalid."""
+        parsed = self.read(plan, answer)
+        for call in parsed.calls:
+            self.check_offered(plan, call)
+        return parsed.text, parsed.calls
+
+    def read(self, plan: CallPlan, answer: str) -> Parsed:
+        """The answer read in the plan's format (text, calls in order, reasoning), the calls not yet checked;
+        ToolError if it is neither a reply nor calls."""
+        return parse_answer(plan, answer)
+
+    def check_offered(self, plan: CallPlan, call: Call) -> None:
+        """ToolError unless the call names a tool the request offers and is valid under its schema and bounds."""
+        if call.name not in {t.name for t in plan.tools}:
+            raise ToolError(f"the answer calls {str(call.name)[:64]!r}, which this request does not offer")
+        self.check(call)
 
     def check(self, call: Call) -> None:
         """ToolError unless the call names a tool of the node and its arguments are valid under the tool's schema

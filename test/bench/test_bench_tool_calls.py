@@ -25,7 +25,7 @@ def test_workload_is_deterministic_with_paraphrases_repeats_and_slot_swap_traps(
         assert any(slot.sub("#", c.text) == slot.sub("#", trap) for c in own), trap
 
 
-def test_smoke_on_the_embedded_model():
+def test_smoke_on_the_embedded_model(tmp_path):
     e = fresh(shared_engine())
     stream = [tb.Command("Stop all motors now.", "stop", "first"),
               tb.Command("Stop all motors now.", "stop", "repeat"),
@@ -33,8 +33,9 @@ def test_smoke_on_the_embedded_model():
     from simllm_ros.model.model_files import gguf_source
 
     gguf = gguf_source(e.settings.model) if importlib.util.find_spec("llama_cpp") else None
+    ref = str(tmp_path / "reference.json")
     report = tb.bench(e, stream, [], gguf, threads=1, max_new=32, log=lambda s: None,
-                      tools=["set_brake", "stop_motors"])  # short calls: each ends well within 32 tokens
+                      tools=["set_brake", "stop_motors"], reference_file=ref)  # short calls: within 32 tokens
     rows = {r["config"]: r for r in report["rows"]}
     fresh(e)
     nocache, exact = rows["no cache"], rows["cache, exact (δ 0)"]
@@ -45,3 +46,11 @@ def test_smoke_on_the_embedded_model():
         assert rows["llama.cpp + LlamaGrammar"]["commands"] == 3
     text = "\n".join(tb.markdown(dict(report, model="embedded")))
     assert "| cache, exact (δ 0) | " in text
+    # the no-cache rows are kept by text and read back, not computed again, by a later run of the same plan
+    from simllm_ros.serving.toolbox import Toolbox
+    toolbox = Toolbox.from_list(tb.TOOLS)
+    plan = toolbox.plan(["set_brake", "stop_motors"], "required")
+    said = []
+    again = tb._reference_rows(e, toolbox, plan, [c.text for c in stream[::2]], 32, said.append, ref)
+    assert said == [f"  no-cache rows of 2 texts read from {ref}"]
+    assert all(isinstance(r["call"], tuple) and r["call"][0] in ("set_brake", "stop_motors") for r in again.values())

@@ -432,3 +432,55 @@ def test_simllm_query_names_tools_and_prints_the_calls(h):
     assert out["success"], out["error"]
     assert [(c["name"], c["status"]) for c in out["tool_calls"]] == [("set_brake", "not_executable")]
     assert isinstance(json.loads(out["tool_calls"][0]["arguments"])["data"], bool)
+
+
+def test_several_calls_checked_then_sent_in_order_and_the_first_not_sent_stops_the_rest(h):
+    """An answer with several calls in a template's format (hermes blocks, as Qwen writes them; given as the
+    answer text, the node's gate under test): every call is checked before any is sent; they are sent in order;
+    a call that fails stops the calls after it (refused, nothing of them sent); one invalid call refuses all."""
+    from simllm_ros.model.tool_call_formats import HERMES, TemplateTraits
+    from simllm_ros.request import QueryRequest, ToolResultTurn
+    from simllm_ros.serving.tool_call_checks import Call
+    from simllm_ros.serving.tool_output_formats import write_calls
+    from simllm_ros.validation import validate_messages
+    h.ensure_active()
+    runner = h.node._tools
+    own = runner.tool_format, runner.traits
+    try:
+        runner.tool_format, runner.traits = HERMES, TemplateTraits(result_role="tool")
+        plan = runner.toolbox.plan(["go_dock", "go_door"], "required", HERMES, max_calls=4)
+        dock = Call("go_dock", {"place": "dock", "speed": 0.2})
+        n = len(h.robot.got["nav_quick"])
+        ok = runner.conclude(plan, QueryResult(success=True, answer=write_calls(HERMES, [dock, dock])), "multi-ok")
+        assert ok.success, ok.error
+        assert [(c.name, c.status) for c in ok.tool_calls] == [("go_dock", "executed")] * 2
+        assert len(h.robot.got["nav_quick"]) == n + 2
+        # the results go back in the template's tool role, one turn per call, after the calls as one assistant turn
+        asked = QueryRequest(prompt="Go to the dock twice.")
+        nxt = runner.follow_up(asked, ok)
+        assert [t.role for t in nxt.messages] == ["user", "assistant", "tool", "tool"]
+        assert isinstance(nxt.messages[-1], ToolResultTurn) and json.loads(nxt.messages[-1].content)["success"]
+        assert nxt.messages[1].content == write_calls(HERMES, [dock, dock]) and validate_messages(nxt) is None
+
+        door, slow = Call("go_door", {"place": "door", "speed": 0.2}), Call("go_dock", {"place": "dock", "speed": 0.3})
+        n_door = len(h.robot.got["nav_abort"])
+        out = runner.conclude(plan, QueryResult(success=True, answer=write_calls(HERMES, [dock, door, slow])),
+                              "multi-stop")
+        assert not out.success and "tool go_door failed" in out.error
+        assert [c.status for c in out.tool_calls] == ["executed", "failed", "refused"]
+        assert "call 2 of this answer (go_door) was failed" in out.tool_calls[2].error
+        assert len(h.robot.got["nav_quick"]) == n + 3 and len(h.robot.got["nav_abort"]) == n_door + 1
+        assert [g.speed for g in h.robot.got["nav_quick"][-1:]] == [pytest.approx(0.2)]  # the 0.3 goal never sent
+
+        bad = Call("go_dock", {"place": "dock", "speed": 3.0})
+        out = runner.conclude(plan, QueryResult(success=True, answer=write_calls(HERMES, [dock, bad])), "multi-bad")
+        assert not out.success and "tool call refused (nothing sent)" in out.error and "maximum" in out.error
+        assert [c.status for c in out.tool_calls] == ["refused", "refused"]
+        assert "call 2 of this answer (go_dock) is invalid" in out.tool_calls[0].error
+        time.sleep(0.3)
+        assert len(h.robot.got["nav_quick"]) == n + 3  # nothing of that answer was sent
+        assert wait_until(lambda: [e["event"] for e in audit_events(h, "multi-stop")] ==
+                          ["proposed"] * 3 + ["executed", "failed", "refused"], 5)
+        assert [e["event"] for e in audit_events(h, "multi-bad")] == ["proposed"] * 2 + ["refused"] * 2
+    finally:
+        runner.tool_format, runner.traits = own
