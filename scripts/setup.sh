@@ -71,6 +71,15 @@ bash "$REPO/scripts/build_interfaces.sh" "$VENV"
 say "preparing the embedded model (converted once, then cached)"
 "$PY" -c "from simllm_ros.model.model_backend import resolve_model; from simllm_ros.settings import DEFAULT_MODEL; resolve_model(DEFAULT_MODEL, '', lambda m: print('[setup]', m, flush=True))"
 
+# The ROS-free suite's venvs on the robots' Pythons, 3.10 (JetPack 6 / Humble) and 3.12 (Ubuntu 24.04 / Jazzy), in
+# ~/.cache/simllm_ros/py310 and py312 (scripts/test_pythons.sh; quick once made). The suite runs a part of the
+# ROS-free suite in each (test/project/test_python_versions.py), scripts/test.sh --pythons the whole of it.
+# SIMLLM_SKIP_PYTHONS=1 skips them (that part of the suite then skips and says why).
+if [ "${SIMLLM_SKIP_PYTHONS:-0}" != 1 ]; then
+  say "the 3.10 and 3.12 venvs (first time: about 5 GB and several minutes each; SIMLLM_SKIP_PYTHONS=1 skips)"
+  bash "$REPO/scripts/test_pythons.sh" --setup-only || say "note: a 3.10/3.12 venv is missing; its tests will skip"
+fi
+
 if [ "${1:-}" = "--setup-only" ]; then
   say "set-up done"
   exit 0

@@ -9,4 +9,7 @@ bash "$REPO/scripts/setup.sh" --setup-only
 cd "$REPO"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
+# scripts/test.sh --pythons [pytest args]: the whole ROS-free suite on Python 3.10 and 3.12 instead (their venvs:
+# scripts/test_pythons.sh); the suite itself runs a part of it there (test/project/test_python_versions.py).
+if [ "${1:-}" = "--pythons" ]; then shift; exec bash "$REPO/scripts/test_pythons.sh" "$@"; fi
 exec "${VENV:-$REPO/.venv}/bin/python" -m pytest -q -n "${SIMLLM_TEST_WORKERS:-auto}" --dist loadfile "$@"
