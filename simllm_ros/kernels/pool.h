@@ -44,8 +44,8 @@ static int pool_born[MAXT];  /* the generation a worker was started in: it waits
    another number there and takes nothing of the next. done counts finished chunks, each thread adding its count
    once, when it finds none left. Three cache lines: the dispatch (written once by the caller, then read by every
    thread; gen, what idle workers spin on, last), the claim and the done count (written by every thread). On one
-   line, each claim and count made every other thread's next read of the dispatch miss: at 2 threads a product of
-   ~1M multiply-adds (a 0.5B model's q or o) then took as long as on one. */
+   line, each claim and count made the other threads' next read of the dispatch miss: a one-row product of ~1M
+   multiply-adds (a 0.5B model's q or o, tens of us) pays each such miss, and did not get faster at 2 threads. */
 #define POOL_LINE 64
 static struct {
     void (*task)(void *ctx, int chunk, int tid);

@@ -19,9 +19,8 @@
 /* Chunks per thread a product is cut into: the threads take chunks until none is left (pool.h), so a thread that
    starts late or runs slow takes fewer; more chunks balance better and cost a claim each (~0.1 us). */
 #define PRODUCT_CHUNKS_PER_THREAD 8
-/* ... and no more chunks than one per this many multiply-adds (at least one per thread): a claim costs a cache line
-   moved between cores, and a one-row product of ~1M multiply-adds (a 0.5B model's q or o, ~20 us) cut into 16
-   chunks spent a good part of what a second thread saves on them. */
+/* ... and no more chunks than one per this many multiply-adds (at least one per thread): a claim moves a cache line
+   between cores, and a one-row product of ~1M multiply-adds (a 0.5B model's q or o) took 16 claims. */
 #define PRODUCT_CHUNK_MACS 131072L
 
 #define PRODUCT_RUN(X_T, Y_T, XSUM_T, SCRATCH_T)                                                                  \
