@@ -79,6 +79,7 @@ def profile_ours(args) -> dict:
     import torch
 
     from simllm_ros.kernels import compute_threads, memory_rate
+    from simllm_ros.model.decoding import Sampler
     from simllm_ros.model.draft_proposer import DraftProposer
     from simllm_ros.serving.engine import Engine
     from simllm_ros.settings import Settings
@@ -104,6 +105,7 @@ def profile_ours(args) -> dict:
     runner.lm_head, runner.norm, runner.embed, runner.fused.run = (timed["head"], timed["norm"], timed["embed"],
                                                                    timed["layers"])
     proposer = DraftProposer(prompt=ids, max_tokens=8)
+    greedy = Sampler()
     for n in threads:
         torch.set_num_threads(n)
         with compute_threads.kernels_own_cores(b.kernels_do_the_work):
@@ -120,7 +122,7 @@ def profile_ours(args) -> dict:
                     generated: list[int] = []
                     t_start = time.perf_counter_ns()
                 t0 = time.perf_counter_ns()
-                tok = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+                tok = greedy.pick(logits.reshape(-1, logits.shape[-1])[-1], step)  # the engine's greedy pick
                 t1 = time.perf_counter_ns()
                 if step >= args.warmup:
                     generated.append(tok)

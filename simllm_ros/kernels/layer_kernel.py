@@ -43,7 +43,8 @@ _STACK = [ctypes.POINTER(_Pass), _P, _I, _I, _I, _P, _P, _P, _P, _P]  # simllm_l
 # Every entry bound here: name -> (argtypes, restype), checked against layers_api.h (kernels/abi.py)
 SIGNATURES: abi.Signatures = {"simllm_silu_mul_f32": (_ROWS, None), "simllm_silu_mul_bf16": (_ROWS, None),
               "simllm_gelu_tanh_mul_f32": (_ROWS, None), "simllm_layers_f32": (_STACK, None),
-              "simllm_layers_bf16": (_STACK, None), "simllm_layers_available": ([], _I)}
+              "simllm_layers_bf16": (_STACK, None), "simllm_layers_available": ([], _I),
+              "simllm_argmax_f32": ([_P, _L], _L)}
 
 # layer_stack.h's PROF_* slots: what a profiled pass's steps add their nanoseconds to, in this order
 PROFILE_STEPS = ("qkv", "attention", "o", "gate_up", "down", "norms", "rope", "activation")
@@ -73,6 +74,7 @@ class LayerKernel:
         self._silu = {torch.float32: entry("simllm_silu_mul_f32")}
         self._gelu = entry("simllm_gelu_tanh_mul_f32")
         self._stack = {torch.float32: entry("simllm_layers_f32")}
+        self._argmax = entry("simllm_argmax_f32")
         if entry("simllm_layers_available")():  # the bf16 layers (AVX-512); float32 always
             self._silu[torch.bfloat16] = entry("simllm_silu_mul_bf16")
             self._stack[torch.bfloat16] = entry("simllm_layers_bf16")
@@ -80,6 +82,15 @@ class LayerKernel:
     def takes(self, dtype: torch.dtype) -> bool:
         """Whether this build runs layers of this dtype: float32 anywhere, bf16 where it targets AVX-512."""
         return dtype in self._stack
+
+    def argmax(self, logits: torch.Tensor) -> int:
+        """torch.argmax(logits) of float32 logits on the CPU (the first largest; the first NaN if any), in C."""
+        if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.numel():
+            raise ValueError("argmax: float32 logits on the CPU")
+        flat = logits.reshape(-1)
+        if flat.stride(0) != 1:
+            flat = flat.contiguous()
+        return int(self._argmax(flat.data_ptr(), flat.numel()))
 
     def silu_mul(self, gu: torch.Tensor, inter: int, act: int = ACT_SILU) -> torch.Tensor:
         """gu [..., 2 * inter] (bf16 or float32) -> silu(gate) * up [..., inter], as the C layers compute it; with
@@ -230,6 +241,11 @@ _LOADER = build.Loader("SIMLLM_LAYERS", "python", "layers", LayerKernel, signatu
 def load() -> "LayerKernel | None":
     """The library for this process (built on first use), or None with `why_not()` saying why."""
     return _LOADER.load()
+
+
+def loaded() -> "LayerKernel | None":
+    """The library if this process has loaded it already (never builds it)."""
+    return _LOADER.kernel
 
 
 def why_not() -> str | None:

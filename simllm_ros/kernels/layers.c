@@ -1,7 +1,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include "layers_api.h"
@@ -151,6 +151,44 @@ int simllm_layers_available(void) { return 1; }
 #else
 int simllm_layers_available(void) { return 0; }
 #endif
+
+/* Greedy's pick over a vocabulary's logits, 16 lanes at a time where AVX-512 is: each lane keeps its largest and the
+   first index of it (a strictly greater value replaces), then the smallest index among the lanes that hold the
+   largest value. Any NaN: the first NaN (torch.argmax counts NaN as the largest). No arithmetic on the values, so
+   the answer is torch's exactly; a serial part of every decode step (torch's took ~0.2 ms over 151,936 logits). */
+static long argmax_from(const float *x, long from, long n, long best, float m) {
+    for (long j = from; j < n; j++) {
+        if (x[j] != x[j]) return j;
+        if (x[j] > m) { m = x[j]; best = j; }
+    }
+    return best;
+}
+long simllm_argmax_f32(const float *x, long n) {
+    if (n <= 0) return -1;
+#if defined(__AVX512F__)
+    if (n >= 16 && n < 0x7fffffffL) {
+        __m512 best = _mm512_loadu_ps(x);
+        __m512i bidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = bidx;
+        const __m512i step = _mm512_set1_epi32(16);
+        __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+        long i = 16;
+        for (; !nan && i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            idx = _mm512_add_epi32(idx, step);
+            nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, gt, v);
+            bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+        }
+        if (nan) return argmax_from(x, 0, n, 0, x[0]);  /* the first NaN, wherever it is */
+        const float m = _mm512_reduce_max_ps(best);
+        const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+        const long first = _mm512_mask_reduce_min_epi32(at, bidx);
+        return argmax_from(x, i, n, first, m);
+    }
+#endif
+    return x[0] != x[0] ? 0 : argmax_from(x, 1, n, 0, x[0]);
+}
 
 /* float32 layers (the 4-bit float32 runner: int4_vector_kernel's products, the norm kernel's float32 rows, the
    attention kernel's float32 entry), portable C for any CPU. RoPE and the residual adds as torch's float32 ops

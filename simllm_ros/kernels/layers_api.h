@@ -29,6 +29,8 @@ void simllm_rope_f32(const float *x, long row_stride, int M, int H, int D, int r
                      const float *sin, float *out);
 /* silu(gate) * up of float32 rows gu [M, 2I] -> a [M, I] */
 void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride);
+/* The first index of the largest of n floats, a NaN counting as largest (torch.argmax's answer): greedy's pick */
+long simllm_argmax_f32(const float *x, long n);
 /* tanh GELU(gate) * up of float32 rows (Gemma 3's MLP) */
 void simllm_gelu_tanh_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride);
 

@@ -36,17 +36,25 @@ static inline void pool_relax(void) { }
 #define MAXT 64
 static pthread_mutex_t pool_use = PTHREAD_MUTEX_INITIALIZER, pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER;
-static int pool_size, pool_gen, pool_active, pool_sleepers, pool_atfork;
+static int pool_size, pool_sleepers, pool_atfork;
 static int pool_quit, pool_alive;  /* simllm_pool_stop: workers leave at their next wake-up; those still running */
 static int pool_born[MAXT];  /* the generation a worker was started in: it waits for the next */
-/* The dispatch in progress: task(ctx, chunk, tid) for chunk 0..pool_chunks-1, tid the thread's index (0: the caller).
-   pool_claim is (dispatch number << 32) | next chunk, claimed by compare-and-swap: a worker late for one dispatch
-   finds another number there and takes nothing of the next. pool_done counts finished chunks. */
-static void (*pool_task)(void *ctx, int chunk, int tid);
-static void *pool_ctx;
-static unsigned long pool_claim;
-static unsigned pool_number;
-static int pool_chunks, pool_done;
+/* The dispatch in progress: task(ctx, chunk, tid) for chunk 0..chunks-1, tid the thread's index (0: the caller).
+   claim is (dispatch number << 32) | next chunk, claimed by compare-and-swap: a worker late for one dispatch finds
+   another number there and takes nothing of the next. done counts finished chunks, each thread adding its count
+   once, when it finds none left. Three cache lines: the dispatch (written once by the caller, then read by every
+   thread; gen, what idle workers spin on, last), the claim and the done count (written by every thread). On one
+   line, each claim and count made the other threads' next read of the dispatch miss: a one-row product of ~1M
+   multiply-adds (a 0.5B model's q or o, tens of us) pays each such miss, and did not get faster at 2 threads. */
+#define POOL_LINE 64
+static struct {
+    void (*task)(void *ctx, int chunk, int tid);
+    void *ctx;
+    int chunks, active, gen;
+} pool_d __attribute__((aligned(POOL_LINE)));
+static unsigned long pool_claim __attribute__((aligned(POOL_LINE)));
+static int pool_done __attribute__((aligned(POOL_LINE)));
+static unsigned pool_number __attribute__((aligned(POOL_LINE)));
 static long pool_spin_ns = 200000;
 /* simllm_pool_pin: worker i runs on pool_cpus[i % pool_ncpus] (none: where the OS puts it); pool_pins counts
    changes, so a worker moves at its next wake-up */
@@ -66,18 +74,19 @@ static inline double pool_now_ns(void) {
 static int pool_take(unsigned number) {
     unsigned long v = __atomic_load_n(&pool_claim, __ATOMIC_ACQUIRE);
     for (;;) {
-        if ((unsigned)(v >> 32) != number || (int)(v & 0xffffffffUL) >= pool_chunks) return -1;
+        if ((unsigned)(v >> 32) != number || (int)(v & 0xffffffffUL) >= pool_d.chunks) return -1;
         if (__atomic_compare_exchange_n(&pool_claim, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             return (int)(v & 0xffffffffUL);
     }
 }
 /* Chunks of dispatch `number` until none is left, as thread `tid`. */
 static void pool_work(unsigned number, int tid) {
-    int c;
+    int c, n = 0;
     while ((c = pool_take(number)) >= 0) {
-        pool_task(pool_ctx, c, tid);  /* read after the claim: the dispatch cannot end before this chunk does */
-        __atomic_add_fetch(&pool_done, 1, __ATOMIC_RELEASE);
+        pool_d.task(pool_d.ctx, c, tid);  /* read after the claim: the dispatch cannot end before this chunk does */
+        n++;
     }
+    if (n) __atomic_add_fetch(&pool_done, n, __ATOMIC_RELEASE);
 }
 
 /* The calling thread on one CPU (the raw system call: no _GNU_SOURCE needed for cpu_set_t); 0 where it is. */
@@ -104,14 +113,14 @@ static void *worker(void *arg) {
             const double t0 = pool_now_ns();
             for (int s = 1; g == seen; s++) {
                 pool_relax();
-                g = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE);
+                g = __atomic_load_n(&pool_d.gen, __ATOMIC_ACQUIRE);
                 if ((s & 63) == 0 && pool_now_ns() - t0 > (double)spin) break;
             }
         }
         if (g == seen) {
             pthread_mutex_lock(&pool_mu);
             pool_sleepers++;
-            while ((g = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE)) == seen) pthread_cond_wait(&pool_go, &pool_mu);
+            while ((g = __atomic_load_n(&pool_d.gen, __ATOMIC_ACQUIRE)) == seen) pthread_cond_wait(&pool_go, &pool_mu);
             pool_sleepers--;
             pthread_mutex_unlock(&pool_mu);
         }
@@ -120,14 +129,14 @@ static void *worker(void *arg) {
             __atomic_sub_fetch(&pool_alive, 1, __ATOMIC_RELEASE);
             return 0;
         }
-        if (i < __atomic_load_n(&pool_active, __ATOMIC_ACQUIRE))  /* threads 1..active-1 of this dispatch */
+        if (i < __atomic_load_n(&pool_d.active, __ATOMIC_ACQUIRE))  /* threads 1..active-1 of this dispatch */
             pool_work((unsigned)(__atomic_load_n(&pool_claim, __ATOMIC_ACQUIRE) >> 32), i);
     }
     return 0;
 }
 
 static void pool_after_fork(void) {  /* the child has none of the parent's threads */
-    pool_size = 0; pool_gen = 0; pool_active = 0; pool_sleepers = 0; pool_alive = 0;
+    pool_size = 0; pool_d.gen = 0; pool_d.active = 0; pool_sleepers = 0; pool_alive = 0;
     pool_quit = 0;
     pthread_mutex_init(&pool_use, 0); pthread_mutex_init(&pool_mu, 0); pthread_cond_init(&pool_go, 0);
 }
@@ -137,7 +146,7 @@ static int pool_start(int n) {
     if (!pool_atfork) { pthread_atfork(0, 0, pool_after_fork); pool_atfork = 1; }
     while (pool_size < n - 1) {  /* worker i computes job i (1..) */
         pthread_t t;
-        pool_born[pool_size + 1] = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE);
+        pool_born[pool_size + 1] = __atomic_load_n(&pool_d.gen, __ATOMIC_ACQUIRE);
         __atomic_add_fetch(&pool_alive, 1, __ATOMIC_ACQ_REL);
         if (pthread_create(&t, 0, worker, (void *)(long)(pool_size + 1)) != 0) {
             __atomic_sub_fetch(&pool_alive, 1, __ATOMIC_ACQ_REL);
@@ -154,10 +163,10 @@ static int pool_start(int n) {
 void simllm_pool_stop(void) {
     pthread_mutex_lock(&pool_use);
     if (pool_size > 0) {
-        __atomic_store_n(&pool_active, 0, __ATOMIC_RELEASE);
+        __atomic_store_n(&pool_d.active, 0, __ATOMIC_RELEASE);
         __atomic_store_n(&pool_quit, 1, __ATOMIC_RELEASE);
         pthread_mutex_lock(&pool_mu);
-        __atomic_add_fetch(&pool_gen, 1, __ATOMIC_ACQ_REL);
+        __atomic_add_fetch(&pool_d.gen, 1, __ATOMIC_ACQ_REL);
         pthread_cond_broadcast(&pool_go);
         pthread_mutex_unlock(&pool_mu);
         while (__atomic_load_n(&pool_alive, __ATOMIC_ACQUIRE) > 0) sched_yield();
@@ -184,13 +193,13 @@ int simllm_pool_workers(void) { return __atomic_load_n(&pool_alive, __ATOMIC_ACQ
    next chunk until none is left; returns when all are done and releases pool_use (held by the caller, the workers
    started). */
 static void pool_run(void (*task)(void *, int, int), void *ctx, int chunks, int threads) {
-    pool_task = task; pool_ctx = ctx; pool_chunks = chunks;
+    pool_d.task = task; pool_d.ctx = ctx; pool_d.chunks = chunks;
     __atomic_store_n(&pool_done, 0, __ATOMIC_RELAXED);
     const unsigned number = ++pool_number;
-    __atomic_store_n(&pool_active, threads, __ATOMIC_RELEASE);
+    __atomic_store_n(&pool_d.active, threads, __ATOMIC_RELEASE);
     __atomic_store_n(&pool_claim, (unsigned long)number << 32, __ATOMIC_RELEASE);
     pthread_mutex_lock(&pool_mu);
-    __atomic_add_fetch(&pool_gen, 1, __ATOMIC_ACQ_REL);
+    __atomic_add_fetch(&pool_d.gen, 1, __ATOMIC_ACQ_REL);
     if (pool_prof) { pool_stat[0] += 1; pool_stat[1] += pool_sleepers > 0; }
     if (pool_sleepers) pthread_cond_broadcast(&pool_go);
     pthread_mutex_unlock(&pool_mu);

@@ -19,6 +19,9 @@
 /* Chunks per thread a product is cut into: the threads take chunks until none is left (pool.h), so a thread that
    starts late or runs slow takes fewer; more chunks balance better and cost a claim each (~0.1 us). */
 #define PRODUCT_CHUNKS_PER_THREAD 8
+/* ... and no more chunks than one per this many multiply-adds (at least one per thread): a claim moves a cache line
+   between cores, and a one-row product of ~1M multiply-adds (a 0.5B model's q or o) took 16 claims. */
+#define PRODUCT_CHUNK_MACS 131072L
 
 #define PRODUCT_RUN(X_T, Y_T, XSUM_T, SCRATCH_T)                                                                  \
 typedef struct { job_t job; void *(*part)(void *); int nb, chunks; long scratch_per_thread; } product_ctx_t;       \
@@ -49,6 +52,8 @@ static void run(void *(*part)(void *), const X_T *x, long x_stride, const uint8_
         return;                                                                                                   \
     }                                                                                                             \
     int chunks = nthreads * PRODUCT_CHUNKS_PER_THREAD;                                                            \
+    const long by_work = (long)M * N * K / PRODUCT_CHUNK_MACS;                                                    \
+    if (chunks > by_work) chunks = by_work > nthreads ? (int)by_work : nthreads;                                  \
     if (chunks > nb) chunks = nb;                                                                                 \
     product_ctx_t ctx = {one, part, nb, chunks, scratch_per_thread};                                              \
     pool_run(product_chunk, &ctx, chunks, nthreads);                                                              \

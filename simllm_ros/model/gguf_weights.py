@@ -487,6 +487,12 @@ class FileEmbedding:
         return out
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() == 1:  # a decode step's one token: its row alone (no dedup, no gather; the same bits)
+            i = int(ids.reshape(-1)[0])
+            if not 0 <= i < self.num_embeddings:
+                raise IndexError(f"token id out of range for a vocabulary of {self.num_embeddings}")
+            row = decode(self.tensor.ggml, self._read(np.array([i])), (1, self.embedding_dim)).dequantized()
+            return row.reshape(*ids.shape, self.embedding_dim)
         flat = ids.reshape(-1).cpu().numpy()
         if flat.size and (flat.min() < 0 or flat.max() >= self.num_embeddings):
             raise IndexError(f"token id out of range for a vocabulary of {self.num_embeddings}")

@@ -7,11 +7,14 @@ from __future__ import annotations
 import torch
 
 from ..kernels import attention_kernel
+from . import skeleton
 from .kv_buffer import Seq
 
 
 # The RoPE kind of a layer that attends without positions (SmolLM3's NoPE layers): its table leaves a row as it is
 NO_ROPE = "no_rope"
+# Positions whose RoPE tables a runner keeps (`_rope_tables`; 8192 x D=128 floats, 4 MiB each of cos and sin)
+ROPE_CACHE_POSITIONS = 8192
 
 
 def _no_rotation(h: torch.Tensor, positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +115,32 @@ class LayerSteps:
     def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, M, 1, D] for the rows' positions, one table per RoPE kind (T = 1 but for Gemma's sliding
         and full layers; layer li's is [rope_of[li]]), sin with its first half negated: then x * cos + roll(x,
-        D/2) * sin is HF's x * cos + rotate_half(x) * sin, bitwise ((-a) * b == a * (-b))."""
+        D/2) * sin is HF's x * cos + rotate_half(x) * sin, bitwise ((-a) * b == a * (-b)).
+
+        Static RoPE (our RotaryEmbedding) on the CPU: rows of tables computed once for positions 0..P-1
+        (`_rope_cached`), since a decode step's ~20 small float64 ops for one position were a serial part of every
+        step. Every op of the tables is elementwise, so a position's row has the same bits computed alone or among
+        others."""
+        if h.device.type == "cpu" and isinstance(self.rotary, skeleton.RotaryEmbedding) and positions.numel() \
+                and positions.device.type == "cpu":
+            top = int(positions.max())
+            if 0 <= int(positions.min()) and top < ROPE_CACHE_POSITIONS:
+                cos, sin = self._rope_cached(h.dtype, top)
+                return cos[:, positions], sin[:, positions]
+        return self._rope_computed(h, positions)
+
+    def _rope_cached(self, dtype: torch.dtype, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_rope_computed`'s tables [T, P, 1, D] of positions 0..P-1, P grown (by doubling, at least 512) past
+        `top`."""
+        cache = self.__dict__.setdefault("_rope_cache", {})
+        have = cache.get(dtype)
+        if have is None or have[0].shape[1] <= top:
+            n = max(512, 1 << top.bit_length())
+            have = cache[dtype] = self._rope_computed(torch.empty(0, dtype=dtype), torch.arange(n))
+        return have
+
+    def _rope_computed(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_rope_tables`' tables, computed for these positions (h gives the dtype and device only)."""
         tables = [self.rotary(h, positions[None]) if t is None else _no_rotation(h, positions, self.head_dim)
                   if t == NO_ROPE else self.rotary(h, positions[None], t) for t in self.rope_types]  # each [1, M, w]
         cos, sin = [], []

@@ -166,6 +166,52 @@ def test_float32_silu_mul_is_close_to_torch_and_row_invariant():
 
 
 @needs_kernel
+def test_kept_rope_tables_are_the_computed_ones():
+    """The RoPE rows a runner keeps per position (runner_layers._rope_tables) have the bits of tables computed for
+    the pass's positions alone: Gemma 3's two tables (sliding and full layers), positions across the kept blocks'
+    growth and beyond what is kept."""
+    from simllm_ros.model.runner_layers import ROPE_CACHE_POSITIONS
+
+    r = _gemma_runner()
+    h = torch.empty(1, 1, 8, dtype=r.dtype)
+    for pos in ([0], [511], [512], [700, 3, 9], list(range(0, 1500, 7)), [ROPE_CACHE_POSITIONS - 1],
+                [ROPE_CACHE_POSITIONS + 5]):
+        p = torch.tensor(pos)
+        got, want = r._rope_tables(h, p), r._rope_computed(h, p)
+        assert got[0].shape == want[0].shape == (2, len(pos), 1, r.head_dim)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), pos
+
+
+@needs_kernel
+def test_argmax_is_torchs_index_with_ties_nans_and_infinities():
+    """Greedy's pick in C (decoding.Sampler uses it where the library is loaded): torch.argmax's index on every
+    case where an index could differ: ties (the first), NaNs (the first, wherever), all -inf, +-0, every tail length
+    around the 16-lane vectors, and a 151,936-logit vocabulary; a torch.argmax-equal greedy pick either way."""
+    from simllm_ros.model.decoding import Sampler
+
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for n in (1, 2, 15, 16, 17, 33, 1000, 151936):
+        x = torch.randn(n, generator=g)
+        cases += [x, torch.round(torch.randn(n, generator=g) * 2), torch.full((n,), float("-inf")), torch.zeros(n),
+                  -torch.zeros(n), torch.randint(0, 3, (n,), generator=g).float()]
+        for at in {0, n // 2, n - 1}:
+            for v in (float("nan"), float("inf")):
+                w = x.clone()
+                w[at] = v
+                cases.append(w)
+        two = x.clone()
+        two[n // 3], two[-1] = float("nan"), float("nan")
+        cases.append(two)
+    assert [KERNEL.argmax(c) for c in cases] == [int(torch.argmax(c)) for c in cases]
+    row = torch.randn(1, 151936, generator=g)
+    assert Sampler().pick(row[0], 0) == KERNEL.argmax(row[:, ::1]) == int(torch.argmax(row))
+    assert KERNEL.argmax(row.t()) == int(torch.argmax(row))  # a strided view is read as its values
+    with pytest.raises(ValueError):
+        KERNEL.argmax(row.double())
+
+
+@needs_kernel
 def test_float32_gelu_mul_is_close_to_torch_and_row_invariant():
     """Gemma 3's tanh GELU as the C layers compute it (x / (1 + exp(-2z))): as close to the float64 function as
     torch's float32 gelu(approximate="tanh") is, over the range activations take (the tails included; measured:
