@@ -3,23 +3,30 @@ same bits (the invariance probe), what a pass of m rows costs, and the numerics 
 settings, kernels and CPU. Measured once and kept in the cache folder (LOAD_CHECKS_FILE) under a key naming
 model content, settings, kernel builds, torch and CPU (the pass costs also the thread count); taken again only
 where the digest still holds.
-LoadChecks is a part of ModelBackend (model_backend.py), split off to be read in one sitting.
+LoadChecks is a part ModelBackend (model_backend.py) owns: it runs passes through the backend's `run` and
+`new_cache` (ModelPasses) and reads the runner's single-row switch and the kernel paths.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
 import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from ..kernels.build import CONTRACT
 from .cache_records import default_cache_dir, read_records, try_cache_write, update_record
+from .kernel_paths import KernelPaths
+from .llama_runner import LlamaRunner
 
 LOAD_CHECKS_FILE = "load_checks.json"
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """The CPU's model name and feature flags: what decides which kernel paths run."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -27,32 +34,54 @@ def _cpu_identity() -> str:
                                                                                        "Features", "CPU part")]
         return "\n".join(sorted(set(lines)))
     except OSError:
-        import platform
-
         return platform.processor() or platform.machine()
 
 
 MAX_PASS_ROWS = 257  # a decode pass: the last token and a draft of up to 256 (max_draft_tokens' range)
 
 
-class LoadChecks:
-    """ModelBackend's load-time checks (a mixin: self is the backend)."""
+class ModelPasses(Protocol):
+    """What the checks run passes through (ModelBackend's run and new_cache)."""
 
-    def _load_checks(self, cache_dir: str, stamp: dict | None) -> tuple:
+    def run(self, ids: list[int], cache: Any, positions: list[int] | None = None, logits: str = "last"
+            ) -> torch.Tensor | None: ...
+
+    def new_cache(self, capacity: int = 256) -> Any: ...
+
+
+class LoadChecks:
+    """ModelBackend's load-time checks: passes through `passes`, on `runner` (None: transformers' forward, which
+    gets the probe and digest only), token ids below `vocab`, the key naming `paths`' kernels; `progress` hears
+    what runs."""
+
+    def __init__(self, passes: ModelPasses, runner: LlamaRunner | None, vocab: int, paths: KernelPaths,
+                 progress: Callable[[str], None]):
+        self.passes = passes
+        self.runner = runner
+        self.vocab = vocab
+        self.paths = paths
+        self.progress = progress
+
+    def _logits(self, ids: list[int], cache: Any, logits: str) -> torch.Tensor:
+        out = self.passes.run(ids, cache, logits=logits)
+        assert out is not None, logits
+        return out
+
+    def measure(self, cache_dir: str, stamp: dict | None, path: str, device: str, dtype_name: str) -> tuple:
         """(single rows, invariance probe, pass costs, numerics digest) for this model, these settings and kernels
         on this CPU. Measured once (~15 s at 0.5B) and kept in the cache folder under a key naming everything that
         decides them (model content, settings, kernel builds, torch, CPU model and flags); a later load takes them
         only where the numerics digest it computes again (one 16-token pass) is the one they were measured with:
         same kernels, same CPU, same bits. Otherwise measured again. The thread count decides only the pass costs
         (timings): the kernels' bits do not depend on it (the numerics contract, test_numerics_contract), so at a
-        new thread count with the same digest only the costs are timed again (~1 s, not the whole ~10 s)."""
-        import hashlib
-
+        new thread count with the same digest only the costs are timed again (~1 s, not the whole ~10 s).
+        `path`: the model's folder (what names it without a content `stamp`)."""
         if self.runner is None:
             return False, self.invariance_probe(), None, self.numerics_digest()
-        ident = json.dumps(stamp, sort_keys=True) if stamp else os.path.abspath(self._path)
-        what = [ident, self.device, self.dtype_name, self.weight_bits, self.activation_bits, CONTRACT, self.int4_path,
-                self.attention_path, self.layers_path, self.norm_path, torch.__version__, _cpu_identity()]
+        runner, paths = self.runner, self.paths
+        ident = json.dumps(stamp, sort_keys=True) if stamp else os.path.abspath(path)
+        what = [ident, device, dtype_name, paths.weight_bits, paths.activation_bits, CONTRACT, paths.int4_path,
+                paths.attention_path, paths.layers_path, paths.norm_path, torch.__version__, cpu_identity()]
         key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
         costs_key = f"{key}/threads={torch.get_num_threads()}"
         store = os.path.join(cache_dir or default_cache_dir(), LOAD_CHECKS_FILE)
@@ -60,7 +89,7 @@ class LoadChecks:
         kept, kept_costs = data.get(key), data.get(costs_key)
         bits = None
         if isinstance(kept, dict) and kept.get("digest"):
-            self.runner.single_rows = bool(kept.get("single"))
+            runner.single_rows = bool(kept.get("single"))
             digest = self.numerics_digest()
             if digest == kept["digest"]:
                 bits = bool(kept["single"]), bool(kept["exact"]), digest
@@ -68,7 +97,7 @@ class LoadChecks:
             t0 = time.monotonic()
             self.progress("load-time checks: single rows, the invariance probe and the numerics digest (once per "
                           "model, settings, kernels and CPU; kept for later loads)")
-            single = self.runner.check_single_rows()
+            single = runner.check_single_rows()
             exact = self.invariance_probe()  # the probe runs with single rows as decided
             bits = single, exact, self.numerics_digest()
             verdict = "passed" if exact else "failed: no chunked prefill, drafts or answer memo"
@@ -79,7 +108,7 @@ class LoadChecks:
             return bits[0], bits[1], [float(c) for c in kept_costs["costs"]], bits[2]
         t0 = time.monotonic()
         self.progress(f"timing a pass's cost by its rows at {torch.get_num_threads()} threads (once per thread count)")
-        costs = self.runner.pass_costs(MAX_PASS_ROWS)
+        costs = runner.pass_costs(MAX_PASS_ROWS)
         self.progress(f"pass costs timed in {time.monotonic() - t0:.1f} s")
         try_cache_write(lambda: update_record(store, costs_key, {"digest": bits[2], "costs": costs}, keep=64),
                         self.progress)
@@ -94,33 +123,33 @@ class LoadChecks:
         each of its first 16 tokens."""
         if self.runner is None:
             return False
-        ids = [int(t) % max(len(self.tokenizer), 1) for t in range(101, 101 + 48 * 97, 97)]
-        whole = self.new_cache(52)
-        ref = self.run(ids, whole, logits="all")
+        ids = [int(t) % max(self.vocab, 1) for t in range(101, 101 + 48 * 97, 97)]
+        whole = self.passes.new_cache(52)
+        ref = self._logits(ids, whole, "all")
         for cuts in ((17, 18, 30), (1, 2, 3, 47), (24,), (40, 41, 42, 43, 44, 45, 46, 47)):
-            cache = self.new_cache(52)
+            cache = self.passes.new_cache(52)
             outs, s = [], 0
             for c in list(cuts) + [len(ids)]:
-                outs.append(self.run(ids[s:c], cache, logits="all"))
+                outs.append(self._logits(ids[s:c], cache, "all"))
                 s = c
             if not torch.equal(torch.cat(outs), ref) or not torch.equal(cache.k[:, :, :48], whole.k[:, :, :48]) \
                     or not torch.equal(cache.v[:, :, :48], whole.v[:, :, :48]):
                 return False
         # A prefill's last-token logits (what the first answer token is picked from) take the same path.
         for n in (47, 30, 1):  # the last n tokens in one pass, after the others in another
-            cache = self.new_cache(52)
-            self.run(ids[:48 - n], cache, logits="none")
-            if not torch.equal(self.run(ids[48 - n:], cache, logits="last"), ref[-1]):
+            cache = self.passes.new_cache(52)
+            self.passes.run(ids[:48 - n], cache, logits="none")
+            if not torch.equal(self._logits(ids[48 - n:], cache, "last"), ref[-1]):
                 return False
         # Every cut of a short sequence after 1..16 tokens: kernels switch paths at small row and key counts.
         # (A float32 attention passed every check above, yet changed the last logits after 11-15 of 24
         # tokens here, and after a 2-token prefix of a real prompt.)
         short = ids[:24]
-        last = self.run(short, self.new_cache(28), logits="last")
+        last = self._logits(short, self.passes.new_cache(28), "last")
         for p in range(1, 17):
-            cache = self.new_cache(28)
-            self.run(short[:p], cache, logits="none")
-            if not torch.equal(self.run(short[p:], cache, logits="last"), last):
+            cache = self.passes.new_cache(28)
+            self.passes.run(short[:p], cache, logits="none")
+            if not torch.equal(self._logits(short[p:], cache, "last"), last):
                 return False
         return True
 
@@ -132,9 +161,7 @@ class LoadChecks:
         digest differs does not load it (persistence), so a lossless hit never serves another machine's KV. The
         kernels' numerics contract (kernels/build.py CONTRACT) is hashed in: two machines with one digest run one
         contract, and may share KV losslessly."""
-        import hashlib
-
-        ids = [int(t) % max(len(self.tokenizer), 1) for t in range(211, 211 + 16 * 89, 89)]
-        logits = self.run(ids, self.new_cache(len(ids) + 2), logits="all")
+        ids = [int(t) % max(self.vocab, 1) for t in range(211, 211 + 16 * 89, 89)]
+        logits = self._logits(ids, self.passes.new_cache(len(ids) + 2), "all")
         data = CONTRACT.encode() + b"\0" + logits.detach().float().cpu().contiguous().numpy().tobytes()
         return hashlib.sha256(data).hexdigest()[:16]

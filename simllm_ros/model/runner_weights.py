@@ -13,11 +13,14 @@ every path is row-invariant):
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import int4_kernel, norm_kernel
+from ..kernels import norm_kernel
+from ..kernels.int4_kernel import Int4Kernel
+from ..kernels.int4_vector_kernel import VectorKernel
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -150,7 +153,7 @@ class _Head8:
     weight = packed = None  # the runner holds its own copy: the HF module's may be released
     bits = 8
 
-    def __init__(self, weight: torch.Tensor, kernel: "int4_kernel.Int4Kernel"):
+    def __init__(self, weight: torch.Tensor, kernel: "Int4Kernel | VectorKernel"):
         self.kernel, self.n = kernel, weight.shape[0]
         self.blob = kernel.pack8(*q8_codes(weight))
 
@@ -188,11 +191,19 @@ class _Proj:
     load-time probe checks for the whole model.
     """
 
+    ggml: str | None = None  # the LM head's GGUF type where it runs on the file's own blocks
+    bits = 16  # the LM head's bits where they are not 16 (the runner sets them)
+
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, weight_bits: int,
-                 int4: "int4_kernel.Int4Kernel | None" = None,
+                 int4: "Int4Kernel | VectorKernel | None" = None,
                  parts: list[tuple[str, torch.Tensor, int]] | None = None):
         self.bias = bias
-        self.weight = self.w8 = self.w4 = self.packed = self.blob = self.parts = None
+        self.weight: torch.Tensor | None = None
+        self.w8: torch.Tensor | None = None
+        self.w4: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        self.blob: torch.Tensor | None = None
+        self.parts: list[tuple[str, torch.Tensor, int]] | None = None
         self.int4 = int4
         if parts is not None:  # a file's own formats on the vector kernel (gguf_weights): consecutive outputs each
             self.parts = parts  # (kind, blob, outputs)
@@ -200,6 +211,7 @@ class _Proj:
             if len(parts) == 1 and parts[0][0] == "q4":
                 self.blob = parts[0][1]
             return
+        assert weight is not None  # a product's weight or its file's parts
         self.n = weight.shape[0]
         if weight_bits == 4 and int4 is not None:  # our kernel (int4_kernel or int4_vector_kernel): its own layout
             self.blob = int4.pack(*_int4_codes(weight))  # steps and zeros inside the blob
@@ -265,9 +277,10 @@ class _Proj:
     def _parts(self, x: torch.Tensor, parts) -> torch.Tensor:
         """x [M, K] times consecutive parts of outputs, each on its kind's product: every output computed as its
         own part's kernel computes it, whatever parts run beside it."""
+        kernel: Any = self.int4  # the kernel that packed the parts (product(): the vector kernel's kinds)
         if len(parts) == 1 and parts[0][0] == "q4":
-            return self.int4.mm(x, parts[0][1], parts[0][2])
-        ys = [self.int4.product(kind)(x, blob, n) for kind, blob, n in parts]
+            return kernel.mm(x, parts[0][1], parts[0][2])
+        ys = [kernel.product(kind)(x, blob, n) for kind, blob, n in parts]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
@@ -315,8 +328,9 @@ def _bias(linear) -> torch.Tensor | None:
 def _gemma_layout(model) -> bool:
     """Whether the model's layers are Gemma 2's or 3's (four norms per layer, norms of x * (1 + w))."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    return bool(layers) and hasattr(layers[0], "pre_feedforward_layernorm") and \
-        type(layers[0].input_layernorm).__name__ in _Norm.OFFSET
+    if not layers:
+        return False
+    return hasattr(layers[0], "pre_feedforward_layernorm") and type(layers[0].input_layernorm).__name__ in _Norm.OFFSET
 
 
 class _ScaledRows:

@@ -50,7 +50,8 @@ from ..cache.fleet_store import FleetStore
 from ..cache.fingerprint import Fingerprinter
 from ..cache.kv_pool import KVPool, PrefixHit
 from ..model.llama_runner import ONEDNN_ISA_CAP
-from ..model.model_backend import ModelBackend, ModelLoadError
+from ..model.model_backend import ModelBackend
+from ..model.model_files import ModelLoadError
 from ..model.model_files import release_heap
 from ..request import CANCELLED_ERROR, Progress, QueryRequest, QueryResult
 from .engine_parts import Flight, Prepared, fault_result

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from simllm_ros.kernels import int4_kernel
-from simllm_ros.model.llama_runner import _int4_codes, _Proj, int4_dequantized
+from simllm_ros.model.runner_weights import _int4_codes, int4_dequantized, _Proj
 
 KERNEL = int4_kernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"int4 kernel: {int4_kernel.why_not()}")
@@ -196,7 +196,7 @@ def test_aten_can_be_chosen_and_the_built_library_is_reused():
 @needs_kernel
 def test_8bit_products_are_what_the_codes_say_and_row_invariant():
     """The LM head's 8-bit groups (mm8): against float32 products of the same weights, rows cut any way."""
-    from simllm_ros.model.llama_runner import q8_codes
+    from simllm_ros.model.runner_weights import q8_codes
 
     w = (torch.randn(4096, 576, generator=torch.Generator().manual_seed(4)) * 0.05).to(torch.bfloat16)
     codes, d = q8_codes(w)
@@ -217,7 +217,7 @@ def test_8bit_products_are_what_the_codes_say_and_row_invariant():
 
 def test_the_q8_grid_check_tells_the_files_embedding_from_other_weights():
     from core_fixtures import shared_engine
-    from simllm_ros.model.llama_runner import _Head8, on_q8_grid
+    from simllm_ros.model.runner_weights import _Head8, on_q8_grid
 
     b = shared_engine(dtype="bfloat16", kv_bits=0).backend
     emb = b.runner.embed.weight.data

@@ -12,7 +12,7 @@ import torch
 
 from simllm_ros.kernels import int4_vector_kernel
 from simllm_ros.kernels import build
-from simllm_ros.model.llama_runner import _int4_codes, _Proj, int4_dequantized, q8_codes
+from simllm_ros.model.runner_weights import _int4_codes, int4_dequantized, _Proj, q8_codes
 
 KERNEL = int4_vector_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_vector_kernel.why_not()}")

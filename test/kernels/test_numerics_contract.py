@@ -17,7 +17,7 @@ import torch
 
 from simllm_ros.kernels import int4_vector_kernel
 from simllm_ros.kernels import build
-from simllm_ros.model.llama_runner import _int4_codes, int4_dequantized, q8_codes
+from simllm_ros.model.runner_weights import _int4_codes, int4_dequantized, q8_codes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "native", "bitcheck.c")

@@ -13,7 +13,8 @@ from gguf_files import file_backend, whole_backend
 from random_gguf import Q4_K_M, write_llama
 from simllm_ros.model import gguf_weights
 from simllm_ros.kernels import int4_vector_kernel
-from simllm_ros.model.model_backend import ModelBackend, ModelLoadError
+from simllm_ros.model.model_backend import ModelBackend
+from simllm_ros.model.model_files import ModelLoadError
 
 KERNEL = int4_vector_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_vector_kernel.why_not()}")
@@ -93,7 +94,7 @@ def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files)
     blocks again: the same bits, at a fraction of the memory."""
     import os
 
-    from simllm_ros.model.model_backend import _conversion_stamp
+    from simllm_ros.model.model_files import _conversion_stamp
 
     first = file_backend(files, "q4_k_m")
     folder = first._path
@@ -135,7 +136,7 @@ def test_a_second_load_of_qwen_files_computes_the_first_loads_bits(files, name):
 
 
 def test_kept_rows_of_another_or_a_damaged_file_are_not_used(files, tmp_path):
-    from simllm_ros.model.model_backend import _conversion_stamp
+    from simllm_ros.model.model_files import _conversion_stamp
 
     b = file_backend(files, "q8_0")
     folder = b._path
@@ -165,10 +166,10 @@ def test_load_checks_are_kept_only_for_the_same_numerics(files, monkeypatch):
     import json
     import os
 
-    from simllm_ros.model import model_backend
+    from simllm_ros.model import load_checks, model_backend
 
     b = file_backend(files, "q8_0")
-    store = os.path.join(files["cache"], model_backend.LOAD_CHECKS_FILE)
+    store = os.path.join(files["cache"], load_checks.LOAD_CHECKS_FILE)
     data = json.loads(open(store).read())
     key = next(k for k, v in data.items() if v["digest"] == b.numerics and "exact" in v)
     for digest, want_exact in (("0" * 16, True), (b.numerics, False)):

@@ -128,7 +128,7 @@ def test_the_embedded_model_answers_in_the_template_s_format(toolbox, name):
     own = tok.chat_template
     try:
         tok.chat_template = template(name)
-        e.backend._tool_format = None
+        e.backend.chat.template_changed()
         fmt, why = e.backend.tool_format
         assert fmt == formats.detect(template(name), TOKENS)[0], why
         fresh(e)
@@ -145,7 +145,7 @@ def test_the_embedded_model_answers_in_the_template_s_format(toolbox, name):
         json.loads(formats.read_answer(fmt, res.answer, False)[1])
     finally:
         tok.chat_template = own
-        e.backend._tool_format = None
+        e.backend.chat.template_changed()
         fresh(e)
 
 
