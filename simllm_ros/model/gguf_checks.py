@@ -10,6 +10,7 @@ conversions), not in another pass over the file.
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import numpy as np
 
@@ -29,7 +30,7 @@ class Bad:
     def __init__(self, path: str, error: type[Exception]):
         self.path, self.error = path, error
 
-    def __call__(self, why: str):
+    def __call__(self, why: str) -> NoReturn:
         raise self.error(why)
 
 
@@ -162,8 +163,8 @@ def check_model(bad: Bad, meta: dict, tensors: dict) -> None:
         return
     missing = [k for k, v in ((f"{arch}.block_count", blocks), (f"{arch}.embedding_length", hidden),
                               (f"{arch}.attention.head_count", heads)) if v is None]
-    if missing:
-        bad(f"the file lacks the metadata {missing[0]}, which a {arch} model needs")
+    if missing or blocks is None or hidden is None or heads is None or kv is None or hd is None:
+        bad(f"the file lacks the metadata {missing[0]}, which a {arch} model needs")  # kv, hd: heads' defaults
     embed = tensors.get("token_embd.weight")
     if embed is None:
         bad("the file lacks the tensor token_embd.weight")

@@ -19,6 +19,7 @@ import functools
 import json
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -103,7 +104,8 @@ def _longrope(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     params.update(rope_type="longrope", original_max_position_embeddings=original,
                   attention_factor=float(meta.get(key + "attn_factor", 1.0)),
-                  **{f"{w}_factor": [float(v) for v in t.read().view(np.float32)] for w, t in found.items()})
+                  **{f"{w}_factor": [float(v) for v in t.read().view(np.float32)] for w, t in found.items()
+                     if t is not None})
     cfg.rope_parameters = params
     cfg.original_max_position_embeddings = original  # Phi3Config's own field, which its RoPE check reads
 
@@ -518,7 +520,8 @@ def _projection_rows(model, tensors: dict[str, Tensor], ref: _Dequantized, progr
                                         f"[{lin.out_features}, {lin.in_features}], not for our kernels")
             order = ref.row_order(t)
             if order is None:  # a processing that is not a row order: the whole tensor compared, in its order
-                fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), tuple(t.shape), t.name), ref(t))
+                shape = (lin.out_features, lin.in_features)  # the file's, as checked above
+                fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), shape, t.name), ref(t))
                 if fw is None:
                     return _whole(progress, f"blk.{i}.{gname}: our decoding is not gguf's dequantization")
                 if fw.perm is not None:
@@ -541,7 +544,9 @@ def _row_bytes(t: Tensor) -> int:
     return t.shape[-1] // block * nbytes
 
 
-def _whole(progress: Callable[[str], None], why: str) -> None:
+def _whole(progress: Callable[[str], None], why: str) -> Any:
+    """Says why the file is not converted a tensor at a time; None, what its callers return then (Rows or a
+    dict of tensors where they convert)."""
     progress(f"not converting it a tensor at a time: {why}")
     return None
 

@@ -80,8 +80,8 @@ class KernelPaths:
                 per = ", ".join(f"{name} {'/'.join(t)} -> {'/'.join(kind_of(x) for x in t)}"
                                 for name, t in r.file.formats.items() if name in gguf_weights.PROJECTIONS)
                 head = f"{ggml} ({kind_of(ggml)})" if ggml else "16-bit"
-                emb = r.file.embed
-                emb = f"{emb.ggml} blocks looked up from the file" if emb is not None else "float32"
+                embed = r.file.embed
+                emb = f"{embed.ggml} blocks looked up from the file" if embed is not None else "float32"
                 return (f"simllm_ros {what} ({r.int4.path}) on the file's own blocks: {per}; LM head {head}; "
                         f"token embedding {emb}")
             head = "8-bit (the file's Q8_0 codes)" if getattr(r.lm_head, "bits", 16) == 8 else "16-bit"

@@ -66,7 +66,7 @@ class PackedStore:
         self.mapped: dict[str, Parts] = {}
         self.built: dict[str, Parts] = {}
         self.why_not = ""  # why the file on disk was not used ("" where it was, or none was there)
-        self._map = None
+        self._map: MappedSafetensors | None = None
         if os.path.isfile(self.path):
             try:
                 self.mapped = self._open()
@@ -146,7 +146,7 @@ class PackedStore:
         names = [(f"{key}/{i}", crc) for key, kinds in index.items() for i, (_, _, crc) in enumerate(kinds)]
         # zlib lets go of the GIL over a large buffer: the blobs' CRCs on every CPU (1 GB: ~1 s on one)
         with ThreadPoolExecutor(_threads(len(names))) as crcs:
-            damaged = [name for (name, crc), got in zip(names, crcs.map(lambda nc: zlib.crc32(mapped.raw(nc[0])),
+            damaged = [name for (name, crc), got in zip(names, crcs.map(lambda nc: zlib.crc32(mapped.raw(nc[0]).data),
                                                                       names)) if got != crc]
         if damaged:
             raise ValueError(f"tensor {damaged[0]} is damaged (CRC-32)")

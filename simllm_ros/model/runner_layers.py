@@ -73,7 +73,7 @@ class LayerSteps:
         """forward_batch's layers without the kernel: attention per sequence through `attention`."""
         G, D, Hkv, Hq = self.group, self.head_dim, self.n_kv, self.n_heads
         blocked = []  # per sequence: True where a query may not attend (later slots, from column s.start on)
-        windows = []  # per sequence, sliding layers: {window: mask over every slot}
+        windows: list[Any] = []  # per sequence, sliding layers: {window: mask over every slot} (None: no rows)
         for s, (a, b) in zip(seqs, spans):
             m, end = b - a, s.start + b - a
             if m > 1:  # causal by slot, as `forward` builds it; query heads grouped by KV head
@@ -122,11 +122,12 @@ class LayerSteps:
     def shared_entries(seqs: list["Seq"], spans: list[tuple[int, int]]) -> list[tuple]:
         """The attention kernel's sequences of a pass (those with rows), with the shared prefixes that still hold:
         a sequence shares only with a lead that has rows in the pass and leads itself."""
-        index, entries = {}, []
+        index: dict[int, int] = {}
+        entries: list[tuple] = []
         for i, (s, (a, b)) in enumerate(zip(seqs, spans)):
             if b == a:
                 continue
-            e = (a, b - a, s.start, s.kv.k, s.kv.v)
+            e: tuple = (a, b - a, s.start, s.kv.k, s.kv.v)
             lead = index.get(s.lead) if s.shared and s.lead != i else None
             if s.shared and s.lead == i:
                 e += (len(entries), s.shared)

@@ -11,6 +11,7 @@ schema with `jsonschema`, the last line of defence: an answer that fails it is n
 from __future__ import annotations
 
 import json
+from typing import Any
 
 MAX_DEPTH = 32  # nested objects/arrays in the schema document (a robot's schema is a few levels deep)
 MAX_NODES = 5000  # JSON values in the schema document
@@ -143,7 +144,7 @@ def _check_node(doc, schema, path: tuple) -> None:
             raise SchemaRefused(f"json_schema admits no value at {_path(path)}: no 'enum' value is of type "
                                 f"{'/'.join(types)}")
     required = schema.get("required") or []
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    props = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
     for name in required:
         if props.get(name) is False or (name not in props and schema.get("additionalProperties") is False):
             raise SchemaRefused(f"json_schema admits no value at {_path(path)}: property '{name}' is required "
@@ -170,7 +171,7 @@ def check(doc) -> None:
         where = _path(tuple(e.absolute_path))
         raise SchemaRefused(f"json_schema is not a valid schema at {where}: {e.message[:200]}") from None
     # every node, iteratively; refs followed, and a ref reached again on its own path is recursion
-    stack = [(doc, (), frozenset())]
+    stack: list[tuple[Any, tuple, frozenset]] = [(doc, (), frozenset())]
     seen = 0
     while stack:
         schema, path, refs = stack.pop()
@@ -197,7 +198,8 @@ def check(doc) -> None:
 
 def pattern_paths(doc) -> list[str]:
     """Where the schema has a 'pattern' (the usual reason a grammar allows no token mid-answer)."""
-    out, stack = [], [(doc, ())]
+    out: list[str] = []
+    stack: list[tuple[Any, tuple]] = [(doc, ())]
     while stack:
         node, path = stack.pop()
         if isinstance(node, dict):

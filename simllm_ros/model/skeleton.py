@@ -125,7 +125,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, layer_types: list[str] | None):
         super().__init__()
         self.tables: dict[str | None, tuple[torch.Tensor, float]] = {}
-        for t in layer_types or [None]:
+        types: list[str | None] = list(layer_types) if layer_types else [None]
+        for t in types:
             self.tables[t] = rope_inv_freq(config, t)
         if None in self.tables:
             self.inv_freq, self.attention_scaling = self.tables[None]
@@ -146,7 +147,9 @@ def has_sliding_layers(cfg) -> bool:
 def rope_per_layer_type(config) -> bool:
     """Whether the config's RoPE has a table per layer type (Gemma 3's; Gemma 2's layer types share one)."""
     params, types = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None)
-    return bool(types) and isinstance(params, dict) and "rope_type" not in params and set(types) <= params.keys()
+    if not types or not isinstance(params, dict):
+        return False
+    return "rope_type" not in params and set(types) <= params.keys()
 
 
 def rope_dims(config) -> int:
@@ -168,6 +171,7 @@ def _rope_parameters(config, layer_type: str | None) -> dict | None:
 def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, attention scaling) of `config`'s RoPE, for one layer type where it has several."""
     params = _rope_parameters(config, layer_type)
+    assert params is not None, "a RoPE kind build takes: the config has its rope_parameters"
     kind = params["rope_type"]
     if kind == "default":  # over the rotated part of a head (Phi-4-mini's 96 of 128), as transformers computes it
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
