@@ -28,7 +28,7 @@ class CacheHandles:
         if self.buffers:
             L, H, D = self.kv_shape.layers, self.kv_shape.kv_heads, self.kv_shape.head_dim
             return KVBuffer.allocate(L, H, D, capacity, self.dtype, self.device)
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # deferred: transformers takes seconds to import
 
         # Every layer keeps every token (no config: no sliding-window layers, which drop what left their window and so
         # cannot be cropped back to an accepted draft); the model's own masks still apply each layer's window.

@@ -13,6 +13,7 @@ import math
 from typing import NoReturn
 
 import numpy as np
+import torch
 
 MAX_LAYERS = 4096
 MAX_HEADS = 4096
@@ -36,8 +37,6 @@ class Bad:
 
 def finite(values, what: str, error: type[Exception]) -> None:
     """`error` naming `what` where a float array or tensor holds a NaN or an infinity."""
-    import torch
-
     if isinstance(values, torch.Tensor):
         ok = bool(torch.isfinite(values).all()) if values.is_floating_point() else True
     else:

@@ -22,10 +22,17 @@ loader did (Llama's q and k): nothing runs on numbers other than the file's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import struct
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import gguf_checks
+from ..safe_io import describe_error, open_regular, pread_exact
 
 from .gguf_blocks import BLOCKS
 
@@ -127,17 +134,15 @@ def decode(ggml: str, data: np.ndarray, shape: tuple[int, int], name: str = "") 
     GGUFError naming tensor `name` where a block's scale (its float16 d, dmin) is not finite: every scale and base
     a product reads is d or dmin times an integer, so a NaN or infinite d or dmin shows in them (checked here,
     on what decoding made anyway, not in a pass of its own)."""
-    from .gguf_checks import finite
-
     size, per, fn = BLOCKS[ggml]
     n, k = shape
     if k % per or np.asarray(data).size != n * (k // per) * size:
         raise GGUFError(f"a {ggml} tensor of shape [{n}, {k}] with {np.asarray(data).size} bytes")
     codes, step, base, *raw = fn(np.asarray(data).reshape(-1, size))
     what = f"tensor {name or '(unnamed)'}'s {ggml} block scales"
-    finite(step, what, GGUFError)
+    gguf_checks.finite(step, what, GGUFError)
     if base is not None:
-        finite(base, what, GGUFError)
+        gguf_checks.finite(base, what, GGUFError)
     g = 16 if KINDS[ggml] == "q6" else 32
     dtype = torch.uint8 if KINDS[ggml] in ("q4", "q4k", "q5k", "q51") else torch.int8
     kept: tuple[torch.Tensor, ...] | None = None
@@ -213,12 +218,7 @@ def read_header(path: str, fields: list | None = None) -> tuple[dict, list[Tenso
     list given to be filled with every key, arrays too, in the file's order, as (key, value types, values): a
     string as its bytes, a number as a 1-tuple (what transformers' GGUF reader makes of gguf's fields:
     gguf_conversion.HeaderFields)."""
-    import struct
-
-    import gguf
-
-    from . import gguf_checks
-    from ..safe_io import describe_error, open_regular, pread_exact
+    import gguf  # deferred: gguf takes ~0.5 s to import
 
     bad = gguf_checks.Bad(path, GGUFError)
     try:
@@ -583,10 +583,6 @@ def rows_of(mf: ModelFile, stamp: dict, head_name: str) -> Rows | None:
 
 def save_rows(folder: str, rows: Rows) -> None:
     """Written atomically (a temp file renamed): a reader sees the old file or the whole new one."""
-    import json
-
-    from safetensors.torch import save_file
-
     tmp = os.path.join(folder, f".{ROWS_FILE}.{os.getpid()}.tmp")
     save_file({k: v.contiguous() for k, v in rows.perms.items()}, tmp,
               metadata={"stamp": json.dumps(rows.stamp, sort_keys=True), "head": "1" if rows.head else "0",
@@ -597,10 +593,6 @@ def save_rows(folder: str, rows: Rows) -> None:
 def load_rows(folder: str, stamp: dict) -> Rows | None:
     """The Rows kept for the GGUF whose content `stamp` describes; None if absent, for another file, or unreadable
     (then the check runs again)."""
-    import json
-
-    from safetensors import safe_open
-
     p = os.path.join(folder, ROWS_FILE)
     if not os.path.isfile(p):
         return None

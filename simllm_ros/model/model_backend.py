@@ -431,9 +431,9 @@ class ModelBackend:
     def _config_for(self, path: str) -> dict:
         """from_pretrained's `config`: the folder's, read once here, with LongRoPE's long factors where this load
         takes them (take_long_factors), so from_pretrained does not read it again."""
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # deferred: transformers takes seconds to import
 
-        from .model_config import take_long_factors
+        from .model_config import take_long_factors  # deferred: model_config imports transformers
 
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
         take_long_factors(cfg, self.context_length)
@@ -449,7 +449,7 @@ class ModelBackend:
         if self.runner.weight_bits == 16:
             return self.runner.hf_model()
         if self._dense_model is None:  # quantized weights cannot be given back: a dense copy of the file's
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM  # deferred: transformers takes seconds to import
 
             self.progress("loading a dense copy of the model for transformers' own forward (reference runs)")
             if os.path.exists(os.path.join(self._path, skeleton.SLIM_FILE)):  # dense weights dropped: convert again

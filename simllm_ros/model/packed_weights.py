@@ -22,8 +22,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from safetensors.torch import save_file
 
-from ..kernels import compute_threads
+from ..kernels import compute_threads, vector_blobs
 from ..mapped_safetensors import MappedSafetensors
 
 PACKED_FILE = "simllm_packed.safetensors"
@@ -36,8 +37,6 @@ Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_
 def layout_id() -> str:
     """What the blobs' layout depends on: the packing module's code (kernels/vector_blobs.py) and the kernel's C
     sources that read them (not the rest of the kernel's Python: a comment there must not repack every model)."""
-    from ..kernels import vector_blobs
-
     h = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(vector_blobs.__file__))
     for source in ("vector_blobs.py", "int4_vector.c", "int8_rows.h", "int8_rows32.h"):
@@ -118,7 +117,6 @@ class PackedStore:
         """Writes every part (mapped and built) atomically where anything was built; False if nothing was."""
         if not self.built:
             return False
-        from safetensors.torch import save_file
 
         tensors, index = {}, {}
         for key, parts in {**self.mapped, **self.built}.items():

@@ -11,6 +11,7 @@ schema with `jsonschema`, the last line of defence: an answer that fails it is n
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 MAX_DEPTH = 32  # nested objects/arrays in the schema document (a robot's schema is a few levels deep)
@@ -150,8 +151,6 @@ def _check_node(doc, schema, path: tuple) -> None:
             raise SchemaRefused(f"json_schema admits no value at {_path(path)}: property '{name}' is required "
                                 "and forbidden")
     if "pattern" in schema:
-        import re
-
         try:
             re.compile(schema["pattern"])
         except re.error as e:
@@ -162,7 +161,7 @@ def check(doc) -> None:
     """Refuses (SchemaRefused) a parsed schema the grammar cannot honour; returns None for one it can."""
     if doc is True or doc == {}:
         return
-    import jsonschema
+    import jsonschema  # deferred: jsonschema takes ~0.1 s to import
 
     validator = jsonschema.validators.validator_for(doc if isinstance(doc, dict) else {})
     try:
@@ -213,7 +212,7 @@ def pattern_paths(doc) -> list[str]:
 
 def answer_error(answer: str, doc) -> str | None:
     """None if the answer is JSON valid under the schema, else why not (the validation error, shortened)."""
-    import jsonschema
+    import jsonschema  # deferred: jsonschema takes ~0.1 s to import
 
     try:
         value = json.loads(answer)

@@ -269,7 +269,7 @@ def build(cfg, keys: set[str]) -> CausalLM | None:
     if act_name in ACTIVATIONS:
         act = ACTIVATIONS[act_name]()
     else:  # transformers' own, for the rest (its module imports torch.distributed and sympy: ~50 MB resident)
-        from transformers.activations import ACT2FN
+        from transformers.activations import ACT2FN  # deferred: transformers takes seconds to import
 
         act = ACT2FN[act_name]
     eps = float(cfg.rms_norm_eps)

@@ -60,6 +60,7 @@ def detect(template: str | None, tokens: dict | None = None) -> tuple[str, str]:
     not known here."""
     if not isinstance(template, str) or not template:
         return GENERIC, "the model has no chat template"
+    # deferred: transformers takes seconds to import
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
@@ -77,7 +78,7 @@ def detect(template: str | None, tokens: dict | None = None) -> tuple[str, str]:
 
 
 def _literal(text: str):
-    import xgrammar as xgr
+    import xgrammar as xgr  # deferred: xgrammar loads its native library
 
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
@@ -85,7 +86,7 @@ def _literal(text: str):
 def grammar(name: str, schema_text: str, text_allowed: bool):
     """The xgrammar Grammar of an answer in format `name`: the call (JSON under schema_text) in its frame, or
     where text_allowed a text reply (not starting with a call's first character or white space)."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # deferred: xgrammar loads its native library
 
     fmt = FORMATS[name]
     call = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)
