@@ -223,13 +223,13 @@ class LlamaRunner:
         att, mlp = layer.self_attn, layer.mlp
         weight_bits, int4 = self.weight_bits, self.int4
         if self.file is not None:
-            def file_parts(name: str) -> list:
+            def layer_parts(name: str) -> list:
                 return parts(f"{li}.{name}", builds[f"{li}.{name}"])
 
-            qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, int4, parts=file_parts("qkv"))
-            gate_up = _Proj(None, None, 4, int4, parts=file_parts("gate_up"))
-            o = _Proj(None, _bias(att.o_proj), 4, int4, parts=file_parts("o"))
-            down = _Proj(None, _bias(mlp.down_proj), 4, int4, parts=file_parts("down"))
+            qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, int4, parts=layer_parts("qkv"))
+            gate_up = _Proj(None, None, 4, int4, parts=layer_parts("gate_up"))
+            o = _Proj(None, _bias(att.o_proj), 4, int4, parts=layer_parts("o"))
+            down = _Proj(None, _bias(mlp.down_proj), 4, int4, parts=layer_parts("down"))
         else:
             qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, int4)
             gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, int4)

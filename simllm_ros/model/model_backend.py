@@ -210,7 +210,7 @@ class ModelBackend:
         """The tokenizer (its template checked) and the model: a skeleton around the file's checked blocks where
         `rows`, else transformers' class with its dense weights."""
         _quiet_transformers()
-        from transformers import AutoModelForCausalLM  # transformers' classes load only where a model is loaded
+        from transformers import AutoModelForCausalLM  # deferred: transformers takes seconds to import
 
         try:
             self.tokenizer = load_tokenizer(path)
@@ -252,7 +252,7 @@ class ModelBackend:
         # LongRoPE's factors are fixed at load, as llama.cpp fixes them for its context size: the long ones where
         # this load serves past the original context (then up to the model's longest), else the short ones, and
         # positions past the original context are refused rather than computed as another model would
-        from .model_config import long_factors_for, longrope_original  # imports transformers: seconds, at a load only
+        from .model_config import long_factors_for, longrope_original  # deferred: model_config imports transformers
 
         original = longrope_original(cfg)
         self.long_rope = long_factors_for(cfg, self.context_length)  # what the load's take_long_factors did
