@@ -420,8 +420,8 @@ class _Dequantized:
     q/k row order, Gemma's norm offset), in float32; `to_hf` names it as the model does."""
 
     def __init__(self, cfg, model):
+        # deferred: transformers takes seconds to import
         from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              # deferred: transformers takes seconds to import
                                                               get_gguf_hf_weights_map)
 
         self.processor = TENSOR_PROCESSORS.get(_GGUF_ARCH[cfg.model_type], TensorProcessor)(config=cfg.to_dict())

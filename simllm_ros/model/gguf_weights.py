@@ -3,7 +3,7 @@ file's blocks rather than guessed back from the dequantized float32 weights.
 
 Why: a Q4_K_M file (what most users download) keeps attn_v and ffn_down in Q6_K beside Q4_K, and a Q4_K group's
 levels need not include its minimum or maximum, so the min/max grid search that finds a Q4_1 file's grid again
-(llama_runner._int4_codes) would re-quantize them. Read from the blocks, the codes and scales are the file's, and
+(llama_runner.int4_codes) would re-quantize them. Read from the blocks, the codes and scales are the file's, and
 each format maps onto a vector kernel product that computes with exactly those numbers:
 - Q4_K, Q4_1, Q4_0: per group of 32, weight = step * code + base with code 0..15 (Q4_K: step = d * sub-scale,
   base = -dmin * sub-min): the 4-bit blob ("q4"); Q4_K in its own layout ("q4k": the sub-scales and sub-mins

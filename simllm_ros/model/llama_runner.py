@@ -30,8 +30,8 @@ SmolLM3's layers without RoPE among them), or Gemma 2's and 3's layers (sliding-
 own RoPE base, norms of x * (1 + w), norms after attention and MLP, GELU; Gemma 2's soft-capped attention scores);
 other models use the HF forward.
 
-Its parts: kv_buffer (KVBuffer, Seq), runner_weights (weight packing and which kernel runs each product: _Proj,
-_Head8, _Norm), runner_layers (LayerSteps: the steps inside a layer and the torch attention path; the runner's
+Its parts: kv_buffer (KVBuffer, Seq), runner_weights (weight packing and which kernel runs each product: Proj,
+Head8, Norm), runner_layers (LayerSteps: the steps inside a layer and the torch attention path; the runner's
 `steps`) and runner_early (EarlyPasses: SEMANTIC repair's early passes; the runner's `early`).
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ from .kv_buffer import KVBuffer, Seq
 from .packed_weights import PackedStore
 from .runner_early import EarlyPasses
 from .runner_layers import NO_ROPE, Layer, LayerSteps
-from .runner_weights import _bias, _cat_bias, _file_parts, _gemma_layout, _hand_out, _Head8, _Norm, _Proj, \
-    _return_freed_heap, _ScaledRows, on_q8_grid
+from .runner_weights import bias_of, cat_bias, file_parts, gemma_layout, hand_out, Head8, Norm, Proj, \
+    return_freed_heap, ScaledRows, on_q8_grid
 
 # The highest instruction set oneDNN (torch's bf16 CPU products) may use in this process. With AMX (Sapphire
 # Rapids and later Xeons) oneDNN switches kernels by row count, and they round differently: measured on such a
@@ -88,15 +88,15 @@ class LlamaRunner:
         self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
         self.hidden, self.vocab = cfg.hidden_size, base.embed_tokens.num_embeddings
         norms = norm_kernel.load()
-        self.norm = _Norm(base.norm, norms)
-        gemma = _gemma_layout(model)
+        self.norm = Norm(base.norm, norms)
+        gemma = gemma_layout(model)
         attn_softcap = self._read_geometry(cfg, base, gemma)
         self.int4 = self._choose_int4(base)
         self.file = file if self.int4 is not None and self.int4.dtype == torch.float32 else None
         if file is not None and self.file is None:
             raise ValueError("a GGUF's own blocks run on the float32 vector kernel only")
         self._hf_released = False  # whether the HF modules' dense weights were given up for the runner's copies
-        self._hf_views: list[tuple[_Proj | _Head8, tuple]] = []  # (projection, the HF linears of its weights)
+        self._hf_views: list[tuple[Proj | Head8, tuple]] = []  # (projection, the HF linears of its weights)
         lm_w = model.lm_head.weight.data
         builds = self._file_builds(lm_w.shape[0] % 16 == 0, int8_rows) if self.file is not None else {}
         parts: Callable[[str, Callable[[], list]], list] = \
@@ -108,9 +108,9 @@ class LlamaRunner:
             packed.build_all({key: build for key, build in builds.items() if key != "head"})
         # Rows the LM head takes at least: one on our kernels (a row's bits do not depend on the rows beside it,
         # test_numerics_contract; a second row would stream the whole head again), two on torch's 16-bit products.
-        self._head_rows = 1 if isinstance(self.lm_head, _Head8) or self.lm_head.parts is not None else 2
-        self.qk_norms: list[tuple[_Norm, _Norm] | None] = []
-        self.post_norms: list[tuple[_Norm, _Norm] | None] = []  # Gemma's norms of the attention and MLP outputs
+        self._head_rows = 1 if isinstance(self.lm_head, Head8) or self.lm_head.parts is not None else 2
+        self.qk_norms: list[tuple[Norm, Norm] | None] = []
+        self.post_norms: list[tuple[Norm, Norm] | None] = []  # Gemma's norms of the attention and MLP outputs
         self.layers = [self._build_layer(li, layer, norms, gemma, parts, builds)
                        for li, layer in enumerate(base.layers)]
         # Our C attention (attention_kernel) where it applies: ~2.5x faster than the two oneDNN products for a
@@ -199,21 +199,21 @@ class LlamaRunner:
         return int4
 
     def _build_head(self, lm: Any, parts: Callable[[str, Callable[[], list]], list],
-                    builds: dict[str, Callable[[], list]]) -> _Proj | _Head8:
+                    builds: dict[str, Callable[[], list]]) -> Proj | Head8:
         """The LM head. At 4 bits it is not 4-bit: it is usually tied to the embedding, which GGUF files keep above 4
         bits (SmolLM2's Q4_1 file: Q8_0, 32 distinct values in a group of 32), so 4 bits would re-quantize it.
         Where that embedding is Q8_0 and our kernel runs, its own 8-bit codes; else 16-bit."""
         lm_w = lm.weight.data
         if self.file is not None and self.file.head is not None and lm_w.shape[0] % 16 == 0:
             [(kind, blob, n)] = parts("head", builds["head"])
-            head = _Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
+            head = Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
             head.ggml, head.bits = self.file.head.ggml, {
                 "q4": 4, "q4k": 4, "q4k8": 4, "q5k8": 5, "q8": 8, "q6": 6, "q6k8": 6, "q3k8": 3, "q8r": 8,
                 "q5r": 5, "q51r": 5, "q4r": 4, "iq4r": 4, "iq4xs": 4}[kind]
             return head
         if self.int4 is not None and lm.bias is None and lm_w.shape[0] % 16 == 0 and on_q8_grid(lm_w):
-            return _Head8(lm_w, self.int4)
-        return _Proj(lm_w, lm.bias.data if lm.bias is not None else None,
+            return Head8(lm_w, self.int4)
+        return Proj(lm_w, lm.bias.data if lm.bias is not None else None,
                      16 if self.weight_bits == 4 else self.weight_bits)
 
     def _build_layer(self, li: int, layer: Any, norms: NormKernel | None, gemma: bool,
@@ -226,28 +226,28 @@ class LlamaRunner:
             def layer_parts(name: str) -> list:
                 return parts(f"{li}.{name}", builds[f"{li}.{name}"])
 
-            qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, int4, parts=layer_parts("qkv"))
-            gate_up = _Proj(None, None, 4, int4, parts=layer_parts("gate_up"))
-            o = _Proj(None, _bias(att.o_proj), 4, int4, parts=layer_parts("o"))
-            down = _Proj(None, _bias(mlp.down_proj), 4, int4, parts=layer_parts("down"))
+            qkv = Proj(None, cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, int4, parts=layer_parts("qkv"))
+            gate_up = Proj(None, None, 4, int4, parts=layer_parts("gate_up"))
+            o = Proj(None, bias_of(att.o_proj), 4, int4, parts=layer_parts("o"))
+            down = Proj(None, bias_of(mlp.down_proj), 4, int4, parts=layer_parts("down"))
         else:
-            qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, int4)
-            gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, int4)
-            o = _Proj(att.o_proj.weight.data, _bias(att.o_proj), weight_bits, int4)
-            down = _Proj(mlp.down_proj.weight.data, _bias(mlp.down_proj), weight_bits, int4)
+            qkv = Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, int4)
+            gate_up = Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, int4)
+            o = Proj(att.o_proj.weight.data, bias_of(att.o_proj), weight_bits, int4)
+            down = Proj(mlp.down_proj.weight.data, bias_of(mlp.down_proj), weight_bits, int4)
         self._hf_views += [(qkv, (att.q_proj, att.k_proj, att.v_proj)), (gate_up, (mlp.gate_proj, mlp.up_proj)),
                            (o, (att.o_proj,)), (down, (mlp.down_proj,))]
         # Qwen3's per-head RMSNorms of q and k (before RoPE): row-invariant on the norm kernel like the others
-        self.qk_norms.append((_Norm(att.q_norm, norms), _Norm(att.k_norm, norms)) if hasattr(att, "q_norm")
+        self.qk_norms.append((Norm(att.q_norm, norms), Norm(att.k_norm, norms)) if hasattr(att, "q_norm")
                              else None)
         if gemma:  # the norm before the MLP is pre_feedforward's; post_attention's is of the attention output
-            ln2 = _Norm(layer.pre_feedforward_layernorm, norms)
-            self.post_norms.append((_Norm(layer.post_attention_layernorm, norms),
-                                    _Norm(layer.post_feedforward_layernorm, norms)))
+            ln2 = Norm(layer.pre_feedforward_layernorm, norms)
+            self.post_norms.append((Norm(layer.post_attention_layernorm, norms),
+                                    Norm(layer.post_feedforward_layernorm, norms)))
         else:
-            ln2 = _Norm(layer.post_attention_layernorm, norms)
+            ln2 = Norm(layer.post_attention_layernorm, norms)
             self.post_norms.append(None)
-        return (_Norm(layer.input_layernorm, norms), qkv, o, ln2, gate_up, down, mlp.act_fn)
+        return (Norm(layer.input_layernorm, norms), qkv, o, ln2, gate_up, down, mlp.act_fn)
 
     def _choose_layers_kernel(self, norms: NormKernel | None, attn_softcap: float | None
                               ) -> layer_kernel.Layers | None:
@@ -267,7 +267,7 @@ class LlamaRunner:
         if self.file is not None and self.file.embed is not None:  # looked up from the file's blocks
             self.embed = self.file.embed
             if hasattr(base.embed_tokens, "embed_scale"):  # Gemma's rows times sqrt(hidden), as transformers does
-                self.embed = _ScaledRows(self.file.embed, base.embed_tokens.embed_scale.to(self.dtype))
+                self.embed = ScaledRows(self.file.embed, base.embed_tokens.embed_scale.to(self.dtype))
             if lm.weight is not base.embed_tokens.weight or self.file.head is not None:
                 base.embed_tokens.weight.data = base.embed_tokens.weight.data.new_empty((0, self.hidden))
                 self._hf_released = True
@@ -286,7 +286,7 @@ class LlamaRunner:
                     lin.weight.data = lin.weight.data.new_empty((0, lin.in_features))
                 self._hf_released = True
         if self._hf_released:
-            _return_freed_heap()
+            return_freed_heap()
 
     FILE_PARTS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj")), ("o", ("o_proj",)),
                   ("down", ("down_proj",)))
@@ -302,7 +302,7 @@ class LlamaRunner:
         for li, fw in enumerate(file.layers):
             for name, projs in self.FILE_PARTS:
                 def build(fw: dict = fw, projs: tuple[str, ...] = projs) -> list:
-                    return _file_parts([fw[p] for p in projs], int4, int8_rows)
+                    return file_parts([fw[p] for p in projs], int4, int8_rows)
 
                 builds[f"{li}.{name}"] = build
         return builds
@@ -315,8 +315,8 @@ class LlamaRunner:
                                "transformers' own forward needs weight_bits 16")
         if self._hf_released:
             for proj, linears in self._hf_views:
-                if isinstance(proj, _Proj) and proj.packed is not None:
-                    _hand_out(proj.dense(), linears, "weight")
+                if isinstance(proj, Proj) and proj.packed is not None:
+                    hand_out(proj.dense(), linears, "weight")
             self._hf_released = False
         return self.model
 
@@ -400,9 +400,9 @@ class LlamaRunner:
         w = torch.cat([lin.weight.data for lin in linears], dim=0).contiguous()
         biases = [lin.bias for lin in linears]
         b = torch.cat([x.data for x in biases], dim=0).contiguous() if all(x is not None for x in biases) else None
-        _hand_out(w, linears, "weight")
+        hand_out(w, linears, "weight")
         if b is not None:
-            _hand_out(b, linears, "bias")
+            hand_out(b, linears, "bias")
         return w, b
 
     @staticmethod
@@ -425,7 +425,7 @@ class LlamaRunner:
         cfg = model.config
         if hasattr(layer, "pre_feedforward_layernorm") or hasattr(layer, "post_feedforward_layernorm"):
             types = getattr(cfg, "layer_types", None) or []
-            extra = extra or not _gemma_layout(model) \
+            extra = extra or not gemma_layout(model) \
                 or bool(getattr(cfg, "use_bidirectional_attention", False)) or len(types) != len(layers) \
                 or not set(types) <= {"full_attention", "sliding_attention"} \
                 or ("sliding_attention" in types and not getattr(cfg, "sliding_window", None))

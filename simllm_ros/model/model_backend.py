@@ -30,10 +30,10 @@ from .kernel_paths import KernelPaths
 from .kv_buffer import KVBuffer, Seq
 from .llama_runner import LlamaRunner
 from .load_checks import LoadChecks
-from .model_files import ModelLoadError, _conversion_stamp, gguf_source, _load_skeleton, load_tokenizer, \
-    _quiet_transformers, resolve_model, slim_conversion
+from .model_files import ModelLoadError, conversion_stamp, gguf_source, load_skeleton, load_tokenizer, \
+    quiet_transformers, resolve_model, slim_conversion
 from .packed_weights import PackedStore
-from .runner_weights import int4_kernel_error, on_int4_grid, _return_freed_heap
+from .runner_weights import int4_kernel_error, on_int4_grid, return_freed_heap
 from .semantic_passes import EarlyStart, SemanticPasses
 from .structured_output import StructuredOutput
 
@@ -197,7 +197,7 @@ class ModelBackend:
         # float32 weights are ~4x its file: they set the peak memory and most of the load time).
         # the file's whole content (file_digest): hashed at resolve_model, remembered for an unchanged file
         try:
-            stamp = _conversion_stamp(src, cache_dir or default_cache_dir()) if src else None
+            stamp = conversion_stamp(src, cache_dir or default_cache_dir()) if src else None
         except OSError as e:  # replaced or removed since resolve_model read it
             raise ModelLoadError(f"model '{self.ref}': {e}") from e
         rows = gguf_weights.load_rows(path, stamp) if src and stamp is not None and file_blocks else None
@@ -209,7 +209,7 @@ class ModelBackend:
     def _load_model(self, path: str, rows: gguf_weights.Rows | None, cache_dir: str) -> None:
         """The tokenizer (its template checked) and the model: a skeleton around the file's checked blocks where
         `rows`, else transformers' class with its dense weights."""
-        _quiet_transformers()
+        quiet_transformers()
         from transformers import AutoModelForCausalLM  # deferred: transformers takes seconds to import
 
         try:
@@ -219,7 +219,7 @@ class ModelBackend:
             self.skeleton = rows is not None  # the dense projection weights were never loaded
             if rows is not None:
                 self.progress("loading the GGUF's checked blocks (no dense projection weights)")
-                self.model = _load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed,
+                self.model = load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed,
                                            context_length=self.context_length)
             else:
                 # transformers' default attention: sdpa where the class has it, else eager (Gemma 2's soft-capping)
@@ -389,7 +389,7 @@ class ModelBackend:
         key = (path, self.device, self.dtype_name, self.weight_bits, self.activation_bits, self.long_rope)
         if key not in _PROBED:
             _PROBED[key] = self.checks.measure(cache_dir, stamp, path, self.device, self.dtype_name)
-            _return_freed_heap()  # the checks' passes (a first load's: ~0.1 GB at 0.5B) handed back, not kept
+            return_freed_heap()  # the checks' passes (a first load's: ~0.1 GB at 0.5B) handed back, not kept
         single, self.exact_chunking, costs, self.numerics = _PROBED[key]
         # What a pass of m rows costs relative to one (m = 0..MAX_PASS_ROWS), where measured: draft lengths
         # are chosen by it (draft_proposer). None for transformers' own forward.

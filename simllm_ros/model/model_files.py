@@ -21,7 +21,7 @@ from . import gguf_conversion, gguf_weights, packed_weights, skeleton, template_
 from ..safe_io import describe_error, open_regular, write_json
 from .file_digest import content_digest
 from .gguf_checks import finite
-from .runner_weights import _return_freed_heap
+from .runner_weights import return_freed_heap
 from .cache_records import default_cache_dir, try_cache_write
 from ..settings import DEFAULT_MODEL
 
@@ -39,7 +39,7 @@ class ModelLoadError(RuntimeError):
     pass
 
 
-def _quiet_transformers():
+def quiet_transformers():
     from transformers.utils import logging as hf_logging  # deferred: transformers takes seconds to import
 
     hf_logging.set_verbosity_error()
@@ -93,7 +93,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     stamp = os.path.join(target, "simllm_conversion.json")
     src = os.path.join(gguf_dir, gguf_name)
     try:
-        want = _conversion_stamp(src, cache_dir or default_cache_dir())  # content: every venv shares one copy
+        want = conversion_stamp(src, cache_dir or default_cache_dir())  # content: every venv shares one copy
     except OSError as e:
         raise ModelLoadError(f"model '{ref}': {e}") from e
     try:
@@ -115,7 +115,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
         except template_box.TemplateError as e:
             raise ModelLoadError(str(e)) from e
 
-    _quiet_transformers()
+    quiet_transformers()
     t0 = time.monotonic()
     tmp = f"{target}.tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
@@ -186,7 +186,7 @@ def release_heap() -> None:
     """What a load just dropped (a converted model, a tokenizer's tables) handed back to the system: collected now
     (transformers' modules hold reference cycles) and glibc's freed heap pages returned (runner_weights)."""
     gc.collect()
-    _return_freed_heap()
+    return_freed_heap()
 
 
 def load_tokenizer(path: str):
@@ -234,7 +234,7 @@ def keep_added_tokens(folder: str) -> bool:
     return True
 
 
-def _conversion_stamp(src: str, record_dir: str | None = None) -> dict:
+def conversion_stamp(src: str, record_dir: str | None = None) -> dict:
     """What identifies a GGUF's content for the copies made from it (the conversion, the checked rows, the packed
     blocks, the load checks): its whole content's digest (file_digest; remembered in `record_dir` with the file's
     identity, so an unchanged file is not read again)."""
@@ -279,7 +279,7 @@ def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
     return freed
 
 
-def _load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length: int = 0):
+def load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length: int = 0):
     """A converted GGUF's model (float32) without its projection weights (and LM head if `skip_head`, token
     embedding if `skip_embed` and nothing else needs it): those are allocated, never written (so never resident) and
     released by the runner, which takes the file's blocks. `context_length`: model_config.take_long_factors."""

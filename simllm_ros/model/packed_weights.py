@@ -31,7 +31,7 @@ PACKED_FILE = "simllm_packed.safetensors"
 PROGRESS_S = 5.0  # at most one progress line this often while packing
 PACK_THREADS = 4  # parts packed at once at most: each holds its decoded codes meanwhile (~0.2 GB for a 3B MLP)
 
-Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_weights._file_parts returns
+Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_weights.file_parts returns
 
 
 def layout_id() -> str:

@@ -12,7 +12,7 @@ import torch
 
 from ..kernels import attention_kernel, layer_kernel
 from .kv_buffer import Seq
-from .runner_weights import _Norm, _Proj
+from .runner_weights import Norm, Proj
 
 
 # The RoPE kind of a layer that attends without positions (SmolLM3's NoPE layers): its table leaves a row as it is
@@ -26,7 +26,7 @@ def _no_rotation(h: torch.Tensor, positions: torch.Tensor, dim: int) -> tuple[to
 
 
 # A layer as the runner holds it: input norm, fused q/k/v, o, the norm before the MLP, fused gate/up, down, activation
-Layer = tuple[_Norm, _Proj, _Proj, _Norm, _Proj, _Proj, Callable[[torch.Tensor], torch.Tensor]]
+Layer = tuple[Norm, Proj, Proj, Norm, Proj, Proj, Callable[[torch.Tensor], torch.Tensor]]
 
 
 class LayerSteps:
@@ -39,8 +39,8 @@ class LayerSteps:
 
     def __init__(self, *, layers: list[Layer], n_heads: int, n_kv: int, head_dim: int, scale: float, inter: int,
                  rotary: Any, rope_types: list[str | None], rope_of: list[int], partner: torch.Tensor | None,
-                 window: list[int], qk_norms: list[tuple[_Norm, _Norm] | None],
-                 post_norms: list[tuple[_Norm, _Norm] | None], softcap: float | None, attn_softcap: float | None,
+                 window: list[int], qk_norms: list[tuple[Norm, Norm] | None],
+                 post_norms: list[tuple[Norm, Norm] | None], softcap: float | None, attn_softcap: float | None,
                  fused: layer_kernel.Layers | None, kernel: attention_kernel.AttentionKernel | None,
                  device: torch.device):
         self.layers = layers
@@ -109,7 +109,7 @@ class LayerSteps:
         if self.fused is not None:  # the C layers' SiLU (or GELU), so that this layer computes as theirs do
             y = down(self.fused.act_mul(gu))
         else:
-            y = down(_act_rows(act, gu[..., :self.inter]) * gu[..., self.inter:])
+            y = down(act_rows(act, gu[..., :self.inter]) * gu[..., self.inter:])
         post = self.post_norms[li]
         return h + (y if post is None else post[1](y))
 
@@ -178,7 +178,7 @@ class LayerSteps:
         if self.softcap is None:
             return logits
         cap = float(self.softcap)
-        return _act_rows(torch.tanh, logits / cap) * cap
+        return act_rows(torch.tanh, logits / cap) * cap
 
     def window_plan(self, seqs: list[tuple]) -> "attention_kernel.PassPlan":
         """The attention kernel's plan for sliding-window layers, seqs (row0, m, start, k, v): a row at slot s
@@ -268,7 +268,7 @@ class LayerSteps:
 _ONE_THREAD_ELEMENTS = 16384
 
 
-def _act_rows(act, x: torch.Tensor) -> torch.Tensor:
+def act_rows(act, x: torch.Tensor) -> torch.Tensor:
     """act(x) for rows x [..., I], in calls small enough to run in one thread: row-invariant."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1]) if x.dim() != 2 else x

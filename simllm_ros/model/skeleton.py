@@ -177,7 +177,7 @@ def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
         return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # no modeling code imported
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # deferred: transformers (no modeling code)
 
     if layer_type is None:
         return ROPE_INIT_FUNCTIONS[kind](config)
@@ -236,7 +236,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = body
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False)
-        from transformers import GenerationConfig  # configuration code only
+        from transformers import GenerationConfig  # deferred: transformers (configuration code only)
 
         self.generation_config = GenerationConfig.from_model_config(cfg)
 

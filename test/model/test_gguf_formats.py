@@ -126,10 +126,10 @@ def test_iq4_xs_keeps_its_sub_scales_and_computes_the_bits_of_its_scales_per_32(
 
 def test_a_projection_of_mixed_parts_is_each_parts_product():
     """q/k in Q4_K and v in Q6_K fused into one projection: each output block is bitwise its own part's product."""
-    from simllm_ros.model.runner_weights import _file_parts, _Proj
+    from simllm_ros.model.runner_weights import file_parts, Proj
 
     pieces = [_tensor("Q4_K", 64, 512, 1), _tensor("Q4_K", 32, 512, 2), _tensor("Q6_K", 32, 512, 3)]
-    proj = _Proj(None, None, 4, KERNEL, parts=_file_parts([fw for fw, _ in pieces], KERNEL))
+    proj = Proj(None, None, 4, KERNEL, parts=file_parts([fw for fw, _ in pieces], KERNEL))
     assert proj.kinds == "q4k+q6" and len(proj.parts) == 2 and proj.n == 128
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
     y = proj(x)

@@ -355,7 +355,7 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
     equal the same configuration's empty-pool answers, drafts included."""
     from transformers import AutoModelForCausalLM
 
-    from simllm_ros.model.runner_weights import INT4_GROUP, _int4_codes, int4_dequantized, int4_kernel_error, \
+    from simllm_ros.model.runner_weights import INT4_GROUP, int4_codes, int4_dequantized, int4_kernel_error, \
         on_int4_grid
     from simllm_ros.model.model_files import resolve_model
 
@@ -386,7 +386,7 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
     dtype = e4.backend.dtype
     sd = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).state_dict()
     w = torch.cat([sd[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])  # the file's fused qkv rows
-    q, sz = _int4_codes(w)
+    q, sz = int4_codes(w)
     deq = int4_dequantized(q, sz)
     off = (deq - w.float()).abs().reshape(w.shape[0], -1, INT4_GROUP) / sz[..., 0].float().t()[..., None]
     assert off.max() < 0.1, f"4-bit weights are {off.max():.3f} of a step away from the file's (not its Q4 grid?)"
