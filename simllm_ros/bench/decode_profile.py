@@ -69,7 +69,7 @@ def weight_bytes(runner) -> int:
     def nbytes(proj) -> int:
         if getattr(proj, "parts", None):
             return sum(blob.nbytes for _, blob, _ in proj.parts)
-        return proj.blob.nbytes  # _Head8
+        return proj.blob.nbytes  # Head8
 
     return sum(nbytes(p) for layer in runner.layers for p in (layer[1], layer[2], layer[4], layer[5])) \
         + nbytes(getattr(runner.lm_head, "inner", runner.lm_head))

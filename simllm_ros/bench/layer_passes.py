@@ -20,7 +20,7 @@ offline()
 import torch  # noqa: E402
 
 from simllm_ros.serving.engine import Engine  # noqa: E402
-from simllm_ros.model.llama_runner import KVBuffer  # noqa: E402
+from simllm_ros.model.kv_buffer import KVBuffer  # noqa: E402
 from simllm_ros.settings import Settings  # noqa: E402
 
 

@@ -179,7 +179,7 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     from ..serving.engine import Engine
-    from ..model.model_backend import resolve_model
+    from ..model.model_files import resolve_model
     from ..settings import SPEC_BY_NAME, Settings, parse_size
 
     t_start = time.monotonic()

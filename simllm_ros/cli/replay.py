@@ -50,7 +50,7 @@ def start_node(args) -> subprocess.Popen:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from simllm_ros.serving.engine import read_requests_jsonl
+    from simllm_ros.serving.warm_start import read_requests_jsonl
 
     reqs = read_requests_jsonl(args.workload)
     proc = None if args.no_start else start_node(args)

@@ -308,7 +308,7 @@ static void *glue32_rows(void *arg) {
         break;
     case G_ROPE:
         /* the bias as torch adds it (y + b, one rounding), then each head's norm in place (rows of D), then RoPE:
-           the Python layers' order (llama_runner._Proj, _rotated_rows) */
+           the Python layers' order (runner_weights.Proj, LayerSteps.rotated_rows) */
         for (int r = m0; r < m1; r++) {
             float *row = G->src + (long)r * H * D;
             if (G->bias)

@@ -1,31 +1,42 @@
 """The caches a ModelBackend hands out: a KVBuffer where the batch-invariant runner computes the passes, else
 transformers' DynamicCache. The engine only passes a cache between these methods and the backend's passes; what
-it keeps of one (the pool's entries) it takes as tensors [L, H, n, D]. CacheHandles is a part of ModelBackend
-(model_backend.py), split off to be read in one sitting.
+it keeps of one (the pool's entries) it takes as tensors [L, H, n, D]. CacheHandles is a part ModelBackend
+(model_backend.py) owns: it knows only the KV shape, dtype and device, and whether a runner computes the passes.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..cache.block_store import KVShape
 from .kv_buffer import KVBuffer
 
 
 class CacheHandles:
-    """ModelBackend's caches (a mixin: self is the backend, with its runner, model, kv_shape, dtype and device)."""
+    """ModelBackend's caches: KVBuffers of `kv_shape` in `dtype` on `device` where `buffers` (the batch-invariant
+    runner computes the passes), else transformers' DynamicCache."""
 
-    def new_cache(self, capacity: int = 256):
-        if self.runner is not None:
+    def __init__(self, buffers: bool, kv_shape: KVShape, dtype: torch.dtype, device: str):
+        self.buffers = buffers
+        self.kv_shape = kv_shape
+        self.dtype = dtype
+        self.device = device
+
+    def new_cache(self, capacity: int = 256) -> Any:
+        """An empty cache with room for `capacity` tokens (a KVBuffer; a DynamicCache grows)."""
+        if self.buffers:
             L, H, D = self.kv_shape.layers, self.kv_shape.kv_heads, self.kv_shape.head_dim
             return KVBuffer.allocate(L, H, D, capacity, self.dtype, self.device)
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # deferred: transformers takes seconds to import
 
         # Every layer keeps every token (no config: no sliding-window layers, which drop what left their window and so
         # cannot be cropped back to an accepted draft); the model's own masks still apply each layer's window.
         return DynamicCache()
 
-    def cache_from_tensors(self, k: torch.Tensor, v: torch.Tensor, reserve: int = 0):
+    def cache_from_tensors(self, k: torch.Tensor, v: torch.Tensor, reserve: int = 0) -> Any:
         """k, v: [L, H, n, D] -> a cache holding them, with room for `reserve` more tokens."""
-        if self.runner is not None:
+        if self.buffers:
             need = k.shape[2] + max(reserve, 2)
             k, v = k.to(self.device, self.dtype), v.to(self.device, self.dtype)  # no-ops when they match
             cache = KVBuffer.adopt(k, v, need)  # a pool read with room: decode on in place

@@ -1,8 +1,11 @@
 """The chat side of a model backend: prompts in the model's chat template (system and context first, so requests
 that share them share a token prefix), the tokens that end an answer, token counts, grammars for structured output,
-and answers back to text. A mixin of ModelBackend, which holds `tokenizer`, `model` and `vocab_size`.
+and answers back to text. ChatPrompts is a part ModelBackend owns: it knows only the tokenizer, the model's
+generation config and the logits' rows.
 """
 from __future__ import annotations
+
+from typing import Any
 
 from ..request import ChatTurn
 from . import tool_call_formats
@@ -10,13 +13,20 @@ from .structured_output import StructuredOutput
 
 
 class ChatPrompts:
-    _grammars: StructuredOutput | None = None
-    _tool_format: tuple[str, str] | None = None
-    _tool_traits: tool_call_formats.TemplateTraits | None = None
+    """A model's chat side: `tokenizer`, the model's `generation_config` (its end-of-sequence tokens; None where it
+    has none) and `vocab_size`, the rows of its logits."""
 
-    def _stop_ids(self) -> set[int]:
-        ids = set()
-        gen = getattr(self.model, "generation_config", None)
+    def __init__(self, tokenizer: Any, generation_config: Any, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_ids = self._stop_ids(generation_config)
+        self._grammars: StructuredOutput | None = None
+        self._tool_format: tuple[str, str] | None = None
+        self._tool_traits: tool_call_formats.TemplateTraits | None = None
+
+    def _stop_ids(self, gen: Any) -> set[int]:
+        """The tokens that end an answer: the model's and tokenizer's end of sequence, and the end-of-turn tokens."""
+        ids: set[int] = set()
         for src in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
             if isinstance(src, int):
                 ids.add(src)
@@ -83,6 +93,11 @@ class ChatPrompts:
             template, tokens = self._tool_template()
             self._tool_traits = tool_call_formats.traits(template, self.tool_format[0], tokens)
         return self._tool_traits
+
+    def template_changed(self) -> None:
+        """Forget the tool-call format read from the chat template (the tokenizer's template was replaced)."""
+        self._tool_format = None
+        self._tool_traits = None
 
     @property
     def grammars(self) -> StructuredOutput:

@@ -193,7 +193,7 @@ class Decoder:
             if self.should_stop is not None and self.should_stop():
                 ended = "cancel"
                 break
-        if guess:
+        if guess and self.drafts is not None:  # (a guess comes from the drafts)
             self.gen.draft_proposed += len(guess)
             self.gen.draft_accepted += accepted
             self.drafts.feedback(len(guess), accepted)

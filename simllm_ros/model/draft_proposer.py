@@ -28,6 +28,7 @@ accepted draft and falls back to what was accepted plus one after a rejection
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from .decoding import DraftSource
 
@@ -90,9 +91,9 @@ def best_length(rate: float, costs, available: int) -> int:
 
 
 class DraftProposer(DraftSource):
-    def __init__(self, *, answers: list[list[int]] = (), history: list[list[int]] = (), prompt: list[int] = (),
-                 max_tokens: int = 32, min_match: int = 2, max_match: int = 8, start_tokens: int = 8,
-                 costs=None, stats: DraftStats | None = None, repeat: list[int] = ()):
+    def __init__(self, *, answers: Sequence[Sequence[int]] = (), history: Sequence[Sequence[int]] = (),
+                 prompt: Sequence[int] = (), max_tokens: int = 32, min_match: int = 2, max_match: int = 8,
+                 start_tokens: int = 8, costs=None, stats: DraftStats | None = None, repeat: Sequence[int] = ()):
         # `repeat`: the stored answer of this very prompt (same configuration: usually the answer itself),
         # checked before the answers of similar requests and counted as its own kind of draft.
         self.n_repeat = 1 if repeat else 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from ..safe_io import open_regular
 from .cache_records import read_records, update_record
@@ -48,8 +49,6 @@ def _segment(fd: int, start: int, stop: int) -> bytes:
 def whole_digest(fd: int) -> str:
     """SHA-256 of the SHA-256s of an open file's SEGMENT-byte segments (and its size): every byte, read in chunks
     (no more than _CHUNK a thread in memory), the segments on up to THREADS threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
     size = os.fstat(fd).st_size
     bounds = [(s, min(size, s + SEGMENT)) for s in range(0, size, SEGMENT)] or [(0, 0)]
     threads = max(1, min(THREADS, len(bounds), os.cpu_count() or 1))

@@ -10,8 +10,10 @@ conversions), not in another pass over the file.
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import numpy as np
+import torch
 
 MAX_LAYERS = 4096
 MAX_HEADS = 4096
@@ -29,14 +31,12 @@ class Bad:
     def __init__(self, path: str, error: type[Exception]):
         self.path, self.error = path, error
 
-    def __call__(self, why: str):
+    def __call__(self, why: str) -> NoReturn:
         raise self.error(why)
 
 
 def finite(values, what: str, error: type[Exception]) -> None:
     """`error` naming `what` where a float array or tensor holds a NaN or an infinity."""
-    import torch
-
     if isinstance(values, torch.Tensor):
         ok = bool(torch.isfinite(values).all()) if values.is_floating_point() else True
     else:
@@ -162,8 +162,8 @@ def check_model(bad: Bad, meta: dict, tensors: dict) -> None:
         return
     missing = [k for k, v in ((f"{arch}.block_count", blocks), (f"{arch}.embedding_length", hidden),
                               (f"{arch}.attention.head_count", heads)) if v is None]
-    if missing:
-        bad(f"the file lacks the metadata {missing[0]}, which a {arch} model needs")
+    if missing or blocks is None or hidden is None or heads is None or kv is None or hd is None:
+        bad(f"the file lacks the metadata {missing[0]}, which a {arch} model needs")  # kv, hd: heads' defaults
     embed = tensors.get("token_embd.weight")
     if embed is None:
         bad("the file lacks the tensor token_embd.weight")

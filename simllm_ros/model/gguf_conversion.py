@@ -19,11 +19,14 @@ import functools
 import json
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
-from . import gguf_weights, skeleton
+from . import gguf_checks, gguf_weights, skeleton
+from .llama_runner import LlamaRunner
 from .gguf_blocks import DECODED
 from .gguf_weights import KINDS, PROJECTIONS, Rows, Tensor
 
@@ -103,7 +106,8 @@ def _longrope(cfg, meta: dict, tensors: dict[str, Tensor]) -> None:
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     params.update(rope_type="longrope", original_max_position_embeddings=original,
                   attention_factor=float(meta.get(key + "attn_factor", 1.0)),
-                  **{f"{w}_factor": [float(v) for v in t.read().view(np.float32)] for w, t in found.items()})
+                  **{f"{w}_factor": [float(v) for v in t.read().view(np.float32)] for w, t in found.items()
+                     if t is not None})
     cfg.rope_parameters = params
     cfg.original_max_position_embeddings = original  # Phi3Config's own field, which its RoPE check reads
 
@@ -149,8 +153,6 @@ def _yarn(arch: str, meta: dict, factor: float, context: int) -> dict:
 
 
 def _llama3_rope(cfg, t: Tensor | None) -> None:
-    import copy
-
     if t is None:
         return
     params = dict(getattr(cfg, "rope_parameters", None) or {})
@@ -184,7 +186,7 @@ def read_config(src: str, meta: dict, tensors: dict[str, Tensor]):
 
 def _transformers_config(src: str):
     """The config transformers' GGUF reader makes of GGUF `src`."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: transformers takes seconds to import
 
     where, name = os.path.split(src)
     return AutoConfig.from_pretrained(where, gguf_file=name)
@@ -194,7 +196,7 @@ def read_tokenizer(src: str, meta: dict):
     """GGUF `src`'s tokenizer as transformers reads it. Its AutoTokenizer first reads the file's config, and so
     refuses the architectures its GGUF reader does not know; the tokenizer itself is read by its kind (gpt2 BPE,
     sentencepiece), whatever the architecture, which the plain fast class does without the config."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # deferred: transformers takes seconds to import
 
     where, name = os.path.split(src)
     cls = PreTrainedTokenizerFast if meta.get("general.architecture") in OWN_CONFIGS else AutoTokenizer
@@ -204,7 +206,7 @@ def read_tokenizer(src: str, meta: dict):
 def _smollm3_config(src: str, meta: dict, tensors: dict[str, Tensor]):
     """SmolLM3: Llama's layers, but every fourth (layers 3, 7, 11, ...) attends without RoPE (NoPE). llama.cpp
     fixes that interval in its code (`n_no_rope_layer_step = 4`; the file has no key for it), and so does this."""
-    from transformers import SmolLM3Config
+    from transformers import SmolLM3Config  # deferred: transformers takes seconds to import
 
     key = lambda name: meta[f"smollm3.{name}"]
     heads = int(key("attention.head_count"))
@@ -230,7 +232,7 @@ def _llama_config(src: str, meta: dict, tensors: dict[str, Tensor]):
     """A llama file as llama.cpp runs it. transformers' GGUF reader takes one whose general.name is "mistral" for a
     Mistral model, with MistralConfig's default 4096-token sliding window (which llama.cpp does not apply), and
     then cannot name its tensors (gguf-py has no mistral architecture): its fields, as a Llama config."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # deferred: transformers takes seconds to import
 
     fields = _transformers_config(src).to_dict()
     dropped = ("model_type", "sliding_window", "architectures", "transformers_version")
@@ -288,8 +290,8 @@ def _one_metadata_parse():
     object per vocabulary string); and gguf's tensor name map is made once an architecture, where transformers'
     weights map made it again for each of a model's ~370 modules (~9 s). Read-only lookups of the file and the
     architecture."""
-    import gguf
-    from transformers import modeling_gguf_pytorch_utils as mgu
+    import gguf  # deferred: gguf takes ~0.5 s to import
+    from transformers import modeling_gguf_pytorch_utils as mgu  # deferred: transformers takes seconds to import
 
     parse, seen = mgu.load_gguf_checkpoint, {}
     name_map = gguf.get_tensor_name_map
@@ -315,7 +317,7 @@ def _one_metadata_parse():
 @contextlib.contextmanager
 def _header_fields():
     """While inside, gguf's GGUFReader is HeaderFields (load_gguf_checkpoint imports it from gguf at each call)."""
-    import gguf
+    import gguf  # deferred: gguf takes ~0.5 s to import
 
     reader = gguf.GGUFReader
     gguf.GGUFReader = HeaderFields
@@ -336,8 +338,6 @@ def convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dic
 
 def _convert(src: str, header: tuple[dict, list[Tensor]], folder: str, stamp: dict,
              progress: Callable[[str], None]) -> Rows | None:
-    from .llama_runner import LlamaRunner
-
     name = os.path.basename(src)
     meta, listed = header
     tensors = {t.name: t for t in listed}
@@ -405,7 +405,7 @@ def _convert_dense(src: str, header: tuple[dict, list[Tensor]], folder: str) -> 
 
 def _save(folder: str, state: dict[str, torch.Tensor], cfg, src: str, meta: dict) -> None:
     """The converted copy's tensors, config (float32, its transformers class named) and tokenizer."""
-    from safetensors.torch import save_file
+    # deferred: transformers takes seconds to import
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
@@ -420,6 +420,7 @@ class _Dequantized:
     q/k row order, Gemma's norm offset), in float32; `to_hf` names it as the model does."""
 
     def __init__(self, cfg, model):
+        # deferred: transformers takes seconds to import
         from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                               get_gguf_hf_weights_map)
 
@@ -429,7 +430,7 @@ class _Dequantized:
     def __call__(self, t: Tensor, rows: slice | None = None, finite: bool = False) -> torch.Tensor:
         """Rows `rows` (all by default) of tensor `t`; `finite`: GGUFError naming it where a value is not finite
         (a tensor kept in the converted copy: checked as it is made)."""
-        from gguf import GGMLQuantizationType, dequantize
+        from gguf import GGMLQuantizationType, dequantize  # deferred: gguf takes ~0.5 s to import
 
         shape = t.shape if rows is None else (rows.stop - rows.start, *t.shape[1:])
         per_row = _row_bytes(t)
@@ -438,9 +439,7 @@ class _Dequantized:
         w = self.processor.process(weights=w, name=t.name, tensor_key_mapping=self.to_hf, parsed_parameters={}).weights
         out = torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(shape)
         if finite:
-            from .gguf_checks import finite as check
-
-            check(out, f"tensor {t.name}", gguf_weights.GGUFError)
+            gguf_checks.finite(out, f"tensor {t.name}", gguf_weights.GGUFError)
         return out
 
     def same_rows(self, t: Tensor) -> bool:
@@ -468,7 +467,7 @@ class _Dequantized:
     def file_rows(t: Tensor, raw: np.ndarray) -> torch.Tensor:
         """gguf's dequantization of the file's rows whose bytes are `raw` [rows, row bytes] (no processing: the
         file's order)."""
-        from gguf import GGMLQuantizationType, dequantize
+        from gguf import GGMLQuantizationType, dequantize  # deferred: gguf takes ~0.5 s to import
 
         w = dequantize(raw, GGMLQuantizationType[t.ggml])
         return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(raw.shape[0], -1)
@@ -518,7 +517,8 @@ def _projection_rows(model, tensors: dict[str, Tensor], ref: _Dequantized, progr
                                         f"[{lin.out_features}, {lin.in_features}], not for our kernels")
             order = ref.row_order(t)
             if order is None:  # a processing that is not a row order: the whole tensor compared, in its order
-                fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), tuple(t.shape), t.name), ref(t))
+                shape = (lin.out_features, lin.in_features)  # the file's, as checked above
+                fw = gguf_weights.match(gguf_weights.decode(t.ggml, t.read(), shape, t.name), ref(t))
                 if fw is None:
                     return _whole(progress, f"blk.{i}.{gname}: our decoding is not gguf's dequantization")
                 if fw.perm is not None:
@@ -535,13 +535,15 @@ def _projection_rows(model, tensors: dict[str, Tensor], ref: _Dequantized, progr
 
 def _row_bytes(t: Tensor) -> int:
     """Bytes of one row (the innermost dimension) of `t` in its GGUF type."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred: gguf takes ~0.5 s to import
 
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.ggml]]
     return t.shape[-1] // block * nbytes
 
 
-def _whole(progress: Callable[[str], None], why: str) -> None:
+def _whole(progress: Callable[[str], None], why: str) -> Any:
+    """Says why the file is not converted a tensor at a time; None, what its callers return then (Rows or a
+    dict of tensors where they convert)."""
     progress(f"not converting it a tensor at a time: {why}")
     return None
 

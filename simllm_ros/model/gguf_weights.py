@@ -3,7 +3,7 @@ file's blocks rather than guessed back from the dequantized float32 weights.
 
 Why: a Q4_K_M file (what most users download) keeps attn_v and ffn_down in Q6_K beside Q4_K, and a Q4_K group's
 levels need not include its minimum or maximum, so the min/max grid search that finds a Q4_1 file's grid again
-(llama_runner._int4_codes) would re-quantize them. Read from the blocks, the codes and scales are the file's, and
+(llama_runner.int4_codes) would re-quantize them. Read from the blocks, the codes and scales are the file's, and
 each format maps onto a vector kernel product that computes with exactly those numbers:
 - Q4_K, Q4_1, Q4_0: per group of 32, weight = step * code + base with code 0..15 (Q4_K: step = d * sub-scale,
   base = -dmin * sub-min): the 4-bit blob ("q4"); Q4_K in its own layout ("q4k": the sub-scales and sub-mins
@@ -22,10 +22,17 @@ loader did (Llama's q and k): nothing runs on numbers other than the file's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import struct
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import gguf_checks
+from ..safe_io import describe_error, open_regular, pread_exact
 
 from .gguf_blocks import BLOCKS
 
@@ -84,22 +91,23 @@ class FileWeight:
         rows quantized to 8 bits (kinds "q3k8", "q4k8", "q5k8", "q6k8", "q8r", "q5r", "q4r", "q51r", "iq4r", "iq4xs":
         integer dot products, at the file's bits or near them; Q5_K and Q5_1 have no other; Q3_K otherwise takes the
         16-input 8-bit product, "q6")."""
+        raw = self.raw or ()  # the sub-scales of the K-quant and IQ4_XS kinds, which use them
         if self.kind == "q4k" and int8_rows:
-            return "q4k8", kernel.pack_q4k8(self.codes, *self.raw), self.codes.shape[0]
+            return "q4k8", kernel.pack_q4k8(self.codes, *raw), self.codes.shape[0]
         if self.kind == "q5k":
             if not int8_rows:
                 raise ValueError("Q5_K blocks run on rows quantized to 8 bits only (activation_bits 0 or 8)")
-            return "q5k8", kernel.pack_q5k8(self.codes, *self.raw), self.codes.shape[0]
+            return "q5k8", kernel.pack_q5k8(self.codes, *raw), self.codes.shape[0]
         if self.ggml == "Q6_K" and int8_rows:
-            return "q6k8", kernel.pack_q6k8(self.codes, *self.raw), self.codes.shape[0]
+            return "q6k8", kernel.pack_q6k8(self.codes, *raw), self.codes.shape[0]
         if self.ggml == "Q3_K" and int8_rows:  # Q6_K's form: codes -4..3, int8 sub-scales per 16, d per 256
-            return "q3k8", kernel.pack_q3k8(self.codes, *self.raw), self.codes.shape[0]
+            return "q3k8", kernel.pack_q3k8(self.codes, *raw), self.codes.shape[0]
         if self.ggml == "Q8_0" and int8_rows:
             return "q8r", kernel.pack_q8r(self.codes, self.step), self.codes.shape[0]
         if self.ggml == "IQ4_NL" and int8_rows:  # table indices, the file's float16 d per 32
             return "iq4r", kernel.pack_iq4r(self.codes, self.step), self.codes.shape[0]
         if self.ggml == "IQ4_XS" and int8_rows:  # table indices, sub-scales per 32, d per 256: the file's
-            return "iq4xs", kernel.pack_iq4xs(self.codes, *self.raw), self.codes.shape[0]
+            return "iq4xs", kernel.pack_iq4xs(self.codes, *raw), self.codes.shape[0]
         if self.ggml == "Q5_0" and int8_rows:  # Q5_0's scale is kept per 16, the same for both halves
             return "q5r", kernel.pack_q5r(self.codes, self.step[:, ::2]), self.codes.shape[0]
         if self.kind == "q51":  # codes 0..31, step d, base m per 32: the file's values as they are
@@ -109,7 +117,7 @@ class FileWeight:
         if self.ggml == "Q4_0" and int8_rows:  # codes 0..15, step d, base -8d: the file's d and codes as they are
             return "q4r", kernel.pack_q4r(self.codes, self.step), self.codes.shape[0]
         if self.kind == "q4k":  # the file's Q4_K layout (4.75 bits a weight): the q4 product's bits
-            blob = kernel.pack_q4k(self.codes, *self.raw)
+            blob = kernel.pack_q4k(self.codes, *raw)
         elif self.kind == "q4":
             blob = kernel.pack_affine(self.codes, self.step, self.base)
         elif self.kind == "q8":
@@ -126,20 +134,18 @@ def decode(ggml: str, data: np.ndarray, shape: tuple[int, int], name: str = "") 
     GGUFError naming tensor `name` where a block's scale (its float16 d, dmin) is not finite: every scale and base
     a product reads is d or dmin times an integer, so a NaN or infinite d or dmin shows in them (checked here,
     on what decoding made anyway, not in a pass of its own)."""
-    from .gguf_checks import finite
-
     size, per, fn = BLOCKS[ggml]
     n, k = shape
     if k % per or np.asarray(data).size != n * (k // per) * size:
         raise GGUFError(f"a {ggml} tensor of shape [{n}, {k}] with {np.asarray(data).size} bytes")
     codes, step, base, *raw = fn(np.asarray(data).reshape(-1, size))
     what = f"tensor {name or '(unnamed)'}'s {ggml} block scales"
-    finite(step, what, GGUFError)
+    gguf_checks.finite(step, what, GGUFError)
     if base is not None:
-        finite(base, what, GGUFError)
+        gguf_checks.finite(base, what, GGUFError)
     g = 16 if KINDS[ggml] == "q6" else 32
     dtype = torch.uint8 if KINDS[ggml] in ("q4", "q4k", "q5k", "q51") else torch.int8
-    kept = None
+    kept: tuple[torch.Tensor, ...] | None = None
     if raw and ggml in ("Q4_K", "Q5_K"):  # sub-scales and sub-mins per 32, d and dmin per 256
         sc, mn, d, dmin = raw[0]
         kept = (sc.reshape(n, k // 32).contiguous(), mn.reshape(n, k // 32).contiguous(), d.reshape(n, k // 256),
@@ -212,12 +218,7 @@ def read_header(path: str, fields: list | None = None) -> tuple[dict, list[Tenso
     list given to be filled with every key, arrays too, in the file's order, as (key, value types, values): a
     string as its bytes, a number as a 1-tuple (what transformers' GGUF reader makes of gguf's fields:
     gguf_conversion.HeaderFields)."""
-    import struct
-
-    import gguf
-
-    from . import gguf_checks
-    from ..safe_io import describe_error, open_regular, pread_exact
+    import gguf  # deferred: gguf takes ~0.5 s to import
 
     bad = gguf_checks.Bad(path, GGUFError)
     try:
@@ -371,8 +372,9 @@ def _unfused(meta: dict, tensors: list[Tensor]) -> list[Tensor]:
         n = t.shape[0] if len(t.shape) == 2 else 0
         if kind == "attn_qkv" and n % (heads + 2 * kv_heads) == 0:
             d = n // (heads + 2 * kv_heads)
-            cuts = (("attn_q", 0, heads * d), ("attn_k", heads * d, (heads + kv_heads) * d),
-                    ("attn_v", (heads + kv_heads) * d, n))
+            cuts: tuple[tuple[str, int, int], ...] = (
+                ("attn_q", 0, heads * d), ("attn_k", heads * d, (heads + kv_heads) * d),
+                ("attn_v", (heads + kv_heads) * d, n))
         elif kind == "ffn_up" and n == 2 * inter:
             cuts = (("ffn_gate", 0, inter), ("ffn_up", inter, n))
         else:
@@ -548,7 +550,7 @@ def read_model(path: str, model, rows: "Rows | None" = None, listed: list[Tensor
     listed = listed if listed is not None else check_file(path)
     tensors = {t.name: t for t in listed}
     fmts = formats(path, listed)
-    layers: list[dict[str, FileWeight]] = []
+    layers: list[dict[str, FileWeight | PendingWeight]] = []
     why = None
     base = model.model
 
@@ -558,7 +560,7 @@ def read_model(path: str, model, rows: "Rows | None" = None, listed: list[Tensor
         return PendingWeight(tensors[name], shape, rows.perms.get(name))
 
     for i, layer in enumerate(base.layers):
-        got: dict[str, FileWeight] = {}
+        got: dict[str, FileWeight | PendingWeight] = {}
         for gname, (sub, attr) in PROJECTIONS.items():
             name = f"blk.{i}.{gname}.weight"
             t = tensors.get(name)
@@ -584,7 +586,7 @@ def read_model(path: str, model, rows: "Rows | None" = None, listed: list[Tensor
         if rows is not None and rows.embed:
             embed = FileEmbedding(t, emb.num_embeddings, emb.embedding_dim)
         elif rows is None and emb.weight.dtype == torch.float32 and torch.equal(
-                decode(t.ggml, t.data, tuple(t.shape), t.name).dequantized(), emb.weight.data):
+                decode(t.ggml, t.data, (emb.num_embeddings, emb.embedding_dim), t.name).dequantized(), emb.weight.data):
             embed = FileEmbedding(t, emb.num_embeddings, emb.embedding_dim)
     return ModelFile(layers, head, fmts, why, embed)
 
@@ -611,8 +613,9 @@ def rows_of(mf: ModelFile, stamp: dict, head_name: str) -> Rows | None:
     perms = {}
     for i, got in enumerate(mf.layers):
         for gname, (_, attr) in PROJECTIONS.items():
-            if got[attr].perm is not None:
-                perms[f"blk.{i}.{gname}.weight"] = got[attr].perm.to(torch.int32)
+            perm = got[attr].perm
+            if perm is not None:
+                perms[f"blk.{i}.{gname}.weight"] = perm.to(torch.int32)
     if mf.head is not None and mf.head.perm is not None:
         perms[head_name] = mf.head.perm.to(torch.int32)
     return Rows(stamp, perms, mf.head is not None, mf.embed is not None)
@@ -620,10 +623,6 @@ def rows_of(mf: ModelFile, stamp: dict, head_name: str) -> Rows | None:
 
 def save_rows(folder: str, rows: Rows) -> None:
     """Written atomically (a temp file renamed): a reader sees the old file or the whole new one."""
-    import json
-
-    from safetensors.torch import save_file
-
     tmp = os.path.join(folder, f".{ROWS_FILE}.{os.getpid()}.tmp")
     save_file({k: v.contiguous() for k, v in rows.perms.items()}, tmp,
               metadata={"stamp": json.dumps(rows.stamp, sort_keys=True), "head": "1" if rows.head else "0",
@@ -634,10 +633,6 @@ def save_rows(folder: str, rows: Rows) -> None:
 def load_rows(folder: str, stamp: dict) -> Rows | None:
     """The Rows kept for the GGUF whose content `stamp` describes; None if absent, for another file, or unreadable
     (then the check runs again)."""
-    import json
-
-    from safetensors import safe_open
-
     p = os.path.join(folder, ROWS_FILE)
     if not os.path.isfile(p):
         return None

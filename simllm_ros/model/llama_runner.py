@@ -30,27 +30,32 @@ SmolLM3's layers without RoPE among them), or Gemma 2's and 3's layers (sliding-
 own RoPE base, norms of x * (1 + w), norms after attention and MLP, GELU; Gemma 2's soft-capped attention scores);
 other models use the HF forward.
 
-Its parts: kv_buffer (KVBuffer, Seq), runner_weights (weight packing and which kernel runs each product: _Proj,
-_Head8, _Norm), runner_layers (LayerSteps: the steps inside a layer and the torch attention path) and runner_early
-(EarlyPasses: SEMANTIC repair's early passes); every name this module held is still importable from it.
+Its parts: kv_buffer (KVBuffer, Seq), runner_weights (weight packing and which kernel runs each product: Proj,
+Head8, Norm), runner_layers (LayerSteps: the steps inside a layer and the torch attention path; the runner's
+`steps`) and runner_early (EarlyPasses: SEMANTIC repair's early passes; the runner's `early`).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..kernels import attention_kernel, int4_kernel, int4_vector_kernel, layer_kernel, norm_kernel
+from ..kernels.int4_kernel import Int4Kernel
+from ..kernels.int4_vector_kernel import VectorKernel
+from ..kernels.norm_kernel import NormKernel
 from . import skeleton
+from .gguf_weights import ModelFile
 from .kv_buffer import KVBuffer, Seq
-from .runner_early import EarlyHead, EarlyPasses  # noqa: F401 (importable from here)
-from .runner_layers import _ONE_THREAD_ELEMENTS, NO_ROPE, LayerSteps, _act_rows  # noqa: F401 (importable from here)
-from .runner_weights import (  # noqa: F401 (the packing helpers stay importable from here)
-    INT4_GROUP, _bias, _cat_bias, _file_parts, _gemma_layout, _hand_out, _Head8, _int4_codes, _int4_grid, _Norm,
-    _pack, _Proj, _quantize_int4, _return_freed_heap, _ScaledRows, int4_dequantized, int4_kernel_error,
-    on_int4_grid, on_q8_grid, q8_codes)
+from .packed_weights import PackedStore
+from .runner_early import EarlyPasses
+from .runner_layers import NO_ROPE, Layer, LayerSteps
+from .runner_weights import bias_of, cat_bias, file_parts, gemma_layout, hand_out, Head8, Norm, Proj, \
+    return_freed_heap, ScaledRows, on_q8_grid
 
 # The highest instruction set oneDNN (torch's bf16 CPU products) may use in this process. With AMX (Sapphire
 # Rapids and later Xeons) oneDNN switches kernels by row count, and they round differently: measured on such a
@@ -65,8 +70,12 @@ if not (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA
     os.environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA_CAP
 
 
-class LlamaRunner(LayerSteps, EarlyPasses):
-    def __init__(self, model, weight_bits: int = 16, file=None, packed=None, int8_rows: bool = False):
+class LlamaRunner:
+    """The batch-invariant forward passes of one model; its parts: `steps` (LayerSteps, the steps inside a layer)
+    and `early` (EarlyPasses, SEMANTIC repair's early passes)."""
+
+    def __init__(self, model: Any, weight_bits: int = 16, file: ModelFile | None = None,
+                 packed: PackedStore | None = None, int8_rows: bool = False):
         """`file` (gguf_weights.ModelFile, float32 with weight_bits 4 only): the projections and LM head run on the
         GGUF's own blocks on the vector kernel instead of 4-bit codes found again from the weights. `packed`
         (packed_weights.PackedStore): those blocks as packed at an earlier load, mapped instead of packed again.
@@ -75,12 +84,64 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         cfg = model.config
         self.model = model
         self.weight_bits = weight_bits
-        self.embed = base.embed_tokens
+        self.embed: Any = base.embed_tokens
         # What the model computes in and on, kept here: the embedding may be the file's blocks (FileEmbedding)
         self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
         self.hidden, self.vocab = cfg.hidden_size, base.embed_tokens.num_embeddings
         norms = norm_kernel.load()
-        self.norm = _Norm(base.norm, norms)
+        self.norm = Norm(base.norm, norms)
+        gemma = gemma_layout(model)
+        attn_softcap = self._read_geometry(cfg, base, gemma)
+        self.int4 = self._choose_int4(base)
+        self.file = file if self.int4 is not None and self.int4.dtype == torch.float32 else None
+        if file is not None and self.file is None:
+            raise ValueError("a GGUF's own blocks run on the float32 vector kernel only")
+        self._hf_released = False  # whether the HF modules' dense weights were given up for the runner's copies
+        self._hf_views: list[tuple[Proj | Head8, tuple]] = []  # (projection, the HF linears of its weights)
+        lm_w = model.lm_head.weight.data
+        builds = self._file_builds(lm_w.shape[0] % 16 == 0, int8_rows) if self.file is not None else {}
+        parts: Callable[[str, Callable[[], list]], list] = \
+            packed.parts if packed is not None else (lambda key, build: build())
+        self.lm_head = self._build_head(model.lm_head, parts, builds)
+        if packed is not None:  # the layers' parts the file of packed blocks lacks, on every core; after the LM
+            # head, packed alone first: its decoding (~1.5 GB at a 150k vocabulary) on top of the packed layers
+            # would set the load's peak
+            packed.build_all({key: build for key, build in builds.items() if key != "head"})
+        # Rows the LM head takes at least: one on our kernels (a row's bits do not depend on the rows beside it,
+        # test_numerics_contract; a second row would stream the whole head again), two on torch's 16-bit products.
+        self._head_rows = 1 if isinstance(self.lm_head, Head8) or self.lm_head.parts is not None else 2
+        self.qk_norms: list[tuple[Norm, Norm] | None] = []
+        self.post_norms: list[tuple[Norm, Norm] | None] = []  # Gemma's norms of the attention and MLP outputs
+        self.layers = [self._build_layer(li, layer, norms, gemma, parts, builds)
+                       for li, layer in enumerate(base.layers)]
+        # Our C attention (attention_kernel) where it applies: ~2.5x faster than the two oneDNN products for a
+        # decode step; None: the torch path below. Chosen once per runner, so every pass uses the same one.
+        kernel = attention_kernel.load()
+        self.kernel = kernel if kernel is not None and kernel.supports(self.dtype, self.head_dim, self.device) \
+            else None
+        # Whether a lone token may run as one row (check_single_rows); else it is padded to two.
+        self.single_rows = False
+        self.inter = base.layers[0].mlp.gate_proj.out_features
+        self.fused = self._choose_layers_kernel(norms, attn_softcap)
+        self.layers_in_c = True  # False: the same arithmetic, layer by layer from Python (tests compare the two)
+        self._take_file_embedding(base, model.lm_head)
+        self._release_hf_weights(model.lm_head, base)
+        self.steps = LayerSteps(layers=self.layers, n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim,
+                                scale=self.scale, inter=self.inter, rotary=self.rotary, rope_types=self.rope_types,
+                                rope_of=self.rope_of, partner=self._partner, window=self.window,
+                                qk_norms=self.qk_norms, post_norms=self.post_norms, softcap=self.softcap,
+                                attn_softcap=attn_softcap, fused=self.fused, kernel=self.kernel, device=self.device)
+        self.early = EarlyPasses(self, self.steps)
+
+    @property
+    def attn_softcap(self) -> float | None:
+        """Gemma 2's soft cap of the attention scores (None: none); the layers' steps hold it."""
+        return self.steps.attn_softcap
+
+    def _read_geometry(self, cfg: Any, base: Any, gemma: bool) -> float | None:
+        """The heads, RoPE tables and kinds, windows and soft caps of the model's config; returns Gemma 2's soft cap
+        of the attention scores (a Gemma 3 config has the field too, which neither transformers nor llama.cpp
+        applies)."""
         # our tables (the same bits on every CPU, rope_trig) also where the load built transformers' classes
         ours = isinstance(base.rotary_emb, skeleton.RotaryEmbedding)
         self.rotary = base.rotary_emb if ours else (skeleton.static_rotary(cfg) or base.rotary_emb)
@@ -89,6 +150,8 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
         # RoPE on the first rope_dims of each head (Phi-4-mini's 96 of 128; all elsewhere), turning (d, d + rope_dims
         # / 2) together; the tables are padded to the head with cos 1, sin 0, so the rest stays as it is
         self.rope_dims = skeleton.rope_dims(cfg)
@@ -98,7 +161,6 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         # Gemma 2 and 3: queries scaled by query_pre_attn_scalar, a window of keys on sliding layers, norms after
         # attention and MLP, soft-capped logits; Gemma 3 a RoPE table per layer type (sliding layers have their own
         # base), Gemma 2 one table and soft-capped attention scores
-        gemma = _gemma_layout(model)
         if gemma:
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
         self.layer_types = list(getattr(cfg, "layer_types", None) or []) if gemma else []
@@ -118,126 +180,114 @@ class LlamaRunner(LayerSteps, EarlyPasses):
             or [0] * len(base.layers)
         self.windowed = any(self.window)
         self.softcap = getattr(cfg, "final_logit_softcapping", None) if gemma else None
-        # Gemma 2's soft-capped attention scores (a Gemma 3 config has the field too, which neither transformers nor
-        # llama.cpp applies)
-        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
-        lm = model.lm_head
-        self.layers = []
-        self.qk_norms: list[tuple[_Norm, _Norm] | None] = []
-        self.post_norms: list[tuple[_Norm, _Norm] | None] = []  # Gemma's norms of the attention and MLP outputs
-        self._hf_released = False  # whether the HF modules' dense weights were given up for the runner's copies
-        self._hf_views: list[tuple[_Proj, tuple]] = []  # (projection, the HF linears whose weights it holds)
-        # 4-bit products on our own kernel, for every projection or none, so that every pass computes the same way:
-        # in bf16 on AMX (int4_kernel: ~2-4x ATen's from a few rows up), in float32 on vector units elsewhere
-        # (int4_vector_kernel: row-invariant where torch's float32 products are not).
-        self.int4 = None
+        return getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
+
+    def _choose_int4(self, base: Any) -> Int4Kernel | VectorKernel | None:
+        """4-bit products on our own kernel, for every projection or none, so that every pass computes the same way:
+        in bf16 on AMX (int4_kernel: ~2-4x ATen's from a few rows up), in float32 on vector units elsewhere
+        (int4_vector_kernel: row-invariant where torch's float32 products are not)."""
+        int4: Int4Kernel | VectorKernel | None = None
         dtype, on_cpu = self.dtype, self.device.type == "cpu"
-        if weight_bits == 4 and on_cpu and dtype in (torch.bfloat16, torch.float32):
+        if self.weight_bits == 4 and on_cpu and dtype in (torch.bfloat16, torch.float32):
             shapes = [(lin.out_features, lin.in_features) for layer in base.layers for lin in (
                 layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                 layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
             if all(n % 16 == 0 and k % int4_kernel.GROUP == 0 for n, k in shapes):
-                self.int4 = int4_kernel.load() if dtype == torch.bfloat16 else int4_vector_kernel.load()
-            if self.int4 is None and dtype == torch.float32:
+                int4 = int4_kernel.load() if dtype == torch.bfloat16 else int4_vector_kernel.load()
+            if int4 is None and dtype == torch.float32:
                 raise ValueError(f"weight_bits=4 in float32 runs on our vector kernel only: "
                                  f"{int4_vector_kernel.why_not() or 'shapes not in 16s of outputs, 32s of inputs'}")
-        # At 4 bits the LM head is not 4-bit: it is usually tied to the embedding, which GGUF files keep above 4
-        # bits (SmolLM2's Q4_1 file: Q8_0, 32 distinct values in a group of 32), so 4 bits would re-quantize it.
-        # Where that embedding is Q8_0 and our kernel runs, its own 8-bit codes; else 16-bit.
+        return int4
+
+    def _build_head(self, lm: Any, parts: Callable[[str, Callable[[], list]], list],
+                    builds: dict[str, Callable[[], list]]) -> Proj | Head8:
+        """The LM head. At 4 bits it is not 4-bit: it is usually tied to the embedding, which GGUF files keep above 4
+        bits (SmolLM2's Q4_1 file: Q8_0, 32 distinct values in a group of 32), so 4 bits would re-quantize it.
+        Where that embedding is Q8_0 and our kernel runs, its own 8-bit codes; else 16-bit."""
         lm_w = lm.weight.data
-        packs = packed.parts if packed is not None else (lambda key, build: build())
-        self.file = file if self.int4 is not None and self.int4.dtype == torch.float32 else None
-        if file is not None and self.file is None:
-            raise ValueError("a GGUF's own blocks run on the float32 vector kernel only")
-        builds = self._file_builds(lm_w.shape[0] % 16 == 0, int8_rows) if self.file is not None else {}
         if self.file is not None and self.file.head is not None and lm_w.shape[0] % 16 == 0:
-            [(kind, blob, n)] = packs("head", builds["head"])
-            self.lm_head = _Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
-            self.lm_head.ggml, self.lm_head.bits = self.file.head.ggml, {
+            [(kind, blob, n)] = parts("head", builds["head"])
+            head = Proj(None, None, 16, self.int4, parts=[(kind, blob, n)])
+            head.ggml, head.bits = self.file.head.ggml, {
                 "q4": 4, "q4k": 4, "q4k8": 4, "q5k8": 5, "q8": 8, "q6": 6, "q6k8": 6, "q3k8": 3, "q8r": 8,
                 "q5r": 5, "q51r": 5, "q4r": 4, "iq4r": 4, "iq4xs": 4}[kind]
-        elif self.int4 is not None and lm.bias is None and lm_w.shape[0] % 16 == 0 and on_q8_grid(lm_w):
-            self.lm_head = _Head8(lm_w, self.int4)
-        else:
-            self.lm_head = _Proj(lm_w, lm.bias.data if lm.bias is not None else None,
-                                 16 if weight_bits == 4 else weight_bits)
-        if packed is not None:  # the layers' parts the file of packed blocks lacks, on every core; after the LM
-            # head, packed alone first: its decoding (~1.5 GB at a 150k vocabulary) on top of the packed layers
-            # would set the load's peak
-            packed.build_all({key: build for key, build in builds.items() if key != "head"})
-        # Rows the LM head takes at least: one on our kernels (a row's bits do not depend on the rows beside it,
-        # test_numerics_contract; a second row would stream the whole head again), two on torch's 16-bit products.
-        self._head_rows = 1 if isinstance(self.lm_head, _Head8) or self.lm_head.parts is not None else 2
-        for li, layer in enumerate(base.layers):
-            att, mlp = layer.self_attn, layer.mlp
-            if self.file is not None:
-                def file_parts(name, li=li):
-                    return packs(f"{li}.{name}", builds[f"{li}.{name}"])
+            return head
+        if self.int4 is not None and lm.bias is None and lm_w.shape[0] % 16 == 0 and on_q8_grid(lm_w):
+            return Head8(lm_w, self.int4)
+        return Proj(lm_w, lm.bias.data if lm.bias is not None else None,
+                     16 if self.weight_bits == 4 else self.weight_bits)
 
-                qkv = _Proj(None, _cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, self.int4,
-                            parts=file_parts("qkv"))
-                gate_up = _Proj(None, None, 4, self.int4, parts=file_parts("gate_up"))
-                o = _Proj(None, _bias(att.o_proj), 4, self.int4, parts=file_parts("o"))
-                down = _Proj(None, _bias(mlp.down_proj), 4, self.int4, parts=file_parts("down"))
-            else:
-                qkv = _Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, self.int4)
-                gate_up = _Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, self.int4)
-                o = _Proj(att.o_proj.weight.data, _bias(att.o_proj), weight_bits, self.int4)
-                down = _Proj(mlp.down_proj.weight.data, _bias(mlp.down_proj), weight_bits, self.int4)
-            self._hf_views += [(qkv, (att.q_proj, att.k_proj, att.v_proj)), (gate_up, (mlp.gate_proj, mlp.up_proj)),
-                               (o, (att.o_proj,)), (down, (mlp.down_proj,))]
-            # Qwen3's per-head RMSNorms of q and k (before RoPE): row-invariant on the norm kernel like the others
-            self.qk_norms.append((_Norm(att.q_norm, norms), _Norm(att.k_norm, norms)) if hasattr(att, "q_norm")
-                                 else None)
-            if gemma:  # the norm before the MLP is pre_feedforward's; post_attention's is of the attention output
-                ln2 = _Norm(layer.pre_feedforward_layernorm, norms)
-                self.post_norms.append((_Norm(layer.post_attention_layernorm, norms),
-                                        _Norm(layer.post_feedforward_layernorm, norms)))
-            else:
-                ln2 = _Norm(layer.post_attention_layernorm, norms)
-                self.post_norms.append(None)
-            self.layers.append((_Norm(layer.input_layernorm, norms), qkv, o, ln2, gate_up, down, mlp.act_fn))
-        # Our C attention (attention_kernel) where it applies: ~2.5x faster than the two oneDNN products for a
-        # decode step; None: the torch path below. Chosen once per runner, so every pass uses the same one.
-        kernel = attention_kernel.load()
-        self.kernel = kernel if kernel is not None and kernel.supports(self.dtype, self.head_dim, self.device) \
-            else None
-        # Whether a lone token may run as one row (check_single_rows); else it is padded to two.
-        self.single_rows = False
-        self.q_size = self.n_heads * self.head_dim
-        self.kv_size = self.n_kv * self.head_dim
-        self.inter = base.layers[0].mlp.gate_proj.out_features
-        # The layers in one C call per pass where every piece of them is ours (layer_kernel: ~6 ms of Python and
-        # tensor ops per decode step otherwise); then the MLP's SiLU is its own wherever a layer runs in Python.
-        self.fused = None
-        self.layers_in_c = True  # False: the same arithmetic, layer by layer from Python (tests compare the two)
+    def _build_layer(self, li: int, layer: Any, norms: NormKernel | None, gemma: bool,
+                     parts: Callable[[str, Callable[[], list]], list], builds: dict[str, Callable[[], list]]) -> Layer:
+        """Layer li's norms and fused products (the file's packed blocks, or the HF weights fused: the HF modules
+        keep views into them); its q/k norms and norms after attention and MLP appended to qk_norms, post_norms."""
+        att, mlp = layer.self_attn, layer.mlp
+        weight_bits, int4 = self.weight_bits, self.int4
+        if self.file is not None:
+            def layer_parts(name: str) -> list:
+                return parts(f"{li}.{name}", builds[f"{li}.{name}"])
+
+            qkv = Proj(None, cat_bias(att.q_proj, att.k_proj, att.v_proj), 4, int4, parts=layer_parts("qkv"))
+            gate_up = Proj(None, None, 4, int4, parts=layer_parts("gate_up"))
+            o = Proj(None, bias_of(att.o_proj), 4, int4, parts=layer_parts("o"))
+            down = Proj(None, bias_of(mlp.down_proj), 4, int4, parts=layer_parts("down"))
+        else:
+            qkv = Proj(*self._fuse(att.q_proj, att.k_proj, att.v_proj), weight_bits, int4)
+            gate_up = Proj(*self._fuse(mlp.gate_proj, mlp.up_proj), weight_bits, int4)
+            o = Proj(att.o_proj.weight.data, bias_of(att.o_proj), weight_bits, int4)
+            down = Proj(mlp.down_proj.weight.data, bias_of(mlp.down_proj), weight_bits, int4)
+        self._hf_views += [(qkv, (att.q_proj, att.k_proj, att.v_proj)), (gate_up, (mlp.gate_proj, mlp.up_proj)),
+                           (o, (att.o_proj,)), (down, (mlp.down_proj,))]
+        # Qwen3's per-head RMSNorms of q and k (before RoPE): row-invariant on the norm kernel like the others
+        self.qk_norms.append((Norm(att.q_norm, norms), Norm(att.k_norm, norms)) if hasattr(att, "q_norm")
+                             else None)
+        if gemma:  # the norm before the MLP is pre_feedforward's; post_attention's is of the attention output
+            ln2 = Norm(layer.pre_feedforward_layernorm, norms)
+            self.post_norms.append((Norm(layer.post_attention_layernorm, norms),
+                                    Norm(layer.post_feedforward_layernorm, norms)))
+        else:
+            ln2 = Norm(layer.post_attention_layernorm, norms)
+            self.post_norms.append(None)
+        return (Norm(layer.input_layernorm, norms), qkv, o, ln2, gate_up, down, mlp.act_fn)
+
+    def _choose_layers_kernel(self, norms: NormKernel | None, attn_softcap: float | None
+                              ) -> layer_kernel.Layers | None:
+        """The layers in one C call per pass where every piece of them is ours (layer_kernel: ~6 ms of Python and
+        tensor ops per decode step otherwise); then the MLP's SiLU is its own wherever a layer runs in Python."""
         lk = layer_kernel.load() if self.int4 is not None and self.kernel is not None else None
-        if lk is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
-            self.fused = layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, cfg.hidden_size,
-                                             self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale,
-                                             self.qk_norms, self.post_norms, self.rope_of, self.window,
-                                             self.attn_softcap, self.rope_dims)
+        if lk is not None and self.int4 is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
+            return layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, self.hidden,
+                                       self.n_heads, self.n_kv, self.head_dim, self.inter, self.scale,
+                                       self.qk_norms, self.post_norms, self.rope_of, self.window,
+                                       attn_softcap, self.rope_dims)
+        return None
+
+    def _take_file_embedding(self, base: Any, lm: Any) -> None:
+        """The token embedding looked up from the file's blocks where it has them (the dense one released unless
+        the LM head still reads it); then the file's codes need not stay (packed)."""
         if self.file is not None and self.file.embed is not None:  # looked up from the file's blocks
             self.embed = self.file.embed
             if hasattr(base.embed_tokens, "embed_scale"):  # Gemma's rows times sqrt(hidden), as transformers does
-                self.embed = _ScaledRows(self.file.embed, base.embed_tokens.embed_scale.to(self.dtype))
+                self.embed = ScaledRows(self.file.embed, base.embed_tokens.embed_scale.to(self.dtype))
             if lm.weight is not base.embed_tokens.weight or self.file.head is not None:
                 base.embed_tokens.weight.data = base.embed_tokens.weight.data.new_empty((0, self.hidden))
                 self._hf_released = True
         if self.file is not None:  # packed now: the codes need not stay
             self.file = self.file.formats_only()
+
+    def _release_hf_weights(self, lm: Any, base: Any) -> None:
+        """Packed or quantized weights are a second copy: the HF modules' dense ones are released (the model's
+        weight memory stays 1x) and, if packed, unpacked again only if something asks for the HF model
+        (`hf_model`). Quantized ones cannot be given back."""
         if lm.weight is not base.embed_tokens.weight:  # an untied lm_head: the runner's copy is the one used
             self._hf_views.append((self.lm_head, (lm,)))
-        # Packed or quantized weights are a second copy: the HF modules' dense ones are released (the
-        # model's weight memory stays 1x) and, if packed, unpacked again only if something asks for the HF
-        # model (`hf_model`). Quantized ones cannot be given back.
         for proj, linears in self._hf_views:
             if proj.weight is None:  # packed or quantized: the runner holds its own copy
                 for lin in linears:
                     lin.weight.data = lin.weight.data.new_empty((0, lin.in_features))
                 self._hf_released = True
         if self._hf_released:
-            _return_freed_heap()
+            return_freed_heap()
 
     FILE_PARTS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj")), ("o", ("o_proj",)),
                   ("down", ("down_proj",)))
@@ -245,13 +295,17 @@ class LlamaRunner(LayerSteps, EarlyPasses):
     def _file_builds(self, head: bool, int8_rows: bool) -> dict[str, Callable[[], list]]:
         """Every packed part of the file's blocks by key, as a function that packs it (the keys __init__ asks
         the store for): the LM head where it is the file's own, then each layer's fused projections."""
+        file, int4 = self.file, self.int4
+        assert file is not None and int4 is not None  # a file's blocks run on the vector kernel only
         builds: dict[str, Callable[[], list]] = {}
-        if head and self.file.head is not None:
-            builds["head"] = lambda: [self.file.head.pack(self.int4, int8_rows)]
-        for li, fw in enumerate(self.file.layers):
+        if head and (file_head := file.head) is not None:
+            builds["head"] = lambda: [file_head.pack(int4, int8_rows)]
+        for li, fw in enumerate(file.layers):
             for name, projs in self.FILE_PARTS:
-                builds[f"{li}.{name}"] = lambda fw=fw, projs=projs: _file_parts([fw[p] for p in projs], self.int4,
-                                                                                 int8_rows)
+                def build(fw: dict = fw, projs: tuple[str, ...] = projs) -> list:
+                    return file_parts([fw[p] for p in projs], int4, int8_rows)
+
+                builds[f"{li}.{name}"] = build
         return builds
 
     def hf_model(self):
@@ -262,8 +316,8 @@ class LlamaRunner(LayerSteps, EarlyPasses):
                                "transformers' own forward needs weight_bits 16")
         if self._hf_released:
             for proj, linears in self._hf_views:
-                if proj.packed is not None:
-                    _hand_out(proj.dense(), linears, "weight")
+                if isinstance(proj, Proj) and proj.packed is not None:
+                    hand_out(proj.dense(), linears, "weight")
             self._hf_released = False
         return self.model
 
@@ -306,8 +360,6 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         the model itself (one pass per size after a warm-up round), interpolated between the sizes timed and
         extended along the last slope beyond them. Each pass in a `turn()` of its own (the engine's model turn, where
         timed beside requests: they wait one pass at most)."""
-        import time
-
         dev = self.device
         # a prior only (pass_costs.PassCosts learns each size's cost from the passes served): five sizes, a warm-up
         # round and one timed, where seven sizes twice took a first load's seconds; never a token's bits
@@ -355,9 +407,9 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         w = torch.cat([lin.weight.data for lin in linears], dim=0).contiguous()
         biases = [lin.bias for lin in linears]
         b = torch.cat([x.data for x in biases], dim=0).contiguous() if all(x is not None for x in biases) else None
-        _hand_out(w, linears, "weight")
+        hand_out(w, linears, "weight")
         if b is not None:
-            _hand_out(b, linears, "bias")
+            hand_out(b, linears, "bias")
         return w, b
 
     @staticmethod
@@ -380,7 +432,7 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         cfg = model.config
         if hasattr(layer, "pre_feedforward_layernorm") or hasattr(layer, "post_feedforward_layernorm"):
             types = getattr(cfg, "layer_types", None) or []
-            extra = extra or not _gemma_layout(model) \
+            extra = extra or not gemma_layout(model) \
                 or bool(getattr(cfg, "use_bidirectional_attention", False)) or len(types) != len(layers) \
                 or not set(types) <= {"full_attention", "sliding_attention"} \
                 or ("sliding_attention" in types and not getattr(cfg, "sliding_window", None))
@@ -417,55 +469,58 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         if end > kv.capacity:
             raise ValueError(f"KV buffer holds {kv.capacity} tokens, {end} needed")
         h = self.embed(ids)[None] if hidden is None else hidden.to(self.dtype)[None]  # [1, M, E]
-        cos, sin = self._rope_tables(h, positions)
+        cos, sin = self.steps.rope_tables(h, positions)
         G, D, Hkv = self.group, self.head_dim, self.n_kv
         # Query heads are grouped by their KV head: [1, Hkv, G*M, D], so a mask repeats G times; built once
         # here rather than in each layer. Causal by slot, every query may attend slots < start: only the
         # new tokens' own columns need masking (`first`: the column the mask starts at); with own slots, all.
+        kernel = self.kernel
         blocked, first, plan = None, 0, None
-        if self.kernel is not None:  # causal by slot inside the kernel
-            plan = self.kernel.plan([(0, M, start, kv.k, kv.v) + (() if slots is None else (0, 0, slots))])
+        if kernel is not None:  # causal by slot inside the kernel
+            plan = kernel.plan([(0, M, start, kv.k, kv.v) + (() if slots is None else (0, 0, slots))])
             attn = h.new_empty(M, self.n_heads, D)
         elif slots is not None:
-            blocked = self._slot_mask(slots, end)
+            blocked = self.steps.slot_mask(slots, end)
         elif M > 1:
             own = torch.arange(start, end, device=ids.device)
             blocked, first = (own[None, :] > own[:, None]).repeat(G, 1), start
         last = len(self.layers) if n_layers is None else min(n_layers, len(self.layers))
         # Sliding-window layers: each row attends the last `window` slots up to its own (keys before stay in the
         # buffer; only what a row reads changes)
-        wplan = wblocked = None
+        wplan: Any = None  # a PassPlan (kernel) or {window: mask} (torch path) where the model has windows
+        wblocked: Any = None
         if self.windowed and first_layer < last:
             if plan is not None:
-                wplan = self._window_plan([(0, M, start, kv.k, kv.v)]) if slots is None else \
-                    self._window_plan_at(slots, kv.k, kv.v)
+                wplan = self.steps.window_plan([(0, M, start, kv.k, kv.v)]) if slots is None else \
+                    self.steps.window_plan_at(slots, kv.k, kv.v)
             else:
-                wblocked = self._window_mask(start, M, slots)
-        in_c = self.fused is not None and self.layers_in_c and plan is not None
-        if in_c and first_layer < last:
+                wblocked = self.steps.window_mask(start, M, slots)
+        fused = self.fused if self.layers_in_c and plan is not None else None
+        in_c = fused is not None
+        if fused is not None and first_layer < last:
             h = h[0].clone() if hidden is not None else h[0]  # updated in place: never the caller's rows
-            self.fused.run(h, first_layer, last, plan, cos, sin, wplan)
+            fused.run(h, first_layer, last, plan, cos, sin, wplan)
             h = h[None]
         layers = [] if in_c else self.layers[first_layer:n_layers]
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(layers, start=first_layer):
             x = ln1(h)
-            if plan is not None:
-                q, k, v = self._rotated_rows(qkv_proj(x)[0], cos, sin, li)  # [M, Hq, D], [M, Hkv, D] x 2
-                o = self.kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn,
+            if plan is not None and kernel is not None:
+                q, k, v = self.steps.rotated_rows(qkv_proj(x)[0], cos, sin, li)  # [M, Hq, D], [M, Hkv, D] x 2
+                o = kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn,
                                        softcap=self.attn_softcap).view(1, M, -1)
             else:
-                q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, M, D], [Hkv, M, D] x 2
+                q, k, v = self.steps.split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, M, D], [Hkv, M, D] x 2
                 at = slice(start, end) if slots is None else slots
                 kv.k[li, :, at] = k
                 kv.v[li, :, at] = v
                 # [Hq, M, D] -> [Hkv, G*M, D]: query head h uses KV head h // G (HF's repeat_kv order).
                 qg = (q * self.scale).reshape(Hkv, G * M, D)
                 if self.window[li]:
-                    o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], wblocked[self.window[li]], 0)
+                    o = self.steps.attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], wblocked[self.window[li]], 0)
                 else:
-                    o = self._attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked, first)
+                    o = self.steps.attention(qg, kv.k[li, :, :end], kv.v[li, :, :end], blocked, first)
                 o = o.reshape(Hkv * G, M, D).transpose(0, 1).reshape(1, M, Hkv * G * D)
-            h = self._mlp(self._attended(h, o_proj(o), li), ln2, gate_up, down, act, li)
+            h = self.steps.mlp(self.steps.attended(h, o_proj(o), li), ln2, gate_up, down, act, li)
         kv.length = max(kv.length, end)
         if n_layers is not None:
             return h[0]
@@ -475,10 +530,10 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         # round differently, see the module doc), a padded single token keeps both; ours takes one (_head_rows).
         if M == 1:  # a single row run as one (single_rows): a 16-bit LM head still gets two; ours takes one
             if self._head_rows == 1:
-                return self._capped(self.lm_head(self.norm(h[0])).float())
-            return self._capped(self.lm_head(self.norm(h[0].expand(2, -1))).float()[:1])
+                return self.steps.capped(self.lm_head(self.norm(h[0])).float())
+            return self.steps.capped(self.lm_head(self.norm(h[0].expand(2, -1))).float()[:1])
         h = self.norm(h[0] if logits == "all" or _single else h[0, -self._head_rows:])
-        out = self._capped(self.lm_head(h).float())
+        out = self.steps.capped(self.lm_head(h).float())
         return out if logits == "all" or _single else out[-1:]  # [M or 1, vocab]
 
     @torch.inference_mode()
@@ -510,24 +565,25 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         ids = torch.cat([s.ids for s in seqs])
         positions = torch.cat([s.positions for s in seqs])
         h = self.embed(ids)[None]  # [1, N, E]
-        cos, sin = self._rope_tables(h, positions)
+        cos, sin = self.steps.rope_tables(h, positions)
         D, Hq = self.head_dim, self.n_heads
-        if self.kernel is not None:  # one call per layer for every sequence, each over its own buffer
-            plan = self.kernel.plan(self._shared_entries(seqs, spans))
-            wplan = self._window_plan([(a, b - a, s.start, s.kv.k, s.kv.v) for s, (a, b) in zip(seqs, spans)
+        kernel = self.kernel
+        if kernel is not None:  # one call per layer for every sequence, each over its own buffer
+            plan = kernel.plan(self.steps.shared_entries(seqs, spans))
+            wplan: Any = self.steps.window_plan([(a, b - a, s.start, s.kv.k, s.kv.v) for s, (a, b) in zip(seqs, spans)
                                        if b > a]) if self.windowed else None
             if self.fused is not None and self.layers_in_c:
                 self.fused.run(h[0], 0, len(self.layers), plan, cos, sin, wplan)
             else:
                 attn = h.new_empty(total, Hq, D)
                 for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
-                    q, k, v = self._rotated_rows(qkv_proj(ln1(h))[0], cos, sin, li)
-                    o = self.kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn,
+                    q, k, v = self.steps.rotated_rows(qkv_proj(ln1(h))[0], cos, sin, li)
+                    o = kernel.attend(wplan if self.window[li] else plan, li, q, k, v, self.scale, attn,
                                            softcap=self.attn_softcap)
-                    h = self._attended(h, o_proj(o.view(1, total, Hq * D)), li)
-                    h = self._mlp(h, ln2, gate_up, down, act, li)
+                    h = self.steps.attended(h, o_proj(o.view(1, total, Hq * D)), li)
+                    h = self.steps.mlp(h, ln2, gate_up, down, act, li)
         else:
-            h = self._torch_batch_layers(seqs, spans, h, cos, sin, total)
+            h = self.steps.torch_batch_layers(seqs, spans, h, cos, sin, total)
         rows = []
         for s, (a, b) in zip(seqs, spans):
             s.kv.length = max(s.kv.length, s.start + b - a)
@@ -541,7 +597,7 @@ class LlamaRunner(LayerSteps, EarlyPasses):
         n_sel = int(sel.shape[0])
         if n_sel < self._head_rows:  # a 16-bit lm_head never takes one row alone: a throwaway second row
             sel = torch.cat([sel, sel])
-        out = self._capped(self.lm_head(self.norm(h[0, sel.to(h.device)])).float())
+        out = self.steps.capped(self.lm_head(self.norm(h[0, sel.to(h.device)])).float())
         res, j = [], 0
         for s, (a, b) in zip(seqs, spans):
             n = (b - a) if s.logits == "all" else (1 if s.logits == "last" and b > a else 0)

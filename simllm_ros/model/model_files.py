@@ -4,16 +4,24 @@ loaded without its projection weights (the skeleton the runner fills with the fi
 """
 from __future__ import annotations
 
+import gc
+import glob
 import importlib.util
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from . import gguf_conversion, gguf_weights, packed_weights, skeleton
-from ..safe_io import write_json
+from . import gguf_conversion, gguf_weights, packed_weights, skeleton, template_box
+from ..safe_io import describe_error, open_regular, write_json
+from .file_digest import content_digest
+from .gguf_checks import finite
+from .runner_weights import return_freed_heap
 from .cache_records import default_cache_dir, try_cache_write
 from ..settings import DEFAULT_MODEL
 
@@ -31,8 +39,8 @@ class ModelLoadError(RuntimeError):
     pass
 
 
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
+def quiet_transformers():
+    from transformers.utils import logging as hf_logging  # deferred: transformers takes seconds to import
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -52,8 +60,6 @@ def gguf_source(ref: str) -> str | None:
 def _check_gguf_path(ref: str) -> None:
     """ModelLoadError naming what a .gguf path is where it is not a readable regular file (a directory, a FIFO, a
     symlink loop, absent), before anything opens it (a FIFO's open would block)."""
-    from ..safe_io import describe_error, open_regular
-
     try:
         os.close(open_regular(ref))
     except FileNotFoundError:
@@ -87,7 +93,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
     stamp = os.path.join(target, "simllm_conversion.json")
     src = os.path.join(gguf_dir, gguf_name)
     try:
-        want = _conversion_stamp(src, cache_dir or default_cache_dir())  # content: every venv shares one copy
+        want = conversion_stamp(src, cache_dir or default_cache_dir())  # content: every venv shares one copy
     except OSError as e:
         raise ModelLoadError(f"model '{ref}': {e}") from e
     try:
@@ -104,15 +110,12 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
         raise ModelLoadError(f"model '{ref}': {e}") from e
     template = header[0].get("tokenizer.chat_template")
     if isinstance(template, str):  # code from the file: in its box before anything is converted (template_box)
-        from . import template_box
-
         try:
             template_box.check_template(template, ref, cache_dir or default_cache_dir())
         except template_box.TemplateError as e:
             raise ModelLoadError(str(e)) from e
-    import shutil
 
-    _quiet_transformers()
+    quiet_transformers()
     t0 = time.monotonic()
     tmp = f"{target}.tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
@@ -157,7 +160,7 @@ def resolve_model(ref: str, cache_dir: str, progress: Callable[[str], None], den
 def _convert_whole(gguf_dir: str, gguf_name: str, header: tuple[dict, list], folder: str) -> None:
     """transformers' conversion: the whole model dequantized to float32 at once (~4x the file), saved to `folder`
     (`header`: the file's, gguf_weights.read_header)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers takes seconds to import
 
     meta, listed = header
     if gguf_conversion.own_reader(meta) is not None:  # transformers' GGUF reader refuses it or reads another model
@@ -167,7 +170,6 @@ def _convert_whole(gguf_dir: str, gguf_name: str, header: tuple[dict, list], fol
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
     gguf_conversion.complete_config(model.config, meta, {t.name: t for t in listed})  # what transformers' reader drops
-    from .gguf_checks import finite
 
     for name, w in model.state_dict().items():  # dequantized already: a NaN scale or weight shows here
         finite(w, f"the weight {name} (dequantized from '{gguf_name}')", gguf_weights.GGUFError)
@@ -183,12 +185,8 @@ def _convert_whole(gguf_dir: str, gguf_name: str, header: tuple[dict, list], fol
 def release_heap() -> None:
     """What a load just dropped (a converted model, a tokenizer's tables) handed back to the system: collected now
     (transformers' modules hold reference cycles) and glibc's freed heap pages returned (runner_weights)."""
-    import gc
-
-    from .runner_weights import _return_freed_heap
-
     gc.collect()
-    _return_freed_heap()
+    return_freed_heap()
 
 
 def load_tokenizer(path: str):
@@ -197,9 +195,9 @@ def load_tokenizer(path: str):
     `_merges`), which only their constructors read: for Gemma 3's 262,144 tokens and 514,906 merges that is
     ~180 MB resident for as long as the model is loaded, more than the Rust tokenizer itself. Encoding and
     decoding go through the Rust tokenizer only, so the tokens do not change (test_gguf_loading checks)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
 
-    from .model_config import own_config
+    from .model_config import own_config  # deferred: model_config imports transformers
 
     cfg = own_config(path)  # a Llama's config ours (model_config): AutoTokenizer would read it through AutoConfig
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **({"config": cfg} if cfg is not None else {}))
@@ -236,19 +234,15 @@ def keep_added_tokens(folder: str) -> bool:
     return True
 
 
-def _conversion_stamp(src: str, record_dir: str | None = None) -> dict:
+def conversion_stamp(src: str, record_dir: str | None = None) -> dict:
     """What identifies a GGUF's content for the copies made from it (the conversion, the checked rows, the packed
     blocks, the load checks): its whole content's digest (file_digest; remembered in `record_dir` with the file's
     identity, so an unchanged file is not read again)."""
-    from .file_digest import content_digest
-
     return {"gguf": os.path.basename(src), "size": os.path.getsize(src), "sha256": content_digest(src, record_dir),
             "version": CONVERSION_VERSION}
 
 
 def _model_shards(path: str) -> list[str]:
-    import glob
-
     # not our own files beside the model (checked rows, packed blocks)
     return [p for p in sorted(glob.glob(os.path.join(path, "*.safetensors")))
             if not os.path.basename(p).startswith("simllm_")]
@@ -263,9 +257,7 @@ def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
     """Drops from a converted GGUF's copy what skeleton loads never read (the dense float32 projections: ~4x the
     file, 5.8 GB for a 1.5B model), once its blocks are checked and packed beside it. A load that needs the dense
     weights again (another dtype, a lost rows file) converts again (resolve_model's `dense`). Bytes freed."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    from .model_config import load_config
+    from .model_config import load_config  # deferred: model_config imports transformers
 
     if os.path.exists(os.path.join(path, skeleton.SLIM_FILE)):
         return 0
@@ -287,13 +279,11 @@ def slim_conversion(path: str, skip_head: bool, skip_embed: bool) -> int:
     return freed
 
 
-def _load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length: int = 0):
+def load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length: int = 0):
     """A converted GGUF's model (float32) without its projection weights (and LM head if `skip_head`, token
     embedding if `skip_embed` and nothing else needs it): those are allocated, never written (so never resident) and
     released by the runner, which takes the file's blocks. `context_length`: model_config.take_long_factors."""
-    from safetensors import safe_open
-
-    from .model_config import load_config, take_long_factors
+    from .model_config import load_config, take_long_factors  # deferred: model_config imports transformers
 
     cfg = load_config(path)
     take_long_factors(cfg, context_length)
@@ -307,8 +297,8 @@ def _load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length:
                     state[key] = f.get_tensor(key)
     model = skeleton.build(cfg, keys)  # without transformers' modeling code, where it knows the architecture
     if model is None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.initialization import no_init_weights
+        from transformers import AutoConfig, AutoModelForCausalLM  # deferred: transformers takes seconds to import
+        from transformers.initialization import no_init_weights  # deferred: transformers takes seconds to import
 
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)  # transformers' own class, for its model
         take_long_factors(cfg, context_length)

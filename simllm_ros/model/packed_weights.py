@@ -22,22 +22,21 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from safetensors.torch import save_file
 
-from ..kernels import compute_threads
+from ..kernels import compute_threads, vector_blobs
 from ..mapped_safetensors import MappedSafetensors
 
 PACKED_FILE = "simllm_packed.safetensors"
 PROGRESS_S = 5.0  # at most one progress line this often while packing
 PACK_THREADS = 4  # parts packed at once at most: each holds its decoded codes meanwhile (~0.2 GB for a 3B MLP)
 
-Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_weights._file_parts returns
+Parts = list[tuple[str, torch.Tensor, int]]  # (kind, blob, outputs), as runner_weights.file_parts returns
 
 
 def layout_id() -> str:
     """What the blobs' layout depends on: the packing module's code (kernels/vector_blobs.py) and the kernel's C
     sources that read them (not the rest of the kernel's Python: a comment there must not repack every model)."""
-    from ..kernels import vector_blobs
-
     h = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(vector_blobs.__file__))
     for source in ("vector_blobs.py", "int4_vector.c", "int8_rows.h", "int8_rows32.h"):
@@ -66,7 +65,7 @@ class PackedStore:
         self.mapped: dict[str, Parts] = {}
         self.built: dict[str, Parts] = {}
         self.why_not = ""  # why the file on disk was not used ("" where it was, or none was there)
-        self._map = None
+        self._map: MappedSafetensors | None = None
         if os.path.isfile(self.path):
             try:
                 self.mapped = self._open()
@@ -118,7 +117,6 @@ class PackedStore:
         """Writes every part (mapped and built) atomically where anything was built; False if nothing was."""
         if not self.built:
             return False
-        from safetensors.torch import save_file
 
         tensors, index = {}, {}
         for key, parts in {**self.mapped, **self.built}.items():
@@ -146,7 +144,7 @@ class PackedStore:
         names = [(f"{key}/{i}", crc) for key, kinds in index.items() for i, (_, _, crc) in enumerate(kinds)]
         # zlib lets go of the GIL over a large buffer: the blobs' CRCs on every CPU (1 GB: ~1 s on one)
         with ThreadPoolExecutor(_threads(len(names))) as crcs:
-            damaged = [name for (name, crc), got in zip(names, crcs.map(lambda nc: zlib.crc32(mapped.raw(nc[0])),
+            damaged = [name for (name, crc), got in zip(names, crcs.map(lambda nc: zlib.crc32(mapped.raw(nc[0]).data),
                                                                       names)) if got != crc]
         if damaged:
             raise ValueError(f"tensor {damaged[0]} is damaged (CRC-32)")

@@ -1,14 +1,18 @@
-"""LlamaRunner's early passes (split from llama_runner): the first layers of a prompt with the last of them finished
-only for the rows SEMANTIC repair recomputes, split in two (early_head, early_rows) so that the part before the rows
-are chosen runs while the request's fingerprint is computed."""
+"""LlamaRunner's early passes: the first layers of a prompt with the last of them finished only for the rows
+SEMANTIC repair recomputes, split in two (early_head, early_rows) so that the part before the rows are chosen runs
+while the request's fingerprint is computed. EarlyPasses is a part the runner owns: it runs the runner's passes
+(RunnerPass) and its layers' steps (LayerSteps)."""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
+from ..kernels import attention_kernel
 from .kv_buffer import KVBuffer
+from .runner_layers import LayerSteps
 
 
 @dataclasses.dataclass
@@ -29,9 +33,25 @@ class EarlyHead:
     v: torch.Tensor
 
 
+class RunnerPass(Protocol):
+    """What the early passes take of the runner: its forward pass, whether a lone row may run alone and its attention
+    kernel (None: the torch path), as they are at the call."""
+
+    single_rows: bool
+    kernel: attention_kernel.AttentionKernel | None
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, start: int,
+                slots: torch.Tensor | None = None, logits: str = "last", n_layers: int | None = None,
+                hidden: torch.Tensor | None = None, first_layer: int = 0, _single: bool = False
+                ) -> torch.Tensor | None: ...
+
+
 class EarlyPasses:
-    """Mixed into LlamaRunner: these methods read the attributes its __init__ sets (layers, heads, RoPE, windows,
-    kernels) and call its forward and LayerSteps' steps."""
+    """The early passes of `runner`'s model, with its layers' `steps`."""
+
+    def __init__(self, runner: RunnerPass, steps: LayerSteps):
+        self.runner = runner
+        self.steps = steps
 
     @torch.inference_mode()
     def early_pass(self, ids: torch.Tensor, kv: KVBuffer, n_layers: int,
@@ -59,22 +79,25 @@ class EarlyPasses:
         a request's fingerprint is computed, speculatively)."""
         M = ids.shape[0]
         positions = torch.arange(start, M, device=ids.device)
-        h = self.forward(ids[start:], positions, kv, start, logits="none", n_layers=n_layers - 1)[None]  # [1, M', E]
+        st = self.steps
+        first = self.runner.forward(ids[start:], positions, kv, start, logits="none", n_layers=n_layers - 1)
+        assert first is not None  # n_layers: the hidden rows
+        h = first[None]  # [1, M', E]
         li = n_layers - 1
-        ln1, qkv_proj = self.layers[li][:2]
-        cos, sin = self._rope_tables(h, positions)
+        ln1, qkv_proj = st.layers[li][:2]
+        cos, sin = st.rope_tables(h, positions)
         x = ln1(h)[0]
         # Every token needs only its keys and values here (pick reads them); queries only the picked rows do.
         # Our kernel computes those outputs alone, bitwise as the whole product does; RoPE is per element.
         q = None
         if qkv_proj.parts is not None:
-            Hkv, D = self.n_kv, self.head_dim
-            kv_rows = qkv_proj.columns(x, self.q_size, self.q_size + 2 * self.kv_size)  # [M', 2 kv]
-            k = self._rotate(self._head_norm(li, 1, kv_rows[:, :self.kv_size].view(-1, Hkv, D)),
-                             cos[self.rope_of[li]], sin[self.rope_of[li]])
-            v = kv_rows[:, self.kv_size:].view(-1, Hkv, D)
+            Hkv, D = st.n_kv, st.head_dim
+            kv_rows = qkv_proj.columns(x, st.q_size, st.q_size + 2 * st.kv_size)  # [M', 2 kv]
+            k = st.rotate(st.head_norm(li, 1, kv_rows[:, :st.kv_size].view(-1, Hkv, D)),
+                          cos[st.rope_of[li]], sin[st.rope_of[li]])
+            v = kv_rows[:, st.kv_size:].view(-1, Hkv, D)
         else:
-            q, k, v = self._rotated_rows(qkv_proj(x), cos, sin, li)  # [M', Hq, D], [M', Hkv, D] x 2
+            q, k, v = st.rotated_rows(qkv_proj(x), cos, sin, li)  # [M', Hq, D], [M', Hkv, D] x 2
         kv.k[li, :, start:M] = k.transpose(0, 1)
         kv.v[li, :, start:M] = v.transpose(0, 1)
         kv.length = max(kv.length, M)
@@ -89,31 +112,33 @@ class EarlyPasses:
             return h.new_empty(0, h.shape[-1])
         if int(rows[0]) < start:
             raise ValueError(f"early pass: row {int(rows[0])} is in the {start}-token prefix it did not run")
+        st, kernel = self.steps, self.runner.kernel
         li = head.n_layers - 1
-        _, qkv_proj, o_proj, ln2, gate_up, down, act = self.layers[li]
-        cos, sin = cos[self.rope_of[li]], sin[self.rope_of[li]]
-        run = rows - start if rows.numel() > 1 or self.single_rows else torch.cat([rows, rows]) - start  # never alone
-        R, D = run.numel(), self.head_dim
+        _, qkv_proj, o_proj, ln2, gate_up, down, act = st.layers[li]
+        cos, sin = cos[st.rope_of[li]], sin[st.rope_of[li]]
+        as_is = rows.numel() > 1 or self.runner.single_rows  # one row is padded to two unless single rows may be
+        run = rows - start if as_is else torch.cat([rows, rows]) - start
+        R, D = run.numel(), st.head_dim
         if head.q is None:
-            q = self._rotate(self._head_norm(li, 0, qkv_proj.columns(x[run], 0, self.q_size).view(R, self.n_heads, D)),
-                             cos[run], sin[run])
+            q = st.rotate(st.head_norm(li, 0, qkv_proj.columns(x[run], 0, st.q_size).view(R, st.n_heads, D)),
+                          cos[run], sin[run])
         else:
             q = head.q[run]
-        if self.kernel is not None:
+        if kernel is not None:
             # The rows at their own slots (their new KV is what the slots hold: the same bits written again),
             # each attending the slots up to its own: the keys and values it attends in the whole pass, read once
             # for all rows rather than once per row, the same bits.
             # On a sliding layer each row reads its window, as in the whole pass.
-            plan = self._window_plan_at(run + start, kv.k, kv.v) if self.window[li] else \
-                self.kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
-            o = self.kernel.attend(plan, li, q, head.k[run], head.v[run], self.scale, softcap=self.attn_softcap)
+            plan = st.window_plan_at(run + start, kv.k, kv.v) if st.window[li] else \
+                kernel.plan([(0, R, 0, kv.k, kv.v, 0, 0, run + start)])
+            o = kernel.attend(plan, li, q, head.k[run], head.v[run], st.scale, softcap=st.attn_softcap)
         else:
-            G, at = self.group, (run + start).to(x.device)
-            qg = (q * self.scale).transpose(0, 1).reshape(self.n_kv, G * R, D)
+            G, at = st.group, (run + start).to(x.device)
+            qg = (q * st.scale).transpose(0, 1).reshape(st.n_kv, G * R, D)
             # (over the whole pass's M keys, as it reads them; a sliding layer's rows their window of them)
-            blocked = self._window_mask(0, R, at, M)[self.window[li]] if self.window[li] else self._slot_mask(at, M)
-            o = self._attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], blocked)
-            o = o.reshape(self.n_heads, R, D).transpose(0, 1)
-        out = self._mlp(self._attended(h[:, run], o_proj(o.reshape(1, R, self.n_heads * D)), li),
-                        ln2, gate_up, down, act, li)
+            blocked = st.window_mask(0, R, at, M)[st.window[li]] if st.window[li] else st.slot_mask(at, M)
+            o = st.attention(qg, kv.k[li, :, :M], kv.v[li, :, :M], blocked)
+            o = o.reshape(st.n_heads, R, D).transpose(0, 1)
+        out = st.mlp(st.attended(h[:, run], o_proj(o.reshape(1, R, st.n_heads * D)), li),
+                     ln2, gate_up, down, act, li)
         return out[0, :rows.numel()]

@@ -1,14 +1,19 @@
-"""LlamaRunner's steps inside a layer, shared by its passes (split from llama_runner, whose module doc says why each
-is row-invariant): the torch path's batched layers, attention and masks where the attention kernel does not run,
+"""LlamaRunner's steps inside a layer, shared by its passes (llama_runner's module doc says why each is
+row-invariant): the torch path's batched layers, attention and masks where the attention kernel does not run,
 the kernel's plans for sliding windows, RoPE tables and rotation, per-head q/k norms, the MLP and the residuals
-(Gemma's norms after attention and MLP), and the final logit soft-capping."""
+(Gemma's norms after attention and MLP), and the final logit soft-capping. LayerSteps is a part the runner owns,
+made from the values of the model's layers it needs."""
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ..kernels import attention_kernel
+from ..kernels import attention_kernel, layer_kernel
 from . import skeleton
 from .kv_buffer import Seq
+from .runner_weights import Norm, Proj
 
 
 # The RoPE kind of a layer that attends without positions (SmolLM3's NoPE layers): its table leaves a row as it is
@@ -23,15 +28,55 @@ def _no_rotation(h: torch.Tensor, positions: torch.Tensor, dim: int) -> tuple[to
     return torch.ones(shape, dtype=h.dtype, device=h.device), torch.zeros(shape, dtype=h.dtype, device=h.device)
 
 
-class LayerSteps:
-    """Mixed into LlamaRunner: these methods read the attributes its __init__ sets (heads, RoPE, windows, norms,
-    kernels)."""
+# A layer as the runner holds it: input norm, fused q/k/v, o, the norm before the MLP, fused gate/up, down, activation
+Layer = tuple[Norm, Proj, Proj, Norm, Proj, Proj, Callable[[torch.Tensor], torch.Tensor]]
 
-    def _torch_batch_layers(self, seqs, spans, h, cos, sin, total):
-        """forward_batch's layers without the kernel: attention per sequence through `_attention`."""
+
+class LayerSteps:
+    """The steps inside a layer of one model: `layers`; its heads (n_heads query heads of head_dim, n_kv KV heads,
+    queries scaled by `scale`); `inter`, the MLP's width; `rotary` and its RoPE kinds (`rope_types`, layer li's
+    `rope_of[li]`; `partner`: each dimension's RoPE pair where RoPE turns part of a head, None for the whole);
+    `window` per layer (0: full attention); the per-head q/k norms and the norms after attention and MLP; the
+    final and the attention scores' soft caps; the C layers (`fused`, for their activation) and the attention
+    `kernel` (for window plans), either None."""
+
+    def __init__(self, *, layers: list[Layer], n_heads: int, n_kv: int, head_dim: int, scale: float, inter: int,
+                 rotary: Any, rope_types: list[str | None], rope_of: list[int], partner: torch.Tensor | None,
+                 window: list[int], qk_norms: list[tuple[Norm, Norm] | None],
+                 post_norms: list[tuple[Norm, Norm] | None], softcap: float | None, attn_softcap: float | None,
+                 fused: layer_kernel.Layers | None, kernel: attention_kernel.AttentionKernel | None,
+                 device: torch.device):
+        self.layers = layers
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.group = n_heads // n_kv
+        self.q_size, self.kv_size = n_heads * head_dim, n_kv * head_dim
+        self.scale = scale
+        self.inter = inter
+        self.rotary = rotary
+        self.rope_types = rope_types
+        self.rope_of = rope_of
+        self.partner = partner
+        self.window = window
+        self.windowed = any(window)
+        self.qk_norms = qk_norms
+        self.post_norms = post_norms
+        self.softcap = softcap
+        self.attn_softcap = attn_softcap
+        self.fused = fused
+        self.kernel = kernel
+        self.device = device
+
+    def _plan_kernel(self) -> attention_kernel.AttentionKernel:
+        if self.kernel is None:
+            raise RuntimeError("a window plan needs the attention kernel")
+        return self.kernel
+
+    def torch_batch_layers(self, seqs: list[Seq], spans: list[tuple[int, int]], h: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, total: int) -> torch.Tensor:
+        """forward_batch's layers without the kernel: attention per sequence through `attention`."""
         G, D, Hkv, Hq = self.group, self.head_dim, self.n_kv, self.n_heads
         blocked = []  # per sequence: True where a query may not attend (later slots, from column s.start on)
-        windows = []  # per sequence, sliding layers: {window: mask over every slot}
+        windows: list[Any] = []  # per sequence, sliding layers: {window: mask over every slot} (None: no rows)
         for s, (a, b) in zip(seqs, spans):
             m, end = b - a, s.start + b - a
             if m > 1:  # causal by slot, as `forward` builds it; query heads grouped by KV head
@@ -39,10 +84,10 @@ class LayerSteps:
                 blocked.append((own[None, :] > own[:, None]).repeat(G, 1))
             else:
                 blocked.append(None)
-            windows.append(self._window_mask(s.start, m) if self.windowed and m else None)
+            windows.append(self.window_mask(s.start, m) if self.windowed and m else None)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
             x = ln1(h)
-            q, k, v = self._split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, N, D], [Hkv, N, D] x 2
+            q, k, v = self.split_rotated(qkv_proj(x)[0], cos, sin, li)  # [Hq, N, D], [Hkv, N, D] x 2
             q = q * self.scale  # once for every sequence (elementwise: the same bits as per sequence)
             attn = h.new_empty(total, Hq, D)  # each sequence's attention output lands in its rows
             for s, (a, b), seq_blocked, seq_windows in zip(seqs, spans, blocked, windows):
@@ -54,37 +99,38 @@ class LayerSteps:
                 s.kv.v[li, :, s.start:end] = v[:, a:b]
                 qg = q[:, a:b].reshape(Hkv, G * m, D)
                 if self.window[li]:
-                    o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_windows[self.window[li]])
+                    o = self.attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_windows[self.window[li]])
                 else:
-                    o = self._attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked, s.start)
+                    o = self.attention(qg, s.kv.k[li, :, :end], s.kv.v[li, :, :end], seq_blocked, s.start)
                 attn[a:b] = o.view(Hq, m, D).transpose(0, 1)
-            h = self._mlp(self._attended(h, o_proj(attn.view(1, total, Hq * D)), li), ln2, gate_up, down, act, li)
+            h = self.mlp(self.attended(h, o_proj(attn.view(1, total, Hq * D)), li), ln2, gate_up, down, act, li)
         return h
 
-    def _mlp(self, h: torch.Tensor, ln2, gate_up, down, act, li: int) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, ln2, gate_up, down, act, li: int) -> torch.Tensor:
         """A layer's second half, residual included: the same ops for every pass (one fused gate/up product)."""
         gu = gate_up(ln2(h))
         if self.fused is not None:  # the C layers' SiLU (or GELU), so that this layer computes as theirs do
             y = down(self.fused.act_mul(gu))
         else:
-            y = down(_act_rows(act, gu[..., :self.inter]) * gu[..., self.inter:])
+            y = down(act_rows(act, gu[..., :self.inter]) * gu[..., self.inter:])
         post = self.post_norms[li]
         return h + (y if post is None else post[1](y))
 
-    def _attended(self, h: torch.Tensor, o: torch.Tensor, li: int) -> torch.Tensor:
+    def attended(self, h: torch.Tensor, o: torch.Tensor, li: int) -> torch.Tensor:
         """The residual after layer li's attention output o (o_proj applied): Gemma normalizes o first."""
         post = self.post_norms[li]
         return h + (o if post is None else post[0](o))
 
     @staticmethod
-    def _shared_entries(seqs: list["Seq"], spans: list[tuple[int, int]]) -> list[tuple]:
+    def shared_entries(seqs: list["Seq"], spans: list[tuple[int, int]]) -> list[tuple]:
         """The attention kernel's sequences of a pass (those with rows), with the shared prefixes that still hold:
         a sequence shares only with a lead that has rows in the pass and leads itself."""
-        index, entries = {}, []
+        index: dict[int, int] = {}
+        entries: list[tuple] = []
         for i, (s, (a, b)) in enumerate(zip(seqs, spans)):
             if b == a:
                 continue
-            e = (a, b - a, s.start, s.kv.k, s.kv.v)
+            e: tuple = (a, b - a, s.start, s.kv.k, s.kv.v)
             lead = index.get(s.lead) if s.shared and s.lead != i else None
             if s.shared and s.lead == i:
                 e += (len(entries), s.shared)
@@ -94,25 +140,25 @@ class LayerSteps:
             entries.append(e)
         return entries
 
-    def _rotated_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, li: int):
+    def rotated_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, li: int):
         """q [M, Hq, D], k, v [M, Hkv, D] of layer li's fused qkv product [M, q + 2kv], q and k rotated together (4
         ops instead of 14 per layer): row-major views, which the kernel reads in place (no transposes). Where the
         layer has per-head q/k norms (Qwen3), each head's row is normalized first, on its own."""
         M, D, Hq, Hkv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
         qk = qkv[:, :self.q_size + self.kv_size].view(M, Hq + Hkv, D)
         if self.qk_norms[li] is not None:
-            qk = torch.cat([self._head_norm(li, 0, qk[:, :Hq]), self._head_norm(li, 1, qk[:, Hq:])], dim=1)
-        qk = self._rotate(qk, cos[self.rope_of[li]], sin[self.rope_of[li]])
+            qk = torch.cat([self.head_norm(li, 0, qk[:, :Hq]), self.head_norm(li, 1, qk[:, Hq:])], dim=1)
+        qk = self.rotate(qk, cos[self.rope_of[li]], sin[self.rope_of[li]])
         return qk[:, :Hq], qk[:, Hq:], qkv[:, self.q_size + self.kv_size:].view(M, Hkv, D)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE on rows of heads x [M, H, D] with `_rope_tables`' cos, sin [M, 1, D] (per element: a subset of the
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on rows of heads x [M, H, D] with `rope_tables`' cos, sin [M, 1, D] (per element: a subset of the
         heads or rows gets the bits it gets with the others); on part of each head, each rotated dimension with its
-        pair's (`_partner`), the rest times cos 1 plus itself times sin 0."""
-        other = x.roll(x.shape[-1] // 2, dims=-1) if self._partner is None else x[..., self._partner]
+        pair's (`partner`), the rest times cos 1 plus itself times sin 0."""
+        other = x.roll(x.shape[-1] // 2, dims=-1) if self.partner is None else x[..., self.partner]
         return x * cos + other * sin
 
-    def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, M, 1, D] for the rows' positions, one table per RoPE kind (T = 1 but for Gemma's sliding
         and full layers; layer li's is [rope_of[li]]), sin with its first half negated: then x * cos + roll(x,
         D/2) * sin is HF's x * cos + rotate_half(x) * sin, bitwise ((-a) * b == a * (-b)).
@@ -155,14 +201,14 @@ class LayerSteps:
             sin.append(s)
         return torch.cat(cos)[:, :, None], torch.cat(sin)[:, :, None]
 
-    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+    def capped(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma's final soft-capping, cap * tanh(logits / cap), where the config sets one (row by row)."""
         if self.softcap is None:
             return logits
         cap = float(self.softcap)
-        return _act_rows(torch.tanh, logits / cap) * cap
+        return act_rows(torch.tanh, logits / cap) * cap
 
-    def _window_plan(self, seqs: list[tuple]) -> "attention_kernel.PassPlan":
+    def window_plan(self, seqs: list[tuple]) -> "attention_kernel.PassPlan":
         """The attention kernel's plan for sliding-window layers, seqs (row0, m, start, k, v): a row at slot s
         reads slots s - window + 1 .. s only. Rows whose window begins at slot 0 run as their sequence's causal
         rows; each later one as a sequence of its own over a view of its buffer that begins where its window
@@ -174,13 +220,13 @@ class LayerSteps:
             if head:
                 entries.append((row0, head, start, k, v))
             entries += [self._window_row(row0 + i, start + i, k, v) for i in range(head, m)]
-        return self.kernel.plan(entries)
+        return self._plan_kernel().plan(entries)
 
-    def _window_plan_at(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "attention_kernel.PassPlan":
-        """`_window_plan` for rows at their own slots (ascending; semantic repair's recomputed tokens): each row a
+    def window_plan_at(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "attention_kernel.PassPlan":
+        """`window_plan` for rows at their own slots (ascending; semantic repair's recomputed tokens): each row a
         sequence of its own, its window read as the whole pass reads it (the kernel writes every row's KV before
         any row attends, so a row sees the rows below it in this pass too)."""
-        return self.kernel.plan([self._window_row(i, int(s), k, v) for i, s in enumerate(slots.tolist())])
+        return self._plan_kernel().plan([self._window_row(i, int(s), k, v) for i, s in enumerate(slots.tolist())])
 
     def _window_row(self, row: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """One row at `slot` as a kernel sequence that attends its window only: below the window's size, the
@@ -191,7 +237,7 @@ class LayerSteps:
         lo = slot - W + 1
         return (row, 1, W - 1, k[:, :, lo:], v[:, :, lo:])
 
-    def _window_mask(self, start: int, m: int, slots: torch.Tensor | None = None, T: int | None = None
+    def window_mask(self, start: int, m: int, slots: torch.Tensor | None = None, T: int | None = None
                      ) -> dict[int, torch.Tensor]:
         """The torch path's masks [G*m, T] for sliding layers, per window size: True where a row at slot start + i
         (or at its own `slots`[i]) may not attend (a later slot, or one window or more before its own). T: the
@@ -200,7 +246,7 @@ class LayerSteps:
         keys = torch.arange(int(own[-1, 0]) + 1 if T is None else T, device=self.device)[None, :]
         return {w: ((keys > own) | (keys <= own - w)).repeat(self.group, 1) for w in set(self.window) if w}
 
-    def _head_norm(self, li: int, which: int, x: torch.Tensor) -> torch.Tensor:
+    def head_norm(self, li: int, which: int, x: torch.Tensor) -> torch.Tensor:
         """Layer li's per-head norm of q (which 0) or k (1) on heads x [R, H, D], each head's row on its own (so a
         subset of rows or heads gets the bits it gets with the others); x itself where the layer has none."""
         norms = self.qk_norms[li]
@@ -209,16 +255,16 @@ class LayerSteps:
         R, H, D = x.shape
         return norms[which](x.reshape(R * H, D)).view(R, H, D)
 
-    def _split_rotated(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, li: int):
-        """The torch path's layout of `_rotated_rows`: q [Hq, M, D], k, v [Hkv, M, D] (head-major views)."""
-        q, k, v = self._rotated_rows(qkv, cos, sin, li)
+    def split_rotated(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, li: int):
+        """The torch path's layout of `rotated_rows`: q [Hq, M, D], k, v [Hkv, M, D] (head-major views)."""
+        q, k, v = self.rotated_rows(qkv, cos, sin, li)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
-    def _slot_mask(self, slots: torch.Tensor, T: int) -> torch.Tensor:
+    def slot_mask(self, slots: torch.Tensor, T: int) -> torch.Tensor:
         """The torch path's mask [G*M, T] for tokens at their own slots: each attends every slot up to its own."""
         return (torch.arange(T, device=slots.device)[None, :] > slots[:, None]).repeat(self.group, 1)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
                    first: int = 0):
         """The torch path (no kernel): q [Hkv, G*M, D] (already scaled), k/v [Hkv, T, D] -> [Hkv, G*M, D].
         Scores and the weighted sum are plain batched products (bmm, not matmul's wrapper); the softmax runs in
@@ -250,7 +296,7 @@ class LayerSteps:
 _ONE_THREAD_ELEMENTS = 16384
 
 
-def _act_rows(act, x: torch.Tensor) -> torch.Tensor:
+def act_rows(act, x: torch.Tensor) -> torch.Tensor:
     """act(x) for rows x [..., I], in calls small enough to run in one thread: row-invariant."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1]) if x.dim() != 2 else x

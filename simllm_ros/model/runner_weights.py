@@ -1,23 +1,26 @@
 """LlamaRunner's weights and which kernel runs each product (split from llama_runner, whose module doc says why
 every path is row-invariant):
 
-- packing: oneDNN's blocked bf16 layout (`_pack`), 4-bit codes in groups of 32 (`_int4_codes`, `on_int4_grid`),
+- packing: oneDNN's blocked bf16 layout (`_pack`), 4-bit codes in groups of 32 (`int4_codes`, `on_int4_grid`),
   Q8_0 codes (`q8_codes`, `on_q8_grid`), and whether ATen's int4 kernel computes what its weights say here
   (`int4_kernel_error`);
-- `_Proj`: one projection, on oneDNN, ATen's int8/int4 kernels or ours (int4_kernel, int4_vector_kernel; a GGUF's
-  own blocks: `_file_parts`); `_Head8`: the LM head as 8-bit groups on ours; `_Norm`: RMSNorm on norm_kernel or
+- `Proj`: one projection, on oneDNN, ATen's int8/int4 kernels or ours (int4_kernel, int4_vector_kernel; a GGUF's
+  own blocks: `file_parts`); `Head8`: the LM head as 8-bit groups on ours; `Norm`: RMSNorm on norm_kernel or
   the transformers module;
-- the HF modules' side: their weights pointed at the fused ones or released (`_hand_out`, `_return_freed_heap`),
-  Gemma 3's layout (`_gemma_layout`) and its file embedding scaled (`_ScaledRows`).
+- the HF modules' side: their weights pointed at the fused ones or released (`hand_out`, `return_freed_heap`),
+  Gemma 3's layout (`gemma_layout`) and its file embedding scaled (`ScaledRows`).
 """
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import int4_kernel, norm_kernel
+from ..kernels import norm_kernel
+from ..kernels.int4_kernel import Int4Kernel
+from ..kernels.int4_vector_kernel import VectorKernel
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -47,7 +50,7 @@ def _quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     group). A model that came from a Q4_1 GGUF already holds at most 16 values per such group, on that
     grid: min/max finds the grid again, so the 4-bit weights are the file's own (to bf16 rounding of the
     step), not a second quantization of them. The kernel computes (q - 8) * step + zero."""
-    q, scales_and_zeros = _int4_codes(weight)
+    q, scales_and_zeros = int4_codes(weight)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), scales_and_zeros
 
 
@@ -59,7 +62,7 @@ def _int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return w, lo, ((w.amax(dim=-1, keepdim=True) - lo) / 15).clamp(min=1e-12)
 
 
-def _int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes 0..15 [N, K] int32, scales_and_zeros [K/32, N, 2] in the weight's dtype)."""
     n, k = weight.shape
     if k % INT4_GROUP:
@@ -111,7 +114,7 @@ def on_q8_grid(weight: torch.Tensor) -> bool:
     return bool((off <= 0.1 * d[..., None] + w.abs() * 2.0 ** -8).all())
 
 
-class _Norm:
+class Norm:
     """A layer's RMSNorm: our C kernel (norm_kernel: one call instead of ~8 ops) where it takes the weight and
     the module is a plain RMSNorm (the formula the kernel computes), else the transformers module itself."""
 
@@ -142,7 +145,7 @@ class _Norm:
         return self.kernel.rmsnorm(h, self.weight, self.eps)
 
 
-class _Head8:
+class Head8:
     """The LM head as its file's own 8-bit groups on our 4-bit runner's kernel (`mm8`: AMX or vector): half the
     bytes a decode step reads for it (3.2-3.9 vs 4.6-5.9 ms for 1-4 rows of SmolLM2's 49152x576 here; 17 rows 6.5 vs
     5.7), float32 logits, row-invariant like the rest."""
@@ -150,7 +153,7 @@ class _Head8:
     weight = packed = None  # the runner holds its own copy: the HF module's may be released
     bits = 8
 
-    def __init__(self, weight: torch.Tensor, kernel: "int4_kernel.Int4Kernel"):
+    def __init__(self, weight: torch.Tensor, kernel: "Int4Kernel | VectorKernel"):
         self.kernel, self.n = kernel, weight.shape[0]
         self.blob = kernel.pack8(*q8_codes(weight))
 
@@ -167,7 +170,7 @@ def int4_kernel_error() -> str | None:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(64, 128, generator=g).to(torch.bfloat16)
         x = torch.randn(3, 128, generator=g).to(torch.bfloat16)
-        q, sz = _int4_codes(w)
+        q, sz = int4_codes(w)
         got = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), INT4_GROUP, sz).float()
     except (RuntimeError, AttributeError, NotImplementedError, ValueError) as e:
@@ -178,7 +181,7 @@ def int4_kernel_error() -> str | None:
     return None if err <= bound else f"torch's int4 CPU kernel is off by {err:.3g} (allowed {bound:.3g}) here"
 
 
-class _Proj:
+class Proj:
     """One projection: oneDNN-packed weights (CPU), a dense weight (elsewhere), int8 weights with one
     scale per output channel (weight_bits=8), or 4-bit weights in groups of 32 (weight_bits=4).
 
@@ -188,11 +191,19 @@ class _Proj:
     load-time probe checks for the whole model.
     """
 
+    ggml: str | None = None  # the LM head's GGUF type where it runs on the file's own blocks
+    bits = 16  # the LM head's bits where they are not 16 (the runner sets them)
+
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, weight_bits: int,
-                 int4: "int4_kernel.Int4Kernel | None" = None,
+                 int4: "Int4Kernel | VectorKernel | None" = None,
                  parts: list[tuple[str, torch.Tensor, int]] | None = None):
         self.bias = bias
-        self.weight = self.w8 = self.w4 = self.packed = self.blob = self.parts = None
+        self.weight: torch.Tensor | None = None
+        self.w8: torch.Tensor | None = None
+        self.w4: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        self.blob: torch.Tensor | None = None
+        self.parts: list[tuple[str, torch.Tensor, int]] | None = None
         self.int4 = int4
         if parts is not None:  # a file's own formats on the vector kernel (gguf_weights): consecutive outputs each
             self.parts = parts  # (kind, blob, outputs)
@@ -200,9 +211,10 @@ class _Proj:
             if len(parts) == 1 and parts[0][0] == "q4":
                 self.blob = parts[0][1]
             return
+        assert weight is not None  # a product's weight or its file's parts
         self.n = weight.shape[0]
         if weight_bits == 4 and int4 is not None:  # our kernel (int4_kernel or int4_vector_kernel): its own layout
-            self.blob = int4.pack(*_int4_codes(weight))  # steps and zeros inside the blob
+            self.blob = int4.pack(*int4_codes(weight))  # steps and zeros inside the blob
             self.parts = [("q4", self.blob, self.n)]
         elif weight_bits == 8:
             w = weight.float()
@@ -265,13 +277,14 @@ class _Proj:
     def _parts(self, x: torch.Tensor, parts) -> torch.Tensor:
         """x [M, K] times consecutive parts of outputs, each on its kind's product: every output computed as its
         own part's kernel computes it, whatever parts run beside it."""
+        kernel: Any = self.int4  # the kernel that packed the parts (product(): the vector kernel's kinds)
         if len(parts) == 1 and parts[0][0] == "q4":
-            return self.int4.mm(x, parts[0][1], parts[0][2])
-        ys = [self.int4.product(kind)(x, blob, n) for kind, blob, n in parts]
+            return kernel.mm(x, parts[0][1], parts[0][2])
+        ys = [kernel.product(kind)(x, blob, n) for kind, blob, n in parts]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
-def _file_parts(weights: list, kernel, int8_rows: bool = False) -> list[tuple[str, torch.Tensor, int]]:
+def file_parts(weights: list, kernel, int8_rows: bool = False) -> list[tuple[str, torch.Tensor, int]]:
     """A fused projection's parts from its pieces' file weights (gguf_weights.FileWeight): neighbours of one kind
     share a blob, so an all-Q4_K q/k/v stays one product."""
     parts: list[tuple[str, torch.Tensor, int]] = []
@@ -284,7 +297,7 @@ def _file_parts(weights: list, kernel, int8_rows: bool = False) -> list[tuple[st
     return parts
 
 
-def _return_freed_heap() -> None:
+def return_freed_heap() -> None:
     """glibc keeps freed heap pages for reuse: without this the released dense weights stayed in the
     process's resident memory (measured: 1147 MB after loading SmolLM2-135M in bf16, 843 MB after the
     trim, against 788 MB before packing; the 55 MB left is the packed LM head, whose dense table is
@@ -295,7 +308,7 @@ def _return_freed_heap() -> None:
         pass
 
 
-def _hand_out(fused: torch.Tensor, linears, attr: str) -> None:
+def hand_out(fused: torch.Tensor, linears, attr: str) -> None:
     """Point each HF linear's weight (or bias) at its rows of a fused tensor, in order."""
     off = 0
     for lin in linears:
@@ -303,23 +316,24 @@ def _hand_out(fused: torch.Tensor, linears, attr: str) -> None:
         off += lin.out_features
 
 
-def _cat_bias(*linears) -> torch.Tensor | None:
+def cat_bias(*linears) -> torch.Tensor | None:
     biases = [lin.bias for lin in linears]
     return torch.cat([b.data for b in biases]) if all(b is not None for b in biases) else None
 
 
-def _bias(linear) -> torch.Tensor | None:
+def bias_of(linear) -> torch.Tensor | None:
     return linear.bias.data if linear.bias is not None else None
 
 
-def _gemma_layout(model) -> bool:
+def gemma_layout(model) -> bool:
     """Whether the model's layers are Gemma 2's or 3's (four norms per layer, norms of x * (1 + w))."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    return bool(layers) and hasattr(layers[0], "pre_feedforward_layernorm") and \
-        type(layers[0].input_layernorm).__name__ in _Norm.OFFSET
+    if not layers:
+        return False
+    return hasattr(layers[0], "pre_feedforward_layernorm") and type(layers[0].input_layernorm).__name__ in Norm.OFFSET
 
 
-class _ScaledRows:
+class ScaledRows:
     """A file's embedding rows times Gemma's embed_scale (in the model's dtype, as transformers multiplies)."""
 
     def __init__(self, rows, scale: torch.Tensor):

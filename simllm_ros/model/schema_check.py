@@ -11,6 +11,8 @@ schema with `jsonschema`, the last line of defence: an answer that fails it is n
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
 MAX_DEPTH = 32  # nested objects/arrays in the schema document (a robot's schema is a few levels deep)
 MAX_NODES = 5000  # JSON values in the schema document
@@ -143,14 +145,12 @@ def _check_node(doc, schema, path: tuple) -> None:
             raise SchemaRefused(f"json_schema admits no value at {_path(path)}: no 'enum' value is of type "
                                 f"{'/'.join(types)}")
     required = schema.get("required") or []
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    props = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
     for name in required:
         if props.get(name) is False or (name not in props and schema.get("additionalProperties") is False):
             raise SchemaRefused(f"json_schema admits no value at {_path(path)}: property '{name}' is required "
                                 "and forbidden")
     if "pattern" in schema:
-        import re
-
         try:
             re.compile(schema["pattern"])
         except re.error as e:
@@ -161,7 +161,7 @@ def check(doc) -> None:
     """Refuses (SchemaRefused) a parsed schema the grammar cannot honour; returns None for one it can."""
     if doc is True or doc == {}:
         return
-    import jsonschema
+    import jsonschema  # deferred: jsonschema takes ~0.1 s to import
 
     validator = jsonschema.validators.validator_for(doc if isinstance(doc, dict) else {})
     try:
@@ -170,7 +170,7 @@ def check(doc) -> None:
         where = _path(tuple(e.absolute_path))
         raise SchemaRefused(f"json_schema is not a valid schema at {where}: {e.message[:200]}") from None
     # every node, iteratively; refs followed, and a ref reached again on its own path is recursion
-    stack = [(doc, (), frozenset())]
+    stack: list[tuple[Any, tuple, frozenset]] = [(doc, (), frozenset())]
     seen = 0
     while stack:
         schema, path, refs = stack.pop()
@@ -197,7 +197,8 @@ def check(doc) -> None:
 
 def pattern_paths(doc) -> list[str]:
     """Where the schema has a 'pattern' (the usual reason a grammar allows no token mid-answer)."""
-    out, stack = [], [(doc, ())]
+    out: list[str] = []
+    stack: list[tuple[Any, tuple]] = [(doc, ())]
     while stack:
         node, path = stack.pop()
         if isinstance(node, dict):
@@ -211,7 +212,7 @@ def pattern_paths(doc) -> list[str]:
 
 def answer_error(answer: str, doc) -> str | None:
     """None if the answer is JSON valid under the schema, else why not (the validation error, shortened)."""
-    import jsonschema
+    import jsonschema  # deferred: jsonschema takes ~0.1 s to import
 
     try:
         value = json.loads(answer)

@@ -1,16 +1,20 @@
 """The passes SEMANTIC reuse runs besides a plain prefill: the first layers of a prompt for every token (their KV
 and hidden rows, to choose which tokens to recompute), the rest of the layers for the chosen tokens at their own
 slots, and the rotation of reused keys to new positions with each layer's own RoPE table. SemanticPasses is a part
-of ModelBackend (model_backend.py), split off to be read in one sitting; only the batch-invariant runner has them.
+ModelBackend (model_backend.py) owns; only the batch-invariant runner has the passes (the rotation needs only the
+model's RoPE tables).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from .cache_handles import CacheHandles
 from .kv_buffer import KVBuffer
+from .llama_runner import LlamaRunner
 from .rope_trig import rope_cos_sin
 from .runner_early import EarlyHead
 from .runner_layers import NO_ROPE
@@ -27,7 +31,21 @@ class EarlyStart:
 
 
 class SemanticPasses:
-    """ModelBackend's SEMANTIC passes (a mixin: self is the backend, with its runner, model, kv_shape and device)."""
+    """ModelBackend's SEMANTIC passes: on its `runner` (None: none but rotate_keys), into caches from `caches`;
+    `rotary`: the model's rotary embedding (its inverse frequencies), `head_dim` the KV heads' size."""
+
+    def __init__(self, runner: LlamaRunner | None, caches: CacheHandles, rotary: Any, head_dim: int):
+        self.runner = runner
+        self.caches = caches
+        self.rotary = rotary
+        self.head_dim = head_dim
+        self.layers = caches.kv_shape.layers
+        self.device = caches.device
+
+    def _runner(self) -> LlamaRunner:
+        if self.runner is None:
+            raise RuntimeError("early-layer KV needs the Llama runner")
+        return self.runner
 
     @torch.inference_mode()
     def early_layers(self, ids: list[int], n_layers: int, pick: Callable[[torch.Tensor, torch.Tensor], list[int]]
@@ -40,24 +58,23 @@ class SemanticPasses:
         would compute (an exact prefix at the model's precision): those tokens then do not run. `head`: an
         early_head of the same ids and layers computed before pick was known (it stands in for `prefix`); where
         pick then names a token of the prefix it took, the pass runs again from that token (the same bits)."""
-        if self.runner is None:
-            raise RuntimeError("early-layer KV needs the Llama runner")
-        n_layers = min(n_layers, self.kv_shape.layers)
+        runner = self._runner()
+        n_layers = min(n_layers, self.layers)
         if pick is None:
-            cache = self.new_cache(len(ids) + 2)
-            h = self.runner.forward(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
-                                    cache, 0, logits="none", n_layers=n_layers)
+            cache = self.caches.new_cache(len(ids) + 2)
+            h = runner.forward(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
+                               cache, 0, logits="none", n_layers=n_layers)
             return cache.k[:n_layers, :, :len(ids)], cache.v[:n_layers, :, :len(ids)], h
         fits = head is not None and head.part.n_layers == n_layers and head.ids == list(ids)
-        if not fits:
+        if head is None or not fits:
             head = self.early_head(ids, n_layers, prefix)
         cache, part, M = head.cache, head.part, len(ids)
         rows = torch.as_tensor(pick(cache.k[:n_layers, :, :M], cache.v[:n_layers, :, :M]), dtype=torch.long)
         rows = rows.sort().values
         if fits and rows.numel() and int(rows[0]) < part.start:  # slots below hold the prefix's KV: bitwise
-            part = self.runner.early_head(torch.tensor(ids, device=self.device), cache, n_layers, int(rows[0]))
+            part = runner.early.early_head(torch.tensor(ids, device=self.device), cache, n_layers, int(rows[0]))
             head.reran = True
-        h = self.runner.early_rows(part, cache, rows)
+        h = runner.early.early_rows(part, cache, rows)
         return cache.k[:n_layers, :, :M], cache.v[:n_layers, :, :M], h
 
     @torch.inference_mode()
@@ -66,10 +83,9 @@ class SemanticPasses:
         """What early_layers computes before it asks pick: every token's KV of the first n_layers layers (the
         prefix's tokens taken from it, as there). It needs only the prompt, so the engine can run it while the
         fingerprint that decides whether a SEMANTIC plan follows is still being computed."""
-        if self.runner is None:
-            raise RuntimeError("early-layer KV needs the Llama runner")
-        n_layers = min(n_layers, self.kv_shape.layers)
-        cache = self.new_cache(len(ids) + 2)
+        runner = self._runner()
+        n_layers = min(n_layers, self.layers)
+        cache = self.caches.new_cache(len(ids) + 2)
         ids_t = torch.tensor(ids, device=self.device)
         start = 0
         if prefix is not None:
@@ -77,7 +93,7 @@ class SemanticPasses:
             cache.k[:n_layers, :, :start] = prefix[0][:n_layers, :, :start]
             cache.v[:n_layers, :, :start] = prefix[1][:n_layers, :, :start]
             cache.length = start
-        part = self.runner.early_head(ids_t, cache, n_layers, start)
+        part = runner.early.early_head(ids_t, cache, n_layers, start)
         return EarlyStart(list(ids), cache, part)
 
     @torch.inference_mode()
@@ -89,7 +105,7 @@ class SemanticPasses:
         these tokens' own. Semantic repair's recomputed tokens thus skip the layers its early pass already ran
         for every token."""
         pos = torch.tensor(positions, device=self.device)
-        out = self.runner.forward(torch.tensor(ids, dtype=torch.long, device=self.device), pos, cache, 0, slots=pos,
+        out = self._runner().forward(torch.tensor(ids, dtype=torch.long, device=self.device), pos, cache, 0, slots=pos,
                                   logits="last", hidden=hidden, first_layer=first_layer)
         return out[-1]
 
@@ -97,7 +113,7 @@ class SemanticPasses:
         """Move post-RoPE keys [L, H, n, D] of layers first_layer.. by `delta` positions each ([n] ints):
         R(p+d) = R(d) R(p), each layer with its own RoPE table (Gemma 3's sliding and full layers have their own
         bases)."""
-        tables = self._rope_inv_freqs()
+        tables = self.rope_inv_freqs()
         of = self.runner.rope_of[first_layer:first_layer + k.shape[0]] if self.runner is not None else [0] * k.shape[0]
         kf = k.float()
         rot = 2 * tables[0].shape[-1]  # RoPE's rotated part of a head (Phi-4-mini's 96 of 128): the rest stays
@@ -123,9 +139,9 @@ class SemanticPasses:
             out[at] = (kf[at] * cos + rotated_half[at] * sin).to(k.dtype)
         return out
 
-    def _rope_inv_freqs(self) -> list[torch.Tensor]:
+    def rope_inv_freqs(self) -> list[torch.Tensor]:
         """The inverse frequencies of each RoPE table, in the runner's order (rope_types; one without a runner)."""
-        rot = self.model.model.rotary_emb
+        rot = self.rotary
         types = self.runner.rope_types if self.runner is not None else [None]
         if types == [None]:
             return [rot.inv_freq]
@@ -133,7 +149,7 @@ class SemanticPasses:
 
         def inv_freq(t: str | None) -> torch.Tensor:
             if t == NO_ROPE:  # SmolLM3's layers without RoPE: a zero turn
-                return torch.zeros(self.kv_shape.head_dim // 2)
+                return torch.zeros(self.head_dim // 2)
             if tables is not None:
                 return tables[t][0]
             return rot.inv_freq if t is None else getattr(rot, f"{t}_inv_freq")

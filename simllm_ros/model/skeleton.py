@@ -125,7 +125,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, layer_types: list[str] | None):
         super().__init__()
         self.tables: dict[str | None, tuple[torch.Tensor, float]] = {}
-        for t in layer_types or [None]:
+        types: list[str | None] = list(layer_types) if layer_types else [None]
+        for t in types:
             self.tables[t] = rope_inv_freq(config, t)
         self.max_position = -1  # positions past it leave rope_trig's exact range (set at the first pass: the
         # tables may be built on the meta device and filled in at the load)
@@ -151,7 +152,9 @@ def has_sliding_layers(cfg) -> bool:
 def rope_per_layer_type(config) -> bool:
     """Whether the config's RoPE has a table per layer type (Gemma 3's; Gemma 2's layer types share one)."""
     params, types = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None)
-    return bool(types) and isinstance(params, dict) and "rope_type" not in params and set(types) <= params.keys()
+    if not types or not isinstance(params, dict):
+        return False
+    return "rope_type" not in params and set(types) <= params.keys()
 
 
 def rope_dims(config) -> int:
@@ -173,12 +176,13 @@ def _rope_parameters(config, layer_type: str | None) -> dict | None:
 def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, attention scaling) of `config`'s RoPE, for one layer type where it has several."""
     params = _rope_parameters(config, layer_type)
+    assert params is not None, "a RoPE kind build takes: the config has its rope_parameters"
     kind = params["rope_type"]
     if kind == "default":  # over the rotated part of a head (Phi-4-mini's 96 of 128), as transformers computes it
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
         return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # no modeling code imported
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # deferred: transformers (no modeling code)
 
     if layer_type is None:
         return ROPE_INIT_FUNCTIONS[kind](config)
@@ -237,7 +241,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = body
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False)
-        from transformers import GenerationConfig  # configuration code only
+        from transformers import GenerationConfig  # deferred: transformers (configuration code only)
 
         self.generation_config = GenerationConfig.from_model_config(cfg)
 
@@ -270,7 +274,7 @@ def build(cfg, keys: set[str]) -> CausalLM | None:
     if act_name in ACTIVATIONS:
         act = ACTIVATIONS[act_name]()
     else:  # transformers' own, for the rest (its module imports torch.distributed and sympy: ~50 MB resident)
-        from transformers.activations import ACT2FN
+        from transformers.activations import ACT2FN  # deferred: transformers takes seconds to import
 
         act = ACT2FN[act_name]
     eps = float(cfg.rms_norm_eps)

@@ -52,7 +52,7 @@ class JsonConstraint:
     """One request's grammar state (an xgrammar GrammarMatcher) over a vocabulary of `vocab_size` rows."""
 
     def __init__(self, compiled, vocab_size: int, hint: str = ""):
-        import xgrammar as xgr
+        import xgrammar as xgr  # deferred: xgrammar loads its native library
 
         self._hint = hint  # where the schema may admit nothing (its patterns), for a dead end's message
         self._xgr = xgr
@@ -142,7 +142,7 @@ class StructuredOutput:
     def _get_compiler(self):
         with self._lock:
             if self._compiler is None:
-                import xgrammar as xgr
+                import xgrammar as xgr  # deferred: xgrammar loads its native library
 
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self._stop_ids)

@@ -114,8 +114,7 @@ def check_template(template: str, name: str, record_dir: str | None = None, toke
     job = {"template": template, "tokens": tokens or {}, "probes": PROBES, "tool_probes": TOOL_PROBES,
            "chars": TEMPLATE_MAX_CHARS, "memory": TEMPLATE_MEMORY}
     key = hashlib.sha256(json.dumps([template, PROBES, TOOL_PROBES, TEMPLATE_MAX_CHARS, TEMPLATE_MEMORY,
-                                     seconds]).encode())
-    key = key.hexdigest()[:32]
+                                     seconds]).encode()).hexdigest()[:32]
     store = os.path.join(record_dir, CHECKED_FILE) if record_dir else None
     if store and read_records(store).get(key) is True:
         return
@@ -133,6 +132,7 @@ def check_template(template: str, name: str, record_dir: str | None = None, toke
 def _render(job: dict, seconds: float, label: str) -> None:
     proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+    assert proc.stdin is not None  # PIPE
     try:
         if _line(proc, START_SECONDS) != "ready":
             raise TemplateError(f"{label} could not be checked: its renderer did not start "
@@ -161,7 +161,8 @@ def _render(job: dict, seconds: float, label: str) -> None:
         proc.wait()
         for f in (proc.stdin, proc.stdout):
             try:
-                f.close()
+                if f is not None:
+                    f.close()
             except OSError:
                 pass
 
@@ -170,13 +171,15 @@ def _line(proc: subprocess.Popen, seconds: float) -> str | None:
     """The child's next line of output (at most 64 KB), or None once `seconds` pass without one."""
     deadline = time.monotonic() + seconds
     buf = b""
+    out = proc.stdout
+    assert out is not None  # PIPE
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(out, selectors.EVENT_READ)
         while b"\n" not in buf and len(buf) < 1 << 16:
             left = deadline - time.monotonic()
             if left <= 0 or not sel.select(left):
                 return None
-            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+            chunk = os.read(out.fileno(), 1 << 16)
             if not chunk:
                 break
             buf += chunk

@@ -65,6 +65,7 @@ def detect(template: str | None, tokens: dict | None = None) -> tuple[str, str]:
     not known here."""
     if not isinstance(template, str) or not template:
         return GENERIC, "the model has no chat template"
+    # deferred: transformers takes seconds to import
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
@@ -82,13 +83,13 @@ def detect(template: str | None, tokens: dict | None = None) -> tuple[str, str]:
 
 
 def _literal(text: str):
-    import xgrammar as xgr
+    import xgrammar as xgr  # deferred: xgrammar loads its native library
 
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
 def _empty():
-    import xgrammar as xgr
+    import xgrammar as xgr  # deferred: xgrammar loads its native library
 
     return xgr.Grammar.from_ebnf('root ::= ""')
 
@@ -96,7 +97,7 @@ def _empty():
 def _repeated(item, sep: str, lo: int, hi: int):
     """item (sep item){lo-1, hi-1}: lo..hi items, each a copy of the item's grammar (xgrammar repeats rules, not
     grammars)."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # deferred: xgrammar loads its native library
 
     tail = _empty()
     for k in range(hi - lo):  # (sep item)? nested: the optional items after the required ones
@@ -119,7 +120,7 @@ def grammar(name: str, schema_text: str, text_allowed: bool, max_calls: int = 1,
     frame: hermes blocks one after another, Llama 3's several as a JSON list), or where text_allowed a text reply
     (not starting with a call's first character or white space). think_chars > 0: a reasoning block
     <think>...</think> of at most that many characters may come first (the template lets the model think)."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # deferred: xgrammar loads its native library
 
     fmt = FORMATS[name]
     call = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)

@@ -49,20 +49,20 @@ from .energy import EnergyMeter, EnergyTally
 from ..cache.fleet_store import FleetStore
 from ..cache.fingerprint import Fingerprinter
 from ..cache.kv_pool import KVPool, PrefixHit
-from ..model.model_backend import ModelBackend, ModelLoadError
+from ..model.model_backend import ModelBackend
+from ..model.model_files import ModelLoadError
 from ..model.model_files import release_heap
 from ..request import CANCELLED_ERROR, Progress, QueryRequest, QueryResult
 from .engine_parts import EngineNotLoaded, Flight, Prepared, fault_result
 from .request_memory import PendingInsert, RequestMemory
 from .request_pipeline import Observation, RequestPipeline, prefill_exact
 # Re-exported: what `from simllm_ros.serving.engine import ...` has always given.
-from .request_pipeline import KV_SLOT_STEP, MemoPlan, task_digest  # noqa: F401
 from ..cache.semantic_log import SemanticLog
 from ..settings import SPECS, SettingError, Settings, parse_size
 from ..model.structured_output import SchemaError
 from .thermal import ThermalLevel
 from ..validation import check_text_field, is_invisible_only, normalize_text, validate_request
-from .warm_start import WarmStart, read_requests_jsonl  # noqa: F401 (read_requests_jsonl: re-exported)
+from .warm_start import WarmStart
 
 RELOAD_PARAMS = {s.name for s in SPECS if not s.live}
 # What a fork may set for itself: its own fleet connection, its own snapshot folder (restore() is the caller's) and

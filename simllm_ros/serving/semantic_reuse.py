@@ -26,7 +26,8 @@ import dataclasses
 import torch
 
 from ..cache.kv_pool import KVPool
-from ..model.model_backend import EarlyStart, ModelBackend
+from ..model.model_backend import ModelBackend
+from ..model.semantic_passes import EarlyStart
 from ..cache.reuse_planner import ReusePlan
 
 

@@ -546,7 +546,7 @@ def test_repeated_texts_skip_the_embedder_and_get_the_same_vector():
 def test_prefix_read_with_room_is_adopted_by_the_model_buffer_without_a_copy(kv_bits):
     """An exact hit reads the pooled prefix once, into a buffer with room for the answer: the views it returns
     hold the stored KV, and KVBuffer.adopt decodes on in that storage. Tensors without room are copied."""
-    from simllm_ros.model.llama_runner import KVBuffer
+    from simllm_ros.model.kv_buffer import KVBuffer
 
     pool = make_pool(kv_bits=kv_bits)
     tokens = list(range(1, 11))  # 10 tokens: two full blocks and a partial one

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from simllm_ros.kernels import int4_kernel
-from simllm_ros.model.llama_runner import _int4_codes, _Proj, int4_dequantized
+from simllm_ros.model.runner_weights import int4_codes, int4_dequantized, Proj
 
 KERNEL = int4_kernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"int4 kernel: {int4_kernel.why_not()}")
@@ -18,7 +18,7 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"int4 kernel: {int4_ke
 def _weights(n: int, k: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
-    codes, sz = _int4_codes(w)
+    codes, sz = int4_codes(w)
     return codes, sz, int4_dequantized(codes, sz)
 
 
@@ -113,8 +113,8 @@ def test_the_model_projections_run_on_it_and_agree_with_aten():
     r = b.runner
     assert r.int4 is KERNEL and b.int4_kind == "amx" and KERNEL.path in b.int4_path
     assert all(layer[i].blob is not None and layer[i].w4 is None for layer in r.layers for i in (1, 2, 4, 5))
-    w = int4_dequantized(*_int4_codes(torch.randn(1536, 576).to(torch.bfloat16))).to(torch.bfloat16)
-    ours, aten = _Proj(w, None, 4, KERNEL), _Proj(w, None, 4, None)
+    w = int4_dequantized(*int4_codes(torch.randn(1536, 576).to(torch.bfloat16))).to(torch.bfloat16)
+    ours, aten = Proj(w, None, 4, KERNEL), Proj(w, None, 4, None)
     assert ours.blob is not None and aten.w4 is not None
     x = torch.randn(23, 576).to(torch.bfloat16)
     a, o = aten(x).float(), ours(x).float()
@@ -169,7 +169,7 @@ def test_a_range_of_outputs_is_those_columns_of_the_whole_product():
     w = (torch.randn(960, 576, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.bfloat16)
     bias = torch.randn(960, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     for b in (None, bias):
-        proj = _Proj(w, b, 4, KERNEL)
+        proj = Proj(w, b, 4, KERNEL)
         for m in (1, 2, 17, 40):
             x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
             whole = proj(x)
@@ -178,7 +178,7 @@ def test_a_range_of_outputs_is_those_columns_of_the_whole_product():
     with pytest.raises(ValueError, match="16s"):
         proj.columns(x, 8, 64)
     with pytest.raises(ValueError, match="our 4-bit kernels"):  # aten's int4 product: no columns of its own
-        _Proj(w, None, 4, None).columns(x, 0, 16)
+        Proj(w, None, 4, None).columns(x, 0, 16)
 
 
 def test_aten_can_be_chosen_and_the_built_library_is_reused():
@@ -196,7 +196,7 @@ def test_aten_can_be_chosen_and_the_built_library_is_reused():
 @needs_kernel
 def test_8bit_products_are_what_the_codes_say_and_row_invariant():
     """The LM head's 8-bit groups (mm8): against float32 products of the same weights, rows cut any way."""
-    from simllm_ros.model.llama_runner import q8_codes
+    from simllm_ros.model.runner_weights import q8_codes
 
     w = (torch.randn(4096, 576, generator=torch.Generator().manual_seed(4)) * 0.05).to(torch.bfloat16)
     codes, d = q8_codes(w)
@@ -217,14 +217,14 @@ def test_8bit_products_are_what_the_codes_say_and_row_invariant():
 
 def test_the_q8_grid_check_tells_the_files_embedding_from_other_weights():
     from core_fixtures import shared_engine
-    from simllm_ros.model.llama_runner import _Head8, on_q8_grid
+    from simllm_ros.model.runner_weights import Head8, on_q8_grid
 
     b = shared_engine(dtype="bfloat16", kv_bits=0).backend
     emb = b.runner.embed.weight.data
     assert on_q8_grid(emb)  # SmolLM2's GGUF keeps the (tied) embedding in Q8_0
     assert not on_q8_grid((torch.randn(64, 96) * 0.05).to(torch.bfloat16))  # arbitrary weights: not on a grid
     if KERNEL is not None and b.weight_bits == 4:
-        assert isinstance(b.runner.lm_head, _Head8)  # the head runs on the file's own 8-bit codes
+        assert isinstance(b.runner.lm_head, Head8)  # the head runs on the file's own 8-bit codes
         x = torch.randn(3, emb.shape[1]).to(torch.bfloat16)
         dense = x.float() @ emb.float().t()
         got = b.runner.lm_head(x)

@@ -12,7 +12,7 @@ import torch
 
 from simllm_ros.kernels import int4_vector_kernel
 from simllm_ros.kernels import build
-from simllm_ros.model.llama_runner import _int4_codes, _Proj, int4_dequantized, q8_codes
+from simllm_ros.model.runner_weights import int4_codes, int4_dequantized, Proj, q8_codes
 
 KERNEL = int4_vector_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_vector_kernel.why_not()}")
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_ve
 
 def _weights(n: int, k: int, seed: int = 0):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
-    codes, sz = _int4_codes(w)
+    codes, sz = int4_codes(w)
     return codes, sz, int4_dequantized(codes, sz)
 
 
@@ -69,7 +69,7 @@ def test_a_row_gets_the_same_bits_whatever_rows_paths_and_threads_come_with_it(m
 
 def test_columns_are_those_of_the_whole_product_and_two_callers_do_not_mix(monkeypatch):
     codes, sz, w = _weights(960, 576, seed=5)
-    p = _Proj(w, None, 4, KERNEL)
+    p = Proj(w, None, 4, KERNEL)
     assert p.blob is not None and p.four_bit
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(2))
     whole = p(x)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from simllm_ros.kernels import layer_kernel
-from simllm_ros.model.llama_runner import KVBuffer, Seq
+from simllm_ros.model.kv_buffer import KVBuffer, Seq
 
 KERNEL = layer_kernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"layer kernel: {layer_kernel.why_not()}")
@@ -133,7 +133,7 @@ def test_the_early_pass_finishes_its_last_layer_as_the_c_layers_do(model):
     whole = _buffer(r, n + 2)
     h_whole = r.forward(ids, torch.arange(n), whole, 0, logits="none", n_layers=2)
     kv = _buffer(r, n + 2)
-    rows, h = r.early_pass(ids, kv, 2, lambda k, v: [3, 17, 49])
+    rows, h = r.early.early_pass(ids, kv, 2, lambda k, v: [3, 17, 49])
     assert rows.tolist() == [3, 17, 49]
     assert torch.equal(h, h_whole[rows])
     assert torch.equal(kv.k[:2, :, :n], whole.k[:2, :, :n]) and torch.equal(kv.v[:2, :, :n], whole.v[:2, :, :n])

@@ -54,11 +54,11 @@ def test_bad_input_is_refused_and_the_runner_uses_it_only_where_it_applies():
         KERNEL.rmsnorm(torch.randn(3, 512).to(torch.bfloat16), n.weight.data, 1e-5)  # another size
     assert not KERNEL.takes(torch.ones(72)) and not KERNEL.takes(torch.ones(72, dtype=torch.bfloat16))
     assert not KERNEL.takes(torch.ones(576, dtype=torch.float16))
-    from simllm_ros.model.llama_runner import _Norm
+    from simllm_ros.model.runner_weights import Norm
 
-    assert _Norm(n, KERNEL).kernel is KERNEL
-    assert _Norm(n.float(), KERNEL).kernel is KERNEL  # float32 too (the 4-bit float32 runner)
-    assert _Norm(n.half(), KERNEL).kernel is None  # float16 keeps the module
+    assert Norm(n, KERNEL).kernel is KERNEL
+    assert Norm(n.float(), KERNEL).kernel is KERNEL  # float32 too (the 4-bit float32 runner)
+    assert Norm(n.half(), KERNEL).kernel is None  # float16 keeps the module
 
 
 def test_the_module_when_asked():

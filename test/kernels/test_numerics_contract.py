@@ -17,7 +17,7 @@ import torch
 
 from simllm_ros.kernels import int4_vector_kernel
 from simllm_ros.kernels import build
-from simllm_ros.model.llama_runner import _int4_codes, int4_dequantized, q8_codes
+from simllm_ros.model.runner_weights import int4_codes, int4_dequantized, q8_codes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "native", "bitcheck.c")
@@ -78,7 +78,7 @@ def _case(path, seed=0):
     g = torch.Generator().manual_seed(seed)
     m, n, k, e, inter, h, d = 14, 96, 768, 576, 1536, 3, 64  # k in 256s: a Q4_K super-block; m past ROWS_AT_ONCE
     w = torch.randn(n, k, generator=g) * 0.05
-    codes, sz = _int4_codes(w)
+    codes, sz = int4_codes(w)
     kernel = int4_vector_kernel.VectorKernel  # packing is plain torch: no library needed
     files = {
         "shape.i32": np.array([m, n, k, e, inter, h, d], dtype=np.int32).tobytes(),

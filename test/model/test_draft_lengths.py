@@ -8,7 +8,7 @@ import math
 import random
 
 from simllm_ros.model.draft_proposer import DRAFT_MARGIN, DraftProposer, DraftStats, best_length
-from simllm_ros.model.model_backend import MAX_PASS_ROWS
+from simllm_ros.model.load_checks import MAX_PASS_ROWS
 
 from core_fixtures import LOSSLESS, shared_engine
 

@@ -12,7 +12,8 @@ import torch
 
 import random_gemma
 from random_gemma import LAYER_TYPES, WINDOW, gemma_backend, write_gemma
-from simllm_ros.model.llama_runner import LlamaRunner, Seq
+from simllm_ros.model.llama_runner import LlamaRunner
+from simllm_ros.model.kv_buffer import Seq
 from simllm_ros.model.model_backend import ModelBackend
 
 
@@ -30,14 +31,14 @@ def test_gelu_rows_are_the_same_alone_and_together():
     rows (torch's own call split a large one between threads where a row's tanh then took other code)."""
     import torch.nn.functional as F
 
-    from simllm_ros.model.llama_runner import _act_rows
+    from simllm_ros.model.runner_layers import act_rows
 
     act = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
     for inter in (200, 512):
         gu = torch.randn(1, 300, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 3
         alone = torch.cat([act(gu[:, i:i + 1, :inter]) for i in range(300)], dim=1)
         for m in (2, 17, 64, 65, 129, 300):
-            assert torch.equal(_act_rows(act, gu[:, :m, :inter]), alone[:, :m]), (inter, m)
+            assert torch.equal(act_rows(act, gu[:, :m, :inter]), alone[:, :m]), (inter, m)
 
 
 def test_the_runner_computes_what_transformers_computes():
@@ -108,17 +109,17 @@ def test_key_rotation_takes_each_layers_own_rope_table():
     h = torch.zeros(1, n, r.hidden)
     for li in (full, sliding):
         t = r.rope_of[li]
-        at = [r._rope_tables(h, p) for p in (pos, pos + d)]
-        k_p, k_pd = (r._rotate(x, cos[t], sin[t]).transpose(0, 1)[None] for cos, sin in at)  # [1, Hkv, n, D]
+        at = [r.steps.rope_tables(h, p) for p in (pos, pos + d)]
+        k_p, k_pd = (r.steps.rotate(x, cos[t], sin[t]).transpose(0, 1)[None] for cos, sin in at)  # [1, Hkv, n, D]
         delta = torch.full((n,), d, dtype=torch.long)
         right = b.rotate_keys(k_p, delta, first_layer=li)
         wrong = b.rotate_keys(k_p, delta, first_layer=sliding if li == full else full)
         assert (right - k_pd).abs().max() < 1e-4, li
         assert (wrong - k_pd).abs().max() > 1e-2, li
     # Several layers in one call, each on its own table
-    k2 = torch.stack([r._rotate(x, *(c[r.rope_of[li]] for c in r._rope_tables(h, pos))).transpose(0, 1)
+    k2 = torch.stack([r.steps.rotate(x, *(c[r.rope_of[li]] for c in r.steps.rope_tables(h, pos))).transpose(0, 1)
                       for li in range(len(LAYER_TYPES))])
-    want = torch.stack([r._rotate(x, *(c[r.rope_of[li]] for c in r._rope_tables(h, pos + d))).transpose(0, 1)
+    want = torch.stack([r.steps.rotate(x, *(c[r.rope_of[li]] for c in r.steps.rope_tables(h, pos + d))).transpose(0, 1)
                         for li in range(len(LAYER_TYPES))])
     assert (b.rotate_keys(k2[1:], delta, first_layer=1) - want[1:]).abs().max() < 1e-4
 
@@ -194,7 +195,7 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path, activation_bi
     rows; 8-bit rows into the Q4_K products: close, not to rounding: this random model amplifies their rounding at
     a few positions); a second load (no dense weights) computes the same bits."""
     from random_gguf import Q4_K_M, write_llama
-    from simllm_ros.model.llama_runner import _ScaledRows
+    from simllm_ros.model.runner_weights import ScaledRows
 
     path = write_llama(str(tmp_path / "rand-gemma3.gguf"), arch="gemma3", layers=7, hidden=256, inter=512, heads=4,
                        kv_heads=1, head_dim=64, types=Q4_K_M, embed="Q8_0", output=None, seed=4,
@@ -204,7 +205,7 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path, activation_bi
     r = b.runner
     assert b.model_type == "gemma3_text" and b.weight_bits == 4 and r is not None and r.file is not None
     assert b.activation_bits == activation_bits
-    assert r.window.count(0) == 1 and r.windowed and isinstance(r.embed, _ScaledRows)
+    assert r.window.count(0) == 1 and r.windowed and isinstance(r.embed, ScaledRows)
     assert b.exact_chunking and b.semantic_supported and b.layers_kind == "c"  # the C layers take Gemma 3 in float32
     ids = [int(t) for t in range(400, 400 + 3 * WINDOW * 53, 53)]
     ours = b.run(ids, b.new_cache(len(ids) + 2), logits="all")
@@ -217,7 +218,7 @@ def test_a_gemma3_gguf_runs_on_its_own_blocks_losslessly(tmp_path, activation_bi
         assert (ours - ref).abs().median() <= 1e-2 * ref.abs().max(), (ours - ref).abs().median()
         assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
     again = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=cache, activation_bits=activation_bits)
-    assert again.skeleton and isinstance(again.runner.embed, _ScaledRows)
+    assert again.skeleton and isinstance(again.runner.embed, ScaledRows)
     assert type(again.model).__module__ == "simllm_ros.model.skeleton"  # built without transformers' model classes
     assert torch.equal(again.run(ids, again.new_cache(len(ids) + 2), logits="all"), ours)
     assert again.numerics == b.numerics and again.exact_chunking

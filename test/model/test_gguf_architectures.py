@@ -12,7 +12,8 @@ import torch
 from gguf_files import ours_and_transformers
 from random_gguf import Q4_K_M
 from simllm_ros.kernels import int4_vector_kernel
-from simllm_ros.model.model_backend import ModelBackend, ModelLoadError
+from simllm_ros.model.model_backend import ModelBackend
+from simllm_ros.model.model_files import ModelLoadError
 
 KERNEL = int4_vector_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_vector_kernel.why_not()}")
@@ -101,7 +102,7 @@ def test_llama3_rope_scaling_is_read_from_the_files_rope_freqs(tmp_path):
     for b in (streamed, dense):
         rope = b.config.rope_parameters
         assert rope["rope_type"] == "llama3" and rope["factor"] == 32.0, rope
-        assert torch.allclose(b._rope_inv_freqs()[0].float(), plain / divisors, rtol=1e-5, atol=0)
+        assert torch.allclose(b.semantic.rope_inv_freqs()[0].float(), plain / divisors, rtol=1e-5, atol=0)
     other = write_llama(str(tmp_path / "rand-other-rope.gguf"), llama3_rope=dict(l3, low_freq_factor=2.0), **shape)
     with pytest.raises(ModelLoadError, match="not Llama 3's RoPE scaling"):
         ModelBackend(other, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "c"))
@@ -120,14 +121,14 @@ def test_linear_rope_scaling_and_gemmas_attention_scale_are_read_from_the_file(t
     llama = write_llama(str(tmp_path / "rand-linear.gguf"), layers=1, rope_scaling=("linear", 8.0), **shape)
     b = ModelBackend(llama, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
     assert b.config.rope_parameters == {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}
-    assert torch.allclose(b._rope_inv_freqs()[0], plain(10000.0) / 8, rtol=1e-6, atol=0)
+    assert torch.allclose(b.semantic.rope_inv_freqs()[0], plain(10000.0) / 8, rtol=1e-6, atol=0)
     gemma = write_llama(str(tmp_path / "rand-gemma-linear.gguf"), arch="gemma3", layers=6, rope_base=1e6,
                         rope_scaling=("linear", 8.0), **shape)
     g = ModelBackend(gemma, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "a"))
     rope = g.config.rope_parameters
     assert rope["full_attention"]["rope_type"] == "linear" and rope["full_attention"]["factor"] == 8.0
     assert rope["sliding_attention"]["rope_type"] == "default"
-    tables = dict(zip(g.runner.rope_types, g._rope_inv_freqs()))
+    tables = dict(zip(g.runner.rope_types, g.semantic.rope_inv_freqs()))
     assert torch.allclose(tables["full_attention"], plain(1e6) / 8, rtol=1e-6, atol=0)
     assert torch.allclose(tables["sliding_attention"], plain(10000.0), rtol=1e-6, atol=0)
     assert g.config.query_pre_attn_scalar == 64 and g.runner.scale == 64 ** -0.5
@@ -188,7 +189,8 @@ def test_longrope_files_run_at_their_short_factors_within_the_original_context(t
     assert abs(rope["attention_factor"] - 1.19) < 1e-6 and rope["short_factor"] == [float(v) for v in short]
     assert b.runner is not None and b.exact_chunking and b.max_positions == 2048
     plain = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
-    assert torch.allclose(b._rope_inv_freqs()[0], plain / torch.tensor(short, dtype=torch.float), rtol=1e-6, atol=0)
+    assert torch.allclose(b.semantic.rope_inv_freqs()[0], plain / torch.tensor(short, dtype=torch.float), rtol=1e-6,
+                          atol=0)
     ids = [int(t) for t in range(400, 400 + 17 * 53, 53)]
     ours = b.run(ids, b.new_cache(20), logits="all")
     with torch.inference_mode():
@@ -239,7 +241,8 @@ def test_longrope_files_take_their_long_factors_where_a_load_serves_past_the_ori
     assert rope["short_factor"] == [float(v) for v in long] and b.identity["rope_factors"] == "long"
     assert any("LongRoPE: the long factors at every position" in m for m in said), said
     plain = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
-    assert torch.allclose(b._rope_inv_freqs()[0], plain / torch.tensor(long, dtype=torch.float), rtol=1e-6, atol=0)
+    assert torch.allclose(b.semantic.rope_inv_freqs()[0], plain / torch.tensor(long, dtype=torch.float), rtol=1e-6,
+                          atol=0)
     for n in (17, 1100):  # within the original context and past it: the long factors both times
         ids = [int(400 + (53 * t) % 40000) for t in range(n)]
         ours = b.run(ids, b.new_cache(n + 3), logits="all")
@@ -288,8 +291,8 @@ def test_yarn_rope_scaling_is_read_from_the_file_as_llama_cpp_runs_it(tmp_path):
     ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / max(high - low, 0.001)).clamp(0, 1)
     assert 0 < low < high < dim // 2 - 1  # some dimensions of each kind
     want = extrapolated / 4 * ramp + extrapolated * (1 - ramp)
-    assert torch.allclose(b._rope_inv_freqs()[0], want, rtol=1e-5, atol=0)
-    cos, _ = b.runner._rope_tables(torch.zeros(1, 1, 256), torch.tensor([0]))
+    assert torch.allclose(b.semantic.rope_inv_freqs()[0], want, rtol=1e-5, atol=0)
+    cos, _ = b.runner.steps.rope_tables(torch.zeros(1, 1, 256), torch.tensor([0]))
     assert torch.allclose(cos[0, 0, 0], torch.full((dim,), 1 + 0.1 * math.log(4)))  # cos(0) times YaRN's scale
     odd = write_llama(str(tmp_path / "rand-yarn-log.gguf"), rope_scaling=("yarn", 4.0, 512),
                       metadata={"qwen2.rope.scaling.yarn_log_multiplier": 0.1}, **shape)

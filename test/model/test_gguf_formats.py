@@ -16,7 +16,8 @@ from gguf_files import file_backend, ours_and_transformers
 from random_gguf import blocks, write_llama
 from simllm_ros.model import gguf_weights
 from simllm_ros.kernels import int4_vector_kernel
-from simllm_ros.model.model_backend import ModelBackend, ModelLoadError
+from simllm_ros.model.model_backend import ModelBackend
+from simllm_ros.model.model_files import ModelLoadError
 
 KERNEL = int4_vector_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_vector_kernel.why_not()}")
@@ -125,10 +126,10 @@ def test_iq4_xs_keeps_its_sub_scales_and_computes_the_bits_of_its_scales_per_32(
 
 def test_a_projection_of_mixed_parts_is_each_parts_product():
     """q/k in Q4_K and v in Q6_K fused into one projection: each output block is bitwise its own part's product."""
-    from simllm_ros.model.llama_runner import _file_parts, _Proj
+    from simllm_ros.model.runner_weights import file_parts, Proj
 
     pieces = [_tensor("Q4_K", 64, 512, 1), _tensor("Q4_K", 32, 512, 2), _tensor("Q6_K", 32, 512, 3)]
-    proj = _Proj(None, None, 4, KERNEL, parts=_file_parts([fw for fw, _ in pieces], KERNEL))
+    proj = Proj(None, None, 4, KERNEL, parts=file_parts([fw for fw, _ in pieces], KERNEL))
     assert proj.kinds == "q4k+q6" and len(proj.parts) == 2 and proj.n == 128
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
     y = proj(x)
@@ -234,11 +235,11 @@ def test_qwen_smollm3_phi3_and_gemma2_files_run_on_their_own_blocks_as_transform
         assert type(b.hf_model).__name__ == {"smollm3": "SmolLM3", "phi3": "Phi3", "gemma2": "Gemma2"}[name] + \
             "ForCausalLM"
     if name == "gemma2":  # the caps matter here: without them the runner computes another model
-        b.runner.attn_softcap, b.runner.fused.softcap = None, 0.0
+        b.runner.steps.attn_softcap, b.runner.fused.softcap = None, 0.0
         try:
             assert (b.run(ids, b.new_cache(20), logits="all") - ref).abs().max() > 0.1 * ref.abs().max()
         finally:
-            b.runner.attn_softcap, b.runner.fused.softcap = 20.0, 20.0
+            b.runner.steps.attn_softcap, b.runner.fused.softcap = 20.0, 20.0
         # bf16 (AMX CPUs' default): transformers' Gemma2 classes on the runner, the invariance probe passed, and as
         # close to the float32 model as transformers' own bf16 forward is (its bf16 tanh is coarser)
         bf = ModelBackend(files[name], dtype="bfloat16", weight_bits=16, cache_dir=files["cache"] + "-bf16")

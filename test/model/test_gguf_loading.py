@@ -13,7 +13,8 @@ from gguf_files import file_backend, whole_backend
 from random_gguf import Q4_K_M, write_llama
 from simllm_ros.model import gguf_weights
 from simllm_ros.kernels import int4_vector_kernel
-from simllm_ros.model.model_backend import ModelBackend, ModelLoadError
+from simllm_ros.model.model_backend import ModelBackend
+from simllm_ros.model.model_files import ModelLoadError
 
 KERNEL = int4_vector_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"vector kernel: {int4_vector_kernel.why_not()}")
@@ -93,12 +94,12 @@ def test_a_second_load_takes_the_checked_blocks_without_the_dense_weights(files)
     blocks again: the same bits, at a fraction of the memory."""
     import os
 
-    from simllm_ros.model.model_backend import _conversion_stamp
+    from simllm_ros.model.model_files import conversion_stamp
 
     first = file_backend(files, "q4_k_m")
     folder = first._path
     assert os.path.isfile(os.path.join(folder, gguf_weights.ROWS_FILE))
-    rows = gguf_weights.load_rows(folder, _conversion_stamp(files["q4_k_m"]))
+    rows = gguf_weights.load_rows(folder, conversion_stamp(files["q4_k_m"]))
     assert rows is not None and rows.head and any(k.endswith("attn_q.weight") for k in rows.perms)  # q/k permuted
     second = ModelBackend(files["q4_k_m"], dtype="float32", weight_bits=0, cache_dir=files["cache"])
     assert second.skeleton and second.runner.file is not None and second.weight_bits == 4
@@ -135,11 +136,11 @@ def test_a_second_load_of_qwen_files_computes_the_first_loads_bits(files, name):
 
 
 def test_kept_rows_of_another_or_a_damaged_file_are_not_used(files, tmp_path):
-    from simllm_ros.model.model_backend import _conversion_stamp
+    from simllm_ros.model.model_files import conversion_stamp
 
     b = file_backend(files, "q8_0")
     folder = b._path
-    stamp = _conversion_stamp(files["q8_0"])
+    stamp = conversion_stamp(files["q8_0"])
     assert gguf_weights.load_rows(folder, stamp) is not None
     assert gguf_weights.load_rows(folder, dict(stamp, size=stamp["size"] + 1)) is None  # another file's content
     import shutil
@@ -165,10 +166,10 @@ def test_load_checks_are_kept_only_for_the_same_numerics(files, monkeypatch):
     import json
     import os
 
-    from simllm_ros.model import model_backend
+    from simllm_ros.model import load_checks, model_backend
 
     b = file_backend(files, "q8_0")
-    store = os.path.join(files["cache"], model_backend.LOAD_CHECKS_FILE)
+    store = os.path.join(files["cache"], load_checks.LOAD_CHECKS_FILE)
     data = json.loads(open(store).read())
     key = next(k for k, v in data.items() if v["digest"] == b.numerics and "exact" in v)
     for digest, want_exact in (("0" * 16, True), (b.numerics, False)):
@@ -374,12 +375,12 @@ def test_a_ggufs_first_conversion_checks_it_a_tensor_at_a_time(files, tmp_path, 
         str(tmp_path / "rand-gemma3.gguf"), arch="gemma3", layers=7, heads=4, kv_heads=1, head_dim=64, types=Q4_K_M,
         embed="Q8_0", output=None, seed=4, sliding_window=16)
     ref = whole_backend(files, name, path)
-    whole = gguf_weights.load_rows(ref._path, model_files._conversion_stamp(path))
+    whole = gguf_weights.load_rows(ref._path, model_files.conversion_stamp(path))
     said: list[str] = []
     b = ModelBackend(path, dtype="float32", weight_bits=0, cache_dir=str(tmp_path / "streamed"), progress=said.append)
     assert any("one tensor at a time into" in m for m in said) and not any("safetensors once" in m for m in said), said
     assert b.skeleton and b.runner is not None and b.runner.file is not None and not b.reload_lighter
-    rows = gguf_weights.load_rows(b._path, model_files._conversion_stamp(path))
+    rows = gguf_weights.load_rows(b._path, model_files.conversion_stamp(path))
     assert whole is not None and rows is not None and (rows.head, rows.embed) == (whole.head, whole.embed)
     assert rows.perms.keys() == whole.perms.keys() and all(torch.equal(rows.perms[k], whole.perms[k]) for k in rows.perms)
     if name == "q4_k_m":

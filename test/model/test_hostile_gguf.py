@@ -14,7 +14,8 @@ import torch
 
 from random_gguf import write_llama
 from simllm_ros.model import file_digest, gguf_weights, template_box
-from simllm_ros.model.model_backend import ModelBackend, ModelLoadError
+from simllm_ros.model.model_backend import ModelBackend
+from simllm_ros.model.model_files import ModelLoadError
 
 SMALL = dict(layers=2, hidden=128, inter=256, heads=4, kv_heads=2, default="Q8_0", embed="Q8_0", output="Q8_0")
 QUICK_S = 10.0  # a refusal reads the header only: well under a second alone, this leaves room for a shared machine

@@ -76,7 +76,7 @@ def test_probe_rejects_an_attention_whose_rounding_follows_the_cut(engine, monke
     """The load-time probe is what keeps reuse lossless on hardware nobody tested. A float32 attention for a
     bf16 model (faster here, tried and dropped) changes a real prompt's last logits after some prefixes;
     the probe must then say no. On a CPU where it changes nothing, the probe must say yes."""
-    from simllm_ros.model.llama_runner import LlamaRunner
+    from simllm_ros.model.runner_layers import LayerSteps
 
     def float32_attention(self, q, k, v, blocked, first=0, causal_m=0):
         assert not causal_m  # the runner builds masks for this path (no kernel, below)
@@ -86,7 +86,7 @@ def test_probe_rejects_an_attention_whose_rounding_follows_the_cut(engine, monke
         return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(v.dtype)
 
     b = engine.backend
-    monkeypatch.setattr(LlamaRunner, "_attention", float32_attention)
+    monkeypatch.setattr(LayerSteps, "attention", float32_attention)
     monkeypatch.setattr(b.runner, "kernel", None)  # the torch path's masks, which the float32 attention reads
     ids = b.prompt_ids("You are a helpful robot.", "Riverside bulletin: Elm Street closed 9-17.",
                        "Which road is closed today, and until when?")
@@ -318,7 +318,7 @@ def test_packed_weights_are_the_model_bitwise_and_held_once():
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from simllm_ros.model.model_backend import resolve_model
+    from simllm_ros.model.model_files import resolve_model
 
     engine = shared_engine(dtype="bfloat16", kv_bits=0, weight_bits=16)
     b = engine.backend
@@ -355,8 +355,9 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
     equal the same configuration's empty-pool answers, drafts included."""
     from transformers import AutoModelForCausalLM
 
-    from simllm_ros.model.llama_runner import INT4_GROUP, _int4_codes, int4_dequantized, int4_kernel_error, on_int4_grid
-    from simllm_ros.model.model_backend import resolve_model
+    from simllm_ros.model.runner_weights import INT4_GROUP, int4_codes, int4_dequantized, int4_kernel_error, \
+        on_int4_grid
+    from simllm_ros.model.model_files import resolve_model
 
     from simllm_ros.kernels import int4_vector_kernel
 
@@ -385,7 +386,7 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
     dtype = e4.backend.dtype
     sd = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).state_dict()
     w = torch.cat([sd[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])  # the file's fused qkv rows
-    q, sz = _int4_codes(w)
+    q, sz = int4_codes(w)
     deq = int4_dequantized(q, sz)
     off = (deq - w.float()).abs().reshape(w.shape[0], -1, INT4_GROUP) / sz[..., 0].float().t()[..., None]
     assert off.max() < 0.1, f"4-bit weights are {off.max():.3f} of a step away from the file's (not its Q4 grid?)"
@@ -416,7 +417,9 @@ def test_default_weights_are_the_files_own_4_bit_ones_and_reuse_stays_lossless(e
 
 
 def test_four_bit_weights_refuse_what_the_kernel_cannot_run():
-    from simllm_ros.model.model_backend import ModelBackend, ModelLoadError, default_cache_dir
+    from simllm_ros.model.model_backend import ModelBackend
+    from simllm_ros.model.model_files import ModelLoadError
+    from simllm_ros.model.cache_records import default_cache_dir
     from simllm_ros.settings import DEFAULT_MODEL
 
     with pytest.raises(ModelLoadError, match="weight_bits=4 .*bfloat16"):
@@ -465,7 +468,7 @@ def test_a_lone_token_runs_as_one_row_only_where_that_is_bitwise_the_padded_pass
     """A plain decode step is one token. 16-bit oneDNN products round one row differently, so there it is
     padded to two rows; with 4-bit weights the load-time check found one row bitwise the same, and runs it
     alone. Checked here again on a real prompt, at positions the load check did not use."""
-    from simllm_ros.model.llama_runner import KVBuffer
+    from simllm_ros.model.kv_buffer import KVBuffer
 
     if NATIVE_BF16:
         e16 = shared_engine(dtype="bfloat16", kv_bits=0, weight_bits=16)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from simllm_ros.model.draft_proposer import DraftProposer
-from simllm_ros.model.llama_runner import Seq
+from simllm_ros.model.kv_buffer import Seq
 from simllm_ros.request import CacheResult, QueryRequest
 from simllm_ros.serving.request_server import RequestServer
 

@@ -129,7 +129,7 @@ def test_the_embedded_model_answers_in_the_template_s_format(toolbox, name):
     own = tok.chat_template
     try:
         tok.chat_template = template(name)
-        e.backend._tool_format = None
+        e.backend.chat.template_changed()
         fmt, why = e.backend.tool_format
         assert fmt == formats.detect(template(name), TOKENS)[0], why
         fresh(e)
@@ -146,7 +146,7 @@ def test_the_embedded_model_answers_in_the_template_s_format(toolbox, name):
         json.loads(formats.read_answer(fmt, res.answer, False).calls[0])
     finally:
         tok.chat_template = own
-        e.backend._tool_format = None
+        e.backend.chat.template_changed()
         fresh(e)
 
 
@@ -266,7 +266,7 @@ def test_the_embedded_model_makes_calls_under_max_calls_and_its_tool_results_ren
     name = "meta-llama-Llama-3.2-3B-Instruct"
     try:
         tok.chat_template = template(name)
-        e.backend._tool_format, e.backend._tool_traits = None, None
+        e.backend.chat.template_changed()
         fmt = e.backend.tool_format[0]
         traits = e.backend.tool_traits
         assert (fmt, traits.result_role, traits.thinks) == (formats.LLAMA3_JSON, "tool", False), traits.why
@@ -283,5 +283,5 @@ def test_the_embedded_model_makes_calls_under_max_calls_and_its_tool_results_ren
         assert '<|start_header_id|>ipython<|end_header_id|>\n\n"{\\"success\\": true}"' in tok.decode(ids)
     finally:
         tok.chat_template = own
-        e.backend._tool_format, e.backend._tool_traits = None, None
+        e.backend.chat.template_changed()
         fresh(e)
