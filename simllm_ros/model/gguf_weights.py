@@ -25,15 +25,16 @@ import dataclasses
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import gguf_checks
+from ..kernels.compute_threads import usable_cpus
 from ..safe_io import describe_error, open_regular, pread_exact
-
+from . import gguf_checks
 from .gguf_blocks import BLOCKS
 
 # GGUF types each kind of our products takes
@@ -431,10 +432,6 @@ class PendingWeight:
             return kind, blob
 
         if n >= PARALLEL_ROWS:  # numpy and torch let go of the GIL over whole arrays
-            from concurrent.futures import ThreadPoolExecutor
-
-            from ..kernels.compute_threads import usable_cpus
-
             with ThreadPoolExecutor(max(1, min(len(spans), len(usable_cpus())))) as pool:
                 done = list(pool.map(chunk, spans))
         else:  # a layer's part: build_all packs several at once already

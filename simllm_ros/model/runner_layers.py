@@ -18,7 +18,7 @@ from .runner_weights import Norm, Proj
 
 # The RoPE kind of a layer that attends without positions (SmolLM3's NoPE layers): its table leaves a row as it is
 NO_ROPE = "no_rope"
-# Positions whose RoPE tables a runner keeps (`_rope_tables`; 8192 x D=128 floats, 4 MiB each of cos and sin)
+# Positions whose RoPE tables a runner keeps (`rope_tables`; 8192 x D=128 floats, 4 MiB each of cos and sin)
 ROPE_CACHE_POSITIONS = 8192
 
 
@@ -173,20 +173,20 @@ class LayerSteps:
             if 0 <= int(positions.min()) and top < ROPE_CACHE_POSITIONS:
                 cos, sin = self._rope_cached(h.dtype, top)
                 return cos[:, positions], sin[:, positions]
-        return self._rope_computed(h, positions)
+        return self.rope_computed(h, positions)
 
     def _rope_cached(self, dtype: torch.dtype, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_rope_computed`'s tables [T, P, 1, D] of positions 0..P-1, P grown (by doubling, at least 512) past
+        """`rope_computed`'s tables [T, P, 1, D] of positions 0..P-1, P grown (by doubling, at least 512) past
         `top`."""
         cache = self.__dict__.setdefault("_rope_cache", {})
         have = cache.get(dtype)
         if have is None or have[0].shape[1] <= top:
             n = max(512, 1 << top.bit_length())
-            have = cache[dtype] = self._rope_computed(torch.empty(0, dtype=dtype), torch.arange(n))
+            have = cache[dtype] = self.rope_computed(torch.empty(0, dtype=dtype), torch.arange(n))
         return have
 
-    def _rope_computed(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_rope_tables`' tables, computed for these positions (h gives the dtype and device only)."""
+    def rope_computed(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_tables`' tables, computed for these positions (h gives the dtype and device only)."""
         tables = [self.rotary(h, positions[None]) if t is None else _no_rotation(h, positions, self.head_dim)
                   if t == NO_ROPE else self.rotary(h, positions[None], t) for t in self.rope_types]  # each [1, M, w]
         cos, sin = [], []

@@ -66,7 +66,7 @@ def detect(template: str | None, tokens: dict | None = None) -> tuple[str, str]:
     if not isinstance(template, str) or not template:
         return GENERIC, "the model has no chat template"
     # deferred: transformers takes seconds to import
-    from transformers.utils.chat_template_utils import render_jinja_template
+    from transformers.utils.chat_template_utils import render_jinja_template  # deferred: transformers is slow to import
 
     try:
         text = render_jinja_template(conversations=[PROBE_CONVERSATION], tools=[PROBE_TOOL], chat_template=template,
@@ -244,7 +244,7 @@ def result_probe(role: str) -> list[dict]:
 
 
 def _render(template: str, conversation: list, tokens: dict | None) -> str | None:
-    from transformers.utils.chat_template_utils import render_jinja_template
+    from transformers.utils.chat_template_utils import render_jinja_template  # deferred: transformers is slow to import
 
     try:
         return render_jinja_template(conversations=[conversation], tools=[PROBE_TOOL], chat_template=template,

@@ -167,7 +167,7 @@ def test_float32_silu_mul_is_close_to_torch_and_row_invariant():
 
 @needs_kernel
 def test_kept_rope_tables_are_the_computed_ones():
-    """The RoPE rows a runner keeps per position (runner_layers._rope_tables) have the bits of tables computed for
+    """The RoPE rows a runner keeps per position (runner_layers.LayerSteps.rope_tables) have the bits of tables computed for
     the pass's positions alone: Gemma 3's two tables (sliding and full layers), positions across the kept blocks'
     growth and beyond what is kept."""
     from simllm_ros.model.runner_layers import ROPE_CACHE_POSITIONS
@@ -177,7 +177,7 @@ def test_kept_rope_tables_are_the_computed_ones():
     for pos in ([0], [511], [512], [700, 3, 9], list(range(0, 1500, 7)), [ROPE_CACHE_POSITIONS - 1],
                 [ROPE_CACHE_POSITIONS + 5]):
         p = torch.tensor(pos)
-        got, want = r._rope_tables(h, p), r._rope_computed(h, p)
+        got, want = r.steps.rope_tables(h, p), r.steps.rope_computed(h, p)
         assert got[0].shape == want[0].shape == (2, len(pos), 1, r.head_dim)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), pos
 
