@@ -90,9 +90,10 @@ def main(argv=None) -> None:
                          f"{min(ratios):.3f}-{max(ratios):.3f} (hit ~{statistics.median(r[4] for r in rows):.0f} ms, "
                          f"cold ~{statistics.median(r[5] for r in rows):.0f} ms); same answer as cold: "
                          f"{sum(r[6] for r in rows)}/{len(rows)}")
-    print(f"\nSEMANTIC TTFT / cold TTFT over {len(pairs)} pairs, {e.backend.model_type}, "
-          f"weights {e.backend.weight_bits}-bit, "
-          f"{e.backend.dtype}, {args.threads} thread(s):")
+    backend = e.loaded_backend()
+    print(f"\nSEMANTIC TTFT / cold TTFT over {len(pairs)} pairs, {backend.model_type}, "
+          f"weights {backend.weight_bits}-bit, "
+          f"{backend.dtype}, {args.threads} thread(s):")
     for mode, line in summary.items():
         print(f"  fingerprint {mode:12s}: {line}")
     print(f"Wall time {time.monotonic() - t_start:.0f} s.")
