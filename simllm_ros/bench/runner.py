@@ -161,7 +161,7 @@ def interleave(systems: dict, wname: str, rows: list[dict], status: dict, bar) -
 
 def set_threads(n: int | None):
     """torch gets n threads (None/0: its default) and numpy's BLAS (the matcher) the same number: idle BLAS
-    threads waking up cost ~8 ms a call on a busy 2-core machine. Returns (threads, the BLAS limiter or None)."""
+    threads waking up cost milliseconds a call on a busy machine. Returns (threads, the BLAS limiter or None)."""
     import torch
 
     if n:
