@@ -5,7 +5,8 @@ numerics contract, test_numerics_contract).
 
 Why our own: on such a CPU the model runs in float32 (no native bf16), and torch's float32 products (MKL, oneDNN)
 pick kernels by row count, so a token's bits depend on how many tokens ran with it: the load-time invariance probe
-fails, and no reuse or draft is lossless (on an AVX2 EPYC every hit was approximate). ATen's int4 kernel needs bf16 activations, which such CPUs emulate slowly.
+fails, and no reuse or draft is lossless (on an AVX2 EPYC every hit was approximate). ATen's int4 kernel needs bf16
+activations, which such CPUs emulate slowly.
 
 Arithmetic, per output and group of 32 inputs (the grid of the file's Q4 codes): acc = sum of x[k] * code[k] in
 input order, one fused multiply-add at a time from zero; then out = fma(step, acc, out) and

@@ -252,8 +252,8 @@ class LlamaRunner:
 
     def _choose_layers_kernel(self, norms: NormKernel | None, attn_softcap: float | None
                               ) -> layer_kernel.Layers | None:
-        """The layers in one C call per pass where every piece of them is ours (layer_kernel: a quarter of a decode step in
-        Python and tensor ops otherwise); then the MLP's SiLU is its own wherever a layer runs in Python."""
+        """The layers in one C call per pass where every piece of them is ours (layer_kernel: a quarter of a decode
+        step in Python and tensor ops otherwise); then the MLP's SiLU is its own wherever a layer runs in Python."""
         lk = layer_kernel.load() if self.int4 is not None and self.kernel is not None else None
         if lk is not None and self.int4 is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
             return layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, self.hidden,
