@@ -17,8 +17,9 @@
 /* Fewer rows than ROWS_AT_ONCE take the register path, 6 or 3 at a time (then 2 or 1), each block's weights decoded
    once for them; more take the buffered path (a group decoded into a buffer, then 6 rows at a time, in chunks whose
    inputs stay in L2 while a large matrix streams). The register path is faster up to 11 rows and about even with
-   the buffered path at 12 and, for a matrix that fits L2, beyond (benchmark/results/verified_decoding_notes.md). NB2, NB3, NB6: blocks of 16 outputs at once with 2, 3 and 6 rows (their sums stay in
-   registers: fewer with AVX2's two vectors per block). */
+   the buffered path at 12 and, for a matrix that fits L2, beyond (benchmark/results/verified_decoding_notes.md).
+   NB2, NB3, NB6: blocks of 16 outputs at once with 2, 3 and 6 rows (their sums stay in registers: fewer with AVX2's
+   two vectors per block). */
 #define ROWS_AT_ONCE 12
 #if defined(__AVX512F__)
 #define NB2 4
