@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     cached = Engine(Settings.from_overrides(cache_size="256MB", kv_bits=0, enable_drafts=False))
     cached.load()
     nocache = cached.fork()
-    print(f"model {cached.backend.dtype_name}, batch-invariant: {cached.backend.exact_chunking}, "
+    backend, pool = cached.loaded_backend(), cached.loaded_pool()
+    print(f"model {backend.dtype_name}, batch-invariant: {backend.exact_chunking}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
     turns: list[ChatTurn] = []
     rows = []
@@ -62,10 +63,10 @@ def main(argv=None) -> int:
         hot, cold = [], []
         for r in range(args.repeats):
             if r:  # later repeats: the pool as it was before this turn (drop the entry this turn just added)
-                tokens = cached.backend.chat_ids(cached.settings.system_prompt, req.context, req.turns())
-                e = cached.pool.find(req.scope, tokens)
+                tokens = backend.chat_ids(cached.settings.system_prompt, req.context, req.turns())
+                e = pool.find(req.scope, tokens)
                 if e is not None:
-                    cached.pool.remove(e.key)
+                    pool.remove(e.key)
             res = cached.handle(req)
             hot.append(res)
             nocache.clear_pool()
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
         "# Turn-N TTFT of a conversation: pool vs no cache",
         "",
         f"`.venv/bin/simllm-bench chat_turns --turns {args.turns} --threads {args.threads} "
-        f"--repeats {args.repeats}`; SmolLM2-135M {cached.backend.dtype_name}, lossless KV (kv_bits 0), drafts off "
+        f"--repeats {args.repeats}`; SmolLM2-135M {backend.dtype_name}, lossless KV (kv_bits 0), drafts off "
         f"(prefill only), greedy, {args.max_new_tokens}-token answers, median of {args.repeats} per turn; "
         f"{time.strftime('%Y-%m-%d')}, this project's build machine (2 shared x86_64 cores, no GPU).",
         "",

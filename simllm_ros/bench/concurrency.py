@@ -221,7 +221,7 @@ def four_at_once(systems: dict, rows: list[dict], trials: int, max_new: int) -> 
     warm, four = four[0], four[1:5]
     if len(four) < 4:
         raise ValueError("the workload has fewer than five distinct prompts on its first context")
-    out = {"prompts": [r["prompt"] for r in four], "max_new_tokens": max_new, "runs": []}
+    out: dict = {"prompts": [r["prompt"] for r in four], "max_new_tokens": max_new, "runs": []}
     modes = [("batched", "together"), ("one-at-a-time", "one after another"), ("one-at-a-time", "together")]
     for t in range(trials):
         for name, how in modes[t % 3:] + modes[:t % 3]:
@@ -381,11 +381,12 @@ def run(args) -> dict:
                                        max_batch=BATCH, enable_drafts=not args.no_drafts, **model)
     engine = Engine(settings, log=logging.getLogger("simllm_ros.engine"))
     engine.load(progress=lambda m: log.info(m))
+    backend = engine.loaded_backend()
     rows = wl.generate(args.workload, n=None, seed=args.seed)
     systems, status = make_systems(engine, max_new, threads, want_llama=not args.no_llama and not args.smoke,
                                    want_peers=not args.engines_only)
     names = list(systems)
-    log.info(f"systems: {names}; exact batching: {engine.backend.batches_exactly}")
+    log.info(f"systems: {names}; exact batching: {backend.batches_exactly}")
     runs = []
     progress = not args.no_progress
     for c in clients:
@@ -419,7 +420,7 @@ def run(args) -> dict:
         s.close()
     summary = summarize(runs, args.ttft_target_ms)
     res = {"smoke": bool(args.smoke), "argv": args.argv, "machine": machine_info(threads), "status": status,
-           "exact_batching": engine.backend.batches_exactly, "dtype": engine.backend.dtype_name,
+           "exact_batching": backend.batches_exactly, "dtype": backend.dtype_name,
            "kv_bits": engine.kv_bits, "workload": args.workload, "clients": clients, "rounds": args.rounds,
            "requests_per_round": args.requests, "max_new_tokens": max_new, "ttft_target_ms": args.ttft_target_ms,
            "summary": summary, "identity": identity(runs, four), "four_at_once": four,

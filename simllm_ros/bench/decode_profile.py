@@ -43,6 +43,13 @@ class _Timed:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    @classmethod
+    def over(cls, owner, name: str) -> _Timed:
+        """Puts a _Timed of owner.<name> in its place (an instance attribute, over a method too) and returns it."""
+        timed = cls(getattr(owner, name))
+        setattr(owner, name, timed)
+        return timed
+
 
 def random_file(shape: str, folder: str) -> str:
     """A file of `shape` (gguf_models.SHAPES) with random Q4_K projections, Q6_K attn_v / ffn_down and a Q6_K
@@ -89,7 +96,7 @@ def profile_ours(args) -> dict:
     e = Engine(Settings.from_overrides(model=args.file, model_cache_dir=args.cache, weight_bits=0, cache_size="1GB",
                                        enable_semantic_reuse=False))
     e.load()
-    b = e.backend
+    b = e.loaded_backend()
     runner = b.runner
     if runner is None or runner.fused is None or runner.int4 is None:
         raise SystemExit(f"{args.file}: its layers do not run in one C call here (layers {b.layers_kind}); "
@@ -100,10 +107,8 @@ def profile_ours(args) -> dict:
     rate = memory_rate.load()
     out = {"file": os.path.basename(args.file), "how": f"{b.dtype_name}, layers {b.layers_kind}",
            "prompt_tokens": len(ids), "prompt_ids": ids, "weight_mb": weights / 1e6, "rows": []}
-    timed = {"head": _Timed(runner.lm_head), "norm": _Timed(runner.norm), "embed": _Timed(runner.embed),
-             "layers": _Timed(runner.fused.run)}
-    runner.lm_head, runner.norm, runner.embed, runner.fused.run = (timed["head"], timed["norm"], timed["embed"],
-                                                                   timed["layers"])
+    timed = {"head": _Timed.over(runner, "lm_head"), "norm": _Timed.over(runner, "norm"),
+             "embed": _Timed.over(runner, "embed"), "layers": _Timed.over(runner.fused, "run")}
     proposer = DraftProposer(prompt=ids, max_tokens=8)
     greedy = Sampler()
     for n in threads:
@@ -133,6 +138,8 @@ def profile_ours(args) -> dict:
                     kv_bytes += cache.length * L * 2 * Hkv * D * runner.dtype.itemsize
                 logits = b.run([tok], cache, logits="last")
             total_ns = time.perf_counter_ns() - t_start
+            if runner.fused.profile is None:
+                raise SystemExit("the layer kernel's step counters are off: nothing was profiled (--steps 0?)")
             steps_c = runner.fused.profile.tolist()
             pool = runner.int4.pool_profile(False)
             runner.fused.profiling(False)
@@ -313,7 +320,7 @@ def report(ours: dict, llama: dict | None) -> None:
           "1..N threads read from memory here (membw.c), the floor that sets a step, and llama.cpp's step")
     print("| threads | MB/token | step ms | effective GB/s | memory read GB/s | floor ms | step / floor | "
           "llama.cpp ms | ours / llama.cpp | speed-up from 1 thread |\n|" + "---|" * 10)
-    base = {}
+    base: dict[str, float] = {}
     for r in ours["rows"]:
         lr = next((x for x in (llama or {}).get("rows", []) if x["threads"] == r["threads"]), None)
         base.setdefault("ours", r["step_ms"])
@@ -375,8 +382,8 @@ def projection(ours: list[dict], llama: list[dict]) -> None:
     thread counts measured here (Amdahl), beside the same fit of llama.cpp's steps. Memory bandwidth stops both
     sooner than this says on a machine whose memory the threads share (the floor column above); run this command
     on a machine with more cores (--threads 1,2,4,6,...) for the measured table."""
-    fits = [("simllm_ros", amdahl(ours)), ("llama.cpp", amdahl(llama) if llama else None)]
-    fits = [(name, f) for name, f in fits if f is not None]
+    fitted = [("simllm_ros", amdahl(ours)), ("llama.cpp", amdahl(llama) if llama else None)]
+    fits = [(name, f) for name, f in fitted if f is not None]
     if not fits:
         return
     print("\nA model, not a measurement (Amdahl's law fitted to the thread counts above: step = serial + "

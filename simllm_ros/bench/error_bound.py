@@ -107,8 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         for t in phr:
             questions.append(t)
             kinds[t] = "paraphrase"
-        for t in [t for t in by_intent[intent] if trap_of(t)][:2]:
-            trap = trap_of(t)
+        for trap in [swapped for swapped in map(trap_of, by_intent[intent]) if swapped][:2]:
             questions.append(trap)
             kinds[trap] = "trap"
     stream = questions + rng.sample(questions, len(questions))
@@ -127,11 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     ref_engine.unload()
 
     configs = [("lossless", dict(approx_error_bound=0.0))]
-    for t in (0.9, 0.95):
-        configs.append((f"fixed {t:.2f}", dict(approx_error_bound=1.0, answer_threshold=t, cache_threshold=0.8)))
+    for threshold in (0.9, 0.95):
+        configs.append((f"fixed {threshold:.2f}", dict(approx_error_bound=1.0, answer_threshold=threshold,
+                                                       cache_threshold=0.8)))
     for d in (0.01, 0.02, 0.05, 0.1):
         configs.append((f"bound {d:g}", dict(approx_error_bound=d, answer_threshold=0.6, cache_threshold=0.6)))
-    rows = []
+    rows: list[dict] = []
     for name, kw in configs:
         e = base.fork(base.settings.replace(enable_answer_cache=True, answer_max_age_s=1e6, **kw))
         e.error_bound = ErrorBound(seed=1)
@@ -165,14 +165,15 @@ def main(argv: list[str] | None = None) -> None:
     import time
 
     e = base.fork(base.settings.replace(approx_error_bound=0.0))
+    pool = e.loaded_pool()
     policy = PerEntryThreshold()
     approx = differ_approx = differ_all = trap_wrong = 0
     times = []
     for q in stream:
         t0 = time.perf_counter()
         fp = e.embed([q])[0]
-        cand = next((m for m in e.pool.best_matches(fp, "kiosk", time.time(), k=3, recency_weight=0.0,
-                                                     half_life_s=600.0)
+        cand = next((m for m in pool.best_matches(fp, "kiosk", time.time(), k=3, recency_weight=0.0,
+                                                   half_life_s=600.0)
                      if m.entry.answer and m.cosine >= 0.6), None)
         task = task_id(cand.entry.scope, cand.entry.tokens) if cand is not None else ""
         if cand is not None and policy.serve(task, cand.cosine):
@@ -210,10 +211,10 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(report, f, indent=1)
     print("\n| config | approximate | differ among approximate (95% CI) | all answers differing | traps served wrong "
           "| mean ms | p95 ms |\n|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['config']} | {r['approximate']}/{r['requests']} | {r['approx_differ']} "
-              f"({100 * r['approx_differ_rate']:.0f}%, {100 * r['ci95'][0]:.0f}-{100 * r['ci95'][1]:.0f}%) "
-              f"| {r['all_differ']} | {r['traps_served_wrong']} | {r['mean_ms']:.0f} | {r['p95_ms']:.0f} |")
+    for row in rows:
+        print(f"| {row['config']} | {row['approximate']}/{row['requests']} | {row['approx_differ']} "
+              f"({100 * row['approx_differ_rate']:.0f}%, {100 * row['ci95'][0]:.0f}-{100 * row['ci95'][1]:.0f}%) "
+              f"| {row['all_differ']} | {row['traps_served_wrong']} | {row['mean_ms']:.0f} | {row['p95_ms']:.0f} |")
 
 
 if __name__ == "__main__":

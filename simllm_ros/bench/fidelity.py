@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -24,10 +25,11 @@ from .shared import RESULTS_DIR, LlamaCpp, SimSystem, finish_report, offline
 
 offline()
 
-CONFIGS = (("float32", dict(dtype="float32")),
-           ("bf16, 16-bit weights", dict(dtype="bfloat16", weight_bits=16)),
-           ("defaults (bf16, weight_bits auto)", dict()),
-           ("bf16, int8 weights", dict(dtype="bfloat16", weight_bits=8)))
+CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("float32", dict(dtype="float32")),
+    ("bf16, 16-bit weights", dict(dtype="bfloat16", weight_bits=16)),
+    ("defaults (bf16, weight_bits auto)", dict()),
+    ("bf16, int8 weights", dict(dtype="bfloat16", weight_bits=8)))
 
 
 def spread_questions(n: int) -> list[str]:
@@ -60,18 +62,21 @@ def main(argv=None) -> None:
     qs = spread_questions(args.questions)
     t0 = time.monotonic()
     answers: dict[str, list[list[int]]] = {}
-    last = None
+    last: SimSystem | None = None
     for name, overrides in configs:
         if last is not None:
             last.engine.unload()  # one model in memory at a time
         last = SimSystem(name, **overrides)
-        b = last.engine.backend
+        backend = last.engine.loaded_backend()
         if not overrides:
-            name = f"defaults ({b.dtype_name}, weight_bits auto: {b.weight_bits})"
-        answers[name] = [b.tokenizer.encode(last.reference(q, args.max_new_tokens), add_special_tokens=False)
+            name = f"defaults ({backend.dtype_name}, weight_bits auto: {backend.weight_bits})"
+        answers[name] = [backend.tokenizer.encode(last.reference(q, args.max_new_tokens), add_special_tokens=False)
                          for q in qs]
         print(f"{name}: {time.monotonic() - t0:.0f} s", flush=True)
-    backend, tokenizer = last.engine.backend, last.engine.backend.tokenizer
+    if last is None:
+        raise SystemExit("no configuration was run")
+    backend = last.engine.loaded_backend()
+    tokenizer = backend.tokenizer
     try:
         if args.smoke:
             raise ImportError("--smoke")

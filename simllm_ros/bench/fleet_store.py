@@ -69,6 +69,7 @@ def main(argv=None) -> None:
     server = RedisServer()
     base = Engine(Settings.from_overrides(max_prompt_tokens=4096, cache_size="2GB", **lossless))
     base.load(lambda m: None)
+    backend = base.loaded_backend()
     secret = os.path.join(server.dir, "fleet.secret")  # KV blocks are shared only with a secret of the fleet's own
     with open(secret, "w", encoding="utf-8") as f:
         f.write(secrets.token_hex(32))
@@ -76,12 +77,15 @@ def main(argv=None) -> None:
     robot1 = base.fork(base.settings.replace(**fleet))
     robot2 = base.fork(base.settings.replace(**fleet))
     cold = base.fork()
-    tok = lambda t: base.backend.tokenizer(t, add_special_tokens=False)["input_ids"]
+    fleet1, fleet2 = robot1.fleet, robot2.fleet
+    if fleet1 is None or fleet2 is None:
+        raise SystemExit("the robots did not open the fleet store")
+    tok = lambda t: backend.tokenizer(t, add_special_tokens=False)["input_ids"]
     lines = clinc_lines()
     questions = [lines[200 + 7 * i].capitalize() + "?" for i in range(2 * a.questions)]
     context = context_of(tok, lines, 600)
-    report: dict = {"model": base.settings.model, "dtype": base.backend.dtype_name, "threads": a.threads,
-                    "kv_bytes_per_token": robot1.fleet.bytes_per_token, "block_tokens": fleet_store.BLOCK_TOKENS}
+    report: dict = {"model": base.settings.model, "dtype": backend.dtype_name, "threads": a.threads,
+                    "kv_bytes_per_token": fleet1.bytes_per_token, "block_tokens": fleet_store.BLOCK_TOKENS}
 
     def req(q, ctx=context, scope="", rid=""):
         return QueryRequest(prompt=q, context=ctx, cache_scope=scope, max_new_tokens=a.new, allow_approximate=False,
@@ -91,11 +95,11 @@ def main(argv=None) -> None:
         e.clear_pool()
 
     # A: robot1 serves half the questions; robot2 then asks both kinds, each on an empty pool, against cold.
-    rows = {"new question on a served context": [], "the question robot1 answered": []}
+    rows: dict[str, list[dict]] = {"new question on a served context": [], "the question robot1 answered": []}
     for q in questions[:a.questions]:
         r = robot1.handle(req(q))
         assert r.success, r.error
-    robot1.fleet.flush(60)
+    fleet1.flush(60)
     for kind, qs in (("the question robot1 answered", questions[:a.questions]),
                      ("new question on a served context", questions[a.questions:])):
         for q in qs:
@@ -124,20 +128,20 @@ def main(argv=None) -> None:
         ctx = context_of(tok, lines[::-1], n + 40)
         r = robot1.handle(req("Summarize this.", ctx, scope=f"len{n}"))
         assert r.success, r.error
-        robot1.fleet.flush(120)
-        tokens = robot2.backend.chat_ids(robot2.settings.system_prompt, ctx, req("Summarize this.").turns())
+        fleet1.flush(120)
+        tokens = robot2.loaded_backend().chat_ids(robot2.settings.system_prompt, ctx, req("Summarize this.").turns())
         keep = min(n, len(tokens) - 1) // fleet_store.BLOCK_TOKENS * fleet_store.BLOCK_TOKENS
         fetch, prefill = [], []
         for _ in range(3):
             t0 = time.perf_counter()
-            got, _ = robot2.fleet.lookup(f"len{n}", tokens, have=0, limit=keep + 1, capacity=keep + 64,
-                                         prefill_s_per_token=1.0, want_kv=True)
+            got, _ = fleet2.lookup(f"len{n}", tokens, have=0, limit=keep + 1, capacity=keep + 64,
+                                  prefill_s_per_token=1.0, want_kv=True)
             fetch.append((time.perf_counter() - t0) * 1000)
             assert got is not None and got.n_tokens == keep, "the fleet did not give the prefix"
             t0 = time.perf_counter()
-            base.backend.prefill(tokens[:keep])
+            backend.prefill(tokens[:keep])
             prefill.append((time.perf_counter() - t0) * 1000)
-        report["B"].append({"tokens": keep, "mbytes": keep * robot2.fleet.bytes_per_token / 1e6,
+        report["B"].append({"tokens": keep, "mbytes": keep * fleet2.bytes_per_token / 1e6,
                             "fetch_ms": min(fetch), "prefill_ms": min(prefill), "ratio": min(fetch) / min(prefill)})
 
     # C: 4 clients on robot2 while Redis is killed, paused and restarted.
@@ -173,7 +177,7 @@ def main(argv=None) -> None:
             at(0.4)
             server.start()
             t_up = time.monotonic()
-            while robot2.fleet.state != "connected" and time.monotonic() - t_up < 60:
+            while fleet2.state != "connected" and time.monotonic() - t_up < 60:
                 time.sleep(0.01)
             events["reconnect_s"] = time.monotonic() - t_up
             at(0.6)
@@ -188,8 +192,8 @@ def main(argv=None) -> None:
     quiet = run_clients(6, chaos=False)
     robot2.clear_pool()
     chaos = run_clients(6, chaos=True)
-    report["C"] = {"quiet": quiet, "chaos": chaos, "errors": robot2.fleet.counters.errors,
-                   "reconnects_s": robot2.fleet.reconnects}
+    report["C"] = {"quiet": quiet, "chaos": chaos, "errors": fleet2.counters.errors,
+                   "reconnects_s": fleet2.reconnects}
     for e in (robot1, robot2, cold):
         e.unload()
     base.unload()

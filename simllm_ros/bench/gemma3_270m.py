@@ -60,11 +60,11 @@ def main(argv=None) -> None:
     req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=20)
     answers = [e.handle(req(q)) for q in qs]
     for name, q, r in zip(("cold", "hit", "repeat"), qs, answers):
-        e.pool.clear()
+        e.loaded_pool().clear()
         alone = e.handle(req(q))
         out[name] = {"tier": r.cache_result.name, "exact": r.exact, "reused": r.reused_tokens, "ms": round(r.total_ms),
                      "accepted": r.draft_tokens_accepted, "equals_empty_pool": alone.answer == r.answer}
-    b = e.backend
+    b = e.loaded_backend()
     ids = b.prompt_ids(e.settings.system_prompt, ctx, qs[0])
     ours = b.run(ids, b.new_cache(len(ids) + 2), logits="all")
     with torch.inference_mode():
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     model_backend.SLIDING_WINDOW_ARCHITECTURES = sliding_archs
     after = model_backend.ModelBackend(path, dtype="auto", weight_bits=0, cache_dir=cache)
     ids = ids[:400]
-    speed = {"before": ([], []), "after": ([], [])}
+    speed: dict[str, tuple[list[float], list[float]]] = {"before": ([], []), "after": ([], [])}
     for _ in range(4):
         for name, m in (("after", after), ("before", before)):
             kv = m.new_cache(len(ids) + 16)

@@ -84,7 +84,7 @@ def worker_ours(args) -> dict:
                                        cache_size="1GB", enable_semantic_reuse=False))
     e.load()
     load = time.perf_counter() - t0
-    b = e.backend
+    b = e.loaded_backend()
     ctx = bulletin(args.context)
     req = lambda q: QueryRequest(prompt=q, context=ctx, max_new_tokens=args.new)
     out = {"path": "simllm_ros" + ("" if args.dtype == "auto" else f" {args.dtype}"), "load_s": load,
@@ -216,6 +216,7 @@ def main(argv=None) -> None:
         return
     os.makedirs(args.dir, exist_ok=True)
     rows = []
+    todo: list[tuple[str, str | None]]
     if args.files:
         todo = [(real_file(f), None) for f in args.files.split(",")]
     else:

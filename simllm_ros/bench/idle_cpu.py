@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 from .shared import REPO_ROOT as REPO
 
@@ -41,13 +42,14 @@ def main(argv=None) -> int:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
         import rclpy
+        from rclpy.client import Client
         from rclpy.node import Node
 
         from simllm_ros.srv import Query
 
         rclpy.init()
         me = Node("idle_cpu_probe")
-        cli = me.create_client(Query, "/simllm_node/query")
+        cli: Client[Any, Any] = me.create_client(Query, "/simllm_node/query")  # Query is generated, untyped
         if not cli.wait_for_service(timeout_sec=240):
             print("the node's query service did not appear within 240 s")
             return 1

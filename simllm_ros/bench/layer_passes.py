@@ -33,7 +33,8 @@ def main(argv=None) -> None:
     t_start = time.monotonic()
     e = Engine(Settings.from_overrides(cache_size="256MB"))
     e.load(progress=lambda m: None)
-    b, r = e.backend, e.backend.runner
+    b = e.loaded_backend()
+    r = b.runner
     if r is None or r.fused is None:
         print(f"the layers do not run in C here: {b.layers_path}")
         return

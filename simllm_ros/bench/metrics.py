@@ -99,7 +99,7 @@ def score(recs: list[Rec], refs: list[Rec], tok) -> None:
 
 def summarize(recs: list[Rec]) -> dict:
     ok = [r for r in recs if not r.error]
-    out = {"n": len(recs), "errors": len(recs) - len(ok)}
+    out: dict = {"n": len(recs), "errors": len(recs) - len(ok)}
     if recs and not ok:
         out["first_error"] = recs[0].error
     if not ok:

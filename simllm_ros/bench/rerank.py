@@ -70,8 +70,8 @@ def make_tasks(train: dict[str, list[str]], val: dict[str, list[str]], domains: 
     for intent in intents:
         for q in val[intent][:per_intent]:
             tasks["exemplars"].append((q, [t for t, _ in exemplars], [i == intent for _, i in exemplars]))
-            pool = [t for i in by_domain[domains[intent]] if i != intent for t in train[i]]
-            negatives = rng.sample(pool, min(len(pool), SAME_DOMAIN_CANDIDATES - 1))
+            others = [t for i in by_domain[domains[intent]] if i != intent for t in train[i]]
+            negatives = rng.sample(others, min(len(others), SAME_DOMAIN_CANDIDATES - 1))
             docs = negatives + [rng.choice(train[intent])]
             rel = [False] * len(negatives) + [True]
             order = list(range(len(docs)))

@@ -100,7 +100,7 @@ def build_plan(args) -> Plan:
         systems.insert(0, "no-cache")  # the quality reference
     names = [w.strip() for w in args.workloads.split(",")] if args.workloads else list(WORKLOADS)
     if args.smoke:
-        limit = {"edge-bulletin": 6, "robot-state": 3, "mixed": 3}
+        limit: dict[str, int] | None = {"edge-bulletin": 6, "robot-state": 3, "mixed": 3}
         wls = load_workloads(names, args.workload_dir, limit, args.seed)
         return Plan(systems, wls, args.max_new_tokens or 8, [0.8, 0.95], 6, (100, 1000), {100: 20, 1000: 10})
     limit = {n: args.limit for n in names} if args.limit else None
@@ -161,7 +161,7 @@ def interleave(systems: dict, wname: str, rows: list[dict], status: dict, bar) -
 
 def set_threads(n: int | None):
     """torch gets n threads (None/0: its default) and numpy's BLAS (the matcher) the same number: idle BLAS
-    threads waking up cost ~8 ms a call on a busy 2-core machine. Returns (threads, the BLAS limiter or None)."""
+    threads waking up cost milliseconds a call on a busy machine. Returns (threads, the BLAS limiter or None)."""
     import torch
 
     if n:
@@ -193,8 +193,11 @@ def run(args) -> dict:
     t = time.monotonic()
     engine.load(progress=lambda m: log.info(m))
     load_s = time.monotonic() - t
+    backend, fingerprinter = engine.loaded_backend(), engine.fingerprinter
+    if fingerprinter is None:
+        raise SystemExit("the engine loaded without its embedder")
     workdir = tempfile.mkdtemp(prefix="simllm-bench-")
-    plain = PlainGenerate(engine.backend, settings.system_prompt, plan.max_new)
+    plain = PlainGenerate(backend, settings.system_prompt, plan.max_new)
     ctx = {"engine": engine, "plain": plain, "max_new": plan.max_new, "workdir": workdir,
            "default_threshold": float(SPEC_BY_NAME["cache_threshold"].default), "system_prompt": settings.system_prompt,
            "budget": parse_size(CACHE_SIZE, None), "threads": threads,
@@ -229,8 +232,8 @@ def run(args) -> dict:
                                        "distinct_prompts": len({r["prompt"] for r in rows}),
                                        "distinct_contexts": len({r["context"] for r in rows})}
         bar.set_description(wname)
-        recs = interleave(systems, wname, rows, status, bar)
-        for sname, rs in recs.items():
+        by_system = interleave(systems, wname, rows, status, bar)
+        for sname, rs in by_system.items():
             if sname == "no-cache":
                 refs[wname] = rs
             per_request.setdefault(sname, {})[wname] = rs
@@ -242,7 +245,7 @@ def run(args) -> dict:
                 status[sname].update(status="error", error=rs[0].error)
 
     # quality against the reference of the same model runtime
-    tok = engine.backend.tokenizer
+    tok = backend.tokenizer
     llama_ref_name = "llama-cpp" if "llama-cpp" in per_request else None
     for sname, by_wl in per_request.items():
         for wname, recs in by_wl.items():
@@ -285,11 +288,11 @@ def run(args) -> dict:
                           "ttft_p50_ms": s.get("ttft_p50_ms"), "errors": s.get("errors")})
         del sweepers
     bar.set_description("matcher scaling")
-    scaling = matcher_scaling(plan.matcher_sizes, plan.matcher_reps, engine.fingerprinter.dim, args.seed)
+    scaling = matcher_scaling(plan.matcher_sizes, plan.matcher_reps, fingerprinter.dim, args.seed)
     bar.close()
 
     # overhead of the engine on a miss: fingerprint + match + insert against what a miss costs (no-cache)
-    overhead = {}
+    overhead: dict = {}
     for sname in ENGINE_SYSTEMS:
         for wname, recs in per_request.get(sname, {}).items():
             ok = [r for r in recs if not r.error and r.timing]
@@ -308,7 +311,6 @@ def run(args) -> dict:
                 "miss_requests": len(misses),
             }
 
-    backend = engine.backend
     out = {
         "schema": 1, "smoke": bool(args.smoke), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join([os.path.basename(sys.executable), "-m", "simllm_ros.cli.bench"] + (args.argv or [])),

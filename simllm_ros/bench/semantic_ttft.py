@@ -7,9 +7,7 @@ Each pair is measured twice in fresh scopes, interleaved (hit, cold, hit, cold),
 hit over the median cold, so that a slow moment of this shared machine does not land on one side only.
 Hit and cold start from the same fingerprint state, in two rounds: "new question" (the embedder's memory is
 cleared before each: both compute the question's fingerprint, as a question never seen before does) and
-"remembered" (the fingerprint is remembered for both: the repair against the prefill alone). Until
-2026-12-02 the state was not controlled: the first hit of a pair computed the fingerprint and every other
-request remembered it, which put half a fingerprint (~7 ms) into the hit's median only.
+"remembered" (the fingerprint is remembered for both: the repair against the prefill alone).
 Also printed: tokens reused and recomputed, and greedy token agreement of the hit with the cold answer.
 
 Run: .venv/bin/simllm-bench semantic_ttft [--threads 1] [--pairs 20] [--tokens 8] [--model PATH]
@@ -90,9 +88,10 @@ def main(argv=None) -> None:
                          f"{min(ratios):.3f}-{max(ratios):.3f} (hit ~{statistics.median(r[4] for r in rows):.0f} ms, "
                          f"cold ~{statistics.median(r[5] for r in rows):.0f} ms); same answer as cold: "
                          f"{sum(r[6] for r in rows)}/{len(rows)}")
-    print(f"\nSEMANTIC TTFT / cold TTFT over {len(pairs)} pairs, {e.backend.model_type}, "
-          f"weights {e.backend.weight_bits}-bit, "
-          f"{e.backend.dtype}, {args.threads} thread(s):")
+    backend = e.loaded_backend()
+    print(f"\nSEMANTIC TTFT / cold TTFT over {len(pairs)} pairs, {backend.model_type}, "
+          f"weights {backend.weight_bits}-bit, "
+          f"{backend.dtype}, {args.threads} thread(s):")
     for mode, line in summary.items():
         print(f"  fingerprint {mode:12s}: {line}")
     print(f"Wall time {time.monotonic() - t_start:.0f} s.")

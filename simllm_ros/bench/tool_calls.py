@@ -27,6 +27,7 @@ import os
 import random
 import statistics
 import time
+from typing import Any
 
 from .shared import RESULTS_DIR, offline
 
@@ -38,7 +39,7 @@ ZONES = (1, 2, 3, 4, 7)
 PROGRESS_EVERY = 20
 NAV_FIXED = {"target": [0.0, 0.0], "note": ""}
 
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {"name": "navigate_to", "description": "Drive to a named place (dock, kitchen, door) at a speed in m/s.",
      "action": "/navigate_to", "type": "simllm_ros/action/NavigateTo",
      "fields": {"speed": {"minimum": 0.1, "maximum": 5.0}, "avoid_zones": {"maximum": 9, "max_items": 1}},
@@ -206,7 +207,8 @@ def run_llama(gguf: str, backend, system_prompt: str, plan, toolbox, stream: lis
     t0 = time.perf_counter()
     grammar = LlamaGrammar.from_json_schema(plan.schema_text, verbose=False)
     info = {"grammar_ms": (time.perf_counter() - t0) * 1000}
-    rows, done = [], {}
+    rows: list[dict] = []
+    done: dict[str, dict] = {}
     for c in stream:  # a repeat gives the same output (no prompt cache here): run once per text
         if c.text in done:
             rows.append(dict(done[c.text], kind=c.kind))
@@ -252,6 +254,8 @@ def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, 
 
     toolbox = Toolbox.from_list(TOOLS)
     plan = toolbox.plan(tools or [t["name"] for t in TOOLS], "required")
+    if plan is None:
+        raise SystemExit("no tools to call")
     base = engine.settings
     out: dict = {"commands": len(stream), "kinds": {k: sum(c.kind == k for c in stream) for k in
                                                       ("first", "repeat", "paraphrase", "trap")},
@@ -440,7 +444,10 @@ def main(argv: list[str] | None = None) -> None:
         os.replace(out + ".tmp", out)
 
     if a.llama_only:
-        llama_only(engine, stream, gguf_source(engine.settings.model), a.threads, a.llama_only, tools=tools,
+        llama_gguf = gguf_source(engine.settings.model)
+        if llama_gguf is None:
+            raise SystemExit(f"--llama-only needs a GGUF file; {engine.settings.model} has none")
+        llama_only(engine, stream, llama_gguf, a.threads, a.llama_only, tools=tools,
                    log=lambda m: print(m, flush=True))
         return
     report = bench(engine, stream, [float(x) for x in a.deltas.split(",") if x], gguf, a.threads, tools=tools,

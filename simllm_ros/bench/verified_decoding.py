@@ -72,7 +72,7 @@ def hit_overhead(engine: Engine, sizes=(250, 500, 1000), reps: int = 5,
     """Exact-hit TTFT minus the model's own limit (prefilling only the new tokens on a KV buffer that
     already holds the cached prefix), per context size. allow_approximate False is the ROS default: the plan
     does not wait for the fingerprint; True: it does (SEMANTIC and ANSWER need it)."""
-    b, out = engine.backend, []
+    b, out = engine.loaded_backend(), []
     words = (BULLETIN * 4).split()
     for size in sizes:
         ctx = " ".join(words[:int(size * 0.7)])
@@ -119,9 +119,10 @@ def main(argv=None) -> None:
     nq, max_new = (2, 8) if args.smoke else (args.questions, args.max_new_tokens)
     qs = questions(nq)
     t_start = time.monotonic()
-    systems = [sim("simllm_ros defaults")]
-    b = systems[0].engine.backend
-    systems[0].name = f"simllm_ros defaults ({b.dtype_name}, {b.weight_bits}-bit weights, drafts)"
+    default = sim("simllm_ros defaults")
+    systems: list[SimSystem | LlamaCpp] = [default]
+    b = default.engine.loaded_backend()
+    default.name = f"simllm_ros defaults ({b.dtype_name}, {b.weight_bits}-bit weights, drafts)"
     if not args.smoke:
         systems += [sim("simllm_ros, drafts off", enable_drafts=False),
                     sim("simllm_ros, 16-bit weights", weight_bits=16)]
@@ -132,14 +133,13 @@ def main(argv=None) -> None:
             systems += [sim("simllm_ros, bfloat16", dtype="bfloat16", kv_bits=0),
                         sim("simllm_ros, bfloat16, int8 weights", dtype="bfloat16", kv_bits=0, weight_bits=8)]
         try:
-            systems.append(LlamaCpp(systems[0].engine.backend, systems[0].engine.settings.system_prompt,
-                                    args.threads))
-        except ImportError as e:
-            print(f"llama.cpp column skipped ({e}); pip install -r requirements-bench.txt")
+            systems.append(LlamaCpp(b, default.engine.settings.system_prompt, args.threads))
+        except ImportError as err:
+            print(f"llama.cpp column skipped ({err}); pip install -r requirements-bench.txt")
     for s in systems:
         for q in qs:
             s.reference(q, max_new)
-    rows = {s.name: {"hit": [], "repeat": []} for s in systems}
+    rows: dict[str, dict[str, list[dict]]] = {s.name: {"hit": [], "repeat": []} for s in systems}
     warm = "what is happening in town today"
     for s in systems:
         s.ask(warm, max_new)  # the context is now cached (simllm pool / llama.cpp prompt cache and live KV)
@@ -173,22 +173,22 @@ def main(argv=None) -> None:
                          f"{ms_per_token(h) / ms_per_token(base['hit']):.2f}x, miss total "
                          f"{statistics.median(s.miss) / statistics.median(systems[-1].miss):.2f}x")
     sims = [s for s in systems if isinstance(s, SimSystem)]
-    sixteen = next((s for s in sims if s.engine.backend.weight_bits == 16 and s.engine.backend.dtype_name != "float32"),
-                   None)
-    others = [s for s in sims if s.engine.backend.weight_bits != 16]
+    sixteen = next((s for s in sims if s.engine.loaded_backend().weight_bits == 16
+                    and s.engine.loaded_backend().dtype_name != "float32"), None)
+    others = [s for s in sims if s.engine.loaded_backend().weight_bits != 16]
     if sixteen is not None and others:
         lines += ["", f"Answers with other weights against {sixteen.name}'s (no-cache answers, same questions): a "
                   "different arithmetic, not a cache effect (simllm-bench fidelity compares each with float32):", ""]
         for s in others:
             same16 = sum(s.ref[q] == sixteen.ref[q] for q in qs)
             lines.append(f"- {s.name}: {same16}/{len(qs)} identical")
-    e = systems[0].engine
+    e = default.engine
     d = rows[systems[0].name]
     acc = sum(r["accepted"] for r in d["hit"] + d["repeat"])
     prop = sum(r["proposed"] for r in d["hit"] + d["repeat"])
     lines += ["", f"Defaults: {acc}/{prop} draft tokens accepted; every answer reported exact: "
               f"{all(r['exact'] for r in d['hit'] + d['repeat'])}; "
-              f"backend batch-invariant: {e.backend.exact_chunking}."]
+              f"backend batch-invariant: {e.loaded_backend().exact_chunking}."]
     if not args.smoke:
         lines += ["", "Exact-hit overhead over the model's limit (defaults, drafts off, 1 new token, "
                   "a new question each time):", "",

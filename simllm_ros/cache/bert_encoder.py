@@ -1,7 +1,7 @@
 """A BERT encoder's forward (the fingerprint's MiniLM) on torch alone, its weights mapped from the folder's
 safetensors file.
 
-Why: transformers' BertModel costs every node start ~1.5 s and ~100 MB resident to import its modeling code
+Why: transformers' BertModel costs every node start seconds and ~100 MB resident to import its modeling code
 (modeling_utils pulls torch.distributed, scipy and quantizer integrations), more than the encoder itself. This
 computes what BertModel's last_hidden_state is, with the same operations in the same order (embeddings summed as
 it sums them, its LayerNorms, SDPA with no mask where nothing is padded and its boolean padding mask otherwise,

@@ -123,8 +123,8 @@ class BlockStore:
 
     def _block(self, which: str, b: int, dtype: torch.dtype) -> torch.Tensor:
         """Block b's keys ("k") or values ("v") [L, H, T, D], dequantized when stored in 8 bits. Block by
-        block: dequantizing every block at once and then reshaping was 3x slower (1181 tokens, 8-bit: 62 vs
-        19 ms), the float32 intermediate of the whole prefix being the cost."""
+        block: dequantizing every block at once and then reshaping was slower (benchmark/results/reuse_quality.md),
+        the float32 intermediate of the whole prefix being the cost."""
         codes = getattr(self, which)[b]
         if not self.quantized:
             return codes

@@ -11,7 +11,7 @@ faiss (IVF with an 8-bit scalar quantizer, inner product) does the filing and sc
 matcher's keys, kept in a hash map so a removal does not scan the lists. faiss runs on one thread here: a
 lookup sits on a request's path beside the model, and a build runs in the background. OpenMP's thread count
 is per calling thread, so every entry point sets it (a thread that did not ran each one-row add as a
-parallel region on every core: 5 ms instead of 0.01, and its idle workers slowed the caller's numpy).
+parallel region on every core, hundreds of times slower, and its idle workers slowed the caller's numpy).
 """
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ def resolve_embedder_path(ref: str) -> str:
     return ref
 
 
-# Fingerprints kept by text: requests repeat, and a repeated question then skips the embedder (~14 ms of a
-# request on this CPU). 1024 x 384 float32 is 1.5 MB.
+# Fingerprints kept by text: requests repeat, and a repeated question then skips the embedder (a large part of a
+# hit's time: benchmark/results/reuse_quality.md). 1024 x 384 float32 is 1.5 MB.
 REMEMBER_TEXTS = 1024
 
 

@@ -273,7 +273,7 @@ class KVPool:
     def keep_live(self, scope: str, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep a finished request's KV buffer, k, v [L, H, C, D] holding `tokens` in slots 0..len-1, for the
         next exact hit in the same scope: its prefix is then used in place, not copied out of the blocks
-        (a 1200-token prefix is ~28 MB of 16-bit KV, ~5 ms of copying on one core). One buffer, the newest;
+        (a 1200-token prefix is ~28 MB of 16-bit KV to copy). One buffer, the newest;
         it is working memory like an in-flight request's, outside the pool's block budget.
 
         Only for KV that is bitwise what the blocks hold for the same tokens: exact KV computed at the

@@ -15,7 +15,7 @@ import dataclasses
 import time
 from typing import cast
 
-try:  # difflib's algorithm in C: the same matching blocks (test_reuse_planner checks), ~10x faster here
+try:  # difflib's algorithm in C: the same matching blocks (test_reuse_planner checks), faster
     from cydifflib import SequenceMatcher
 except ImportError:  # a platform without its wheel: the standard library's, slower
     from difflib import SequenceMatcher

@@ -2,7 +2,7 @@
 BERT forward (bert_encoder) or, for other models, transformers' AutoModel directly: the same tokenizer call,
 batches sorted by length as SentenceTransformer.encode sorts them, the same pooling and normalisation steps, so
 the same bits (test_sentence_encoder checks it against sentence-transformers). Why: importing sentence_transformers
-pulls scikit-learn and more, ~1.5 s and ~60 MB of every node's start; the node only ever encodes text. Any other
+pulls scikit-learn and more, seconds and ~60 MB of every node's start; the node only ever encodes text. Any other
 folder shape returns None and the caller falls back to SentenceTransformer itself."""
 from __future__ import annotations
 

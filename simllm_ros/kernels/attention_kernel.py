@@ -1,8 +1,8 @@
 """A small C attention kernel for the CPU runner: fast for one query row, and row-invariant by construction.
 
 Why our own: on the CPU a decode step's attention is two tiny bf16 products per layer (3 query rows against
-~600 keys for SmolLM2), and oneDNN takes ~50 + ~30 us for them, measured here; with 30 layers that is ~4 ms
-of a ~20 ms step, several times what reading the keys and values costs. torch's fused CPU attention is no
+~600 keys for SmolLM2), and oneDNN's fixed cost for them, over 30 layers, was several times what reading the keys
+and values costs (benchmark/results/verified_decoding_notes.md). torch's fused CPU attention is no
 way out: its result changes with the key count, which would make a cached prefix give other bits than a
 whole prefill (llama_runner's module doc). This kernel computes each query row on its own, in a fixed
 order that depends on nothing but that row's keys, so a row gets the same bits whatever rows and how many
@@ -11,7 +11,7 @@ masked keys run with it; `ModelBackend.invariance_probe` still checks that on th
 Arithmetic, per query row: scores in float32 (dot products with 16 fixed lanes over the head dimension,
 summed in a fixed tree), the softmax's exponentials from a fixed polynomial, and the weighted sum of values
 accumulated in float32 in key order, divided by the sum once at the end. Keys a row may not attend are
-skipped. Compiled once per machine with the system C compiler (~1 s) into ~/.cache/simllm_ros/kernels
+skipped. Compiled once per machine with the system C compiler into ~/.cache/simllm_ros/kernels
 ($SIMLLM_KERNEL_DIR; a private temporary directory where that cannot be written),
 loaded with ctypes (no torch headers, no Python extension build). Where there is no compiler, or the
 shapes do not fit (head_dim not a multiple of 16, dtype other than bf16/float32, not on the CPU), the
@@ -19,7 +19,7 @@ runner keeps its torch path; `SIMLLM_ATTENTION=torch` chooses that path explicit
 differently, so a pool snapshot records which one computed it (`ModelBackend.numerics_digest`).
 
 Where the compiler targets AMX-BF16 and Linux grants the tile state, bf16 passes run on AMX tiles instead, 16
-query rows at a time (kernels/attention.c, amx_part; ~4x faster from a few rows, at par for one row), with their own
+query rows at a time (kernels/attention.c, amx_part; faster from a few rows, at par for one row), with their own
 roundings and the same row invariance; `SIMLLM_ATTENTION=vector` keeps the vector code. There, sequences whose
 buffers begin with the same bits (one context, several requests: `plan`'s lead and shared) have those slots
 read once per pass for all of them.
@@ -44,12 +44,11 @@ SIGNATURES: abi.Signatures = {"simllm_attend_bf16": (_ARGS, None), "simllm_atten
               "simllm_attend_amx_bf16": (_ARGS, None), "simllm_attend_amx_init": ([], _I),
               "simllm_attend_set_pool": ([_P], None)}
 # Below this many multiply-adds a pass runs in the caller's thread: a decode step (~0.7M) and a verification
-# pass of up to ~40 rows. Measured with 2 threads (560-token context): threads started per layer made a 17-row
-# pass slower than one thread; a 560-token prefill took ~1.0 s split, ~1.06 s not (1200 tokens: 2.36 vs 2.94 s).
+# pass of up to ~40 rows: threads started per layer made a 17-row pass slower than one thread (measured at 2
+# threads: benchmark/results/verified_decoding_notes.md).
 THREAD_MIN_MACS = 30_000_000
-# The same on the 4-bit kernel's kept workers (use_pool). Measured at 2 threads, bf16 on AMX (kept workers vs one
-# thread): 1 row over 300 keys 23 vs 28 us, 2 rows over 60 keys 21 vs 23, 56 rows over 240 keys 118 vs 177, 295
-# rows from 0 364 vs 524 (threads started per pass: 440); one row over 10-40 keys the same either way.
+# The same on the 4-bit kernel's kept workers (use_pool): one row over a few dozen keys gains nothing from them
+# (measured at 2 threads: benchmark/results/verified_decoding_notes.md).
 POOL_THREAD_MIN_MACS = 100_000
 
 

@@ -1,10 +1,10 @@
-"""4-bit weight products on Intel AMX for the CPU runner: row-invariant like ATen's int4 kernel, ~2-4x faster
-from a few rows up.
+"""4-bit weight products on Intel AMX for the CPU runner: row-invariant like ATen's int4 kernel, faster
+from a few rows up (benchmark/results/verified_decoding_notes.md).
 
 Why our own: a pass of several rows (a verification block of drafts, a batched step of several requests, a
 prefill) multiplies every 4-bit weight by each row. ATen's CPU kernel (`_weight_int4pack_mm_for_cpu`) does that
-with AVX-512 bf16 dot products and tops out at ~80 GFLOP/s on one core here from 4 rows on, so a pass of four
-flights costs ~4x one in its products. AMX tiles multiply a 16-row block by a 32x16 weight block in one
+with AVX-512 bf16 dot products and gains nothing per row from 4 rows on, so a pass of four flights costs
+four times one in its products. AMX tiles multiply a 16-row block by a 32x16 weight block in one
 instruction; dequantizing the weights once per pass is then what a pass costs.
 
 Arithmetic, per output row and 16 outputs, group by group of 32 inputs (the grid of the 4-bit codes): the tile
@@ -30,8 +30,8 @@ GROUP = 32  # inputs per 4-bit group (INT4_GROUP in llama_runner)
 BLOB = 320  # bytes per 16 outputs x one group: 256 of codes, 16 steps and 16 zeros in bf16
 BLOB8 = 576  # 8-bit: 512 bytes of codes, 16 float32 scales
 # Below this many multiply-adds a product runs in the caller's thread alone; above it, on torch's thread count
-# (the kernel's own workers, kept between products). Measured at 2 threads, one row: 3072x576 57 vs 117 us,
-# 576x1536 33 vs 50 us, 960x576 21 vs 32 us (threads vs alone).
+# (the kernel's own workers, kept between products): at 2 threads a one-row product of SmolLM2's shapes is already
+# faster on both (benchmark/results/verified_decoding_notes.md).
 THREAD_MIN_MACS = 250_000
 
 

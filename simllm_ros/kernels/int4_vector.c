@@ -16,11 +16,10 @@
 #define PREFETCH 8  /* groups ahead in the one-row path: the weights stream from memory while it computes */
 /* Fewer rows than ROWS_AT_ONCE take the register path, 6 or 3 at a time (then 2 or 1), each block's weights decoded
    once for them; more take the buffered path (a group decoded into a buffer, then 6 rows at a time, in chunks whose
-   inputs stay in L2 while a large matrix streams). Measured on an AVX-512 EPYC, one thread, a 1536 x 576 product:
-   42, 57, 72, 105, 123, 172, 235 us for 1, 2, 3, 4, 6, 8, 11 rows (75, 108, 184, 155, 223 us for 2, 3, 4, 6, 8 before:
-   the one-row path per row below 4 rows, the buffered one from 4), about even with the buffered path at 12 and, for
-   a matrix that fits L2, beyond. NB2, NB3, NB6: blocks of 16 outputs at once with 2, 3 and 6 rows (their sums stay in
-   registers: fewer with AVX2's two vectors per block). */
+   inputs stay in L2 while a large matrix streams). The register path is faster up to 11 rows and about even with
+   the buffered path at 12 and, for a matrix that fits L2, beyond (benchmark/results/verified_decoding_notes.md).
+   NB2, NB3, NB6: blocks of 16 outputs at once with 2, 3 and 6 rows (their sums stay in registers: fewer with AVX2's
+   two vectors per block). */
 #define ROWS_AT_ONCE 12
 #if defined(__AVX512F__)
 #define NB2 4

@@ -5,8 +5,8 @@ numerics contract, test_numerics_contract).
 
 Why our own: on such a CPU the model runs in float32 (no native bf16), and torch's float32 products (MKL, oneDNN)
 pick kernels by row count, so a token's bits depend on how many tokens ran with it: the load-time invariance probe
-fails, and no reuse or draft is lossless (measured on an AVX2 EPYC: every hit approximate, decode ~130 ms a token
-for the 16-bit weights). ATen's int4 kernel needs bf16 activations, which such CPUs emulate slowly.
+fails, and no reuse or draft is lossless (on an AVX2 EPYC every hit was approximate). ATen's int4 kernel needs bf16
+activations, which such CPUs emulate slowly.
 
 Arithmetic, per output and group of 32 inputs (the grid of the file's Q4 codes): acc = sum of x[k] * code[k] in
 input order, one fused multiply-add at a time from zero; then out = fma(step, acc, out) and
@@ -24,8 +24,8 @@ GGUF's Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1, Q4_0, IQ4_NL and IQ4_XS can als
 Q5_K and Q5_1 have no float32-row product, Q3_K's is the 16-input 8-bit one at 8 bits a weight): per row
 and 256 inputs (32 for Q8_0/Q5_0/Q4_0) one float32 scale and int8 codes (`rows_as_8bit`), integer dot products with
 the file's codes as llama.cpp computes them times Q8_K (Q8_0) (VNNI, AVX2, NEON's sdot or plain C: exact int32 sums,
-so every build agrees), then a few float32 steps in a fixed order per super-block. ~1.5-3x faster than float32 rows
-here, and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
+so every build agrees), then a few float32 steps in a fixed order per super-block. Faster than float32 rows
+(benchmark/results/verified_decoding_notes.md), and row-invariant alike: the answer is the 8-bit rows' own, never a mix.
 C in kernels/int4_vector.c, int8_rows.h and int8_rows32.h, built by kernels/build.py; `SIMLLM_INT4=aten` turns it off
 with the AMX one.
 """

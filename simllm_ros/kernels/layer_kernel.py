@@ -1,8 +1,8 @@
 """Decoder layers in one C call each pass, for the CPU runner's 4-bit configurations (bf16 on AMX products; float32
 on int4_vector_kernel's products, portable C, since stop 27).
 
-Why: with the products, attention and norms in C, a decode step of SmolLM2-135M still spent ~6 of ~22 ms
-(1 thread, 2 rows) between them: ~12 Python calls and tensor ops per layer at ~2-10 us each (wrappers,
+Why: with the products, attention and norms in C, a decode step of SmolLM2-135M still spent a quarter of its
+time between them (benchmark/results/verified_decoding_notes.md): ~12 Python calls and tensor ops per layer (wrappers,
 ctypes, views, RoPE's seven ops, SiLU, residual adds). Here the same kernels run back to back from C: the
 norm kernel, the 4-bit products and the attention kernel (their own libraries, called through the addresses
 ctypes gives), with RoPE, SiLU-and-multiply and the residual adds written here.

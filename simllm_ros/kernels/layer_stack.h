@@ -26,7 +26,7 @@ static inline double stack_now_ns(void) {
 
 /* NAME(P, g): ROWS over g.M rows, split by rows over the pass's kept workers from glue_min_rows rows (a row's bits
    do not depend on which thread computes it), at most 64 parts. Below that, the MLP's activation of a wide layer
-   (GLUE_COLS columns or more: 1.4 ms of a 1.5B decode step on one core) is split by columns instead: elementwise,
+   (GLUE_COLS columns or more: a serial part of a 1.5B decode step) is split by columns instead: elementwise,
    so no bit changes either. */
 #define GLUE_COLS 1024
 #define DEFINE_GLUE(NAME, PASS, GLUE, ROWS)                                                                   \

@@ -155,7 +155,7 @@ int simllm_layers_available(void) { return 0; }
 /* Greedy's pick over a vocabulary's logits, 16 lanes at a time where AVX-512 is: each lane keeps its largest and the
    first index of it (a strictly greater value replaces), then the smallest index among the lanes that hold the
    largest value. Any NaN: the first NaN (torch.argmax counts NaN as the largest). No arithmetic on the values, so
-   the answer is torch's exactly; a serial part of every decode step (torch's took ~0.2 ms over 151,936 logits). */
+   the answer is torch's exactly; a serial part of every decode step. */
 static long argmax_from(const float *x, long from, long n, long best, float m) {
     for (long j = from; j < n; j++) {
         if (x[j] != x[j]) return j;

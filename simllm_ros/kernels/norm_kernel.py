@@ -1,12 +1,12 @@
 """RMSNorm in C for the CPU runner: one call instead of ~8 torch ops per norm.
 
-Why: a decode step of SmolLM2-135M runs 61 norms, and transformers' LlamaRMSNorm is eight small ops (to
-float32, pow, mean, add, rsqrt, mul, to bf16, mul by the weight): ~40 us a norm here, ~2.4 ms of a ~22 ms
-step, measured with torch's profiler. Each row is computed alone in a fixed order (float32 squares summed in
-16 lanes, the lanes in a fixed tree; 1/sqrt(mean + eps); x times that rounded to bf16, then times the weight
-rounded to bf16, as transformers rounds), so a row's bits depend on nothing but the row: row-invariant like
-the rest of the runner. Float32 rows (the 4-bit float32 runner) the same way, without the bf16 roundings. Built
-C in kernels/rmsnorm.c, built by kernels/build.py and loaded with ctypes; bf16 and float32 rows on the CPU, the
+Why: a decode step of SmolLM2-135M runs 61 norms, and transformers' LlamaRMSNorm is eight small ops (to float32, pow,
+mean, add, rsqrt, mul, to bf16, mul by the weight): a tenth of a step, measured with torch's profiler
+(benchmark/results/verified_decoding_notes.md). Each row is computed alone in a fixed order (float32 squares summed in
+16 lanes, the lanes in a fixed tree; 1/sqrt(mean + eps); x times that rounded to bf16, then times the weight rounded
+to bf16, as transformers rounds), so a row's bits depend on nothing but the row: row-invariant like the rest of the
+runner. Float32 rows (the 4-bit float32 runner) the same way, without the bf16 roundings. Built C in
+kernels/rmsnorm.c, built by kernels/build.py and loaded with ctypes; bf16 and float32 rows on the CPU, the
 transformers module elsewhere. `SIMLLM_NORM=torch` keeps the module.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ folder, so that a later load of an unchanged file does not read it again.
 Why the whole file: the copies made from a GGUF (its conversion, its checked rows, its packed blocks, its load checks)
 are keyed by this digest. A key on the name, size and first MiB took two fine-tunes saved under one default name
 for the same file (their first MiB is all metadata) and ran the first's weights for the second. Hashing reads the
-file once (about 1-2 s a GB on one core with SHA extensions, x86's SHA-NI or Arm's crypto extensions; the segments
+file once (fast on a core with SHA extensions, x86's SHA-NI or Arm's crypto extensions; the segments
 share the cores), into the page cache the load then reads from; a changed file has another size,
 mtime or ctime (a write or a replacement sets them; ctime cannot be set back by a user), or another inode.
 """

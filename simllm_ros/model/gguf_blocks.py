@@ -18,7 +18,7 @@ def _f16(b: np.ndarray) -> torch.Tensor:
 def _q4_k(blocks: np.ndarray):
     """144-byte blocks of 256: d, dmin (f16), 12 bytes of eight 6-bit scales and mins, 128 bytes of codes (byte i of
     chunk c: code i of sub-block 2c in its low nibble, of 2c+1 in its high). Byte arithmetic in numpy on one copy
-    out of the file's map (torch int32 ops on the mapped slices took ~10x as long)."""
+    out of the file's map (torch int32 ops on the mapped slices were much slower)."""
     b = np.array(blocks)
     nb = b.shape[0]
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)

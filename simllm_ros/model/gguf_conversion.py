@@ -288,9 +288,9 @@ def _one_metadata_parse():
     where its config and its tokenizer each parse the whole file again, each caller getting its own copy of the
     result, and reads the header through HeaderFields rather than gguf's reader (the same values, without a numpy
     object per vocabulary string); and gguf's tensor name map is made once an architecture, where transformers'
-    weights map made it again for each of a model's ~370 modules (~9 s). Read-only lookups of the file and the
+    weights map made it again for each of a model's ~370 modules. Read-only lookups of the file and the
     architecture."""
-    import gguf  # deferred: gguf takes ~0.5 s to import
+    import gguf  # deferred: gguf is slow to import
     from transformers import modeling_gguf_pytorch_utils as mgu  # deferred: transformers takes seconds to import
 
     parse, seen = mgu.load_gguf_checkpoint, {}
@@ -317,7 +317,7 @@ def _one_metadata_parse():
 @contextlib.contextmanager
 def _header_fields():
     """While inside, gguf's GGUFReader is HeaderFields (load_gguf_checkpoint imports it from gguf at each call)."""
-    import gguf  # deferred: gguf takes ~0.5 s to import
+    import gguf  # deferred: gguf is slow to import
 
     reader = gguf.GGUFReader
     gguf.GGUFReader = HeaderFields
@@ -430,7 +430,7 @@ class _Dequantized:
     def __call__(self, t: Tensor, rows: slice | None = None, finite: bool = False) -> torch.Tensor:
         """Rows `rows` (all by default) of tensor `t`; `finite`: GGUFError naming it where a value is not finite
         (a tensor kept in the converted copy: checked as it is made)."""
-        from gguf import GGMLQuantizationType, dequantize  # deferred: gguf takes ~0.5 s to import
+        from gguf import GGMLQuantizationType, dequantize  # deferred: gguf is slow to import
 
         shape = t.shape if rows is None else (rows.stop - rows.start, *t.shape[1:])
         per_row = _row_bytes(t)
@@ -467,7 +467,7 @@ class _Dequantized:
     def file_rows(t: Tensor, raw: np.ndarray) -> torch.Tensor:
         """gguf's dequantization of the file's rows whose bytes are `raw` [rows, row bytes] (no processing: the
         file's order)."""
-        from gguf import GGMLQuantizationType, dequantize  # deferred: gguf takes ~0.5 s to import
+        from gguf import GGMLQuantizationType, dequantize  # deferred: gguf is slow to import
 
         w = dequantize(raw, GGMLQuantizationType[t.ggml])
         return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).reshape(raw.shape[0], -1)
@@ -535,7 +535,7 @@ def _projection_rows(model, tensors: dict[str, Tensor], ref: _Dequantized, progr
 
 def _row_bytes(t: Tensor) -> int:
     """Bytes of one row (the innermost dimension) of `t` in its GGUF type."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred: gguf takes ~0.5 s to import
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred: gguf is slow to import
 
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.ggml]]
     return t.shape[-1] // block * nbytes

@@ -203,7 +203,7 @@ _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 def check_file(path: str) -> list[Tensor]:
     """The file's tensors (raw bytes memory-mapped), having checked that each lies inside the file; GGUFError if not
     (truncated or corrupt: say so at load, not as a numpy error mid-conversion). Our own reading of the header:
-    gguf's GGUFReader decodes every metadata value (~4 s for a tokenizer of 49k tokens), this skips them."""
+    gguf's GGUFReader decodes every metadata value (seconds for a tokenizer of 49k tokens), this skips them."""
     return read_header(path)[1]
 
 
@@ -219,7 +219,7 @@ def read_header(path: str, fields: list | None = None) -> tuple[dict, list[Tenso
     list given to be filled with every key, arrays too, in the file's order, as (key, value types, values): a
     string as its bytes, a number as a 1-tuple (what transformers' GGUF reader makes of gguf's fields:
     gguf_conversion.HeaderFields)."""
-    import gguf  # deferred: gguf takes ~0.5 s to import
+    import gguf  # deferred: gguf is slow to import
 
     bad = gguf_checks.Bad(path, GGUFError)
     try:

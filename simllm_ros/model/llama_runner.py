@@ -114,7 +114,7 @@ class LlamaRunner:
         self.post_norms: list[tuple[Norm, Norm] | None] = []  # Gemma's norms of the attention and MLP outputs
         self.layers = [self._build_layer(li, layer, norms, gemma, parts, builds)
                        for li, layer in enumerate(base.layers)]
-        # Our C attention (attention_kernel) where it applies: ~2.5x faster than the two oneDNN products for a
+        # Our C attention (attention_kernel) where it applies: faster than the two oneDNN products for a
         # decode step; None: the torch path below. Chosen once per runner, so every pass uses the same one.
         kernel = attention_kernel.load()
         self.kernel = kernel if kernel is not None and kernel.supports(self.dtype, self.head_dim, self.device) \
@@ -184,7 +184,7 @@ class LlamaRunner:
 
     def _choose_int4(self, base: Any) -> Int4Kernel | VectorKernel | None:
         """4-bit products on our own kernel, for every projection or none, so that every pass computes the same way:
-        in bf16 on AMX (int4_kernel: ~2-4x ATen's from a few rows up), in float32 on vector units elsewhere
+        in bf16 on AMX (int4_kernel: faster than ATen's from a few rows up), in float32 on vector units elsewhere
         (int4_vector_kernel: row-invariant where torch's float32 products are not)."""
         int4: Int4Kernel | VectorKernel | None = None
         dtype, on_cpu = self.dtype, self.device.type == "cpu"
@@ -252,8 +252,8 @@ class LlamaRunner:
 
     def _choose_layers_kernel(self, norms: NormKernel | None, attn_softcap: float | None
                               ) -> layer_kernel.Layers | None:
-        """The layers in one C call per pass where every piece of them is ours (layer_kernel: ~6 ms of Python and
-        tensor ops per decode step otherwise); then the MLP's SiLU is its own wherever a layer runs in Python."""
+        """The layers in one C call per pass where every piece of them is ours (layer_kernel: a quarter of a decode
+        step in Python and tensor ops otherwise); then the MLP's SiLU is its own wherever a layer runs in Python."""
         lk = layer_kernel.load() if self.int4 is not None and self.kernel is not None else None
         if lk is not None and self.int4 is not None and lk.takes(self.int4.dtype) and layer_kernel.Layers.applies(self):
             return layer_kernel.Layers(lk, self.layers, self.int4, norms, self.kernel, self.hidden,

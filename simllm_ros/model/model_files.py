@@ -215,7 +215,7 @@ def load_tokenizer(path: str):
 def keep_added_tokens(folder: str) -> bool:
     """Writes tokenizer.json's added tokens into tokenizer_config.json (`added_tokens_decoder`, as transformers 4
     saved them) where it lacks them; whether it wrote. transformers 5 drops them on save and then, at every load,
-    parses the whole tokenizer.json in Python to find them again: 1.3 s and a transient ~100 MB for Gemma 3's 33 MB
+    parses the whole tokenizer.json in Python to find them again: seconds and a transient ~100 MB for Gemma 3's 33 MB
     file. The same tokens either way (test_gguf_loading compares the two tokenizers)."""
     cfg_path, tok_path = os.path.join(folder, "tokenizer_config.json"), os.path.join(folder, "tokenizer.json")
     if not (os.path.isfile(cfg_path) and os.path.isfile(tok_path)):

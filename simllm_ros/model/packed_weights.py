@@ -1,14 +1,14 @@
 """A GGUF's projections as the vector kernel reads them (its packed blobs), written once beside the converted model
 and memory-mapped at later loads.
 
-Why: packing decodes every K-quant block in numpy and lays the codes out for the kernel: about 7 s of a 1.5B model's
-12 s load, and a transient second copy of the codes that set the load's peak memory. Mapped from a file, the blobs
-are read in no time and live in the page cache, as llama.cpp's memory-mapped GGUF does: shared between processes on
-one robot and evictable under pressure. The blobs are the bytes the kernel would have packed (the packing code and
-the kernel's source name the file's layout: change either and the file is written again), and the file is bound to
-its GGUF by the same content stamp as the converted copy; each blob's CRC-32 is checked at load (~0.3 s a GB), so
-a damaged file is packed again rather than run. The format is safetensors (a JSON header, raw bytes), read here
-without copying: nothing in it is executed.
+Why: packing decodes every K-quant block in numpy and lays the codes out for the kernel: most of a 1.5B model's load
+(benchmark/results/load_times.md), and a transient second copy of the codes that set the load's peak memory. Mapped
+from a file, the blobs are read in no time and live in the page cache, as llama.cpp's memory-mapped GGUF does: shared
+between processes on one robot and evictable under pressure. The blobs are the bytes the kernel would have packed (the
+packing code and the kernel's source name the file's layout: change either and the file is written again), and the
+file is bound to its GGUF by the same content stamp as the converted copy; each blob's CRC-32 is checked at load, so a
+damaged file is packed again rather than run. The format is safetensors (a JSON header, raw bytes), read here without
+copying: nothing in it is executed.
 """
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ class PackedStore:
         index = json.loads(mapped.meta["index"])
         self._map = mapped
         names = [(f"{key}/{i}", crc) for key, kinds in index.items() for i, (_, _, crc) in enumerate(kinds)]
-        # zlib lets go of the GIL over a large buffer: the blobs' CRCs on every CPU (1 GB: ~1 s on one)
+        # zlib lets go of the GIL over a large buffer: the blobs' CRCs on every CPU
         with ThreadPoolExecutor(_threads(len(names))) as crcs:
             damaged = [name for (name, crc), got in zip(names, crcs.map(lambda nc: zlib.crc32(mapped.raw(nc[0]).data),
                                                                       names)) if got != crc]

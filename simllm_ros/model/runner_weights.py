@@ -28,8 +28,8 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
     F.linear hands oneDNN a plain bf16 weight and oneDNN reorders it into its blocked layout on every call.
     Packed once, the same kernel runs on the same data: bitwise the F.linear result (checked for 1..599
-    rows on every projection shape of SmolLM2), and a decode step of SmolLM2-135M takes ~45 ms instead
-    of ~55 (one thread, this CPU). float32 is left to MKL: packed, it decoded ~10% slower here, and the
+    rows on every projection shape of SmolLM2), and a decode step of SmolLM2-135M is faster
+    (benchmark/results/verified_decoding_notes.md). float32 is left to MKL: packed, it decoded slower, and the
     model still failed the invariance probe in float32 (attention with few keys).
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
@@ -147,8 +147,8 @@ class Norm:
 
 class Head8:
     """The LM head as its file's own 8-bit groups on our 4-bit runner's kernel (`mm8`: AMX or vector): half the
-    bytes a decode step reads for it (3.2-3.9 vs 4.6-5.9 ms for 1-4 rows of SmolLM2's 49152x576 here; 17 rows 6.5 vs
-    5.7), float32 logits, row-invariant like the rest."""
+    bytes a decode step reads for it (faster up to a few rows: benchmark/results/verified_decoding_notes.md), float32
+    logits, row-invariant like the rest."""
 
     weight = packed = None  # the runner holds its own copy: the HF module's may be released
     bits = 8

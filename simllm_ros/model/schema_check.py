@@ -161,7 +161,7 @@ def check(doc) -> None:
     """Refuses (SchemaRefused) a parsed schema the grammar cannot honour; returns None for one it can."""
     if doc is True or doc == {}:
         return
-    import jsonschema  # deferred: jsonschema takes ~0.1 s to import
+    import jsonschema  # deferred: jsonschema is slow to import
 
     validator = jsonschema.validators.validator_for(doc if isinstance(doc, dict) else {})
     try:
@@ -212,7 +212,7 @@ def pattern_paths(doc) -> list[str]:
 
 def answer_error(answer: str, doc) -> str | None:
     """None if the answer is JSON valid under the schema, else why not (the validation error, shortened)."""
-    import jsonschema  # deferred: jsonschema takes ~0.1 s to import
+    import jsonschema  # deferred: jsonschema is slow to import
 
     try:
         value = json.loads(answer)

@@ -2,7 +2,7 @@
 
 A load that takes a GGUF's checked blocks (gguf_weights.Rows) needs from the model only its shapes, norms, biases,
 RoPE tables and activation: the runner packs or maps the projections itself. transformers' model classes cost
-that load ~1.5 s and ~100 MB resident just to import (modeling_utils pulls in torch.distributed, scipy and
+that load seconds and ~100 MB resident just to import (modeling_utils pulls in torch.distributed, scipy and
 quantizer integrations), more than everything else the load does for a 0.5B model. This tree has the same names
 (`model.layers[i].self_attn.q_proj`, `model.norm`, `lm_head`, ...) and computes what transformers' modules compute
 for the pieces the runner calls (RMSNorm, the RoPE tables, the scaled embedding), with the same operations in the

@@ -9,7 +9,7 @@ forbids is simply never the pick. The pick itself stays a function of (masked lo
 with drafts is still bitwise the answer without them.
 
 `StructuredOutput` holds what is built once per tokenizer (xgrammar's TokenizerInfo and GrammarCompiler,
-built at the first schema, ~2 s including the import) and a small cache of compiled schemas. A schema is
+built at the first schema, seconds including the import) and a small cache of compiled schemas. A schema is
 checked first (schema_check: limits, meta-schema, recursion, keywords the grammar would ignore, spots that admit
 no value); one that fails, is not JSON, that xgrammar cannot turn into a grammar, or whose grammar takes longer
 than the compile budget, raises SchemaError with the reason. Compiles run on one thread of their own, so a slow

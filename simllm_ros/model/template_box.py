@@ -6,7 +6,7 @@ Why a process: a template is code from the model file. Jinja's sandbox stops att
 `range(99999)` loops ran for ever inside configure (the lifecycle service blocked until SIGKILL), and a template
 rendering 20 MB asked for 92 GB. Neither can be stopped inside this process (a Python thread cannot be killed, and
 counting in jinja's hooks misses string growth); a child can be killed at its deadline and cannot take more memory
-than its limit. It costs one interpreter with transformers' template module (~1-2 s), once per template: rendered
+than its limit. It costs one interpreter with transformers' template module (seconds), once per template: rendered
 from the file's header before its conversion, and remembered in the cache folder.
 """
 from __future__ import annotations
