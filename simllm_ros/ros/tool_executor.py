@@ -46,6 +46,16 @@ MAX_AUDIT_REASONING = 4000  # characters of a proposed call's reasoning on the a
 EVENTS = ("proposed", "refused", "dry_run", "not_executable", "executed", "failed", "canceled")
 
 
+
+class LockedActionClient(ActionClient):
+    """rclpy's ActionClient joins the node's wait set before it makes its lock (rclpy/action/client.py), so an
+    executor spinning in another thread (this node makes its tool clients while it serves: configure) may ask it
+    for its entities first and die on the missing lock, leaving the node deaf. Its lock is made before it joins."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
 class ToolRunner:
     """The tools of one configured node (`toolbox`), their clients, rate limits and audit publisher.
     `execute()` reads the node's tools_execute parameter at each call (it changes live); `reuse`: commands reused
@@ -76,8 +86,8 @@ class ToolRunner:
                 self._service_clients[tool.name] = node.create_client(tool.iface, tool.ros_name,
                                                                       callback_group=self._group)
             else:
-                self._action_clients[tool.name] = ActionClient(node, tool.iface, tool.ros_name,
-                                                               callback_group=self._group)
+                self._action_clients[tool.name] = LockedActionClient(node, tool.iface, tool.ros_name,
+                                                                     callback_group=self._group)
 
     def destroy(self) -> None:
         node = self._node

@@ -484,3 +484,33 @@ def test_several_calls_checked_then_sent_in_order_and_the_first_not_sent_stops_t
         assert [e["event"] for e in audit_events(h, "multi-bad")] == ["proposed"] * 2 + ["refused"] * 2
     finally:
         runner.tool_format, runner.traits = own
+
+
+def test_a_tool_action_client_has_its_lock_when_it_joins_the_wait_set():
+    """rclpy's ActionClient joins its node's wait set before it makes its lock: an executor spinning in another
+    thread then may call get_num_entities on it and die (it did, in a fresh clone: the node configured, made its tool
+    clients, and every later test of this file timed out). The node's tool clients have the lock first."""
+    import rclpy
+    from rclpy.action import ActionClient
+    from rclpy.node import Node
+
+    from simllm_ros.ros.tool_executor import LockedActionClient
+
+    seen = []
+
+    class Watching(Node):
+        def add_waitable(self, waitable):
+            if isinstance(waitable, ActionClient):  # the node's own waitables (its services) aside
+                seen.append(hasattr(waitable, "_lock"))
+            super().add_waitable(waitable)
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        node = Watching("lock_watch", context=context)
+        client = LockedActionClient(node, NavigateTo, "/lock_watch/nav")
+        assert seen == [True]
+        client.destroy()
+        node.destroy_node()
+    finally:
+        rclpy.shutdown(context=context)
