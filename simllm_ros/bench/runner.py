@@ -6,12 +6,14 @@ the report are their own modules.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib.metadata
 import importlib.util
 import logging
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -197,6 +199,7 @@ def run(args) -> dict:
     if fingerprinter is None:
         raise SystemExit("the engine loaded without its embedder")
     workdir = tempfile.mkdtemp(prefix="simllm-bench-")
+    atexit.register(shutil.rmtree, workdir, True)  # the systems' stores: gone with the run, not left in /tmp
     plain = PlainGenerate(backend, settings.system_prompt, plan.max_new)
     ctx = {"engine": engine, "plain": plain, "max_new": plan.max_new, "workdir": workdir,
            "default_threshold": float(SPEC_BY_NAME["cache_threshold"].default), "system_prompt": settings.system_prompt,
