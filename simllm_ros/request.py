@@ -147,7 +147,7 @@ class QueryResult:
     energy_source: str = "none: not measured (the request never ran)"
     tool_calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)  # requests with tools
     # A <think> block the model wrote before its calls (a template that lets it think): its reasoning, not the
-    # answer; "" without one. Not in the message: the tool audit's "proposed" events carry it.
+    # answer; "" without one. In the response's `reasoning` field, and on the tool audit's "proposed" events.
     reasoning: str = ""
 
     @classmethod

@@ -54,6 +54,7 @@ def fill_result(msg, result: QueryResult):
     msg.energy_source = str(result.energy_source or "none: not measured")
     msg.tool_calls = [ToolCall(name=c.name, arguments=c.arguments, status=c.status, result=c.result, error=c.error)
                       for c in result.tool_calls]
+    msg.reasoning = str(result.reasoning or "")
     return msg
 
 

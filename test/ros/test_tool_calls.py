@@ -200,3 +200,21 @@ def test_rate_limit_window():
     assert "rate limit: navigate_to was sent 2 times in the last 10 s" in lim.take(nav, 105.0)
     assert lim.take(nav, 110.5) is None  # the first left the window
     assert all(lim.take(brake, 100.0) is None for _ in range(50))  # no limit set
+
+
+def test_a_results_reasoning_and_calls_reach_every_response_type():
+    """The service's, the topic's and the action's answers carry a <think> block's text in `reasoning` (apart from
+    the answer) and the calls with their statuses, copied by the one function all three use."""
+    from simllm_ros.action import Generate
+    from simllm_ros.msg import QueryResponse
+    from simllm_ros.request import QueryResult, ToolCallRecord
+    from simllm_ros.ros.messages import fill_result
+    from simllm_ros.srv import Query
+
+    result = QueryResult(success=True, answer="", reasoning="The user wants the brake on.",
+                         tool_calls=[ToolCallRecord("set_brake", '{"on": true}', "proposed")])
+    for msg in (Query.Response(), QueryResponse(), Generate.Result()):
+        fill_result(msg, result)
+        assert msg.reasoning == "The user wants the brake on." and msg.answer == ""
+        assert [(c.name, c.arguments, c.status) for c in msg.tool_calls] == [("set_brake", '{"on": true}', "proposed")]
+    assert fill_result(QueryResponse(), QueryResult(success=True, answer="hi")).reasoning == ""
