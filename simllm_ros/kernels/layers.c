@@ -243,13 +243,36 @@ static inline float over_one_plus_exp(float x, float e) {
     return x / fmaf(y, s, 1.0f);
 }
 
+#if defined(__AVX512F__)
+/* over_one_plus_exp on 16 lanes, the same operations (exp_poly.h's 16-lane form): the clamp's max and min take the
+   value second, so a NaN stays NaN as through the scalar's compares; negation flips the sign bit as unary minus.
+   The scalar loop did not vectorize (3.4 ns an element: a 1.5B model's MLP activation took 1.5% of a decode step
+   and 4% of an 8-row one). */
+static inline __m512 over_one_plus_exp16(__m512 x, __m512 e) {
+    const __m512 t = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), e));
+    __m512 s;
+    const __m512 y = exp_poly_parts(t, &s);
+    return _mm512_div_ps(x, _mm512_fmadd_ps(y, s, _mm512_set1_ps(1.0f)));
+}
+static inline __m512 neg16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+}
+#endif
+
 /* columns c0..c1-1 of it: a step of few rows splits its columns over threads (glue32_rows) */
 static void silu_mul_f32_cols(const float *gu, long gu_stride, int M, int I, int c0, int c1, float *a,
                               long a_stride) {
     for (int m = 0; m < M; m++) {
         const float *g = gu + (long)m * gu_stride, *u = g + I;
         float *o = a + (long)m * a_stride;
-        for (int j = c0; j < c1; j++) o[j] = over_one_plus_exp(g[j], -g[j]) * u[j];
+        int j = c0;
+#if defined(__AVX512F__)
+        for (; j + 16 <= c1; j += 16) {
+            const __m512 x = _mm512_loadu_ps(g + j);
+            _mm512_storeu_ps(o + j, _mm512_mul_ps(over_one_plus_exp16(x, neg16(x)), _mm512_loadu_ps(u + j)));
+        }
+#endif
+        for (; j < c1; j++) o[j] = over_one_plus_exp(g[j], -g[j]) * u[j];
     }
 }
 void simllm_silu_mul_f32(const float *gu, long gu_stride, int M, int I, float *a, long a_stride) {
@@ -265,7 +288,18 @@ static void gelu_tanh_mul_f32_cols(const float *gu, long gu_stride, int M, int I
     for (int m = 0; m < M; m++) {
         const float *g = gu + (long)m * gu_stride, *u = g + I;
         float *o = a + (long)m * a_stride;
-        for (int j = c0; j < c1; j++) {
+        int j = c0;
+#if defined(__AVX512F__)
+        for (; j + 16 <= c1; j += 16) {  /* the same operations on 16 lanes */
+            const __m512 x = _mm512_loadu_ps(g + j);
+            const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+            const __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                           _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(0.044715f), x3)));
+            const __m512 e = _mm512_mul_ps(_mm512_set1_ps(-2.0f), z);
+            _mm512_storeu_ps(o + j, _mm512_mul_ps(over_one_plus_exp16(x, e), _mm512_loadu_ps(u + j)));
+        }
+#endif
+        for (; j < c1; j++) {
             const float x = g[j], z = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
             o[j] = over_one_plus_exp(x, -2.0f * z) * u[j];
         }

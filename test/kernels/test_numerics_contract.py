@@ -128,7 +128,7 @@ def _case(path, seed=0):
         "nw.f32": torch.randn(e, generator=g).numpy().tobytes(),
         "nx.bf16": _bf16_bits(torch.randn(m, e, generator=g) * 3),
         "nw.bf16": _bf16_bits(torch.randn(e, generator=g)),
-        "gu.f32": (torch.randn(m, 2 * inter, generator=g) * 6).numpy().tobytes(),  # SiLU's clamps included
+        "gu.f32": _activation_inputs(torch.randn(m, 2 * inter, generator=g) * 6).numpy().tobytes(),
         "rx.f32": torch.randn(m, h * d, generator=g).numpy().tobytes(),
         "cos.f32": torch.rand(m, d, generator=g).numpy().tobytes(),
         "sin.f32": torch.rand(m, d, generator=g).numpy().tobytes(),
@@ -145,6 +145,16 @@ def _case(path, seed=0):
 # The driver's products, each run on row cuts at 1 and 2 threads (its outputs <product>_t<threads>_<r0>_<r1>.f32)
 PRODUCTS = ("mm3k8", "mm4", "mm4k", "mm4k8", "mm5k8", "mm6", "mm6k8", "mm8", "mm8r", "mm5r", "mm51r", "mm4r",
             "mmiq4r", "mmiq4xs")
+
+
+def _activation_inputs(gu: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate inputs with what the clamps and the 16-lane form must treat as the scalar one does: beyond the
+    clamps both ways, infinities, NaN, signed zeros and subnormals, spread over the first row's vector lanes."""
+    special = torch.tensor([100.0, -100.0, 88.5, -87.5, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40,
+                            -1e-40, 3e38, -3e38, 1e-3, -1e-3, 20.0, -20.0, 50.0])
+    gu[0, :special.numel()] = special
+    gu[-1, 5:5 + special.numel()] = special.flip(0)
+    return gu
 
 
 def _outputs(path) -> dict[str, bytes]:
