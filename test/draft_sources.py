@@ -9,7 +9,7 @@ class FixedDrafts(DraftSource):
     def __init__(self, seq: list[int], fallback: list[int] = ()):
         self.seq, self.fallback = list(seq), list(fallback)
 
-    def propose(self, generated, limit):
+    def propose(self, generated, limit, rows=1):
         n = len(generated)
         if self.seq[:n] == generated and len(self.seq) > n:
             return self.seq[n:n + limit]

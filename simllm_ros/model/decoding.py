@@ -88,7 +88,9 @@ class Constraint(Protocol):
 class DraftSource:
     """What the decoder needs from a proposer."""
 
-    def propose(self, generated: list[int], limit: int) -> list[int]:
+    def propose(self, generated: list[int], limit: int, rows: int = 1) -> list[int]:
+        """At most `limit` tokens to check after `generated`, in a pass that decodes `rows` tokens besides them
+        (1, or one of each answer batched with this one: what a draft row costs depends on it)."""
         return []
 
     def feedback(self, proposed: int, accepted: int) -> None:
@@ -122,6 +124,7 @@ class Decoder:
         # Longest draft for the next step, set by an owner that batches (None: the proposer's own length).
         # It changes how many tokens a pass checks, never which tokens are picked.
         self.draft_cap: int | None = None
+        self.batch_rows = 1  # tokens the next pass decodes besides this answer's draft (its own and the batch's)
         self._feed: list[int] | None = None
         self._guess: list[int] = []
         self._t_start = t_start
@@ -167,7 +170,8 @@ class Decoder:
             room = self.max_new_tokens - len(self.tokens)
             if self.draft_cap is not None:
                 room = min(room, self.draft_cap)
-            guess = self.drafts.propose(self.tokens, room) if self.drafts is not None and room > 0 else []
+            guess = (self.drafts.propose(self.tokens, room, rows=self.batch_rows)
+                     if self.drafts is not None and room > 0 else [])
             self._guess = list(guess[:room])
             self._feed = [self.tokens[-1]] + self._guess
         return self._feed

@@ -75,16 +75,21 @@ class DraftStats:
 DRAFT_MARGIN = 0.03
 
 
-def best_length(rate: float, costs, available: int) -> int:
+def best_length(rate: float, costs, available: int, rows: int = 1) -> int:
     """The draft length d in 0..available with the most expected tokens per cost of its pass:
-    (1 + rate + ... + rate^d) / costs[1 + d]; the shorter one on a tie, and 0 unless it beats plain decoding by
-    DRAFT_MARGIN."""
-    plain = 1.0 / costs[1]
-    best, best_value, expected, p = 0, plain, 1.0, 1.0
-    for d in range(1, min(available, len(costs) - 2) + 1):
+    (rows - 1 + 1 + rate + ... + rate^d) / costs[rows + d], where the pass already decodes `rows` tokens (this
+    answer's and, batched, one of each other answer decoding with it); the shorter one on a tie, and 0 unless it
+    beats plain decoding by DRAFT_MARGIN. Batched, a draft row slows every answer in the pass, and where the pass is
+    already several rows (compute-bound) a row costs about 1/rows of it: only drafts that are usually accepted pay."""
+    rows = max(1, int(rows))
+    if rows >= len(costs):
+        return 0
+    plain = rows / costs[rows]
+    best, best_value, expected, p = 0, plain, float(rows), 1.0
+    for d in range(1, min(available, len(costs) - 1 - rows) + 1):
         p *= rate
         expected += p
-        value = expected / costs[1 + d]
+        value = expected / costs[rows + d]
         if value > best_value * (1 + 1e-9) and value > plain * (1 + DRAFT_MARGIN):
             best, best_value = d, value
     return best
@@ -113,7 +118,7 @@ class DraftProposer(DraftSource):
             for pos, t in enumerate(ref[:-1]):  # a token with something after it
                 self._index.setdefault(t, []).append((r, pos))
 
-    def propose(self, generated: list[int], limit: int) -> list[int]:
+    def propose(self, generated: list[int], limit: int, rows: int = 1) -> list[int]:
         limit = min(limit, self.max_tokens)
         if limit <= 0:
             return []
@@ -121,22 +126,22 @@ class DraftProposer(DraftSource):
         for i, a in enumerate(self.answers):  # 1. a stored answer that the model has followed so far
             if len(a) > n and a[:n] == generated:
                 kind = "repeat" if i < self.n_repeat else "answer"
-                return self._take(kind, a[n:], min(limit, max(self.length, self.max_tokens)), limit)
+                return self._take(kind, a[n:], min(limit, max(self.length, self.max_tokens)), limit, rows)
         ref, end, length = self._longest_suffix_match(generated)
         if ref < 0:
             return []
         cont = self.refs[ref][end + 1:]
         if length < self.min_match:  # 3. a weak guess: one token
-            return self._take("guess", cont, 1, 1)
-        return self._take("suffix", cont, min(limit, self.length), limit)  # 2. continuation of the longest match
+            return self._take("guess", cont, 1, 1, rows)
+        return self._take("suffix", cont, min(limit, self.length), limit, rows)  # 2. continuation of the longest match
 
-    def _take(self, kind: str, cont: list[int], adaptive: int, limit: int) -> list[int]:
-        """The draft from continuation `cont`: as long as the costs say pays (up to `limit`), or without
-        costs the adaptive length."""
+    def _take(self, kind: str, cont: list[int], adaptive: int, limit: int, rows: int) -> list[int]:
+        """The draft from continuation `cont`: as long as the costs say pays (up to `limit`) in a pass of `rows`
+        decoded tokens, or without costs the adaptive length."""
         if self.costs is None:
             n = adaptive
         else:
-            n = best_length(self.stats.rate(kind), self.costs, min(limit, len(cont)))
+            n = best_length(self.stats.rate(kind), self.costs, min(limit, len(cont)), rows)
             if n == 0 and cont and self.stats.explore(kind):
                 n = 1
         self._kind = kind if n > 0 else ""

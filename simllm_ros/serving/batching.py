@@ -97,6 +97,7 @@ class Batcher:
                     continue  # its prompt's start is being prefilled by an earlier flight: taken from it later
                 elif f.decoder is not None:
                     f.decoder.draft_cap = cap
+                    f.decoder.batch_rows = max(1, n_decoding)
                     work.append((i, f.decoder.inputs(), "all", backend.cache_len(f.cache)))
                 elif budget is None or budget > 0:
                     done = len(f.tokens) - f.todo

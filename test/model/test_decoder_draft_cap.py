@@ -21,7 +21,7 @@ def logits_for(token: int) -> torch.Tensor:
 class Oracle(DraftSource):
     """Proposes the true continuation, except one wrong token every 5 (so some drafts are cut short)."""
 
-    def propose(self, generated, limit):
+    def propose(self, generated, limit, rows=1):
         out, text = [], list(generated)
         while len(out) < limit:
             t = next_token(text)

@@ -40,6 +40,43 @@ def test_best_length_is_the_length_with_most_tokens_per_cost():
         assert all(_value(rate, costs, k) < best * (1 + 1e-9) for k in range(d)) or d == 0
 
 
+def _value_in(rate, costs, d, rows):
+    return (rows - 1 + sum(rate ** j for j in range(d + 1))) / costs[rows + d]
+
+
+def test_in_a_batched_pass_the_length_is_the_one_with_most_tokens_per_cost_of_the_whole_pass():
+    """A pass that decodes `rows` answers' tokens: a draft row slows all of them, so its value is the pass's tokens
+    per cost; rows=1 is the single answer's rule."""
+    rng = random.Random(5)
+    for _ in range(300):
+        rate = rng.random() ** 0.3  # mostly high: the drafts that could pay in a batch
+        costs = [0.0, 1.0]
+        for _ in range(15):
+            costs.append(costs[-1] + rng.random() * 1.1)
+        available, rows = rng.randrange(0, 12), rng.randrange(1, 8)
+        assert best_length(rate, costs, available, 1) == best_length(rate, costs, available)
+        d = best_length(rate, costs, available, rows)
+        top = min(available, len(costs) - 1 - rows)
+        best = max(_value_in(rate, costs, k, rows) for k in range(top + 1))
+        assert 0 <= d <= top
+        if best <= _value_in(rate, costs, 0, rows) * (1 + DRAFT_MARGIN):
+            assert d == 0, (rate, costs, available, rows, d)
+        else:
+            assert math.isclose(_value_in(rate, costs, d, rows), best, rel_tol=1e-9), (rate, costs, rows, d)
+    assert best_length(0.9, FOUR_BIT, 8, rows=len(FOUR_BIT)) == 0, "no cost known for more rows: no draft"
+
+
+def test_a_draft_that_pays_alone_does_not_pay_in_a_compute_bound_batch():
+    """At 4 bits a second row costs 10% of a one-row pass (memory-bound), but in a pass of four answers' rows a
+    fifth costs 17% of it: a draft accepted half the time pays alone and not there. Where rows cost in proportion
+    (compute-bound), not even a draft the model always follows gains enough to be checked."""
+    assert best_length(0.5, FOUR_BIT, 8) >= 1
+    assert best_length(0.5, FOUR_BIT, 8, rows=4) == 0
+    assert best_length(0.99, FOUR_BIT, 8, rows=4) >= 1, "an answer the model keeps following still pays"
+    linear = [0.0] + [float(m) for m in range(1, 16)]
+    assert best_length(1.0, linear, 8, rows=4) == 0
+
+
 def test_rows_are_paid_for_only_where_acceptance_covers_them():
     assert best_length(0.0, FREE_ROWS, 8) == 0, "a draft that is never accepted is never worth a row"
     assert best_length(0.1, FREE_ROWS, 8) >= 1, "a free row is worth any chance"
