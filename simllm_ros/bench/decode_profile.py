@@ -168,9 +168,9 @@ def profile_ours(args) -> dict:
     out["greedy_tail"] = generated[-4:]
     if args.rows:
         out["batched"] = profile_batched(b, runner, timed, ids, threads, [int(r) for r in args.rows.split(",")], args)
-    if args.answers:
-        out["answers"] = answers_with_and_without_drafts(e, threads, args)
     e.unload()
+    if args.answers:
+        out["answers"] = answers_with_and_without_drafts(e.settings, threads, args)
     return out
 
 
@@ -240,21 +240,25 @@ def profile_batched(b, runner, timed: dict, ids: list[int], threads: list[int], 
     return out
 
 
-def answers_with_and_without_drafts(e, threads: list[int], args) -> list[dict]:
+def answers_with_and_without_drafts(settings, threads: list[int], args) -> list[dict]:
     """Whole requests through the engine at each thread count, with the defaults (verified drafts on) and with
     drafts off, interleaved: decode ms a token after the first (total - TTFT over the tokens after it). A new
     scope and question each, so nothing but the bulletin's exact prefix is reused, and the drafts are what the
-    prompt and recent answers offer."""
+    prompt and recent answers offer. An engine loaded at each thread count (`compute_threads`), as a node runs:
+    the pass costs that size its drafts are timed and learnt at that count, not at another one's."""
     import torch
 
     from simllm_ros.request import QueryRequest
+    from simllm_ros.serving.engine import Engine
 
     ctx = bulletin(args.context)
-    base = e.settings
     rows = []
     k = 0
     for n in threads:
         torch.set_num_threads(n)
+        e = Engine(settings.replace(compute_threads=n))
+        e.load()
+        base = e.settings
         took: dict[bool, list[float]] = {True: [], False: []}
         drafted = {True: [0, 0], False: [0, 0]}
         for _ in range(args.answers):
@@ -268,10 +272,11 @@ def answers_with_and_without_drafts(e, threads: list[int], args) -> list[dict]:
                 took[drafts].append((r.total_ms - r.ttft_ms) / (r.generated_tokens - 1))
                 drafted[drafts][0] += r.draft_tokens_proposed
                 drafted[drafts][1] += r.draft_tokens_accepted
+        e.unload()
         on, off = sorted(took[True])[len(took[True]) // 2], sorted(took[False])[len(took[False]) // 2]
         rows.append({"threads": n, "drafts_ms": on, "no_drafts_ms": off, "ratio": on / off,
+                     "mean_ratio": sum(took[True]) / sum(took[False]),
                      "proposed": drafted[True][0], "accepted": drafted[True][1]})
-    e.update_settings(base)
     return rows
 
 
@@ -333,11 +338,11 @@ def report(ours: dict, llama: dict | None) -> None:
     if ours.get("answers"):
         print("\nWhole requests through the engine (median decode ms a token after the first): the defaults (verified "
               "drafts) against drafts off")
-        print("| threads | drafts on | drafts off | on / off | draft tokens proposed | accepted |\n"
-              "|---|---|---|---|---|---|")
+        print("| threads | drafts on | drafts off | on / off (medians) | on / off (all tokens) | draft tokens proposed "
+              "| accepted |\n|---|---|---|---|---|---|---|")
         for r in ours["answers"]:
             print(f"| {r['threads']} | {r['drafts_ms']:.2f} | {r['no_drafts_ms']:.2f} | {r['ratio']:.3f} | "
-                  f"{r['proposed']} | {r['accepted']} |")
+                  f"{r.get('mean_ratio', float('nan')):.3f} | {r['proposed']} | {r['accepted']} |")
     if ours.get("batched"):
         report_batched(ours["batched"])
     if llama and len(llama["rows"]) > 1:

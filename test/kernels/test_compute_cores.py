@@ -159,7 +159,7 @@ def test_decode_profile_prints_where_a_step_goes(files, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     p = subprocess.run([sys.executable, "-m", "simllm_ros.cli.bench", "decode_profile", "--file", files["q4_k_m"],
                         "--threads", "1,2", "--steps", "3", "--warmup", "1", "--context", "40", "--dir", str(tmp_path),
-                        "--rows", "1,2", "--json", str(tmp_path / "p.json")], cwd=root, env=env, capture_output=True,
+                        "--rows", "1,2", "--answers", "1", "--json", str(tmp_path / "p.json")], cwd=root, env=env, capture_output=True,
                        text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -175,6 +175,11 @@ def test_decode_profile_prints_where_a_step_goes(files, tmp_path):
     assert [(r["threads"], r["rows"]) for r in batched] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert all(r["batched"]["gate_up"] > 0 and r["singles"]["pass_ms"] > 0 for r in batched)
     assert "batched / singles" in p.stdout
+    # --answers: whole requests, drafts on and off, on an engine loaded at each thread count
+    answers = json.load(open(tmp_path / "p.json"))["ours"]["answers"]
+    assert [r["threads"] for r in answers] == [1, 2]
+    assert all(r["drafts_ms"] > 0 and r["no_drafts_ms"] > 0 and r["mean_ratio"] > 0 for r in answers)
+    assert "on / off (all tokens)" in p.stdout
 
 
 def test_product_rate_prints_each_format_against_memory(capsys):
