@@ -357,12 +357,12 @@ class LlamaRunner:
         Verified drafts pay for their rows whether the model accepts them or not, and what a row costs
         depends on the kernels: a 4-bit pass grows with its rows (ATen's int4 kernel is compute-bound from a
         few rows), while a 16-bit single token runs padded to two rows, so its second row is free. Timed on
-        the model itself (one pass per size after a warm-up round), interpolated between the sizes timed and
+        the model itself (each size's faster of two rounds), interpolated between the sizes timed and
         extended along the last slope beyond them. Each pass in a `turn()` of its own (the engine's model turn, where
         timed beside requests: they wait one pass at most)."""
         dev = self.device
-        # a prior only (pass_costs.PassCosts learns each size's cost from the passes served): five sizes, a warm-up
-        # round and one timed, where seven sizes twice took a first load's seconds; never a token's bits
+        # a prior only (pass_costs.PassCosts learns each size's cost from the passes served): five sizes in two rounds,
+        # where seven sizes twice took a first load's seconds; never a token's bits
         sizes = [m for m in (1, 2, 4, 8, 16) if m <= max(1, max_rows)]
         kv = KVBuffer.allocate(len(self.layers), self.n_kv, self.head_dim, context + sizes[-1], self.dtype, dev)
         ids = torch.randint(0, self.vocab, (context + sizes[-1],),
@@ -372,8 +372,10 @@ class LlamaRunner:
                 kv.length = a
                 self.forward(ids[a:min(context, a + 16)], torch.arange(a, min(context, a + 16), device=dev), kv, a,
                              logits="none")
+        # Each size's fastest of two rounds: a pause of the machine (another process, an interrupt) only adds time, and
+        # a prior taken from one pause (kept for every later load) would make drafts look dear until relearnt.
         took: dict[int, float] = {}
-        for rnd in range(2):  # the first round warms the kernels up; the second is timed
+        for _ in range(2):
             for m in sizes:
                 kv.length = context
                 pos = torch.arange(context, context + m, device=dev)
@@ -381,8 +383,7 @@ class LlamaRunner:
                     t0 = time.perf_counter()
                     self.forward(ids[context:context + m], pos, kv, context, logits="all")
                     dt = time.perf_counter() - t0
-                if rnd:
-                    took[m] = dt
+                took[m] = min(dt, took.get(m, dt))
         one = took[1]
         points = [(m, took[m] / one) for m in sizes]
         costs = [0.0]

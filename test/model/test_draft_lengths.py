@@ -139,6 +139,30 @@ def test_the_backend_measures_its_pass_costs_at_load():
     assert all(math.isfinite(c) for c in costs)
 
 
+def test_a_pause_of_the_machine_does_not_become_the_pass_costs():
+    """The costs timed at load are kept for every later load: a pause while one size is timed (another process,
+    here a sleep of 0.4 s in one of the 2-row passes) must not price a second row at tens of passes, or drafts stay off."""
+    import time
+
+    runner = shared_engine(**LOSSLESS).backend.runner
+    forward, twos = runner.forward, []
+
+    def slow_once(ids, *a, **k):
+        if len(ids) == 2:
+            twos.append(True)
+            if len(twos) == 2:  # the later round's
+                time.sleep(0.4)
+        return forward(ids, *a, **k)
+
+    runner.forward = slow_once
+    try:
+        costs = runner.pass_costs(4)
+    finally:
+        del runner.forward
+    assert len(twos) >= 2, "the pause happened"
+    assert costs[2] < 3.0, costs  # a pass of one row takes milliseconds: the paused pass would be > 10x
+
+
 def test_pass_costs_learn_from_the_passes_timed_here():
     """A prior timed at load (here: a second row nearly free) gives way to what this process's passes take
     (a second row at 1.3x one): a guess accepted 20% of the time then no longer pays."""
