@@ -137,16 +137,25 @@ typedef __m512i vi;
 #define VW_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
 #if defined(__AVX512BW__)
 #if defined(__AVX512VNNI__)
-#define DPB(acc, u, s) _mm512_dpbusd_epi32((acc), (u), (s))
+/* acc + u (bytes 0..255) times the 4 signed bytes at p, broadcast to every lane, with the broadcast inside vpdpbusd
+   ({1to16}): the compiler emits a vpbroadcastd of its own, which takes a vector slot beside the dot products, and a
+   row's broadcasts were a fourth of a multi-row product's vector instructions. The same integers either way. */
+typedef int32_t __attribute__((may_alias)) i32_alias;
+static inline __attribute__((always_inline)) __m512i dpbx(__m512i acc, __m512i u, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const i32_alias *)(const void *)p));
+    return acc;
+}
+#define DPBX(acc, u, p) dpbx((acc), (u), (p))
 #else
 #define DPB(acc, u, s) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((u), (s)), _mm512_set1_epi16(1)))
+#define DPBX(acc, u, p) DPB((acc), (u), _mm512_set1_epi32(rd32(p)))
 #endif
 static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
     const __m512i m4 = _mm512_set1_epi8(15);
     for (int p = 0; p < 4; p++) {
         const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
-        is[0] = DPB(is[0], _mm512_and_si512(v, m4), _mm512_set1_epi32(rd32(xg + 8 * p)));
-        is[0] = DPB(is[0], _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_set1_epi32(rd32(xg + 8 * p + 4)));
+        is[0] = DPBX(is[0], _mm512_and_si512(v, m4), xg + 8 * p);
+        is[0] = DPBX(is[0], _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), xg + 8 * p + 4);
     }
 }
 #define HAVE_GDOT
@@ -328,8 +337,8 @@ static inline __attribute__((always_inline)) void gdotn(const uint8_t *c, const 
         const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
         __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         if (B) { lo = _mm512_or_si512(lo, topn(H, 2 * p, B)); hi = _mm512_or_si512(hi, topn(H, 2 * p + 1, B)); }
-        is[0] = DPB(is[0], lo, _mm512_set1_epi32(rd32(xg + 8 * p)));
-        is[0] = DPB(is[0], hi, _mm512_set1_epi32(rd32(xg + 8 * p + 4)));
+        is[0] = DPBX(is[0], lo, xg + 8 * p);
+        is[0] = DPBX(is[0], hi, xg + 8 * p + 4);
     }
 }
 #elif !defined(__AVX512F__) && defined(__AVX2__)

@@ -34,8 +34,7 @@ static inline void gdot8(const uint8_t *c, const int8_t *xg, int32_t xs, vi *is)
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i a = _mm512_set1_epi32(-128 * xs);
     for (int t = 0; t < 8; t++)
-        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(_mm512_loadu_si512((const void *)(c + 64 * t)), flip),
-                                _mm512_set1_epi32(rd32(xg + 4 * t)));
+        a = dpbx(a, _mm512_xor_si512(_mm512_loadu_si512((const void *)(c + 64 * t)), flip), xg + 4 * t);
     is[0] = _mm512_add_epi32(is[0], a);
 #else
     (void)xs;
@@ -162,8 +161,8 @@ static inline void gdotiq4(const uint8_t *c, const int8_t *xg, int32_t xs, vi *i
         const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * p));
         const __m512i lo = _mm512_shuffle_epi8(T, _mm512_and_si512(v, m4));
         const __m512i hi = _mm512_shuffle_epi8(T, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(lo, flip), _mm512_set1_epi32(rd32(xg + 8 * p)));
-        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(hi, flip), _mm512_set1_epi32(rd32(xg + 8 * p + 4)));
+        a = dpbx(a, _mm512_xor_si512(lo, flip), xg + 8 * p);
+        a = dpbx(a, _mm512_xor_si512(hi, flip), xg + 8 * p + 4);
     }
     is[0] = _mm512_add_epi32(is[0], a);
 #else
