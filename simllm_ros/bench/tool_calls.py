@@ -338,16 +338,28 @@ def _reference_rows(engine, toolbox, plan, texts: list[str], max_new: int, log, 
 def llama_only(engine, stream: list[Command], gguf: str, threads: int, path: str, max_new: int = 48,
                tools: list[str] | None = None, log=print) -> None:
     """llama.cpp's side alone (a process of its own beside the engine's configurations): its rows by text, written
-    to path every PROGRESS_EVERY texts; `bench(llama_rows=path)` summarizes them against the no-cache calls."""
+    to path every PROGRESS_EVERY texts (a later run on the same path resumes after them); `bench(llama_rows=path)`
+    summarizes them against the no-cache calls."""
     from simllm_ros.serving.toolbox import Toolbox
 
     toolbox = Toolbox.from_list(TOOLS)
     plan = toolbox.plan(tools or [t["name"] for t in TOOLS], "required")
     unique = [Command(t, "", "first") for t in dict.fromkeys(c.text for c in stream)]
-    out: dict = {"rows": {}, "info": {}}
-    for i in range(0, len(unique), PROGRESS_EVERY):
+    # the rows already at path for the same file, tools and max_new are kept: a stopped run resumes after them
+    key = {"gguf": os.path.basename(gguf), "tools": sorted(tools or [t["name"] for t in TOOLS]), "max_new": max_new}
+    out: dict = {"rows": {}, "info": {}, "key": key}
+    try:
+        with open(path, encoding="utf-8") as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        kept = None
+    if isinstance(kept, dict) and kept.get("key") == key and isinstance(kept.get("rows"), dict):
+        out["rows"], out["info"] = dict(kept["rows"]), kept.get("info") or {}
+        log(f"  llama.cpp: resuming after the {len(out['rows'])} texts kept in {path}")
+    todo = [c for c in unique if c.text not in out["rows"]]
+    for i in range(0, len(todo), PROGRESS_EVERY):
         rows, info = run_llama(gguf, engine.backend, engine.settings.system_prompt, plan, toolbox,
-                               unique[i:i + PROGRESS_EVERY], threads, max_new)
+                               todo[i:i + PROGRESS_EVERY], threads, max_new)
         out["info"] = out["info"] or info
         out["rows"].update({r["text"]: r for r in rows})
         tmp = path + ".tmp"

@@ -54,3 +54,34 @@ def test_smoke_on_the_embedded_model(tmp_path):
     again = tb._reference_rows(e, toolbox, plan, [c.text for c in stream[::2]], 32, said.append, ref)
     assert said == [f"  no-cache rows of 2 texts read from {ref}"]
     assert all(isinstance(r["call"], tuple) and r["call"][0] in ("set_brake", "stop_motors") for r in again.values())
+
+
+def test_llama_only_resumes_after_the_rows_it_kept(tmp_path):
+    """--llama-only writes llama.cpp's rows by text; a later run on the same path, file, tools and max_new computes
+    only the texts still missing (a stopped full-size run goes on), and other tools start again."""
+    import json
+
+    import pytest
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (requirements-bench.txt)")
+    from simllm_ros.model.model_files import gguf_source
+
+    e = shared_engine()
+    gguf = gguf_source(e.settings.model)
+    stream = [tb.Command("Stop all motors now.", "stop", "first"),
+              tb.Command("Engage the parking brake.", "brake", "first")]
+    path, said = str(tmp_path / "llama.json"), []
+    tools = ["set_brake", "stop_motors"]
+    tb.llama_only(e, stream[:1], gguf, 1, path, max_new=32, tools=tools, log=said.append)
+    first = json.load(open(path))
+    assert list(first["rows"]) == ["Stop all motors now."] and not any("resuming" in s for s in said)
+    said.clear()
+    tb.llama_only(e, stream, gguf, 1, path, max_new=32, tools=tools, log=said.append)
+    both = json.load(open(path))
+    assert said[0].endswith(f"resuming after the 1 texts kept in {path}")
+    assert list(both["rows"]) == ["Stop all motors now.", "Engage the parking brake."]
+    assert both["rows"]["Stop all motors now."] == first["rows"]["Stop all motors now."], "kept, not computed again"
+    said.clear()
+    tb.llama_only(e, stream[:1], gguf, 1, path, max_new=32, tools=["stop_motors"], log=said.append)
+    assert not any("resuming" in s for s in said) and list(json.load(open(path))["rows"]) == ["Stop all motors now."]
