@@ -23,6 +23,7 @@ machine falls on all of them alike, and the report gives ratios measured side by
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import logging
@@ -30,6 +31,10 @@ import os
 import threading
 import time
 
+from .. import workloads as wl
+from ..request import QueryRequest, QueryResult
+from ..serving.request_server import RequestServer
+from ..settings import Settings
 from .metrics import mean, percentile
 
 log = logging.getLogger("simllm_ros.bench.concurrency")
@@ -48,8 +53,6 @@ class Served:
         server.open()
 
     def ask(self, row: dict, max_new: int, rid: str):
-        from ..request import QueryRequest
-
         req = QueryRequest(prompt=row["prompt"], context=row["context"], cache_scope=row.get("scope", ""),
                            max_new_tokens=max_new, request_id=rid)
         t0 = time.perf_counter()
@@ -68,8 +71,6 @@ class Served:
 
 
 def _engine_system(name: str, engine, max_batch: int) -> Served:
-    from ..serving.request_server import RequestServer
-
     e = engine.fork(engine.settings.replace(max_batch=max_batch))
     server = RequestServer(e, state=lambda: "bench", queue_limit=64, max_batch=max_batch)
     return Served(name, server, engine=e)
@@ -77,10 +78,6 @@ def _engine_system(name: str, engine, max_batch: int) -> Served:
 
 def _serial_system(name: str, generate, backend, system_prompt: str) -> Served:
     """A one-at-a-time peer: generate(ids, row) -> (text, ms from its start to the first token)."""
-    from ..request import QueryResult
-    from ..serving.request_server import RequestServer
-    from ..settings import Settings
-
     class Serial:
         """The peer as the request server serves it (request_server.ServedEngine): one request at a time."""
 
@@ -119,6 +116,7 @@ def _serial_system(name: str, generate, backend, system_prompt: str) -> Served:
 
 def make_systems(engine, max_new: int, threads: int, want_llama: bool, want_peers: bool = True
                  ) -> tuple[dict, dict]:
+    # local: .systems imports torch; this module's --help and report code run without it
     from .systems import PlainGenerate
 
     s = engine.settings
@@ -146,6 +144,7 @@ def make_systems(engine, max_new: int, threads: int, want_llama: bool, want_peer
                                "requirements-bench.txt; builds from source)"}
     else:
         try:
+            # local: .systems imports torch (see make_systems' first import)
             from .systems import LlamaCppSystem
 
             lc = LlamaCppSystem("llama-cpp", engine.backend, s.system_prompt, max_new, threads, 0, use_cache=False)
@@ -234,8 +233,6 @@ def four_at_once(systems: dict, rows: list[dict], trials: int, max_new: int) -> 
             t0 = time.perf_counter()
             if how == "together":
                 jobs = []
-                from ..request import QueryRequest
-
                 for i, r in enumerate(four):
                     jobs.append(s.server.submit(QueryRequest(prompt=r["prompt"], context=r["context"],
                                                              cache_scope=r.get("scope", ""), max_new_tokens=max_new,
@@ -367,9 +364,8 @@ def identity(runs: list[dict], four: dict | None) -> dict:
 
 
 def run(args) -> dict:
-    from .. import workloads as wl
+    # local: the engine and .runner import torch: loaded when a run starts, not on --help
     from ..serving.engine import Engine
-    from ..settings import Settings
     from .runner import machine_info, set_threads
 
     t_start = time.monotonic()
@@ -521,9 +517,11 @@ def write_report(res: dict, out: str) -> list[str]:
 
 
 def plot(res: dict, out: str) -> str:
+    # local: matplotlib is heavy and only the plot needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # local: pyplot after matplotlib.use("Agg") (the backend is chosen first)
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -577,8 +575,6 @@ def add_arguments(ap) -> None:
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="simllm-bench concurrency", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)

@@ -24,6 +24,10 @@ import os
 import sys
 import time
 
+import numpy as np
+
+from simllm_ros.request import QueryRequest
+from simllm_ros.settings import Settings
 from .shared import QUESTIONS, SHAPES, TIED, VOCAB, bulletin, make_file, run_worker_process, use_test_helpers
 
 
@@ -55,6 +59,7 @@ def random_file(shape: str, folder: str) -> str:
     """A file of `shape` (gguf_models.SHAPES) with random Q4_K projections, Q6_K attn_v / ffn_down and a Q6_K
     embedding (Q4_K_M's mix), written without llama.cpp."""
     use_test_helpers()
+    # local: a test helper, importable once use_test_helpers() put test/ on sys.path
     from random_gguf import write_llama
 
     layers, hidden, inter, heads, kv, arch, head_dim = SHAPES[shape]
@@ -83,13 +88,13 @@ def weight_bytes(runner) -> int:
 
 
 def profile_ours(args) -> dict:
+    # local: torch and our model code load in the worker that profiles ours, not in the llama.cpp one
     import torch
 
     from simllm_ros.kernels import compute_threads, memory_rate
     from simllm_ros.model.decoding import Sampler
     from simllm_ros.model.draft_proposer import DraftProposer
     from simllm_ros.serving.engine import Engine
-    from simllm_ros.settings import Settings
 
     threads = [int(t) for t in args.threads.split(",")]
     torch.set_num_threads(max(threads))
@@ -145,6 +150,7 @@ def profile_ours(args) -> dict:
             runner.fused.profiling(False)
         k = args.steps
         ms = lambda ns, k=k: ns / k / 1e6
+        # local: layer_kernel imports torch (profile_ours' worker only)
         from simllm_ros.kernels.layer_kernel import PROFILE_STEPS
 
         row = {"threads": n, "step_ms": ms(total_ns)}
@@ -177,6 +183,7 @@ def profile_ours(args) -> dict:
 def _counted(b, runner, timed: dict, work, steps: int) -> dict:
     """`work()` run `steps` times with the layers' and the pool's counters on: ms per call in total and per part
     (PROFILE_STEPS, the LM head, embedding + norm, the layers' Python, the pass's Python outside those)."""
+    # local: layer_kernel imports torch (profile_ours' worker only)
     from simllm_ros.kernels.layer_kernel import PROFILE_STEPS
 
     for t in timed.values():
@@ -203,6 +210,7 @@ def profile_batched(b, runner, timed: dict, ids: list[int], threads: list[int], 
     """A decode pass of N rows (N requests on one prompt, one new token each, reading the prompt's KV once as the
     batcher arranges it) against N single-row passes of the same requests, per part, at each thread count: what
     a step shared by N decoding clients costs, and where the rows add time."""
+    # local: torch (through compute_threads too) in the worker that profiles ours only
     import torch
 
     from simllm_ros.kernels import compute_threads
@@ -246,9 +254,9 @@ def answers_with_and_without_drafts(settings, threads: list[int], args) -> list[
     scope and question each, so nothing but the bulletin's exact prefix is reused, and the drafts are what the
     prompt and recent answers offer. An engine loaded at each thread count (`compute_threads`), as a node runs:
     the pass costs that size its drafts are timed and learnt at that count, not at another one's."""
+    # local: torch (and the engine, which imports it) in the worker that profiles ours only, not in the llama.cpp one
     import torch
 
-    from simllm_ros.request import QueryRequest
     from simllm_ros.serving.engine import Engine
 
     ctx = bulletin(args.context)
@@ -282,8 +290,8 @@ def answers_with_and_without_drafts(settings, threads: list[int], args) -> list[
 
 def profile_llama(args) -> dict:
     """llama.cpp's decode ms/token on the same file and prompt length at each thread count (a process of its own)."""
+    # local: llama_cpp is optional (requirements-bench.txt): the llama.cpp worker only
     from llama_cpp import Llama
-    import numpy as np
 
     with open(args.ids) as f:
         ids = json.load(f)

@@ -24,7 +24,11 @@ import os
 import random
 import re
 import statistics
+import time
 
+from simllm_ros.cache.error_bound import ErrorBound
+from simllm_ros.request import CacheResult, QueryRequest
+from simllm_ros.settings import Settings
 from .shared import REPO_ROOT as ROOT, RESULTS_DIR, offline
 
 offline()
@@ -80,15 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "error_bound.json"))
     a = ap.parse_args(argv)
 
+    # local: torch and the engine load when a run starts: --help goes without them
     import torch
 
     torch.set_num_threads(a.threads)
+    # local: the engine, kv_pool and model_backend import torch (loaded when a run starts)
     from simllm_ros.serving.engine import Engine
-    from simllm_ros.cache.error_bound import ErrorBound
     from simllm_ros.cache.kv_pool import task_id
     from simllm_ros.model.model_backend import auto_dtype
-    from simllm_ros.request import CacheResult, QueryRequest
-    from simllm_ros.settings import Settings
 
     lossless = dict(dtype="bfloat16", kv_bits=0) if auto_dtype("cpu")[0] == "bfloat16" else \
         dict(dtype="float32", kv_bits=32)
@@ -162,8 +165,6 @@ def main(argv: list[str] | None = None) -> None:
 
     # the vCache-style per-entry policy: the engine answers exactly (no approximate tier of its own), the policy
     # serves a candidate's stored answer where its task's own checks allow
-    import time
-
     e = base.fork(base.settings.replace(approx_error_bound=0.0))
     pool = e.loaded_pool()
     policy = PerEntryThreshold()

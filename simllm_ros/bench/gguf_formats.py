@@ -11,6 +11,9 @@ import argparse
 import os
 import time
 
+import numpy as np
+
+from simllm_ros.model.model_backend import ModelBackend
 from .shared import use_test_helpers
 
 use_test_helpers()  # random_gguf: writes the file
@@ -21,8 +24,6 @@ from random_gguf import Q4_K_M, write_llama  # noqa: E402
 
 
 def _ours(path, cache_dir, weight_bits, ids, new):
-    from simllm_ros.model.model_backend import ModelBackend
-
     t0 = time.perf_counter()
     b = ModelBackend(path, dtype="float32", weight_bits=weight_bits, cache_dir=cache_dir, progress=print)
     load = time.perf_counter() - t0
@@ -48,7 +49,7 @@ def _ours(path, cache_dir, weight_bits, ids, new):
 
 
 def _llama_cpp(path, ids, new, threads):
-    import numpy as np
+    # local: llama_cpp is optional (requirements-bench.txt); main reports it missing
     from llama_cpp import Llama
 
     t0 = time.perf_counter()
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
     if not args.skip_16bit:
         rows.append(_ours(path, os.path.join(args.dir, "models"), 16, ids, args.new))
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401  (local: llama_cpp is optional; the row is left out where it is missing)
         rows.append(_llama_cpp(path, ids, args.new, args.threads))
     except ImportError:
         print("llama.cpp: llama-cpp-python is not installed")

@@ -23,6 +23,10 @@ import resource
 import sys
 import time
 
+import numpy as np
+
+from simllm_ros.request import QueryRequest
+from simllm_ros.settings import Settings
 # the files' shapes and prompts live in shared.py, where decode_profile takes them too
 from .shared import QUESTIONS, bulletin, make_file, real_file, run_worker_process
 
@@ -71,13 +75,13 @@ def resident_parts(model_file: str) -> dict[str, float]:
 
 
 def worker_ours(args) -> dict:
+    # local: torch and our model code load in the "ours" worker only: the llama.cpp worker measures its memory
     import torch
 
     torch.set_num_threads(args.threads)
+    # local: compute_threads and the engine import torch (after set_num_threads, in this worker only)
     from simllm_ros.kernels import compute_threads
     from simllm_ros.serving.engine import Engine
-    from simllm_ros.request import QueryRequest
-    from simllm_ros.settings import Settings
 
     t0 = time.perf_counter()
     e = Engine(Settings.from_overrides(model=args.file, model_cache_dir=args.cache, dtype=args.dtype, weight_bits=0,
@@ -123,7 +127,7 @@ def worker_ours(args) -> dict:
 
 
 def worker_llama(args) -> dict:
-    import numpy as np
+    # local: llama_cpp is optional (requirements-bench.txt): the llama.cpp worker only
     from llama_cpp import Llama
 
     with open(args.ids) as f:

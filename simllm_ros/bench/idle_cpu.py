@@ -41,6 +41,7 @@ def main(argv=None) -> int:
                              "--params-file", os.path.join(REPO, "config", "edge.yaml")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
+        # local: ROS only when this benchmark runs (simllm-bench's other benchmarks work without ROS)
         import rclpy
         from rclpy.client import Client
         from rclpy.node import Node

@@ -19,6 +19,8 @@ import time
 import numpy as np
 import torch
 
+from simllm_ros.cache.fingerprint import Fingerprinter
+from simllm_ros.workloads import find_clinc
 from .shared import (HALF_LIFE, NOW, RECENCY, exact_best, loaded_matcher, matcher_report, matcher_scaling,
                      offline)
 
@@ -27,9 +29,6 @@ offline()
 
 def real_recall(queries: int, threshold: float = 0.8) -> dict:
     """The index over MiniLM fingerprints of CLINC150 (forced on at this size) against the exact best."""
-    from simllm_ros.cache.fingerprint import Fingerprinter
-    from simllm_ros.workloads import find_clinc
-
     folder = os.path.dirname(find_clinc())
     read = lambda name: [json.loads(line) for line in open(os.path.join(folder, name), encoding="utf-8")]
     train_rows, val_rows = read("train.jsonl"), read("val.jsonl")[:queries]

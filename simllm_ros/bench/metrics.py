@@ -66,6 +66,7 @@ def token_agreement(ref: list[int], hyp: list[int]) -> float:
 
 def kl_first_token(ref_logits, hyp_logits) -> float | None:
     """KL(p_ref || p_hyp) of the first next-token distributions, in nats."""
+    # local: torch for this measure only; concurrency and the reports import this module without it
     import torch
 
     if ref_logits is None or hyp_logits is None:
@@ -79,6 +80,7 @@ def kl_first_token(ref_logits, hyp_logits) -> float | None:
 
 
 def score(recs: list[Rec], refs: list[Rec], tok) -> None:
+    # local: rouge_score (with nltk and absl) loads only when answers are scored
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)

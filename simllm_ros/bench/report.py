@@ -212,9 +212,11 @@ def write_markdown(res: dict, path: str) -> None:
 
 
 def write_plots(res: dict, out: str) -> list[str]:
+    # local: matplotlib is heavy and only the plots need it
     import matplotlib
 
     matplotlib.use("Agg")
+    # local: pyplot after matplotlib.use("Agg") (the backend is chosen first)
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 

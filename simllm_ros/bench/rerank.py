@@ -26,6 +26,9 @@ import re
 import statistics
 import time
 
+from simllm_ros.serving.rerank import rerank
+from simllm_ros.settings import DEFAULT_EMBEDDER
+from simllm_ros.workloads import find_clinc
 from .shared import RESULTS_DIR, finish_report, offline
 
 offline()
@@ -35,8 +38,6 @@ SAME_DOMAIN_CANDIDATES = 20
 
 def clinc_split(name: str, path: str = "") -> dict[str, list[str]]:
     """intent -> requests of the clinc150 split `name` ("train" or "val"), next to the train file found."""
-    from simllm_ros.workloads import find_clinc
-
     folder = os.path.dirname(find_clinc(path))
     out: dict[str, list[str]] = collections.defaultdict(list)
     with open(os.path.join(folder, f"{name}.jsonl"), encoding="utf-8") as f:
@@ -49,8 +50,6 @@ def clinc_split(name: str, path: str = "") -> dict[str, list[str]]:
 
 def clinc_domains(path: str = "") -> dict[str, str]:
     """intent -> its domain (clinc150's domains.json)."""
-    from simllm_ros.workloads import find_clinc
-
     with open(os.path.join(os.path.dirname(find_clinc(path)), "domains.json"), encoding="utf-8") as f:
         return {intent: domain for domain, intents in json.load(f).items() for intent in intents}
 
@@ -125,8 +124,6 @@ def summarize(ranks: list[int]) -> dict:
 
 def evaluate(embedder, tasks: dict, tfidf: Tfidf | None = None) -> dict[str, dict]:
     """task -> {embedder: summary, tfidf: summary, random_mrr}; each query through rerank() as the service runs it."""
-    from simllm_ros.serving.rerank import rerank
-
     out = {}
     for name, items in tasks.items():
         ours, lexical = [], []
@@ -142,8 +139,6 @@ def evaluate(embedder, tasks: dict, tfidf: Tfidf | None = None) -> dict[str, dic
 
 def time_calls(embedder, docs: list[str], queries: list[str]) -> dict:
     """Median ms of one rerank call of `docs`: fresh (the embedder remembers none of the texts) and remembered."""
-    from simllm_ros.serving.rerank import rerank
-
     fresh, remembered = [], []
     for q in queries:
         embedder.forget()
@@ -180,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "rerank.md"), help="report ('' = print only)")
     a = ap.parse_args(argv)
 
+    # local: torch and the fingerprint model load when a run starts (the tests and --help go without)
     import torch
 
     torch.set_num_threads(a.threads)
+    # local: fingerprint imports torch
     from simllm_ros.cache.fingerprint import Fingerprinter
-    from simllm_ros.settings import DEFAULT_EMBEDDER
 
     t0 = time.monotonic()
     train, val, domains = clinc_split("train", a.clinc), clinc_split("val", a.clinc), clinc_domains(a.clinc)

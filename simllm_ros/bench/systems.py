@@ -23,9 +23,11 @@ import warnings
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..cache.block_pool import common_prefix
 from ..cache.block_store import BlockStore
+from ..request import QueryRequest, QueryResult
 from .metrics import Rec, mean
 
 ENGINE_SYSTEMS = ("exact-prefix", "simllm", "simllm+answer")
@@ -57,7 +59,7 @@ class PlainGenerate:
         pass
 
     def generate_ids(self, ids: list[int]):
-        import torch
+        # local: transformers takes seconds to import; only the plain-generate system needs it
         from transformers.generation.streamers import BaseStreamer
 
         class FirstToken(BaseStreamer):
@@ -121,8 +123,6 @@ class EngineSystem:
         self.workload = workload
 
     def run(self, i: int, r: dict) -> Rec:
-        from ..request import QueryRequest, QueryResult
-
         e = self.engine
         req = QueryRequest(prompt=r["prompt"], context=r["context"], cache_scope=r["scope"],
                            max_new_tokens=self.max_new, request_id=f"{i}")
@@ -176,13 +176,15 @@ class GPTCacheSystem:
     kind = "peer"
 
     def __init__(self, fingerprinter, plain: PlainGenerate, threshold: float, workdir: str):
-        import gptcache  # noqa: F401  (fail early if missing)
+        # local: gptcache is an optional peer (requirements-bench.txt); imported here to fail early if missing
+        import gptcache  # noqa: F401
         from gptcache.adapter import api  # noqa: F401
 
         self.fp, self.plain, self.threshold, self.workdir = fingerprinter, plain, threshold, workdir
         self.cache: Any = None  # gptcache's Cache once begun (gptcache ships no types)
 
     def begin(self, workload: str) -> None:
+        # local: gptcache is an optional peer (requirements-bench.txt)
         from gptcache import Cache, Config
         from gptcache.manager import CacheBase, VectorBase, get_data_manager
         from gptcache.processor.pre import get_prompt
@@ -203,6 +205,7 @@ class GPTCacheSystem:
         self.answer_bytes = 0
 
     def run(self, i: int, r: dict) -> Rec:
+        # local: gptcache is an optional peer (requirements-bench.txt)
         from gptcache.adapter.api import get, put
 
         t0 = time.perf_counter()
@@ -236,6 +239,7 @@ class KVBoostSystem:
 
     def __init__(self, model_dir: str, dtype, backend, system_prompt: str, max_new: int, budget: int,
                  chunk_size: int = 32):
+        # local: kvboost is an optional peer; transformers takes seconds to import
         from kvboost import KVBoost, RecomputeStrategy
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -249,6 +253,7 @@ class KVBoostSystem:
                            recompute_strategy=RecomputeStrategy.CACHEBLEND, recompute_ratio=0.15,
                            kv_cache_bits=16, device="cpu")
         try:  # its attention patch is a no-op on CPU; undo it so nothing global changes
+            # local: kvboost is an optional peer (requirements-bench.txt)
             from kvboost import uninstall_flash_attention
             uninstall_flash_attention(model)
         except Exception:  # pragma: no cover - depends on the peer's version
@@ -258,6 +263,7 @@ class KVBoostSystem:
         self.eng.reset_cache()
 
     def run(self, i: int, r: dict) -> Rec:
+        # local: kvboost is an optional peer (requirements-bench.txt)
         from kvboost import GenerationMode
 
         t0 = time.perf_counter()
@@ -306,6 +312,7 @@ class LlamaCppSystem:
 
     def __init__(self, name: str, backend, system_prompt: str, max_new: int, threads: int, cache_bytes: int,
                  use_cache: bool):
+        # local: llama_cpp is an optional peer (requirements-bench.txt)
         from llama_cpp import Llama, LlamaRAMCache
 
         self.name, self.backend, self.system_prompt, self.max_new = name, backend, system_prompt, max_new

@@ -29,6 +29,12 @@ import statistics
 import time
 from typing import Any
 
+from simllm_ros.cache.error_bound import ErrorBound
+from simllm_ros.request import CacheResult, QueryRequest
+from simllm_ros.serving.tool_output_formats import constrained_request
+from simllm_ros.serving.tool_schemas import ToolError
+from simllm_ros.serving.toolbox import Toolbox
+from simllm_ros.settings import Settings
 from .shared import RESULTS_DIR, offline
 
 offline()
@@ -151,8 +157,6 @@ def workload(n: int = 300, seed: int = 11, intents: int = 0) -> list[Command]:
 
 def _call_of(toolbox, plan, answer: str):
     """(name, arguments JSON) of a valid call, or None."""
-    from simllm_ros.serving.tool_schemas import ToolError
-
     try:
         _, calls = toolbox.parse(plan, answer)
     except ToolError:
@@ -164,10 +168,8 @@ def run_engine(engine, toolbox, plan, stream: list[Command], delta: float, scope
                no_cache: bool = False, max_new: int = 48, log=None) -> list[dict]:
     """Every command of the stream through the reuse and the engine (no_cache: an empty pool for each); log: every
     PROGRESS_EVERY commands, how many are done and their mean wall time (a long run says how far it got)."""
-    from simllm_ros.cache.error_bound import ErrorBound
-    from simllm_ros.request import CacheResult, QueryRequest
+    # local: tool_call_reuse imports torch: loaded when a run starts (the tests of this module go without)
     from simllm_ros.serving.tool_call_reuse import CallReuse
-    from simllm_ros.serving.tool_output_formats import constrained_request
 
     engine.clear_pool()
     reuse = CallReuse(engine, toolbox, bound=ErrorBound(seed=1))
@@ -197,10 +199,8 @@ def run_engine(engine, toolbox, plan, stream: list[Command], delta: float, scope
 def run_llama(gguf: str, backend, system_prompt: str, plan, toolbox, stream: list[Command], threads: int,
               max_new: int = 48) -> tuple[list[dict], dict]:
     """llama.cpp with a grammar from the same JSON schema on the same prompt ids; greedy, no prompt cache."""
+    # local: llama_cpp is optional (requirements-bench.txt): the llama.cpp rows only
     from llama_cpp import Llama, LlamaGrammar
-
-    from simllm_ros.request import QueryRequest
-    from simllm_ros.serving.tool_output_formats import constrained_request
 
     llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, seed=0,
                 verbose=False)
@@ -250,8 +250,6 @@ def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, 
     text) and reused by a later run of the same model, tools and max_new (each text's no-cache answer computed
     once); llama_rows: llama.cpp's rows written by a separate `--llama-only` run, summarized here instead of running
     llama.cpp in this process (the part of the stream it finished)."""
-    from simllm_ros.serving.toolbox import Toolbox
-
     toolbox = Toolbox.from_list(TOOLS)
     plan = toolbox.plan(tools or [t["name"] for t in TOOLS], "required")
     if plan is None:
@@ -340,8 +338,6 @@ def llama_only(engine, stream: list[Command], gguf: str, threads: int, path: str
     """llama.cpp's side alone (a process of its own beside the engine's configurations): its rows by text, written
     to path every PROGRESS_EVERY texts (a later run on the same path resumes after them); `bench(llama_rows=path)`
     summarizes them against the no-cache calls."""
-    from simllm_ros.serving.toolbox import Toolbox
-
     toolbox = Toolbox.from_list(TOOLS)
     plan = toolbox.plan(tools or [t["name"] for t in TOOLS], "required")
     unique = [Command(t, "", "first") for t in dict.fromkeys(c.text for c in stream)]
@@ -428,12 +424,13 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(markdown(report)))
         return
 
+    # local: torch, the engine and model_files load when a run starts (the tests of this module go without)
     import torch
 
     torch.set_num_threads(a.threads)
+    # local: model_files and the engine import torch (after set_num_threads above)
     from simllm_ros.model.model_files import gguf_source
     from simllm_ros.serving.engine import Engine
-    from simllm_ros.settings import Settings
 
     overrides = {"cache_size": "512MB"}
     if a.model:

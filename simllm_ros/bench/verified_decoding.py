@@ -22,6 +22,7 @@ Writes benchmark/results/verified_decoding.md (and prints it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -43,8 +44,6 @@ INTENTS = ("weather", "traffic", "directions", "gas", "distance", "uber", "resta
 
 
 def questions(n: int) -> list[str]:
-    import json
-
     by = {}
     with open(find_clinc(), encoding="utf-8") as f:
         for line in f:

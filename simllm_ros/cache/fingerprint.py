@@ -15,7 +15,9 @@ import os
 import threading
 
 import numpy as np
+import torch
 
+from ..kernels import compute_threads
 from ..settings import DEFAULT_EMBEDDER
 from ..validation import normalize_text
 from .sentence_encoder import open_encoder
@@ -51,14 +53,10 @@ class Fingerprinter:
         self._recent: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()  # LRU by text
         self.remembered_hits = 0  # texts answered without a forward pass of their own
         self._workers: concurrent.futures.ThreadPoolExecutor | None = None  # for embed_async
-        import torch
-
         self._threads = torch.get_num_threads()  # what embed_async's threads run torch with
         # On CUDA, fingerprints run on their own stream so they overlap generation on the default stream.
         self._stream = None
         if str(device).startswith("cuda"):
-            import torch
-
             self._stream = torch.cuda.Stream()
 
     @property
@@ -90,8 +88,6 @@ class Fingerprinter:
             return done
         with self._queue_lock:
             if self._workers is None:
-                from ..kernels import compute_threads  # imports torch: here, not when the module is imported
-
                 # Two workers: a second request's texts join the batch the first one is embedding. They run
                 # torch with the count it had at load: a model turn meanwhile sets it to one (compute_threads).
                 self._workers = concurrent.futures.ThreadPoolExecutor(
@@ -178,8 +174,6 @@ class Fingerprinter:
     def _stream_context(self):
         if self._stream is None:
             return contextlib.nullcontext()
-        import torch
-
         return torch.cuda.stream(self._stream)
 
 

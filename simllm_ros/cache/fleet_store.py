@@ -29,6 +29,7 @@ import hmac
 import json
 import logging
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -104,8 +105,6 @@ class FleetStore:
     def __init__(self, url: str, *, digest: str, kv_shape, dtype: torch.dtype, namespace: str = "simllm",
                  secret: bytes = DEFAULT_SECRET, password: str | None = None, timeout_ms: float = 50.0,
                  share_kv: bool = True, verify_rate: float = 1.0, log: logging.Logger | None = None, client=None):
-        import random
-
         self.log = log or logging.getLogger("simllm_ros.fleet_store")
         self.counters = FleetCounters()
         self.link = FleetLink(url, counters=self.counters, password=password, timeout_ms=timeout_ms, log=self.log,

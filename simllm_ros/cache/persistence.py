@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 from .kv_pool import KVPool, PoolSnapshot
-from ..safe_io import describe_error, open_regular
+from ..safe_io import describe_error, open_regular, pread_exact
 
 FORMAT = "simllm_ros.kv_pool"
 FORMAT_VERSION = 1
@@ -181,8 +181,6 @@ def _reject_constant(name: str):
 
 def _read_header(fd: int, size: int) -> tuple[int, dict]:
     """safetensors layout: u64 little-endian header length N, N bytes of JSON, then the raw data."""
-    from ..safe_io import pread_exact
-
     if size < 8:
         raise _Bad(f"{size} bytes: too short for a safetensors file")
     n = int.from_bytes(pread_exact(fd, 8, 0), "little")

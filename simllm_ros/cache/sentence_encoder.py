@@ -12,6 +12,8 @@ import os
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from .bert_encoder import BertEncoder
 
@@ -55,6 +57,7 @@ class SentenceEncoder:
         return cls(path, device, modes[0] == "pooling_mode_mean_tokens", len(types) == 3, config.get("max_seq_length"))
 
     def __init__(self, path: str, device: str, mean: bool, normalize_module: bool, max_seq_length: int | None):
+        # local: transformers takes seconds to import; fingerprint imports this module without it
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -64,6 +67,7 @@ class SentenceEncoder:
             self.model: Any = None
             positions, self.dim = self.bert.max_positions, self.bert.hidden
         else:
+            # local: transformers takes seconds to import (a non-BERT or non-CPU encoder only)
             from transformers import AutoModel
 
             self.model = AutoModel.from_pretrained(path, local_files_only=True).to(device).eval()
@@ -74,9 +78,6 @@ class SentenceEncoder:
         self.max_seq_length = int(max_seq_length or min(self.tokenizer.model_max_length, positions))
 
     def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
-        import torch
-        import torch.nn.functional as F
-
         order = np.argsort([-len(t) for t in texts])  # as SentenceTransformer.encode: longest first
         rows: list = [None] * len(texts)
         for start in range(0, len(texts), batch_size):
@@ -104,6 +105,7 @@ class _SentenceTransformerEncoder:
     """Any other folder, through sentence-transformers itself, behind the same small API (imported only here)."""
 
     def __init__(self, path: str, device: str):
+        # local: sentence-transformers (with scikit-learn) only for a folder the others cannot read
         from sentence_transformers import SentenceTransformer
 
         self.model = SentenceTransformer(path, device=device, local_files_only=True)

@@ -19,6 +19,7 @@ Reports go to benchmark/results/ of the checkout (run from it).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -109,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_benchmark(name: str, args: list[str]) -> int:
     """Runs simllm_ros.bench.<name>.main(args) under the name `simllm-bench <name>` (its --help and errors)."""
-    import importlib
-
     if name == "concurrency":  # as it always ran; the others set their own environment
         _environment()
     sys.argv = [f"simllm-bench {name}"] + args

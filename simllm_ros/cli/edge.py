@@ -112,6 +112,7 @@ class _Runner:
     """rclpy init, node, MultiThreadedExecutor spun in a thread, signal handling, orderly teardown."""
 
     def __init__(self, prog: str, argv: list[str], overrides: dict):
+        # local: ROS and the node (torch, the engine) load when a node starts: this module imports without ROS
         import rclpy
         from rclpy.parameter import Parameter
         from rclpy.signals import SignalHandlerOptions
@@ -145,6 +146,7 @@ class _Runner:
         self.stop.set()
 
     def _spin(self):
+        # local: rclpy: this module imports without ROS (test/project/test_one_copy.py)
         from rclpy.executors import ExternalShutdownException
         try:
             self.executor.spin()
@@ -160,6 +162,7 @@ class _Runner:
             pass
 
     def close(self):
+        # local: rclpy: this module imports without ROS (test/project/test_one_copy.py)
         import rclpy
         node = self.node
         try:
@@ -188,6 +191,7 @@ class _Runner:
 
 
 def _split(prog: str, argv: list[str] | None) -> tuple[list[str], list[str]]:
+    # local: rclpy: this module imports without ROS (test/project/test_one_copy.py)
     from rclpy.utilities import remove_ros_args
     argv = list(sys.argv[1:] if argv is None else argv)
     own = remove_ros_args([prog] + argv)[1:]
@@ -203,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         overrides = overrides_from_args(args)
     except SettingError as e:
         parser.error(str(e))
+    # local: rclpy.lifecycle after argument parsing (this module imports without ROS)
     from rclpy.lifecycle import TransitionCallbackReturn
     try:
         runner = _Runner(prog, argv, overrides)
     except SettingError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        # local: rclpy: this module imports without ROS (test/project/test_one_copy.py)
         import rclpy
         rclpy.try_shutdown()
         return 2
@@ -250,6 +256,7 @@ def node_main(argv: list[str] | None = None) -> int:
         runner = _Runner(prog, argv, {})
     except SettingError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        # local: rclpy: this module imports without ROS (test/project/test_one_copy.py)
         import rclpy
         rclpy.try_shutdown()
         return 2

@@ -17,9 +17,19 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
+
+import rclpy
+from rclpy.signals import SignalHandlerOptions
+from rclpy.utilities import remove_ros_args
+
+from simllm_ros.request import CacheResult
+from simllm_ros.ros.client import MAX_RESENDS, RESEND_S
+from simllm_ros.ros.qos import CLIENT_QOS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _fields(args, parser, context: str) -> dict:
     """The request fields the options say, shared by the service and the action."""
+    # local: the generated interfaces load after argument parsing (--help goes without them)
     from simllm_ros.msg import ChatMessage
 
     schema = args.json_schema
@@ -83,7 +94,6 @@ def _fields(args, parser, context: str) -> dict:
 
 
 def response_to_dict(resp) -> dict:
-    from simllm_ros.request import CacheResult
     d = {}
     for field in resp.get_fields_and_field_types():
         v = getattr(resp, field)
@@ -100,8 +110,6 @@ def response_to_dict(resp) -> dict:
 
 
 def _spin_until(node, future, deadline: float) -> bool:
-    import rclpy
-
     rclpy.spin_until_future_complete(node, future, timeout_sec=max(0.1, deadline - time.monotonic()))
     return future.done() and future.result() is not None
 
@@ -111,11 +119,6 @@ def _call_service(node, srv_type, name: str, request, timeout: float,
     """(response, "") or (None, why not) for one service call within `timeout` seconds. The request is sent again
     (at most twice) after each `resend_s` (RESEND_S) without an answer: this process's client is new, and Fast DDS
     drops a response to a client whose response reader the node has not matched yet (simllm_ros.ros.client)."""
-    import rclpy
-
-    from simllm_ros.ros.client import MAX_RESENDS, RESEND_S
-    from simllm_ros.ros.qos import CLIENT_QOS
-
     resend_s = RESEND_S if resend_s is None else resend_s
     client = node.create_client(srv_type, name, qos_profile=CLIENT_QOS)
     deadline = time.monotonic() + timeout
@@ -140,14 +143,10 @@ def _call_service(node, srv_type, name: str, request, timeout: float,
 
 def _stream(node, name: str, fields: dict, timeout: float) -> int:
     """The Generate action: the answer printed as it grows, the result as JSON on stderr; Ctrl-C cancels."""
-    import signal
-    import threading
-
-    import rclpy
+    # local: rclpy.action and the generated interfaces for --stream only, after argument parsing
     from rclpy.action import ActionClient
 
     from simllm_ros.action import Generate
-    from simllm_ros.ros.qos import CLIENT_QOS
 
     client: ActionClient[Any, Any, Any] = ActionClient(  # Generate is generated, untyped
         node, Generate, name, goal_service_qos_profile=CLIENT_QOS, result_service_qos_profile=CLIENT_QOS,
@@ -201,8 +200,6 @@ def _stream(node, name: str, fields: dict, timeout: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rclpy.utilities import remove_ros_args
-
     argv = list(sys.argv[1:] if argv is None else argv)
     own = remove_ros_args(["simllm-query"] + argv)[1:]
     parser = build_parser()
@@ -221,14 +218,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--context-file: {e}")
     node_name = "/" + args.node.strip("/")
 
-    import rclpy
+    # local: rclpy.executors and the generated interfaces load after argument parsing (not on --help)
     from rclpy.executors import ExternalShutdownException
 
     from simllm_ros.srv import Embed, Query
 
     fields = {} if args.embed else _fields(args, parser, context)
-    from rclpy.signals import SignalHandlerOptions
-
     # Ctrl-C stays a KeyboardInterrupt with the context alive, so that --stream can still send the cancel
     rclpy.init(args=["simllm-query"] + argv, signal_handler_options=SignalHandlerOptions.NO)
     node = rclpy.create_node(f"simllm_query_{os.getpid()}")

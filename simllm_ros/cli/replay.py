@@ -50,10 +50,12 @@ def start_node(args) -> subprocess.Popen:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # local: warm_start imports torch (seconds): --help and argument errors answer without it
     from simllm_ros.serving.warm_start import read_requests_jsonl
 
     reqs = read_requests_jsonl(args.workload)
     proc = None if args.no_start else start_node(args)
+    # local: ROS once the node is started: --help and argument errors answer without ROS
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from simllm_ros.msg import CacheStats

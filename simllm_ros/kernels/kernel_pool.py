@@ -3,13 +3,12 @@
 Threads split a product's outputs (or attention's rows), never a sum, so a result's bits do not depend on how
 many workers ran it.
 """
+from . import attention_kernel
 
 
 def lend_to_attention(pool_call: int) -> None:
     """Let attention_kernel's passes split on a product kernel's kept workers (`pool_call`: the address of its
     simllm_pool_call): the same bits, since threads split rows, never a sum."""
-    from . import attention_kernel
-
     attention = attention_kernel.load()
     if attention is not None:
         attention.use_pool(pool_call)
@@ -17,6 +16,7 @@ def lend_to_attention(pool_call: int) -> None:
 
 def _product_kernels() -> list:
     """The product kernels this process has loaded (each has its own kept workers)."""
+    # local: both import product_kernel, which imports this module (a cycle among the bindings)
     from . import int4_kernel, int4_vector_kernel
 
     return [k for k in (int4_vector_kernel.loaded(), int4_kernel.loaded()) if k is not None]

@@ -71,6 +71,7 @@ class SimllmClient:
     """Futures over a simllm_node's ~/query, ~/generate, ~/embed and ~/rerank, with the node's QoS."""
 
     def __init__(self, target: str = "/simllm_node", context=None, wait_s: float = 30.0, resend_s: float = RESEND_S):
+        # local: rclpy.action, executors and the interfaces load with a client (simllm-query reads RESEND_S first)
         import rclpy
         from rclpy.action import ActionClient
         from rclpy.executors import SingleThreadedExecutor
@@ -186,6 +187,7 @@ class SimllmClient:
 
     # ---- internals --------------------------------------------------------------------------------------
     def _spin(self) -> None:
+        # local: rclpy loads with a client, not with this module (see __init__)
         from rclpy.executors import ExternalShutdownException
 
         try:
@@ -252,6 +254,7 @@ class SimllmClient:
 
 def _request_fields(fields: dict) -> dict:
     """Keyword fields as the messages want them: messages as ChatMessage, stop as a list."""
+    # local: the generated interfaces load with a client, not with this module
     from simllm_ros.msg import ChatMessage
 
     out = dict(fields)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.validate_full_topic_name import validate_full_topic_name
 
 from simllm_ros.action import Generate
 from simllm_ros.serving.engine import Engine
@@ -335,7 +336,6 @@ class RequestEndpoints:
 
     def scope_topic(self, scope: str) -> str | None:
         """'/simllm_node/responses/kiosk_3' for scope 'kiosk_3' ('' -> .../default); None if not a valid name."""
-        from rclpy.validate_full_topic_name import validate_full_topic_name
         topic = f"{self._node.get_fully_qualified_name()}/responses/{scope or 'default'}"
         try:
             validate_full_topic_name(topic)

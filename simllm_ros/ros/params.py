@@ -10,11 +10,13 @@
 """
 from __future__ import annotations
 
+import difflib
 import math
 import sys
 from typing import Any, Callable
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
+from rclpy.exceptions import ParameterNotDeclaredException
 from rclpy.parameter import Parameter
 
 from simllm_ros import path_checks
@@ -144,7 +146,6 @@ class ParameterGate:
 def undeclared_names(node, parameter_list) -> str:
     """'cache_treshold (did you mean cache_threshold?)' for the parameters the node does not have; '' if none.
     (rclpy's own check exhausts a generator before listing the names, so its error said '[]'.)"""
-    import difflib
     declared = list(node._parameters)
     out = []
     for p in parameter_list:
@@ -157,7 +158,6 @@ def undeclared_names(node, parameter_list) -> str:
 def check_undeclared(node, parameter_list) -> None:
     """rclpy's Node._check_undeclared_parameters, naming the undeclared parameters in the refusal (rclpy's own
     message lists none) and where to see the declared ones."""
-    from rclpy.exceptions import ParameterNotDeclaredException
     if not all(isinstance(p, Parameter) for p in parameter_list):
         raise TypeError(f"parameter must be instance of type '{Parameter!r}'")
     names = undeclared_names(node, parameter_list)

@@ -35,6 +35,7 @@ def check_arguments(tool: Tool, call: Call) -> None:
     jsonschema, and field by field here)."""
     if not isinstance(call.arguments, dict):
         raise ToolError(f"{tool.name}: arguments must be a JSON object")
+    # local: jsonschema is slow to import (~0.1 s, 120 modules): a call's check only
     import jsonschema
 
     try:

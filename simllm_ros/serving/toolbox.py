@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+import yaml
+
 from .tool_call_checks import Call, check_arguments, set_fixed
 from .tool_output_formats import GENERIC, CallPlan, Parsed, make_plan, parse_answer
 from .tool_schemas import Tool, ToolError, check_bounds, find_field, interface, is_number, message_schema
@@ -86,8 +88,6 @@ def _tool_from(raw, i: int) -> Tool:
 
 def load_tools(path: str) -> "Toolbox":
     """The tools of a tools file (YAML: a list, or a mapping with key `tools:`); ToolError names the problem."""
-    import yaml
-
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
