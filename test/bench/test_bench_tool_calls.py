@@ -7,6 +7,8 @@ import collections
 import importlib.util
 import re
 
+import pytest
+
 from core_fixtures import fresh, shared_engine
 from simllm_ros.bench import tool_calls as tb
 
@@ -26,6 +28,7 @@ def test_workload_is_deterministic_with_paraphrases_repeats_and_slot_swap_traps(
 
 
 def test_smoke_on_the_embedded_model(tmp_path):
+    pytest.importorskip("std_srvs.srv")  # the bench's tools are ROS interface types
     e = fresh(shared_engine())
     stream = [tb.Command("Stop all motors now.", "stop", "first"),
               tb.Command("Stop all motors now.", "stop", "repeat"),
@@ -59,9 +62,8 @@ def test_smoke_on_the_embedded_model(tmp_path):
 def test_llama_only_resumes_after_the_rows_it_kept(tmp_path):
     """--llama-only writes llama.cpp's rows by text; a later run on the same path, file, tools and max_new computes
     only the texts still missing (a stopped full-size run goes on), and other tools start again."""
+    pytest.importorskip("std_srvs.srv")  # the bench's tools are ROS interface types
     import json
-
-    import pytest
 
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed (requirements-bench.txt)")

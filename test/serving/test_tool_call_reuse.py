@@ -27,6 +27,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def toolbox():
+    pytest.importorskip("std_srvs.srv")  # the tools are ROS interface types (without ROS: skipped, as test/ros)
     return Toolbox.from_list(TOOLS)
 
 
