@@ -125,6 +125,8 @@ def main() -> None:
                       flush=True)
                 if not args.keep and not args.packed_only:
                     shutil.rmtree(cache, ignore_errors=True)
+    if not args.keep:  # the packed copies (GBs each) and rows.jsonl: only a cut-short run leaves them
+        shutil.rmtree(base, ignore_errors=True)
     digests = {(r["tree"], r["packed"]["digest"], r["packed"]["exact"]) for r in rows}
     print(f"\nnumerics digests (tree, digest, exact): {sorted(digests)}")
     print(f"\n{os.path.basename(args.file)} ({os.path.getsize(args.file) / 2**20:.0f} MiB); seconds from after the "
