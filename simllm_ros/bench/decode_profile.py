@@ -350,7 +350,7 @@ def report(ours: dict, llama: dict | None) -> None:
               "| accepted |\n|---|---|---|---|---|---|---|")
         for r in ours["answers"]:
             print(f"| {r['threads']} | {r['drafts_ms']:.2f} | {r['no_drafts_ms']:.2f} | {r['ratio']:.3f} | "
-                  f"{r.get('mean_ratio', float('nan')):.3f} | {r['proposed']} | {r['accepted']} |")
+                  f"{r['mean_ratio']:.3f} | {r['proposed']} | {r['accepted']} |")
     if ours.get("batched"):
         report_batched(ours["batched"])
     if llama and len(llama["rows"]) > 1:

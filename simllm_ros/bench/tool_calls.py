@@ -31,6 +31,7 @@ from typing import Any
 
 from simllm_ros.cache.error_bound import ErrorBound
 from simllm_ros.request import CacheResult, QueryRequest
+from simllm_ros.safe_io import write_json
 from simllm_ros.serving.tool_output_formats import constrained_request
 from simllm_ros.serving.tool_schemas import ToolError
 from simllm_ros.serving.toolbox import Toolbox
@@ -302,25 +303,29 @@ def bench(engine, stream: list[Command], deltas: list[float], gguf: str | None, 
     return out
 
 
+def _kept(path: str, key: dict) -> dict:
+    """What a run with the same key wrote to path ({"key", "rows" by text, ...}: a stopped run goes on after its
+    rows), else {}."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        kept = json.load(f)
+    return kept if kept.get("key") == key else {}
+
+
 def _reference_rows(engine, toolbox, plan, texts: list[str], max_new: int, log, path: str) -> dict[str, dict]:
     """Each text's no-cache row (the engine with an empty pool): read from path where a run of the same model,
     tools and max_new left it, the rest computed and added (written every PROGRESS_EVERY texts)."""
     key = {"model": engine.settings.model, "schema": plan.schema_text, "max_new": max_new}
-    done: dict[str, dict] = {}
-    if path and os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            kept = json.load(f)
-        if kept.get("key") == key:
-            done = {t: r for t, r in kept["rows"].items() if t in set(texts)}
-            log(f"  no-cache rows of {len(done)} texts read from {path}")
+    wanted = set(texts)
+    done = {t: r for t, r in _kept(path, key).get("rows", {}).items() if t in wanted}
+    if done:
+        log(f"  no-cache rows of {len(done)} texts read from {path}")
     todo = [t for t in texts if t not in done]
 
     def save() -> None:
         if path:
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"key": key, "rows": done}, f)
-            os.replace(tmp, path)
+            write_json(path, {"key": key, "rows": done})
 
     for i in range(0, len(todo), PROGRESS_EVERY):
         part = todo[i:i + PROGRESS_EVERY]
@@ -343,14 +348,9 @@ def llama_only(engine, stream: list[Command], gguf: str, threads: int, path: str
     unique = [Command(t, "", "first") for t in dict.fromkeys(c.text for c in stream)]
     # the rows already at path for the same file, tools and max_new are kept: a stopped run resumes after them
     key = {"gguf": os.path.basename(gguf), "tools": sorted(tools or [t["name"] for t in TOOLS]), "max_new": max_new}
-    out: dict = {"rows": {}, "info": {}, "key": key}
-    try:
-        with open(path, encoding="utf-8") as f:
-            kept = json.load(f)
-    except (OSError, ValueError):
-        kept = None
-    if isinstance(kept, dict) and kept.get("key") == key and isinstance(kept.get("rows"), dict):
-        out["rows"], out["info"] = dict(kept["rows"]), kept.get("info") or {}
+    kept = _kept(path, key)
+    out: dict = {"rows": kept.get("rows", {}), "info": kept.get("info") or {}, "key": key}
+    if out["rows"]:
         log(f"  llama.cpp: resuming after the {len(out['rows'])} texts kept in {path}")
     todo = [c for c in unique if c.text not in out["rows"]]
     for i in range(0, len(todo), PROGRESS_EVERY):
@@ -358,10 +358,7 @@ def llama_only(engine, stream: list[Command], gguf: str, threads: int, path: str
                                todo[i:i + PROGRESS_EVERY], threads, max_new)
         out["info"] = out["info"] or info
         out["rows"].update({r["text"]: r for r in rows})
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(out, f)
-        os.replace(tmp, path)
+        write_json(path, out)
         log(f"  llama.cpp: {len(out['rows'])}/{len(unique)} texts, mean "
             f"{statistics.mean(r['ms'] for r in out['rows'].values()):.0f} ms")
 
@@ -381,10 +378,7 @@ def merge_llama(report_path: str, reference_path: str, llama_path: str, stream: 
     row = summarize("llama.cpp + LlamaGrammar", rows, reference)
     row.update(got.get("info", {}))
     report["rows"] = [r for r in report["rows"] if r["config"] != row["config"]] + [row]
-    tmp = report_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, report_path)
+    write_json(report_path, report, indent=1)
     return report
 
 
@@ -448,9 +442,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save(report: dict) -> None:
         report.update(model=model, threads=a.threads, seed=a.seed)
-        with open(out + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(out + ".tmp", out)
+        write_json(out, report, indent=1)
 
     if a.llama_only:
         llama_gguf = gguf_source(engine.settings.model)

@@ -13,6 +13,7 @@ hands out (cache_handles.py), SEMANTIC's early passes and key rotation (semantic
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import threading
@@ -128,11 +129,13 @@ class _Background(threading.Thread):
             raise self.error
 
 
-def _cache_keyword(model) -> str:
+@functools.cache
+def _cache_keyword(forward: Callable) -> str:
     """The keyword a transformers model takes its KV cache by: `cache` from transformers 5.24 (which still maps
     `past_key_values` to it, with a warning), `past_key_values` before (5.20.2, Python 3.10's pin, where an unknown
-    `cache=` was dropped silently and the model ran on a cache of its own, leaving ours empty)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    `cache=` was dropped silently and the model ran on a cache of its own, leaving ours empty). `forward`: the
+    model class's, read once per class."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 class ModelBackend:
@@ -561,7 +564,7 @@ class ModelBackend:
         if positions is not None:
             raise ValueError("tokens at given positions need the Llama runner's KV buffer")
         kwargs = {"position_ids": pos[None], "cache_position": torch.arange(past, past + n, device=self.device),
-                  _cache_keyword(self.model): cache}
+                  _cache_keyword(type(self.model).forward): cache}
         keep = 0 if logits == "all" else 1
         out = self.model(input_ids=input_ids[None], use_cache=True, logits_to_keep=keep, **kwargs)
         if logits == "none":
