@@ -258,7 +258,7 @@ class ModelBackend:
                 self.model = load_skeleton(path, skip_head=rows.head, skip_embed=rows.embed,
                                            context_length=self.context_length)
             else:
-                # transformers' default attention: sdpa where the class has it, else eager (Gemma 2's soft-capping)
+                # transformers' default attention (sdpa where the class has it), eager where scores are capped
                 self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True,
                                                                   **self._config_for(path)).to(self.device)
         except (OSError, ValueError) as e:
@@ -503,11 +503,11 @@ class ModelBackend:
         takes them (take_long_factors), so from_pretrained does not read it again."""
         from transformers import AutoConfig  # deferred: transformers takes seconds to import
 
-        from .model_config import take_long_factors  # deferred: model_config imports transformers
+        from .model_config import attention_for, take_long_factors  # deferred: model_config imports transformers
 
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
         take_long_factors(cfg, self.context_length)
-        return {"config": cfg}
+        return {"config": cfg, **attention_for(cfg)}
 
     @property
     def hf_model(self):

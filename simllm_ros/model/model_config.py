@@ -77,6 +77,14 @@ def load_config(path: str):
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
+def attention_for(cfg) -> dict:
+    """from_pretrained's `attn_implementation` for `cfg`: eager where the model soft-caps its attention scores
+    (Gemma 2). sdpa has no cap, and transformers before 5.24 (Python 3.10's pin) picked sdpa for Gemma 2 all the
+    same: its forward then computed another model (logits off by up to 5 from the second position on)."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return {"attn_implementation": "eager"} if getattr(text, "attn_logit_softcapping", None) else {}
+
+
 def longrope_original(cfg) -> int | None:
     """The original context of a LongRoPE config (Phi-3.5-mini, Phi-3 128k, Phi-4-mini), else None."""
     rope = getattr(cfg, "rope_parameters", None)

@@ -283,7 +283,7 @@ def load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length: 
     """A converted GGUF's model (float32) without its projection weights (and LM head if `skip_head`, token
     embedding if `skip_embed` and nothing else needs it): those are allocated, never written (so never resident) and
     released by the runner, which takes the file's blocks. `context_length`: model_config.take_long_factors."""
-    from .model_config import load_config, take_long_factors  # deferred: model_config imports transformers
+    from .model_config import attention_for, load_config, take_long_factors  # deferred: imports transformers
 
     cfg = load_config(path)
     take_long_factors(cfg, context_length)
@@ -303,7 +303,7 @@ def load_skeleton(path: str, skip_head: bool, skip_embed: bool, context_length: 
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)  # transformers' own class, for its model
         take_long_factors(cfg, context_length)
         with no_init_weights():
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # sdpa where it has it
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **attention_for(cfg))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     left = [k for k in missing if k not in skip and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if left or unexpected:
