@@ -98,3 +98,16 @@ def test_the_fingerprinter_embeds_through_it():
     v = fp.embed(["nearest parking lot", "parking spaces nearby", "nearest parking lot"])
     assert np.array_equal(v[0], v[2]) and np.allclose(np.linalg.norm(v, axis=1), 1, atol=1e-6)
     assert fp.count_tokens("nearest parking lot") == 5  # [CLS] nearest parking lot [SEP]
+
+
+def test_the_bert_tokenizer_is_the_one_autotokenizer_reads():
+    """SentenceEncoder builds a BERT folder's tokenizer from its own module (AutoTokenizer's imports cost seconds):
+    the same class and the same ids, masks and truncation as AutoTokenizer's, on real requests and odd text."""
+    from transformers import AutoTokenizer
+
+    ours, theirs = SentenceEncoder.open(PATH).tokenizer, AutoTokenizer.from_pretrained(PATH, local_files_only=True)
+    assert type(ours) is type(theirs) and ours.model_max_length == theirs.model_max_length
+    texts = [t for group in load_clinc().values() for t in group[:2]] + [
+        "Ça coûte combien ? Ünïcödé, 東京, emoji 🚗", "", " " * 3, "word " * 400]
+    for kw in ({}, {"padding": True, "truncation": "longest_first", "max_length": 256}):
+        assert ours(texts, **kw)["input_ids"] == theirs(texts, **kw)["input_ids"]
