@@ -374,7 +374,9 @@ def run(args) -> dict:
     max_new = args.max_new_tokens or (8 if args.smoke else 32)
     model = {"model": args.model} if args.model else {}
     settings = Settings.from_overrides(cache_size="256MB", max_new_tokens=max(max_new, args.four_max_new_tokens),
-                                       max_batch=BATCH, enable_drafts=not args.no_drafts, **model)
+                                       max_batch=BATCH, enable_drafts=not args.no_drafts, **model,
+                                       **({"prefill_chunk_tokens": args.prefill_chunk_tokens}
+                                          if args.prefill_chunk_tokens else {}))
     engine = Engine(settings, log=logging.getLogger("simllm_ros.engine"))
     engine.load(progress=lambda m: log.info(m))
     backend = engine.loaded_backend()
@@ -570,6 +572,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--no-drafts", action="store_true",
                     help="both engines without drafts (enable_drafts off): every answer token decoded one step at "
                          "a time, the memory-bound case batching is for")
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                    help="the batched engine's prefill_chunk_tokens (default: the setting's default)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--no-progress", action="store_true")
 

@@ -257,8 +257,26 @@ static inline void gdot(const uint8_t *c, const int8_t *xg, vi *is) {
 
 /* Output blocks b0..b1-1 for every row: per block, rows in QROWS over its weights (which stay in cache); SB: the
    function of UNIT inputs (sb4k8, sb6k8: a super-block of 256; sb8r: a group of 32), SBBYTES their bytes per 16
-   outputs; BLK: the rows' block. */
+   outputs; BLK: the rows' block. A few rows (decode steps of several requests, more than QROWS and up to FEWROWS)
+   go the other way round: per unit of weights, every group of QROWS rows over it, their outputs kept between units
+   in ob, and the unit two blocks ahead asked into L2 meanwhile. There the weights' reads and the rows' dot products
+   were found to add up rather than overlap (8 rows from memory took about the in-cache time of 8 rows plus the
+   read time of 1): the prefetch made 8-row products of a 1.5B file's gate/up 15-25% faster (a burst into L1 one
+   block ahead, 30% slower; the loop order alone, no change). Each row's outputs take the same steps in the same
+   order (units from 0) either way: the same bits. */
+#define FEWROWS 16
 #define DEFINE_PART8(NAME, SB, SBBYTES, UNIT, BLK)                                                            \
+static inline __attribute__((always_inline)) void NAME##_unit(const uint8_t *blk, const uint8_t *q, long qb,   \
+                                                              int r0, int R, int s, int K, vw o[QROWS][NH]) { \
+    const uint8_t *xr[QROWS];                                                                             \
+    for (int r = 0; r < QROWS; r++) xr[r] = q + (long)(r0 + (r < R ? r : 0)) * qb;                        \
+    switch (R) {                                                                                          \
+    case 4: SB(blk, xr, s, K, o, 4); break;                                                               \
+    case 3: SB(blk, xr, s, K, o, 3); break;                                                               \
+    case 2: SB(blk, xr, s, K, o, 2); break;                                                               \
+    default: SB(blk, xr, s, K, o, 1); break;                                                              \
+    }                                                                                                     \
+}                                                                                                         \
 static void *NAME(void *arg) {                                                                            \
     const job_t *J = arg;                                                                                 \
     const int S = J->K / (UNIT);                                                                          \
@@ -266,23 +284,33 @@ static void *NAME(void *arg) {                                                  
     const uint8_t *q = (const uint8_t *)(const void *)J->xsum;                                            \
     for (int b = J->b0; b < J->b1; b++) {                                                                 \
         const uint8_t *wb = J->w + b * bbytes;                                                            \
-        for (int r0 = 0; r0 < J->M; r0 += QROWS) {                                                        \
-            const int R = J->M - r0 < QROWS ? J->M - r0 : QROWS;                                          \
-            const uint8_t *xr[QROWS];                                                                     \
-            vw o[QROWS][NH];                                                                              \
-            for (int r = 0; r < QROWS; r++) {                                                             \
-                xr[r] = q + (long)(r0 + (r < R ? r : 0)) * qb;                                            \
-                for (int h = 0; h < NH; h++) o[r][h] = bc(0.f);                                           \
-            }                                                                                             \
+        if (J->M > QROWS && J->M <= FEWROWS) {                                                            \
+            vw ob[FEWROWS + QROWS][NH];                                                                   \
+            for (int r = 0; r < (J->M + QROWS - 1) / QROWS * QROWS; r++)                                  \
+                for (int h = 0; h < NH; h++) ob[r][h] = bc(0.f);                                          \
             for (int s = 0; s < S; s++) {                                                                 \
-                const uint8_t *blk = wb + (long)s * (SBBYTES);                                            \
-                switch (R) {                                                                              \
-                case 4: SB(blk, xr, s, J->K, o, 4); break;                                                \
-                case 3: SB(blk, xr, s, J->K, o, 3); break;                                                \
-                case 2: SB(blk, xr, s, J->K, o, 2); break;                                                \
-                default: SB(blk, xr, s, J->K, o, 1); break;                                               \
+                const char *next = (const char *)(wb + 2 * bbytes + (long)s * (SBBYTES));                     \
+                for (int l = 0; l < (SBBYTES); l += 64) __builtin_prefetch(next + l, 0, 2);             \
+                for (int r0 = 0; r0 < J->M; r0 += QROWS) {                                                \
+                    const int R = J->M - r0 < QROWS ? J->M - r0 : QROWS;                                  \
+                    vw o[QROWS][NH];                                                                      \
+                    for (int r = 0; r < QROWS; r++)                                                       \
+                        for (int h = 0; h < NH; h++) o[r][h] = ob[r0 + r][h];                             \
+                    NAME##_unit(wb + (long)s * (SBBYTES), q, qb, r0, R, s, J->K, o);                      \
+                    for (int r = 0; r < R; r++)                                                           \
+                        for (int h = 0; h < NH; h++) ob[r0 + r][h] = o[r][h];                             \
                 }                                                                                         \
             }                                                                                             \
+            for (int r = 0; r < J->M; r++)                                                                \
+                for (int h = 0; h < NH; h++) st(J->y + (long)r * J->y_stride + 16 * b + VL * h, ob[r][h]); \
+            continue;                                                                                     \
+        }                                                                                                 \
+        for (int r0 = 0; r0 < J->M; r0 += QROWS) {                                                        \
+            const int R = J->M - r0 < QROWS ? J->M - r0 : QROWS;                                          \
+            vw o[QROWS][NH];                                                                              \
+            for (int r = 0; r < QROWS; r++)                                                               \
+                for (int h = 0; h < NH; h++) o[r][h] = bc(0.f);                                           \
+            for (int s = 0; s < S; s++) NAME##_unit(wb + (long)s * (SBBYTES), q, qb, r0, R, s, J->K, o);   \
             for (int r = 0; r < R; r++)                                                                   \
                 for (int h = 0; h < NH; h++) st(J->y + (long)(r0 + r) * J->y_stride + 16 * b + VL * h, o[r][h]); \
         }                                                                                                 \

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from simllm_ros.kernels import int4_vector_kernel
-from simllm_ros.kernels import build
+from simllm_ros.kernels import build, vector_blobs
 from simllm_ros.model.runner_weights import int4_codes, int4_dequantized, Proj, q8_codes
 
 KERNEL = int4_vector_kernel.load()
@@ -63,6 +63,32 @@ def test_a_row_gets_the_same_bits_whatever_rows_paths_and_threads_come_with_it(m
             torch.set_num_threads(t)
             assert torch.equal(mm(x, blob, 1344), whole)  # threads split the outputs, never a sum
             assert torch.equal(mm(x[5:6], blob, 1344), whole[5:6])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name, blob_bytes, group", [
+    ("mm4k8", vector_blobs.BLOB4K8, 256), ("mm5k8", vector_blobs.BLOB5K8, 256), ("mm3k8", vector_blobs.BLOB3K, 256),
+    ("mm6k8", vector_blobs.BLOB6K, 256), ("mm8r", vector_blobs.BLOB8R, 32), ("mm5r", vector_blobs.BLOB5R, 32),
+    ("mm4r", vector_blobs.BLOB4R, 32), ("mm51r", vector_blobs.BLOB51R, 32), ("mmiq4r", vector_blobs.BLOBIQ4, 32),
+    ("mmiq4xs", vector_blobs.BLOBIQ4XS, 256)])
+def test_8bit_row_products_give_a_row_the_same_bits_whatever_rows_come_with_it(monkeypatch, name, blob_bytes, group):
+    """The 8-bit-row products take up to 4 rows over a block's weights, 5 to 16 (several requests' decode steps)
+    unit by unit with the weights ahead prefetched, more again 4 at a time: every cut below mixes the paths and
+    must not change a row's bits (random blobs: NaNs and all, compared as bits), at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 96, 512
+    blob = torch.randint(0, 256, (n // 16, k // group, blob_bytes), dtype=torch.uint8, generator=g)
+    x = torch.randn(21, k, generator=g)
+    mm = getattr(KERNEL, name)
+    whole = mm(x, blob, n).view(torch.int32)
+    monkeypatch.setattr(int4_vector_kernel, "THREAD_MIN_MACS", 0)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for a, b in ((0, 1), (0, 4), (0, 5), (3, 11), (2, 18), (0, 16), (0, 17), (4, 21), (20, 21), (5, 13)):
+                assert torch.equal(mm(x[a:b].contiguous(), blob, n).view(torch.int32), whole[a:b]), (t, a, b)
     finally:
         torch.set_num_threads(threads)
 
