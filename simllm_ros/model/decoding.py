@@ -213,26 +213,19 @@ def generate(step: Callable[[list[int]], torch.Tensor], truncate: Callable[[int]
              first_logits: torch.Tensor, max_new_tokens: int, *, sampler: Sampler, stop_ids: set[int],
              drafts: DraftSource | None = None, t_start: float | None = None,
              on_token: Callable[[list[int]], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, constraint: Constraint | None = None,
-             on_pass: Callable[[int, float], None] | None = None) -> Generation:
+             should_stop: Callable[[], bool] | None = None, constraint: Constraint | None = None) -> Generation:
     """Decode up to max_new_tokens after `first_logits` (the prompt's last-token logits).
 
     step(tokens) runs tokens at the end of the cache and returns logits for each of them;
     truncate(n) forgets cache entries past n. on_token(tokens so far) is called as tokens are
     committed; should_stop() is polled after every committed token (cancellation, stop strings).
     constraint (an output grammar) masks every row a token is picked from, draft rows included,
-    and accepts each committed token. on_pass(rows, seconds) hears what each step cost in all: the draft's
-    proposal, the pass and the check of its rows (a draft is priced by what its step costs, not its pass alone:
-    a step with a draft row cost ~1.15x a plain one where its pass alone cost ~1.08x).
+    and accepts each committed token.
     """
     dec = Decoder(first_logits, max_new_tokens, sampler=sampler, stop_ids=stop_ids, drafts=drafts, t_start=t_start,
                   on_token=on_token, should_stop=should_stop, constraint=constraint)
     while not dec.done:
-        t0 = time.perf_counter()
         base = cache_len()
-        ids = dec.inputs()
-        dec.consume(step(ids))
+        dec.consume(step(dec.inputs()))
         truncate(base + dec.kept)
-        if on_pass is not None:
-            on_pass(len(ids), time.perf_counter() - t0)
     return dec.gen

@@ -17,6 +17,7 @@ import functools
 import inspect
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, ContextManager
 
@@ -615,11 +616,18 @@ class ModelBackend:
                constraint: Constraint | None = None,
                on_pass: Callable[[int, float], None] | None = None) -> Generation:
         """The answer after a prefill, checking `drafts` in one pass where given (decoding.generate);
-        on_pass(rows, seconds) hears what each decode step cost (the engine's learnt pass costs)."""
-        gen = generate(lambda toks: self.run(toks, cache, logits="all"), lambda n: self.truncate(cache, n),
+        on_pass(rows, seconds) hears how long each decode pass took (the engine's learnt pass costs)."""
+        def step(toks: list[int]) -> torch.Tensor:
+            t0 = time.perf_counter()
+            rows = self.run(toks, cache, logits="all")
+            if on_pass is not None:
+                on_pass(len(toks), time.perf_counter() - t0)
+            return rows
+
+        gen = generate(step, lambda n: self.truncate(cache, n),
                        lambda: self.cache_len(cache), first_logits, max_new_tokens,
                        sampler=Sampler(temperature, seed), stop_ids=self.stop_ids, drafts=drafts, t_start=t_start,
-                       on_token=on_token, should_stop=should_stop, constraint=constraint, on_pass=on_pass)
+                       on_token=on_token, should_stop=should_stop, constraint=constraint)
         gen.text = self.detokenize(gen.tokens)
         return gen
 

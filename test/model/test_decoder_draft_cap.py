@@ -53,32 +53,3 @@ def test_capped_drafts_give_the_same_answer_in_smaller_passes():
         assert tokens == free, cap
         assert max(fed) <= 1 + cap, (cap, fed)
     assert max(fed_free) > 4  # uncapped, the proposer's own length was used
-
-
-def test_generate_reports_each_steps_whole_cost_with_its_rows():
-    """Pass costs are learnt from what generate reports (on_pass): a step's whole cost, the draft's proposal and
-    the check of its rows included, with the step's row count, so that a draft is priced by what its step costs."""
-    import time
-
-    from simllm_ros.model.decoding import generate
-
-    class SlowOracle(Oracle):
-        def propose(self, generated, limit, rows=1):
-            time.sleep(0.02)  # a proposer's search that costs beside the pass
-            return super().propose(generated, limit, rows)
-
-    fed: list[int] = []  # the cache: tokens run and kept
-    heard: list[tuple[int, float]] = []
-
-    def run_step(ids):  # row j predicts what follows the cache plus ids[:j+1] (ids[0]: the token last picked)
-        rows = torch.stack([logits_for(next_token(fed + list(ids[:j + 1]))) for j in range(len(ids))])
-        fed.extend(ids)
-        return rows
-
-    def truncate(n):
-        del fed[n:]
-
-    gen = generate(run_step, truncate, lambda: len(fed), logits_for(next_token([])), 40, sampler=Sampler(),
-                   stop_ids={STOP}, drafts=SlowOracle(), on_pass=lambda rows, s: heard.append((rows, s)))
-    assert gen.tokens == run(None)[0] and heard and any(rows > 1 for rows, _ in heard)
-    assert all(s >= 0.02 for _, s in heard), heard  # every step proposed: its 20 ms are in its cost
