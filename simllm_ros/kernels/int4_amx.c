@@ -17,6 +17,7 @@ typedef uint16_t bf16;
 typedef struct {
     const bf16 *x; long x_stride; const uint8_t *w; void *y; long y_stride;
     int M, K; const float *xsum; int b0, b1; uint8_t *scratch;
+    int nb;  /* the product's blocks in all (product_run.h sets it) */
 } job_t;
 
 static inline __m512 ld16_bf16(const bf16 *p) {

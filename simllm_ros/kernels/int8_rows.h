@@ -289,8 +289,10 @@ static void *NAME(void *arg) {                                                  
             for (int r = 0; r < (J->M + QROWS - 1) / QROWS * QROWS; r++)                                  \
                 for (int h = 0; h < NH; h++) ob[r][h] = bc(0.f);                                          \
             for (int s = 0; s < S; s++) {                                                                 \
-                const char *next = (const char *)(wb + 2 * bbytes + (long)s * (SBBYTES));                     \
-                for (int l = 0; l < (SBBYTES); l += 64) __builtin_prefetch(next + l, 0, 2);             \
+                if (b + 2 < J->nb) {                                                                      \
+                    const char *next = (const char *)(wb + 2 * bbytes + (long)s * (SBBYTES));             \
+                    for (int l = 0; l < (SBBYTES); l += 64) __builtin_prefetch(next + l, 0, 2);          \
+                }                                                                                         \
                 for (int r0 = 0; r0 < J->M; r0 += QROWS) {                                                \
                     const int R = J->M - r0 < QROWS ? J->M - r0 : QROWS;                                  \
                     vw o[QROWS][NH];                                                                      \

@@ -44,7 +44,7 @@ static void run(void *(*part)(void *), const X_T *x, long x_stride, const uint8_
         if (pool_prof) pool_stat[3] += 1;                                                                         \
     }                                                                                                             \
     job_t one = {.x = x, .x_stride = x_stride, .w = w, .y = y, .y_stride = y_stride, .M = M, .K = K,              \
-                 .xsum = xsum, .b0 = 0, .b1 = nb, .scratch = scratch};                                            \
+                 .xsum = xsum, .b0 = 0, .b1 = nb, .scratch = scratch, .nb = nb};                                            \
     if (nthreads <= 1) { part(&one); return; }                                                                    \
     if (!pool_start(nthreads)) {  /* could not start workers: alone, the same bits */                             \
         part(&one);                                                                                               \

@@ -13,6 +13,7 @@
 typedef struct {
     const float *x; long x_stride; const uint8_t *w; float *y; long y_stride;
     int M, K; const float *xsum; int b0, b1; float *scratch;
+    int nb;  /* the product's blocks in all: a prefetch ahead stays within the weights */
 } job_t;
 
 /* The thread split over `part` (product_run.h): int4_vector.c's PRODUCT_RUN(float, float, const float, float) */
