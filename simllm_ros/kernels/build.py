@@ -12,6 +12,7 @@ compiler's contraction default. CONTRACT names this arithmetic; the model's nume
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import glob
 import hashlib
@@ -109,12 +110,15 @@ def build(name: str, cc: str | None = None, extra_flags: tuple[str, ...] = (), t
 
 def build_anywhere(cc: str, name: str) -> str:
     """build(), and where the kernel dir cannot be written (a read-only home on a robot) the same in a private
-    temporary directory, which later kernels of this process then use too."""
+    temporary directory, which later kernels of this process then use too, removed when the process ends (every
+    start left one behind, and a node restarts many times; a loaded library stays mapped after its file goes)."""
     try:
         return build(name, cc)
     except OSError as e:
         try:
-            os.environ["SIMLLM_KERNEL_DIR"] = tempfile.mkdtemp(prefix="simllm-kernels-")
+            private = tempfile.mkdtemp(prefix="simllm-kernels-")
+            atexit.register(shutil.rmtree, private, ignore_errors=True)
+            os.environ["SIMLLM_KERNEL_DIR"] = private
             return build(name, cc)
         except OSError as e2:
             raise OSError(f"{e}; then {e2}") from e2

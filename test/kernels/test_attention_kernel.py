@@ -399,6 +399,8 @@ def test_an_unwritable_kernel_dir_falls_back_to_a_temporary_one(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("True None") and "simllm-kernels-" in done.stdout, done.stdout
+    private = os.path.dirname(done.stdout.split()[-1])
+    assert not os.path.exists(private), private  # removed when the process ended: a restart leaves nothing behind
 
 
 def test_passes_split_on_the_4bit_kernels_workers_give_the_bits_of_one_thread():
