@@ -241,12 +241,15 @@ class KVBoostSystem:
                  chunk_size: int = 32):
         # local: kvboost is an optional peer; transformers takes seconds to import
         from kvboost import KVBoost, RecomputeStrategy
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from ..model.model_config import attention_for  # local: it imports transformers
 
         self.backend, self.system_prompt, self.max_new = backend, system_prompt, max_new
         self.tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True,
-                                                     attn_implementation="sdpa").eval()
+        cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)  # sdpa, but eager where scores are capped
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=dtype, local_files_only=True,
+                                                     **({"attn_implementation": "sdpa"} | attention_for(cfg))).eval()
         self.config = {"chunk_size": chunk_size, "recompute_strategy": "cacheblend", "recompute_ratio": 0.15,
                        "kv_cache_bits": 16, "max_cache_bytes": budget, "dtype": str(dtype).replace("torch.", "")}
         self.eng = KVBoost(model, self.tok, max_cache_bytes=budget, chunk_size=chunk_size, max_chunks=100_000,

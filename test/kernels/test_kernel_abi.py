@@ -13,6 +13,7 @@ import pytest
 
 from simllm_ros.kernels import (abi, attention_kernel, build, int4_kernel, int4_vector_kernel, layer_kernel,
                                 memory_rate, norm_kernel)
+from simllm_ros.model.load_checks import cpu_identity
 
 CC = build.compiler()
 BINDINGS = {"attention": attention_kernel.SIGNATURES, "int4_amx": int4_kernel.Int4Kernel.SIGNATURES,
@@ -149,20 +150,12 @@ def test_each_library_exports_what_its_header_declares(library):
     assert {name for name, p in declared.items() if not p.tag} <= exported
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return {w for line in f if line.startswith(("flags", "Features")) for w in line.split(":", 1)[1].split()}
-    except OSError:
-        return set()
-
-
 @pytest.mark.skipif(CC is None, reason="no C compiler")
 def test_the_vector_and_norm_kernels_load_where_the_cpu_has_their_instructions():
     """Every product test skips where the vector kernel is None, and a kernel whose self-check fails (a wrong bit
     in a path of a few rows, say) is None: on a CPU with AVX2 (x86) or dot products (aarch64) that must fail here,
     not skip the model tests quietly."""
-    flags = _cpu_flags()
+    flags = set(cpu_identity().split())  # the CPU's model name and feature flags
     if not ({"avx2", "fma"} <= flags or "asimddp" in flags):
         pytest.skip("neither AVX2 + FMA nor aarch64 dot products here")
     assert int4_vector_kernel.load() is not None, int4_vector_kernel.why_not()
